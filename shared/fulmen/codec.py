@@ -1,0 +1,60 @@
+"""msgpack with a schema version and size limits: the only wire format Fulmen uses (never pickle)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from fulmen.errors import RecordError, RecordTooLarge, SchemaVersionError
+
+SCHEMA_VERSION = 1
+DEFAULT_MAX_RECORD_BYTES = 8 * 1024 * 1024
+
+
+def pack(value: Any, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
+    """Encode a plain value (dict, list, str, bytes, numbers, None, bool)."""
+    try:
+        data = msgpack.packb(value, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise RecordError(f"cannot encode as msgpack: {e}") from e
+    if len(data) > max_bytes:
+        raise RecordTooLarge(
+            f"record is {len(data):,} bytes, over the {max_bytes:,}-byte limit "
+            "(raise FULMEN_MAX_RECORD_BYTES, or keep large payloads out of the record)"
+        )
+    return data
+
+
+def unpack(data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Any:
+    """Decode bytes written by `pack`; anything else raises RecordError, never a crash."""
+    if len(data) > max_bytes:
+        raise RecordTooLarge(f"record is {len(data):,} bytes, over the {max_bytes:,}-byte limit")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData) as e:
+        raise RecordError(f"not a valid msgpack record: {e}") from e
+
+
+def pack_record(kind: str, fields: dict[str, Any], max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
+    """Encode one message record: its fields plus the schema version ``v`` and the record ``kind``."""
+    return pack({"v": SCHEMA_VERSION, "kind": kind, **fields}, max_bytes)
+
+
+def unpack_record(data: bytes, kind: str, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> dict[str, Any]:
+    """Decode one message record of the given kind; a wrong version or kind is refused."""
+    value = unpack(data, max_bytes)
+    if not isinstance(value, dict):
+        raise RecordError(f"a {kind} record must be a map, got {type(value).__name__}")
+    check_version(value.get("v"), kind)
+    if value.get("kind") != kind:
+        raise RecordError(f"expected a {kind} record, got kind {value.get('kind')!r}")
+    return value
+
+
+def check_version(version: Any, kind: str) -> None:
+    if version != SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{kind} record has schema version {version!r}; this Fulmen reads version {SCHEMA_VERSION}. "
+            "Upgrade Fulmen where it reads, or drain the old records first."
+        )

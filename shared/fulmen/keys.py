@@ -1,0 +1,121 @@
+"""Every Redis key, stream and consumer-group name Fulmen uses. Nobody else formats key strings.
+
+Every key of an experiment starts with ``fulmen:{<experiment>}:``. The braces are a Redis Cluster hash
+tag: all keys of one experiment live in one slot, so the Lua scripts that move a rollout, its attempt,
+the queue and the completions stream in one atomic step are legal on a cluster too.
+
+Lua scripts receive the experiment prefix and append the suffixes below (as BullMQ's scripts do):
+the suffix constants are interpolated into the Lua source by ``fulmen.store.scripts``, so this module
+stays the only place where a key's shape is written.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fulmen.errors import InvalidInput
+
+NAMESPACE = "fulmen"
+EXPERIMENTS = f"{NAMESPACE}:experiments"  # set of experiment names (the only key outside an experiment)
+
+# Suffixes after the experiment prefix. Per-entity keys append the entity id.
+ROLLOUT = "rollout:"  # hash: one rollout's state
+ATTEMPT = "attempt:"  # hash: one attempt's state, id "<rollout_id>.<n>"
+SPANS = "spans:"  # stream: one rollout's spans, entry id "<sequence_id>-0"
+SPAN_IDS = "spanids:"  # set: "<attempt_id>/<span_id>" already stored for one rollout (dedupe)
+STATUS = "status:"  # set: rollout ids currently in one status
+RESOURCES = "resources:"  # hash: version -> resources record, for one resources id
+QUEUE = "queue"  # stream: rollouts waiting for a runner
+COMPLETIONS = "completions"  # stream: rollouts that reached a terminal status, once each
+DEAD_LETTERS = "dead"  # stream: poison messages, with the reason
+ROLLOUT_INDEX = "rollouts"  # zset: rollout id -> enqueue time
+RESOURCES_LOG = "resources-log"  # stream: every resources version, in publication order
+RESOURCES_VERSION = "resources-version"  # counter: the last resources version number
+WATCH_HEARTBEAT = "watch:heartbeat"  # zset: active attempt id -> time it becomes unresponsive
+WATCH_DEADLINE = "watch:deadline"  # zset: active attempt id -> time it times out
+WORKERS = "workers"  # hash: worker id -> worker record
+
+RUNNERS_GROUP = "runners"  # consumer group on QUEUE
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+def check_experiment(name: str) -> str:
+    if not _NAME.match(name):
+        raise InvalidInput(f"experiment name {name!r} is invalid: use 1-64 letters, digits, '_', '.' or '-'")
+    return name
+
+
+def check_id(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not _ID.match(value):
+        raise InvalidInput(f"{kind} {value!r} is invalid: use 1-128 letters, digits, '_', '.', ':' or '-'")
+    return value
+
+
+def attempt_id(rollout_id: str, sequence: int) -> str:
+    """The id of a rollout's n-th attempt (1-based); the Lua scripts build the same string."""
+    return f"{rollout_id}.{sequence}"
+
+
+def experiment_prefix(experiment: str) -> str:
+    return f"{NAMESPACE}:{{{check_experiment(experiment)}}}:"
+
+
+class Keys:
+    """The keys of one experiment."""
+
+    __slots__ = (
+        "completions",
+        "dead_letters",
+        "experiment",
+        "prefix",
+        "queue",
+        "resources_log",
+        "resources_version",
+        "rollout_index",
+        "watch_deadline",
+        "watch_heartbeat",
+        "workers",
+    )
+
+    def __init__(self, experiment: str) -> None:
+        self.experiment = experiment
+        self.prefix = experiment_prefix(experiment)
+        p = self.prefix
+        self.queue = p + QUEUE
+        self.completions = p + COMPLETIONS
+        self.dead_letters = p + DEAD_LETTERS
+        self.rollout_index = p + ROLLOUT_INDEX
+        self.resources_log = p + RESOURCES_LOG
+        self.resources_version = p + RESOURCES_VERSION
+        self.watch_heartbeat = p + WATCH_HEARTBEAT
+        self.watch_deadline = p + WATCH_DEADLINE
+        self.workers = p + WORKERS
+
+    def rollout(self, rollout_id: str) -> str:
+        return self.prefix + ROLLOUT + rollout_id
+
+    def attempt(self, attempt_id: str) -> str:
+        return self.prefix + ATTEMPT + attempt_id
+
+    def spans(self, rollout_id: str) -> str:
+        return self.prefix + SPANS + rollout_id
+
+    def span_ids(self, rollout_id: str) -> str:
+        return self.prefix + SPAN_IDS + rollout_id
+
+    def status(self, status: str) -> str:
+        return self.prefix + STATUS + status
+
+    def resources(self, resources_id: str) -> str:
+        return self.prefix + RESOURCES + resources_id
+
+    def pattern(self) -> str:
+        """SCAN pattern matching every key of this experiment (braces escaped for glob)."""
+        return f"{NAMESPACE}:\\{{{self.experiment}\\}}:*"
+
+
+def rollout_of_attempt(attempt_id: str) -> str:
+    """Inverse of `attempt_id`."""
+    return attempt_id.rpartition(".")[0]

@@ -1,0 +1,378 @@
+"""Every record Fulmen stores or sends, each with its wire form. One place, one schema version.
+
+Messages on streams are msgpack maps with ``v`` (schema version) and ``kind`` (see `fulmen.codec`).
+Rollouts and attempts change status inside Lua scripts, so they live in Redis hashes whose plain
+fields the scripts can read; their free-form parts (input, metadata, error) are msgpack inside a field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, check_version, pack, pack_record, unpack, unpack_record
+from fulmen.errors import InvalidInput
+from fulmen.status import RETRYABLE_ATTEMPT, AttemptStatus, RolloutMode, RolloutStatus
+
+# --- helpers for hash fields (Redis returns bytes; Lua writes "" for "not set") -------------------
+
+
+def _s(raw: Mapping[bytes, bytes], name: str) -> str:
+    return raw.get(name.encode(), b"").decode()
+
+
+def _f(raw: Mapping[bytes, bytes], name: str) -> float | None:
+    value = raw.get(name.encode(), b"")
+    return float(value) if value else None
+
+
+def _i(raw: Mapping[bytes, bytes], name: str) -> int:
+    value = raw.get(name.encode(), b"")
+    return int(value) if value else 0
+
+
+def _blob(raw: Mapping[bytes, bytes], name: str, default: Any) -> Any:
+    value = raw.get(name.encode(), b"")
+    return unpack(value) if value else default
+
+
+def _opt(value: float | None) -> str | float:
+    return "" if value is None else value
+
+
+def _positive_or_none(name: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidInput(f"{name} must be a positive number of seconds or None, got {value!r}")
+    return value
+
+
+# --- rollouts and attempts --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutConfig:
+    """Retry and timeout policy of one rollout (Agent Lightning's RolloutConfig)."""
+
+    timeout_seconds: float | None = None  # an attempt running longer than this becomes "timeout"
+    unresponsive_seconds: float | None = None  # no heartbeat for this long: "unresponsive"
+    max_attempts: int = 1  # attempts in all, the first one included
+    retry_condition: tuple[str, ...] = ()  # attempt outcomes that trigger a retry
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "timeout_seconds", _positive_or_none("timeout_seconds", self.timeout_seconds)
+        )
+        object.__setattr__(
+            self, "unresponsive_seconds", _positive_or_none("unresponsive_seconds", self.unresponsive_seconds)
+        )
+        if (
+            isinstance(self.max_attempts, bool)
+            or not isinstance(self.max_attempts, int)
+            or self.max_attempts < 1
+        ):
+            raise InvalidInput(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")
+        conditions = tuple(dict.fromkeys(str(c) for c in self.retry_condition))
+        unknown = set(conditions) - set(RETRYABLE_ATTEMPT)
+        if unknown:
+            allowed = ", ".join(sorted(RETRYABLE_ATTEMPT))
+            raise InvalidInput(f"retry_condition {sorted(unknown)} unknown; allowed: {allowed}")
+        object.__setattr__(self, "retry_condition", conditions)
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any]) -> RolloutConfig:
+        allowed = {"timeout_seconds", "unresponsive_seconds", "max_attempts", "retry_condition"}
+        unknown = set(value) - allowed
+        if unknown:
+            raise InvalidInput(f"unknown rollout config keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        data = dict(value)
+        if "retry_condition" in data:
+            data["retry_condition"] = tuple(data["retry_condition"] or ())
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    rollout_id: str
+    input: Any
+    status: RolloutStatus = RolloutStatus.QUEUING
+    mode: RolloutMode | None = None
+    resources_id: str | None = None
+    config: RolloutConfig = field(default_factory=RolloutConfig)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    enqueue_time: float | None = None
+    start_time: float | None = None  # first attempt's start
+    end_time: float | None = None  # when it reached a terminal status
+    attempt_count: int = 0  # sequence number of the latest attempt
+    attempt_id: str | None = None  # the latest attempt, which drives the status
+
+    def to_hash(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> dict[str, Any]:
+        c = self.config
+        return {
+            "v": 1,
+            "rollout_id": self.rollout_id,
+            "status": self.status.value,
+            "mode": self.mode.value if self.mode else "",
+            "resources_id": self.resources_id or "",
+            "input": pack(self.input, max_bytes),
+            "metadata": pack(self.metadata, max_bytes),
+            "max_attempts": c.max_attempts,
+            "retry_on": ",".join(c.retry_condition),
+            "timeout_s": _opt(c.timeout_seconds),
+            "unresponsive_s": _opt(c.unresponsive_seconds),
+            "enqueue_time": _opt(self.enqueue_time),
+            "start_time": _opt(self.start_time),
+            "end_time": _opt(self.end_time),
+            "attempt_n": self.attempt_count,
+            "attempt_id": self.attempt_id or "",
+        }
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[bytes, bytes]) -> Rollout:
+        check_version(_i(raw, "v"), "rollout")
+        mode = _s(raw, "mode")
+        retry_on = _s(raw, "retry_on")
+        return cls(
+            rollout_id=_s(raw, "rollout_id"),
+            input=_blob(raw, "input", None),
+            status=RolloutStatus(_s(raw, "status")),
+            mode=RolloutMode(mode) if mode else None,
+            resources_id=_s(raw, "resources_id") or None,
+            config=RolloutConfig(
+                timeout_seconds=_f(raw, "timeout_s"),
+                unresponsive_seconds=_f(raw, "unresponsive_s"),
+                max_attempts=_i(raw, "max_attempts") or 1,
+                retry_condition=tuple(retry_on.split(",")) if retry_on else (),
+            ),
+            metadata=_blob(raw, "metadata", {}),
+            enqueue_time=_f(raw, "enqueue_time"),
+            start_time=_f(raw, "start_time"),
+            end_time=_f(raw, "end_time"),
+            attempt_count=_i(raw, "attempt_n"),
+            attempt_id=_s(raw, "attempt_id") or None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    rollout_id: str
+    attempt_id: str
+    sequence_id: int  # 1 for the first attempt of the rollout
+    status: AttemptStatus
+    worker_id: str | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+    last_heartbeat_time: float | None = None
+    error: dict[str, Any] | None = None  # {"type", "message", "traceback"} of a failure
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[bytes, bytes]) -> Attempt:
+        check_version(_i(raw, "v"), "attempt")
+        return cls(
+            rollout_id=_s(raw, "rollout_id"),
+            attempt_id=_s(raw, "attempt_id"),
+            sequence_id=_i(raw, "sequence_id"),
+            status=AttemptStatus(_s(raw, "status")),
+            worker_id=_s(raw, "worker_id") or None,
+            start_time=_f(raw, "start_time"),
+            end_time=_f(raw, "end_time"),
+            last_heartbeat_time=_f(raw, "heartbeat_time"),
+            error=_blob(raw, "error", None),
+            metadata=_blob(raw, "metadata", {}),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptedRollout:
+    """What a runner gets from a claim: the rollout and the attempt it now owns."""
+
+    rollout: Rollout
+    attempt: Attempt
+
+
+# --- spans --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One OpenTelemetry-shaped span bound to an attempt. The store assigns ``sequence_id``."""
+
+    rollout_id: str
+    attempt_id: str
+    span_id: str
+    name: str
+    trace_id: str = ""
+    parent_id: str | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+    status_code: str = "UNSET"
+    status_message: str = ""
+    attributes: dict[str, Any] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    links: list[dict[str, Any]] = field(default_factory=list)
+    resource: dict[str, Any] = field(default_factory=dict)
+    sequence_id: int = 0  # 0 until stored
+
+    def to_wire(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
+        return pack_record(
+            "span",
+            {
+                "rollout_id": self.rollout_id,
+                "attempt_id": self.attempt_id,
+                "span_id": self.span_id,
+                "name": self.name,
+                "trace_id": self.trace_id,
+                "parent_id": self.parent_id,
+                "start_time": self.start_time,
+                "end_time": self.end_time,
+                "status_code": self.status_code,
+                "status_message": self.status_message,
+                "attributes": self.attributes,
+                "events": self.events,
+                "links": self.links,
+                "resource": self.resource,
+            },
+            max_bytes,
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes, sequence_id: int, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Span:
+        d = unpack_record(data, "span", max_bytes)
+        del d["v"], d["kind"]
+        return cls(**d, sequence_id=sequence_id)
+
+
+# --- stream messages ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEntry:
+    """One rollout waiting on the queue stream."""
+
+    rollout_id: str
+
+    def to_wire(self) -> bytes:
+        return pack_record("queue", {"rollout_id": self.rollout_id})
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> QueueEntry:
+        d = unpack_record(data, "queue")
+        if not isinstance(d.get("rollout_id"), str):
+            raise InvalidInput("queue record has no rollout_id")
+        return cls(d["rollout_id"])
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A rollout that reached a terminal status (appended exactly once per rollout)."""
+
+    rollout_id: str
+    status: RolloutStatus
+    attempt_id: str | None
+    entry_id: str = ""  # the completions-stream entry id, set when read
+
+    def to_wire(self) -> bytes:
+        return pack_record(
+            "completion",
+            {"rollout_id": self.rollout_id, "status": self.status.value, "attempt_id": self.attempt_id},
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes, entry_id: str = "") -> Completion:
+        d = unpack_record(data, "completion")
+        return cls(d["rollout_id"], RolloutStatus(d["status"]), d.get("attempt_id"), entry_id)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A message that could not be processed, kept with the reason for a person to look at."""
+
+    source: str  # the stream it came from
+    entry_id: str
+    reason: str
+    payload: dict[str, bytes]  # the raw fields of the entry, as they were
+    time: float
+    dead_letter_id: str = ""
+
+    def to_wire(self) -> bytes:
+        return pack_record(
+            "dead_letter",
+            {
+                "source": self.source,
+                "entry_id": self.entry_id,
+                "reason": self.reason,
+                "payload": self.payload,
+                "time": self.time,
+            },
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes, dead_letter_id: str = "") -> DeadLetter:
+        d = unpack_record(data, "dead_letter")
+        del d["v"], d["kind"]
+        return cls(**d, dead_letter_id=dead_letter_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ResourcesUpdate:
+    """An immutable snapshot of named resources (prompt templates, an LLM endpoint, ...).
+
+    ``version`` is experiment-wide and strictly increasing, so "latest" is always well defined.
+    """
+
+    resources_id: str
+    version: int
+    resources: dict[str, Any]
+    create_time: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_wire(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
+        return pack_record(
+            "resources",
+            {
+                "resources_id": self.resources_id,
+                "version": self.version,
+                "resources": self.resources,
+                "create_time": self.create_time,
+                "metadata": self.metadata,
+            },
+            max_bytes,
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> ResourcesUpdate:
+        d = unpack_record(data, "resources", max_bytes)
+        del d["v"], d["kind"]
+        return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """A process that claims work (a runner), as it last reported itself."""
+
+    worker_id: str
+    status: str = "idle"  # idle | busy | stopping | stopped
+    last_heartbeat_time: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> bytes:
+        return pack_record(
+            "worker",
+            {
+                "worker_id": self.worker_id,
+                "status": self.status,
+                "last_heartbeat_time": self.last_heartbeat_time,
+                "metadata": self.metadata,
+            },
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> Worker:
+        d = unpack_record(data, "worker")
+        del d["v"], d["kind"]
+        return cls(**d)

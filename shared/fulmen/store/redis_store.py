@@ -1,0 +1,743 @@
+"""The store: Agent Lightning 0.3's LightningStore semantics on Redis Streams, as an async API.
+
+Lifecycle of a rollout (every arrow is one Lua script, so it is atomic):
+
+    enqueue ─► queuing ─claim─► preparing ─first span/heartbeat─► running ─► succeeded
+                  ▲                  │                                 │
+                  └── requeuing ◄────┴── failed / timeout / unresponsive (retry allowed)
+                                     └── otherwise: failed          any non-terminal ─► cancelled
+
+Claiming is XREADGROUP on the queue; the claim script creates the attempt and acknowledges the queue
+entry in one step, so an entry is pending only between delivery and claim. Entries delivered to a
+consumer that died in that window are taken over with XAUTOCLAIM. A claimed attempt that stops
+heartbeating is recovered by the watchdog (`fulmen.store.watchdog`), which requeues or fails it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from fulmen import keys as k
+from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, pack
+from fulmen.errors import InvalidInput, InvalidTransition, NotFound, RecordError
+from fulmen.records import (
+    Attempt,
+    AttemptedRollout,
+    Completion,
+    DeadLetter,
+    QueueEntry,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    Span,
+    Worker,
+)
+from fulmen.status import (
+    TERMINAL_ROLLOUT,
+    AttemptStatus,
+    RolloutMode,
+    RolloutStatus,
+)
+from fulmen.store import scripts
+
+log = logging.getLogger(__name__)
+
+FinishResult = Literal["running", "succeeded", "requeued", "failed", "already", "superseded", "ignored"]
+"""What reporting an attempt's status did. ``already``: the attempt had ended before (a duplicate
+report changes nothing); ``superseded``: a newer attempt drives the rollout, so only the attempt
+changed; ``ignored``: the rollout had ended (cancelled) before the report arrived."""
+
+
+def _pairs(flat: list[Any]) -> dict[bytes, bytes]:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+def _error_record(error: BaseException | Mapping[str, Any] | str | None) -> bytes | str:
+    if error is None:
+        return ""
+    if isinstance(error, BaseException):
+        error = {
+            "type": type(error).__name__,
+            "message": str(error),
+            "traceback": "".join(traceback.format_exception(error))[-8000:],
+        }
+    elif isinstance(error, str):
+        error = {"type": "Error", "message": error}
+    return pack(dict(error))
+
+
+class RedisStore:
+    """One experiment's store. Safe to share between coroutines; one per process is typical."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        experiment: str = "default",
+        *,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        reclaim_idle_s: float = 10.0,
+    ) -> None:
+        self.redis = redis
+        self.keys = k.Keys(experiment)
+        self.experiment = experiment
+        self.max_record_bytes = max_record_bytes
+        # A queue entry is pending only between delivery and claim (milliseconds), so one idle
+        # this long belongs to a consumer that died in between.
+        self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
+        self._next_reclaim = 0.0
+        self._ready = False
+        self._enqueue = redis.register_script(scripts.ENQUEUE)
+        self._begin = redis.register_script(scripts.BEGIN_ATTEMPTS)
+        self._add_spans = redis.register_script(scripts.ADD_SPANS)
+        self._finish = redis.register_script(scripts.FINISH_ATTEMPT)
+        self._expire = redis.register_script(scripts.EXPIRE_ATTEMPT)
+        self._set_rollout_status = redis.register_script(scripts.SET_ROLLOUT_STATUS)
+        self._set_fields = redis.register_script(scripts.SET_FIELDS_IF_EXISTS)
+
+    def __repr__(self) -> str:
+        return f"RedisStore(experiment={self.experiment!r})"
+
+    async def ensure(self) -> None:
+        """Create the queue's consumer group and register the experiment (idempotent)."""
+        if self._ready:
+            return
+        try:
+            await self.redis.xgroup_create(self.keys.queue, k.RUNNERS_GROUP, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        await self.redis.sadd(k.EXPERIMENTS, self.experiment)
+        self._ready = True
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    # --- enqueue ----------------------------------------------------------------------------------
+
+    def new_rollout(
+        self,
+        input: Any,
+        *,
+        rollout_id: str | None = None,
+        mode: RolloutMode | str | None = None,
+        resources_id: str | None = None,
+        config: RolloutConfig | Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Rollout:
+        """Validate a rollout request (does not store it)."""
+        if isinstance(config, Mapping):
+            config = RolloutConfig.from_dict(config)
+        try:
+            mode = RolloutMode(mode) if mode else None
+        except ValueError:
+            raise InvalidInput(f"mode {mode!r} unknown; use train, val or test") from None
+        return Rollout(
+            rollout_id=k.check_id("rollout_id", rollout_id) if rollout_id else f"ro-{uuid.uuid4().hex[:16]}",
+            input=input,
+            mode=mode,
+            resources_id=k.check_id("resources_id", resources_id) if resources_id else None,
+            config=config or RolloutConfig(),
+            metadata=dict(metadata or {}),
+        )
+
+    async def enqueue_rollouts(self, rollouts: Sequence[Rollout]) -> list[bool]:
+        """Queue many rollouts in one round trip. Returns, per rollout, False if its id existed
+        (idempotent enqueue: the existing rollout is left exactly as it was)."""
+        await self.ensure()
+        pipe = self.redis.pipeline(transaction=False)
+        for r in rollouts:
+            fields = r.to_hash(self.max_record_bytes)
+            flat = [x for kv in fields.items() for x in kv]
+            queue_msg = QueueEntry(r.rollout_id).to_wire()
+            await self._enqueue(args=[self.keys.prefix, r.rollout_id, queue_msg, *flat], client=pipe)
+        return [bool(x) for x in await pipe.execute()]
+
+    async def enqueue_rollout(self, input: Any, **kwargs: Any) -> Rollout:
+        """Queue one rollout and return it as stored (the original one if the id existed)."""
+        rollout = self.new_rollout(input, **kwargs)
+        await self.enqueue_rollouts([rollout])
+        return await self.get_rollout(rollout.rollout_id)
+
+    async def start_rollout(self, input: Any, worker_id: str, **kwargs: Any) -> AttemptedRollout:
+        """Create a rollout and its first attempt at once, skipping the queue."""
+        await self.ensure()
+        rollout = self.new_rollout(input, **kwargs)
+        fields = rollout.to_hash(self.max_record_bytes)
+        flat = [x for kv in fields.items() for x in kv]
+        created = await self._enqueue(args=[self.keys.prefix, rollout.rollout_id, "", *flat])
+        if not created:
+            raise InvalidInput(f"rollout {rollout.rollout_id} already exists; use start_attempt to retry it")
+        return await self.start_attempt(rollout.rollout_id, worker_id)
+
+    async def start_attempt(self, rollout_id: str, worker_id: str = "") -> AttemptedRollout:
+        """Begin a new attempt of an existing rollout now (a manual retry); any active one ends."""
+        result = await self._begin(args=[self.keys.prefix, worker_id, "", rollout_id])
+        code = result[0][0].decode()
+        if code == "missing":
+            raise NotFound(f"rollout {rollout_id} does not exist in experiment {self.experiment}")
+        if code == "terminal":
+            raise InvalidTransition(f"rollout {rollout_id} has finished; it cannot start another attempt")
+        return AttemptedRollout(
+            Rollout.from_hash(_pairs(result[0][1])), Attempt.from_hash(_pairs(result[0][2]))
+        )
+
+    # --- claim ------------------------------------------------------------------------------------
+
+    async def dequeue_rollouts(
+        self, worker_id: str, count: int = 1, block_s: float | None = None
+    ) -> list[AttemptedRollout]:
+        """Claim up to ``count`` queued rollouts for ``worker_id``, each with a new attempt.
+
+        Blocks up to ``block_s`` seconds for work (None: return at once). Each rollout is claimed by
+        exactly one worker; poison entries go to the dead-letter stream on the way.
+        """
+        await self.ensure()
+        deadline = None if block_s is None else time.monotonic() + block_s
+        while True:
+            entries = await self._reclaim(worker_id, count)
+            if not entries:
+                block_ms = None if deadline is None else max(1, int((deadline - time.monotonic()) * 1000))
+                entries = await self._read_queue(worker_id, count, block_ms)
+            claimed = await self._claim_entries(worker_id, entries)
+            if claimed or not entries or deadline is None or time.monotonic() >= deadline:
+                return claimed
+
+    async def dequeue_rollout(self, worker_id: str, block_s: float | None = None) -> AttemptedRollout | None:
+        claimed = await self.dequeue_rollouts(worker_id, 1, block_s)
+        return claimed[0] if claimed else None
+
+    async def _read_queue(self, worker_id: str, count: int, block_ms: int | None) -> list[Any]:
+        try:
+            reply = await self.redis.xreadgroup(
+                k.RUNNERS_GROUP, worker_id, {self.keys.queue: ">"}, count=count, block=block_ms
+            )
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self._ready = False  # the experiment was deleted under us: recreate and go on
+            await self.ensure()
+            return []
+        return reply[0][1] if reply else []
+
+    async def _reclaim(self, worker_id: str, count: int) -> list[Any]:
+        now = time.monotonic()
+        if now < self._next_reclaim:
+            return []
+        self._next_reclaim = now + self.reclaim_idle_ms / 2000
+        reply = await self.redis.xautoclaim(
+            self.keys.queue, k.RUNNERS_GROUP, worker_id, self.reclaim_idle_ms, "0-0", count=count
+        )
+        entries = reply[1]  # Redis 7 adds a third element (deleted ids); they need nothing from us
+        if entries:
+            log.warning("reclaimed %d queue entries from dead consumers", len(entries))
+        return [e for e in entries if e and e[1] is not None]
+
+    async def _claim_entries(self, worker_id: str, entries: list[Any]) -> list[AttemptedRollout]:
+        args: list[Any] = [self.keys.prefix, worker_id]
+        raw_by_id: dict[str, dict[bytes, bytes]] = {}
+        for entry_id, fields in entries:
+            entry_id = entry_id.decode()
+            try:
+                rollout_id = QueueEntry.from_wire(fields[b"m"]).rollout_id
+            except (KeyError, RecordError, InvalidInput) as e:
+                reason = "queue entry has no 'm' field" if isinstance(e, KeyError) else str(e)
+                await self.dead_letter(self.keys.queue, entry_id, reason, fields, ack_group=k.RUNNERS_GROUP)
+                continue
+            raw_by_id[entry_id] = fields
+            args += [entry_id, rollout_id]
+        if len(args) == 2:
+            return []
+        results = await self._begin(args=args)
+        claimed = []
+        for i, result in enumerate(results):
+            entry_id, rollout_id = args[2 + 2 * i], args[3 + 2 * i]
+            code = result[0].decode()
+            if code == "ok":
+                claimed.append(
+                    AttemptedRollout(
+                        Rollout.from_hash(_pairs(result[1])), Attempt.from_hash(_pairs(result[2]))
+                    )
+                )
+            elif code == "missing":
+                reason = f"rollout {rollout_id} does not exist"
+                await self.dead_letter(
+                    self.keys.queue, entry_id, reason, raw_by_id[entry_id], ack_group=k.RUNNERS_GROUP
+                )
+        return claimed
+
+    # --- spans and heartbeats ---------------------------------------------------------------------
+
+    async def add_spans(self, spans: Sequence[Span]) -> list[Span]:
+        """Store spans (one round trip per call). Each new span gets the next sequence id of its
+        rollout; a span already stored (same attempt and span id) is ignored. Counts as a heartbeat.
+        Returns the spans stored now, with their sequence ids."""
+        by_attempt: dict[tuple[str, str], list[Span]] = {}
+        for s in spans:
+            by_attempt.setdefault((s.rollout_id, s.attempt_id), []).append(s)
+        pipe = self.redis.pipeline(transaction=False)
+        for (rollout_id, attempt_id), group in by_attempt.items():
+            args: list[Any] = [self.keys.prefix, rollout_id, attempt_id]
+            for s in group:
+                args += [f"{attempt_id}/{s.span_id}", s.to_wire(self.max_record_bytes)]
+            await self._add_spans(args=args, client=pipe)
+        stored = []
+        for ((rollout_id, attempt_id), group), result in zip(
+            by_attempt.items(), await pipe.execute(), strict=True
+        ):
+            if result[0] == b"missing":
+                raise NotFound(f"attempt {attempt_id} of rollout {rollout_id} does not exist")
+            for s, seq in zip(group, result[2:], strict=True):
+                if seq:
+                    stored.append(_with_sequence(s, int(seq)))
+        return stored
+
+    async def add_span(self, span: Span) -> Span | None:
+        """Store one span; None if it was a duplicate."""
+        stored = await self.add_spans([span])
+        return stored[0] if stored else None
+
+    async def heartbeat(self, rollout_id: str, attempt_id: str) -> tuple[RolloutStatus, AttemptStatus]:
+        """Tell the store the attempt is alive. Returns the rollout's and the attempt's status, so a
+        worker learns at once that its rollout was cancelled or its attempt given up on."""
+        result = await self._add_spans(args=[self.keys.prefix, rollout_id, attempt_id])
+        if result[0] == b"missing":
+            raise NotFound(f"attempt {attempt_id} of rollout {rollout_id} does not exist")
+        return RolloutStatus(result[0].decode()), AttemptStatus(result[1].decode())
+
+    # --- status updates ---------------------------------------------------------------------------
+
+    async def update_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        *,
+        status: AttemptStatus | str | None = None,
+        worker_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        error: BaseException | Mapping[str, Any] | str | None = None,
+    ) -> FinishResult | None:
+        """Change an attempt's worker or metadata, and/or report its status (running or an end).
+
+        Reporting an end applies the rollout's retry policy: ``requeued`` or ``failed`` for a failure,
+        ``succeeded`` for success. Returns the outcome of the status report (None without one)."""
+        if worker_id is not None or metadata is not None:
+            fields: list[Any] = []
+            if worker_id is not None:
+                fields += ["worker_id", worker_id]
+            if metadata is not None:
+                fields += ["metadata", pack(dict(metadata), self.max_record_bytes)]
+            if not await self._set_fields(keys=[self.keys.attempt(attempt_id)], args=fields):
+                raise NotFound(f"attempt {attempt_id} does not exist")
+        if status is None:
+            return None
+        try:
+            status = AttemptStatus(status)
+        except ValueError:
+            raise InvalidInput(f"attempt status {status!r} unknown") from None
+        if status is AttemptStatus.PREPARING:
+            raise InvalidTransition("an attempt cannot go back to preparing")
+        return await self._report(rollout_id, attempt_id, status, error)
+
+    async def expire_attempt(self, rollout_id: str, attempt_id: str, kind: AttemptStatus) -> str:
+        """Watchdog step: end the attempt as ``timeout`` or ``unresponsive`` if the server clock says it
+        is overdue. Safe to race: returns the `finish` code once, then ``already`` (or ``fresh``)."""
+        return await self._report(rollout_id, attempt_id, kind, f"attempt {kind.value}", self._expire)
+
+    async def _report(
+        self, rollout_id: str, attempt_id: str, status: AttemptStatus, error: Any, script: Any = None
+    ) -> FinishResult:
+        ending = RolloutStatus.SUCCEEDED if status is AttemptStatus.SUCCEEDED else RolloutStatus.FAILED
+        args = [
+            self.keys.prefix,
+            rollout_id,
+            attempt_id,
+            status.value,
+            _error_record(error),
+            QueueEntry(rollout_id).to_wire(),
+            Completion(rollout_id, ending, attempt_id).to_wire(),
+        ]
+        code = (await (script or self._finish)(args=args)).decode()
+        if code == "missing" and script is None:
+            raise NotFound(f"attempt {attempt_id} of rollout {rollout_id} does not exist")
+        return code  # type: ignore[return-value]
+
+    async def update_rollout(
+        self,
+        rollout_id: str,
+        *,
+        status: RolloutStatus | str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        reason: str = "",
+    ) -> RolloutStatus | None:
+        """Change a rollout's metadata and/or force its status.
+
+        ``status`` may be terminal (succeeded, failed, cancelled: any active attempt is marked failed
+        with ``reason``) or requeuing (queue it again now). Returns the new status, or None when the
+        rollout was already there (terminal, or already waiting)."""
+        if metadata is not None:
+            packed = pack(dict(metadata), self.max_record_bytes)
+            if not await self._set_fields(keys=[self.keys.rollout(rollout_id)], args=["metadata", packed]):
+                raise NotFound(f"rollout {rollout_id} does not exist")
+        if status is None:
+            return None
+        try:
+            status = RolloutStatus(status)
+        except ValueError:
+            raise InvalidInput(f"rollout status {status!r} unknown") from None
+        if status not in TERMINAL_ROLLOUT and status is not RolloutStatus.REQUEUING:
+            raise InvalidTransition(f"a rollout can be set to a terminal status or requeuing, not {status}")
+        args = [
+            self.keys.prefix,
+            rollout_id,
+            status.value,
+            _error_record(reason or f"rollout set to {status.value}"),
+            QueueEntry(rollout_id).to_wire(),
+            Completion(rollout_id, status, None).to_wire(),
+        ]
+        code = (await self._set_rollout_status(args=args)).decode()
+        if code == "missing":
+            raise NotFound(f"rollout {rollout_id} does not exist")
+        return None if code == "already" else RolloutStatus(code)
+
+    async def cancel_rollout(self, rollout_id: str, reason: str = "cancelled") -> bool:
+        """Cancel a rollout that has not finished. Returns False if it had already finished."""
+        return (
+            await self.update_rollout(rollout_id, status=RolloutStatus.CANCELLED, reason=reason) is not None
+        )
+
+    # --- reads --------------------------------------------------------------------------------------
+
+    async def get_rollout(self, rollout_id: str) -> Rollout:
+        raw = await self.redis.hgetall(self.keys.rollout(rollout_id))
+        if not raw:
+            raise NotFound(f"rollout {rollout_id} does not exist in experiment {self.experiment}")
+        return Rollout.from_hash(raw)
+
+    async def get_rollouts(self, rollout_ids: Sequence[str]) -> list[Rollout | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in rollout_ids:
+            pipe.hgetall(self.keys.rollout(rid))
+        return [Rollout.from_hash(raw) if raw else None for raw in await pipe.execute()]
+
+    async def get_attempt(self, attempt_id: str) -> Attempt:
+        raw = await self.redis.hgetall(self.keys.attempt(attempt_id))
+        if not raw:
+            raise NotFound(f"attempt {attempt_id} does not exist in experiment {self.experiment}")
+        return Attempt.from_hash(raw)
+
+    async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
+        rollout = await self.get_rollout(rollout_id)
+        return await self.get_attempt(rollout.attempt_id) if rollout.attempt_id else None
+
+    async def query_attempts(self, rollout_id: str) -> list[Attempt]:
+        """Every attempt of a rollout, oldest first."""
+        rollout = await self.get_rollout(rollout_id)
+        pipe = self.redis.pipeline(transaction=False)
+        for n in range(1, rollout.attempt_count + 1):
+            pipe.hgetall(self.keys.attempt(k.attempt_id(rollout_id, n)))
+        return [Attempt.from_hash(raw) for raw in await pipe.execute() if raw]
+
+    async def query_rollouts(
+        self,
+        *,
+        status: RolloutStatus | str | Iterable[RolloutStatus | str] | None = None,
+        mode: RolloutMode | str | None = None,
+        rollout_ids: Iterable[str] | None = None,
+        sort_by: Literal["enqueue_time", "rollout_id", "status", "end_time"] = "enqueue_time",
+        descending: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> list[Rollout]:
+        """Rollouts filtered by status, mode or id, sorted and paginated."""
+        if rollout_ids is not None:
+            ids = list(dict.fromkeys(rollout_ids))
+        elif status is not None:
+            statuses = [status] if isinstance(status, str) else list(status)
+            ids = [
+                x.decode()
+                for x in await self.redis.sunion([self.keys.status(RolloutStatus(s)) for s in statuses])
+            ]
+        else:
+            ids = [x.decode() for x in await self.redis.zrange(self.keys.rollout_index, 0, -1)]
+        rollouts = [r for r in await self.get_rollouts(ids) if r is not None]
+        if mode is not None:
+            rollouts = [r for r in rollouts if r.mode == RolloutMode(mode)]
+        if status is not None and rollout_ids is not None:
+            wanted = (
+                {RolloutStatus(status)} if isinstance(status, str) else {RolloutStatus(s) for s in status}
+            )
+            rollouts = [r for r in rollouts if r.status in wanted]
+
+        def key(r: Rollout) -> Any:
+            value = getattr(r, sort_by)
+            return (value is None, value if value is not None else 0)
+
+        rollouts.sort(key=key, reverse=descending)
+        end = None if limit is None else offset + limit
+        return rollouts[offset:end]
+
+    async def query_spans(
+        self,
+        rollout_id: str,
+        attempt_id: str | None = None,
+        *,
+        after_sequence_id: int = 0,
+        limit: int | None = None,
+    ) -> list[Span]:
+        """A rollout's spans in sequence order; ``attempt_id="latest"`` picks the latest attempt."""
+        if attempt_id == "latest":
+            attempt_id = (await self.get_rollout(rollout_id)).attempt_id
+        entries = await self.redis.xrange(
+            self.keys.spans(rollout_id),
+            min=f"({after_sequence_id}-0" if after_sequence_id else "-",
+            count=None,
+        )
+        spans = []
+        for entry_id, fields in entries:
+            span = Span.from_wire(fields[b"m"], int(entry_id.split(b"-")[0]), self.max_record_bytes)
+            if attempt_id is None or span.attempt_id == attempt_id:
+                spans.append(span)
+                if limit is not None and len(spans) >= limit:
+                    break
+        return spans
+
+    # --- completions --------------------------------------------------------------------------------
+
+    async def _last_completion_id(self) -> str:
+        last = await self.redis.xrevrange(self.keys.completions, count=1)
+        return last[0][0].decode() if last else "0-0"
+
+    async def wait_for_rollouts(
+        self, rollout_ids: Sequence[str], timeout_s: float | None = None
+    ) -> list[Rollout]:
+        """Block (on the completions stream, no polling) until every rollout is terminal or the
+        timeout passes. Returns the rollouts that are terminal, in the order asked."""
+        cursor = await self._last_completion_id()  # read before the statuses: nothing slips between
+        current = await self.get_rollouts(rollout_ids)
+        missing = [rid for rid, r in zip(rollout_ids, current, strict=True) if r is None]
+        if missing:
+            raise NotFound(f"rollouts {missing[:5]} do not exist in experiment {self.experiment}")
+        waiting = {r.rollout_id for r in current if r is not None and r.status not in TERMINAL_ROLLOUT}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while waiting:
+            if deadline is None:
+                block_ms = 0
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                block_ms = max(1, int(remaining * 1000))
+            reply = await self.redis.xread({self.keys.completions: cursor}, count=1000, block=block_ms)
+            for entry_id, fields in reply[0][1] if reply else []:
+                cursor = entry_id.decode()
+                try:
+                    waiting.discard(Completion.from_wire(fields[b"m"]).rollout_id)
+                except (KeyError, RecordError):
+                    continue  # not ours to dead-letter: the consumer groups do that
+        finished = await self.get_rollouts(rollout_ids)
+        return [r for r in finished if r is not None and r.status in TERMINAL_ROLLOUT]
+
+    async def ensure_completions_group(self, group: str, start: str = "0") -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.completions, group, id=start, mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read_completions(
+        self, group: str, consumer: str, count: int = 100, block_s: float | None = None
+    ) -> list[Completion]:
+        """Completions for a consumer group (the adapter, the algorithm). Acknowledge each with
+        `ack_completions` once its effect is stored; malformed entries are dead-lettered here."""
+        await self.ensure_completions_group(group)
+        block_ms = None if block_s is None else max(1, int(block_s * 1000))
+        reply = await self.redis.xreadgroup(
+            group, consumer, {self.keys.completions: ">"}, count=count, block=block_ms
+        )
+        out = []
+        for entry_id, fields in reply[0][1] if reply else []:
+            try:
+                out.append(Completion.from_wire(fields[b"m"], entry_id.decode()))
+            except (KeyError, RecordError, ValueError) as e:
+                await self.dead_letter(
+                    self.keys.completions, entry_id.decode(), str(e), fields, ack_group=group
+                )
+        return out
+
+    async def ack_completions(self, group: str, entry_ids: Sequence[str]) -> int:
+        return await self.redis.xack(self.keys.completions, group, *entry_ids) if entry_ids else 0
+
+    # --- dead letters -------------------------------------------------------------------------------
+
+    async def dead_letter(
+        self,
+        source: str,
+        entry_id: str,
+        reason: str,
+        fields: Mapping[bytes, bytes],
+        ack_group: str | None = None,
+    ) -> None:
+        """Move a poison message aside with the reason, and acknowledge it so its queue moves on."""
+        log.error("dead-lettered %s entry %s: %s", source, entry_id, reason)
+        payload = {
+            (name.decode(errors="replace") if isinstance(name, bytes) else str(name)): value[:65536]
+            for name, value in fields.items()
+        }
+        letter = DeadLetter(source, entry_id, reason, payload, time.time())
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(self.keys.dead_letters, {"m": letter.to_wire()})
+        if ack_group:
+            pipe.xack(source, ack_group, entry_id)
+        await pipe.execute()
+
+    async def query_dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        entries = await self.redis.xrevrange(self.keys.dead_letters, count=limit)
+        return [DeadLetter.from_wire(f[b"m"], eid.decode()) for eid, f in entries]
+
+    # --- resources ----------------------------------------------------------------------------------
+
+    async def add_resources(
+        self,
+        resources: Mapping[str, Any],
+        resources_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> ResourcesUpdate:
+        """Publish a new immutable snapshot under a new id. The id must not exist yet."""
+        return await self._publish_resources(resources, resources_id, metadata, new_id=True)
+
+    async def update_resources(
+        self, resources_id: str, resources: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
+    ) -> ResourcesUpdate:
+        """Publish a new version of ``resources_id``; earlier versions stay readable, unchanged."""
+        return await self._publish_resources(resources, resources_id, metadata, new_id=False)
+
+    async def _publish_resources(
+        self,
+        resources: Mapping[str, Any],
+        resources_id: str | None,
+        metadata: Mapping[str, Any] | None,
+        new_id: bool,
+    ) -> ResourcesUpdate:
+        await self.ensure()
+        if resources_id is not None:
+            k.check_id("resources_id", resources_id)
+        # WATCH the version counter so versions enter the log in order: "latest" is the log's tail.
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(self.keys.resources_version)
+                    version = int(await pipe.get(self.keys.resources_version) or 0) + 1
+                    rid = resources_id or f"res-{version}"
+                    if new_id and await pipe.exists(self.keys.resources(rid)):
+                        raise InvalidInput(
+                            f"resources {rid} exist already; publish a new version with update_resources"
+                        )
+                    update = ResourcesUpdate(rid, version, dict(resources), time.time(), dict(metadata or {}))
+                    record = update.to_wire(self.max_record_bytes)
+                    pipe.multi()
+                    pipe.set(self.keys.resources_version, version)
+                    pipe.hset(self.keys.resources(rid), mapping={str(version): record, "latest": version})
+                    pipe.xadd(self.keys.resources_log, {"m": record})
+                    await pipe.execute()
+                    return update
+                except aioredis.WatchError:
+                    continue
+
+    async def get_resources(self, resources_id: str, version: int | None = None) -> ResourcesUpdate:
+        """A snapshot by id: its latest version, or the given one."""
+        key = self.keys.resources(resources_id)
+        if version is None:
+            version = int(await self.redis.hget(key, "latest") or 0)
+        record = await self.redis.hget(key, str(version)) if version else None
+        if record is None:
+            raise NotFound(f"resources {resources_id} (version {version or 'latest'}) do not exist")
+        return ResourcesUpdate.from_wire(record, self.max_record_bytes)
+
+    async def get_latest_resources(self) -> ResourcesUpdate | None:
+        last = await self.redis.xrevrange(self.keys.resources_log, count=1)
+        return ResourcesUpdate.from_wire(last[0][1][b"m"], self.max_record_bytes) if last else None
+
+    async def query_resources(
+        self, *, limit: int | None = None, offset: int = 0, descending: bool = False
+    ) -> list[ResourcesUpdate]:
+        entries = await self.redis.xrange(self.keys.resources_log)
+        updates = [ResourcesUpdate.from_wire(f[b"m"], self.max_record_bytes) for _, f in entries]
+        if descending:
+            updates.reverse()
+        return updates[offset : None if limit is None else offset + limit]
+
+    async def subscribe_resources(self, after_version: int | None = None) -> AsyncIterator[ResourcesUpdate]:
+        """Yield every resources version published after ``after_version`` (default: from now on)."""
+        cursor = "0-0" if after_version is not None else "$"
+        if cursor == "$":
+            cursor = (await self.redis.xrevrange(self.keys.resources_log, count=1) or [[b"0-0"]])[0][0]
+        while True:
+            reply = await self.redis.xread({self.keys.resources_log: cursor}, count=100, block=0)
+            for entry_id, fields in reply[0][1] if reply else []:
+                cursor = entry_id
+                update = ResourcesUpdate.from_wire(fields[b"m"], self.max_record_bytes)
+                if after_version is None or update.version > after_version:
+                    yield update
+
+    # --- workers ------------------------------------------------------------------------------------
+
+    async def update_worker(
+        self, worker_id: str, status: str = "idle", metadata: Mapping[str, Any] | None = None
+    ) -> Worker:
+        """Record a worker's status; doubles as its heartbeat."""
+        worker = Worker(worker_id, status, time.time(), dict(metadata or {}))
+        await self.redis.hset(self.keys.workers, worker_id, worker.to_wire())
+        return worker
+
+    async def query_workers(self, status: str | None = None) -> list[Worker]:
+        raw = await self.redis.hgetall(self.keys.workers)
+        workers = sorted((Worker.from_wire(v) for v in raw.values()), key=lambda w: w.worker_id)
+        return [w for w in workers if status is None or w.status == status]
+
+    # --- statistics ---------------------------------------------------------------------------------
+
+    async def statistics(self) -> dict[str, Any]:
+        """One snapshot of the experiment: rollouts per status, queue depth, pending, dead letters."""
+        await self.ensure()
+        pipe = self.redis.pipeline(transaction=False)
+        for s in RolloutStatus:
+            pipe.scard(self.keys.status(s))
+        pipe.xlen(self.keys.dead_letters)
+        pipe.xlen(self.keys.completions)
+        pipe.xinfo_consumers(self.keys.queue, k.RUNNERS_GROUP)
+        pipe.zcard(self.keys.watch_heartbeat)
+        replies = await pipe.execute()
+        per_status = {s.value: int(n) for s, n in zip(RolloutStatus, replies, strict=False)}
+        dead, completions, consumers, watched = replies[len(RolloutStatus) :]
+        latest = await self.get_latest_resources()
+        return {
+            "experiment": self.experiment,
+            "rollouts": per_status,
+            "total_rollouts": sum(per_status.values()),
+            "queue_depth": per_status["queuing"] + per_status["requeuing"],
+            "active_attempts": per_status["preparing"] + per_status["running"],
+            "pending": {
+                c["name"].decode() if isinstance(c["name"], bytes) else c["name"]: int(c["pending"])
+                for c in consumers
+            },
+            "heartbeat_watched": int(watched),
+            "dead_letters": int(dead),
+            "completions": int(completions),
+            "latest_resources": None
+            if latest is None
+            else {"resources_id": latest.resources_id, "version": latest.version},
+            "workers": len(await self.redis.hkeys(self.keys.workers)),
+        }
+
+
+def _with_sequence(span: Span, sequence_id: int) -> Span:
+    return replace(span, sequence_id=sequence_id)

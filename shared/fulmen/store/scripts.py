@@ -1,0 +1,266 @@
+"""The Lua scripts behind every transition that touches several keys, so each is atomic.
+
+Contract shared by all scripts: ARGV[1] is the experiment prefix (``fulmen:{exp}:``); the scripts
+append the suffixes from `fulmen.keys` (interpolated below, never retyped). Time is the server's
+(`TIME`), so workers on machines with skewed clocks still agree on deadlines. Every key a script
+touches carries the experiment's hash tag, so on Redis Cluster they all live in one slot.
+Return values are documented per script; `fulmen.store.redis_store` maps them to results and errors.
+"""
+
+from __future__ import annotations
+
+from fulmen import keys as k
+
+_PRELUDE = f"""
+local P = ARGV[1]
+local K_ROLLOUT, K_ATTEMPT, K_SPANS, K_SPAN_IDS, K_STATUS =
+  P .. '{k.ROLLOUT}', P .. '{k.ATTEMPT}', P .. '{k.SPANS}', P .. '{k.SPAN_IDS}', P .. '{k.STATUS}'
+local K_QUEUE, K_COMPLETIONS, K_INDEX = P .. '{k.QUEUE}', P .. '{k.COMPLETIONS}', P .. '{k.ROLLOUT_INDEX}'
+local K_HEARTBEAT, K_DEADLINE = P .. '{k.WATCH_HEARTBEAT}', P .. '{k.WATCH_DEADLINE}'
+local GROUP = '{k.RUNNERS_GROUP}'
+
+local function now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+local TERMINAL = {{succeeded = true, failed = true, cancelled = true}}
+local ACTIVE = {{preparing = true, running = true}}
+
+-- Move a rollout to a new status: the hash field and the per-status index change together.
+local function set_status(rid, old, new)
+  if old == new then return end
+  if old then redis.call('SREM', K_STATUS .. old, rid) end
+  redis.call('SADD', K_STATUS .. new, rid)
+  redis.call('HSET', K_ROLLOUT .. rid, 'status', new)
+end
+
+local function unwatch(aid)
+  redis.call('ZREM', K_HEARTBEAT, aid)
+  redis.call('ZREM', K_DEADLINE, aid)
+end
+
+-- An active attempt showed life: refresh its heartbeat, preparing -> running (and its rollout).
+local function touch(rid, aid, t)
+  local ak = K_ATTEMPT .. aid
+  local a = redis.call('HMGET', ak, 'status')
+  if not ACTIVE[a[1]] then return a[1] end
+  redis.call('HSET', ak, 'heartbeat_time', t)
+  local r = redis.call('HMGET', K_ROLLOUT .. rid, 'status', 'attempt_id', 'unresponsive_s')
+  if r[3] and r[3] ~= '' then redis.call('ZADD', K_HEARTBEAT, t + tonumber(r[3]), aid) end
+  if a[1] == 'preparing' then
+    redis.call('HSET', ak, 'status', 'running')
+    if r[2] == aid and r[1] == 'preparing' then set_status(rid, 'preparing', 'running') end
+    return 'running'
+  end
+  return a[1]
+end
+
+-- End an active attempt with `status` and apply the rollout's retry policy.
+-- Returns: missing | already | running | superseded | ignored | succeeded | requeued | failed
+local function finish(rid, aid, status, err, queue_msg, completion_msg)
+  local ak = K_ATTEMPT .. aid
+  local a = redis.call('HMGET', ak, 'status')
+  if not a[1] then return 'missing' end
+  if not ACTIVE[a[1]] then return 'already' end
+  local t = now()
+  if status == 'running' then touch(rid, aid, t); return 'running' end
+  redis.call('HSET', ak, 'status', status, 'end_time', t)
+  if err ~= '' then redis.call('HSET', ak, 'error', err) end
+  unwatch(aid)
+  local rk = K_ROLLOUT .. rid
+  local r = redis.call('HMGET', rk, 'status', 'attempt_id', 'attempt_n', 'max_attempts', 'retry_on')
+  if r[2] ~= aid then return 'superseded' end
+  if TERMINAL[r[1]] then return 'ignored' end
+  if status == 'succeeded' then
+    set_status(rid, r[1], 'succeeded')
+    redis.call('HSET', rk, 'end_time', t)
+    redis.call('XADD', K_COMPLETIONS, '*', 'm', completion_msg)
+    return 'succeeded'
+  end
+  local retry = string.find(',' .. r[5] .. ',', ',' .. status .. ',', 1, true)
+  if retry and tonumber(r[3]) < tonumber(r[4]) then
+    set_status(rid, r[1], 'requeuing')
+    local qid = redis.call('XADD', K_QUEUE, '*', 'm', queue_msg)
+    redis.call('HSET', rk, 'qid', qid)
+    return 'requeued'
+  end
+  set_status(rid, r[1], 'failed')
+  redis.call('HSET', rk, 'end_time', t)
+  redis.call('XADD', K_COMPLETIONS, '*', 'm', completion_msg)
+  return 'failed'
+end
+"""
+
+# ARGV[2] = rollout id, ARGV[3] = queue message ('' = do not queue: start_rollout),
+# ARGV[4..] = field/value pairs of the rollout hash.
+# Returns 1 when created, 0 when the id already existed (idempotent enqueue: nothing changes).
+ENQUEUE = (
+    _PRELUDE
+    + """
+local rid, queue_msg = ARGV[2], ARGV[3]
+local rk = K_ROLLOUT .. rid
+if redis.call('EXISTS', rk) == 1 then return 0 end
+local t = now()
+redis.call('HSET', rk, unpack(ARGV, 4))
+redis.call('HSET', rk, 'status', 'queuing', 'enqueue_time', t, 'seq', 0, 'attempt_n', 0, 'qid', '')
+redis.call('SADD', K_STATUS .. 'queuing', rid)
+redis.call('ZADD', K_INDEX, t, rid)
+if queue_msg ~= '' then
+  redis.call('HSET', rk, 'qid', redis.call('XADD', K_QUEUE, '*', 'm', queue_msg))
+end
+return 1
+"""
+)
+
+# ARGV[2] = worker id, ARGV[3..] = pairs (queue entry id or '' for a manual attempt, rollout id).
+# For each pair returns {code, rollout fields, attempt fields}; code is
+#   ok       - a new attempt was created and is owned by the worker (the queue entry is acked);
+#   missing  - no such rollout (the entry is left pending for the caller to dead-letter);
+#   stale    - the entry no longer represents the rollout (already claimed, cancelled): acked, skipped;
+#   terminal - a manual attempt was asked for a rollout that has finished.
+BEGIN_ATTEMPTS = (
+    _PRELUDE
+    + """
+local worker = ARGV[2]
+local out = {}
+for i = 3, #ARGV, 2 do
+  local qid, rid = ARGV[i], ARGV[i + 1]
+  local rk = K_ROLLOUT .. rid
+  local r = redis.call('HMGET', rk, 'status', 'qid', 'attempt_n', 'unresponsive_s', 'timeout_s',
+                       'attempt_id', 'start_time')
+  if not r[1] then
+    out[#out + 1] = {'missing'}
+  elseif qid ~= '' and (r[2] ~= qid or not (r[1] == 'queuing' or r[1] == 'requeuing')) then
+    redis.call('XACK', K_QUEUE, GROUP, qid)
+    out[#out + 1] = {'stale'}
+  elseif TERMINAL[r[1]] then
+    out[#out + 1] = {'terminal'}
+  else
+    local t = now()
+    -- A manual attempt supersedes the active one, which must not keep running unseen.
+    if r[6] and r[6] ~= '' then
+      local prev = K_ATTEMPT .. r[6]
+      if ACTIVE[redis.call('HGET', prev, 'status')] then
+        redis.call('HSET', prev, 'status', 'failed', 'end_time', t)
+        unwatch(r[6])
+      end
+    end
+    local n = tonumber(r[3]) + 1
+    local aid = rid .. '.' .. n
+    local ak = K_ATTEMPT .. aid
+    redis.call('HSET', ak, 'v', 1, 'rollout_id', rid, 'attempt_id', aid, 'sequence_id', n,
+               'status', 'preparing', 'worker_id', worker, 'start_time', t, 'heartbeat_time', t,
+               'end_time', '')
+    redis.call('HSET', rk, 'attempt_n', n, 'attempt_id', aid, 'qid', '')
+    if r[7] == '' then redis.call('HSET', rk, 'start_time', t) end
+    set_status(rid, r[1], 'preparing')
+    if r[4] ~= '' then redis.call('ZADD', K_HEARTBEAT, t + tonumber(r[4]), aid) end
+    if r[5] ~= '' then redis.call('ZADD', K_DEADLINE, t + tonumber(r[5]), aid) end
+    if qid ~= '' then redis.call('XACK', K_QUEUE, GROUP, qid) end
+    out[#out + 1] = {'ok', redis.call('HGETALL', rk), redis.call('HGETALL', ak)}
+  end
+end
+return out
+"""
+)
+
+# ARGV[2] = rollout id, ARGV[3] = attempt id, ARGV[4..] = pairs (dedupe key, span message).
+# Stores each new span under the next sequence id of the rollout (stream entry id "<seq>-0"),
+# ignores duplicates, and counts as a heartbeat of the attempt.
+# Returns {rollout status, attempt status, seq or 0 per span}, or {'missing'} for an unknown attempt.
+ADD_SPANS = (
+    _PRELUDE
+    + """
+local rid, aid = ARGV[2], ARGV[3]
+local owner = redis.call('HGET', K_ATTEMPT .. aid, 'rollout_id')
+if owner ~= rid then return {'missing'} end
+local out = {'', ''}
+local ids, spans = K_SPAN_IDS .. rid, K_SPANS .. rid
+for i = 4, #ARGV, 2 do
+  if redis.call('SADD', ids, ARGV[i]) == 1 then
+    local seq = redis.call('HINCRBY', K_ROLLOUT .. rid, 'seq', 1)
+    redis.call('XADD', spans, seq .. '-0', 'm', ARGV[i + 1])
+    out[#out + 1] = seq
+  else
+    out[#out + 1] = 0
+  end
+end
+out[2] = touch(rid, aid, now())
+out[1] = redis.call('HGET', K_ROLLOUT .. rid, 'status')
+return out
+"""
+)
+
+# ARGV[2] = rollout id, ARGV[3] = attempt id, ARGV[4] = new status (running or a terminal status),
+# ARGV[5] = error message ('' = none), ARGV[6] = queue message (used on retry),
+# ARGV[7] = completion message (used when the rollout ends). Returns the code of `finish`.
+FINISH_ATTEMPT = (
+    _PRELUDE
+    + """
+return finish(ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+"""
+)
+
+# ARGV[2] = rollout id, ARGV[3] = attempt id, ARGV[4] = timeout | unresponsive,
+# ARGV[5] = error message, ARGV[6] = queue message, ARGV[7] = completion message.
+# Re-checks staleness with the server clock, so concurrent watchdogs transition an attempt once.
+# Returns 'fresh' (not stale after all; its watch score is refreshed) or the code of `finish`.
+EXPIRE_ATTEMPT = (
+    _PRELUDE
+    + """
+local rid, aid, kind = ARGV[2], ARGV[3], ARGV[4]
+local a = redis.call('HMGET', K_ATTEMPT .. aid, 'status', 'start_time', 'heartbeat_time')
+if not ACTIVE[a[1]] then unwatch(aid); return a[1] and 'already' or 'missing' end
+local r = redis.call('HMGET', K_ROLLOUT .. rid, 'timeout_s', 'unresponsive_s')
+local t = now()
+local due
+if kind == 'timeout' then
+  if not r[1] or r[1] == '' then redis.call('ZREM', K_DEADLINE, aid); return 'fresh' end
+  due = tonumber(a[2]) + tonumber(r[1])
+  if due > t then redis.call('ZADD', K_DEADLINE, due, aid); return 'fresh' end
+else
+  if not r[2] or r[2] == '' then redis.call('ZREM', K_HEARTBEAT, aid); return 'fresh' end
+  due = tonumber(a[3]) + tonumber(r[2])
+  if due > t then redis.call('ZADD', K_HEARTBEAT, due, aid); return 'fresh' end
+end
+return finish(rid, aid, kind, ARGV[5], ARGV[6], ARGV[7])
+"""
+)
+
+# ARGV[2] = rollout id, ARGV[3] = new status (succeeded | failed | cancelled | requeuing),
+# ARGV[4] = error message for an attempt cut short, ARGV[5] = queue message,
+# ARGV[6] = completion message.
+# Returns 'missing', 'already' (terminal, or already waiting), or the new status.
+SET_ROLLOUT_STATUS = (
+    _PRELUDE
+    + """
+local rid, new = ARGV[2], ARGV[3]
+local rk = K_ROLLOUT .. rid
+local r = redis.call('HMGET', rk, 'status', 'attempt_id')
+if not r[1] then return 'missing' end
+if TERMINAL[r[1]] then return 'already' end
+if new == 'requeuing' and (r[1] == 'queuing' or r[1] == 'requeuing') then return 'already' end
+local t = now()
+if r[2] and r[2] ~= '' and ACTIVE[redis.call('HGET', K_ATTEMPT .. r[2], 'status')] then
+  redis.call('HSET', K_ATTEMPT .. r[2], 'status', 'failed', 'end_time', t, 'error', ARGV[4])
+  unwatch(r[2])
+end
+set_status(rid, r[1], new)
+if new == 'requeuing' then
+  redis.call('HSET', rk, 'qid', redis.call('XADD', K_QUEUE, '*', 'm', ARGV[5]))
+else
+  redis.call('HSET', rk, 'qid', '', 'end_time', t)
+  redis.call('XADD', K_COMPLETIONS, '*', 'm', ARGV[6])
+end
+return new
+"""
+)
+
+# KEYS[1] = a rollout or attempt hash. ARGV[1..] = field/value pairs.
+# Sets the fields only if the hash exists. Returns 1 if set, 0 if the hash does not exist.
+SET_FIELDS_IF_EXISTS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""

@@ -1,0 +1,54 @@
+"""The watchdog: ends attempts that ran past their timeout or stopped heartbeating.
+
+Any number of processes may run it at once: each candidate is re-checked and transitioned inside one
+Lua script with the server's clock, so an attempt changes status exactly once whoever sees it first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+
+from fulmen import keys as k
+from fulmen.status import AttemptStatus
+from fulmen.store.redis_store import RedisStore
+
+log = logging.getLogger(__name__)
+
+
+async def sweep(store: RedisStore, limit: int = 1000) -> Counter[str]:
+    """One pass over overdue attempts. Returns how many ended in each outcome (requeued, failed…)."""
+    seconds, micros = await store.redis.time()
+    now = seconds + micros / 1e6
+    outcomes: Counter[str] = Counter()
+    for key, kind in (
+        (store.keys.watch_deadline, AttemptStatus.TIMEOUT),
+        (store.keys.watch_heartbeat, AttemptStatus.UNRESPONSIVE),
+    ):
+        overdue = await store.redis.zrangebyscore(key, "-inf", now, start=0, num=limit)
+        for raw in overdue:
+            attempt_id = raw.decode()
+            rollout_id = k.rollout_of_attempt(attempt_id)
+            code = await store.expire_attempt(rollout_id, attempt_id, kind)
+            outcomes[code] += 1
+            if code in ("requeued", "failed", "superseded", "ignored"):
+                log.warning("attempt %s: %s -> rollout %s", attempt_id, kind.value, code)
+    return outcomes
+
+
+async def run_watchdog(store: RedisStore, interval_s: float = 1.0, stop: asyncio.Event | None = None) -> None:
+    """Sweep every ``interval_s`` until ``stop`` is set."""
+    stop = stop or asyncio.Event()
+    while not stop.is_set():
+        started = time.monotonic()
+        outcomes = await sweep(store)
+        ended = sum(n for code, n in outcomes.items() if code != "fresh")
+        if ended:
+            log.info(
+                "watchdog ended %d attempts in %.3fs: %s", ended, time.monotonic() - started, dict(outcomes)
+            )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
