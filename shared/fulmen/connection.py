@@ -1,0 +1,57 @@
+"""Connecting to Redis: wait with backoff and a clear log line, never print a password."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+
+from fulmen.errors import RedisUnavailable
+from fulmen.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced, fit for a log line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+async def connect(settings: Settings, *, wait_s: float | None = None) -> aioredis.Redis:
+    """A client for the configured Redis, once it answers PING. Waits with jittered exponential
+    backoff (services start in any order), up to ``wait_s`` (default: settings.redis_wait_s)."""
+    url = settings.redis_url_value()
+    client = aioredis.from_url(url, health_check_interval=30)
+    wait_s = settings.redis_wait_s if wait_s is None else wait_s
+    deadline = time.monotonic() + wait_s
+    delay = 0.1
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            await client.ping()
+            if attempt > 1:
+                log.info("Redis at %s is up after %d attempts", redact(url), attempt)
+            return client
+        except (ConnectionError, TimeoutError, BusyLoadingError, OSError) as e:
+            if time.monotonic() + delay > deadline:
+                await client.aclose()
+                hint = "start it with `fulmen redis`" if settings.embedded else "check REDIS_URL"
+                raise RedisUnavailable(
+                    f"Redis at {redact(url)} did not answer within {wait_s:.0f}s ({e}); {hint}"
+                ) from None
+            if attempt == 1 or attempt % 10 == 0:
+                log.info("waiting for Redis at %s (%s)", redact(url), type(e).__name__)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 2.0)

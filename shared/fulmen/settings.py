@@ -1,0 +1,72 @@
+"""One settings object per process. Precedence: CLI flag > environment > default, checked in one place.
+
+Every service reads its part of this one object, so a FULMEN_* variable meant for one service is
+known to all (honcho gives every process the same environment). Environment names: ``REDIS_URL`` (secrets such as the Redis password live only there, never in a flag
+or a log line) and ``FULMEN_<FIELD>`` for every field below; the CLI flags carry the same names.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fulmen.codec import DEFAULT_MAX_RECORD_BYTES
+from fulmen.embedded import DEFAULT_PORT
+from fulmen.errors import InvalidInput
+from fulmen.keys import check_experiment
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FULMEN_", extra="forbid", frozen=True)
+
+    redis_url: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("REDIS_URL", "redis_url"),
+        description="Redis to use (redis://, rediss:// for TLS, user:password@ for ACL). Unset: the embedded one.",
+    )
+    experiment: str = Field("default", description="Experiment name; several share one Redis in isolation.")
+    data_dir: Path = Field(
+        Path(".fulmen"), description="Where the embedded Redis keeps its AOF (under redis/)."
+    )
+    redis_port: int = Field(DEFAULT_PORT, ge=1, le=65535, description="Port of the embedded Redis.")
+    redis_wait_s: float = Field(
+        60.0, ge=0, description="How long to wait for Redis to come up before giving up."
+    )
+    max_record_bytes: int = Field(DEFAULT_MAX_RECORD_BYTES, ge=1024, description="Size limit of one record.")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
+
+    @property
+    def embedded(self) -> bool:
+        return self.redis_url is None
+
+    def redis_url_value(self) -> str:
+        """The URL to connect to, secret included (pass it to the client, never to a log)."""
+        if self.redis_url is not None:
+            return self.redis_url.get_secret_value()
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def __repr_args__(self) -> Any:  # SecretStr already masks the password; say so plainly
+        for name, value in super().__repr_args__():
+            yield name, ("<set>" if name == "redis_url" and value is not None else value)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build the settings from flags (``overrides``; None means "not given") over the environment.
+
+    Unknown ``FULMEN_*`` environment variables are errors: a typo must not be silently ignored."""
+    known = {f"FULMEN_{name.upper()}" for name in Settings.model_fields if name != "redis_url"}
+    unknown = sorted(name for name in os.environ if name.startswith("FULMEN_") and name not in known)
+    if unknown:
+        raise InvalidInput(f"unknown environment variables {unknown}; known: {sorted(known)}")
+    given = {name: value for name, value in overrides.items() if value is not None}
+    try:
+        settings = Settings(**given)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise InvalidInput(f"invalid settings: {problems}") from None
+    check_experiment(settings.experiment)
+    return settings

@@ -1,0 +1,29 @@
+"""Experiments: several share one Redis, each under its own key prefix; list them, delete one."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from fulmen import keys as k
+
+
+async def list_experiments(redis: aioredis.Redis) -> list[str]:
+    return sorted(x.decode() for x in await redis.smembers(k.EXPERIMENTS))
+
+
+async def delete_experiment(redis: aioredis.Redis, experiment: str) -> int:
+    """Delete every key of one experiment (SCAN + UNLINK, so Redis never blocks). Returns keys deleted.
+
+    Stop the experiment's services first: a runner still polling recreates the empty queue."""
+    keys = k.Keys(experiment)
+    deleted = 0
+    batch: list[bytes] = []
+    async for key in redis.scan_iter(match=keys.pattern(), count=1000):
+        batch.append(key)
+        if len(batch) >= 1000:
+            deleted += await redis.unlink(*batch)
+            batch.clear()
+    if batch:
+        deleted += await redis.unlink(*batch)
+    await redis.srem(k.EXPERIMENTS, experiment)
+    return deleted

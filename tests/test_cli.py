@@ -1,0 +1,182 @@
+"""The `fulmen` command line against a real Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis as syncredis
+from typer.testing import CliRunner
+
+from fulmen.cli import app
+from fulmen.embedded import free_port, wait_for_port
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def env(redis_url: str, experiment: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("FULMEN_EXPERIMENT", experiment)
+    return {"REDIS_URL": redis_url, "FULMEN_EXPERIMENT": experiment}
+
+
+def _tasks(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _status(env: dict[str, str]) -> dict:
+    result = runner.invoke(app, ["status", "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_push_skips_bad_lines_with_their_numbers(env: dict[str, str], tmp_path: Path) -> None:
+    """Bad lines are named by line number and skipped; good ones are queued; a summary ends it."""
+    path = _tasks(tmp_path, ['{"id": "a", "q": 1}', "not json", "[1, 2]", "", '{"q": 2}'])
+    result = runner.invoke(app, ["push", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "line 2: not valid JSON" in result.stderr
+    assert "line 3: a task must be a JSON object, got list" in result.stderr
+    assert "queued 2 rollout(s)" in result.stdout and "skipped 2 bad line(s)" in result.stdout
+    assert _status(env)["rollouts"]["queuing"] == 2
+
+
+def test_push_twice_adds_nothing(env: dict[str, str], tmp_path: Path) -> None:
+    """Pushing the same file again queues nothing new, with or without an id field."""
+    path = _tasks(tmp_path, ['{"id": "a", "q": 1}', '{"q": 2}', '{"q": 2}'])
+    assert "queued 3" in runner.invoke(app, ["push", str(path)]).stdout
+    again = runner.invoke(app, ["push", str(path)])
+    assert "queued 0" in again.stdout and "3 already present" in again.stdout
+    assert _status(env)["total_rollouts"] == 3
+
+
+def test_push_strict_refuses_the_whole_file(env: dict[str, str], tmp_path: Path) -> None:
+    """With --strict one bad line means nothing is queued, and the exit code says so."""
+    path = _tasks(tmp_path, ['{"id": "a"}', "{oops"])
+    result = runner.invoke(app, ["push", "--strict", str(path)])
+    assert result.exit_code == 1
+    assert "line 2" in result.stderr and "nothing was queued" in result.stderr
+    assert _status(env)["total_rollouts"] == 0
+
+
+def test_push_from_stdin_with_options(env: dict[str, str]) -> None:
+    """`push -` reads standard input; mode and retry options reach the rollouts."""
+    result = runner.invoke(
+        app,
+        [
+            "push",
+            "-",
+            "--mode",
+            "val",
+            "--max-attempts",
+            "3",
+            "--retry-on",
+            "timeout",
+            "--timeout-seconds",
+            "5",
+        ],
+        input='{"id": "v1"}\n',
+    )
+    assert result.exit_code == 0, result.output
+    listing = runner.invoke(app, ["rollouts", "--json"])
+    [row] = json.loads(listing.stdout)
+    assert (row["rollout_id"], row["mode"], row["status"]) == ("v1", "val", "queuing")
+
+
+def test_push_refuses_oversize_and_bad_config(env: dict[str, str], tmp_path: Path, monkeypatch) -> None:
+    """An oversize task is a bad line; an invalid retry condition is a clear error."""
+    monkeypatch.setenv("FULMEN_MAX_RECORD_BYTES", "1024")
+    path = _tasks(tmp_path, [json.dumps({"id": "big", "text": "x" * 4000}), '{"id": "ok"}'])
+    result = runner.invoke(app, ["push", str(path)])
+    assert "line 1" in result.stderr and "limit" in result.stderr
+    assert "queued 1" in result.stdout
+    bad = runner.invoke(app, ["push", str(path), "--retry-on", "sometimes"])
+    assert bad.exit_code == 1 and "retry_condition" in bad.stderr
+
+
+def test_push_missing_file(env: dict[str, str]) -> None:
+    """A file that cannot be read gives exit code 2 and says why."""
+    result = runner.invoke(app, ["push", "/nonexistent/tasks.jsonl"])
+    assert result.exit_code == 2
+    assert "cannot read /nonexistent/tasks.jsonl" in result.stderr
+
+
+def test_unknown_environment_variable_is_an_error(env: dict[str, str], monkeypatch) -> None:
+    """A misspelled FULMEN_ variable is refused rather than silently ignored."""
+    monkeypatch.setenv("FULMEN_EXPERIMNT", "x")
+    result = runner.invoke(app, ["status"])
+    assert result.exit_code == 2
+    assert "FULMEN_EXPERIMNT" in result.stderr
+
+
+def test_status_rollouts_and_spans_screens(env: dict[str, str], tmp_path: Path) -> None:
+    """status, rollouts and spans print what the store holds."""
+    runner.invoke(app, ["push", str(_tasks(tmp_path, ['{"id": "r1", "q": "1+1"}']))])
+    table = runner.invoke(app, ["status"])
+    assert table.exit_code == 0 and "queue depth" in table.stdout and env["FULMEN_EXPERIMENT"] in table.stdout
+    listing = runner.invoke(app, ["rollouts", "--status", "queuing"])
+    assert "r1" in listing.stdout
+    assert runner.invoke(app, ["rollouts", "--status", "failed"]).stdout.strip().endswith("no rollouts match")
+    assert "has no spans" in runner.invoke(app, ["spans", "r1"]).stdout
+    missing = runner.invoke(app, ["spans", "r1", "--attempt", "latest"])
+    assert missing.exit_code == 0
+
+
+def test_every_command_has_help() -> None:
+    """`--help` works on every command (as a real subprocess, the way users run it)."""
+    for command in [
+        "",
+        "redis",
+        "push",
+        "status",
+        "rollouts",
+        "spans",
+        "dead-letters",
+        "watchdog",
+        "experiments",
+        "trim",
+    ]:
+        args = [sys.executable, "-m", "fulmen.cli", *([command] if command else []), "--help"]
+        result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert "Usage" in result.stdout
+
+
+def test_redis_command_runs_embedded_server_with_aof(tmp_path: Path) -> None:
+    """`fulmen redis` runs redis-server on loopback with AOF, and exits on SIGTERM."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("FULMEN_")}
+    env |= {"FULMEN_REDIS_PORT": str(port), "FULMEN_DATA_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "fulmen.cli", "redis"], env=env)
+    try:
+        wait_for_port(port, 30, proc)
+        client = syncredis.Redis(port=port)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("appendfsync") == {"appendfsync": "everysec"}
+        assert Path(client.config_get("dir")["dir"]) == tmp_path / "redis"
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+
+
+def test_redis_command_idles_when_redis_url_is_set(tmp_path: Path, redis_url: str) -> None:
+    """With REDIS_URL set, `fulmen redis` starts nothing, stays up, and exits 0 on SIGTERM."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FULMEN_")} | {"REDIS_URL": redis_url}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fulmen.cli", "redis"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(1.5)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+    assert "REDIS_URL is set" in proc.stderr.read()
