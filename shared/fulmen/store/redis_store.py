@@ -53,8 +53,9 @@ log = logging.getLogger(__name__)
 
 FinishResult = Literal["running", "succeeded", "requeued", "failed", "already", "superseded", "ignored"]
 """What reporting an attempt's status did. ``already``: the attempt had ended before (a duplicate
-report changes nothing); ``superseded``: a newer attempt drives the rollout, so only the attempt
-changed; ``ignored``: the rollout had ended (cancelled) before the report arrived."""
+report changes nothing); ``superseded``: a newer attempt drives the rollout, so the rollout is
+untouched (the attempt changes only if still active); ``ignored``: the rollout had ended (cancelled)
+before the report arrived."""
 
 
 def _pairs(flat: list[Any]) -> dict[bytes, bytes]:
@@ -568,8 +569,12 @@ class RedisStore:
             try:
                 out.append(Completion.from_wire(fields[b"m"], entry_id.decode()))
             except (KeyError, RecordError, ValueError) as e:
+                reason = str(e)
+                if isinstance(e, KeyError):  # str(KeyError) is just the key: say what is missing
+                    no_m = b"m" not in fields
+                    reason = "completions entry has no 'm' field" if no_m else f"completion record has no {e}"
                 await self.dead_letter(
-                    self.keys.completions, entry_id.decode(), str(e), fields, ack_group=group
+                    self.keys.completions, entry_id.decode(), reason, fields, ack_group=group
                 )
         return out
 

@@ -62,7 +62,13 @@ local function finish(rid, aid, status, err, queue_msg, completion_msg)
   local ak = K_ATTEMPT .. aid
   local a = redis.call('HMGET', ak, 'status')
   if not a[1] then return 'missing' end
-  if not ACTIVE[a[1]] then return 'already' end
+  if not ACTIVE[a[1]] then
+    -- A newer attempt or a cancel ended this attempt before its worker reported: say which.
+    local cur = redis.call('HMGET', K_ROLLOUT .. rid, 'status', 'attempt_id')
+    if cur[2] ~= aid then return 'superseded' end
+    if cur[1] == 'cancelled' then return 'ignored' end
+    return 'already'
+  end
   local t = now()
   if status == 'running' then touch(rid, aid, t); return 'running' end
   redis.call('HSET', ak, 'status', status, 'end_time', t)

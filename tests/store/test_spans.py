@@ -1,0 +1,184 @@
+"""Spans: per-rollout sequence ids, deduplication, heartbeats, queries and size limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fulmen.errors import NotFound, RecordTooLarge
+from fulmen.records import Span
+from fulmen.status import AttemptStatus, RolloutStatus
+from fulmen.store import RedisStore
+
+
+def _span(attempt_id: str, span_id: str, **kwargs: object) -> Span:
+    return Span(attempt_id.rpartition(".")[0], attempt_id, span_id, kwargs.pop("name", "llm"), **kwargs)
+
+
+async def _claim(store: RedisStore, rollout_id: str = "r1", **kwargs: object) -> str:
+    await store.enqueue_rollout("x", rollout_id=rollout_id, **kwargs)
+    claimed = await store.dequeue_rollout("w1")
+    assert claimed is not None and claimed.rollout.rollout_id == rollout_id
+    return claimed.attempt.attempt_id
+
+
+def _seq(spans: list[Span]) -> list[tuple[int, str, str]]:
+    return [(s.sequence_id, s.attempt_id, s.span_id) for s in spans]
+
+
+async def test_sequence_ids_increase_across_calls_and_attempts(store: RedisStore) -> None:
+    """Sequence ids count up per rollout across add_spans calls and across attempts."""
+    await _claim(store, config={"max_attempts": 2, "retry_condition": ["failed"]})
+    stored = await store.add_spans([_span("r1.1", "a"), _span("r1.1", "b")])
+    assert _seq(stored) == [(1, "r1.1", "a"), (2, "r1.1", "b")]
+    one = await store.add_span(_span("r1.1", "c"))
+    assert one is not None and one.sequence_id == 3
+    await store.update_attempt("r1", "r1.1", status="failed")
+    assert (await store.dequeue_rollout("w2")).attempt.attempt_id == "r1.2"
+    # Same span id, new attempt: a different span, so it is stored.
+    assert _seq(await store.add_spans([_span("r1.2", "a")])) == [(4, "r1.2", "a")]
+    assert _seq(await store.query_spans("r1")) == [
+        (1, "r1.1", "a"),
+        (2, "r1.1", "b"),
+        (3, "r1.1", "c"),
+        (4, "r1.2", "a"),
+    ]
+
+
+async def test_sequence_ids_are_per_rollout(store: RedisStore) -> None:
+    """Each rollout numbers its spans from 1, whatever other rollouts store."""
+    await _claim(store, "r1")
+    await _claim(store, "r2")
+    stored = await store.add_spans([_span("r1.1", "a"), _span("r2.1", "a"), _span("r1.1", "b")])
+    assert sorted(_seq(stored)) == [(1, "r1.1", "a"), (1, "r2.1", "a"), (2, "r1.1", "b")]
+    assert _seq(await store.query_spans("r2")) == [(1, "r2.1", "a")]
+
+
+async def test_span_round_trips_every_field(store: RedisStore) -> None:
+    """A stored span reads back equal, with its sequence id set."""
+    aid = await _claim(store)
+    span = _span(
+        aid,
+        "s1",
+        name="chat.completions",
+        trace_id="t" * 32,
+        parent_id="p1",
+        start_time=1.5,
+        end_time=2.25,
+        status_code="OK",
+        status_message="fine",
+        attributes={"gen_ai.usage.prompt_tokens": 12, "ids": [1, 2, 3], "raw": b"\x00\x01"},
+        events=[{"name": "reward", "attributes": {"value": 0.5}}],
+        links=[{"trace_id": "u", "span_id": "v"}],
+        resource={"service.name": "agent"},
+    )
+    stored = await store.add_span(span)
+    assert stored is not None and stored.sequence_id == 1
+    assert await store.query_spans("r1") == [stored]
+    assert stored.attributes == span.attributes and stored.events == span.events
+
+
+async def test_duplicate_spans_are_ignored(store: RedisStore) -> None:
+    """A span already stored (same attempt and span id) is ignored, within a call and across calls."""
+    aid = await _claim(store)
+    stored = await store.add_spans([_span(aid, "a"), _span(aid, "a", name="again"), _span(aid, "b")])
+    assert _seq(stored) == [(1, aid, "a"), (2, aid, "b")]
+    assert await store.add_span(_span(aid, "a", name="redelivered")) is None
+    assert await store.add_spans([_span(aid, "b"), _span(aid, "c")]) == [_span(aid, "c", sequence_id=3)]
+    spans = await store.query_spans("r1")
+    assert _seq(spans) == [(1, aid, "a"), (2, aid, "b"), (3, aid, "c")]
+    assert spans[0].name == "llm"  # the first write wins
+    assert await store.redis.xlen(store.keys.spans("r1")) == 3
+
+
+async def test_span_is_a_heartbeat(store: RedisStore) -> None:
+    """A span moves a preparing attempt to running and moves its heartbeat time forward."""
+    aid = await _claim(store, config={"unresponsive_seconds": 30})
+    before = await store.get_attempt(aid)
+    watched_before = await store.redis.zscore(store.keys.watch_heartbeat, aid)
+    await asyncio.sleep(0.01)
+    await store.add_span(_span(aid, "a"))
+    after = await store.get_attempt(aid)
+    assert (before.status, after.status) == (AttemptStatus.PREPARING, AttemptStatus.RUNNING)
+    assert after.last_heartbeat_time > before.last_heartbeat_time
+    assert await store.redis.zscore(store.keys.watch_heartbeat, aid) == pytest.approx(
+        after.last_heartbeat_time + 30
+    )
+    assert await store.redis.zscore(store.keys.watch_heartbeat, aid) > watched_before
+    assert (await store.get_rollout("r1")).status is RolloutStatus.RUNNING
+    await asyncio.sleep(0.01)
+    assert await store.add_span(_span(aid, "a")) is None  # a duplicate still counts as a heartbeat
+    assert (await store.get_attempt(aid)).last_heartbeat_time > after.last_heartbeat_time
+
+
+async def test_late_span_on_ended_attempt_does_not_revive_it(store: RedisStore) -> None:
+    """A span arriving after its attempt ended is stored but changes no status."""
+    aid = await _claim(store)
+    await store.update_attempt("r1", aid, status="succeeded")
+    stored = await store.add_span(_span(aid, "late"))
+    assert stored is not None and stored.sequence_id == 1
+    assert (await store.get_attempt(aid)).status is AttemptStatus.SUCCEEDED
+    assert (await store.get_rollout("r1")).status is RolloutStatus.SUCCEEDED
+
+
+async def test_spans_for_unknown_attempt_raise_not_found(store: RedisStore) -> None:
+    """Spans and heartbeats for an unknown attempt, or one of another rollout, raise NotFound."""
+    await _claim(store, "r1")
+    await _claim(store, "r2")
+    with pytest.raises(NotFound, match=r"attempt r1\.9 of rollout r1 does not exist"):
+        await store.add_span(_span("r1.9", "a"))
+    with pytest.raises(NotFound, match=r"attempt nope\.1 of rollout nope does not exist"):
+        await store.add_span(_span("nope.1", "a"))
+    with pytest.raises(NotFound, match=r"attempt r2\.1 of rollout r1 does not exist"):
+        await store.add_span(Span("r1", "r2.1", "a", "llm"))
+    with pytest.raises(NotFound, match=r"attempt r1\.9 of rollout r1 does not exist"):
+        await store.heartbeat("r1", "r1.9")
+    assert await store.query_spans("r1") == []
+    assert await store.query_spans("r2") == []
+    assert (await store.get_attempt("r2.1")).status is AttemptStatus.PREPARING
+
+
+async def test_query_spans_filters(store: RedisStore) -> None:
+    """query_spans filters by attempt ('latest' included), after a sequence id, and limits."""
+    await _claim(store, config={"max_attempts": 2, "retry_condition": ["failed"]})
+    await store.add_spans([_span("r1.1", x) for x in "abc"])
+    await store.update_attempt("r1", "r1.1", status="failed")
+    await store.dequeue_rollout("w1")
+    await store.add_spans([_span("r1.2", x) for x in "de"])
+
+    assert [s.span_id for s in await store.query_spans("r1")] == list("abcde")
+    assert [s.span_id for s in await store.query_spans("r1", "r1.1")] == list("abc")
+    assert [s.span_id for s in await store.query_spans("r1", "r1.2")] == list("de")
+    assert [s.span_id for s in await store.query_spans("r1", "latest")] == list("de")
+    assert [s.sequence_id for s in await store.query_spans("r1", after_sequence_id=2)] == [3, 4, 5]
+    assert [s.sequence_id for s in await store.query_spans("r1", after_sequence_id=5)] == []
+    assert [s.sequence_id for s in await store.query_spans("r1", limit=2)] == [1, 2]
+    assert [s.sequence_id for s in await store.query_spans("r1", "r1.2", limit=1)] == [4]
+    assert [s.sequence_id for s in await store.query_spans("r1", "r1.1", after_sequence_id=1, limit=1)] == [2]
+    assert [s.sequence_id for s in await store.query_spans("r1", "latest", after_sequence_id=4)] == [5]
+    assert await store.query_spans("r1", "r1.9") == []
+    assert await store.query_spans("other") == []
+    with pytest.raises(NotFound, match="rollout other does not exist"):
+        await store.query_spans("other", "latest")
+
+
+async def test_oversize_span_raises_record_too_large(store: RedisStore) -> None:
+    """A span over max_record_bytes is refused before anything is written."""
+    small = RedisStore(store.redis, store.experiment, max_record_bytes=1024)
+    aid = await _claim(small)
+    with pytest.raises(RecordTooLarge, match="over the 1,024-byte limit"):
+        await small.add_span(_span(aid, "big", attributes={"text": "x" * 2000}))
+    assert await small.query_spans("r1") == []
+    assert (await small.get_attempt(aid)).status is AttemptStatus.PREPARING
+    stored = await small.add_span(_span(aid, "ok", attributes={"text": "x" * 100}))
+    assert stored is not None and stored.sequence_id == 1
+
+
+async def test_oversize_rollout_input_raises_record_too_large(store: RedisStore) -> None:
+    """A rollout whose input is over max_record_bytes is not enqueued."""
+    small = RedisStore(store.redis, store.experiment, max_record_bytes=1024)
+    with pytest.raises(RecordTooLarge):
+        await small.enqueue_rollout("x" * 2000, rollout_id="r1")
+    assert await small.get_rollouts(["r1"]) == [None]
+    assert await small.redis.xlen(small.keys.queue) == 0
