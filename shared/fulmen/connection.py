@@ -32,7 +32,9 @@ async def connect(settings: Settings, *, wait_s: float | None = None) -> aioredi
     """A client for the configured Redis, once it answers PING. Waits with jittered exponential
     backoff (services start in any order), up to ``wait_s`` (default: settings.redis_wait_s)."""
     url = settings.redis_url_value()
-    client = aioredis.from_url(url, health_check_interval=30)
+    # No socket timeout: blocking reads (claim, wait_for_rollouts, subscriptions) may wait longer
+    # than any fixed value; a dead connection is caught by the health check instead.
+    client = aioredis.from_url(url, health_check_interval=30, socket_timeout=None, socket_connect_timeout=5)
     wait_s = settings.redis_wait_s if wait_s is None else wait_s
     deadline = time.monotonic() + wait_s
     delay = 0.1

@@ -53,14 +53,14 @@ def _payload(fields: dict[bytes, bytes]) -> dict[str, bytes]:
 
 @pytest.mark.parametrize(("fields", "reason"), POISON_QUEUE_ENTRIES)
 async def test_poison_queue_entry_is_dead_lettered(store: RedisStore, fields: dict, reason: str) -> None:
-    """A malformed queue entry is dead-lettered with the reason and acked; the next call claims on."""
+    """A malformed queue entry is dead-lettered with the reason and acked; the same call claims on."""
     await store.ensure()
     poison_id = (await store.redis.xadd(store.keys.queue, fields)).decode()
     await store.enqueue_rollout("x", rollout_id="good")
 
-    assert await store.dequeue_rollouts("w1", count=1) == []  # the poison entry only
-    claimed = await store.dequeue_rollouts("w1", count=1)
+    claimed = await store.dequeue_rollouts("w1", count=1)  # non-blocking, yet not stopped by poison
     assert [c.rollout.rollout_id for c in claimed] == ["good"]
+    assert await store.dequeue_rollouts("w1", count=1) == []
 
     letters = await store.query_dead_letters()
     assert len(letters) == 1

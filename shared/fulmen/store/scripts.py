@@ -10,6 +10,7 @@ Return values are documented per script; `fulmen.store.redis_store` maps them to
 from __future__ import annotations
 
 from fulmen import keys as k
+from fulmen.codec import SCHEMA_VERSION
 
 _PRELUDE = f"""
 local P = ARGV[1]
@@ -41,19 +42,24 @@ local function unwatch(aid)
 end
 
 -- An active attempt showed life: refresh its heartbeat, preparing -> running (and its rollout).
-local function touch(rid, aid, t)
+-- `status`: the attempt's status when the caller has just read it (saves reading it again).
+-- Returns the attempt's status, then the rollout's when it was read (nil if the attempt is not active).
+local function touch(rid, aid, t, status)
   local ak = K_ATTEMPT .. aid
-  local a = redis.call('HMGET', ak, 'status')
-  if not ACTIVE[a[1]] then return a[1] end
-  redis.call('HSET', ak, 'heartbeat_time', t)
+  status = status or redis.call('HGET', ak, 'status')
+  if not ACTIVE[status] then return status end
   local r = redis.call('HMGET', K_ROLLOUT .. rid, 'status', 'attempt_id', 'unresponsive_s')
   if r[3] and r[3] ~= '' then redis.call('ZADD', K_HEARTBEAT, t + tonumber(r[3]), aid) end
-  if a[1] == 'preparing' then
-    redis.call('HSET', ak, 'status', 'running')
-    if r[2] == aid and r[1] == 'preparing' then set_status(rid, 'preparing', 'running') end
-    return 'running'
+  if status == 'preparing' then
+    redis.call('HSET', ak, 'heartbeat_time', t, 'status', 'running')
+    if r[2] == aid and r[1] == 'preparing' then
+      set_status(rid, 'preparing', 'running')
+      return 'running', 'running'
+    end
+    return 'running', r[1]
   end
-  return a[1]
+  redis.call('HSET', ak, 'heartbeat_time', t)
+  return status, r[1]
 end
 
 -- End an active attempt with `status` and apply the rollout's retry policy.
@@ -119,6 +125,47 @@ return 1
 """
 )
 
+# Begin the next attempt of rollout `rid` for `worker`; `qid` is the queue entry it was claimed from
+# ('' for a manual attempt). Returns one reply item of BEGIN_ATTEMPTS. Shared with CLAIM_NEXT.
+_BEGIN = """
+local function begin(worker, qid, rid)
+  local rk = K_ROLLOUT .. rid
+  local r = redis.call('HMGET', rk, 'status', 'qid', 'attempt_n', 'unresponsive_s', 'timeout_s',
+                       'attempt_id', 'start_time')
+  if not r[1] then return {'missing'} end
+  if qid ~= '' and (r[2] ~= qid or not (r[1] == 'queuing' or r[1] == 'requeuing')) then
+    redis.call('XACK', K_QUEUE, GROUP, qid)
+    return {'stale'}
+  end
+  if TERMINAL[r[1]] then return {'terminal'} end
+  local t = now()
+  -- A manual attempt supersedes the active one, which must not keep running unseen.
+  if r[6] and r[6] ~= '' then
+    local prev = K_ATTEMPT .. r[6]
+    if ACTIVE[redis.call('HGET', prev, 'status')] then
+      redis.call('HSET', prev, 'status', 'failed', 'end_time', t)
+      unwatch(r[6])
+    end
+  end
+  local n = tonumber(r[3]) + 1
+  local aid = rid .. '.' .. n
+  local ak = K_ATTEMPT .. aid
+  redis.call('HSET', ak, 'v', 1, 'rollout_id', rid, 'attempt_id', aid, 'sequence_id', n,
+             'status', 'preparing', 'worker_id', worker, 'start_time', t, 'heartbeat_time', t,
+             'end_time', '')
+  if r[7] == '' then
+    redis.call('HSET', rk, 'attempt_n', n, 'attempt_id', aid, 'qid', '', 'start_time', t)
+  else
+    redis.call('HSET', rk, 'attempt_n', n, 'attempt_id', aid, 'qid', '')
+  end
+  set_status(rid, r[1], 'preparing')
+  if r[4] ~= '' then redis.call('ZADD', K_HEARTBEAT, t + tonumber(r[4]), aid) end
+  if r[5] ~= '' then redis.call('ZADD', K_DEADLINE, t + tonumber(r[5]), aid) end
+  if qid ~= '' then redis.call('XACK', K_QUEUE, GROUP, qid) end
+  return {'ok', redis.call('HGETALL', rk), redis.call('HGETALL', ak)}
+end
+"""
+
 # ARGV[2] = worker id, ARGV[3..] = pairs (queue entry id or '' for a manual attempt, rollout id).
 # For each pair returns {code, rollout fields, attempt fields}; code is
 #   ok       - a new attempt was created and is owned by the worker (the queue entry is acked);
@@ -127,48 +174,56 @@ return 1
 #   terminal - a manual attempt was asked for a rollout that has finished.
 BEGIN_ATTEMPTS = (
     _PRELUDE
+    + _BEGIN
     + """
-local worker = ARGV[2]
 local out = {}
 for i = 3, #ARGV, 2 do
-  local qid, rid = ARGV[i], ARGV[i + 1]
-  local rk = K_ROLLOUT .. rid
-  local r = redis.call('HMGET', rk, 'status', 'qid', 'attempt_n', 'unresponsive_s', 'timeout_s',
-                       'attempt_id', 'start_time')
-  if not r[1] then
-    out[#out + 1] = {'missing'}
-  elseif qid ~= '' and (r[2] ~= qid or not (r[1] == 'queuing' or r[1] == 'requeuing')) then
-    redis.call('XACK', K_QUEUE, GROUP, qid)
-    out[#out + 1] = {'stale'}
-  elseif TERMINAL[r[1]] then
-    out[#out + 1] = {'terminal'}
-  else
-    local t = now()
-    -- A manual attempt supersedes the active one, which must not keep running unseen.
-    if r[6] and r[6] ~= '' then
-      local prev = K_ATTEMPT .. r[6]
-      if ACTIVE[redis.call('HGET', prev, 'status')] then
-        redis.call('HSET', prev, 'status', 'failed', 'end_time', t)
-        unwatch(r[6])
-      end
-    end
-    local n = tonumber(r[3]) + 1
-    local aid = rid .. '.' .. n
-    local ak = K_ATTEMPT .. aid
-    redis.call('HSET', ak, 'v', 1, 'rollout_id', rid, 'attempt_id', aid, 'sequence_id', n,
-               'status', 'preparing', 'worker_id', worker, 'start_time', t, 'heartbeat_time', t,
-               'end_time', '')
-    redis.call('HSET', rk, 'attempt_n', n, 'attempt_id', aid, 'qid', '')
-    if r[7] == '' then redis.call('HSET', rk, 'start_time', t) end
-    set_status(rid, r[1], 'preparing')
-    if r[4] ~= '' then redis.call('ZADD', K_HEARTBEAT, t + tonumber(r[4]), aid) end
-    if r[5] ~= '' then redis.call('ZADD', K_DEADLINE, t + tonumber(r[5]), aid) end
-    if qid ~= '' then redis.call('XACK', K_QUEUE, GROUP, qid) end
-    out[#out + 1] = {'ok', redis.call('HGETALL', rk), redis.call('HGETALL', ak)}
-  end
+  out[#out + 1] = begin(ARGV[2], ARGV[i], ARGV[i + 1])
 end
 return out
 """
+)
+
+# ARGV[2] = worker id, ARGV[3] = most entries to read.
+# Reads new queue entries for the worker (XREADGROUP inside the script, so it never blocks) and
+# begins an attempt for each as BEGIN_ATTEMPTS does: read and claim in one round trip instead of two.
+# The rollout id comes from the entry's msgpack record, decoded with the cmsgpack library that Redis
+# builds into its Lua; the record is checked as `QueueEntry.from_wire` checks it.
+# Returns -1 if this server's Lua has no cmsgpack (fakeredis): nothing was read, so the caller reads
+# and claims in two steps. Otherwise {claimed, leftover, n}: claimed holds BEGIN_ATTEMPTS' 'ok' items;
+# leftover the raw entries {id, {field, value, ...}} it could not claim (unreadable record, missing
+# rollout), still pending, for the caller to dead-letter; n the number of entries read (0: the queue
+# had nothing new). Stale entries are acked and skipped.
+CLAIM_NEXT = (
+    _PRELUDE
+    + _BEGIN
+    + """
+local ok, mp = pcall(function() return cmsgpack end)  -- a missing global is an error on Redis 7
+if not ok or type(mp) ~= 'table' then return -1 end
+local worker = ARGV[2]
+local reply = redis.call('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', ARGV[3], 'STREAMS', K_QUEUE, '>')
+local claimed, leftover = {}, {}
+if not reply then return {claimed, leftover, 0} end
+for _, entry in ipairs(reply[1][2]) do
+  local fields, rid = entry[2], nil
+  for i = 1, #fields, 2 do
+    if fields[i] == 'm' then
+      local decoded, rec = pcall(mp.unpack, fields[i + 1])
+      if decoded and type(rec) == 'table' and rec.v == SCHEMA_VERSION and rec.kind == 'queue'
+          and type(rec.rollout_id) == 'string' then
+        rid = rec.rollout_id
+      end
+    end
+  end
+  local result = rid and begin(worker, entry[1], rid) or {'missing'}
+  if result[1] == 'ok' then
+    claimed[#claimed + 1] = result
+  elseif result[1] == 'missing' then
+    leftover[#leftover + 1] = entry
+  end
+end
+return {claimed, leftover, #reply[1][2]}
+""".replace("SCHEMA_VERSION", str(SCHEMA_VERSION))
 )
 
 # ARGV[2] = rollout id, ARGV[3] = attempt id, ARGV[4..] = pairs (dedupe key, span message).
@@ -179,21 +234,24 @@ ADD_SPANS = (
     _PRELUDE
     + """
 local rid, aid = ARGV[2], ARGV[3]
-local owner = redis.call('HGET', K_ATTEMPT .. aid, 'rollout_id')
-if owner ~= rid then return {'missing'} end
+local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id', 'status')
+if a[1] ~= rid then return {'missing'} end
 local out = {'', ''}
-local ids, spans = K_SPAN_IDS .. rid, K_SPANS .. rid
+local rk, ids, spans = K_ROLLOUT .. rid, K_SPAN_IDS .. rid, K_SPANS .. rid
+local seq  -- the rollout's counter: read once, written once (not one HINCRBY, one AOF line, per span)
 for i = 4, #ARGV, 2 do
   if redis.call('SADD', ids, ARGV[i]) == 1 then
-    local seq = redis.call('HINCRBY', K_ROLLOUT .. rid, 'seq', 1)
+    seq = (seq or tonumber(redis.call('HGET', rk, 'seq')) or 0) + 1
     redis.call('XADD', spans, seq .. '-0', 'm', ARGV[i + 1])
     out[#out + 1] = seq
   else
     out[#out + 1] = 0
   end
 end
-out[2] = touch(rid, aid, now())
-out[1] = redis.call('HGET', K_ROLLOUT .. rid, 'status')
+if seq then redis.call('HSET', rk, 'seq', seq) end
+local attempt_status, rollout_status = touch(rid, aid, now(), a[2])
+out[2] = attempt_status
+out[1] = rollout_status or redis.call('HGET', rk, 'status')
 return out
 """
 )

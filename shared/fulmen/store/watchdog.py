@@ -34,8 +34,8 @@ async def sweep(store: RedisStore, limit: int = 1000) -> Counter[str]:
             rollout_id = k.rollout_of_attempt(attempt_id)
             code = await store.expire_attempt(rollout_id, attempt_id, kind)
             outcomes[code] += 1
-            if code in ("requeued", "failed", "superseded", "ignored"):
-                log.warning("attempt %s: %s -> rollout %s", attempt_id, kind.value, code)
+            if code not in ("fresh", "already"):
+                log.debug("attempt %s: %s -> rollout %s", attempt_id, kind.value, code)
     return outcomes
 
 
@@ -46,8 +46,8 @@ async def run_watchdog(store: RedisStore, interval_s: float = 1.0, stop: asyncio
         started = time.monotonic()
         outcomes = await sweep(store)
         ended = sum(n for code, n in outcomes.items() if code != "fresh")
-        if ended:
-            log.info(
+        if ended:  # one line per sweep, not per attempt: a dead worker may hold hundreds
+            log.warning(
                 "watchdog ended %d attempts in %.3fs: %s", ended, time.monotonic() - started, dict(outcomes)
             )
         with contextlib.suppress(TimeoutError):
