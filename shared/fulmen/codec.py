@@ -41,14 +41,22 @@ def pack_record(kind: str, fields: dict[str, Any], max_bytes: int = DEFAULT_MAX_
     return pack({"v": SCHEMA_VERSION, "kind": kind, **fields}, max_bytes)
 
 
-def unpack_record(data: bytes, kind: str, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> dict[str, Any]:
-    """Decode one message record of the given kind; a wrong version or kind is refused."""
+def unpack_record(
+    data: bytes | None, kind: str, max_bytes: int = DEFAULT_MAX_RECORD_BYTES, required: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Decode one message record of the given kind (a stream entry's ``m`` field); a missing record,
+    a wrong version or kind, or a missing ``required`` field is refused with RecordError."""
+    if data is None:
+        raise RecordError(f"{kind} entry has no 'm' field")
     value = unpack(data, max_bytes)
     if not isinstance(value, dict):
         raise RecordError(f"a {kind} record must be a map, got {type(value).__name__}")
     check_version(value.get("v"), kind)
     if value.get("kind") != kind:
         raise RecordError(f"expected a {kind} record, got kind {value.get('kind')!r}")
+    for name in required:
+        if name not in value:
+            raise RecordError(f"{kind} record has no {name!r}")
     return value
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, check_version, pack, pack_record, unpack, unpack_record
-from fulmen.errors import InvalidInput
+from fulmen.errors import InvalidInput, RecordError
 from fulmen.status import RETRYABLE_ATTEMPT, AttemptStatus, RolloutMode, RolloutStatus
 
 # --- helpers for hash fields (Redis returns bytes; Lua writes "" for "not set") -------------------
@@ -261,9 +261,9 @@ class QueueEntry:
 
     @classmethod
     def from_wire(cls, data: bytes) -> QueueEntry:
-        d = unpack_record(data, "queue")
-        if not isinstance(d.get("rollout_id"), str):
-            raise InvalidInput("queue record has no rollout_id")
+        d = unpack_record(data, "queue", required=("rollout_id",))
+        if not isinstance(d["rollout_id"], str):
+            raise RecordError("queue record's rollout_id is not a string")
         return cls(d["rollout_id"])
 
 
@@ -283,9 +283,13 @@ class Completion:
         )
 
     @classmethod
-    def from_wire(cls, data: bytes, entry_id: str = "") -> Completion:
-        d = unpack_record(data, "completion")
-        return cls(d["rollout_id"], RolloutStatus(d["status"]), d.get("attempt_id"), entry_id)
+    def from_wire(cls, data: bytes | None, entry_id: str = "") -> Completion:
+        d = unpack_record(data, "completion", required=("rollout_id", "status"))
+        try:
+            status = RolloutStatus(d["status"])
+        except ValueError:
+            raise RecordError(f"completion record has unknown status {d['status']!r}") from None
+        return cls(d["rollout_id"], status, d.get("attempt_id"), entry_id)
 
 
 @dataclass(frozen=True, slots=True)

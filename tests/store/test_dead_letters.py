@@ -37,7 +37,7 @@ POISON_QUEUE_ENTRIES = [
         id="wrong-kind",
     ),
     pytest.param(
-        {b"m": codec.pack_record("queue", {})}, "queue record has no rollout_id", id="no-rollout-id"
+        {b"m": codec.pack_record("queue", {})}, "queue record has no 'rollout_id'", id="no-rollout-id"
     ),
     pytest.param({b"m": QueueEntry("ghost").to_wire()}, "rollout ghost does not exist", id="no-such-rollout"),
 ]
@@ -118,7 +118,7 @@ async def test_dead_letters_newest_first_with_limit(store: RedisStore) -> None:
     ("fields", "reason"),
     [
         pytest.param({b"m": b"\xc1garbage"}, "not a valid msgpack record", id="garbage"),
-        pytest.param({b"x": b"1"}, "completions entry has no 'm' field", id="no-m-field"),
+        pytest.param({b"x": b"1"}, "completion entry has no 'm' field", id="no-m-field"),
         pytest.param(
             {b"m": codec.pack_record("completion", {"status": "failed"})},
             "completion record has no 'rollout_id'",
@@ -131,7 +131,7 @@ async def test_dead_letters_newest_first_with_limit(store: RedisStore) -> None:
         ),
         pytest.param(
             {b"m": codec.pack_record("completion", {"rollout_id": "x", "status": "bogus"})},
-            "'bogus' is not a valid RolloutStatus",
+            "completion record has unknown status 'bogus'",
             id="bad-status",
         ),
     ],

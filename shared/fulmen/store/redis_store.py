@@ -196,6 +196,7 @@ class RedisStore:
         self._completion_groups: set[str] = set()  # completions groups this store has ensured
         self._enqueue = redis.register_script(scripts.ENQUEUE)
         self._begin = redis.register_script(scripts.BEGIN_ATTEMPTS)
+        self._start_rollout = redis.register_script(scripts.START_ROLLOUT)
         self._claim = redis.register_script(scripts.CLAIM_NEXT)
         self._add_spans = redis.register_script(scripts.ADD_SPANS)
         self._finish = redis.register_script(scripts.FINISH_ATTEMPT)
@@ -281,10 +282,10 @@ class RedisStore:
         rollout = self.new_rollout(input, **kwargs)
         fields = rollout.to_hash(self.max_record_bytes)
         flat = [x for kv in fields.items() for x in kv]
-        created = await self._enqueue(args=[self.keys.prefix, rollout.rollout_id, "", *flat])
-        if not created:
+        result = await self._start_rollout(args=[self.keys.prefix, worker_id, rollout.rollout_id, *flat])
+        if result[0] == b"exists":
             raise InvalidInput(f"rollout {rollout.rollout_id} already exists; use start_attempt to retry it")
-        return await self.start_attempt(rollout.rollout_id, worker_id)
+        return AttemptedRollout(Rollout.from_hash(_pairs(result[1])), Attempt.from_hash(_pairs(result[2])))
 
     async def start_attempt(self, rollout_id: str, worker_id: str = "") -> AttemptedRollout:
         """Begin a new attempt of an existing rollout now (a manual retry); any active one ends."""
@@ -398,10 +399,9 @@ class RedisStore:
         for entry_id, fields in entries:
             entry_id = entry_id.decode()
             try:
-                rollout_id = QueueEntry.from_wire(fields[b"m"]).rollout_id
-            except (KeyError, RecordError, InvalidInput) as e:
-                reason = "queue entry has no 'm' field" if isinstance(e, KeyError) else str(e)
-                await self.dead_letter(self.keys.queue, entry_id, reason, fields, ack_group=k.RUNNERS_GROUP)
+                rollout_id = QueueEntry.from_wire(fields.get(b"m")).rollout_id
+            except RecordError as e:
+                await self.dead_letter(self.keys.queue, entry_id, str(e), fields, ack_group=k.RUNNERS_GROUP)
                 continue
             raw_by_id[entry_id] = fields
             args += [entry_id, rollout_id]
@@ -693,8 +693,8 @@ class RedisStore:
             for entry_id, fields in reply[0][1] if reply else []:
                 cursor = entry_id.decode()
                 try:
-                    waiting.discard(Completion.from_wire(fields[b"m"]).rollout_id)
-                except (KeyError, RecordError):
+                    waiting.discard(Completion.from_wire(fields.get(b"m")).rollout_id)
+                except RecordError:
                     continue  # not ours to dead-letter: the consumer groups do that
         finished = await self.get_rollouts(rollout_ids)
         return [r for r in finished if r is not None and r.status in TERMINAL_ROLLOUT]
@@ -730,14 +730,10 @@ class RedisStore:
         out = []
         for entry_id, fields in reply[0][1] if reply else []:
             try:
-                out.append(Completion.from_wire(fields[b"m"], entry_id.decode()))
-            except (KeyError, RecordError, ValueError) as e:
-                reason = str(e)
-                if isinstance(e, KeyError):  # str(KeyError) is just the key: say what is missing
-                    no_m = b"m" not in fields
-                    reason = "completions entry has no 'm' field" if no_m else f"completion record has no {e}"
+                out.append(Completion.from_wire(fields.get(b"m"), entry_id.decode()))
+            except RecordError as e:
                 await self.dead_letter(
-                    self.keys.completions, entry_id.decode(), reason, fields, ack_group=group
+                    self.keys.completions, entry_id.decode(), str(e), fields, ack_group=group
                 )
         return out
 

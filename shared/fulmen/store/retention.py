@@ -105,8 +105,8 @@ async def trim(store: RedisStore, policy: RetentionPolicy) -> TrimReport:
             rollout_ids = []
             for _entry_id, fields in batch:
                 try:
-                    rollout_ids.append(Completion.from_wire(fields[b"m"]).rollout_id)
-                except (KeyError, RecordError, ValueError):  # holds no rollout to clean; trimmed all the same
+                    rollout_ids.append(Completion.from_wire(fields.get(b"m")).rollout_id)
+                except RecordError:  # holds no rollout to clean; trimmed all the same
                     continue
             span_streams += await _delete_rollout_data(store, rollout_ids, policy.delete_rollouts)
             if policy.delete_rollouts:

@@ -104,26 +104,27 @@ local function finish(rid, aid, status, err, queue_msg, completion_msg)
 end
 """
 
-# ARGV[2] = rollout id, ARGV[3] = queue message ('' = do not queue: start_rollout),
-# ARGV[4..] = field/value pairs of the rollout hash.
-# Returns 1 when created, 0 when the id already existed (idempotent enqueue: nothing changes).
-ENQUEUE = (
-    _PRELUDE
-    + """
-local rid, queue_msg = ARGV[2], ARGV[3]
-local rk = K_ROLLOUT .. rid
-if redis.call('EXISTS', rk) == 1 then return 0 end
-local t = now()
-redis.call('HSET', rk, unpack(ARGV, 4))
-redis.call('HSET', rk, 'status', 'queuing', 'enqueue_time', t, 'seq', 0, 'attempt_n', 0, 'qid', '')
-redis.call('SADD', K_STATUS .. 'queuing', rid)
-redis.call('ZADD', K_INDEX, t, rid)
-if queue_msg ~= '' then
-  redis.call('HSET', rk, 'qid', redis.call('XADD', K_QUEUE, '*', 'm', queue_msg))
+# Create rollout `rid` as queuing from the hash fields in ARGV[first..]; queue it unless `queue_msg`
+# is '' (start_rollout begins its attempt at once). Returns 1, or 0 if the id existed (nothing changes).
+_CREATE = """
+local function create(rid, queue_msg, first)
+  local rk = K_ROLLOUT .. rid
+  if redis.call('EXISTS', rk) == 1 then return 0 end
+  local t = now()
+  redis.call('HSET', rk, unpack(ARGV, first))
+  redis.call('HSET', rk, 'status', 'queuing', 'enqueue_time', t, 'seq', 0, 'attempt_n', 0, 'qid', '')
+  redis.call('SADD', K_STATUS .. 'queuing', rid)
+  redis.call('ZADD', K_INDEX, t, rid)
+  if queue_msg ~= '' then
+    redis.call('HSET', rk, 'qid', redis.call('XADD', K_QUEUE, '*', 'm', queue_msg))
+  end
+  return 1
 end
-return 1
 """
-)
+
+# ARGV[2] = rollout id, ARGV[3] = queue message, ARGV[4..] = field/value pairs of the rollout hash.
+# Returns 1 when created, 0 when the id already existed (idempotent enqueue: nothing changes).
+ENQUEUE = _PRELUDE + _CREATE + "return create(ARGV[2], ARGV[3], 4)"
 
 # Begin the next attempt of rollout `rid` for `worker`; `qid` is the queue entry it was claimed from
 # ('' for a manual attempt). Returns one reply item of BEGIN_ATTEMPTS. Shared with CLAIM_NEXT.
@@ -181,6 +182,19 @@ for i = 3, #ARGV, 2 do
   out[#out + 1] = begin(ARGV[2], ARGV[i], ARGV[i + 1])
 end
 return out
+"""
+)
+
+# ARGV[2] = worker id, ARGV[3] = rollout id, ARGV[4..] = field/value pairs of the rollout hash.
+# Creates the rollout and begins its first attempt in one step (no queue entry), so a crash cannot
+# leave a rollout that is queuing yet on no queue. Returns {'exists'} or BEGIN_ATTEMPTS' 'ok' item.
+START_ROLLOUT = (
+    _PRELUDE
+    + _CREATE
+    + _BEGIN
+    + """
+if create(ARGV[3], '', 4) == 0 then return {'exists'} end
+return begin(ARGV[2], '', ARGV[3])
 """
 )
 
