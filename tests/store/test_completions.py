@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -12,15 +13,7 @@ from fulmen.records import Completion
 from fulmen.status import RolloutStatus
 from fulmen.store import RedisStore
 
-
-async def _wait_blocked_reader(redis: aioredis.Redis) -> None:
-    """Return once some client is blocked on XREAD (so the waiter has taken its cursor)."""
-    for _ in range(500):
-        clients = await redis.client_list()
-        if any(c.get("cmd") == "xread" and "b" in c.get("flags", "") for c in clients):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("no client blocked on XREAD")
+BlockedReader = Callable[[aioredis.Redis], Awaitable[None]]  # the conftest.py fixture
 
 
 async def _all(store: RedisStore) -> list[tuple[str, str, str | None]]:
@@ -123,16 +116,18 @@ async def test_wait_returns_at_once_for_finished_rollouts(store: RedisStore) -> 
     ]
 
 
-async def test_wait_unblocks_when_rollouts_finish(real_store: RedisStore) -> None:
+async def test_wait_unblocks_when_rollouts_finish(
+    real_store: RedisStore, blocked_reader: BlockedReader
+) -> None:
     """A waiter blocked on the completions stream returns once every rollout it waits on ends."""
     store = real_store
     for rid in ["a", "b"]:
         await store.enqueue_rollout(rid, rollout_id=rid)
     waiter = asyncio.create_task(store.wait_for_rollouts(["a", "b"], timeout_s=30))
-    await _wait_blocked_reader(store.redis)
+    await blocked_reader(store.redis)
     claimed = await store.dequeue_rollout("w1")
     await store.update_attempt("a", claimed.attempt.attempt_id, status="succeeded")
-    await _wait_blocked_reader(store.redis)  # still waiting for b
+    await blocked_reader(store.redis)  # still waiting for b
     assert not waiter.done()
     await store.cancel_rollout("b")
     finished = await asyncio.wait_for(waiter, 5)
@@ -152,15 +147,17 @@ async def test_wait_returns_partial_list_on_timeout(real_store: RedisStore) -> N
     assert (await store.get_rollout("b")).status is RolloutStatus.QUEUING
 
 
-async def test_wait_ignores_other_rollouts_completions(real_store: RedisStore) -> None:
+async def test_wait_ignores_other_rollouts_completions(
+    real_store: RedisStore, blocked_reader: BlockedReader
+) -> None:
     """Completions of other rollouts do not end the wait early."""
     store = real_store
     await store.enqueue_rollout("mine", rollout_id="mine")
     waiter = asyncio.create_task(store.wait_for_rollouts(["mine"], timeout_s=30))
-    await _wait_blocked_reader(store.redis)
+    await blocked_reader(store.redis)
     await store.enqueue_rollout("other", rollout_id="other")
     await store.cancel_rollout("other")
-    await _wait_blocked_reader(store.redis)
+    await blocked_reader(store.redis)
     assert not waiter.done()
     await store.cancel_rollout("mine")
     assert [r.rollout_id for r in await asyncio.wait_for(waiter, 5)] == ["mine"]

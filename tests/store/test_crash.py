@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -20,28 +17,10 @@ from fulmen.records import Completion, RolloutConfig
 from fulmen.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore, run_watchdog
 
-
-def _load_workers() -> ModuleType:
-    """tests/store/workers.py by its path: a child runs it as a script, so it is no package module."""
-    spec = importlib.util.spec_from_file_location(
-        "store_test_workers", Path(__file__).with_name("workers.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+Spawn = Callable[..., Awaitable[Any]]  # what the `spawn` fixture (conftest.py) gives
 
 
-workers = _load_workers()
-Spawn = Callable[..., Awaitable[Any]]
 CONFIG = RolloutConfig(unresponsive_seconds=1.0, max_attempts=2, retry_condition=("unresponsive",))
-
-
-@pytest.fixture
-async def spawn(tmp_path: Path) -> AsyncIterator[Spawn]:
-    """Start worker processes; every one still alive is killed after the test."""
-    async with workers.spawner(tmp_path) as start:
-        yield start
 
 
 @contextlib.asynccontextmanager

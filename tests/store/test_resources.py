@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -11,19 +12,11 @@ from fulmen.errors import InvalidInput, NotFound
 from fulmen.records import ResourcesUpdate
 from fulmen.store import RedisStore
 
+BlockedReader = Callable[[aioredis.Redis], Awaitable[None]]  # the conftest.py fixture
+
 
 def _versions(updates: list[ResourcesUpdate]) -> list[tuple[str, int]]:
     return [(u.resources_id, u.version) for u in updates]
-
-
-async def _wait_blocked_reader(redis: aioredis.Redis) -> None:
-    """Return once some client is blocked on XREAD (so a subscriber has taken its cursor)."""
-    for _ in range(500):
-        clients = await redis.client_list()
-        if any(c.get("cmd") == "xread" and "b" in c.get("flags", "") for c in clients):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("no client blocked on XREAD")
 
 
 async def test_add_and_update_versions(store: RedisStore) -> None:
@@ -121,13 +114,13 @@ async def test_concurrent_publishers_get_distinct_ordered_versions(real_store: R
     assert (await real_store.get_resources("main")).version == 10
 
 
-async def test_subscribe_yields_new_versions(real_store: RedisStore) -> None:
+async def test_subscribe_yields_new_versions(real_store: RedisStore, blocked_reader: BlockedReader) -> None:
     """A subscription yields the versions published after it started, in order, and none before."""
     store = real_store
     await store.add_resources({"p": 0}, "main")
     updates = store.subscribe_resources()
     task = asyncio.create_task(anext(updates))
-    await _wait_blocked_reader(store.redis)
+    await blocked_reader(store.redis)
     second = await store.update_resources("main", {"p": 1})
     third = await store.add_resources({"q": 1}, "other")
     assert await asyncio.wait_for(task, 5) == second
@@ -135,7 +128,9 @@ async def test_subscribe_yields_new_versions(real_store: RedisStore) -> None:
     await updates.aclose()
 
 
-async def test_subscribe_after_version_replays_later_versions(real_store: RedisStore) -> None:
+async def test_subscribe_after_version_replays_later_versions(
+    real_store: RedisStore, blocked_reader: BlockedReader
+) -> None:
     """A subscription after version n yields every version above n, then new ones as they come."""
     store = real_store
     for i in range(3):
@@ -143,7 +138,7 @@ async def test_subscribe_after_version_replays_later_versions(real_store: RedisS
     updates = store.subscribe_resources(after_version=1)
     assert [(await asyncio.wait_for(anext(updates), 5)).version for _ in range(2)] == [2, 3]
     task = asyncio.create_task(anext(updates))
-    await _wait_blocked_reader(store.redis)
+    await blocked_reader(store.redis)
     fourth = await store.update_resources("main", {"p": 3})
     assert await asyncio.wait_for(task, 5) == fourth
     await updates.aclose()

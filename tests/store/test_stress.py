@@ -4,11 +4,8 @@ exactly once."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from pathlib import Path
-from types import ModuleType
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -18,27 +15,7 @@ from fulmen.records import Attempt, Completion, RolloutConfig
 from fulmen.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore
 
-
-def _load_workers() -> ModuleType:
-    """tests/store/workers.py by its path: a child runs it as a script, so it is no package module."""
-    spec = importlib.util.spec_from_file_location(
-        "store_test_workers", Path(__file__).with_name("workers.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-workers = _load_workers()
-Spawn = Callable[..., Awaitable[Any]]
-
-
-@pytest.fixture
-async def spawn(tmp_path: Path) -> AsyncIterator[Spawn]:
-    """Start worker processes; every one still alive is killed after the test."""
-    async with workers.spawner(tmp_path) as start:
-        yield start
+Spawn = Callable[..., Awaitable[Any]]  # what the `spawn` fixture (conftest.py) gives
 
 
 async def _release_together(processes: Sequence[Any]) -> None:
