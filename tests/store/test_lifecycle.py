@@ -463,3 +463,30 @@ async def test_invalid_status_updates_are_refused(store: RedisStore) -> None:
         await store.update_rollout("r1", status="done")
     assert (await store.get_rollout("r1")).status is RolloutStatus.PREPARING
     assert (await store.get_attempt("r1.1")).status is AttemptStatus.PREPARING
+
+
+async def test_query_attempts_filters_and_paginates(store: RedisStore) -> None:
+    """Attempts filter by status and worker, and page in either order."""
+    await store.enqueue_rollout(
+        "x", rollout_id="r", config={"max_attempts": 3, "retry_condition": ["failed"]}
+    )
+    for worker in ("w1", "w2", "w1"):
+        [claimed] = await store.dequeue_rollouts(worker, 1)
+        await store.update_attempt("r", claimed.attempt.attempt_id, status="failed")
+    ids = lambda attempts: [a.attempt_id for a in attempts]  # noqa: E731
+    assert ids(await store.query_attempts("r")) == ["r.1", "r.2", "r.3"]
+    assert ids(await store.query_attempts("r", worker_id="w1")) == ["r.1", "r.3"]
+    assert ids(await store.query_attempts("r", status="succeeded")) == []
+    assert ids(await store.query_attempts("r", descending=True, limit=2)) == ["r.3", "r.2"]
+    assert ids(await store.query_attempts("r", offset=1, limit=1)) == ["r.2"]
+
+
+async def test_query_workers_filters_sorts_and_paginates(store: RedisStore) -> None:
+    """Workers filter by status and page by id or by last heartbeat."""
+    for worker, status in (("b", "busy"), ("a", "idle"), ("c", "busy")):
+        await store.update_worker(worker, status)
+    assert [w.worker_id for w in await store.query_workers()] == ["a", "b", "c"]
+    assert [w.worker_id for w in await store.query_workers("busy")] == ["b", "c"]
+    newest = await store.query_workers(sort_by="last_heartbeat_time", descending=True, limit=1)
+    assert [w.worker_id for w in newest] == ["c"]
+    assert [w.worker_id for w in await store.query_workers(offset=2)] == ["c"]

@@ -158,6 +158,9 @@ async def test_query_spans_filters(store: RedisStore) -> None:
     assert [s.sequence_id for s in await store.query_spans("r1", "r1.1", after_sequence_id=1, limit=1)] == [2]
     assert [s.sequence_id for s in await store.query_spans("r1", "latest", after_sequence_id=4)] == [5]
     assert await store.query_spans("r1", "r1.9") == []
+    await store.add_spans([_span("r1.2", "f", name="reward")])
+    assert [s.span_id for s in await store.query_spans("r1", name="reward")] == ["f"]
+    assert [s.span_id for s in await store.query_spans("r1", "r1.1", name="reward")] == []
     assert await store.query_spans("other") == []
     with pytest.raises(NotFound, match="rollout other does not exist"):
         await store.query_spans("other", "latest")

@@ -591,13 +591,30 @@ class RedisStore:
         rollout = await self.get_rollout(rollout_id)
         return await self.get_attempt(rollout.attempt_id) if rollout.attempt_id else None
 
-    async def query_attempts(self, rollout_id: str) -> list[Attempt]:
-        """Every attempt of a rollout, oldest first."""
+    async def query_attempts(
+        self,
+        rollout_id: str,
+        *,
+        status: AttemptStatus | str | Iterable[AttemptStatus | str] | None = None,
+        worker_id: str | None = None,
+        descending: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> list[Attempt]:
+        """A rollout's attempts in sequence order (oldest first), filtered and paginated."""
         rollout = await self.get_rollout(rollout_id)
         pipe = self.redis.pipeline(transaction=False)
         for n in range(1, rollout.attempt_count + 1):
             pipe.hgetall(self.keys.attempt(k.attempt_id(rollout_id, n)))
-        return [Attempt.from_hash(raw) for raw in await pipe.execute() if raw]
+        attempts = [Attempt.from_hash(raw) for raw in await pipe.execute() if raw]
+        if status is not None:
+            wanted = {AttemptStatus(x) for x in ([status] if isinstance(status, str) else status)}
+            attempts = [a for a in attempts if a.status in wanted]
+        if worker_id is not None:
+            attempts = [a for a in attempts if a.worker_id == worker_id]
+        if descending:
+            attempts.reverse()
+        return attempts[offset : None if limit is None else offset + limit]
 
     async def query_rollouts(
         self,
@@ -643,10 +660,12 @@ class RedisStore:
         rollout_id: str,
         attempt_id: str | None = None,
         *,
+        name: str | None = None,
         after_sequence_id: int = 0,
         limit: int | None = None,
     ) -> list[Span]:
-        """A rollout's spans in sequence order; ``attempt_id="latest"`` picks the latest attempt."""
+        """A rollout's spans in sequence order, optionally of one attempt (``"latest"``: the latest)
+        or one span name; paginate with ``after_sequence_id`` (the last one seen) and ``limit``."""
         if attempt_id == "latest":
             attempt_id = (await self.get_rollout(rollout_id)).attempt_id
         entries = await self.redis.xrange(
@@ -657,7 +676,7 @@ class RedisStore:
         spans = []
         for entry_id, fields in entries:
             span = Span.from_wire(fields[b"m"], int(entry_id.split(b"-")[0]), self.max_record_bytes)
-            if attempt_id is None or span.attempt_id == attempt_id:
+            if (attempt_id is None or span.attempt_id == attempt_id) and (name is None or span.name == name):
                 spans.append(span)
                 if limit is not None and len(spans) >= limit:
                     break
@@ -862,10 +881,22 @@ class RedisStore:
         await self.redis.hset(self.keys.workers, worker_id, worker.to_wire())
         return worker
 
-    async def query_workers(self, status: str | None = None) -> list[Worker]:
+    async def query_workers(
+        self,
+        status: str | None = None,
+        *,
+        sort_by: Literal["worker_id", "last_heartbeat_time"] = "worker_id",
+        descending: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> list[Worker]:
+        """Workers as they last reported themselves, filtered by status, sorted and paginated."""
         raw = await self.redis.hgetall(self.keys.workers)
-        workers = sorted((Worker.from_wire(v) for v in raw.values()), key=lambda w: w.worker_id)
-        return [w for w in workers if status is None or w.status == status]
+        workers = [
+            w for w in (Worker.from_wire(v) for v in raw.values()) if status is None or w.status == status
+        ]
+        workers.sort(key=lambda w: (getattr(w, sort_by) or 0, w.worker_id), reverse=descending)
+        return workers[offset : None if limit is None else offset + limit]
 
     # --- statistics ---------------------------------------------------------------------------------
 
