@@ -13,7 +13,7 @@ consumer that died in that window are taken over with XAUTOCLAIM. A claimed atte
 heartbeating is recovered by the watchdog (`fulmen.store.watchdog`), which requeues or fails it.
 
 Hot path: while the queue has work, one script reads and claims (XREADGROUP inside Lua); only an
-empty queue costs the blocking read. The hot scripts go through `_AutoPipeline`, so the concurrent
+empty queue costs the blocking read. The hot scripts go through `AutoPipeline`, so the concurrent
 calls of one process share round trips.
 """
 
@@ -24,13 +24,13 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields as dataclass_fields
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from fulmen import keys as k
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, pack
@@ -39,9 +39,7 @@ from fulmen.records import (
     Attempt,
     AttemptedRollout,
     Completion,
-    DeadLetter,
     QueueEntry,
-    ResourcesUpdate,
     Rollout,
     RolloutConfig,
     Span,
@@ -54,6 +52,9 @@ from fulmen.status import (
     RolloutStatus,
 )
 from fulmen.store import scripts
+from fulmen.store.autopipeline import AutoPipeline
+from fulmen.store.completions import CompletionsMixin
+from fulmen.store.resources import ResourcesMixin
 
 log = logging.getLogger(__name__)
 
@@ -66,95 +67,6 @@ before the report arrived."""
 
 def _pairs(flat: list[Any]) -> dict[bytes, bytes]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
-
-
-class _AutoPipeline:
-    """Sends the script calls that the coroutines of one event loop make in the same loop iteration
-    as one pipeline: one write and one round trip for all of them (ioredis's auto-pipelining).
-
-    No call waits for another's round trip; a call made alone goes out alone, one loop iteration
-    later. Under load, when several coroutines wake together (a runner with several rollouts in
-    flight), they share one round trip, and redis-py's fixed cost per round trip (~100 us of CPU,
-    more than the script itself) is paid once.
-    """
-
-    def __init__(self, redis: aioredis.Redis) -> None:
-        self.redis = redis
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queued: list[tuple[AsyncScript, list[Any], asyncio.Future[Any]]] = []
-        self._in_flight: set[asyncio.Task[None]] = set()  # strong references until sent
-
-    def submit(self, script: AsyncScript, args: list[Any]) -> asyncio.Future[Any]:
-        """Queue one EVALSHA; the future resolves to its reply (or raises its error)."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # used from a new loop: what was queued on the old one died with it
-            self._loop, self._queued = loop, []
-        if not self._queued:
-            loop.call_soon(self._flush)
-        future = loop.create_future()
-        self._queued.append((script, args, future))
-        return future
-
-    def _flush(self) -> None:
-        # A call whose caller was cancelled before it went out is not sent, as without batching.
-        batch = [call for call in self._queued if not call[2].done()]
-        self._queued = []
-        if not batch:
-            return
-        task = asyncio.ensure_future(self._send(batch))
-        self._in_flight.add(task)
-        task.add_done_callback(self._in_flight.discard)
-
-    async def _send(self, batch: list[tuple[AsyncScript, list[Any], asyncio.Future[Any]]]) -> None:
-        try:
-            replies = await _evalsha_batch(self.redis, [(script, args) for script, args, _ in batch])
-        except BaseException as e:  # the connection failed: every call of the batch failed with it
-            for _, _, future in batch:
-                if future.done():
-                    continue
-                if isinstance(e, Exception):
-                    future.set_exception(e)
-                else:  # this task was cancelled (the loop is closing): so are the calls
-                    future.cancel()
-            if not isinstance(e, Exception):
-                raise
-            return
-        for (_, _, future), reply in zip(batch, replies, strict=True):
-            if future.done():  # its caller was cancelled; the call itself has run
-                continue
-            if isinstance(reply, Exception):
-                future.set_exception(reply)
-            else:
-                future.set_result(reply)
-
-
-async def _evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, list[Any]]]) -> list[Any]:
-    """Run each (script, args) in one round trip; the replies in order, an error reply as its exception.
-
-    Not ``script(client=pipeline)``: redis-py then sends SCRIPT EXISTS before every pipeline, a
-    second round trip on the hot path. A NOSCRIPT reply (server restarted or flushed its script
-    cache) means that call did not run, so loading the script and sending those calls again is safe.
-    """
-    if len(calls) == 1:
-        script, args = calls[0]
-        try:
-            return [await script(args=args)]  # no pipeline object for a call made alone
-        except ResponseError as e:
-            return [e]
-    pipe = redis.pipeline(transaction=False)
-    for script, args in calls:
-        pipe.evalsha(script.sha, 0, *args)
-    replies = await pipe.execute(raise_on_error=False)
-    missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-    if missing:
-        for script in {calls[i][0] for i in missing}:
-            script.sha = await redis.script_load(script.script)
-        pipe = redis.pipeline(transaction=False)
-        for i in missing:
-            pipe.evalsha(calls[i][0].sha, 0, *calls[i][1])
-        for i, reply in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
-            replies[i] = reply
-    return replies
 
 
 def _error_record(error: BaseException | Mapping[str, Any] | str | None) -> bytes | str:
@@ -171,7 +83,7 @@ def _error_record(error: BaseException | Mapping[str, Any] | str | None) -> byte
     return pack(dict(error))
 
 
-class RedisStore:
+class RedisStore(CompletionsMixin, ResourcesMixin):
     """One experiment's store. Safe to share between coroutines; one per process is typical."""
 
     def __init__(
@@ -203,7 +115,7 @@ class RedisStore:
         self._expire = redis.register_script(scripts.EXPIRE_ATTEMPT)
         self._set_rollout_status = redis.register_script(scripts.SET_ROLLOUT_STATUS)
         self._set_fields = redis.register_script(scripts.SET_FIELDS_IF_EXISTS)
-        self._pipeline = _AutoPipeline(redis)  # the hot-path scripts go through it
+        self._pipeline = AutoPipeline(redis)  # the hot-path scripts go through it
 
     def __repr__(self) -> str:
         return f"RedisStore(experiment={self.experiment!r})"
@@ -681,195 +593,6 @@ class RedisStore:
                 if limit is not None and len(spans) >= limit:
                     break
         return spans
-
-    # --- completions --------------------------------------------------------------------------------
-
-    async def _last_completion_id(self) -> str:
-        last = await self.redis.xrevrange(self.keys.completions, count=1)
-        return last[0][0].decode() if last else "0-0"
-
-    async def wait_for_rollouts(
-        self, rollout_ids: Sequence[str], timeout_s: float | None = None
-    ) -> list[Rollout]:
-        """Block (on the completions stream, no polling) until every rollout is terminal or the
-        timeout passes. Returns the rollouts that are terminal, in the order asked."""
-        cursor = await self._last_completion_id()  # read before the statuses: nothing slips between
-        current = await self.get_rollouts(rollout_ids)
-        missing = [rid for rid, r in zip(rollout_ids, current, strict=True) if r is None]
-        if missing:
-            raise NotFound(f"rollouts {missing[:5]} do not exist in experiment {self.experiment}")
-        waiting = {r.rollout_id for r in current if r is not None and r.status not in TERMINAL_ROLLOUT}
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while waiting:
-            if deadline is None:
-                block_ms = 0
-            else:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                block_ms = max(1, int(remaining * 1000))
-            reply = await self.redis.xread({self.keys.completions: cursor}, count=1000, block=block_ms)
-            for entry_id, fields in reply[0][1] if reply else []:
-                cursor = entry_id.decode()
-                try:
-                    waiting.discard(Completion.from_wire(fields.get(b"m")).rollout_id)
-                except RecordError:
-                    continue  # not ours to dead-letter: the consumer groups do that
-        finished = await self.get_rollouts(rollout_ids)
-        return [r for r in finished if r is not None and r.status in TERMINAL_ROLLOUT]
-
-    async def ensure_completions_group(self, group: str, start: str = "0") -> None:
-        try:
-            await self.redis.xgroup_create(self.keys.completions, group, id=start, mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-        self._completion_groups.add(group)
-
-    async def read_completions(
-        self, group: str, consumer: str, count: int = 100, block_s: float | None = None
-    ) -> list[Completion]:
-        """Completions for a consumer group (the adapter, the algorithm). Acknowledge each with
-        `ack_completions` once its effect is stored; malformed entries are dead-lettered here."""
-        # The group is created once per store, not before every read (one more round trip each
-        # time). A group deleted since (the experiment was deleted) makes the read fail (NOGROUP;
-        # fakeredis words it otherwise): create the group again and read once more.
-        ensured = group in self._completion_groups
-        if not ensured:
-            await self.ensure_completions_group(group)
-        block_ms = None if block_s is None else max(1, int(block_s * 1000))
-        streams = {self.keys.completions: ">"}
-        try:
-            reply = await self.redis.xreadgroup(group, consumer, streams, count=count, block=block_ms)
-        except ResponseError:
-            if not ensured:
-                raise
-            await self.ensure_completions_group(group)
-            reply = await self.redis.xreadgroup(group, consumer, streams, count=count, block=block_ms)
-        out = []
-        for entry_id, fields in reply[0][1] if reply else []:
-            try:
-                out.append(Completion.from_wire(fields.get(b"m"), entry_id.decode()))
-            except RecordError as e:
-                await self.dead_letter(
-                    self.keys.completions, entry_id.decode(), str(e), fields, ack_group=group
-                )
-        return out
-
-    async def ack_completions(self, group: str, entry_ids: Sequence[str]) -> int:
-        return await self.redis.xack(self.keys.completions, group, *entry_ids) if entry_ids else 0
-
-    # --- dead letters -------------------------------------------------------------------------------
-
-    async def dead_letter(
-        self,
-        source: str,
-        entry_id: str,
-        reason: str,
-        fields: Mapping[bytes, bytes],
-        ack_group: str | None = None,
-    ) -> None:
-        """Move a poison message aside with the reason, and acknowledge it so its queue moves on."""
-        log.error("dead-lettered %s entry %s: %s", source, entry_id, reason)
-        payload = {
-            (name.decode(errors="replace") if isinstance(name, bytes) else str(name)): value[:65536]
-            for name, value in fields.items()
-        }
-        letter = DeadLetter(source, entry_id, reason, payload, time.time())
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead_letters, {"m": letter.to_wire()})
-        if ack_group:
-            pipe.xack(source, ack_group, entry_id)
-        await pipe.execute()
-
-    async def query_dead_letters(self, limit: int = 100) -> list[DeadLetter]:
-        entries = await self.redis.xrevrange(self.keys.dead_letters, count=limit)
-        return [DeadLetter.from_wire(f[b"m"], eid.decode()) for eid, f in entries]
-
-    # --- resources ----------------------------------------------------------------------------------
-
-    async def add_resources(
-        self,
-        resources: Mapping[str, Any],
-        resources_id: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> ResourcesUpdate:
-        """Publish a new immutable snapshot under a new id. The id must not exist yet."""
-        return await self._publish_resources(resources, resources_id, metadata, new_id=True)
-
-    async def update_resources(
-        self, resources_id: str, resources: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
-    ) -> ResourcesUpdate:
-        """Publish a new version of ``resources_id``; earlier versions stay readable, unchanged."""
-        return await self._publish_resources(resources, resources_id, metadata, new_id=False)
-
-    async def _publish_resources(
-        self,
-        resources: Mapping[str, Any],
-        resources_id: str | None,
-        metadata: Mapping[str, Any] | None,
-        new_id: bool,
-    ) -> ResourcesUpdate:
-        await self.ensure()
-        if resources_id is not None:
-            k.check_id("resources_id", resources_id)
-        # WATCH the version counter so versions enter the log in order: "latest" is the log's tail.
-        async with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(self.keys.resources_version)
-                    version = int(await pipe.get(self.keys.resources_version) or 0) + 1
-                    rid = resources_id or f"res-{version}"
-                    if new_id and await pipe.exists(self.keys.resources(rid)):
-                        raise InvalidInput(
-                            f"resources {rid} exist already; publish a new version with update_resources"
-                        )
-                    update = ResourcesUpdate(rid, version, dict(resources), time.time(), dict(metadata or {}))
-                    record = update.to_wire(self.max_record_bytes)
-                    pipe.multi()
-                    pipe.set(self.keys.resources_version, version)
-                    pipe.hset(self.keys.resources(rid), mapping={str(version): record, "latest": version})
-                    pipe.xadd(self.keys.resources_log, {"m": record})
-                    await pipe.execute()
-                    return update
-                except aioredis.WatchError:
-                    continue
-
-    async def get_resources(self, resources_id: str, version: int | None = None) -> ResourcesUpdate:
-        """A snapshot by id: its latest version, or the given one."""
-        key = self.keys.resources(resources_id)
-        if version is None:
-            version = int(await self.redis.hget(key, "latest") or 0)
-        record = await self.redis.hget(key, str(version)) if version else None
-        if record is None:
-            raise NotFound(f"resources {resources_id} (version {version or 'latest'}) do not exist")
-        return ResourcesUpdate.from_wire(record, self.max_record_bytes)
-
-    async def get_latest_resources(self) -> ResourcesUpdate | None:
-        last = await self.redis.xrevrange(self.keys.resources_log, count=1)
-        return ResourcesUpdate.from_wire(last[0][1][b"m"], self.max_record_bytes) if last else None
-
-    async def query_resources(
-        self, *, limit: int | None = None, offset: int = 0, descending: bool = False
-    ) -> list[ResourcesUpdate]:
-        entries = await self.redis.xrange(self.keys.resources_log)
-        updates = [ResourcesUpdate.from_wire(f[b"m"], self.max_record_bytes) for _, f in entries]
-        if descending:
-            updates.reverse()
-        return updates[offset : None if limit is None else offset + limit]
-
-    async def subscribe_resources(self, after_version: int | None = None) -> AsyncIterator[ResourcesUpdate]:
-        """Yield every resources version published after ``after_version`` (default: from now on)."""
-        cursor = "0-0" if after_version is not None else "$"
-        if cursor == "$":
-            cursor = (await self.redis.xrevrange(self.keys.resources_log, count=1) or [[b"0-0"]])[0][0]
-        while True:
-            reply = await self.redis.xread({self.keys.resources_log: cursor}, count=100, block=0)
-            for entry_id, fields in reply[0][1] if reply else []:
-                cursor = entry_id
-                update = ResourcesUpdate.from_wire(fields[b"m"], self.max_record_bytes)
-                if after_version is None or update.version > after_version:
-                    yield update
 
     # --- workers ------------------------------------------------------------------------------------
 

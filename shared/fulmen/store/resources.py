@@ -1,0 +1,105 @@
+"""Resources: immutable, versioned snapshots (prompt templates, the LLM endpoint, a model version)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from fulmen import keys as k
+from fulmen.errors import InvalidInput, NotFound
+from fulmen.records import ResourcesUpdate
+
+
+class ResourcesMixin:
+    """Part of `RedisStore`: publishing, reading and following resources versions."""
+
+    redis: aioredis.Redis
+    keys: k.Keys
+    max_record_bytes: int
+    ensure: Callable[[], Awaitable[None]]
+
+    async def add_resources(
+        self,
+        resources: Mapping[str, Any],
+        resources_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> ResourcesUpdate:
+        """Publish a new immutable snapshot under a new id. The id must not exist yet."""
+        return await self._publish_resources(resources, resources_id, metadata, new_id=True)
+
+    async def update_resources(
+        self, resources_id: str, resources: Mapping[str, Any], metadata: Mapping[str, Any] | None = None
+    ) -> ResourcesUpdate:
+        """Publish a new version of ``resources_id``; earlier versions stay readable, unchanged."""
+        return await self._publish_resources(resources, resources_id, metadata, new_id=False)
+
+    async def _publish_resources(
+        self,
+        resources: Mapping[str, Any],
+        resources_id: str | None,
+        metadata: Mapping[str, Any] | None,
+        new_id: bool,
+    ) -> ResourcesUpdate:
+        await self.ensure()
+        if resources_id is not None:
+            k.check_id("resources_id", resources_id)
+        # WATCH the version counter so versions enter the log in order: "latest" is the log's tail.
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(self.keys.resources_version)
+                    version = int(await pipe.get(self.keys.resources_version) or 0) + 1
+                    rid = resources_id or f"res-{version}"
+                    if new_id and await pipe.exists(self.keys.resources(rid)):
+                        raise InvalidInput(
+                            f"resources {rid} exist already; publish a new version with update_resources"
+                        )
+                    update = ResourcesUpdate(rid, version, dict(resources), time.time(), dict(metadata or {}))
+                    record = update.to_wire(self.max_record_bytes)
+                    pipe.multi()
+                    pipe.set(self.keys.resources_version, version)
+                    pipe.hset(self.keys.resources(rid), mapping={str(version): record, "latest": version})
+                    pipe.xadd(self.keys.resources_log, {"m": record})
+                    await pipe.execute()
+                    return update
+                except aioredis.WatchError:
+                    continue
+
+    async def get_resources(self, resources_id: str, version: int | None = None) -> ResourcesUpdate:
+        """A snapshot by id: its latest version, or the given one."""
+        key = self.keys.resources(resources_id)
+        if version is None:
+            version = int(await self.redis.hget(key, "latest") or 0)
+        record = await self.redis.hget(key, str(version)) if version else None
+        if record is None:
+            raise NotFound(f"resources {resources_id} (version {version or 'latest'}) do not exist")
+        return ResourcesUpdate.from_wire(record, self.max_record_bytes)
+
+    async def get_latest_resources(self) -> ResourcesUpdate | None:
+        last = await self.redis.xrevrange(self.keys.resources_log, count=1)
+        return ResourcesUpdate.from_wire(last[0][1][b"m"], self.max_record_bytes) if last else None
+
+    async def query_resources(
+        self, *, limit: int | None = None, offset: int = 0, descending: bool = False
+    ) -> list[ResourcesUpdate]:
+        entries = await self.redis.xrange(self.keys.resources_log)
+        updates = [ResourcesUpdate.from_wire(f[b"m"], self.max_record_bytes) for _, f in entries]
+        if descending:
+            updates.reverse()
+        return updates[offset : None if limit is None else offset + limit]
+
+    async def subscribe_resources(self, after_version: int | None = None) -> AsyncIterator[ResourcesUpdate]:
+        """Yield every resources version published after ``after_version`` (default: from now on)."""
+        cursor = "0-0" if after_version is not None else "$"
+        if cursor == "$":
+            cursor = (await self.redis.xrevrange(self.keys.resources_log, count=1) or [[b"0-0"]])[0][0]
+        while True:
+            reply = await self.redis.xread({self.keys.resources_log: cursor}, count=100, block=0)
+            for entry_id, fields in reply[0][1] if reply else []:
+                cursor = entry_id
+                update = ResourcesUpdate.from_wire(fields[b"m"], self.max_record_bytes)
+                if after_version is None or update.version > after_version:
+                    yield update
