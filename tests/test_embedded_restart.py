@@ -37,7 +37,15 @@ async def test_embedded_redis_is_durable_and_loopback_only(redis_server: Embedde
     client = aioredis.from_url(redis_server.url, decode_responses=True)
     try:
         config = {}
-        for name in ("appendonly", "appendfsync", "appendfilename", "bind", "protected-mode", "save", "dir"):
+        names = (
+            "appendonly",
+            "appendfsync",
+            "appendfilename",
+            "auto-aof-rewrite-min-size",
+            "bind",
+            "protected-mode",
+        )
+        for name in (*names, "save", "dir"):
             config |= await client.config_get(name)
         await client.set("aof-probe", "1")
     finally:
@@ -46,6 +54,7 @@ async def test_embedded_redis_is_durable_and_loopback_only(redis_server: Embedde
         "appendonly": "yes",
         "appendfsync": "everysec",
         "appendfilename": "fulmen.aof",
+        "auto-aof-rewrite-min-size": str(512 * 1024 * 1024),
         "bind": "127.0.0.1",
         "protected-mode": "yes",
         "save": "",

@@ -53,6 +53,10 @@ def server_args(port: int, data_dir: Path) -> list[str]:
         "--appendfsync", "everysec",
         "--appendfilename", "fulmen.aof",
         "--save", "",
+        # A rewrite forks the server and re-writes the whole dataset: on a 2-core machine it takes a
+        # core for seconds, and Redis's 64 MB default starts one every few minutes of training.
+        # Rewrites still bound the file: each starts when it has doubled since the last one.
+        "--auto-aof-rewrite-min-size", "512mb",
         "--daemonize", "no",
         "--loglevel", "warning",
         "--logfile", "",
