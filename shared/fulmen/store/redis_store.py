@@ -342,7 +342,9 @@ class RedisStore(CompletionsMixin, ResourcesMixin):
     async def add_spans(self, spans: Sequence[Span]) -> list[Span]:
         """Store spans (one round trip per call). Each new span gets the next sequence id of its
         rollout; a span already stored (same attempt and span id) is ignored. Counts as a heartbeat.
-        Returns the spans stored now, with their sequence ids."""
+        Returns the spans stored now, with their sequence ids. Spans of an unknown attempt raise
+        NotFound; the other attempts' spans in the same call are stored all the same (retrying the
+        call is safe: duplicates are ignored)."""
         by_attempt: dict[tuple[str, str], list[Span]] = {}
         for s in spans:
             by_attempt.setdefault((s.rollout_id, s.attempt_id), []).append(s)
