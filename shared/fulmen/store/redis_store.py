@@ -69,6 +69,11 @@ def _pairs(flat: list[Any]) -> dict[bytes, bytes]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
 
 
+def _attempted(reply: list[Any]) -> AttemptedRollout:
+    """A claim script's 'ok' item ({'ok', rollout fields, attempt fields}) as records."""
+    return AttemptedRollout(Rollout.from_hash(_pairs(reply[1])), Attempt.from_hash(_pairs(reply[2])))
+
+
 def _error_record(error: BaseException | Mapping[str, Any] | str | None) -> bytes | str:
     if error is None:
         return ""
@@ -197,7 +202,7 @@ class RedisStore(CompletionsMixin, ResourcesMixin):
         result = await self._start_rollout(args=[self.keys.prefix, worker_id, rollout.rollout_id, *flat])
         if result[0] == b"exists":
             raise InvalidInput(f"rollout {rollout.rollout_id} already exists; use start_attempt to retry it")
-        return AttemptedRollout(Rollout.from_hash(_pairs(result[1])), Attempt.from_hash(_pairs(result[2])))
+        return _attempted(result)
 
     async def start_attempt(self, rollout_id: str, worker_id: str = "") -> AttemptedRollout:
         """Begin a new attempt of an existing rollout now (a manual retry); any active one ends."""
@@ -207,9 +212,7 @@ class RedisStore(CompletionsMixin, ResourcesMixin):
             raise NotFound(f"rollout {rollout_id} does not exist in experiment {self.experiment}")
         if code == "terminal":
             raise InvalidTransition(f"rollout {rollout_id} has finished; it cannot start another attempt")
-        return AttemptedRollout(
-            Rollout.from_hash(_pairs(result[0][1])), Attempt.from_hash(_pairs(result[0][2]))
-        )
+        return _attempted(result[0])
 
     # --- claim ------------------------------------------------------------------------------------
 
@@ -262,10 +265,7 @@ class RedisStore(CompletionsMixin, ResourcesMixin):
         if reply == -1:
             self._claim_in_lua = False  # no cmsgpack in this server's Lua: read, then claim
             return None
-        claimed = [
-            AttemptedRollout(Rollout.from_hash(_pairs(r[1])), Attempt.from_hash(_pairs(r[2])))
-            for r in reply[0]
-        ]
+        claimed = [_attempted(r) for r in reply[0]]
         if reply[1]:
             leftover = [(entry_id, _pairs(flat)) for entry_id, flat in reply[1]]
             claimed += await self._claim_entries(worker_id, leftover)
@@ -325,11 +325,7 @@ class RedisStore(CompletionsMixin, ResourcesMixin):
             entry_id, rollout_id = args[2 + 2 * i], args[3 + 2 * i]
             code = result[0].decode()
             if code == "ok":
-                claimed.append(
-                    AttemptedRollout(
-                        Rollout.from_hash(_pairs(result[1])), Attempt.from_hash(_pairs(result[2]))
-                    )
-                )
+                claimed.append(_attempted(result))
             elif code == "missing":
                 reason = f"rollout {rollout_id} does not exist"
                 await self.dead_letter(
