@@ -406,7 +406,21 @@ def trim_command(
     _run(settings, work)
 
 
+def _add_service_commands() -> None:
+    """`fulmen runner`, `fulmen llm-proxy`, ...: each service registers its command as an entry point."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="fulmen.services"):
+        try:
+            command = ep.load()
+        except Exception as e:  # one broken service must not take the whole CLI down
+            err.print(f"[yellow]warning:[/yellow] command {ep.name!r} unavailable: {type(e).__name__}: {e}")
+            continue
+        app.command(ep.name)(command)
+
+
 def main() -> None:
+    _add_service_commands()
     app()
 
 

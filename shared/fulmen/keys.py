@@ -34,6 +34,10 @@ RESOURCES_VERSION = "resources-version"  # counter: the last resources version n
 WATCH_HEARTBEAT = "watch:heartbeat"  # zset: active attempt id -> time it becomes unresponsive
 WATCH_DEADLINE = "watch:deadline"  # zset: active attempt id -> time it times out
 WORKERS = "workers"  # hash: worker id -> worker record
+PROXIES = "proxies"  # hash: proxy id -> proxy endpoint record (its heartbeat)
+WEIGHTS = "weights:"  # stream: one model version's weights, msgpack-framed safetensors chunks
+CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)
+SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
 
 RUNNERS_GROUP = "runners"  # consumer group on QUEUE
 
@@ -67,13 +71,16 @@ class Keys:
 
     __slots__ = (
         "completions",
+        "control",
         "dead_letters",
         "experiment",
         "prefix",
+        "proxies",
         "queue",
         "resources_log",
         "resources_version",
         "rollout_index",
+        "samples",
         "watch_deadline",
         "watch_heartbeat",
         "workers",
@@ -92,6 +99,9 @@ class Keys:
         self.watch_heartbeat = p + WATCH_HEARTBEAT
         self.watch_deadline = p + WATCH_DEADLINE
         self.workers = p + WORKERS
+        self.proxies = p + PROXIES
+        self.control = p + CONTROL
+        self.samples = p + SAMPLES
 
     def rollout(self, rollout_id: str) -> str:
         return self.prefix + ROLLOUT + rollout_id
@@ -110,6 +120,9 @@ class Keys:
 
     def resources(self, resources_id: str) -> str:
         return self.prefix + RESOURCES + resources_id
+
+    def weights(self, model_version: str) -> str:
+        return self.prefix + WEIGHTS + model_version
 
     def pattern(self) -> str:
         """SCAN pattern matching every key of this experiment (braces escaped for glob)."""

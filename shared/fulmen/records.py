@@ -380,3 +380,34 @@ class Worker:
         d = unpack_record(data, "worker")
         del d["v"], d["kind"]
         return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyEndpoint:
+    """An LLM proxy as it last registered itself; runners hand its ``base_url`` to agents."""
+
+    proxy_id: str
+    base_url: str  # ends before /v1, e.g. http://10.0.0.5:8000
+    model: str = ""
+    model_version: str | None = None
+    last_heartbeat_time: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> bytes:
+        return pack_record(
+            "proxy",
+            {
+                "proxy_id": self.proxy_id,
+                "base_url": self.base_url,
+                "model": self.model,
+                "model_version": self.model_version,
+                "last_heartbeat_time": self.last_heartbeat_time,
+                "metadata": self.metadata,
+            },
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> ProxyEndpoint:
+        d = unpack_record(data, "proxy", required=("proxy_id", "base_url"))
+        del d["v"], d["kind"]
+        return cls(**d)

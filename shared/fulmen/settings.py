@@ -39,6 +39,37 @@ class Settings(BaseSettings):
     max_record_bytes: int = Field(DEFAULT_MAX_RECORD_BYTES, ge=1024, description="Size limit of one record.")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
 
+    # --- runner ---------------------------------------------------------------------------------
+    agent: str | None = Field(None, description="The agent to run, as module:function or module:Class.")
+    concurrency: int = Field(8, ge=1, le=4096, description="Rollouts one runner process runs at once.")
+    grace_s: float = Field(
+        3.0, ge=0, description="On SIGTERM, how long in-flight rollouts may run on before they are released."
+    )
+    llm_base_url: str | None = Field(
+        None, description="OpenAI-compatible base URL for agents; unset: the proxies registered in the store."
+    )
+
+    # --- llm proxy ------------------------------------------------------------------------------
+    proxy_host: str = Field("127.0.0.1", description="Address the LLM proxy listens on.")
+    proxy_port: int | None = Field(
+        None, ge=0, le=65535, description="Port of the LLM proxy (unset: $PORT from honcho, else 8000)."
+    )
+    proxy_public_url: str | None = Field(
+        None, description="Base URL the proxy registers for runners (unset: http://<host>:<port>)."
+    )
+    proxy_backend: str = Field("torch", description="torch (in-process HF model), vllm, or openai (upstream).")
+    model_dir: Path | None = Field(None, description="Hugging Face model folder for the torch backend.")
+    model_name: str | None = Field(None, description="Model name the proxy serves (default: the folder's name).")
+    upstream_urls: str | None = Field(
+        None, description="Comma-separated base URLs of upstream vllm/openai servers (sticky by rollout)."
+    )
+    proxy_api_keys: SecretStr | None = Field(
+        None, description="Comma-separated bearer keys the proxy accepts (unset: no auth)."
+    )
+    upstream_api_key: SecretStr | None = Field(None, description="Bearer key for the upstream server.")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the proxy accepts.")
+    max_batch: int = Field(16, ge=1, le=1024, description="Most requests the torch backend decodes together.")
+
     @property
     def embedded(self) -> bool:
         return self.redis_url is None
@@ -51,7 +82,8 @@ class Settings(BaseSettings):
 
     def __repr_args__(self) -> Any:  # SecretStr already masks the password; say so plainly
         for name, value in super().__repr_args__():
-            yield name, ("<set>" if name == "redis_url" and value is not None else value)
+            secret = name in ("redis_url", "proxy_api_keys", "upstream_api_key")
+            yield name, ("<set>" if secret and value is not None else value)
 
 
 def load_settings(**overrides: Any) -> Settings:

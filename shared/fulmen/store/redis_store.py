@@ -54,6 +54,7 @@ from fulmen.status import (
 from fulmen.store import scripts
 from fulmen.store.autopipeline import AutoPipeline
 from fulmen.store.completions import CompletionsMixin
+from fulmen.store.proxies import ProxiesMixin
 from fulmen.store.resources import ResourcesMixin
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def _error_record(error: BaseException | Mapping[str, Any] | str | None) -> byte
     return pack(dict(error))
 
 
-class RedisStore(CompletionsMixin, ResourcesMixin):
+class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin):
     """One experiment's store. Safe to share between coroutines; one per process is typical."""
 
     def __init__(

@@ -1,0 +1,1 @@
+"""The LLM proxy service: OpenAI-compatible, token-faithful, recorded (`fulmen llm-proxy`)."""

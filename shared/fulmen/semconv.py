@@ -1,0 +1,72 @@
+"""Span names, attribute names and HTTP headers that the SDK, the runner, the proxy and the adapter share.
+
+LLM-call spans follow the OpenTelemetry GenAI semantic conventions (``gen_ai.*``); what those do not
+cover (token ids, log-probabilities, the model version, attribution) lives under ``fulmen.*``.
+Attribute values stay OTLP-friendly: str, bool, int, float, or homogeneous lists of them.
+"""
+
+from __future__ import annotations
+
+# --- binding: every span of an attempt carries these --------------------------------------------
+ROLLOUT_ID = "fulmen.rollout_id"
+ATTEMPT_ID = "fulmen.attempt_id"
+SPAN_KIND = "fulmen.span_kind"  # llm_call | reward | message | object | exception | operation | rollout
+
+# --- LLM calls (written by the proxy) -------------------------------------------------------------
+KIND_LLM_CALL = "llm_call"
+GEN_AI_OPERATION = "gen_ai.operation.name"  # "chat" | "text_completion"
+GEN_AI_SYSTEM = "gen_ai.system"  # the backend: torch | vllm | openai
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_TOP_P = "gen_ai.request.top_p"
+GEN_AI_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_SEED = "gen_ai.request.seed"
+GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+PROMPT_TOKEN_IDS = "fulmen.prompt_token_ids"  # list[int]
+RESPONSE_TOKEN_IDS = "fulmen.response_token_ids"  # list[int]
+RESPONSE_LOGPROBS = "fulmen.response_logprobs"  # list[float], one per response token
+MODEL_VERSION = "fulmen.model_version"  # the weights that produced the response
+TOKEN_FIDELITY = "fulmen.token_fidelity"  # "exact" (ids from the engine) | "text_only" (openai backend)
+REQUEST_JSON = "fulmen.request"  # the request body (messages or prompt, tools), JSON text
+RESPONSE_JSON = "fulmen.response"  # the response message / text, JSON text
+LATENCY_MS = "fulmen.latency_ms"
+STREAM = "fulmen.stream"  # bool
+
+# --- what agents emit (fulmen.emit_*) -------------------------------------------------------------
+KIND_REWARD = "reward"
+REWARD_SPAN = "fulmen.reward"
+REWARD = "fulmen.reward"  # the primary reward, float
+REWARD_PRIMARY = "fulmen.reward.primary"  # name of the primary reward when several are emitted
+REWARD_PREFIX = "fulmen.reward."  # + name: each named reward, float
+KIND_MESSAGE = "message"
+MESSAGE_SPAN = "fulmen.message"
+MESSAGE = "fulmen.message"
+KIND_OBJECT = "object"
+OBJECT_SPAN = "fulmen.object"
+OBJECT_JSON = "fulmen.object"
+KIND_EXCEPTION = "exception"
+EXCEPTION_SPAN = "fulmen.exception"
+EXCEPTION_TYPE = "exception.type"  # OpenTelemetry's exception attributes
+EXCEPTION_MESSAGE = "exception.message"
+EXCEPTION_STACKTRACE = "exception.stacktrace"
+KIND_OPERATION = "operation"
+OPERATION_NAME = "fulmen.operation.name"
+OPERATION_INPUT = "fulmen.operation.input"
+OPERATION_OUTPUT = "fulmen.operation.output"
+KIND_ROLLOUT = "rollout"
+ROLLOUT_SPAN = "fulmen.rollout"  # the root span of an attempt, opened by the runner
+
+# --- HTTP: attribution of a proxy request when the path prefix is not used -----------------------
+HEADER_ROLLOUT_ID = "x-fulmen-rollout-id"
+HEADER_ATTEMPT_ID = "x-fulmen-attempt-id"
+HEADER_MODEL_VERSION = "x-fulmen-model-version"  # on every proxy response: the version that served it
+# W3C trace context travels in the standard `traceparent` header.
+
+
+def attempt_path(rollout_id: str, attempt_id: str) -> str:
+    """The path prefix that attributes proxy calls to an attempt (before ``/v1``)."""
+    return f"/rollout/{rollout_id}/attempt/{attempt_id}"

@@ -1,0 +1,62 @@
+"""Proxy registry: LLM proxies announce their base URL with a heartbeat; runners pick a live one."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import redis.asyncio as aioredis
+
+from fulmen import keys as k
+from fulmen.errors import RecordError
+from fulmen.records import ProxyEndpoint
+
+PROXY_TTL_S = 15.0  # a proxy silent for longer is not handed to new attempts
+
+
+class ProxiesMixin:
+    """Part of `RedisStore`: the registry of LLM proxies."""
+
+    redis: aioredis.Redis
+    keys: k.Keys
+
+    async def register_proxy(self, endpoint: ProxyEndpoint) -> ProxyEndpoint:
+        """Record (or refresh) a proxy; call it every few seconds as the proxy's heartbeat."""
+        k.check_id("proxy_id", endpoint.proxy_id)
+        endpoint = replace(endpoint, last_heartbeat_time=time.time())
+        await self.redis.hset(self.keys.proxies, endpoint.proxy_id, endpoint.to_wire())
+        return endpoint
+
+    async def unregister_proxy(self, proxy_id: str) -> None:
+        await self.redis.hdel(self.keys.proxies, proxy_id)
+
+    async def query_proxies(self, max_age_s: float | None = PROXY_TTL_S) -> list[ProxyEndpoint]:
+        """Registered proxies sorted by id; with ``max_age_s``, only those that heartbeated lately.
+
+        A record that cannot be read is skipped: one bad entry must not hide the healthy proxies."""
+        now = time.time()
+        proxies = []
+        for raw in (await self.redis.hgetall(self.keys.proxies)).values():
+            try:
+                proxy = ProxyEndpoint.from_wire(raw)
+            except RecordError:
+                continue
+            if max_age_s is None or now - (proxy.last_heartbeat_time or 0) <= max_age_s:
+                proxies.append(proxy)
+        return sorted(proxies, key=lambda p: p.proxy_id)
+
+
+def pick_proxy(proxies: Sequence[ProxyEndpoint], rollout_id: str) -> ProxyEndpoint:
+    """The proxy for a rollout: a stable hash of its id, so every attempt and turn of a rollout lands on
+    the same proxy (its KV cache, its sticky upstream) while rollouts spread evenly.
+
+    Rendezvous hashing: when a proxy joins or leaves, only the rollouts that hashed to it move."""
+    if not proxies:
+        raise ValueError("no proxy to pick from")
+
+    def score(p: ProxyEndpoint) -> bytes:
+        return hashlib.blake2b(f"{p.proxy_id}|{rollout_id}".encode(), digest_size=8).digest()
+
+    return max(proxies, key=score)
