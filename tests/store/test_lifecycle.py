@@ -288,6 +288,29 @@ async def test_update_rollout_to_requeuing(store: RedisStore) -> None:
     assert await _completions(store) == []
 
 
+async def test_release_attempt_requeues_at_once_even_without_retries(store: RedisStore) -> None:
+    """A released attempt ends failed with the reason and its rollout is queued for another worker."""
+    await _claim(store, config=RolloutConfig(max_attempts=1))
+    assert await store.release_attempt("r1", "r1.1", reason="runner w1 stopping") is True
+    attempt = await store.get_attempt("r1.1")
+    assert attempt.status is AttemptStatus.FAILED
+    assert (await store.get_rollout("r1")).status is RolloutStatus.REQUEUING
+    again = await store.dequeue_rollout("w2")
+    assert again is not None and again.attempt.attempt_id == "r1.2"
+    assert await _completions(store) == []
+
+
+async def test_release_of_a_replaced_attempt_changes_nothing(store: RedisStore) -> None:
+    """Releasing an attempt that is no longer the latest leaves the newer attempt running."""
+    await _claim(store)
+    await store.update_rollout("r1", status="requeuing")
+    newer = await store.dequeue_rollout("w2")
+    assert newer is not None and newer.attempt.attempt_id == "r1.2"
+    assert await store.release_attempt("r1", "r1.1") is False
+    assert (await store.get_attempt("r1.2")).status is AttemptStatus.PREPARING
+    assert (await store.statistics())["queue_depth"] == 0
+
+
 async def test_update_rollout_requeuing_of_waiting_rollout_changes_nothing(store: RedisStore) -> None:
     """Requeuing a rollout that is already waiting returns None and adds no queue entry."""
     await store.enqueue_rollout("x", rollout_id="r1")

@@ -441,12 +441,14 @@ class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin):
         status: RolloutStatus | str | None = None,
         metadata: Mapping[str, Any] | None = None,
         reason: str = "",
+        only_attempt_id: str | None = None,
     ) -> RolloutStatus | None:
         """Change a rollout's metadata and/or force its status.
 
         ``status`` may be terminal (succeeded, failed, cancelled: any active attempt is marked failed
         with ``reason``) or requeuing (queue it again now). Returns the new status, or None when the
-        rollout was already there (terminal, or already waiting)."""
+        rollout was already there (terminal, or already waiting). With ``only_attempt_id``, the change
+        happens only while that attempt is the rollout's latest and still active."""
         if metadata is not None:
             packed = pack(dict(metadata), self.max_record_bytes)
             if not await self._set_fields(keys=[self.keys.rollout(rollout_id)], args=["metadata", packed]):
@@ -466,11 +468,23 @@ class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin):
             _error_record(reason or f"rollout set to {status.value}"),
             QueueEntry(rollout_id).to_wire(),
             Completion(rollout_id, status, None).to_wire(),
+            only_attempt_id or "",
         ]
         code = (await self._set_rollout_status(args=args)).decode()
         if code == "missing":
             raise NotFound(f"rollout {rollout_id} does not exist")
         return None if code == "already" else RolloutStatus(code)
+
+    async def release_attempt(self, rollout_id: str, attempt_id: str, reason: str = "released") -> bool:
+        """Hand an attempt back (a runner shutting down): it ends as failed with ``reason`` and the
+        rollout is queued again at once for another runner, whatever its retry policy — the attempt
+        did not fail on its merits. Returns False if the attempt had already ended or been replaced."""
+        return (
+            await self.update_rollout(
+                rollout_id, status=RolloutStatus.REQUEUING, reason=reason, only_attempt_id=attempt_id
+            )
+            is not None
+        )
 
     async def cancel_rollout(self, rollout_id: str, reason: str = "cancelled") -> bool:
         """Cancel a rollout that has not finished. Returns False if it had already finished."""

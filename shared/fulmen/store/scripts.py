@@ -308,8 +308,9 @@ return finish(rid, aid, kind, ARGV[5], ARGV[6], ARGV[7])
 
 # ARGV[2] = rollout id, ARGV[3] = new status (succeeded | failed | cancelled | requeuing),
 # ARGV[4] = error message for an attempt cut short, ARGV[5] = queue message,
-# ARGV[6] = completion message.
-# Returns 'missing', 'already' (terminal, or already waiting), or the new status.
+# ARGV[6] = completion message, ARGV[7] (optional) = only if this attempt is the latest and active
+# (a runner handing back its own attempt must not requeue a newer one).
+# Returns 'missing', 'already' (terminal, already waiting, or not that attempt's), or the new status.
 SET_ROLLOUT_STATUS = (
     _PRELUDE
     + """
@@ -319,6 +320,10 @@ local r = redis.call('HMGET', rk, 'status', 'attempt_id')
 if not r[1] then return 'missing' end
 if TERMINAL[r[1]] then return 'already' end
 if new == 'requeuing' and (r[1] == 'queuing' or r[1] == 'requeuing') then return 'already' end
+if ARGV[7] and ARGV[7] ~= '' and (r[2] ~= ARGV[7]
+    or not ACTIVE[redis.call('HGET', K_ATTEMPT .. ARGV[7], 'status')]) then
+  return 'already'
+end
 local t = now()
 if r[2] and r[2] ~= '' and ACTIVE[redis.call('HGET', K_ATTEMPT .. r[2], 'status')] then
   redis.call('HSET', K_ATTEMPT .. r[2], 'status', 'failed', 'end_time', t, 'error', ARGV[4])
