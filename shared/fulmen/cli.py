@@ -46,7 +46,9 @@ ExperimentOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
-def _settings(**overrides: Any) -> Settings:
+def settings_from_flags(**overrides: Any) -> Settings:
+    """Settings from a command's flags over the environment, logging set up; a bad value exits 2.
+    Every service's command starts with this."""
     try:
         settings = load_settings(**overrides)
     except FulmenError as e:
@@ -60,8 +62,10 @@ def _settings(**overrides: Any) -> Settings:
     return settings
 
 
-def _run(settings: Settings, work: Callable[[RedisStore], Awaitable[T]]) -> T:
-    """Connect, run one piece of work on the experiment's store, and turn Fulmen errors into exit 1."""
+def run_on_store(settings: Settings, work: Callable[[RedisStore], Awaitable[T]]) -> T:
+    """Connect, run one piece of work on the experiment's store, and turn Fulmen errors into exit 1.
+
+    The connection waits (with backoff and a log line) for Redis to come up, up to redis_wait_s."""
 
     async def main() -> T:
         client = await connect(settings)
@@ -93,7 +97,7 @@ def redis(
 
     With REDIS_URL set, Fulmen uses that server instead: this command then stays up doing nothing,
     so that honcho (which stops everything when one process exits) keeps the other services running."""
-    settings = _settings(redis_port=port, data_dir=data_dir)
+    settings = settings_from_flags(redis_port=port, data_dir=data_dir)
     if not settings.embedded:
         log.info(
             "REDIS_URL is set (%s): nothing to run; idling until stopped", redact(settings.redis_url_value())
@@ -139,7 +143,7 @@ def push(
 
     Each line is a JSON object: the task the agent receives. Bad lines are reported with their line
     number and skipped (or, with --strict, nothing is queued). Ends with a summary."""
-    settings = _settings(experiment=experiment)
+    settings = settings_from_flags(experiment=experiment)
     defaults: dict[str, Any] = {
         "mode": mode,
         "resources_id": resources_id,
@@ -191,7 +195,7 @@ def push(
         return created, existed, bad
 
     try:
-        created, existed, bad = _run(settings, work)
+        created, existed, bad = run_on_store(settings, work)
     finally:
         if stream is not sys.stdin:
             stream.close()
@@ -216,8 +220,8 @@ def push(
 @app.command()
 def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
     """One screen: queue depth, rollouts per status, pending per consumer, dead letters, resources."""
-    settings = _settings(experiment=experiment)
-    stats = _run(settings, lambda store: store.statistics())
+    settings = settings_from_flags(experiment=experiment)
+    stats = run_on_store(settings, lambda store: store.statistics())
     if as_json:
         out.print_json(json.dumps(stats))
         return
@@ -250,8 +254,8 @@ def rollouts(
     as_json: JsonOpt = False,
 ) -> None:
     """List rollouts, newest first, with their status and attempts."""
-    settings = _settings(experiment=experiment)
-    found = _run(
+    settings = settings_from_flags(experiment=experiment)
+    found = run_on_store(
         settings,
         lambda store: store.query_rollouts(
             status=status_ or None, mode=mode, descending=not oldest_first, limit=limit, offset=offset
@@ -295,8 +299,8 @@ def spans(
     as_json: JsonOpt = False,
 ) -> None:
     """Show a rollout's spans in sequence order."""
-    settings = _settings(experiment=experiment)
-    found = _run(settings, lambda store: store.query_spans(rollout_id, None if attempt == "all" else attempt))
+    settings = settings_from_flags(experiment=experiment)
+    found = run_on_store(settings, lambda store: store.query_spans(rollout_id, None if attempt == "all" else attempt))
     if as_json:
         out.print_json(
             json.dumps(
@@ -332,8 +336,8 @@ def dead_letters(
     limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 20,
 ) -> None:
     """Show poison messages and why they were set aside."""
-    settings = _settings(experiment=experiment)
-    letters = _run(settings, lambda store: store.query_dead_letters(limit))
+    settings = settings_from_flags(experiment=experiment)
+    letters = run_on_store(settings, lambda store: store.query_dead_letters(limit))
     table = Table("id", "source", "entry", "reason")
     for d in letters:
         table.add_row(d.dead_letter_id, d.source, d.entry_id, d.reason)
@@ -351,7 +355,7 @@ def watchdog(
     """End attempts past their timeout or heartbeat, and requeue or fail their rollouts.
 
     Safe to run several at once (each attempt changes status exactly once). Stops on SIGTERM."""
-    settings = _settings(experiment=experiment)
+    settings = settings_from_flags(experiment=experiment)
 
     async def work(store: RedisStore) -> None:
         stop = asyncio.Event()
@@ -362,7 +366,7 @@ def watchdog(
         await run_watchdog(store, interval_s, stop)
         log.info("watchdog stopped")
 
-    _run(settings, work)
+    run_on_store(settings, work)
 
 
 @app.command()
@@ -371,7 +375,7 @@ def experiments(
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask before deleting.")] = False,
 ) -> None:
     """List the experiments in this Redis, or delete one."""
-    settings = _settings()
+    settings = settings_from_flags()
     if delete and not yes:
         typer.confirm(f"Delete experiment {delete!r} and all its rollouts, spans and resources?", abort=True)
 
@@ -383,7 +387,7 @@ def experiments(
             for name in await list_experiments(store.redis):
                 out.print(name)
 
-    _run(settings, work)
+    run_on_store(settings, work)
 
 
 @app.command("trim")
@@ -394,7 +398,7 @@ def trim_command(
     delete_rollouts: Annotated[bool, typer.Option(help="Also delete the trimmed rollouts' records.")] = False,
 ) -> None:
     """Trim what every consumer group has acknowledged (queue, completions and their spans)."""
-    settings = _settings(experiment=experiment)
+    settings = settings_from_flags(experiment=experiment)
 
     async def work(store: RedisStore) -> None:
         report = await trim(store, RetentionPolicy(max_age_s, max_count, delete_rollouts))
@@ -403,7 +407,7 @@ def trim_command(
             f"{report.span_streams} span streams, {report.rollouts} rollouts"
         )
 
-    _run(settings, work)
+    run_on_store(settings, work)
 
 
 def _add_service_commands() -> None:

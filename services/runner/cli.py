@@ -1,0 +1,211 @@
+"""`fulmen runner` and `fulmen run-once`. Kept light at import: `fulmen --help` loads this module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from fulmen.cli import run_on_store, settings_from_flags
+from fulmen.errors import FulmenError
+from fulmen.store import RedisStore
+
+log = logging.getLogger("fulmen.runner")
+out = Console()
+err = Console(stderr=True)
+
+AgentOpt = Annotated[
+    str | None, typer.Option("--agent", "-a", help="The agent, as module:function or module:Class [env FULMEN_AGENT].")
+]
+HookOpt = Annotated[
+    list[str] | None, typer.Option("--hook", help="A fulmen.Hook as module:Class (repeatable).")
+]
+ExperimentOpt = Annotated[str | None, typer.Option("--experiment", "-e", help="Experiment [env FULMEN_EXPERIMENT].")]
+BaseUrlOpt = Annotated[
+    str | None,
+    typer.Option(help="OpenAI-compatible base URL for agents [env FULMEN_LLM_BASE_URL; default: the proxies in the store]."),
+]
+
+
+def _load(agent_spec: str | None, hook_specs: list[str] | None) -> tuple[Any, list[Any]]:
+    """The agent and hooks, checked before anything connects: a wrong --agent fails at once (exit 2)."""
+    from fulmen.sdk.agent import load_agent
+    from fulmen.sdk.hooks import Hook
+
+    if not agent_spec:
+        err.print("[red]error:[/red] no agent: pass --agent module:function (or set FULMEN_AGENT)")
+        raise typer.Exit(2)
+    try:
+        agent = load_agent(agent_spec)
+        hooks = []
+        for spec in hook_specs or []:
+            module, _, name = spec.partition(":")
+            hook = getattr(__import__(module, fromlist=[name]), name)
+            hook = hook() if isinstance(hook, type) else hook
+            if not isinstance(hook, Hook):
+                raise FulmenError(f"--hook {spec!r} is not a fulmen.Hook")
+            hooks.append(hook)
+    except (FulmenError, ImportError, AttributeError) as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    return agent, hooks
+
+
+def command(
+    agent: AgentOpt = None,
+    concurrency: Annotated[
+        int | None, typer.Option("--concurrency", "-c", min=1, help="Rollouts run at once [env FULMEN_CONCURRENCY; default 8].")
+    ] = None,
+    grace_s: Annotated[
+        float | None, typer.Option(min=0, help="On SIGTERM, seconds in-flight rollouts may finish [default 3].")
+    ] = None,
+    hook: HookOpt = None,
+    experiment: ExperimentOpt = None,
+    llm_base_url: BaseUrlOpt = None,
+) -> None:
+    """Claim rollouts and run the agent on them, N at a time; scale with more processes.
+
+    Each attempt gets the resources its rollout names and an LLM on a registered proxy; its spans go
+    to the store (and to OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set). SIGTERM: stop claiming,
+    let in-flight rollouts finish for --grace-s, hand back the rest."""
+    settings = settings_from_flags(
+        agent=agent, concurrency=concurrency, grace_s=grace_s, experiment=experiment, llm_base_url=llm_base_url
+    )
+    the_agent, hooks = _load(settings.agent, hook)
+    from fulmen.tracing import setup_tracing
+    from fulmen_runner.runner import Runner
+
+    _, buffer = setup_tracing("fulmen-runner")
+
+    async def work(store: RedisStore) -> None:
+        runner = Runner(
+            store,
+            the_agent,
+            buffer,
+            hooks=hooks,
+            concurrency=settings.concurrency,
+            grace_s=settings.grace_s,
+            llm_base_url=settings.llm_base_url,
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, runner.stop)
+        await runner.run()
+        log.info("runner %s stopped after %d rollout(s)", runner.worker_id, runner.finished)
+
+    run_on_store(settings, work)
+    _exit_if_agent_threads_linger()
+
+
+def _exit_if_agent_threads_linger() -> None:
+    """A sync agent handed back at shutdown may still run in its thread, which Python would wait for
+    at exit; its attempt is already requeued and its spans flushed, so leave without it."""
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if others:
+        log.info("leaving %d agent thread(s) behind", len(others))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _parse_task(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        if text.lstrip()[:1] in "{[\"":
+            err.print(f"[red]error:[/red] --task is not valid JSON: {e}")
+            raise typer.Exit(2) from None
+        return text  # a plain string task
+
+
+def run_once(
+    agent: AgentOpt = None,
+    task: Annotated[str, typer.Option("--task", "-t", help="The task, as JSON (or a plain string).")] = "",
+    resources_id: Annotated[
+        str | None, typer.Option(help="Resources to use (default: the latest in the store).")
+    ] = None,
+    hook: HookOpt = None,
+    experiment: ExperimentOpt = None,
+    llm_base_url: BaseUrlOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the spans and reward as JSON.")] = False,
+) -> None:
+    """Run one task through the agent, in this process, and print its spans and reward.
+
+    The way to debug an agent before training it: the rollout goes through the store (so the proxy
+    records its LLM calls) but skips the queue; exit code 0 if it succeeded, 1 otherwise."""
+    settings = settings_from_flags(agent=agent, experiment=experiment, llm_base_url=llm_base_url)
+    the_agent, hooks = _load(settings.agent, hook)
+    the_task = _parse_task(task)
+    from fulmen.tracing import setup_tracing
+    from fulmen_runner.execute import AttemptContext, execute
+    from fulmen_runner.inputs import InputResolver
+    from fulmen_runner.runner import default_worker_id
+    from fulmen_runner.span_writer import SpanWriter
+
+    _, buffer = setup_tracing("fulmen-run-once")
+
+    async def work(store: RedisStore) -> bool:
+        worker_id = default_worker_id().replace("runner-", "run-once-")
+        claimed = await store.start_rollout(
+            the_task, worker_id, resources_id=resources_id, metadata={"run_once": True}
+        )
+        ctx = AttemptContext(
+            store, the_agent, hooks, InputResolver(store, llm_base_url=settings.llm_base_url),
+            SpanWriter(store, buffer), worker_id,
+        )
+        outcome = await execute(ctx, claimed)
+        spans = await store.query_spans(claimed.rollout.rollout_id)
+        _print_run(claimed.rollout.rollout_id, outcome, spans, as_json)
+        return outcome.status is not None and outcome.status.value == "succeeded"
+
+    ok = run_on_store(settings, work)
+    raise typer.Exit(0 if ok else 1)
+
+
+def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -> None:
+    from fulmen import semconv
+
+    if as_json:
+        out.print_json(
+            json.dumps(
+                {
+                    "rollout_id": rollout_id,
+                    "status": outcome.status.value if outcome.status else None,
+                    "reward": outcome.reward,
+                    "error": repr(outcome.error) if outcome.error else None,
+                    "spans": [
+                        {"sequence_id": s.sequence_id, "name": s.name, "span_id": s.span_id,
+                         "parent_id": s.parent_id, "attributes": s.attributes}
+                        for s in spans
+                    ],
+                },
+                default=str,
+            )
+        )
+        return
+    out.print(f"rollout [bold]{rollout_id}[/bold]: {len(spans)} span(s)")
+    for s in spans:
+        kind = s.attributes.get(semconv.SPAN_KIND, "")
+        detail = ""
+        if kind == semconv.KIND_LLM_CALL:
+            detail = f"{len(s.attributes.get(semconv.PROMPT_TOKEN_IDS) or [])} prompt + " \
+                     f"{len(s.attributes.get(semconv.RESPONSE_TOKEN_IDS) or [])} response tokens"
+        elif kind == semconv.KIND_REWARD:
+            detail = f"reward {s.attributes.get(semconv.REWARD)}"
+        elif kind == semconv.KIND_EXCEPTION:
+            detail = f"{s.attributes.get(semconv.EXCEPTION_TYPE)}: {s.attributes.get(semconv.EXCEPTION_MESSAGE)}"
+        elif kind == semconv.KIND_MESSAGE:
+            detail = str(s.attributes.get(semconv.MESSAGE))[:100]
+        out.print(f"  {s.sequence_id:>3}  {s.name:<28} {detail}")
+    status = outcome.status.value if outcome.status else "abandoned"
+    out.print(f"status: [bold]{status}[/bold]  reward: [bold]{outcome.reward}[/bold]")
+    if outcome.error:
+        out.print(f"error: {type(outcome.error).__name__}: {outcome.error}")

@@ -1,0 +1,178 @@
+"""One attempt, start to end: hooks, the agent under its timeout, heartbeats, the reward, the report.
+
+    on_rollout_start → resolve inputs → on_trace_start → [root span: the agent] → reward span
+    → on_trace_end → flush spans → report the attempt's status → on_rollout_end
+
+Every span of the attempt is stored before its status is reported, so whoever sees the attempt end
+(the adapter, through the completions stream) finds all of its spans. Cancelled from outside (the
+runner shutting down), the attempt is handed back to the queue instead of being failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+
+from fulmen import semconv
+from fulmen.errors import InvalidInput
+from fulmen.records import AttemptedRollout
+from fulmen.sdk.agent import Agent
+from fulmen.sdk.emit import emit_exception, emit_reward
+from fulmen.sdk.hooks import Hook, run_hooks
+from fulmen.status import ACTIVE_ATTEMPT, AttemptStatus, RolloutStatus
+from fulmen.store import RedisStore
+from fulmen.tracing import bind, tracer
+from fulmen_runner.inputs import InputResolver
+from fulmen_runner.span_writer import SpanWriter
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_MAX_S = 10.0  # also how soon a runner notices that its rollout was cancelled
+
+
+class Abandoned(Exception):
+    """The store says the attempt is over (rollout cancelled, attempt timed out elsewhere)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: AttemptStatus | None  # None: handed back or abandoned, nothing reported
+    reward: float | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class AttemptContext:
+    store: RedisStore
+    agent: Agent
+    hooks: Sequence[Hook]
+    resolver: InputResolver
+    writer: SpanWriter
+    worker_id: str
+
+
+def _reward_of(result: Any) -> float | Mapping[str, float] | None:
+    if result is None or isinstance(result, Mapping):
+        return result
+    if isinstance(result, int | float):  # bool included: True is a reward of 1.0
+        return result
+    raise InvalidInput(
+        f"the agent returned a {type(result).__name__}; return a float reward, a dict of named "
+        "rewards, or None after fulmen.emit_reward(...)"
+    )
+
+
+async def _heartbeat(store: RedisStore, rollout_id: str, attempt_id: str, interval_s: float) -> None:
+    """Beat until cancelled; raise `Abandoned` when the store says the attempt is over."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            rollout_status, attempt_status = await store.heartbeat(rollout_id, attempt_id)
+        except Exception as e:  # a missed beat is not fatal: the next one may get through
+            log.warning("heartbeat of %s failed: %s", attempt_id, e)
+            continue
+        if rollout_status is RolloutStatus.CANCELLED:
+            raise Abandoned(f"rollout {rollout_id} was cancelled")
+        if attempt_status not in ACTIVE_ATTEMPT:
+            raise Abandoned(f"attempt {attempt_id} is {attempt_status.value} in the store")
+
+
+async def _run_agent(ctx: AttemptContext, claimed: AttemptedRollout) -> Any:
+    """The agent, raced against its heartbeat (which raises `Abandoned`) and its timeout."""
+    rollout, attempt = claimed.rollout, claimed.attempt
+    config = rollout.config
+    interval = min(HEARTBEAT_MAX_S, (config.unresponsive_seconds or HEARTBEAT_MAX_S * 3) / 3)
+    inputs = await ctx.resolver.resolve(claimed)
+    agent_task = asyncio.ensure_future(ctx.agent.call(inputs))
+    beat_task = asyncio.ensure_future(_heartbeat(ctx.store, rollout.rollout_id, attempt.attempt_id, interval))
+    try:
+        done, _ = await asyncio.wait(
+            {agent_task, beat_task}, timeout=config.timeout_seconds, return_when=asyncio.FIRST_COMPLETED
+        )
+        if agent_task in done:
+            return agent_task.result()
+        if beat_task in done:
+            beat_task.result()  # raises Abandoned
+        raise TimeoutError(f"the agent ran longer than timeout_seconds={config.timeout_seconds}")
+    finally:
+        for task in (agent_task, beat_task):
+            task.cancel()
+        if inputs.llm is not None:
+            await inputs.llm.aclose()
+
+
+async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
+    rollout, attempt = claimed.rollout, claimed.attempt
+    rid, aid = rollout.rollout_id, attempt.attempt_id
+    started = time.monotonic()
+    with bind(rid, aid):
+        await run_hooks("on_rollout_start", ctx.agent, ctx.hooks, rollout)
+        await run_hooks("on_trace_start", ctx.agent, ctx.hooks, rollout)
+        status: AttemptStatus | None = AttemptStatus.SUCCEEDED
+        reward: float | None = None
+        error: BaseException | None = None
+        root = tracer().start_span(
+            semconv.ROLLOUT_SPAN,
+            attributes={
+                semconv.SPAN_KIND: semconv.KIND_ROLLOUT,
+                "fulmen.worker_id": ctx.worker_id,
+                "fulmen.attempt_sequence": attempt.sequence_id,
+            },
+        )
+        try:
+            with trace.use_span(root, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+                try:
+                    result = await _run_agent(ctx, claimed)
+                    value = _reward_of(result)
+                except TimeoutError as e:
+                    status, error = AttemptStatus.TIMEOUT, e
+                except Abandoned as e:
+                    status, error = None, e
+                except asyncio.CancelledError:
+                    root.set_status(trace.Status(trace.StatusCode.ERROR, "handed back"))
+                    root.end()
+                    await _hand_back(ctx, rid, aid)
+                    raise
+                except Exception as e:
+                    status, error = AttemptStatus.FAILED, e
+                if error is not None:
+                    emit_exception(error)
+                    root.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+            root.end()
+            if status is AttemptStatus.SUCCEEDED and value is not None:
+                with trace.use_span(root, end_on_exit=False):
+                    try:
+                        reward = emit_reward(value)
+                    except InvalidInput as e:  # a NaN or malformed reward fails the attempt, clearly
+                        status, error = AttemptStatus.FAILED, e
+                        emit_exception(e)
+        finally:
+            if root.is_recording():
+                root.end()
+        await run_hooks("on_trace_end", ctx.agent, ctx.hooks, rollout)
+        await ctx.writer.flush(aid)
+        if status is not None:
+            outcome = await ctx.store.update_attempt(rid, aid, status=status, error=error)
+            log.debug("attempt %s %s -> %s in %.3f s", aid, status.value, outcome, time.monotonic() - started)
+        else:
+            log.info("attempt %s abandoned: %s", aid, error)
+        await run_hooks("on_rollout_end", ctx.agent, ctx.hooks, rollout, reward)
+    return Outcome(status, reward, error)
+
+
+async def _hand_back(ctx: AttemptContext, rollout_id: str, attempt_id: str) -> None:
+    """Store what the attempt traced so far and requeue its rollout for another runner."""
+    try:
+        await asyncio.shield(ctx.writer.flush(attempt_id))
+        released = await asyncio.shield(
+            ctx.store.release_attempt(rollout_id, attempt_id, reason=f"runner {ctx.worker_id} stopped")
+        )
+        log.info("attempt %s handed back (%s)", attempt_id, "requeued" if released else "already over")
+    except Exception as e:
+        log.error("could not hand back attempt %s (%s); the watchdog will recover it", attempt_id, e)

@@ -1,0 +1,153 @@
+"""The runner's main loop: claim rollouts for the free slots, run each attempt, stop cleanly.
+
+One claim call asks for as many rollouts as there are free slots (the store claims them in one round
+trip), so a runner at concurrency 64 does not hold 64 blocking reads. Stopping (SIGTERM): claim
+nothing more, give in-flight attempts ``grace_s`` to finish, then hand the rest back to the queue so
+another runner starts them at once. A SIGKILLed runner needs nothing from here: the watchdog and the
+store's reclaim take its work back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+
+from fulmen.sdk.agent import Agent
+from fulmen.sdk.hooks import Hook
+from fulmen.store import RedisStore
+from fulmen.tracing import SpanBuffer
+from fulmen_runner.execute import AttemptContext, Outcome, execute
+from fulmen_runner.inputs import InputResolver
+from fulmen_runner.span_writer import SpanWriter
+
+log = logging.getLogger(__name__)
+
+CLAIM_BLOCK_S = 1.0  # a blocked claim re-checks for a stop request this often
+WORKER_HEARTBEAT_S = 5.0
+
+
+def default_worker_id() -> str:
+    return f"runner-{socket.gethostname()}-{os.getpid()}"
+
+
+class Runner:
+    def __init__(
+        self,
+        store: RedisStore,
+        agent: Agent,
+        buffer: SpanBuffer,
+        *,
+        hooks: Sequence[Hook] = (),
+        concurrency: int = 8,
+        grace_s: float = 3.0,
+        worker_id: str | None = None,
+        llm_base_url: str | None = None,
+    ) -> None:
+        self.store = store
+        self.concurrency = concurrency
+        self.grace_s = grace_s
+        self.worker_id = worker_id or default_worker_id()
+        self.writer = SpanWriter(store, buffer)
+        self.ctx = AttemptContext(
+            store, agent, hooks, InputResolver(store, llm_base_url=llm_base_url), self.writer, self.worker_id
+        )
+        self.stopping = asyncio.Event()
+        self.running: set[asyncio.Task[Outcome]] = set()
+        self.finished = 0
+        self.failed = 0
+        self.started_at = time.monotonic()
+
+    def stop(self) -> None:
+        """Stop claiming; `run` then winds down within ``grace_s``."""
+        if not self.stopping.is_set():
+            log.info("runner %s stopping: %d attempt(s) in flight", self.worker_id, len(self.running))
+            self.stopping.set()
+
+    async def run(self, max_rollouts: int | None = None) -> None:
+        """Claim and run until `stop` (or ``max_rollouts`` claimed, for tests and benchmarks)."""
+        await self.store.ensure()
+        log.info("runner %s: %d slot(s) on experiment %s", self.worker_id, self.concurrency, self.store.experiment)
+        background = [
+            asyncio.create_task(self.writer.run(), name="span-writer"),
+            asyncio.create_task(self._report_worker(), name="worker-heartbeat"),
+        ]
+        claimed_total = 0
+        try:
+            while not self.stopping.is_set():
+                if max_rollouts is not None and claimed_total >= max_rollouts:
+                    break
+                free = self.concurrency - len(self.running)
+                if free <= 0:
+                    await self._wait_for_a_slot()
+                    continue
+                if max_rollouts is not None:
+                    free = min(free, max_rollouts - claimed_total)
+                claimed = await self.store.dequeue_rollouts(self.worker_id, free, block_s=CLAIM_BLOCK_S)
+                claimed_total += len(claimed)
+                for c in claimed:
+                    task = asyncio.create_task(execute(self.ctx, c), name=f"attempt-{c.attempt.attempt_id}")
+                    self.running.add(task)
+                    task.add_done_callback(self._done)
+            await self._wind_down()
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self.writer.flush_all()
+            await self.store.update_worker(self.worker_id, "stopped", self._worker_metadata())
+
+    def _done(self, task: asyncio.Task[Outcome]) -> None:
+        self.running.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:  # execute() reports agent errors itself; this is a runner bug or Redis loss
+            log.error("attempt task %s crashed: %r", task.get_name(), error, exc_info=error)
+            self.failed += 1
+            return
+        self.finished += 1
+
+    async def _wait_for_a_slot(self) -> None:
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({stop, *self.running}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+
+    async def _wind_down(self) -> None:
+        """Let in-flight attempts finish within the grace period, then hand the rest back."""
+        if not self.running:
+            return
+        if self.stopping.is_set():
+            _, late = await asyncio.wait(set(self.running), timeout=self.grace_s)
+        else:  # max_rollouts reached: wait for the work in hand
+            late = set()
+            await asyncio.gather(*self.running, return_exceptions=True)
+        for task in late:
+            task.cancel()  # execute() hands the attempt back on cancellation
+        if late:
+            log.info("handing back %d attempt(s) still running after %.1f s", len(late), self.grace_s)
+            await asyncio.gather(*late, return_exceptions=True)
+
+    def _worker_metadata(self) -> dict[str, object]:
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "concurrency": self.concurrency,
+            "running": len(self.running),
+            "finished": self.finished,
+            "uptime_s": round(time.monotonic() - self.started_at, 1),
+        }
+
+    async def _report_worker(self) -> None:
+        while True:
+            try:
+                status = "stopping" if self.stopping.is_set() else ("busy" if self.running else "idle")
+                await self.store.update_worker(self.worker_id, status, self._worker_metadata())
+            except Exception as e:
+                log.warning("worker heartbeat failed: %s", e)
+            await asyncio.sleep(WORKER_HEARTBEAT_S)

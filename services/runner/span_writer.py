@@ -1,0 +1,90 @@
+"""Moves finished spans from the process's `SpanBuffer` to the store, in batches.
+
+Two paths: a periodic flush (every ``interval_s``) so long rollouts show progress and heartbeat, and
+`flush(attempt_id)` when an attempt ends, which returns only once all of that attempt's spans are
+stored — before the runner reports the attempt's status, so a finished attempt never misses a span.
+Writes of one attempt never overlap, so its spans keep the order in which they ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from fulmen.errors import FulmenError, NotFound, RetryableError
+from fulmen.records import Span
+from fulmen.store import RedisStore
+from fulmen.tracing import SpanBuffer
+
+log = logging.getLogger(__name__)
+
+
+class SpanWriter:
+    def __init__(self, store: RedisStore, buffer: SpanBuffer, interval_s: float = 0.25) -> None:
+        self.store = store
+        self.buffer = buffer
+        self.interval_s = interval_s
+        self._inflight: dict[str, asyncio.Future[None]] = {}
+        self.written = 0
+        self.dropped = 0
+
+    async def flush(self, attempt_id: str) -> None:
+        """Store every finished span of one attempt (waiting for a periodic write that holds some)."""
+        while (pending := self._inflight.get(attempt_id)) is not None:
+            await asyncio.shield(pending)
+        spans = self.buffer.take(attempt_id)  # no await since the check: nobody took them in between
+        if spans:
+            await self._write(spans)
+
+    async def flush_all(self) -> None:
+        spans = self.buffer.take()
+        if not spans:
+            return
+        attempts = {s.attempt_id for s in spans}
+        future = asyncio.ensure_future(self._write(spans))
+        for a in attempts:
+            self._inflight[a] = future
+        try:
+            await asyncio.shield(future)
+        finally:
+            for a in attempts:
+                if self._inflight.get(a) is future:
+                    del self._inflight[a]
+
+    async def run(self) -> None:
+        """The periodic flush; runs until cancelled, and never dies of a failed write."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.flush_all()
+            except Exception:
+                log.exception("periodic span flush failed; will try again")
+
+    async def _write(self, spans: Sequence[Span]) -> None:
+        """Write a batch; a span the store refuses (too large, attempt gone) is dropped with a log line,
+        never blocking the others; a lost connection is retried until it comes back."""
+        delay = 0.1
+        while True:
+            try:
+                await self.store.add_spans(spans)
+                self.written += len(spans)
+                return
+            except (RedisConnectionError, RedisTimeoutError, RetryableError) as e:
+                log.warning("writing %d spans failed (%s); retrying in %.1f s", len(spans), e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except (FulmenError, NotFound):
+                break  # a bad span in the batch: write them one by one below
+        for span in spans:
+            try:
+                await self.store.add_spans([span])
+                self.written += 1
+            except FulmenError as e:
+                self.dropped += 1
+                log.error(
+                    "span %r of attempt %s dropped: %s", span.name, span.attempt_id, e
+                )

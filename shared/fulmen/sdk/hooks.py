@@ -1,0 +1,40 @@
+"""Hooks: code that runs around every rollout, outside the agent (Agent Lightning's ``Hook``).
+
+Order for one attempt: ``on_rollout_start`` → ``on_trace_start`` → the agent → ``on_trace_end`` →
+``on_rollout_end``. Each may be sync or async. An exception in a hook is recorded and logged but
+does not fail the rollout: hooks observe, they do not decide.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fulmen.records import Rollout
+
+log = logging.getLogger(__name__)
+HOOK_NAMES = ("on_rollout_start", "on_trace_start", "on_trace_end", "on_rollout_end")
+
+
+class Hook:
+    """Subclass and override what you need; pass it with ``fulmen runner --hook module:Class``."""
+
+    def on_rollout_start(self, agent: Any, rollout: Rollout) -> Any: ...
+    def on_trace_start(self, agent: Any, rollout: Rollout) -> Any: ...
+    def on_trace_end(self, agent: Any, rollout: Rollout) -> Any: ...
+    def on_rollout_end(self, agent: Any, rollout: Rollout, result: Any) -> Any: ...
+
+
+async def run_hooks(name: str, agent: Any, hooks: Sequence[Hook], rollout: Rollout, *extra: Any) -> None:
+    """Call the agent's own hook method, then each hook's."""
+    calls = [getattr(agent, name)] if hasattr(agent, name) else []
+    calls += [(lambda *a, h=h: getattr(h, name)(agent, *a)) for h in hooks]
+    for call in calls:
+        try:
+            result = call(rollout, *extra)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            log.exception("hook %s failed on rollout %s", name, rollout.rollout_id)

@@ -1,0 +1,119 @@
+"""What an agent receives besides its task: the LLM to call and prompt templates (Agent Lightning's
+``LLM`` and ``PromptTemplate``), built by the runner from a resources snapshot in the store."""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+from fulmen import semconv
+
+
+@dataclass
+class LLM:
+    """An OpenAI-compatible endpoint for one attempt.
+
+    ``base_url`` already points at a proxy with this attempt's path prefix, so every call the agent
+    makes is recorded against its rollout. ``client`` / ``async_client`` are ready OpenAI clients that
+    also carry the trace context, so the proxy's span joins the agent's trace."""
+
+    base_url: str
+    model: str
+    sampling_parameters: dict[str, Any] = field(default_factory=dict)
+    api_key: str = "fulmen"  # the proxy's keys come from the environment; upstream keys never reach here
+    headers: dict[str, str] = field(default_factory=dict)
+    model_version: str | None = None
+    _client: Any = field(default=None, init=False, repr=False, compare=False)
+    _async_client: Any = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def endpoint(self) -> str:  # Agent Lightning's name for it
+        return self.base_url
+
+    @property
+    def client(self) -> Any:
+        """A synchronous ``openai.OpenAI`` client for this attempt."""
+        if self._client is None:
+            import httpx
+            import openai
+
+            http = httpx.Client(event_hooks={"request": [_inject_trace_context]})
+            self._client = openai.OpenAI(
+                base_url=self.base_url, api_key=self.api_key, default_headers=self.headers, http_client=http
+            )
+        return self._client
+
+    @property
+    def async_client(self) -> Any:
+        """An ``openai.AsyncOpenAI`` client for this attempt."""
+        if self._async_client is None:
+            import httpx
+            import openai
+
+            http = httpx.AsyncClient(event_hooks={"request": [_inject_trace_context_async]})
+            self._async_client = openai.AsyncOpenAI(
+                base_url=self.base_url, api_key=self.api_key, default_headers=self.headers, http_client=http
+            )
+        return self._async_client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+    async def aclose(self) -> None:
+        self.close()
+        if self._async_client is not None:
+            await self._async_client.close()
+
+
+def _inject_trace_context(request: Any) -> None:
+    from opentelemetry import propagate
+
+    propagate.inject(request.headers)
+
+
+async def _inject_trace_context_async(request: Any) -> None:
+    _inject_trace_context(request)
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """A prompt template resource; ``engine`` is "f-string" (``{name}``) or "string.Template" (``$name``)."""
+
+    template: str
+    engine: str = "f-string"
+
+    def format(self, **values: Any) -> str:
+        if self.engine == "f-string":
+            return self.template.format(**values)
+        if self.engine == "string.Template":
+            return string.Template(self.template).substitute(**values)
+        raise ValueError(f"prompt template engine {self.engine!r} unknown; use f-string or string.Template")
+
+
+def llm_for_attempt(
+    spec: dict[str, Any], proxy_base_url: str, rollout_id: str, attempt_id: str, *, attributed: bool = True
+) -> LLM:
+    """The agent's `LLM` from the "llm" resource and the chosen proxy (or a plain endpoint when
+    ``attributed`` is False: then the ids travel in headers instead of the path)."""
+    root = proxy_base_url.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    headers = {semconv.HEADER_ROLLOUT_ID: rollout_id, semconv.HEADER_ATTEMPT_ID: attempt_id}
+    base = f"{root}{semconv.attempt_path(rollout_id, attempt_id)}/v1" if attributed else f"{root}/v1"
+    return LLM(
+        base_url=base,
+        model=str(spec.get("model", "")),
+        sampling_parameters=dict(spec.get("sampling_parameters") or {}),
+        headers=headers,
+        model_version=spec.get("model_version"),
+    )
+
+
+def prompt_template_of(spec: Any) -> PromptTemplate:
+    if isinstance(spec, str):
+        return PromptTemplate(spec)
+    if isinstance(spec, dict) and isinstance(spec.get("template"), str):
+        return PromptTemplate(spec["template"], spec.get("engine", "f-string"))
+    raise ValueError(f"prompt template resource must be a string or {{'template': ...}}, got {spec!r}")

@@ -1,0 +1,211 @@
+"""OpenTelemetry in a runner process: one TracerProvider whose spans are bound to rollout attempts.
+
+Every span started while an attempt runs (the agent's own, an auto-instrumented library's, Fulmen's
+``emit_*``) gets the attempt's ids as attributes and lands in `SpanBuffer`; the runner writes the
+buffer to the store in batches. With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, the same spans also go to
+an OTLP collector (Jaeger). A rollout is one trace: its trace id is derived from the rollout id, so
+every attempt, and the proxy's spans (which compute the same id when no ``traceparent`` arrives),
+land in it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import logging
+import os
+import random
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Span as SdkSpan
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+
+from fulmen import semconv
+from fulmen.records import Span
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """The attempt that the spans of the current context belong to."""
+
+    rollout_id: str
+    attempt_id: str
+
+
+_binding: contextvars.ContextVar[Binding | None] = contextvars.ContextVar("fulmen_binding", default=None)
+
+
+def current_binding() -> Binding | None:
+    return _binding.get()
+
+
+@contextmanager
+def bind(rollout_id: str, attempt_id: str) -> Iterator[Binding]:
+    """Spans started inside belong to this attempt (asyncio tasks and `asyncio.to_thread` inherit it)."""
+    binding = Binding(rollout_id, attempt_id)
+    token = _binding.set(binding)
+    try:
+        yield binding
+    finally:
+        _binding.reset(token)
+
+
+def rollout_trace_id(rollout_id: str) -> int:
+    """The trace id of a rollout: every attempt, and every service that sees the rollout id, agrees."""
+    return int.from_bytes(hashlib.blake2b(rollout_id.encode(), digest_size=16).digest(), "big") or 1
+
+
+class RolloutIdGenerator(IdGenerator):
+    """Trace ids come from the bound rollout; span ids stay random."""
+
+    def __init__(self) -> None:
+        self._random = random.Random()
+
+    def generate_span_id(self) -> int:
+        return self._random.getrandbits(64) or 1
+
+    def generate_trace_id(self) -> int:
+        binding = _binding.get()
+        return rollout_trace_id(binding.rollout_id) if binding else (self._random.getrandbits(128) or 1)
+
+
+def plain(value: Any) -> Any:
+    """OpenTelemetry attribute values (tuples, bounded mappings) as msgpack-friendly lists and dicts."""
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [plain(v) for v in value]
+    return str(value)
+
+
+def to_store_span(span: ReadableSpan, binding: Binding) -> Span:
+    ctx = span.context
+    parent = span.parent
+    return Span(
+        rollout_id=binding.rollout_id,
+        attempt_id=binding.attempt_id,
+        span_id=f"{ctx.span_id:016x}",
+        name=span.name,
+        trace_id=f"{ctx.trace_id:032x}",
+        parent_id=f"{parent.span_id:016x}" if parent is not None else None,
+        start_time=span.start_time / 1e9 if span.start_time else None,
+        end_time=span.end_time / 1e9 if span.end_time else None,
+        status_code=span.status.status_code.name,
+        status_message=span.status.description or "",
+        attributes=plain(span.attributes or {}),
+        events=[
+            {"name": e.name, "timestamp": e.timestamp / 1e9, "attributes": plain(e.attributes or {})}
+            for e in span.events
+        ],
+        links=[
+            {"trace_id": f"{x.context.trace_id:032x}", "span_id": f"{x.context.span_id:016x}"}
+            for x in span.links
+        ],
+    )
+
+
+class SpanBuffer(SpanProcessor):
+    """Binds spans to the current attempt when they start and keeps them, per attempt, when they end.
+
+    `on_end` may run on any thread (sync agents run in worker threads), hence the lock. Spans that
+    started outside any attempt are not kept: they belong to no rollout."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[Span]] = {}
+        self._bindings: dict[str, Binding] = {}
+        self.kept = 0
+
+    def on_start(self, span: SdkSpan, parent_context: otel_context.Context | None = None) -> None:
+        binding = _binding.get()
+        if binding is not None:
+            span.set_attribute(semconv.ROLLOUT_ID, binding.rollout_id)
+            span.set_attribute(semconv.ATTEMPT_ID, binding.attempt_id)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        attributes = span.attributes or {}
+        attempt_id = attributes.get(semconv.ATTEMPT_ID)
+        rollout_id = attributes.get(semconv.ROLLOUT_ID)
+        if not isinstance(attempt_id, str) or not isinstance(rollout_id, str):
+            return
+        record = to_store_span(span, Binding(rollout_id, attempt_id))
+        with self._lock:
+            self._pending.setdefault(attempt_id, []).append(record)
+            self.kept += 1
+
+    def take(self, attempt_id: str | None = None) -> list[Span]:
+        """Remove and return the finished spans of one attempt (or of all), in the order they ended."""
+        with self._lock:
+            if attempt_id is not None:
+                return self._pending.pop(attempt_id, [])
+            spans = [s for batch in self._pending.values() for s in batch]
+            self._pending.clear()
+            return spans
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(len(b) for b in self._pending.values())
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def otlp_exporter_from_env() -> Any | None:
+    """An OTLP span exporter when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the traces variant) is set.
+
+    The protocol follows ``OTEL_EXPORTER_OTLP_PROTOCOL`` (default http/protobuf, as the spec says)."""
+    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        return None
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
+    )
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter()
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    return HttpExporter()
+
+
+def setup_tracing(service_name: str, *, set_global: bool = True) -> tuple[TracerProvider, SpanBuffer]:
+    """The process's TracerProvider: spans go to a `SpanBuffer` (for the store) and, when configured,
+    to OTLP. Set as the global provider so auto-instrumented libraries use it too."""
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service_name}), id_generator=RolloutIdGenerator()
+    )
+    buffer = SpanBuffer()
+    provider.add_span_processor(buffer)
+    exporter = otlp_exporter_from_env()
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        log.info("exporting spans over OTLP to %s", os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    global _active
+    _active = provider
+    if set_global:
+        trace.set_tracer_provider(provider)  # OpenTelemetry keeps the first one a process sets
+    return provider, buffer
+
+
+_active: TracerProvider | None = None
+
+
+def tracer() -> trace.Tracer:
+    """Fulmen's tracer: the provider `setup_tracing` made last (else the global one)."""
+    return (_active or trace.get_tracer_provider()).get_tracer("fulmen")
