@@ -146,6 +146,7 @@ def run_once(
     the_task = _parse_task(task)
     from fulmen.tracing import setup_tracing
     from fulmen_runner.execute import AttemptContext, execute
+    from fulmen_runner.heartbeats import Heartbeats
     from fulmen_runner.inputs import InputResolver
     from fulmen_runner.runner import default_worker_id
     from fulmen_runner.span_writer import SpanWriter
@@ -157,11 +158,21 @@ def run_once(
         claimed = await store.start_rollout(
             the_task, worker_id, resources_id=resources_id, metadata={"run_once": True}
         )
+        heartbeats = Heartbeats(store)
         ctx = AttemptContext(
-            store, the_agent, hooks, InputResolver(store, llm_base_url=settings.llm_base_url),
-            SpanWriter(store, buffer), worker_id,
+            store,
+            the_agent,
+            hooks,
+            InputResolver(store, llm_base_url=settings.llm_base_url),
+            SpanWriter(store, buffer),
+            heartbeats,
+            worker_id,
         )
-        outcome = await execute(ctx, claimed)
+        beating = asyncio.create_task(heartbeats.run())
+        try:
+            outcome = await execute(ctx, claimed)
+        finally:
+            beating.cancel()
         spans = await store.query_spans(claimed.rollout.rollout_id)
         _print_run(claimed.rollout.rollout_id, outcome, spans, as_json)
         return outcome.status is not None and outcome.status.value == "succeeded"

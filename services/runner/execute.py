@@ -25,19 +25,14 @@ from fulmen.records import AttemptedRollout
 from fulmen.sdk.agent import Agent
 from fulmen.sdk.emit import emit_exception, emit_reward
 from fulmen.sdk.hooks import Hook, run_hooks
-from fulmen.status import ACTIVE_ATTEMPT, AttemptStatus, RolloutStatus
+from fulmen.status import AttemptStatus
 from fulmen.store import RedisStore
 from fulmen.tracing import bind, tracer
+from fulmen_runner.heartbeats import Heartbeats
 from fulmen_runner.inputs import InputResolver
 from fulmen_runner.span_writer import SpanWriter
 
 log = logging.getLogger(__name__)
-
-HEARTBEAT_MAX_S = 10.0  # also how soon a runner notices that its rollout was cancelled
-
-
-class Abandoned(Exception):
-    """The store says the attempt is over (rollout cancelled, attempt timed out elsewhere)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +49,12 @@ class AttemptContext:
     hooks: Sequence[Hook]
     resolver: InputResolver
     writer: SpanWriter
+    heartbeats: Heartbeats
     worker_id: str
+
+
+class Abandoned(Exception):
+    """The store says the attempt is over (rollout cancelled, attempt timed out elsewhere)."""
 
 
 def _reward_of(result: Any) -> float | Mapping[str, float] | None:
@@ -68,41 +68,16 @@ def _reward_of(result: Any) -> float | Mapping[str, float] | None:
     )
 
 
-async def _heartbeat(store: RedisStore, rollout_id: str, attempt_id: str, interval_s: float) -> None:
-    """Beat until cancelled; raise `Abandoned` when the store says the attempt is over."""
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            rollout_status, attempt_status = await store.heartbeat(rollout_id, attempt_id)
-        except Exception as e:  # a missed beat is not fatal: the next one may get through
-            log.warning("heartbeat of %s failed: %s", attempt_id, e)
-            continue
-        if rollout_status is RolloutStatus.CANCELLED:
-            raise Abandoned(f"rollout {rollout_id} was cancelled")
-        if attempt_status not in ACTIVE_ATTEMPT:
-            raise Abandoned(f"attempt {attempt_id} is {attempt_status.value} in the store")
-
-
 async def _run_agent(ctx: AttemptContext, claimed: AttemptedRollout) -> Any:
-    """The agent, raced against its heartbeat (which raises `Abandoned`) and its timeout."""
-    rollout, attempt = claimed.rollout, claimed.attempt
-    config = rollout.config
-    interval = min(HEARTBEAT_MAX_S, (config.unresponsive_seconds or HEARTBEAT_MAX_S * 3) / 3)
+    """The agent under its timeout; cancelled by the heartbeat loop if the store abandons it."""
+    timeout_s = claimed.rollout.config.timeout_seconds
     inputs = await ctx.resolver.resolve(claimed)
-    agent_task = asyncio.ensure_future(ctx.agent.call(inputs))
-    beat_task = asyncio.ensure_future(_heartbeat(ctx.store, rollout.rollout_id, attempt.attempt_id, interval))
     try:
-        done, _ = await asyncio.wait(
-            {agent_task, beat_task}, timeout=config.timeout_seconds, return_when=asyncio.FIRST_COMPLETED
-        )
-        if agent_task in done:
-            return agent_task.result()
-        if beat_task in done:
-            beat_task.result()  # raises Abandoned
-        raise TimeoutError(f"the agent ran longer than timeout_seconds={config.timeout_seconds}")
+        async with asyncio.timeout(timeout_s):
+            return await ctx.agent.call(inputs)
+    except TimeoutError:
+        raise TimeoutError(f"the agent ran longer than timeout_seconds={timeout_s}") from None
     finally:
-        for task in (agent_task, beat_task):
-            task.cancel()
         if inputs.llm is not None:
             await inputs.llm.aclose()
 
@@ -127,21 +102,28 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
         )
         try:
             with trace.use_span(root, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+                ctx.heartbeats.watch(claimed, asyncio.current_task())  # type: ignore[arg-type]
                 try:
                     result = await _run_agent(ctx, claimed)
                     value = _reward_of(result)
                 except TimeoutError as e:
                     status, error = AttemptStatus.TIMEOUT, e
-                except Abandoned as e:
-                    status, error = None, e
                 except asyncio.CancelledError:
-                    root.set_status(trace.Status(trace.StatusCode.ERROR, "handed back"))
-                    root.end()
-                    await _hand_back(ctx, rid, aid)
-                    raise
+                    reason = ctx.heartbeats.abandoned_reason(aid)
+                    if reason is None:  # the runner is shutting down: hand the attempt back
+                        root.set_status(trace.Status(trace.StatusCode.ERROR, "handed back"))
+                        root.end()
+                        await _hand_back(ctx, rid, aid)
+                        raise
+                    current = asyncio.current_task()
+                    if current is not None:
+                        current.uncancel()
+                    status, error = None, Abandoned(reason)
                 except Exception as e:
                     status, error = AttemptStatus.FAILED, e
-                if error is not None:
+                finally:
+                    ctx.heartbeats.unwatch(aid)
+                if error is not None and status is not None:
                     emit_exception(error)
                     root.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
             root.end()

@@ -21,6 +21,7 @@ from fulmen.sdk.hooks import Hook
 from fulmen.store import RedisStore
 from fulmen.tracing import SpanBuffer
 from fulmen_runner.execute import AttemptContext, Outcome, execute
+from fulmen_runner.heartbeats import Heartbeats
 from fulmen_runner.inputs import InputResolver
 from fulmen_runner.span_writer import SpanWriter
 
@@ -52,8 +53,15 @@ class Runner:
         self.grace_s = grace_s
         self.worker_id = worker_id or default_worker_id()
         self.writer = SpanWriter(store, buffer)
+        self.heartbeats = Heartbeats(store)
         self.ctx = AttemptContext(
-            store, agent, hooks, InputResolver(store, llm_base_url=llm_base_url), self.writer, self.worker_id
+            store,
+            agent,
+            hooks,
+            InputResolver(store, llm_base_url=llm_base_url),
+            self.writer,
+            self.heartbeats,
+            self.worker_id,
         )
         self.stopping = asyncio.Event()
         self.running: set[asyncio.Task[Outcome]] = set()
@@ -73,6 +81,7 @@ class Runner:
         log.info("runner %s: %d slot(s) on experiment %s", self.worker_id, self.concurrency, self.store.experiment)
         background = [
             asyncio.create_task(self.writer.run(), name="span-writer"),
+            asyncio.create_task(self.heartbeats.run(), name="attempt-heartbeats"),
             asyncio.create_task(self._report_worker(), name="worker-heartbeat"),
         ]
         claimed_total = 0

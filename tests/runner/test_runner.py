@@ -153,7 +153,7 @@ async def test_class_agent_hooks_run_in_order(real_store, start_runner) -> None:
 
 async def test_cancelled_rollout_stops_its_agent(real_store, start_runner, monkeypatch) -> None:
     """Cancelling a running rollout stops the agent at the next heartbeat; nothing is reported over it."""
-    monkeypatch.setattr("fulmen_runner.execute.HEARTBEAT_MAX_S", 0.1)
+    monkeypatch.setattr("fulmen_runner.heartbeats.HEARTBEAT_MAX_S", 0.1)
     r = await real_store.enqueue_rollout("x")
     runner = await start_runner("hangs")
     for _ in range(100):

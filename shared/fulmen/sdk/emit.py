@@ -21,7 +21,7 @@ from opentelemetry import trace
 
 from fulmen import semconv
 from fulmen.errors import InvalidInput
-from fulmen.tracing import current_binding, tracer
+from fulmen.tracing import bound_attributes, current_binding, record_event_span, tracer
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -33,6 +33,16 @@ def _check_bound(what: str) -> None:
     if current_binding() is None and not _warned:
         _warned = True
         log.warning("%s called outside a rollout: not recorded (run the agent with `fulmen run-once`)", what)
+
+
+def _event(name: str, attributes: dict[str, Any], error: str | None = None) -> None:
+    """One point-in-time span for an ``emit_*`` call."""
+    if record_event_span(name, attributes, error):
+        return
+    span = tracer().start_span(name, attributes=bound_attributes(attributes))
+    if error is not None:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+    span.end()
 
 
 def check_reward(value: Any, name: str = "reward") -> float:
@@ -68,7 +78,7 @@ def emit_reward(reward: float | Mapping[str, float], primary: str | None = None)
         value = check_reward(reward)
     attributes[semconv.REWARD] = value
     _check_bound("emit_reward")
-    tracer().start_span(semconv.REWARD_SPAN, attributes=attributes).end()
+    _event(semconv.REWARD_SPAN, attributes)
     return value
 
 
@@ -76,7 +86,7 @@ def emit_message(message: str, **attributes: Any) -> None:
     """Record a free-text message (a log line that belongs to the rollout)."""
     _check_bound("emit_message")
     attrs = {semconv.SPAN_KIND: semconv.KIND_MESSAGE, semconv.MESSAGE: str(message), **attributes}
-    tracer().start_span(semconv.MESSAGE_SPAN, attributes=attrs).end()
+    _event(semconv.MESSAGE_SPAN, attrs)
 
 
 def emit_object(obj: Any, **attributes: Any) -> None:
@@ -87,7 +97,7 @@ def emit_object(obj: Any, **attributes: Any) -> None:
     except (TypeError, ValueError) as e:
         raise InvalidInput(f"emit_object needs a JSON-serialisable object: {e}") from None
     attrs = {semconv.SPAN_KIND: semconv.KIND_OBJECT, semconv.OBJECT_JSON: text, **attributes}
-    tracer().start_span(semconv.OBJECT_SPAN, attributes=attrs).end()
+    _event(semconv.OBJECT_SPAN, attrs)
 
 
 def emit_exception(exc: BaseException, **attributes: Any) -> None:
@@ -100,9 +110,7 @@ def emit_exception(exc: BaseException, **attributes: Any) -> None:
         semconv.EXCEPTION_STACKTRACE: "".join(traceback.format_exception(exc)),
         **attributes,
     }
-    span = tracer().start_span(semconv.EXCEPTION_SPAN, attributes=attrs)
-    span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
-    span.end()
+    _event(semconv.EXCEPTION_SPAN, attrs, error=str(exc))
 
 
 def _json(value: Any) -> str:
