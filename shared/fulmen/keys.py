@@ -38,8 +38,11 @@ PROXIES = "proxies"  # hash: proxy id -> proxy endpoint record (its heartbeat)
 WEIGHTS = "weights:"  # stream: one model version's weights, msgpack-framed safetensors chunks
 CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)
 SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
+ADAPTER_STATS = "stats:adapter"  # hash: rollouts adapted, samples written, skips per reason
 
 RUNNERS_GROUP = "runners"  # consumer group on QUEUE
+ADAPTER_GROUP = "adapter"  # consumer group on COMPLETIONS
+TRAINERS_GROUP = "trainers"  # consumer group on SAMPLES
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
@@ -70,6 +73,7 @@ class Keys:
     """The keys of one experiment."""
 
     __slots__ = (
+        "adapter_stats",
         "completions",
         "control",
         "dead_letters",
@@ -102,6 +106,7 @@ class Keys:
         self.proxies = p + PROXIES
         self.control = p + CONTROL
         self.samples = p + SAMPLES
+        self.adapter_stats = p + ADAPTER_STATS
 
     def rollout(self, rollout_id: str) -> str:
         return self.prefix + ROLLOUT + rollout_id

@@ -411,3 +411,109 @@ class ProxyEndpoint:
         d = unpack_record(data, "proxy", required=("proxy_id", "base_url"))
         del d["v"], d["kind"]
         return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsChunk:
+    """One piece of a model version's safetensors blob: an entry of that version's weights stream."""
+
+    model_version: str
+    index: int  # 0-based; entry id "0-<index + 1>", so the chunks are in order on the stream
+    total: int  # chunks in the whole blob
+    sha256: str  # hex digest of the whole blob, not of this chunk
+    size: int  # bytes in the whole blob
+    data: bytes
+
+    def to_wire(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
+        return pack_record(
+            "weights_chunk",
+            {
+                "model_version": self.model_version,
+                "index": self.index,
+                "total": self.total,
+                "sha256": self.sha256,
+                "size": self.size,
+                "data": self.data,
+            },
+            max_bytes,
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes | None, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> WeightsChunk:
+        names = ("model_version", "index", "total", "sha256", "size", "data")
+        d = unpack_record(data, "weights_chunk", max_bytes, required=names)
+        types = (str, int, int, str, int, bytes)
+        if not all(isinstance(d[n], t) for n, t in zip(names, types, strict=True)):
+            raise RecordError("weights_chunk record has a field of the wrong type")
+        return cls(*(d[n] for n in names))
+
+
+# --- training samples (adapter -> trainer) -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One training sample on the samples stream: a (prompt, response, reward) triplet of one LLM call,
+    or a whole multi-turn trajectory (``shape`` says which).
+
+    A trajectory's ``response_token_ids`` hold everything after its first prompt: the model's own
+    tokens (``response_mask`` 1, with their log-probabilities) and the tokens the environment added
+    between turns (mask 0, log-probability 0.0). A triplet's mask is all ones."""
+
+    sample_id: str  # "<attempt_id>/t<turn>" or "<attempt_id>/traj<first turn>": unique, stable
+    shape: str  # "triplet" | "trajectory"
+    rollout_id: str
+    attempt_id: str
+    group_key: str  # the task: GRPO groups the samples of one task
+    turn_index: int  # triplet: the LLM call's index in the attempt; trajectory: its first turn
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float]
+    response_mask: list[int]
+    reward: float | None  # the reward matched to this call (triplet) or the final one (trajectory)
+    final_reward: float | None  # the attempt's last reward, for trajectory-level credit
+    model_version: str | None
+    mode: str | None = None  # train | val | test, from the rollout
+    group_size: int | None = None  # rollouts in the group, when the algorithm said
+    num_turns: int = 1
+    prompt_text: str = ""
+    response_text: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)  # OpenAI chat messages, response last
+
+    def to_wire(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
+        return pack_record("sample", {name: getattr(self, name) for name in self.__slots__}, max_bytes)
+
+    @classmethod
+    def from_wire(cls, data: bytes | None, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Sample:
+        d = unpack_record(data, "sample", max_bytes, required=("sample_id", "shape", "rollout_id"))
+        del d["v"], d["kind"]
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise RecordError(f"sample record does not fit: {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSkip:
+    """A terminal rollout that yielded no sample, and why; the trainer counts it towards its group's
+    completeness (a group is complete when all its rollouts are terminal)."""
+
+    rollout_id: str
+    attempt_id: str | None
+    group_key: str
+    status: str  # the rollout's terminal status
+    reason: str  # e.g. "failed", "no LLM call", "no reward", "malformed span: ..."
+    mode: str | None = None
+    group_size: int | None = None
+
+    def to_wire(self) -> bytes:
+        return pack_record("sample_skip", {name: getattr(self, name) for name in self.__slots__})
+
+    @classmethod
+    def from_wire(cls, data: bytes | None) -> SampleSkip:
+        d = unpack_record(data, "sample_skip", required=("rollout_id", "group_key", "reason"))
+        del d["v"], d["kind"]
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise RecordError(f"sample_skip record does not fit: {e}") from None

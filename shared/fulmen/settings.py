@@ -70,6 +70,13 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the proxy accepts.")
     max_batch: int = Field(16, ge=1, le=1024, description="Most requests the torch backend decodes together.")
 
+    # --- adapter --------------------------------------------------------------------------------
+    llm_call_match: str | None = Field(
+        None, description="Regex on span names that marks LLM calls (default: the proxy's llm_call spans)."
+    )
+    agent_match: str | None = Field(None, description="Regex: only LLM calls under a span whose name matches.")
+    trajectories: bool = Field(True, description="Also join multi-turn calls into trajectory samples.")
+
     @property
     def embedded(self) -> bool:
         return self.redis_url is None

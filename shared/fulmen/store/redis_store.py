@@ -56,6 +56,7 @@ from fulmen.store.autopipeline import AutoPipeline
 from fulmen.store.completions import CompletionsMixin
 from fulmen.store.proxies import ProxiesMixin
 from fulmen.store.resources import ResourcesMixin
+from fulmen.store.samples import SamplesMixin
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def _error_record(error: BaseException | Mapping[str, Any] | str | None) -> byte
     return pack(dict(error))
 
 
-class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin):
+class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin, SamplesMixin):
     """One experiment's store. Safe to share between coroutines; one per process is typical."""
 
     def __init__(
@@ -121,6 +122,7 @@ class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin):
         self._expire = redis.register_script(scripts.EXPIRE_ATTEMPT)
         self._set_rollout_status = redis.register_script(scripts.SET_ROLLOUT_STATUS)
         self._set_fields = redis.register_script(scripts.SET_FIELDS_IF_EXISTS)
+        self._append_samples = redis.register_script(scripts.APPEND_SAMPLES)
         self._pipeline = AutoPipeline(redis)  # the hot-path scripts go through it
 
     def __repr__(self) -> str:

@@ -347,3 +347,24 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
+
+
+# ARGV[2] = rollout id, ARGV[3] = number k of stat counters, ARGV[4 .. 3+2k] = counter name, increment
+# pairs, then the sample records (msgpack), each appended to the samples stream.
+# Once per rollout: the rollout's 'sampled' field is the marker, set in the same step as the samples,
+# so a redelivered completion (or a second adapter racing) appends nothing.
+# Returns the number of records appended, 0 if the rollout was sampled before, -1 if it is gone.
+APPEND_SAMPLES = (
+    _PRELUDE
+    + f"""
+local rk = K_ROLLOUT .. ARGV[2]
+if redis.call('EXISTS', rk) == 0 then return -1 end
+if redis.call('HSETNX', rk, 'sampled', 1) == 0 then return 0 end
+local k = tonumber(ARGV[3])
+local stats = P .. '{k.ADAPTER_STATS}'
+for i = 4, 3 + 2 * k, 2 do redis.call('HINCRBY', stats, ARGV[i], ARGV[i + 1]) end
+local samples = P .. '{k.SAMPLES}'
+for i = 4 + 2 * k, #ARGV do redis.call('XADD', samples, '*', 'm', ARGV[i]) end
+return #ARGV - 3 - 2 * k
+"""
+)

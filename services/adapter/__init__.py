@@ -1,0 +1,1 @@
+"""The adapter service: spans become training samples (`fulmen adapter`)."""

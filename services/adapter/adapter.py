@@ -1,0 +1,171 @@
+"""The adapter's loop: completions in, samples out, once per rollout.
+
+    read completions (consumer group "adapter") → read the rollouts and their spans (one round trip
+    each, for the whole batch) → spans_to_samples per succeeded rollout → append samples + mark the
+    rollout sampled (one Lua step per rollout, all in one pipeline) → acknowledge the completions
+
+A rollout that failed, or yields no sample, gets a `SampleSkip` record on the samples stream instead
+(the trainer counts it towards its GRPO group) and a counter per reason. Nothing here can crash the
+loop on bad data: a malformed completion is dead-lettered by the store, a malformed span skips its
+rollout with the reason. Delivery is at-least-once and the marker makes a redelivery a no-op.
+Completions left pending by an adapter that died are taken over after ``reclaim_idle_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fulmen import keys as k
+from fulmen.errors import RecordError
+from fulmen.records import Completion, Rollout, SampleSkip, Span
+from fulmen.status import RolloutStatus
+from fulmen.store import RedisStore
+from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, spans_to_samples
+
+log = logging.getLogger(__name__)
+
+
+def group_key(rollout: Rollout) -> str:
+    """The task a rollout belongs to: the algorithm's ``group_key`` metadata, else a hash of the input."""
+    key = rollout.metadata.get("group_key")
+    if isinstance(key, str) and key:
+        return key
+    text = json.dumps(rollout.input, sort_keys=True, default=str, separators=(",", ":"))
+    return "task-" + hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+
+
+@dataclass
+class Counters:
+    rollouts: int = 0
+    samples: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Result:
+    rollout_id: str
+    records: list[bytes]
+    stats: dict[str, int]
+
+
+class Adapter:
+    def __init__(
+        self,
+        store: RedisStore,
+        config: AdapterConfig | None = None,
+        *,
+        consumer: str | None = None,
+        batch: int = 256,
+        reclaim_idle_s: float = 30.0,
+    ) -> None:
+        self.store = store
+        self.config = config or AdapterConfig()
+        self.consumer = consumer or f"adapter-{socket.gethostname()}-{os.getpid()}"
+        self.batch = batch
+        self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
+        self.counters = Counters()
+        self._next_reclaim = 0.0
+
+    async def run(self, stop: asyncio.Event, *, until_idle: bool = False) -> None:
+        """Adapt completions until ``stop`` is set (or, with ``until_idle``, until none are left)."""
+        await self.store.ensure_completions_group(k.ADAPTER_GROUP)
+        log.info("adapter %s on experiment %s", self.consumer, self.store.experiment)
+        last_report, reported = time.monotonic(), 0
+        while not stop.is_set():
+            completions = await self._reclaim() or await self.store.read_completions(
+                k.ADAPTER_GROUP, self.consumer, count=self.batch, block_s=None if until_idle else 1.0
+            )
+            if completions:
+                await self.process(completions)
+            elif until_idle:
+                return
+            if time.monotonic() - last_report > 10 and self.counters.rollouts > reported:
+                log.info(
+                    "adapted %d rollouts: %d samples, skipped %s",
+                    self.counters.rollouts, self.counters.samples, self.counters.skipped or "none",
+                )
+                last_report, reported = time.monotonic(), self.counters.rollouts
+
+    async def _reclaim(self) -> list[Completion]:
+        """Completions another adapter read but never acknowledged (it died), once they are idle."""
+        if time.monotonic() < self._next_reclaim:
+            return []
+        self._next_reclaim = time.monotonic() + max(1.0, self.reclaim_idle_ms / 3000)
+        reply = await self.store.redis.xautoclaim(
+            self.store.keys.completions, k.ADAPTER_GROUP, self.consumer, self.reclaim_idle_ms, "0-0", count=self.batch
+        )
+        out = []
+        for entry_id, fields in reply[1]:
+            if fields is None:
+                continue
+            try:
+                out.append(Completion.from_wire(fields.get(b"m"), entry_id.decode()))
+            except RecordError as e:
+                await self.store.dead_letter(
+                    self.store.keys.completions, entry_id.decode(), str(e), fields, ack_group=k.ADAPTER_GROUP
+                )
+        if out:
+            log.info("took over %d completions left pending by a dead adapter", len(out))
+        return out
+
+    async def process(self, completions: Sequence[Completion]) -> None:
+        """Adapt one batch, then acknowledge it (only once every sample is stored)."""
+        rollouts = await self.store.get_rollouts([c.rollout_id for c in completions])
+        present = [r for r in rollouts if r is not None]
+        succeeded = [r for r in present if r.status is RolloutStatus.SUCCEEDED]
+        spans = await self.store.spans_of_rollouts([r.rollout_id for r in succeeded])
+        spans_by_rollout = dict(zip((r.rollout_id for r in succeeded), spans, strict=True))
+        results = [self._adapt(r, spans_by_rollout.get(r.rollout_id)) for r in present]
+        await self._append(results)
+        await self.store.ack_completions(k.ADAPTER_GROUP, [c.entry_id for c in completions])
+
+    def _adapt(self, rollout: Rollout, spans: list[Span] | RecordError | None) -> _Result:
+        info = AttemptInfo(
+            rollout.rollout_id,
+            rollout.attempt_id or "",
+            group_key(rollout),
+            rollout.mode.value if rollout.mode else None,
+            _int_or_none(rollout.metadata.get("group_size")),
+        )
+        try:
+            if rollout.status is not RolloutStatus.SUCCEEDED:
+                raise Skip(rollout.status.value, f"rollout {rollout.status.value}")
+            if isinstance(spans, RecordError):
+                raise Skip("malformed_span", f"malformed span record: {spans}")
+            samples = spans_to_samples(spans or [], info, self.config)
+            records = [s.to_wire(self.store.max_record_bytes) for s in samples]
+            return _Result(rollout.rollout_id, records, {"rollouts": 1, "samples": len(records)})
+        except Skip as e:
+            code, reason = e.code, str(e)
+        except RecordError as e:  # a sample over the size limit: say so, keep going
+            code, reason = "too_large", str(e)
+        skip = SampleSkip(
+            rollout.rollout_id, rollout.attempt_id, info.group_key, rollout.status.value, reason,
+            info.mode, info.group_size,
+        )
+        return _Result(rollout.rollout_id, [skip.to_wire()], {"rollouts": 1, "skipped": 1, f"skip:{code}": 1})
+
+    async def _append(self, results: Sequence[_Result]) -> None:
+        appended = await self.store.append_samples([(r.rollout_id, r.records, r.stats) for r in results])
+        for result, n in zip(results, appended, strict=True):
+            if n <= 0:
+                continue  # sampled before (a redelivery) or deleted meanwhile: nothing was written
+            self.counters.rollouts += 1
+            if "skipped" in result.stats:
+                code = next(name for name in result.stats if name.startswith("skip:"))[5:]
+                self.counters.skipped[code] = self.counters.skipped.get(code, 0) + 1
+            else:
+                self.counters.samples += n
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,63 @@
+"""`fulmen adapter`. Kept light at import: `fulmen --help` loads this module."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Annotated
+
+import typer
+
+from fulmen.cli import run_on_store, settings_from_flags
+from fulmen.store import RedisStore
+
+log = logging.getLogger("fulmen.adapter")
+
+
+def command(
+    llm_call_match: Annotated[
+        str | None, typer.Option(help="Regex on span names marking LLM calls [default: the proxy's spans].")
+    ] = None,
+    agent_match: Annotated[
+        str | None, typer.Option(help="Regex: keep only LLM calls under a span whose name matches.")
+    ] = None,
+    trajectories: Annotated[
+        bool | None, typer.Option("--trajectories/--no-trajectories", help="Also emit joined multi-turn samples.")
+    ] = None,
+    batch: Annotated[int, typer.Option(min=1, max=10_000, help="Completions handled per round trip.")] = 256,
+    experiment: Annotated[
+        str | None, typer.Option("--experiment", "-e", help="Experiment [env FULMEN_EXPERIMENT].")
+    ] = None,
+) -> None:
+    """Turn every finished rollout's spans into training samples on the samples stream.
+
+    Each succeeded rollout yields one (prompt, response, reward) triplet per LLM call, with the token
+    ids and log-probabilities the proxy recorded, plus one trajectory sample per multi-turn
+    conversation; any other rollout yields a skip record with the reason. Once per rollout, however
+    often a completion is delivered. Several adapters may run (one consumer group)."""
+    settings = settings_from_flags(
+        llm_call_match=llm_call_match, agent_match=agent_match, trajectories=trajectories, experiment=experiment
+    )
+    from fulmen_adapter.adapter import Adapter
+    from fulmen_adapter.triplets import AdapterConfig
+
+    try:
+        config = AdapterConfig(settings.llm_call_match, settings.agent_match, settings.trajectories)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+    async def work(store: RedisStore) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        adapter = Adapter(store, config, batch=batch)
+        await adapter.run(stop)
+        log.info(
+            "adapter stopped: %d rollouts, %d samples, skipped %s",
+            adapter.counters.rollouts, adapter.counters.samples, adapter.counters.skipped or "none",
+        )
+
+    run_on_store(settings, work)

@@ -1,0 +1,270 @@
+"""Spans of one attempt → training samples (Agent Lightning's TracerTraceToTriplet, plus trajectories).
+
+    dedupe spans → span tree (missing parents repaired) → LLM calls (not nested in another call,
+    under a matching agent span) → rewards matched to calls → triplets → trajectories
+
+- An LLM call is a span the proxy recorded (``fulmen.span_kind == "llm_call"``) or, with
+  ``llm_call_match``, any span whose name matches. A call nested under another call is the same
+  response seen twice (a client library's span around the proxy's) and is left out, as is a second
+  span with the same ``gen_ai.response.id``.
+- Rewards, in time order, go to the most recent earlier call that has none yet (a reward before any
+  call has no call to go to). The last reward is the attempt's final reward, kept on every sample for
+  trajectory-level credit.
+- Turns whose prompt extends the previous turn's prompt and response (token-prefix match) are joined
+  into one trajectory sample, with a mask over the model's own tokens.
+
+Everything here is pure: spans in, samples out, or `Skip` with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fulmen import semconv
+from fulmen.records import Sample, Span
+
+
+class Skip(Exception):
+    """The attempt yields no sample: ``code`` is counted in the metrics, the message says why."""
+
+    def __init__(self, code: str, message: str | None = None) -> None:
+        super().__init__(message or code.replace("_", " "))
+        self.code = code
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    llm_call_match: str | None = None  # regex on span names; None: the proxy's llm_call spans
+    agent_match: str | None = None  # regex: keep only calls under a span whose name matches
+    trajectories: bool = True  # also emit joined multi-turn samples
+
+    def __post_init__(self) -> None:
+        for name in ("llm_call_match", "agent_match"):
+            pattern = getattr(self, name)
+            if pattern is not None:
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise ValueError(f"{name} {pattern!r} is not a regular expression: {e}") from None
+
+
+@dataclass(frozen=True)
+class AttemptInfo:
+    rollout_id: str
+    attempt_id: str
+    group_key: str
+    mode: str | None = None
+    group_size: int | None = None
+
+
+@dataclass
+class LlmCall:
+    span: Span
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    reward: float | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prompt_text: str = ""
+    response_text: str = ""
+
+
+def _time(value: float | None) -> float:
+    return value if value is not None else math.inf
+
+
+def dedupe(spans: Iterable[Span]) -> list[Span]:
+    """One span per span id (the first stored), in store order."""
+    seen: set[str] = set()
+    unique = []
+    for s in sorted(spans, key=lambda s: s.sequence_id):
+        if s.span_id not in seen:
+            seen.add(s.span_id)
+            unique.append(s)
+    return unique
+
+
+def repaired_parents(spans: Sequence[Span]) -> dict[str, str | None]:
+    """Each span's parent within the attempt. A parent that was never stored (lost, or outside the
+    runner) is replaced by the attempt's root span, so nothing hangs loose."""
+    ids = {s.span_id for s in spans}
+    root = next((s.span_id for s in spans if s.name == semconv.ROLLOUT_SPAN), None)
+    parents: dict[str, str | None] = {}
+    for s in spans:
+        parent = s.parent_id
+        if parent is not None and parent not in ids:
+            parent = root if root != s.span_id else None
+        parents[s.span_id] = parent
+    return parents
+
+
+def _ancestors(span_id: str, parents: dict[str, str | None]) -> Iterable[str]:
+    seen = {span_id}
+    parent = parents.get(span_id)
+    while parent is not None and parent not in seen:  # a cycle in bad data must not loop forever
+        seen.add(parent)
+        yield parent
+        parent = parents.get(parent)
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list | tuple) or not all(isinstance(x, int) for x in value):
+        raise Skip("malformed_span", f"malformed span: {what} is not a list of token ids")
+    return list(value)
+
+
+def _messages(span: Span) -> tuple[list[dict[str, Any]], str, str]:
+    """The OpenAI messages view of a call (request messages + the response message) and its texts."""
+    attributes = span.attributes
+    try:
+        request = json.loads(attributes.get(semconv.REQUEST_JSON) or "{}")
+        response = json.loads(attributes.get(semconv.RESPONSE_JSON) or "null")
+    except (TypeError, ValueError):
+        return [], "", ""
+    if isinstance(request, dict) and isinstance(request.get("messages"), list):
+        messages = [m for m in request["messages"] if isinstance(m, dict)]
+        prompt_text = next(
+            (str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), ""
+        )
+    elif isinstance(request, dict) and isinstance(request.get("prompt"), str):
+        prompt_text = request["prompt"]
+        messages = [{"role": "user", "content": prompt_text}]
+    else:
+        messages, prompt_text = [], ""
+    if isinstance(response, dict) and "role" in response:
+        answer = response
+    elif isinstance(response, dict) and isinstance(response.get("message"), dict):
+        answer = response["message"]
+    else:
+        answer = {"role": "assistant", "content": response if isinstance(response, str) else ""}
+    return [*messages, answer], prompt_text, str(answer.get("content") or "")
+
+
+def find_llm_calls(spans: Sequence[Span], parents: dict[str, str | None], config: AdapterConfig) -> list[LlmCall]:
+    by_id = {s.span_id: s for s in spans}
+    name_match = re.compile(config.llm_call_match) if config.llm_call_match else None
+    agent_match = re.compile(config.agent_match) if config.agent_match else None
+
+    def is_call(s: Span) -> bool:
+        if name_match is not None:
+            return bool(name_match.search(s.name))
+        return s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL
+
+    call_ids = {s.span_id for s in spans if is_call(s)}
+    calls: list[LlmCall] = []
+    responses: set[str] = set()
+    for s in sorted((by_id[i] for i in call_ids), key=lambda s: (_time(s.start_time), s.sequence_id)):
+        lineage = list(_ancestors(s.span_id, parents))
+        if any(a in call_ids for a in lineage):
+            continue  # the same call seen by two layers (client and proxy): keep the outer one
+        if agent_match is not None and not any(agent_match.search(by_id[a].name) for a in lineage):
+            continue
+        response_id = s.attributes.get(semconv.GEN_AI_RESPONSE_ID)
+        if isinstance(response_id, str) and response_id:
+            if response_id in responses:
+                continue
+            responses.add(response_id)
+        if semconv.PROMPT_TOKEN_IDS not in s.attributes or semconv.RESPONSE_TOKEN_IDS not in s.attributes:
+            fidelity = s.attributes.get(semconv.TOKEN_FIDELITY, "unknown")
+            raise Skip("no_token_ids", f"LLM call {s.name!r} has no token ids (token fidelity {fidelity})")
+        prompt_ids = _int_list(s.attributes[semconv.PROMPT_TOKEN_IDS], "prompt token ids")
+        response_ids = _int_list(s.attributes[semconv.RESPONSE_TOKEN_IDS], "response token ids")
+        logprobs = s.attributes.get(semconv.RESPONSE_LOGPROBS) or []
+        if not isinstance(logprobs, list | tuple) or len(logprobs) != len(response_ids):
+            count = len(logprobs) if isinstance(logprobs, list | tuple) else "no"
+            raise Skip("malformed_span", f"malformed span: {count} logprobs for {len(response_ids)} response tokens")
+        messages, prompt_text, response_text = _messages(s)
+        calls.append(LlmCall(s, prompt_ids, response_ids, [float(x) for x in logprobs],
+                             messages=messages, prompt_text=prompt_text, response_text=response_text))
+    return calls
+
+
+def match_rewards(spans: Sequence[Span], calls: list[LlmCall]) -> float | None:
+    """Give each reward to the most recent earlier call without one; return the final reward."""
+    rewards = []
+    for s in spans:
+        if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_REWARD or s.name == semconv.REWARD_SPAN:
+            value = s.attributes.get(semconv.REWARD)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise Skip("malformed_span", f"malformed span: reward {value!r} is not a finite number")
+            rewards.append((_time(s.start_time), s.sequence_id, float(value)))
+    if not rewards:
+        return None
+    events = [(_time(c.span.end_time), c.span.sequence_id, 0, i) for i, c in enumerate(calls)]
+    events += [(t, seq, 1, value) for t, seq, value in rewards]
+    seen_calls: list[LlmCall] = []
+    for _, _, is_reward, payload in sorted(events, key=lambda e: (e[0], e[1])):
+        if not is_reward:
+            seen_calls.append(calls[int(payload)])
+            continue
+        for call in reversed(seen_calls):
+            if call.reward is None:
+                call.reward = float(payload)
+                break
+    return sorted(rewards)[-1][2]
+
+
+def _trajectories(calls: list[LlmCall]) -> list[list[int]]:
+    """Indices of calls joined by token-prefix match: each next prompt extends the sequence so far."""
+    chains: list[list[int]] = []
+    sequence: list[int] = []
+    for i, call in enumerate(calls):
+        if chains and len(call.prompt_ids) >= len(sequence) and call.prompt_ids[: len(sequence)] == sequence:
+            chains[-1].append(i)
+        else:
+            chains.append([i])
+        sequence = call.prompt_ids + call.response_ids
+    return [c for c in chains if len(c) > 1]
+
+
+def spans_to_samples(spans: Iterable[Span], info: AttemptInfo, config: AdapterConfig | None = None) -> list[Sample]:
+    """The samples of one attempt's spans, or `Skip` with the reason."""
+    config = config or AdapterConfig()
+    unique = [s for s in dedupe(spans) if s.attempt_id == info.attempt_id]
+    parents = repaired_parents(unique)
+    calls = find_llm_calls(unique, parents, config)
+    if not calls:
+        raise Skip("no_llm_call", "no LLM call")
+    final = match_rewards(unique, calls)
+    if final is None:
+        raise Skip("no_reward", "no reward")
+
+    def sample(sample_id: str, shape: str, first: int, prompt: list[int], response: list[int],
+               logprobs: list[float], mask: list[int], reward: float | None, last: LlmCall,
+               turns: int) -> Sample:
+        return Sample(
+            sample_id=sample_id, shape=shape, rollout_id=info.rollout_id, attempt_id=info.attempt_id,
+            group_key=info.group_key, turn_index=first, prompt_token_ids=prompt, response_token_ids=response,
+            response_logprobs=logprobs, response_mask=mask, reward=reward, final_reward=final,
+            model_version=last.span.attributes.get(semconv.MODEL_VERSION), mode=info.mode,
+            group_size=info.group_size, num_turns=turns, prompt_text=calls[first].prompt_text,
+            response_text=last.response_text, messages=last.messages,
+        )
+
+    samples = [
+        sample(f"{info.attempt_id}/t{i}", "triplet", i, c.prompt_ids, c.response_ids, c.logprobs,
+               [1] * len(c.response_ids), c.reward, c, 1)
+        for i, c in enumerate(calls)
+    ]
+    if config.trajectories:
+        for chain in _trajectories(calls):
+            first = calls[chain[0]]
+            response, logprobs, mask = list(first.response_ids), list(first.logprobs), [1] * len(first.response_ids)
+            sequence_len = len(first.prompt_ids) + len(first.response_ids)
+            for j in chain[1:]:
+                c = calls[j]
+                added = c.prompt_ids[sequence_len:]  # what the environment said between the turns
+                response += added + c.response_ids
+                logprobs += [0.0] * len(added) + c.logprobs
+                mask += [0] * len(added) + [1] * len(c.response_ids)
+                sequence_len = len(c.prompt_ids) + len(c.response_ids)
+            samples.append(
+                sample(f"{info.attempt_id}/traj{chain[0]}", "trajectory", chain[0], first.prompt_ids,
+                       response, logprobs, mask, final, calls[chain[-1]], len(chain))
+            )
+    return samples

@@ -1,0 +1,96 @@
+"""Samples: the stream from the adapter to the trainer, written once per rollout."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import ResponseError
+
+from fulmen import keys as k
+from fulmen.codec import unpack
+from fulmen.errors import RecordError
+from fulmen.records import Sample, SampleSkip, Span
+
+SampleEntry = tuple[str, Sample | SampleSkip]
+
+
+class SamplesMixin:
+    """Part of `RedisStore`: reading spans in bulk, appending samples once, reading them back."""
+
+    redis: aioredis.Redis
+    keys: k.Keys
+    max_record_bytes: int
+    _append_samples: AsyncScript
+    dead_letter: Callable[..., Awaitable[Any]]
+
+    async def spans_of_rollouts(self, rollout_ids: Sequence[str]) -> list[list[Span] | RecordError]:
+        """The spans of many rollouts in one round trip; a rollout with an unreadable span gets the
+        error instead of its spans (its other spans are not trusted either)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in rollout_ids:
+            pipe.xrange(self.keys.spans(rid))
+        out: list[list[Span] | RecordError] = []
+        for entries in await pipe.execute():
+            try:
+                out.append(
+                    [Span.from_wire(f[b"m"], int(eid.split(b"-")[0]), self.max_record_bytes) for eid, f in entries]
+                )
+            except (RecordError, KeyError, TypeError) as e:
+                out.append(e if isinstance(e, RecordError) else RecordError(f"span entry unreadable: {e!r}"))
+        return out
+
+    async def append_samples(
+        self, batch: Sequence[tuple[str, Sequence[bytes], Mapping[str, int]]]
+    ) -> list[int]:
+        """For each (rollout id, sample records, counter increments): append the records and bump the
+        adapter's counters, unless the rollout was sampled before — all in one round trip. Returns,
+        per rollout, how many were appended: 0 if sampled before, -1 if the rollout is gone."""
+        if not batch:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for rollout_id, records, stats in batch:
+            args: list[Any] = [self.keys.prefix, rollout_id, len(stats)]
+            for name, increment in stats.items():
+                args += [name, increment]
+            args += list(records)
+            await self._append_samples(args=args, client=pipe)
+        return [int(n) for n in await pipe.execute()]
+
+    async def adapter_stats(self) -> dict[str, int]:
+        raw = await self.redis.hgetall(self.keys.adapter_stats)
+        return {key.decode(): int(value) for key, value in raw.items()}
+
+    async def ensure_samples_group(self, group: str = k.TRAINERS_GROUP, start: str = "0") -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.samples, group, id=start, mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read_samples(
+        self, group: str, consumer: str, count: int = 256, block_s: float | None = None
+    ) -> list[SampleEntry]:
+        """New sample entries for a consumer group (the trainer); malformed ones are dead-lettered."""
+        block_ms = None if block_s is None else max(1, int(block_s * 1000))
+        reply = await self.redis.xreadgroup(group, consumer, {self.keys.samples: ">"}, count=count, block=block_ms)
+        out: list[SampleEntry] = []
+        for entry_id, fields in reply[0][1] if reply else []:
+            try:
+                out.append((entry_id.decode(), decode_sample(fields.get(b"m"), self.max_record_bytes)))
+            except RecordError as e:
+                await self.dead_letter(self.keys.samples, entry_id.decode(), str(e), fields, ack_group=group)
+        return out
+
+    async def ack_samples(self, group: str, entry_ids: Sequence[str]) -> int:
+        return await self.redis.xack(self.keys.samples, group, *entry_ids) if entry_ids else 0
+
+
+def decode_sample(data: bytes | None, max_bytes: int) -> Sample | SampleSkip:
+    """A samples-stream entry: a `Sample` or a `SampleSkip`, told apart by the record kind."""
+    value = unpack(data, max_bytes) if data is not None else None
+    if isinstance(value, dict) and value.get("kind") == "sample_skip":
+        return SampleSkip.from_wire(data)
+    return Sample.from_wire(data, max_bytes)
