@@ -1,0 +1,315 @@
+"""The proxy as a plain ASGI app: no framework between uvicorn and the handlers.
+
+Routes (each ``/v1`` route also under the attribution prefix ``/rollout/{r}/attempt/{a}``):
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    GET /healthz   GET /readyz   GET /metrics
+
+A framework's routing, request objects and middleware cost more CPU per request than the whole
+budget (0.5 ms); here a request is a few dict lookups, one JSON parse, the backend call, one span
+write (auto-pipelined) and one JSON dump. Every error is an OpenAI-style body with its status
+(`fulmen_llm_proxy.errors`), and no error stops the server.
+
+Each completion carries the model version that served it, in the ``x-fulmen-model-version``
+header and a ``model_version`` body field (in every chunk when streaming). Its span is stored
+before the response, or the last chunk, is sent.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from fulmen import semconv
+from fulmen.errors import NotFound, RecordTooLarge
+from fulmen_llm_proxy.attribution import Target, from_headers, new_span_id, split_path, trace_context
+from fulmen_llm_proxy.backends import Call, Operation, Result
+from fulmen_llm_proxy.errors import ProxyError
+from fulmen_llm_proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from fulmen_llm_proxy.parsing import parse_call
+from fulmen_llm_proxy.recording import build_span
+from fulmen_llm_proxy.service import ProxyService
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_VERSION_HEADER = semconv.HEADER_MODEL_VERSION.encode()
+_OPERATIONS: dict[str, Operation] = {"/chat/completions": "chat", "/completions": "text_completion"}
+_DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+class ProxyApp:
+    """ASGI callable; the lifespan starts and stops the `ProxyService`."""
+
+    def __init__(self, service: ProxyService) -> None:
+        self.service = service
+        self.max_request_bytes = service.settings.max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.service.start()
+                except Exception as e:
+                    log.exception("llm-proxy could not start")
+                    await send({"type": "lifespan.startup.failed", "message": f"{type(e).__name__}: {e}"})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                try:
+                    await self.service.close()
+                finally:
+                    await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- routing ------------------------------------------------------------------------------------
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        endpoint = "other"
+        status = 500
+        try:
+            target = split_path(scope["path"])
+            route = target.path[3:] if target.path.startswith("/v1/") else target.path
+            operation = _OPERATIONS.get(route)
+            if operation is not None:
+                endpoint = route
+                if scope["method"] != "POST":
+                    raise ProxyError(405, f"use POST for {route}")
+                headers = dict(scope["headers"])
+                self._authorize(headers)
+                from_headers(target, headers)
+                status = await self._completion(receive, send, target, headers, operation)
+            elif route == "/models":
+                endpoint = route
+                self._authorize(dict(scope["headers"]))
+                status = await self._models(send)
+            elif target.path == "/healthz":
+                endpoint, status = "/healthz", 200
+                await _send_body(send, 200, b'{"status":"ok"}')
+            elif target.path == "/readyz":
+                endpoint = "/readyz"
+                ready = await self.service.ready()
+                status = 200 if ready else 503
+                await _send_body(send, status, b'{"ready":%s}' % (b"true" if ready else b"false"))
+            elif target.path == "/metrics":
+                endpoint, status = "/metrics", 200
+                await _send_body(send, 200, self.service.metrics.render(), METRICS_CONTENT_TYPE)
+            else:
+                raise ProxyError(404, f"no route {scope['method']} {scope['path']}", code="unknown_route")
+        except ProxyError as e:
+            status = e.status
+            await _send_body(send, e.status, e.body())
+        except ClientGone:
+            status = 499  # nginx's "client closed request": nothing to answer
+        except Exception as e:  # a bug must cost one request, never the server
+            log.exception("unexpected error on %s %s", scope["method"], scope["path"])
+            status = 500
+            await _send_body(send, 500, ProxyError(500, f"internal error: {type(e).__name__}").body())
+        self.service.metrics.observe(endpoint, status, time.perf_counter() - started)
+
+    def _authorize(self, headers: dict[bytes, bytes]) -> None:
+        keys = self.service.api_keys
+        if not keys:
+            return
+        given = headers.get(b"authorization", b"")
+        token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
+        # Compare with every key, in constant time each, so timing says nothing about which matched.
+        matched = False
+        for key in keys:
+            matched |= hmac.compare_digest(token, key)
+        if not matched:
+            raise ProxyError(
+                401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
+            )
+
+    async def _models(self, send: Send) -> int:
+        now = int(time.time())
+        version = self.service.backend.model_version
+        data = [
+            {"id": name, "object": "model", "created": now, "owned_by": "fulmen", "model_version": version}
+            for name in self.service.backend.model_names
+        ]
+        await _send_body(send, 200, json.dumps({"object": "list", "data": data}).encode())
+        return 200
+
+    # --- completions --------------------------------------------------------------------------------
+
+    async def _completion(
+        self, receive: Receive, send: Send, target: Target, headers: dict[bytes, bytes], operation: Operation
+    ) -> int:
+        service = self.service
+        start_time = time.time()
+        raw = await self._read_body(receive, headers)
+        call = parse_call(raw, operation, service.default_model)
+        names = service.backend.model_names
+        if names and call.model not in names:
+            raise ProxyError(
+                404, f"model {call.model!r} is not served here; available: {', '.join(names)}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        call.rollout_id, call.attempt_id = target.rollout_id, target.attempt_id
+        if not call.rollout_id:
+            service.metrics.unattributed.inc()
+        await service.gate.enter()
+        service.metrics.in_flight.inc()
+        try:
+            result = Result()
+            if call.stream:
+                await self._stream(send, call, result, raw, headers, start_time)
+            else:
+                body = await service.backend.complete(call, result)
+                body["model_version"] = result.model_version
+                payload = json.dumps(body).encode()
+                await self._record(call, result, raw, headers, start_time)
+                await _send_body(send, 200, payload, version=result.model_version)
+        finally:
+            service.metrics.in_flight.dec()
+            service.gate.leave()
+        if result.input_tokens:
+            service.metrics.prompt_tokens.inc(result.input_tokens)
+        if result.output_tokens:
+            service.metrics.completion_tokens.inc(result.output_tokens)
+        return 200
+
+    async def _stream(
+        self,
+        send: Send,
+        call: Call,
+        result: Result,
+        raw: bytes,
+        headers: dict[bytes, bytes],
+        start_time: float,
+    ) -> None:
+        """Send each chunk when the next one exists, so the last one can wait for the span write."""
+        pending: bytes | None = None
+        started = False
+        try:
+            async for chunk in self.service.backend.stream(call, result):
+                chunk["model_version"] = result.model_version
+                if pending is None and not started:
+                    started = True
+                    version = result.model_version.encode()
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": 200,
+                            "headers": [*_SSE, (_VERSION_HEADER, version)],
+                        }
+                    )
+                elif pending is not None:
+                    await send({"type": "http.response.body", "body": pending, "more_body": True})
+                pending = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        except ProxyError as e:
+            if not started:
+                raise
+            # Headers are gone: the error travels as an SSE event (the openai client raises it).
+            log.warning("stream of %s failed after its start: %s", call.model, e.message)
+            await send(
+                {"type": "http.response.body", "body": b"data: " + e.body() + b"\n\n", "more_body": False}
+            )
+            return
+        if not started:
+            raise ProxyError(502, "the backend produced no output", code="empty_stream")
+        await self._record(call, result, raw, headers, start_time)
+        await send({"type": "http.response.body", "body": (pending or b"") + _DONE, "more_body": False})
+
+    async def _record(
+        self, call: Call, result: Result, raw: bytes, headers: dict[bytes, bytes], start_time: float
+    ) -> None:
+        """Store the call's span (attributed calls only). A store that cannot be reached fails the
+        call (503, retryable): serving it would let its attempt succeed without the span."""
+        if not call.rollout_id:
+            return
+        trace_id, parent_id = trace_context(headers.get(b"traceparent"), call.rollout_id)
+        span = build_span(
+            call, result, system=self.service.backend.system, raw_request=raw, span_id=new_span_id(),
+            trace_id=trace_id, parent_id=parent_id, start_time=start_time, end_time=time.time(),
+        )  # fmt: skip
+        store = self.service.store
+        assert store is not None
+        try:
+            await store.add_spans([span])
+        except NotFound:
+            # No such attempt: nothing can succeed without this span, so the call is served anyway.
+            self.service.metrics.span_failures.labels("unknown_attempt").inc()
+            log.warning(
+                "call for unknown attempt %s of rollout %s: span not stored", call.attempt_id, call.rollout_id
+            )
+        except RecordTooLarge:
+            self.service.metrics.span_failures.labels("too_large").inc()
+            raise ProxyError(
+                413, "the call's span exceeds FULMEN_MAX_RECORD_BYTES; shorten the conversation",
+                code="span_too_large",
+            ) from None  # fmt: skip
+        except (RedisError, OSError) as e:
+            self.service.metrics.span_failures.labels("store_unavailable").inc()
+            raise ProxyError(
+                503, f"could not record the call ({type(e).__name__}); retry", code="store_unavailable"
+            ) from None
+
+    async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes:
+        limit = self.max_request_bytes
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ProxyError(
+                413, f"request body over {limit} bytes (FULMEN_MAX_REQUEST_BYTES)", code="request_too_large"
+            )
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        body: bytes = message.get("body", b"")
+        if not message.get("more_body"):
+            return body  # the common case: the whole body in one message
+        parts = [body]
+        size = len(body)
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise ProxyError(
+                    413,
+                    f"request body over {limit} bytes (FULMEN_MAX_REQUEST_BYTES)",
+                    code="request_too_large",
+                )
+            parts.append(chunk)
+        return b"".join(parts)
+
+
+async def _send_body(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = b"application/json",
+    version: str | None = None,
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
+    if version is not None:
+        headers.append((_VERSION_HEADER, version.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

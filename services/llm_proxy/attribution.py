@@ -1,0 +1,90 @@
+"""Which attempt a request belongs to, and which trace its span joins.
+
+Attribution comes from the path prefix ``/rollout/{rollout_id}/attempt/{attempt_id}`` (the base URL
+a runner hands its agent) or, without it, from the ``x-fulmen-rollout-id`` / ``x-fulmen-attempt-id``
+headers; the prefix wins when both are present. A request with neither is *unattributed*: it is
+served, but its span cannot be stored (the store binds every span to an existing attempt), so it is
+counted in ``fulmen_proxy_unattributed_requests_total`` instead.
+
+Trace context comes from the W3C ``traceparent`` header (``00-<trace id>-<parent span id>-<flags>``);
+without one, an attributed call's trace id is derived from its rollout id, as the runner's tracer
+derives it (`fulmen.tracing.rollout_trace_id`), so the call still lands in the rollout's trace.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from fulmen import semconv
+from fulmen.tracing import rollout_trace_id
+from fulmen_llm_proxy.errors import bad_request
+
+_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # fulmen.keys.check_id's alphabet
+_HEX = frozenset("0123456789abcdef")
+_ROLLOUT_HEADER = semconv.HEADER_ROLLOUT_ID.encode()
+_ATTEMPT_HEADER = semconv.HEADER_ATTEMPT_ID.encode()
+
+
+@dataclass(slots=True)
+class Target:
+    """The route of a request with its attribution prefix removed."""
+
+    path: str  # e.g. /v1/chat/completions
+    rollout_id: str = ""
+    attempt_id: str = ""
+
+
+def split_path(path: str) -> Target:
+    """Strip ``/rollout/{r}/attempt/{a}`` off the path; ids are checked against the store's alphabet."""
+    if not path.startswith("/rollout/"):
+        return Target(path)
+    parts = path.split("/", 5)  # "", rollout, r, attempt, a, rest
+    if len(parts) < 5 or parts[3] != "attempt":
+        return Target(path)  # not the prefix: the router answers 404
+    rollout_id, attempt_id = parts[2], parts[4]
+    if not _ID.match(rollout_id) or not _ID.match(attempt_id):
+        raise bad_request("rollout and attempt ids in the path must be 1-128 of [A-Za-z0-9_.:-]")
+    return Target("/" + parts[5] if len(parts) > 5 else "/", rollout_id, attempt_id)
+
+
+def from_headers(target: Target, headers: dict[bytes, bytes]) -> None:
+    """Attribute by headers when the path did not."""
+    if target.rollout_id:
+        return
+    rollout_id = headers.get(_ROLLOUT_HEADER)
+    attempt_id = headers.get(_ATTEMPT_HEADER)
+    if rollout_id is None and attempt_id is None:
+        return
+    if rollout_id is None or attempt_id is None:
+        raise bad_request(
+            f"send both {semconv.HEADER_ROLLOUT_ID} and {semconv.HEADER_ATTEMPT_ID}, or neither"
+        )
+    target.rollout_id, target.attempt_id = rollout_id.decode(), attempt_id.decode()
+    if not _ID.match(target.rollout_id) or not _ID.match(target.attempt_id):
+        raise bad_request("rollout and attempt id headers must be 1-128 of [A-Za-z0-9_.:-]")
+
+
+def trace_context(traceparent: bytes | None, rollout_id: str) -> tuple[str, str | None]:
+    """(trace id, parent span id) for the call's span: from ``traceparent`` when it is valid,
+    else the rollout's trace (or a fresh one when unattributed) with no parent."""
+    if traceparent is not None:
+        parts = traceparent.decode("latin-1").strip().lower().split("-")
+        if (
+            len(parts) >= 4
+            and len(parts[1]) == 32
+            and len(parts[2]) == 16
+            and _HEX.issuperset(parts[1])
+            and _HEX.issuperset(parts[2])
+            and parts[1] != "0" * 32
+            and parts[2] != "0" * 16
+        ):
+            return parts[1], parts[2]
+    if rollout_id:
+        return f"{rollout_trace_id(rollout_id):032x}", None
+    return os.urandom(16).hex(), None
+
+
+def new_span_id() -> str:
+    return os.urandom(8).hex()

@@ -1,0 +1,214 @@
+"""The ``torch`` backend: a Hugging Face causal LM in this process, batched by `TorchEngine`.
+
+Chat prompts are rendered with the tokenizer's chat template (``tools`` are passed to it; a
+template that ignores them ignores them) and tokenized without adding special tokens again;
+completion prompts are a string (tokenized as vLLM does, special tokens added) or token ids.
+The engine returns the exact token ids and their raw log-probabilities; the text is decoded from
+them (special tokens, such as the final eos, left out). Tool calls are not parsed out of the text.
+
+Stop strings are applied on the decoded text: generation ends at the token that completes one,
+the text is cut before it, and ``token_ids`` keep every generated token (as vLLM does). While
+streaming, text that might be the start of a stop string is held back until it is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fulmen.errors import InvalidInput, RetryableError
+from fulmen_llm_proxy import formatting
+from fulmen_llm_proxy.backends import Call, Result
+from fulmen_llm_proxy.errors import ProxyError, bad_request
+from fulmen_llm_proxy.parsing import single_prompt
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class TorchBackend:
+    system = "torch"
+
+    def __init__(self, model_dir: str | Path, *, model_name: str | None = None, max_batch: int = 16) -> None:
+        self.model_dir = Path(model_dir)
+        self.name = model_name or self.model_dir.resolve().name
+        self.max_batch = max_batch
+        self.engine: Any = None  # a TorchEngine once started (loading the model takes seconds)
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.name]
+
+    @property
+    def model_version(self) -> str:
+        return self.engine.model_version if self.engine is not None else ""
+
+    async def start(self) -> None:
+        from fulmen_llm_proxy.torch_engine import TorchEngine
+
+        # Loading runs in a thread so the event loop (and the lifespan) stays responsive.
+        self.engine = await asyncio.to_thread(TorchEngine, self.model_dir, max_batch=self.max_batch)
+        await self.engine.start()
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
+
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    async def load_weights(self, state_dict: dict[str, Any], model_version: str) -> bool:
+        await self.engine.load_weights(state_dict, model_version)
+        return True
+
+    # --- prompts ------------------------------------------------------------------------------------
+
+    def prompt_ids(self, call: Call) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if call.operation == "chat":
+            try:
+                text = tokenizer.apply_chat_template(
+                    call.messages, tools=call.tools, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as e:  # jinja's TemplateError, a missing key in a message, ...
+                raise bad_request(f"messages do not fit the chat template: {e}", "messages") from None
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        prompt = single_prompt(call.body.get("prompt"))
+        if isinstance(prompt, str):
+            return list(tokenizer.encode(prompt))
+        return list(prompt)
+
+    def _open(self, call: Call) -> tuple[Any, list[int]]:
+        from fulmen_llm_proxy.torch_engine import SamplingParams
+
+        prompt = self.prompt_ids(call)
+        stop_ids = call.body.get("stop_token_ids") or ()
+        if not isinstance(stop_ids, list | tuple) or not all(isinstance(t, int) for t in stop_ids):
+            raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
+        try:
+            params = SamplingParams(
+                max_tokens=call.max_tokens or DEFAULT_MAX_TOKENS, temperature=call.temperature,
+                top_p=call.top_p if call.top_p > 0 else 1e-9, seed=call.seed, stop_token_ids=tuple(stop_ids),
+            )  # fmt: skip
+            return self.engine.stream(prompt, params), prompt
+        except InvalidInput as e:
+            code = "context_length_exceeded" if "context" in str(e) else None
+            raise bad_request(str(e), "messages" if call.operation == "chat" else "prompt", code) from None
+        except RetryableError as e:
+            raise ProxyError(503, str(e), code="engine_closed") from None
+
+    def token_strings(self, call: Call, token_ids: list[int]) -> list[str]:
+        if call.tokens_as_ids:
+            return [f"token_id:{t}" for t in token_ids]
+        return self.engine.tokenizer.batch_decode([[t] for t in token_ids])
+
+    # --- serving ------------------------------------------------------------------------------------
+
+    async def complete(self, call: Call, result: Result) -> dict[str, Any]:
+        async for _ in self._generate(call, result):
+            pass
+        text = result.text
+        ids = result.token_ids or []
+        body = formatting.full_body(
+            call, result.response_id, prompt_ids=result.prompt_token_ids or [], token_ids=ids,
+            tokens=self.token_strings(call, ids), logprobs=result.logprobs or [], text=text,
+            finish_reason=result.finish_reason or "length",
+        )  # fmt: skip
+        return body
+
+    async def stream(self, call: Call, result: Result) -> AsyncIterator[dict[str, Any]]:
+        created = int(time.time())
+        offset = 0
+        first = True
+        async for text, token_id, logprob in self._generate(call, result):
+            tokens = self.token_strings(call, [token_id])
+            yield formatting.chunk(
+                call, result.response_id, created, text=text, token_ids=[token_id], tokens=tokens,
+                logprobs=[logprob], finish_reason=None, prompt_ids=result.prompt_token_ids if first else None,
+                text_offset=offset,
+            )  # fmt: skip
+            first = False
+            offset += len(tokens[0])
+        # The finish reason travels in a chunk of its own, as OpenAI sends it.
+        yield formatting.chunk(
+            call, result.response_id, created, text="", token_ids=[], tokens=[], logprobs=[],
+            finish_reason=result.finish_reason, text_offset=offset,
+        )  # fmt: skip
+        if call.include_usage:
+            yield formatting.usage_chunk(
+                call, result.response_id, created, result.input_tokens or 0, result.output_tokens or 0
+            )
+
+    async def _generate(self, call: Call, result: Result) -> AsyncIterator[tuple[str, int, float]]:
+        """Each generated token as (new text, token id, logprob); fills ``result`` as it goes."""
+        stream, prompt = self._open(call)
+        tokenizer = self.engine.tokenizer
+        result.fidelity = "exact"
+        result.response_id = formatting.response_id(call)
+        result.response_model = call.model
+        result.prompt_token_ids = prompt
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        result.token_ids, result.logprobs = token_ids, logprobs
+        stops = call.stop
+        decoded = ""  # text of every token so far
+        sent = 0  # characters of `decoded` already given out
+        finish = "length"
+        incremental = call.stream or bool(stops)  # else no text is needed before the end
+        try:
+            async with stream as s:
+                async for step in s:
+                    result.model_version = s.model_version or ""
+                    token_ids.append(step.token_id)
+                    logprobs.append(step.logprob)
+                    if step.finish_reason is not None:
+                        finish = step.finish_reason
+                    if not incremental:
+                        continue  # decoded once at the end
+                    decoded = tokenizer.decode(token_ids, skip_special_tokens=True)
+                    cut = _stop_at(decoded, stops, sent) if stops else -1
+                    if cut >= 0:
+                        decoded, finish = decoded[:cut], "stop"
+                        yield decoded[sent:], step.token_id, step.logprob
+                        sent = len(decoded)
+                        break  # leaving the block cancels the request in the engine
+                    # Hold back an incomplete UTF-8 character and a possible stop-string start.
+                    ready = len(decoded) - (1 if decoded.endswith("\ufffd") else 0)
+                    if stops:
+                        ready = min(ready, len(decoded) - _partial_stop(decoded, stops))
+                    ready = max(ready, sent)
+                    if step.finish_reason is not None:
+                        ready = len(decoded)
+                    yield decoded[sent:ready], step.token_id, step.logprob
+                    sent = ready
+        except InvalidInput as e:
+            raise bad_request(str(e)) from None
+        except RetryableError as e:
+            raise ProxyError(503, str(e), code="engine_closed") from None
+        result.text = decoded if incremental else tokenizer.decode(token_ids, skip_special_tokens=True)
+        result.finish_reason = finish
+        result.input_tokens = len(prompt)
+        result.output_tokens = len(token_ids)
+
+
+def _stop_at(text: str, stops: list[str], sent: int) -> int:
+    """Where the first stop string in ``text`` starts (searching from what may be new), or -1."""
+    best = -1
+    for stop in stops:
+        i = text.find(stop, max(0, sent - len(stop)))
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    return best
+
+
+def _partial_stop(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest

@@ -1,0 +1,165 @@
+"""Pause / drain / resume on the control stream, for synchronous weight updates.
+
+A trainer that wants no call served by stale weights sends ``drain``, waits until every proxy's
+registry entry (`ProxyEndpoint.metadata`) shows ``state == "drained"`` with its ``control_id``,
+publishes the new model version, and sends ``resume``. ``pause`` holds new calls without the
+report. Every proxy reads every message (a plain XREAD, no consumer group: it is a broadcast).
+
+Wire form: an entry ``{"m": <msgpack record>}`` on ``store.keys.control``; the record is
+``{"v": 1, "kind": "control", "action": "pause" | "drain" | "resume", "control_id": str,
+"proxy_ids": [str] (empty: every proxy), "timeout_s": float | None, "time": float}``.
+``timeout_s`` bounds a pause or drain: the proxy resumes by itself after it, so a trainer that dies
+mid-update cannot freeze the fleet. A proxy that starts while the latest message is a pause or drain
+still within its timeout starts paused.
+
+The record belongs in `fulmen.records` once the trainer writes it; it lives here until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fulmen.codec import pack_record, unpack_record
+from fulmen.errors import RecordError
+from fulmen.store import RedisStore
+from fulmen_llm_proxy.gate import Gate
+
+log = logging.getLogger(__name__)
+
+ACTIONS = ("pause", "drain", "resume")
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class ControlMessage:
+    action: str  # pause | drain | resume
+    control_id: str = ""
+    proxy_ids: tuple[str, ...] = ()  # empty: every proxy
+    timeout_s: float | None = DEFAULT_TIMEOUT_S  # pause/drain end by themselves after this long
+    time: float = 0.0
+
+    def to_wire(self) -> bytes:
+        return pack_record(
+            "control",
+            {
+                "action": self.action,
+                "control_id": self.control_id,
+                "proxy_ids": list(self.proxy_ids),
+                "timeout_s": self.timeout_s,
+                "time": self.time,
+            },
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes | None) -> ControlMessage:
+        d = unpack_record(data, "control", required=("action",))
+        if d["action"] not in ACTIONS:
+            raise RecordError(f"control action {d['action']!r} unknown; use {', '.join(ACTIONS)}")
+        return cls(
+            d["action"], d.get("control_id", ""), tuple(d.get("proxy_ids") or ()), d.get("timeout_s"),
+            float(d.get("time") or 0.0),
+        )  # fmt: skip
+
+
+async def send_control(
+    store: RedisStore,
+    action: str,
+    *,
+    proxy_ids: tuple[str, ...] = (),
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> ControlMessage:
+    """Broadcast one control message; returns it (its ``control_id`` comes back in the registry)."""
+    if action not in ACTIONS:
+        raise ValueError(f"control action {action!r} unknown; use {', '.join(ACTIONS)}")
+    message = ControlMessage(action, uuid.uuid4().hex[:12], tuple(proxy_ids), timeout_s, time.time())
+    await store.redis.xadd(store.keys.control, {"m": message.to_wire()}, maxlen=1000, approximate=True)
+    return message
+
+
+class ControlFollower:
+    """Applies control messages to a `Gate`; ``on_change`` runs after each state change (the proxy
+    re-registers at once, so the trainer sees ``drained`` without waiting for a heartbeat)."""
+
+    def __init__(self, store: RedisStore, gate: Gate, proxy_id: str, on_change: Callable[[], Any]) -> None:
+        self.store = store
+        self.gate = gate
+        self.proxy_id = proxy_id
+        self.on_change = on_change
+        self.control_id = ""
+        self.drained = False
+        self._auto_resume: asyncio.TimerHandle | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    @property
+    def state(self) -> str:
+        return "drained" if self.drained and self.gate.state == "draining" else self.gate.state
+
+    async def run(self) -> None:
+        last = await self.store.redis.xrevrange(self.store.keys.control, count=1)
+        cursor: bytes | str = "0-0"
+        if last:
+            cursor = last[0][0]
+            message = self._decode(last[0][1])
+            if message and message.action != "resume":
+                age_s = time.time() - message.time
+                if message.timeout_s is None or age_s < message.timeout_s:
+                    self.apply(message, elapsed_s=age_s)
+        while True:
+            reply = await self.store.redis.xread({self.store.keys.control: cursor}, count=100, block=0)
+            for entry_id, fields in reply[0][1] if reply else []:
+                cursor = entry_id
+                message = self._decode(fields)
+                if message is not None:
+                    self.apply(message)
+
+    def _decode(self, fields: dict[bytes, bytes]) -> ControlMessage | None:
+        try:
+            return ControlMessage.from_wire(fields.get(b"m"))
+        except RecordError as e:
+            log.warning("ignoring a control message: %s", e)
+            return None
+
+    def apply(self, message: ControlMessage, elapsed_s: float = 0.0) -> None:
+        if message.proxy_ids and self.proxy_id not in message.proxy_ids:
+            return
+        log.info("control %s (%s)", message.action, message.control_id)
+        if self._auto_resume is not None:
+            self._auto_resume.cancel()
+            self._auto_resume = None
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+            self._drain_task = None
+        self.control_id = message.control_id
+        self.drained = False
+        state = {"pause": "paused", "drain": "draining", "resume": "serving"}[message.action]
+        self.gate.set_state(state)
+        if state != "serving" and message.timeout_s is not None:
+            delay_s = max(0.0, message.timeout_s - elapsed_s)
+            self._auto_resume = asyncio.get_running_loop().call_later(delay_s, self._timed_out)
+        if state == "draining":
+            self._drain_task = asyncio.ensure_future(self._report_drained())
+        self.on_change()
+
+    def _timed_out(self) -> None:
+        log.warning("control %s timed out: resuming", self.control_id)
+        self._auto_resume = None
+        self.drained = False
+        self.gate.set_state("serving")
+        self.on_change()
+
+    async def _report_drained(self) -> None:
+        await self.gate.wait_idle()
+        self.drained = True
+        self.on_change()
+
+    def close(self) -> None:
+        if self._auto_resume is not None:
+            self._auto_resume.cancel()
+        if self._drain_task is not None:
+            self._drain_task.cancel()

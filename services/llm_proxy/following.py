@@ -1,0 +1,63 @@
+"""Model following: load each model version the store's resources announce.
+
+A trainer publishes a version with `fulmen.model_versions.publish_model_version` (weights chunks on
+a stream + a resources entry whose ``resources["llm"]["model_version"]`` names it). The proxy reads
+the latest resources at start (a restarted proxy serves the current version, not the base one),
+then follows every new resources version. Loading goes through ``backend.load_weights``, which
+swaps between batches: calls in flight finish on the weights they started with and every
+response names the version that served it. A version that fails to load is logged and counted;
+the proxy keeps serving the one it has.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fulmen.records import ResourcesUpdate
+from fulmen.store import RedisStore
+from fulmen_llm_proxy.backends import Backend
+
+log = logging.getLogger(__name__)
+
+
+class ModelFollower:
+    def __init__(self, store: RedisStore, backend: Backend, on_loaded: Callable[[str, str], Any]) -> None:
+        self.store = store
+        self.backend = backend
+        self.on_loaded = on_loaded  # (model_version, outcome: loaded | failed)
+
+    async def run(self) -> None:
+        latest = await self.store.get_latest_resources()
+        after = None
+        if latest is not None:
+            after = latest.version
+            await self.consider(latest)
+        async for update in self.store.subscribe_resources(after_version=after):
+            await self.consider(update)
+
+    async def consider(self, update: ResourcesUpdate) -> None:
+        from fulmen.model_versions import fetch_model_version, llm_resource
+
+        llm = llm_resource(update)
+        if not llm:
+            return
+        version = llm.get("model_version")
+        if not version or version == self.backend.model_version:
+            return
+        try:
+            state_dict = await fetch_model_version(self.store, version, resource=llm)
+            loaded = await self.backend.load_weights(state_dict, version)
+        except Exception:  # a bad version must not take the proxy down: keep serving the old one
+            log.exception("could not load model version %s", version)
+            self.on_loaded(version, "failed")
+            return
+        if loaded:
+            log.info(
+                "now serving model version %s (resources %s v%d)",
+                version,
+                update.resources_id,
+                update.version,
+            )
+            self.on_loaded(version, "loaded")

@@ -1,0 +1,68 @@
+"""Admission of new completions: serving, paused (new calls wait), or closing (new calls get 503).
+
+Pause and drain come from the control stream (`fulmen_llm_proxy.control`) for synchronous weight
+updates: calls already in flight always finish; new ones wait until ``resume`` (or answer 503 after
+``wait_s``). Closing is SIGTERM: new calls are refused at once so a load balancer moves on.
+The fast path (serving) is a flag test and an increment, no await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from fulmen_llm_proxy.errors import ProxyError
+
+
+class Gate:
+    def __init__(self, on_change: Callable[[], None] | None = None) -> None:
+        self.state = "serving"  # serving | paused | draining | closing
+        self.in_flight = 0
+        self.wait_s = 60.0  # how long a new call waits while paused before its 503
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._on_change = on_change
+
+    async def enter(self) -> None:
+        """Admit one call (wait while paused); pair with `leave`."""
+        if self.state != "serving":
+            if self.state == "closing":
+                raise ProxyError(503, "the proxy is shutting down; retry on another", code="shutting_down")
+            try:
+                await asyncio.wait_for(self._open.wait(), self.wait_s)
+            except TimeoutError:
+                raise ProxyError(
+                    503, f"the proxy is {self.state} for a weight update; retry later", code=self.state
+                ) from None
+            if self.state == "closing":
+                raise ProxyError(503, "the proxy is shutting down; retry on another", code="shutting_down")
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def set_state(self, state: str) -> None:
+        if state == self.state or self.state == "closing":
+            return
+        self.state = state
+        if state == "serving":
+            self._open.set()
+        elif state == "closing":
+            self._open.set()  # wake the waiters: they get their 503
+        else:
+            self._open.clear()
+        if self._on_change is not None:
+            self._on_change()
+
+    async def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """True once no call is in flight (within ``timeout_s``)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False

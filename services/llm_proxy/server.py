@@ -1,0 +1,79 @@
+"""Run the proxy app under uvicorn: httptools parser, uvloop when installed, no access log.
+
+The socket is bound here, before uvicorn starts, so ``--proxy-port 0`` works (the OS picks a port)
+and the registered base URL names the port actually bound.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from types import FrameType
+
+import uvicorn
+
+from fulmen.settings import Settings
+from fulmen_llm_proxy.app import ProxyApp
+from fulmen_llm_proxy.backends import Backend
+from fulmen_llm_proxy.registry import default_base_url
+from fulmen_llm_proxy.service import ProxyService
+
+DEFAULT_PORT = 8000
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def loop_name() -> str:
+    try:
+        import uvloop  # noqa: F401 - only probing
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def build(
+    settings: Settings, sock: socket.socket, backend: Backend | None = None
+) -> tuple[ProxyApp, uvicorn.Config]:
+    """The app for ``settings`` on an already bound socket, and a uvicorn config to serve it."""
+    port = sock.getsockname()[1]
+    base_url = settings.proxy_public_url or default_base_url(settings.proxy_host, port)
+    app = ProxyApp(ProxyService(settings, base_url.rstrip("/"), backend))
+    config = uvicorn.Config(
+        app,
+        http="httptools",
+        loop=loop_name(),
+        lifespan="on",
+        access_log=False,  # one log line per request would cost more CPU than the request
+        proxy_headers=False,  # no X-Forwarded-* rewriting: one middleware layer less per request
+        log_level=settings.log_level.lower(),
+        timeout_keep_alive=75,  # agents keep connections open between turns
+        timeout_graceful_shutdown=4,  # honcho sends SIGKILL after 5 s
+        backlog=2048,
+    )
+    return app, config
+
+
+class _Server(uvicorn.Server):
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the stop signal once shut down (exit status -15); for Fulmen SIGTERM is
+        # the normal way to stop a service, so the process exits 0 after its graceful shutdown.
+        self._captured_signals.clear()
+
+
+def serve(settings: Settings) -> None:
+    """Serve until SIGTERM/SIGINT (blocking)."""
+    port = (
+        settings.proxy_port if settings.proxy_port is not None else int(os.environ.get("PORT", DEFAULT_PORT))
+    )
+    sock = bind(settings.proxy_host, port)
+    _, config = build(settings, sock)
+    _Server(config).run(sockets=[sock])

@@ -1,0 +1,129 @@
+"""Everything one proxy process owns, started and stopped together (by the ASGI lifespan).
+
+Start: connect to Redis (waiting with backoff, services start in any order), start the backend
+(load the model), register in the proxy registry, then follow the control stream and, for the torch
+backend, the model versions. Close (SIGTERM): refuse new calls, let calls in flight finish (uvicorn
+waits for them), unregister, stop the followers, close the backend and the Redis client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from fulmen.connection import connect
+from fulmen.settings import Settings
+from fulmen.store import RedisStore
+from fulmen_llm_proxy.backends import Backend, make_backend
+from fulmen_llm_proxy.control import ControlFollower
+from fulmen_llm_proxy.following import ModelFollower
+from fulmen_llm_proxy.gate import Gate
+from fulmen_llm_proxy.metrics import ProxyMetrics
+from fulmen_llm_proxy.registry import Registration, default_proxy_id
+
+log = logging.getLogger(__name__)
+
+
+class ProxyService:
+    def __init__(self, settings: Settings, base_url: str, backend: Backend | None = None) -> None:
+        self.settings = settings
+        self.base_url = base_url
+        self.proxy_id = default_proxy_id(base_url)
+        self.backend = backend or make_backend(settings)
+        self.metrics = ProxyMetrics()
+        self.gate = Gate()
+        self.api_keys = [
+            key.strip().encode()
+            for key in (settings.proxy_api_keys.get_secret_value() if settings.proxy_api_keys else "").split(
+                ","
+            )
+            if key.strip()
+        ]
+        self.redis: aioredis.Redis | None = None
+        self.store: RedisStore | None = None
+        self.control: ControlFollower | None = None
+        self.registration: Registration | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    @property
+    def default_model(self) -> str | None:
+        names = self.backend.model_names
+        return names[0] if names else None
+
+    async def start(self) -> None:
+        self.redis = await connect(self.settings)
+        self.store = RedisStore(
+            self.redis, self.settings.experiment, max_record_bytes=self.settings.max_record_bytes
+        )
+        await self.backend.start()
+        self.metrics.set_model_version(self.backend.model_version)
+        self.registration = Registration(self.store, self.proxy_id, self.base_url, self._describe)
+        self.control = ControlFollower(self.store, self.gate, self.proxy_id, self.registration.refresh)
+        await self.registration.register()
+        self._spawn(self.registration.run(), "registry")
+        self._spawn(self.control.run(), "control")
+        if self.backend.system == "torch":  # upstream servers load their weights themselves
+            follower = ModelFollower(self.store, self.backend, self._loaded)
+            self._spawn(follower.run(), "model versions")
+        log.info(
+            "llm-proxy %s serving %s (%s backend, version %s) at %s",
+            self.proxy_id, self.default_model or "upstream models", self.backend.system,
+            self.backend.model_version, self.base_url,
+        )  # fmt: skip
+
+    def _spawn(self, work: Any, name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        task.add_done_callback(self._died)
+        self._tasks.append(task)
+
+    def _died(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %r stopped", task.get_name(), exc_info=task.exception())
+
+    def _loaded(self, version: str, outcome: str) -> None:
+        self.metrics.weight_loads.labels(outcome).inc()
+        if outcome == "loaded":
+            self.metrics.set_model_version(version)
+            if self.registration is not None:
+                self.registration.refresh()
+
+    def _describe(self) -> dict[str, Any]:
+        return {
+            "model": self.default_model or "",
+            "model_version": self.backend.model_version,
+            "metadata": {
+                "backend": self.backend.system,
+                "state": self.control.state if self.control else self.gate.state,
+                "control_id": self.control.control_id if self.control else "",
+                "in_flight": self.gate.in_flight,
+                "pid": os.getpid(),
+            },
+        }
+
+    async def ready(self) -> bool:
+        if self.redis is None or not self.backend.ready():
+            return False
+        try:
+            return bool(await asyncio.wait_for(self.redis.ping(), 2.0))
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        self.gate.set_state("closing")
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.control is not None:
+            self.control.close()
+        if self.registration is not None:
+            await self.registration.unregister()
+        await self.backend.close()
+        if self.redis is not None:
+            await self.redis.aclose()

@@ -1,0 +1,149 @@
+"""HTTP to upstream OpenAI-compatible servers: pooled keep-alive connections, sticky replicas.
+
+Several replicas serve one model; a rollout sticks to one of them (its KV/prefix cache stays warm
+across the turns of a multi-turn agent), chosen by rendezvous hashing of the rollout id as
+`fulmen.store.proxies.pick_proxy` chooses proxies: when a replica is added or removed only the
+rollouts on it move. A replica that refuses the connection is skipped for the next one in the same
+order, so its rollouts fail over in a stable way. Unattributed calls go round robin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fulmen_llm_proxy.errors import ProxyError
+from fulmen_llm_proxy.http_client import HttpPool
+
+
+def normalize(url: str) -> str:
+    """Base URL without a trailing ``/v1`` or slash: paths are appended as ``/v1/...``."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+class Upstreams:
+    def __init__(self, urls: list[str], api_key: str | None = None) -> None:
+        if not urls:
+            raise ValueError("no upstream URL")
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.pools = [HttpPool(normalize(u), headers) for u in urls]
+        self._round_robin = itertools.cycle(range(len(self.pools)))
+
+    async def start(self) -> None:
+        pass  # connections open on first use
+
+    async def close(self) -> None:
+        for pool in self.pools:
+            pool.close()
+
+    def order(self, rollout_id: str) -> list[HttpPool]:
+        """Replicas in the order a rollout tries them: its sticky one first."""
+        if len(self.pools) == 1:
+            return self.pools
+        if not rollout_id:
+            first = next(self._round_robin)
+            return self.pools[first:] + self.pools[:first]
+
+        def score(pool: HttpPool) -> bytes:
+            return hashlib.blake2b(f"{pool.base_url}|{rollout_id}".encode(), digest_size=8).digest()
+
+        return sorted(self.pools, key=score, reverse=True)
+
+    async def post_json(self, path: str, payload: bytes, rollout_id: str) -> dict[str, Any]:
+        """POST and return the JSON reply; upstream errors become ProxyErrors (4xx kept, 5xx -> 502)."""
+        last: Exception | None = None
+        for pool in self.order(rollout_id):
+            try:
+                status, data = await pool.post(path, payload)
+                break
+            except (OSError, TimeoutError) as e:
+                if not _unreachable(e):
+                    raise ProxyError(
+                        502, f"upstream {pool.base_url} failed: {e}", code="upstream_error"
+                    ) from None
+                last = e  # refused or unreachable: nothing was sent, the next replica may serve it
+        else:
+            raise _no_upstream(last)
+        if status != 200:
+            raise upstream_error(status, data)
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise ProxyError(502, "upstream sent a body that is not JSON", code="upstream_error") from None
+
+    async def post_sse(self, path: str, payload: bytes, rollout_id: str) -> AsyncIterator[dict[str, Any]]:
+        """POST a streaming request and yield each ``data:`` event as JSON until ``[DONE]``."""
+        last: Exception | None = None
+        for pool in self.order(rollout_id):
+            try:
+                status, conn = await pool.post_stream(path, payload)
+                break
+            except (OSError, TimeoutError) as e:
+                if not _unreachable(e):
+                    raise ProxyError(
+                        502, f"upstream {pool.base_url} failed: {e}", code="upstream_error"
+                    ) from None
+                last = e
+        else:
+            raise _no_upstream(last)
+        body = pool.stream_body(conn)
+        if status != 200:
+            raise upstream_error(status, b"".join([piece async for piece in body]))
+        buffer = b""
+        try:
+            async for piece in body:
+                buffer += piece
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, comments, event: lines
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    try:
+                        event = json.loads(data)
+                    except ValueError:
+                        raise ProxyError(
+                            502, "upstream sent an event that is not JSON", code="upstream_error"
+                        ) from None
+                    if "error" in event and "choices" not in event:
+                        raise upstream_error(502, data)
+                    yield event
+        except OSError as e:
+            raise ProxyError(502, f"upstream failed mid-stream: {e}", code="upstream_error") from None
+        finally:
+            await body.aclose()
+
+
+def _unreachable(error: BaseException) -> bool:
+    """Nothing was sent: the connection could not be made."""
+    return isinstance(error, ConnectionRefusedError | TimeoutError) or (
+        isinstance(error, OSError) and not isinstance(error, ConnectionError)
+    )
+
+
+def _no_upstream(last: Exception | None) -> ProxyError:
+    return ProxyError(
+        502, f"no upstream reachable ({type(last).__name__}: {last})", code="upstream_unreachable"
+    )
+
+
+def upstream_error(status: int, data: bytes) -> ProxyError:
+    """The upstream's error as ours: its message kept; 4xx status kept (the request was wrong), else 502."""
+    message, param, code = f"upstream answered {status}", None, None
+    try:
+        error = json.loads(data).get("error")
+        if isinstance(error, dict):
+            message = str(error.get("message") or message)
+            param, code = error.get("param"), error.get("code")
+        elif isinstance(error, str):
+            message = error
+    except (ValueError, AttributeError):
+        pass
+    if 400 <= status < 500:
+        return ProxyError(status, message, param=param, code=code)
+    return ProxyError(502, f"upstream error: {message}", param=param, code=code or "upstream_error")

@@ -1,0 +1,149 @@
+"""A tiny Llama with a character-level tokenizer, saved in Hugging Face format, for tests, demos, benches.
+
+`build_tiny_model(folder)` writes ``config.json``, ``model.safetensors``, ``generation_config.json``,
+``tokenizer.json`` and ``tokenizer_config.json`` (with a chat template), so that
+``AutoModelForCausalLM.from_pretrained(folder)`` and ``AutoTokenizer.from_pretrained(folder)`` work
+offline, exactly as they do for a real checkpoint. Building takes well under a second.
+
+The tokenizer has one token per character of the alphabet (ids follow the special tokens) and
+decodes without adding spaces, so ``decode(encode(text)) == text`` for any in-alphabet text.
+
+Chat format (one line per message, no spaces added)::
+
+    <bos><|user|>12+7=<eos><|assistant|>19<eos>
+
+``add_generation_prompt=True`` ends the prompt with ``<|assistant|>``; an assistant turn ends with
+``<eos>``, so the model's end-of-sequence token also ends its turn.
+
+torch and transformers are imported inside the functions: ``import fulmen`` never needs them.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "DEFAULT_ALPHABET",
+    "ROLES",
+    "SPECIAL_TOKENS",
+    "build_tiny_model",
+    "load_tiny_model",
+]
+
+DEFAULT_ALPHABET = string.digits + string.ascii_letters + " " + string.punctuation + "\n"
+ROLES = ("system", "user", "assistant", "tool")
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *(f"<|{role}|>" for role in ROLES))
+
+# Content may be a string or a list of OpenAI-style parts ({"type": "text", "text": ...}); a missing
+# content (an assistant turn that only calls tools) renders as nothing.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}"
+    "{% endif %}"
+    "{{ eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _tokenizer(alphabet: str) -> Any:
+    """A PreTrainedTokenizerFast with one token per character and the special tokens first."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))  # keep order, drop repeats
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Every character is its own piece ([\s\S] also matches newlines); Fuse joins pieces back
+    # without the spaces WordLevel's default decoder would insert.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        additional_special_tokens=list(SPECIAL_TOKENS[4:]),
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(
+    folder: str | Path,
+    *,
+    alphabet: str = DEFAULT_ALPHABET,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    initializer_range: float = 0.2,
+) -> Path:
+    """Build a randomly initialised tiny Llama (deterministic for a seed) and save it in ``folder``.
+
+    ``initializer_range`` is larger than Llama's 0.02 so the untrained model's next-token
+    distributions are peaked: greedy choices then have clear margins, which keeps tests that
+    compare batched and unbatched greedy output free of ties broken by float noise.
+    """
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer(alphabet)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        # Separate input and output embeddings: a state dict without shared tensors travels as
+        # safetensors with no special casing.
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    # fork_rng: the caller's global RNG state is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def load_tiny_model(folder: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model (float32, eval mode) and tokenizer saved in ``folder``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model, tokenizer

@@ -1,0 +1,57 @@
+"""Fixtures for the proxy: a tiny model, the proxy served by uvicorn in a thread, attempts to attribute to.
+
+The proxy runs in its own thread and event loop (as it runs in its own process in production), so
+tests can call it with the sync and the async openai clients alike and read the store from theirs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from proxy_helpers import RunningProxy
+
+from fulmen.embedded import EmbeddedRedis
+from fulmen.store import RedisStore
+from fulmen.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with a character tokenizer, served as model "tiny"."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def module_experiment() -> str:
+    return f"px-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="module")
+def torch_proxy(
+    redis_server: EmbeddedRedis, tiny_model: Path, module_experiment: str
+) -> Iterator[RunningProxy]:
+    """One torch-backend proxy per test module (loading the model once)."""
+    proxy = RunningProxy(
+        redis_url=redis_server.url, experiment=module_experiment, proxy_backend="torch", model_dir=tiny_model
+    )
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture
+async def proxy_store(redis_server: EmbeddedRedis, module_experiment: str) -> AsyncIterator[RedisStore]:
+    """The store of the module's proxy experiment, on the test's event loop."""
+    client = aioredis.from_url(redis_server.url)
+    yield RedisStore(client, module_experiment)
+    await client.aclose()
+
+
+@pytest.fixture
+async def attempt(proxy_store: RedisStore) -> tuple[str, str]:
+    """A running attempt to attribute calls to: (rollout id, attempt id)."""
+    started = await proxy_store.start_rollout({"task": "test"}, "test-worker")
+    return started.rollout.rollout_id, started.attempt.attempt_id

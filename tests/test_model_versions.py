@@ -1,0 +1,195 @@
+"""Model versions through the store: chunked (or shared-folder) weights plus a resources entry."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from fulmen.errors import InvalidInput, NotFound, RecordError
+from fulmen.model_versions import CHUNK_HEADER_BYTES, fetch_model_version, llm_resource, publish_model_version
+from fulmen.records import WeightsChunk
+from fulmen.store import RedisStore
+
+
+def _state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(37, 16, generator=g),
+        "layer.0.weight": torch.randn(16, 16, generator=g).to(torch.bfloat16),
+        "layer.0.bias": torch.randn(16, generator=g).to(torch.float16),
+        "steps": torch.tensor([3, -1, 2**40], dtype=torch.int64),
+        "odd": torch.tensor([float("nan"), float("-inf"), -0.0]),
+    }
+
+
+def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert a[name].contiguous().view(torch.uint8).equal(b[name].contiguous().view(torch.uint8)), name
+
+
+async def test_chunked_round_trip_is_bit_exact(store: RedisStore) -> None:
+    """A state dict split into many chunks comes back bit for bit, dtypes included."""
+    weights = _state_dict()
+    update = await publish_model_version(store, weights, model="tiny", chunk_bytes=500)
+    llm = llm_resource(update)
+    assert (
+        llm is not None and llm["kind"] == "llm" and llm["model"] == "tiny" and llm["model_version"] == "v1"
+    )
+    entry = llm["weights"]
+    assert entry["stream"] == store.keys.weights("v1")
+    assert entry["chunks"] == -(-entry["bytes"] // 500) > 4
+    assert await store.redis.xlen(entry["stream"]) == entry["chunks"]
+    _assert_bitwise_equal(await fetch_model_version(store, "v1"), weights)
+    _assert_bitwise_equal(await fetch_model_version(store, "v1", resource=llm), weights)
+
+
+async def test_default_versions_count_up_and_resources_carry_over(store: RedisStore) -> None:
+    """Default names go v1, v2, …; earlier resources and llm keys carry over; extras and metadata apply."""
+    await store.add_resources({"prompt": "Q: {q}", "llm": {"endpoint": "http://proxy"}}, "policy")
+    first = await publish_model_version(store, _state_dict(0), model="tiny", metadata={"step": 1})
+    second = await publish_model_version(
+        store, _state_dict(1), model="tiny", extra_resources={"prompt": "new"}, metadata={"step": 2}
+    )
+    assert [llm_resource(u)["model_version"] for u in (first, second)] == ["v1", "v2"]  # type: ignore[index]
+    assert first.resources["prompt"] == "Q: {q}" and second.resources["prompt"] == "new"
+    assert second.resources["llm"]["endpoint"] == "http://proxy"
+    assert second.metadata == {"step": 2} and second.version > first.version
+    latest = await store.get_resources("policy")
+    assert latest == second
+    _assert_bitwise_equal(await fetch_model_version(store, "v1"), _state_dict(0))
+    _assert_bitwise_equal(await fetch_model_version(store, "v2"), _state_dict(1))
+
+
+async def test_new_resources_id_is_created_and_taken_default_names_are_skipped(store: RedisStore) -> None:
+    """A new resources id is created; a default name already used elsewhere is skipped, not reused."""
+    await publish_model_version(store, _state_dict(0), model="a", resources_id="policy-a")
+    update = await publish_model_version(store, _state_dict(1), model="b", resources_id="policy-b")
+    assert update.resources_id == "policy-b"
+    assert llm_resource(update)["model_version"] == "v2"  # type: ignore[index]
+    _assert_bitwise_equal(await fetch_model_version(store, "v1"), _state_dict(0))
+
+
+async def test_resources_are_published_after_every_chunk(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the resources entry is published, all the version's chunks are already on the stream."""
+    seen: list[int] = []
+    publish = store.add_resources
+
+    async def spy(resources: dict, resources_id: str | None = None, metadata: dict | None = None):  # type: ignore[no-untyped-def]
+        seen.append(await store.redis.xlen(resources["llm"]["weights"]["stream"]))
+        return await publish(resources, resources_id, metadata)
+
+    monkeypatch.setattr(store, "add_resources", spy)
+    update = await publish_model_version(store, _state_dict(), model="tiny", chunk_bytes=300)
+    assert seen == [llm_resource(update)["weights"]["chunks"]]  # type: ignore[index]
+
+
+async def test_explicit_existing_version_is_refused(store: RedisStore) -> None:
+    """Publishing a version name twice is refused: versions are immutable."""
+    await publish_model_version(store, _state_dict(0), model="tiny", model_version="step-7")
+    with pytest.raises(InvalidInput, match="exists already"):
+        await publish_model_version(store, _state_dict(1), model="tiny", model_version="step-7")
+    _assert_bitwise_equal(await fetch_model_version(store, "step-7"), _state_dict(0))
+
+
+async def test_concurrent_publishers_of_one_name_never_mix_chunks(real_store: RedisStore) -> None:
+    """Two publishers racing for one name: exactly one wins, and its weights are intact."""
+    results = await asyncio.gather(
+        *(
+            publish_model_version(real_store, _state_dict(i), model="t", model_version="v9", chunk_bytes=200)
+            for i in range(2)
+        ),
+        return_exceptions=True,
+    )
+    assert sorted(type(r).__name__ for r in results) == ["InvalidInput", "ResourcesUpdate"]
+    winner = next(i for i, r in enumerate(results) if not isinstance(r, BaseException))
+    _assert_bitwise_equal(await fetch_model_version(real_store, "v9"), _state_dict(winner))
+
+
+async def test_missing_version_is_not_found(store: RedisStore) -> None:
+    """Fetching a version nobody published raises NotFound."""
+    with pytest.raises(NotFound, match="v404"):
+        await fetch_model_version(store, "v404")
+
+
+async def test_missing_chunk_is_a_record_error(store: RedisStore) -> None:
+    """A chunk deleted from the middle (or the end) of the stream makes the fetch fail clearly."""
+    update = await publish_model_version(store, _state_dict(), model="tiny", chunk_bytes=400)
+    key = llm_resource(update)["weights"]["stream"]  # type: ignore[index]
+    last = (await store.redis.xrevrange(key, count=1))[0][0]
+    await store.redis.xdel(key, last)
+    with pytest.raises(RecordError, match="incomplete"):
+        await fetch_model_version(store, "v1")
+    await store.redis.xdel(key, "0-2")
+    with pytest.raises(RecordError, match=r"expected chunk 1 .* found chunk 2"):
+        await fetch_model_version(store, "v1")
+
+
+async def test_corrupt_chunk_is_a_record_error(store: RedisStore) -> None:
+    """A chunk whose bytes changed fails the sha256 check, never loads silently."""
+    update = await publish_model_version(store, _state_dict(), model="tiny", chunk_bytes=400)
+    key = llm_resource(update)["weights"]["stream"]  # type: ignore[index]
+    entries = await store.redis.xrange(key)
+    await store.redis.delete(key)
+    for n, (_, fields) in enumerate(entries, start=1):
+        chunk = WeightsChunk.from_wire(fields[b"m"])
+        if n == 2:
+            chunk = WeightsChunk(chunk.model_version, chunk.index, chunk.total, chunk.sha256, chunk.size,
+                                 bytes([chunk.data[0] ^ 1]) + chunk.data[1:])  # fmt: skip
+        await store.redis.xadd(key, {"m": chunk.to_wire()}, id=f"0-{n}")
+    with pytest.raises(RecordError, match="corrupt: sha256"):
+        await fetch_model_version(store, "v1")
+    await store.redis.xadd(key, {"m": b"not msgpack"}, id=f"0-{len(entries) + 1}")
+    await store.redis.xdel(key, f"0-{len(entries)}")
+    with pytest.raises(RecordError):
+        await fetch_model_version(store, "v1")
+
+
+async def test_oversize_chunk_is_refused_before_writing(store: RedisStore) -> None:
+    """chunk_bytes beyond the store's record limit is refused up front; nothing is written."""
+    small = RedisStore(store.redis, store.experiment, max_record_bytes=64 * 1024)
+    with pytest.raises(InvalidInput, match="chunk_bytes"):
+        await publish_model_version(small, _state_dict(), model="tiny", chunk_bytes=64 * 1024)
+    assert not await store.redis.exists(store.keys.weights("v1"))
+    with pytest.raises(NotFound):
+        await store.get_resources("policy")
+    update = await publish_model_version(
+        small, _state_dict(), model="tiny", chunk_bytes=64 * 1024 - CHUNK_HEADER_BYTES
+    )
+    assert llm_resource(update)["weights"]["chunks"] == 1  # type: ignore[index]
+
+
+async def test_shared_folder_round_trip(store: RedisStore, tmp_path: Path) -> None:
+    """With shared_dir the weights go to <dir>/<version>/model.safetensors and fetch reads them there."""
+    weights = _state_dict()
+    update = await publish_model_version(store, weights, model="tiny", shared_dir=tmp_path)
+    entry = llm_resource(update)["weights"]  # type: ignore[index]
+    assert Path(entry["path"]) == (tmp_path / "v1" / "model.safetensors").resolve()
+    assert Path(entry["path"]).stat().st_size == entry["bytes"]
+    assert not await store.redis.exists(store.keys.weights("v1"))
+    _assert_bitwise_equal(await fetch_model_version(store, "v1"), weights)  # found via the resources log
+    _assert_bitwise_equal(await fetch_model_version(store, "v1", resource=llm_resource(update)), weights)
+    Path(entry["path"]).write_bytes(Path(entry["path"]).read_bytes()[:-1] + b"!")
+    with pytest.raises(RecordError, match="corrupt"):
+        await fetch_model_version(store, "v1")
+
+
+async def test_tied_and_non_contiguous_tensors_publish(store: RedisStore) -> None:
+    """Tensors sharing memory (tied embeddings) and transposed views publish and fetch as values."""
+    embed = torch.randn(8, 4)
+    weights = {"embed": embed, "lm_head": embed, "t": torch.randn(3, 5).t()}
+    await publish_model_version(store, weights, model="tiny")
+    fetched = await fetch_model_version(store, "v1")
+    assert all(torch.equal(fetched[n], weights[n]) for n in weights)
+
+
+async def test_llm_resource_is_none_without_llm(store: RedisStore) -> None:
+    """llm_resource returns None for resources without an llm entry."""
+    update = await store.add_resources({"prompt": "hi"})
+    assert llm_resource(update) is None
