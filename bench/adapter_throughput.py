@@ -1,0 +1,161 @@
+"""Benchmark: rollouts/s through one `fulmen adapter` process (the console script, as honcho runs it).
+
+The store is first filled with ``--n`` succeeded rollouts, each an 8-span trace as the runner and the
+proxy write it: the attempt's root span, 2 LLM calls of 512 prompt + 128 response token ids (with
+log-probabilities, the request messages and the response as JSON), a tool operation, 3 messages and
+the reward. Then one adapter process turns them into samples. Timed from the first sample on the
+samples stream until every rollout is adapted; the adapter's CPU time comes from /proc.
+
+Runs against the embedded Redis (AOF on, fsync every second) in a temporary folder.
+
+    python bench/adapter_throughput.py [--n 20000]
+
+Progress goes to stderr; the figures are ONE JSON object on the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from fulmen import semconv
+from fulmen.embedded import EmbeddedRedis
+from fulmen.records import Span
+from fulmen.store import RedisStore
+
+EXPERIMENT = "bench-adapter"
+
+
+def log(message: str, *args: Any) -> None:
+    print(f"[adapter_throughput] {message % args}", file=sys.stderr, flush=True)
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def trace(rollout_id: str, attempt_id: str, rng: random.Random) -> list[Span]:
+    """8 spans: root, 2 LLM calls (512 + 128 token ids each), a tool operation, 3 messages, the reward."""
+    t = 1_700_000_000.0
+    root = Span(rollout_id, attempt_id, "r000000000000000", semconv.ROLLOUT_SPAN, "a" * 32, None, t, t + 9,
+                attributes={semconv.SPAN_KIND: semconv.KIND_ROLLOUT})
+    spans = [root]
+    for turn in range(2):
+        prompt = [rng.randrange(32000) for _ in range(512)]
+        response = [rng.randrange(32000) for _ in range(128)]
+        messages = [{"role": "system", "content": "You are a careful solver. " * 8},
+                    {"role": "user", "content": "Compute the following expression step by step. " * 12}]
+        spans.append(Span(rollout_id, attempt_id, f"c{turn:015d}", "chat policy", "a" * 32, root.span_id,
+                          t + 1 + 3 * turn, t + 2 + 3 * turn, attributes={
+            semconv.SPAN_KIND: semconv.KIND_LLM_CALL,
+            semconv.GEN_AI_OPERATION: "chat",
+            semconv.GEN_AI_REQUEST_MODEL: "policy",
+            semconv.GEN_AI_RESPONSE_ID: f"chatcmpl-{rollout_id}-{turn}",
+            semconv.GEN_AI_INPUT_TOKENS: 512,
+            semconv.GEN_AI_OUTPUT_TOKENS: 128,
+            semconv.PROMPT_TOKEN_IDS: prompt,
+            semconv.RESPONSE_TOKEN_IDS: response,
+            semconv.RESPONSE_LOGPROBS: [-rng.random() for _ in range(128)],
+            semconv.MODEL_VERSION: "v7",
+            semconv.TOKEN_FIDELITY: "exact",
+            semconv.REQUEST_JSON: json.dumps({"model": "policy", "messages": messages}),
+            semconv.RESPONSE_JSON: json.dumps({"role": "assistant", "content": "The answer is 42. " * 6}),
+        }))
+    spans.append(Span(rollout_id, attempt_id, "o000000000000000", "calculator", "a" * 32, root.span_id, t + 2.5,
+                      t + 2.6, attributes={semconv.SPAN_KIND: semconv.KIND_OPERATION,
+                                           semconv.OPERATION_INPUT: '{"args": ["6*7"]}',
+                                           semconv.OPERATION_OUTPUT: "42"}))
+    for i in range(3):
+        spans.append(Span(rollout_id, attempt_id, f"m{i:015d}", semconv.MESSAGE_SPAN, "a" * 32, root.span_id,
+                          t + 7 + i * 0.1, t + 7 + i * 0.1,
+                          attributes={semconv.SPAN_KIND: semconv.KIND_MESSAGE, semconv.MESSAGE: "checked"}))
+    spans.append(Span(rollout_id, attempt_id, "w000000000000000", semconv.REWARD_SPAN, "a" * 32, root.span_id,
+                      t + 8, t + 8, attributes={semconv.SPAN_KIND: semconv.KIND_REWARD, semconv.REWARD: 1.0}))
+    return spans
+
+
+async def fill(store: RedisStore, n: int) -> None:
+    rng = random.Random(0)
+    done = 0
+
+    async def one(i: int) -> None:
+        claimed = await store.start_rollout({"task": i}, "bench-runner", metadata={"group_key": f"g{i // 8}"})
+        rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
+        await store.add_spans(trace(rid, aid, rng))
+        await store.update_attempt(rid, aid, status="succeeded")
+
+    for start in range(0, n, 100):
+        await asyncio.gather(*(one(i) for i in range(start, min(n, start + 100))))
+        done = min(n, start + 100)
+        if done % 5000 == 0:
+            log("filled %d/%d rollouts", done, n)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=20_000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis", port=None) as server:
+        client = aioredis.from_url(server.url)
+        store = RedisStore(client, EXPERIMENT)
+        await fill(store, args.n)
+        span_bytes = sum(len(f[b"m"]) for _, f in await client.xrange(store.keys.spans((await store.query_rollouts(limit=1))[0].rollout_id)))
+        log("store filled: %d rollouts, %d bytes of spans each; starting `fulmen adapter`", args.n, span_bytes)
+        env = {**os.environ, "REDIS_URL": server.url, "FULMEN_EXPERIMENT": EXPERIMENT, "FULMEN_LOG_LEVEL": "WARNING"}
+        fulmen_bin = shutil.which("fulmen") or str(Path(sys.executable).with_name("fulmen"))
+        proc = subprocess.Popen([fulmen_bin, "adapter"], env=env)
+        assert server.process is not None
+        try:
+            first = None
+            cpu0 = redis0 = 0.0
+            while True:
+                stats = await store.adapter_stats()
+                adapted = stats.get("rollouts", 0)
+                if first is None and adapted:
+                    first, cpu0, redis0 = time.perf_counter(), cpu_s(proc.pid), cpu_s(server.process.pid)
+                    start_count = adapted
+                if adapted >= args.n:
+                    break
+                if proc.poll() is not None:
+                    raise SystemExit(f"the adapter exited with {proc.returncode}")
+                await asyncio.sleep(0.02)
+            elapsed = time.perf_counter() - (first or time.perf_counter())
+            adapter_cpu = cpu_s(proc.pid) - cpu0
+            redis_cpu = cpu_s(server.process.pid) - redis0
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=15)
+        counted = args.n - start_count
+        samples = stats.get("samples", 0)
+        figures = {
+            "rollouts_per_s": round(counted / elapsed, 1),
+            "samples_per_s": round(samples * counted / args.n / elapsed, 1),
+            "adapter_cpu_us_per_rollout": round(1e6 * adapter_cpu / counted, 1),
+            "adapter_cpu_cores": round(adapter_cpu / elapsed, 2),
+            "redis_cpu_cores": round(redis_cpu / elapsed, 2),
+            "rollouts": args.n,
+            "samples": samples,
+            "skipped": stats.get("skipped", 0),
+            "span_bytes_per_rollout": span_bytes,
+        }
+        await client.aclose()
+    log("%s", figures)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
