@@ -1,0 +1,1 @@
+"""The trainer service: GRPO / PPO / SFT on Hugging Face models (`fulmen trainer`)."""
