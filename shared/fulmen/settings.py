@@ -77,6 +77,32 @@ class Settings(BaseSettings):
     agent_match: str | None = Field(None, description="Regex: only LLM calls under a span whose name matches.")
     trajectories: bool = Field(True, description="Also join multi-turn calls into trajectory samples.")
 
+    # --- trainer --------------------------------------------------------------------------------
+    algorithm: str = Field("grpo", description="grpo, ppo, reinforce or sft.")
+    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    groups_per_step: int = Field(8, ge=1, description="Complete task groups in one optimizer step.")
+    group_size: int | None = Field(None, ge=1, description="Rollouts per task when samples do not say.")
+    sample_shape: str = Field("triplet", description="Train on triplet (per call) or trajectory samples.")
+    reward_source: str = Field("final", description="final (the rollout's last reward) or matched (per call).")
+    max_staleness: int | None = Field(None, ge=0, description="Model versions a sample may lag (unset: any).")
+    stale_policy: str = Field("drop", description="drop or downweight samples beyond max_staleness.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range.")
+    tis_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight for stale samples.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial (reference) model.")
+    ent_coef: float = Field(0.0, ge=0, description="Entropy bonus.")
+    loss_aggregation: str = Field("token", description="token or sequence mean of the per-token loss.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    micro_batch: int = Field(64, ge=1, description="Sequences per forward/backward pass (memory bound).")
+    sft_min_reward: float | None = Field(None, description="sft: train only on samples with reward >= this.")
+    publish_every: int = Field(1, ge=1, description="Publish a model version every K steps.")
+    checkpoint_every: int = Field(1, ge=1, description="Checkpoint every K steps.")
+    checkpoint_dir: Path = Field(Path(".fulmen/checkpoints"), description="Where the trainer checkpoints.")
+    metrics_file: Path = Field(Path(".fulmen/trainer-metrics.jsonl"), description="Per-step metrics, JSON lines.")
+    weights_dir: Path | None = Field(None, description="Shared folder for model versions (unset: via Redis).")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: run until stopped).")
+    torch_threads: int | None = Field(None, ge=1, description="torch CPU threads for the trainer.")
+    seed: int = Field(0, description="Random seed.")
+
     @property
     def embedded(self) -> bool:
         return self.redis_url is None

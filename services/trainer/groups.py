@@ -1,0 +1,128 @@
+"""Collecting samples into GRPO groups: a group is the n rollouts of one task, complete when all n
+are terminal (a rollout that yielded nothing arrives as a `SampleSkip`, so it still counts).
+
+Failed rollouts are left out; a complete group with fewer than two usable rollouts is dropped (its
+advantages would all be zero) and counted. Samples too many model versions behind the trainer are
+dropped or down-weighted, as configured, and counted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from fulmen.records import Sample, SampleSkip
+
+
+def version_number(version: str | None) -> int:
+    """"v12" → 12; the base weights ("base", None, anything else) → 0."""
+    if version and version[0] == "v" and version[1:].isdigit():
+        return int(version[1:])
+    return 0
+
+
+@dataclass
+class Group:
+    key: str
+    size: int | None
+    samples: dict[str, list[tuple[str, Sample]]] = field(default_factory=dict)  # rollout → (entry id, sample)
+    skipped: dict[str, str] = field(default_factory=dict)  # rollout → entry id of its skip
+    first_seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def terminal(self) -> int:
+        return len(self.samples) + len(self.skipped)
+
+    def entry_ids(self) -> list[str]:
+        return [e for pairs in self.samples.values() for e, _ in pairs] + list(self.skipped.values())
+
+
+@dataclass
+class ReadyGroup:
+    key: str
+    samples: list[Sample]  # the samples to train on, every rollout's
+    weights: list[float]  # per sample: 1, or less for a stale one
+    entry_ids: list[str]  # every stream entry of the group, trained on or not
+
+
+@dataclass
+class GroupCollector:
+    """Feed it the samples stream; take the complete groups out.
+
+    ``shape``: train on "triplet" samples (one per LLM call) or "trajectory" samples (one per
+    multi-turn conversation; single-turn rollouts fall back to their triplet). ``group_size``: used
+    when a sample does not carry its own; a group is also complete once idle for ``idle_s``."""
+
+    group_size: int | None = None
+    shape: str = "triplet"
+    max_staleness: int | None = None
+    stale_policy: str = "drop"  # drop | downweight
+    idle_s: float = 120.0
+    groups: dict[str, Group] = field(default_factory=dict)
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        if self.shape not in ("triplet", "trajectory"):
+            raise ValueError(f"sample shape {self.shape!r} unknown; use triplet or trajectory")
+        if self.stale_policy not in ("drop", "downweight"):
+            raise ValueError(f"stale policy {self.stale_policy!r} unknown; use drop or downweight")
+
+    def add(self, entry_id: str, item: Sample | SampleSkip) -> None:
+        group = self.groups.get(item.group_key)
+        if group is None:
+            group = self.groups[item.group_key] = Group(item.group_key, item.group_size or self.group_size)
+        if isinstance(item, SampleSkip):
+            group.skipped[item.rollout_id] = entry_id
+            self.counts[f"skipped/{item.reason}"] += 1
+        else:
+            group.samples.setdefault(item.rollout_id, []).append((entry_id, item))
+
+    def pending_samples(self) -> int:
+        return sum(len(p) for g in self.groups.values() for p in g.samples.values())
+
+    def take_complete(self, current_version: int) -> list[ReadyGroup]:
+        """Remove and return the complete groups, oldest first, filtered and weighted."""
+        now = time.monotonic()
+        done = [
+            g for g in self.groups.values()
+            if (g.size is not None and g.terminal >= g.size) or now - g.first_seen > self.idle_s
+        ]
+        ready = []
+        for g in sorted(done, key=lambda g: g.first_seen):
+            del self.groups[g.key]
+            samples, weights = self._select(g, current_version)
+            if len({s.rollout_id for s in samples}) < 2:
+                self.counts["groups/dropped_too_few"] += 1
+                ready.append(ReadyGroup(g.key, [], [], g.entry_ids()))
+                continue
+            self.counts["groups/complete"] += 1
+            ready.append(ReadyGroup(g.key, samples, weights, g.entry_ids()))
+        return ready
+
+    def _select(self, group: Group, current_version: int) -> tuple[list[Sample], list[float]]:
+        samples, weights = [], []
+        for pairs in group.samples.values():
+            rollout_samples = [s for _, s in pairs]
+            trajectories = [s for s in rollout_samples if s.shape == "trajectory"]
+            chosen = trajectories if self.shape == "trajectory" and trajectories else [
+                s for s in rollout_samples if s.shape == "triplet"
+            ]
+            for s in chosen:
+                weight = self._weight(current_version - version_number(s.model_version))
+                if weight == 0.0:
+                    self.counts["samples/dropped_stale"] += 1
+                    continue
+                if weight < 1.0:
+                    self.counts["samples/downweighted_stale"] += 1
+                samples.append(s)
+                weights.append(weight)
+        return samples, weights
+
+    def _weight(self, staleness: int) -> float:
+        if self.max_staleness is None or staleness <= self.max_staleness:
+            return 1.0
+        if self.stale_policy == "drop":
+            return 0.0
+        return math.pow(0.5, staleness - self.max_staleness)  # halve per version beyond the bound

@@ -1,0 +1,318 @@
+"""The trainer's loop, top to bottom: samples → complete groups → advantages → loss → step → publish
+→ checkpoint → acknowledge.
+
+Exactly-once consumption: a sample-stream entry is acknowledged only after a checkpoint that
+includes the step that consumed it; the checkpoint lists the entries consumed since the previous
+one, so a trainer killed between the checkpoint and the acknowledgement acknowledges them on restart
+instead of training on them twice. Entries read but not yet consumed stay pending under the
+trainer's stable consumer name and are read again after a restart. Metrics lines are written after
+their checkpoint, so the metrics file never counts a step twice either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fulmen import keys as k
+from fulmen.model_versions import publish_model_version
+from fulmen.records import Sample
+from fulmen.settings import Settings
+from fulmen.store import RedisStore
+from fulmen_trainer import checkpoint as ckpt
+from fulmen_trainer.batch import TokenBatch, make_batch, token_logprobs
+from fulmen_trainer.groups import GroupCollector, ReadyGroup, version_number
+from fulmen_trainer.objectives import (
+    Baseline,
+    entropy_from_logits,
+    group_advantages,
+    kl_to_reference,
+    objective,
+)
+
+log = logging.getLogger(__name__)
+
+GradientExchange = Callable[[torch.nn.Module, int, float], Any]  # (model, step, tokens) -> awaitable
+
+
+@dataclass
+class StepPlan:
+    """One optimizer step's work: the samples, their advantages, and every stream entry it consumes."""
+
+    samples: list[Sample]
+    rewards: list[float]
+    advantages: torch.Tensor
+    group_keys: list[str]
+    entry_ids: list[str]
+    dropped_groups: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def rollout_reward(sample: Sample, source: str) -> float:
+    if source == "matched" and sample.reward is not None:
+        return sample.reward
+    value = sample.final_reward if sample.final_reward is not None else sample.reward
+    return float(value if value is not None else 0.0)
+
+
+def plan_step(groups: list[ReadyGroup], algorithm: str, reward_source: str, baseline: Baseline,
+              sft_min_reward: float | None = None) -> StepPlan:
+    """Advantages per sample. GRPO normalises within each group at the rollout level (a rollout with
+    three LLM calls does not count three times), then every sample gets its rollout's advantage."""
+    samples, weights, keys, entry_ids = [], [], [], []
+    dropped = 0
+    for g in groups:
+        entry_ids += g.entry_ids
+        if not g.samples:
+            dropped += 1
+            continue
+        samples += g.samples
+        weights += g.weights
+        keys += [g.key] * len(g.samples)
+    rewards = [rollout_reward(s, reward_source) for s in samples]
+    reward_t = torch.tensor(rewards, dtype=torch.float)
+    if algorithm == "grpo":
+        rollouts = {(key, s.rollout_id): i for i, (key, s) in enumerate(zip(keys, samples, strict=True))}
+        index = {r: j for j, r in enumerate(rollouts)}
+        per_rollout = torch.tensor([rewards[i] for i in rollouts.values()], dtype=torch.float)
+        group_of = {key: j for j, key in enumerate(dict.fromkeys(keys))}
+        rollout_groups = torch.tensor([group_of[key] for key, _ in rollouts], dtype=torch.long)
+        rollout_adv = group_advantages(per_rollout, rollout_groups) if len(per_rollout) else per_rollout
+        advantages = torch.stack([rollout_adv[index[(key, s.rollout_id)]] for key, s in zip(keys, samples, strict=True)]) \
+            if samples else torch.zeros(0)
+    elif algorithm in ("ppo", "reinforce"):
+        advantages = baseline.advantages(reward_t) if samples else torch.zeros(0)
+    else:  # sft: advantages unused; a sample below the reward threshold gets weight 0
+        advantages = torch.zeros(len(samples))
+        if sft_min_reward is not None:
+            weights = [w if r >= sft_min_reward else 0.0 for w, r in zip(weights, rewards, strict=True)]
+    advantages = advantages * torch.tensor(weights, dtype=torch.float) if samples else advantages
+    plan = StepPlan(samples, rewards, advantages, keys, entry_ids, dropped)
+    if algorithm == "sft":
+        plan.stats["sft_weights"] = float(sum(weights))
+        plan.advantages = torch.tensor(weights, dtype=torch.float)  # sft reads them as sample weights
+    return plan
+
+
+class Trainer:
+    def __init__(self, store: RedisStore, settings: Settings, *, rank: int = 0, world_size: int = 1,
+                 exchange: GradientExchange | None = None) -> None:
+        if settings.model_dir is None:
+            raise ValueError("the trainer needs --model-dir (a Hugging Face model folder)")
+        objective(settings.algorithm)  # unknown names fail here, at start
+        self.store = store
+        self.s = settings
+        self.rank, self.world_size = rank, world_size
+        self.exchange = exchange
+        self.consumer = f"trainer-{rank}"
+        self.model_name = settings.model_name or settings.model_dir.resolve().name
+        self.collector = GroupCollector(
+            group_size=settings.group_size, shape=settings.sample_shape, max_staleness=settings.max_staleness,
+            stale_policy=settings.stale_policy,
+        )
+        self.baseline = Baseline()
+        self.ready: list[ReadyGroup] = []
+        self.step = 0
+        self.version = "base"
+        self.consumed_since_checkpoint: list[str] = []
+        self.unlogged: list[dict[str, Any]] = []
+        self.model: Any = None
+        self.reference: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # --- setup and resume ----------------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(self.s.seed)
+        if self.s.torch_threads:
+            torch.set_num_threads(self.s.torch_threads)
+        directory = self.s.checkpoint_dir / f"rank-{self.rank}"
+        path = ckpt.latest(directory)
+        source = path / "model" if path else self.s.model_dir
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.s.learning_rate)
+        if self.s.kl_coef > 0:
+            base = AutoModelForCausalLM.from_pretrained(self.s.model_dir, dtype=torch.float32)
+            self.reference = base.eval().requires_grad_(False)
+        await self.store.ensure_samples_group(k.TRAINERS_GROUP)
+        already_done: set[str] = set()
+        if path is not None:
+            checkpoint, _ = ckpt.load(path, self.optimizer)
+            self.step, self.version = checkpoint.step, checkpoint.model_version
+            already_done = set(checkpoint.consumed_entry_ids)
+            log.info("resumed from %s: step %d, model version %s", path, self.step, self.version)
+        await self._recover_pending(already_done)
+
+    async def _recover_pending(self, already_done: set[str]) -> None:
+        """Entries read before a restart: those the last checkpoint consumed are acknowledged now; the
+        rest go back into the groups."""
+        acked = requeued = 0
+        while True:
+            entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=1000, pending=True)
+            if not entries:
+                break
+            done = [e for e, _ in entries if e in already_done]
+            await self.store.ack_samples(k.TRAINERS_GROUP, done)
+            acked += len(done)
+            for entry_id, item in entries:
+                if entry_id not in already_done:
+                    self.collector.add(entry_id, item)
+                    requeued += 1
+            if len(entries) < 1000 or requeued:  # pending reads return the same entries again: stop
+                break
+        if acked or requeued:
+            log.info("after restart: %d entries were already trained on, %d back in their groups", acked, requeued)
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        assert self.model is not None, "call setup() first"
+        while not stop.is_set() and (self.s.max_steps is None or self.step < self.s.max_steps):
+            entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=512, block_s=1.0)
+            for entry_id, item in entries:
+                self.collector.add(entry_id, item)
+            self.ready += self.collector.take_complete(version_number(self.version))
+            usable = [g for g in self.ready if g.samples]
+            if len(usable) < self.s.groups_per_step:
+                continue
+            cut = self.ready.index(usable[self.s.groups_per_step - 1]) + 1
+            groups, self.ready = self.ready[:cut], self.ready[cut:]
+            await self.train_step(groups)
+
+    async def train_step(self, groups: list[ReadyGroup]) -> dict[str, Any]:
+        # advantages
+        plan = plan_step(groups, self.s.algorithm, self.s.reward_source, self.baseline, self.s.sft_min_reward)
+        started = time.perf_counter()
+        # loss, backward (in a thread: the event loop keeps reading and answering signals)
+        metrics = await asyncio.to_thread(self._backward, plan)
+        # exchange gradients with the other ranks, then step
+        if self.exchange is not None:
+            metrics.update(await self.exchange(self.model, self.step, metrics["perf/tokens"]) or {})
+        metrics["loss/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm))
+        assert self.optimizer is not None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        metrics["perf/step_s"] = time.perf_counter() - started
+        metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["perf/step_s"], 1e-9)
+        # publish a model version for the proxies
+        if self.rank == 0 and self.step % self.s.publish_every == 0:
+            update = await publish_model_version(
+                self.store, self.model.state_dict(), model=self.model_name, shared_dir=self.s.weights_dir
+            )
+            self.version = update.resources["llm"]["model_version"]
+        metrics.update({"step": self.step, "model_version": self.version, "time": time.time(),
+                        "sample_ids": [s.sample_id for s in plan.samples]})
+        self.consumed_since_checkpoint += plan.entry_ids
+        self.unlogged.append(metrics)
+        # checkpoint, then acknowledge what it covers, then log it
+        if self.step % self.s.checkpoint_every == 0:
+            await self.checkpoint()
+        log.info(
+            "step %d  loss %.4f  reward %.3f±%.3f  kl %.4f  entropy %.3f  %d samples  %.0f tok/s  version %s",
+            self.step, metrics["loss/total"], metrics["rollout/reward_mean"], metrics["rollout/reward_std"],
+            metrics["loss/kl"], metrics["loss/entropy"], metrics["perf/samples"], metrics["perf/tokens_per_s"],
+            self.version,
+        )
+        return metrics
+
+    def _backward(self, plan: StepPlan) -> dict[str, Any]:
+        model = self.model
+        pad_id = getattr(model.config, "pad_token_id", None) or 0
+        version_now = version_number(self.version)
+        batch = make_batch(
+            plan.samples, pad_id=pad_id, rewards=plan.rewards, group_keys=plan.group_keys,
+            staleness=[version_now - version_number(s.model_version) for s in plan.samples],
+        )
+        advantages = plan.advantages
+        if self.world_size > 1:  # this rank's share of the batch (ranks agree on the order)
+            size = len(plan.samples)
+            lo, hi = size * self.rank // self.world_size, size * (self.rank + 1) // self.world_size
+            batch, advantages = batch.split(self.world_size, self.rank), plan.advantages[lo:hi]
+        loss_fn = objective(self.s.algorithm)
+        total_tokens = max(batch.tokens, 1)
+        sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0, "mismatch": 0.0}
+        for lo in range(0, len(batch), self.s.micro_batch):
+            micro = _slice(batch, lo, lo + self.s.micro_batch)
+            adv = advantages[lo : lo + self.s.micro_batch]
+            logp, logits = token_logprobs(model, micro)
+            weight = micro.tokens / total_tokens  # micro-batches add up to the token mean of the batch
+            if self.s.algorithm == "sft":
+                pg = loss_fn(logp, micro.behaviour_logp, adv, micro.mask * adv[:, None],
+                             aggregation=self.s.loss_aggregation)
+            else:
+                pg = loss_fn(logp, micro.behaviour_logp, adv, micro.mask, clip_eps=self._clip(),
+                             tis_cap=self.s.tis_cap, aggregation=self.s.loss_aggregation)
+            mask = micro.mask
+            entropy = (entropy_from_logits(logits) * mask).sum() / mask.sum().clamp(min=1)
+            kl = torch.zeros(())
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logp, _ = token_logprobs(self.reference, micro)
+                kl = (kl_to_reference(logp, ref_logp) * mask).sum() / mask.sum().clamp(min=1)
+            loss = pg - self.s.ent_coef * entropy + self.s.kl_coef * kl
+            (loss * weight).backward()
+            with torch.no_grad():  # diagnostics: how far the proxy's log-probabilities are from ours
+                gap = (logp - micro.behaviour_logp) * mask
+                tokens = mask.sum().clamp(min=1)
+                is_weight = (torch.exp(gap).clamp(max=self.s.tis_cap) * mask).sum() / tokens
+                sums["loss"] += float(loss) * weight
+                sums["pg"] += float(pg) * weight
+                sums["kl"] += float(kl) * weight
+                sums["entropy"] += float(entropy) * weight
+                sums["is_weight"] += float(is_weight) * weight
+                sums["mismatch"] += float(gap.abs().sum() / tokens) * weight
+        rewards = torch.tensor(plan.rewards) if plan.rewards else torch.zeros(1)
+        staleness = batch.staleness
+        return {
+            "loss/total": sums["loss"], "loss/policy": sums["pg"], "loss/kl": sums["kl"],
+            "loss/entropy": sums["entropy"], "loss/is_weight_mean": sums["is_weight"],
+            "rollout/logp_mismatch": sums["mismatch"],
+            "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std(unbiased=False)),
+            "rollout/staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
+            "perf/samples": len(batch), "perf/tokens": batch.tokens,
+            "groups/dropped": plan.dropped_groups,
+            **{f"count/{name}": n for name, n in self.collector.counts.items()},
+        }
+
+    def _clip(self) -> float:
+        return math.inf if self.s.algorithm == "reinforce" else self.s.clip_eps
+
+    async def checkpoint(self) -> None:
+        assert self.optimizer is not None
+        checkpoint = ckpt.Checkpoint(self.step, self.version, self.consumed_since_checkpoint)
+        directory = self.s.checkpoint_dir / f"rank-{self.rank}"
+        await asyncio.to_thread(ckpt.save, directory, checkpoint, self.model, self.optimizer)
+        await self.store.ack_samples(k.TRAINERS_GROUP, self.consumed_since_checkpoint)
+        self.consumed_since_checkpoint = []
+        if self.rank == 0:
+            self.s.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+            with self.s.metrics_file.open("a") as f:
+                for line in self.unlogged:
+                    f.write(json.dumps(line) + "\n")
+        self.unlogged = []
+
+    def export(self, folder: Path) -> Path:
+        """The current policy as a Hugging Face folder (the demo's "final model")."""
+        self.model.save_pretrained(folder, safe_serialization=True)
+        return folder
+
+
+def _slice(batch: TokenBatch, lo: int, hi: int) -> TokenBatch:
+    return TokenBatch(
+        batch.input_ids[lo:hi], batch.attention_mask[lo:hi], batch.mask[lo:hi], batch.behaviour_logp[lo:hi],
+        batch.rewards[lo:hi], batch.group_index[lo:hi], batch.staleness[lo:hi], batch.sample_ids[lo:hi],
+    )
+

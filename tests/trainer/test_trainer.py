@@ -1,0 +1,135 @@
+"""The trainer against a real Redis and a tiny model: groups, steps, publishing, checkpoints, resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fulmen import keys as k
+from fulmen.records import Sample, SampleSkip
+from fulmen.settings import load_settings
+from fulmen.store import RedisStore
+from fulmen.tiny_model import build_tiny_model
+from fulmen_trainer.groups import GroupCollector
+from fulmen_trainer.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def _sample(rollout: str, group: str, reward: float, size: int = 4, version: str = "base") -> Sample:
+    prompt = [1, 5 + len(rollout) % 7, 9, 12]
+    response = [20 + int(reward), 21, 2]
+    return Sample(f"{rollout}.1/t0", "triplet", rollout, f"{rollout}.1", group, 0, prompt, response,
+                  [-1.5, -2.0, -0.5], [1, 1, 1], reward, reward, version, mode="train", group_size=size)
+
+
+async def _push(store: RedisStore, items: list[Sample | SampleSkip]) -> None:
+    for item in items:
+        await store.redis.xadd(store.keys.samples, {"m": item.to_wire()})
+
+
+def _group(name: str, rewards: list[float]) -> list[Sample | SampleSkip]:
+    return [_sample(f"{name}-r{i}", name, r, size=len(rewards)) for i, r in enumerate(rewards)]
+
+
+def test_groups_complete_when_every_rollout_is_terminal() -> None:
+    """A group waits for all n rollouts; skips count towards n; fewer than two usable drops it."""
+    c = GroupCollector()
+    for i, item in enumerate(_group("a", [1.0, 0.0, 1.0])[:2]):
+        c.add(f"1-{i}", item)
+    assert c.take_complete(0) == []
+    c.add("1-9", SampleSkip("a-r2", "a-r2.1", "a", "failed", "rollout failed", group_size=3))
+    (ready,) = c.take_complete(0)
+    assert [s.rollout_id for s in ready.samples] == ["a-r0", "a-r1"]
+    assert sorted(ready.entry_ids) == ["1-0", "1-1", "1-9"]
+    c.add("2-0", _sample("b-r0", "b", 1.0, size=2))
+    c.add("2-1", SampleSkip("b-r1", None, "b", "failed", "rollout failed", group_size=2))
+    (dropped,) = c.take_complete(0)
+    assert dropped.samples == [] and dropped.entry_ids == ["2-0", "2-1"]
+    assert c.counts["groups/dropped_too_few"] == 1
+
+
+def test_stale_samples_are_dropped_or_downweighted() -> None:
+    """Beyond max_staleness a sample is dropped, or halved per extra version, as configured."""
+    for policy, expected in (("drop", [1.0]), ("downweight", [1.0, 0.25])):
+        c = GroupCollector(max_staleness=1, stale_policy=policy)
+        c.add("1", _sample("a", "g", 1.0, size=2, version="v5"))
+        c.add("2", _sample("b", "g", 0.0, size=2, version="v2"))
+        (ready,) = c.take_complete(5)
+        assert ready.weights == expected or (policy == "drop" and ready.samples == [])
+
+
+async def test_a_step_trains_publishes_checkpoints_and_acknowledges(real_store: RedisStore, tiny: Path, tmp_path: Path) -> None:
+    """Two complete groups make one step: version v1 published, checkpoint written, entries acked, metrics logged."""
+    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    await _push(real_store, _group("a", [1.0, 0.0, 1.0, 0.0]) + _group("b", [1.0, 1.0, 0.0, 1.0]))
+    settings = load_settings(model_dir=tiny, groups_per_step=2, checkpoint_dir=tmp_path / "ck",
+                             metrics_file=tmp_path / "m.jsonl", max_steps=1, experiment=real_store.experiment,
+                             learning_rate=1e-3)
+    trainer = Trainer(real_store, settings)
+    await trainer.setup()
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    await asyncio.wait_for(trainer.run(asyncio.Event()), 60)
+    assert trainer.step == 1 and trainer.version == "v1"
+    assert any(not (p.detach() == before[n]).all() for n, p in trainer.model.named_parameters())
+    latest = await real_store.get_latest_resources()
+    assert latest is not None and latest.resources["llm"]["model_version"] == "v1"
+    (line,) = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert sorted(line["sample_ids"]) == sorted(f"{g}-r{i}.1/t0" for g in "ab" for i in range(4))
+    assert line["rollout/reward_mean"] == pytest.approx(5 / 8)
+    assert line["rollout/logp_mismatch"] > 0  # the made-up behaviour logprobs are not the model's
+    pending = await real_store.redis.xpending(real_store.keys.samples, k.TRAINERS_GROUP)
+    assert pending["pending"] == 0
+    assert (tmp_path / "ck" / "rank-0" / "LATEST").read_text() == "step-1"
+
+
+async def test_restart_after_a_kill_consumes_every_sample_exactly_once(
+    real_store: RedisStore, redis_url: str, tiny: Path, tmp_path: Path
+) -> None:
+    """SIGKILL mid-run, restart: the sample ids trained on equal the ids produced, each once."""
+    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    produced = []
+    for g in range(8):
+        items = _group(f"g{g}", [1.0, 0.0, float(g % 2), 1.0])
+        produced += [s.sample_id for s in items if isinstance(s, Sample)]
+        await _push(real_store, items)
+    metrics = tmp_path / "m.jsonl"
+    env = {**os.environ, "REDIS_URL": redis_url, "FULMEN_EXPERIMENT": real_store.experiment,
+           "FULMEN_MODEL_DIR": str(tiny), "FULMEN_GROUPS_PER_STEP": "1", "FULMEN_CHECKPOINT_DIR": str(tmp_path / "ck"),
+           "FULMEN_METRICS_FILE": str(metrics), "FULMEN_TORCH_THREADS": "1"}
+    fulmen = str(Path(sys.executable).with_name("fulmen"))
+
+    def steps_logged() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    first = subprocess.Popen([fulmen, "trainer"], env=env)
+    try:
+        for _ in range(600):
+            if steps_logged() >= 3:
+                break
+            await asyncio.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+    finally:
+        first.kill()
+    assert 3 <= steps_logged() < 8, "the kill should land mid-run"
+    second = subprocess.Popen([fulmen, "trainer", "--max-steps", "8"], env=env)
+    try:
+        assert second.wait(timeout=120) == 0
+    finally:
+        second.kill()
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    trained = [sid for line in lines for sid in line["sample_ids"]]
+    assert sorted(trained) == sorted(produced)  # every sample, once
+    assert [line["step"] for line in lines] == list(range(1, 9))
+    assert (await real_store.redis.xpending(real_store.keys.samples, k.TRAINERS_GROUP))["pending"] == 0
