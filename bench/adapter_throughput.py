@@ -31,7 +31,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from fulmen import semconv
+from fulmen import semconv, tokens
 from fulmen.embedded import EmbeddedRedis
 from fulmen.records import Span
 from fulmen.store import RedisStore
@@ -67,9 +67,9 @@ def trace(rollout_id: str, attempt_id: str, rng: random.Random) -> list[Span]:
             semconv.GEN_AI_RESPONSE_ID: f"chatcmpl-{rollout_id}-{turn}",
             semconv.GEN_AI_INPUT_TOKENS: 512,
             semconv.GEN_AI_OUTPUT_TOKENS: 128,
-            semconv.PROMPT_TOKEN_IDS: prompt,
-            semconv.RESPONSE_TOKEN_IDS: response,
-            semconv.RESPONSE_LOGPROBS: [-rng.random() for _ in range(128)],
+            semconv.PROMPT_TOKEN_IDS: tokens.pack_ids(prompt),  # packed, as the proxy writes them
+            semconv.RESPONSE_TOKEN_IDS: tokens.pack_ids(response),
+            semconv.RESPONSE_LOGPROBS: tokens.pack_floats([-rng.random() for _ in range(128)]),
             semconv.MODEL_VERSION: "v7",
             semconv.TOKEN_FIDELITY: "exact",
             semconv.REQUEST_JSON: json.dumps({"model": "policy", "messages": messages}),

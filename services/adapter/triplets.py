@@ -13,7 +13,8 @@
 - Turns whose prompt extends the previous turn's prompt and response (token-prefix match) are joined
   into one trajectory sample, with a mask over the model's own tokens.
 
-Everything here is pure: spans in, samples out, or `Skip` with the reason.
+Everything here is pure: spans in, samples out, or `Skip` with the reason. The samples' token ids,
+log-probabilities and mask are the packed bytes (`fulmen.tokens`); `Sample.from_wire` gives lists.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fulmen import semconv
+from fulmen import semconv, tokens
+from fulmen.errors import RecordError
 from fulmen.records import Sample, Span
 
 
@@ -65,10 +66,13 @@ class AttemptInfo:
 
 @dataclass
 class LlmCall:
+    """One LLM call; its token ids and log-probabilities stay packed (`fulmen.tokens`) throughout:
+    prefix matching and joining are bytes operations, and the samples carry the bytes as they are."""
+
     span: Span
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
+    prompt: bytes  # int32 token ids
+    response: bytes  # int32 token ids
+    logprobs: bytes  # float32, one per response token
     reward: float | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
     prompt_text: str = ""
@@ -113,24 +117,11 @@ def _ancestors(span_id: str, parents: dict[str, str | None]) -> Iterable[str]:
         parent = parents.get(parent)
 
 
-def _int_list(value: Any, what: str) -> list[int]:
-    # array() checks every element in C: a Python loop here was most of the adapter's time
+def _packed(value: Any, what: str, pack: Any) -> bytes:
     try:
-        if isinstance(value, list | tuple):
-            array("q", value)
-            return value if isinstance(value, list) else list(value)
-    except (TypeError, OverflowError):
-        pass
-    raise Skip("malformed_span", f"malformed span: {what} is not a list of token ids")
-
-
-def _float_list(value: Any, what: str) -> list[float]:
-    try:
-        if isinstance(value, list | tuple):
-            return array("d", value).tolist()
-    except TypeError:
-        pass
-    raise Skip("malformed_span", f"malformed span: {what} is not a list of numbers")
+        return pack(value)
+    except RecordError:
+        raise Skip("malformed_span", f"malformed span: {what} is not a packed array or a list") from None
 
 
 def _messages(span: Span) -> tuple[list[dict[str, Any]], str, str]:
@@ -187,13 +178,14 @@ def find_llm_calls(spans: Sequence[Span], parents: dict[str, str | None], config
         if semconv.PROMPT_TOKEN_IDS not in s.attributes or semconv.RESPONSE_TOKEN_IDS not in s.attributes:
             fidelity = s.attributes.get(semconv.TOKEN_FIDELITY, "unknown")
             raise Skip("no_token_ids", f"LLM call {s.name!r} has no token ids (token fidelity {fidelity})")
-        prompt_ids = _int_list(s.attributes[semconv.PROMPT_TOKEN_IDS], "prompt token ids")
-        response_ids = _int_list(s.attributes[semconv.RESPONSE_TOKEN_IDS], "response token ids")
-        logprobs = _float_list(s.attributes.get(semconv.RESPONSE_LOGPROBS) or [], "logprobs")
-        if len(logprobs) != len(response_ids):
-            raise Skip("malformed_span", f"malformed span: {len(logprobs)} logprobs for {len(response_ids)} response tokens")
+        prompt = _packed(s.attributes[semconv.PROMPT_TOKEN_IDS], "prompt token ids", tokens.pack_ids)
+        response = _packed(s.attributes[semconv.RESPONSE_TOKEN_IDS], "response token ids", tokens.pack_ids)
+        logprobs = _packed(s.attributes.get(semconv.RESPONSE_LOGPROBS) or b"", "logprobs", tokens.pack_floats)
+        if len(logprobs) != len(response):  # 4 bytes each
+            raise Skip("malformed_span",
+                       f"malformed span: {len(logprobs) // 4} logprobs for {len(response) // 4} response tokens")
         messages, prompt_text, response_text = _messages(s)
-        calls.append(LlmCall(s, prompt_ids, response_ids, logprobs,
+        calls.append(LlmCall(s, prompt, response, logprobs,
                              messages=messages, prompt_text=prompt_text, response_text=response_text))
     return calls
 
@@ -228,11 +220,11 @@ def _trajectories(calls: list[LlmCall]) -> list[list[int]]:
     chains: list[list[int]] = []
     sequence: list[int] = []
     for i, call in enumerate(calls):
-        if chains and len(call.prompt_ids) >= len(sequence) and call.prompt_ids[: len(sequence)] == sequence:
+        if chains and call.prompt.startswith(sequence):
             chains[-1].append(i)
         else:
             chains.append([i])
-        sequence = call.prompt_ids + call.response_ids
+        sequence = call.prompt + call.response
     return [c for c in chains if len(c) > 1]
 
 
@@ -248,37 +240,40 @@ def spans_to_samples(spans: Iterable[Span], info: AttemptInfo, config: AdapterCo
     if final is None:
         raise Skip("no_reward", "no reward")
 
-    def sample(sample_id: str, shape: str, first: int, prompt: list[int], response: list[int],
-               logprobs: list[float], mask: list[int], reward: float | None, last: LlmCall,
+    def sample(sample_id: str, shape: str, first: int, prompt: bytes, response: bytes,
+               logprobs: bytes, mask: bytes, reward: float | None, last: LlmCall,
                turns: int) -> Sample:
         return Sample(
             sample_id=sample_id, shape=shape, rollout_id=info.rollout_id, attempt_id=info.attempt_id,
-            group_key=info.group_key, turn_index=first, prompt_token_ids=prompt, response_token_ids=response,
-            response_logprobs=logprobs, response_mask=mask, reward=reward, final_reward=final,
+            group_key=info.group_key, turn_index=first,
+            prompt_token_ids=prompt, response_token_ids=response,  # type: ignore[arg-type]
+            response_logprobs=logprobs, response_mask=mask,  # type: ignore[arg-type]
+            reward=reward, final_reward=final,
             model_version=last.span.attributes.get(semconv.MODEL_VERSION), mode=info.mode,
             group_size=info.group_size, num_turns=turns, prompt_text=calls[first].prompt_text,
             response_text=last.response_text, messages=last.messages,
         )
 
     samples = [
-        sample(f"{info.attempt_id}/t{i}", "triplet", i, c.prompt_ids, c.response_ids, c.logprobs,
-               [1] * len(c.response_ids), c.reward, c, 1)
+        sample(f"{info.attempt_id}/t{i}", "triplet", i, c.prompt, c.response, c.logprobs,
+               b"\x01" * (len(c.response) // 4), c.reward, c, 1)
         for i, c in enumerate(calls)
     ]
     if config.trajectories:
         for chain in _trajectories(calls):
             first = calls[chain[0]]
-            response, logprobs, mask = list(first.response_ids), list(first.logprobs), [1] * len(first.response_ids)
-            sequence_len = len(first.prompt_ids) + len(first.response_ids)
+            response, logprobs = first.response, first.logprobs
+            mask = b"\x01" * (len(first.response) // 4)
+            sequence_len = len(first.prompt) + len(first.response)
             for j in chain[1:]:
                 c = calls[j]
-                added = c.prompt_ids[sequence_len:]  # what the environment said between the turns
-                response += added + c.response_ids
-                logprobs += [0.0] * len(added) + c.logprobs
-                mask += [0] * len(added) + [1] * len(c.response_ids)
-                sequence_len = len(c.prompt_ids) + len(c.response_ids)
+                added = c.prompt[sequence_len:]  # what the environment said between the turns
+                response += added + c.response
+                logprobs += bytes(len(added)) + c.logprobs  # float32 0.0 is four zero bytes
+                mask += b"\x00" * (len(added) // 4) + b"\x01" * (len(c.response) // 4)
+                sequence_len = len(c.prompt) + len(c.response)
             samples.append(
-                sample(f"{info.attempt_id}/traj{chain[0]}", "trajectory", chain[0], first.prompt_ids,
+                sample(f"{info.attempt_id}/traj{chain[0]}", "trajectory", chain[0], first.prompt,
                        response, logprobs, mask, final, calls[chain[-1]], len(chain))
             )
     return samples

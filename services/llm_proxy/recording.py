@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fulmen import semconv
+from fulmen import semconv, tokens
 from fulmen.records import Span
 from fulmen_llm_proxy.backends import Call, Result
 
@@ -59,12 +59,13 @@ def build_span(
         attributes[semconv.GEN_AI_INPUT_TOKENS] = result.input_tokens
     if result.output_tokens is not None:
         attributes[semconv.GEN_AI_OUTPUT_TOKENS] = result.output_tokens
+    # packed arrays, not lists: see fulmen.tokens (the adapter reads thousands of these a second)
     if result.prompt_token_ids is not None:
-        attributes[semconv.PROMPT_TOKEN_IDS] = result.prompt_token_ids
+        attributes[semconv.PROMPT_TOKEN_IDS] = tokens.pack_ids(result.prompt_token_ids)
     if result.token_ids is not None:
-        attributes[semconv.RESPONSE_TOKEN_IDS] = result.token_ids
+        attributes[semconv.RESPONSE_TOKEN_IDS] = tokens.pack_ids(result.token_ids)
     if result.logprobs is not None:
-        attributes[semconv.RESPONSE_LOGPROBS] = result.logprobs
+        attributes[semconv.RESPONSE_LOGPROBS] = tokens.pack_floats(result.logprobs)
     response = result.message() if call.operation == "chat" else {"text": result.text}
     attributes[semconv.RESPONSE_JSON] = json.dumps(response, ensure_ascii=False)
     return Span(

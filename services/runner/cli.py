@@ -182,7 +182,7 @@ def run_once(
 
 
 def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -> None:
-    from fulmen import semconv
+    from fulmen import semconv, tokens
 
     if as_json:
         out.print_json(
@@ -194,7 +194,7 @@ def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -
                     "error": repr(outcome.error) if outcome.error else None,
                     "spans": [
                         {"sequence_id": s.sequence_id, "name": s.name, "span_id": s.span_id,
-                         "parent_id": s.parent_id, "attributes": s.attributes}
+                         "parent_id": s.parent_id, "attributes": semconv.readable(s.attributes)}
                         for s in spans
                     ],
                 },
@@ -207,8 +207,9 @@ def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -
         kind = s.attributes.get(semconv.SPAN_KIND, "")
         detail = ""
         if kind == semconv.KIND_LLM_CALL:
-            detail = f"{len(s.attributes.get(semconv.PROMPT_TOKEN_IDS) or [])} prompt + " \
-                     f"{len(s.attributes.get(semconv.RESPONSE_TOKEN_IDS) or [])} response tokens"
+            prompt = tokens.ids(s.attributes.get(semconv.PROMPT_TOKEN_IDS) or [])
+            response = tokens.ids(s.attributes.get(semconv.RESPONSE_TOKEN_IDS) or [])
+            detail = f"{len(prompt)} prompt + {len(response)} response tokens"
         elif kind == semconv.KIND_REWARD:
             detail = f"reward {s.attributes.get(semconv.REWARD)}"
         elif kind == semconv.KIND_EXCEPTION:

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fulmen import semconv
 from fulmen.connection import connect, redact
 from fulmen.errors import FulmenError
 from fulmen.settings import Settings, load_settings
@@ -313,7 +314,7 @@ def spans(
                         "name": s.name,
                         "start_time": s.start_time,
                         "end_time": s.end_time,
-                        "attributes": s.attributes,
+                        "attributes": semconv.readable(s.attributes),
                     }
                     for s in found
                 ],
@@ -323,7 +324,7 @@ def spans(
         return
     table = Table("seq", "attempt", "name", "span", "parent", "attributes")
     for s in found:
-        attrs = json.dumps(s.attributes, default=str)
+        attrs = json.dumps(semconv.readable(s.attributes), default=str)
         table.add_row(str(s.sequence_id), s.attempt_id, s.name, s.span_id, s.parent_id or "", attrs[:60])
     out.print(table)
     if not found:

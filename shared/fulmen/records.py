@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fulmen import tokens
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, check_version, pack, pack_record, unpack, unpack_record
 from fulmen.errors import InvalidInput, RecordError
 from fulmen.status import RETRYABLE_ATTEMPT, AttemptStatus, RolloutMode, RolloutStatus
@@ -456,7 +457,8 @@ class Sample:
     """One training sample on the samples stream: a (prompt, response, reward) triplet of one LLM call,
     or a whole multi-turn trajectory (``shape`` says which).
 
-    A trajectory's ``response_token_ids`` hold everything after its first prompt: the model's own
+    Token ids, log-probabilities and the mask are packed arrays on the wire (`fulmen.tokens`);
+    `from_wire` gives lists, and a producer may hand the packed bytes straight in (the adapter does). A trajectory's ``response_token_ids`` hold everything after its first prompt: the model's own
     tokens (``response_mask`` 1, with their log-probabilities) and the tokens the environment added
     between turns (mask 0, log-probability 0.0). A triplet's mask is all ones."""
 
@@ -481,16 +483,28 @@ class Sample:
     messages: list[dict[str, Any]] = field(default_factory=list)  # OpenAI chat messages, response last
 
     def to_wire(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
-        return pack_record("sample", {name: getattr(self, name) for name in self.__slots__}, max_bytes)
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        for name in _TOKEN_FIELDS:
+            fields[name] = tokens.pack_ids(fields[name])
+        fields["response_logprobs"] = tokens.pack_floats(self.response_logprobs)  # bytes pass through
+        fields["response_mask"] = tokens.pack_mask(self.response_mask)
+        return pack_record("sample", fields, max_bytes)
 
     @classmethod
     def from_wire(cls, data: bytes | None, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Sample:
         d = unpack_record(data, "sample", max_bytes, required=("sample_id", "shape", "rollout_id"))
         del d["v"], d["kind"]
         try:
+            for name in _TOKEN_FIELDS:
+                d[name] = tokens.ids(d[name])
+            d["response_logprobs"] = tokens.floats(d["response_logprobs"])
+            d["response_mask"] = tokens.mask(d["response_mask"])
             return cls(**d)
-        except TypeError as e:
-            raise RecordError(f"sample record does not fit: {e}") from None
+        except (TypeError, KeyError) as e:
+            raise RecordError(f"sample record does not fit: {e!r}") from None
+
+
+_TOKEN_FIELDS = ("prompt_token_ids", "response_token_ids")
 
 
 @dataclass(frozen=True, slots=True)
@@ -517,3 +531,40 @@ class SampleSkip:
             return cls(**d)
         except TypeError as e:
             raise RecordError(f"sample_skip record does not fit: {e}") from None
+
+
+# --- compressed gradient chunks (trainer rank -> trainer ranks) ----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GradientChunk:
+    """One piece of one rank's compressed gradient for one tensor or bucket at one step
+    (`fulmen.compression` writes and reads these; ``data`` is a slice of the codec's payload)."""
+
+    fmt: int  # layout version of the codec payloads (fulmen.compression.FORMAT_VERSION)
+    step: int
+    rank: int
+    name: str  # the tensor or bucket this gradient belongs to
+    codec: str  # registered codec name ("none", "bf16", "topk", "dgc", "qsgd8", "qsgd4")
+    shape: list[int]  # of the gradient before encoding
+    dtype: str  # of the gradient before encoding ("float32"); decoding always gives float32
+    meta: dict[str, Any]  # what the codec needs to decode the payload (nnz, scale exponent, bucket size...)
+    index: int  # 0-based position of this chunk
+    count: int  # chunks in the whole payload
+    size: int  # bytes in the whole payload
+    crc32: int  # zlib.crc32 of this chunk's data
+    data: bytes | memoryview
+
+    def to_wire(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
+        return pack_record("grad_chunk", {name: getattr(self, name) for name in self.__slots__}, max_bytes)
+
+    @classmethod
+    def from_wire(cls, data: bytes | None, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> GradientChunk:
+        names = cls.__slots__
+        d = unpack_record(data, "grad_chunk", max_bytes, required=names)
+        types = (int, int, int, str, str, list, str, dict, int, int, int, int, bytes)
+        if not all(isinstance(d[n], t) for n, t in zip(names, types, strict=True)):
+            raise RecordError("grad_chunk record has a field of the wrong type")
+        if not all(isinstance(x, int) and x >= 0 for x in d["shape"]):
+            raise RecordError(f"grad_chunk record has a bad shape {d['shape']!r}")
+        return cls(*(d[n] for n in names))

@@ -2,7 +2,8 @@
 
 LLM-call spans follow the OpenTelemetry GenAI semantic conventions (``gen_ai.*``); what those do not
 cover (token ids, log-probabilities, the model version, attribution) lives under ``fulmen.*``.
-Attribute values stay OTLP-friendly: str, bool, int, float, or homogeneous lists of them.
+Attribute values stay OTLP-friendly (str, bool, int, float, homogeneous lists of them), except the
+token arrays below, which are packed bytes (OTLP carries them as bytes values).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ GEN_AI_SEED = "gen_ai.request.seed"
 GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
-PROMPT_TOKEN_IDS = "fulmen.prompt_token_ids"  # list[int]
-RESPONSE_TOKEN_IDS = "fulmen.response_token_ids"  # list[int]
-RESPONSE_LOGPROBS = "fulmen.response_logprobs"  # list[float], one per response token
+# Token ids and log-probabilities are packed arrays (int32 / float32 little-endian bytes, see
+# fulmen.tokens; read them with tokens.ids / tokens.floats, which also accept plain lists).
+PROMPT_TOKEN_IDS = "fulmen.prompt_token_ids"
+RESPONSE_TOKEN_IDS = "fulmen.response_token_ids"
+RESPONSE_LOGPROBS = "fulmen.response_logprobs"  # one per response token
 MODEL_VERSION = "fulmen.model_version"  # the weights that produced the response
 TOKEN_FIDELITY = "fulmen.token_fidelity"  # "exact" (ids from the engine) | "text_only" (openai backend)
 REQUEST_JSON = "fulmen.request"  # the request body (messages or prompt, tools), JSON text
@@ -70,3 +73,16 @@ HEADER_MODEL_VERSION = "x-fulmen-model-version"  # on every proxy response: the 
 def attempt_path(rollout_id: str, attempt_id: str) -> str:
     """The path prefix that attributes proxy calls to an attempt (before ``/v1``)."""
     return f"/rollout/{rollout_id}/attempt/{attempt_id}"
+
+
+def readable(attributes: dict[str, object]) -> dict[str, object]:
+    """Attributes for people (JSON, tables): the packed token arrays as plain lists."""
+    from fulmen import tokens
+
+    out = dict(attributes)
+    for name in (PROMPT_TOKEN_IDS, RESPONSE_TOKEN_IDS):
+        if isinstance(out.get(name), bytes | bytearray):
+            out[name] = tokens.ids(out[name])
+    if isinstance(out.get(RESPONSE_LOGPROBS), bytes | bytearray):
+        out[RESPONSE_LOGPROBS] = tokens.floats(out[RESPONSE_LOGPROBS])
+    return out

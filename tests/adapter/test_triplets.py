@@ -9,7 +9,13 @@ import pytest
 
 from fulmen import semconv
 from fulmen.records import Sample, Span
-from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, spans_to_samples
+from fulmen_adapter import triplets
+from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip
+
+
+def spans_to_samples(*args: Any, **kwargs: Any) -> list[Sample]:
+    """The adapter's samples as the trainer reads them (token fields as lists, via the wire)."""
+    return [Sample.from_wire(s.to_wire()) for s in triplets.spans_to_samples(*args, **kwargs)]
 
 INFO = AttemptInfo("r1", "r1.1", "task-a", mode="train", group_size=4)
 _seq = iter(range(1, 10_000))

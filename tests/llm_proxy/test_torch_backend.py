@@ -12,7 +12,7 @@ import pytest
 import torch
 from proxy_helpers import RunningProxy
 
-from fulmen import semconv
+from fulmen import semconv, tokens
 from fulmen.store import RedisStore
 from fulmen.tiny_model import load_tiny_model
 from fulmen.tracing import rollout_trace_id
@@ -62,8 +62,8 @@ async def test_sync_chat_returns_faithful_tokens_and_stores_span_first(
     assert (span.rollout_id, span.attempt_id) == attempt
     assert (a[semconv.ROLLOUT_ID], a[semconv.ATTEMPT_ID]) == attempt
     assert span.name == "chat tiny"
-    assert a[semconv.PROMPT_TOKEN_IDS] == prompt_ids and a[semconv.RESPONSE_TOKEN_IDS] == token_ids
-    assert a[semconv.RESPONSE_LOGPROBS] == logprobs
+    assert tokens.ids(a[semconv.PROMPT_TOKEN_IDS]) == prompt_ids and tokens.ids(a[semconv.RESPONSE_TOKEN_IDS]) == token_ids
+    assert tokens.floats(a[semconv.RESPONSE_LOGPROBS]) == pytest.approx(logprobs, abs=1e-6)
     assert a[semconv.MODEL_VERSION] == "base" and a[semconv.TOKEN_FIDELITY] == "exact"
     assert a[semconv.GEN_AI_SYSTEM] == "torch" and a[semconv.GEN_AI_OPERATION] == "chat"
     assert a[semconv.GEN_AI_TEMPERATURE] == 0.0 and a[semconv.GEN_AI_MAX_TOKENS] == 12
@@ -95,7 +95,7 @@ async def test_async_streaming_chat_carries_ids_in_chunks(
     assert logprobs == pytest.approx(forward_logprobs(model, prompt_ids, token_ids), abs=1e-4)
     assert all(c.model_extra["model_version"] == "base" for c in chunks)
     spans = await proxy_store.query_spans(attempt[0])
-    assert [s.attributes[semconv.RESPONSE_TOKEN_IDS] for s in spans] == [token_ids]
+    assert [tokens.ids(s.attributes[semconv.RESPONSE_TOKEN_IDS]) for s in spans] == [token_ids]
     assert spans[0].attributes[semconv.STREAM] is True
     assert spans[0].attributes[semconv.GEN_AI_SEED] == 3
 

@@ -11,7 +11,7 @@ import pytest
 from fakes.fake_openai import FakeOpenAI, fake_logprobs, token_ids
 from proxy_helpers import RunningProxy
 
-from fulmen import semconv
+from fulmen import semconv, tokens
 from fulmen.embedded import EmbeddedRedis
 from fulmen.store import RedisStore
 
@@ -76,8 +76,8 @@ async def test_vllm_chat_returns_and_records_upstream_token_ids(
     (span,) = await proxy_store.query_spans(attempt[0])
     a = span.attributes
     assert a[semconv.GEN_AI_SYSTEM] == "vllm" and a[semconv.TOKEN_FIDELITY] == "exact"
-    assert a[semconv.PROMPT_TOKEN_IDS] == prompt_ids and a[semconv.RESPONSE_TOKEN_IDS] == token_ids("four")
-    assert a[semconv.RESPONSE_LOGPROBS] == fake_logprobs(4)
+    assert tokens.ids(a[semconv.PROMPT_TOKEN_IDS]) == prompt_ids and tokens.ids(a[semconv.RESPONSE_TOKEN_IDS]) == token_ids("four")
+    assert tokens.floats(a[semconv.RESPONSE_LOGPROBS]) == pytest.approx(fake_logprobs(4), abs=1e-6)
     assert a[semconv.GEN_AI_INPUT_TOKENS] == len(prompt_ids)
 
 
@@ -100,9 +100,9 @@ async def test_vllm_streaming_chat_and_completion(
     chat_span, completion_span = await proxy_store.query_spans(attempt[0])
     for span, prompt in ((chat_span, "Be brief.2+2?"), (completion_span, "2+2=")):
         a = span.attributes
-        assert a[semconv.PROMPT_TOKEN_IDS] == token_ids(prompt)
-        assert a[semconv.RESPONSE_TOKEN_IDS] == token_ids("four")
-        assert a[semconv.RESPONSE_LOGPROBS] == fake_logprobs(4)
+        assert tokens.ids(a[semconv.PROMPT_TOKEN_IDS]) == token_ids(prompt)
+        assert tokens.ids(a[semconv.RESPONSE_TOKEN_IDS]) == token_ids("four")
+        assert tokens.floats(a[semconv.RESPONSE_LOGPROBS]) == pytest.approx(fake_logprobs(4), abs=1e-6)
         assert a[semconv.GEN_AI_OUTPUT_TOKENS] == 4 and a[semconv.TOKEN_FIDELITY] == "exact"
 
 
