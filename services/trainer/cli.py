@@ -40,22 +40,53 @@ def command(
         group_size=group_size, max_staleness=max_staleness, kl_coef=kl_coef, publish_every=publish_every,
         checkpoint_dir=checkpoint_dir, max_steps=max_steps, experiment=experiment,
     )
+    from fulmen_trainer.ranks import Exchange, Membership, RankGroup, make_codec
     from fulmen_trainer.trainer import Trainer
 
+    if settings.on_rank_loss not in ("continue", "wait"):
+        typer.echo(f"error: on_rank_loss {settings.on_rank_loss!r} unknown; use continue or wait", err=True)
+        raise typer.Exit(2)
+
     async def work(store: RedisStore) -> None:
-        try:
-            trainer = Trainer(store, settings)
-        except ValueError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await trainer.setup()
-        await trainer.run(stop)
-        if trainer.unlogged:  # steps since the last checkpoint: keep them
-            await trainer.checkpoint()
-        log.info("trainer stopped at step %d (model version %s)", trainer.step, trainer.version)
+        rank, ranks, membership, beating = 0, None, None, None
+        if settings.world_size > 1:
+            membership = Membership(store, settings.world_size, settings.rank_timeout_s)
+            rank = await membership.claim()
+            beating = asyncio.create_task(membership.heartbeat())
+            exchange = Exchange(store, membership)
+            await exchange.start_reading()
+            try:
+                codec = make_codec(settings.codec, density=settings.codec_density)
+            except ValueError as e:
+                typer.echo(f"error: {e}", err=True)
+                raise typer.Exit(2) from None
+            ranks = RankGroup(store, membership, exchange, codec,
+                              wait_for_full_world=settings.on_rank_loss == "wait")
+        try:
+            trainer = Trainer(store, settings, rank=rank, ranks=ranks)
+        except ValueError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        try:
+            await trainer.setup()
+            if membership is not None:
+                await membership.mark_ready()
+            if rank == 0:
+                await trainer.run(stop)
+            else:
+                assert ranks is not None
+                await ranks.follow(trainer, stop)
+            if trainer.unlogged:  # steps since the last checkpoint: keep them
+                await trainer.checkpoint()
+        finally:
+            if beating is not None:
+                beating.cancel()
+            if membership is not None:
+                await membership.release()
+        log.info("trainer rank %d stopped at step %d (model version %s)", rank, trainer.step, trainer.version)
 
     run_on_store(settings, work)

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,9 +39,6 @@ from fulmen_trainer.objectives import (
 )
 
 log = logging.getLogger(__name__)
-
-GradientExchange = Callable[[torch.nn.Module, int, float], Any]  # (model, step, tokens) -> awaitable
-
 
 @dataclass
 class StepPlan:
@@ -104,15 +100,14 @@ def plan_step(groups: list[ReadyGroup], algorithm: str, reward_source: str, base
 
 
 class Trainer:
-    def __init__(self, store: RedisStore, settings: Settings, *, rank: int = 0, world_size: int = 1,
-                 exchange: GradientExchange | None = None) -> None:
+    def __init__(self, store: RedisStore, settings: Settings, *, rank: int = 0, ranks: Any = None) -> None:
         if settings.model_dir is None:
             raise ValueError("the trainer needs --model-dir (a Hugging Face model folder)")
         objective(settings.algorithm)  # unknown names fail here, at start
         self.store = store
         self.s = settings
-        self.rank, self.world_size = rank, world_size
-        self.exchange = exchange
+        self.rank = rank
+        self.ranks = ranks  # fulmen_trainer.ranks.RankGroup when several ranks train together
         self.consumer = f"trainer-{rank}"
         self.model_name = settings.model_name or settings.model_dir.resolve().name
         self.collector = GroupCollector(
@@ -132,7 +127,8 @@ class Trainer:
     # --- setup and resume ----------------------------------------------------------------------------
 
     async def setup(self) -> None:
-        from transformers import AutoModelForCausalLM
+        transformers = await asyncio.to_thread(__import__, "transformers")  # a slow import, off the loop
+        AutoModelForCausalLM = transformers.AutoModelForCausalLM
 
         torch.manual_seed(self.s.seed)
         if self.s.torch_threads:
@@ -140,11 +136,12 @@ class Trainer:
         directory = self.s.checkpoint_dir / f"rank-{self.rank}"
         path = ckpt.latest(directory)
         source = path / "model" if path else self.s.model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        # in a thread: loading takes seconds, and the rank's heartbeat must keep beating meanwhile
+        self.model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, source, dtype=torch.float32)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.s.learning_rate)
         if self.s.kl_coef > 0:
-            base = AutoModelForCausalLM.from_pretrained(self.s.model_dir, dtype=torch.float32)
+            base = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, self.s.model_dir, dtype=torch.float32)
             self.reference = base.eval().requires_grad_(False)
         await self.store.ensure_samples_group(k.TRAINERS_GROUP)
         already_done: set[str] = set()
@@ -195,16 +192,13 @@ class Trainer:
         # advantages
         plan = plan_step(groups, self.s.algorithm, self.s.reward_source, self.baseline, self.s.sft_min_reward)
         started = time.perf_counter()
-        # loss, backward (in a thread: the event loop keeps reading and answering signals)
-        metrics = await asyncio.to_thread(self._backward, plan)
-        # exchange gradients with the other ranks, then step
-        if self.exchange is not None:
-            metrics.update(await self.exchange(self.model, self.step, metrics["perf/tokens"]) or {})
-        metrics["loss/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm))
-        assert self.optimizer is not None
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        if self.ranks is None:
+            # loss, backward (in a thread: the event loop keeps reading and answering signals)
+            metrics = await asyncio.to_thread(self._backward, plan)
+        else:
+            # share the step with the live ranks; they send gradients, we send back their sum
+            metrics = await self.ranks.lead_step(self, plan)
+        metrics["loss/grad_norm"] = self._optimizer_step()
         metrics["perf/step_s"] = time.perf_counter() - started
         metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["perf/step_s"], 1e-9)
         # publish a model version for the proxies
@@ -228,21 +222,14 @@ class Trainer:
         )
         return metrics
 
-    def _backward(self, plan: StepPlan) -> dict[str, Any]:
+    def _backward(self, plan: StepPlan, total_tokens: int | None = None) -> dict[str, Any]:
+        """Gradients of this rank's share, scaled so that the shares of all ranks add up to the token
+        mean of the whole step (``total_tokens``: the step's trained tokens over every share)."""
         model = self.model
-        pad_id = getattr(model.config, "pad_token_id", None) or 0
-        version_now = version_number(self.version)
-        batch = make_batch(
-            plan.samples, pad_id=pad_id, rewards=plan.rewards, group_keys=plan.group_keys,
-            staleness=[version_now - version_number(s.model_version) for s in plan.samples],
-        )
+        batch = self._batch(plan)
         advantages = plan.advantages
-        if self.world_size > 1:  # this rank's share of the batch (ranks agree on the order)
-            size = len(plan.samples)
-            lo, hi = size * self.rank // self.world_size, size * (self.rank + 1) // self.world_size
-            batch, advantages = batch.split(self.world_size, self.rank), plan.advantages[lo:hi]
         loss_fn = objective(self.s.algorithm)
-        total_tokens = max(batch.tokens, 1)
+        total_tokens = max(total_tokens if total_tokens is not None else batch.tokens, 1)
         sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0, "mismatch": 0.0}
         for lo in range(0, len(batch), self.s.micro_batch):
             micro = _slice(batch, lo, lo + self.s.micro_batch)
@@ -287,8 +274,24 @@ class Trainer:
             **{f"count/{name}": n for name, n in self.collector.counts.items()},
         }
 
+    def _batch(self, plan: StepPlan) -> TokenBatch:
+        pad_id = getattr(self.model.config, "pad_token_id", None) or 0
+        version_now = version_number(self.version)
+        return make_batch(
+            plan.samples, pad_id=pad_id, rewards=plan.rewards, group_keys=plan.group_keys,
+            staleness=[version_now - version_number(s.model_version) for s in plan.samples],
+        )
+
     def _clip(self) -> float:
         return math.inf if self.s.algorithm == "reinforce" else self.s.clip_eps
+
+    def _optimizer_step(self) -> float:
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm))
+        assert self.optimizer is not None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return norm
 
     async def checkpoint(self) -> None:
         assert self.optimizer is not None

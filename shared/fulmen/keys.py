@@ -39,6 +39,10 @@ WEIGHTS = "weights:"  # stream: one model version's weights, msgpack-framed safe
 CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)
 SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
 ADAPTER_STATS = "stats:adapter"  # hash: rollouts adapted, samples written, skips per reason
+TRAINER_SLOT = "trainer:slot:"  # string with a TTL: who holds trainer rank <n> (membership heartbeat)
+TRAINER_PLANS = "trainer:plans"  # stream: the leader's step plans, one entry per rank's share
+TRAINER_GRADS = "trainer:grads"  # stream: each rank's encoded gradient chunks, per step
+TRAINER_AGGREGATES = "trainer:aggregates"  # stream: the summed gradient the leader sends back, per step
 
 RUNNERS_GROUP = "runners"  # consumer group on QUEUE
 ADAPTER_GROUP = "adapter"  # consumer group on COMPLETIONS
@@ -85,6 +89,9 @@ class Keys:
         "resources_version",
         "rollout_index",
         "samples",
+        "trainer_aggregates",
+        "trainer_grads",
+        "trainer_plans",
         "watch_deadline",
         "watch_heartbeat",
         "workers",
@@ -107,6 +114,9 @@ class Keys:
         self.control = p + CONTROL
         self.samples = p + SAMPLES
         self.adapter_stats = p + ADAPTER_STATS
+        self.trainer_plans = p + TRAINER_PLANS
+        self.trainer_grads = p + TRAINER_GRADS
+        self.trainer_aggregates = p + TRAINER_AGGREGATES
 
     def rollout(self, rollout_id: str) -> str:
         return self.prefix + ROLLOUT + rollout_id
@@ -125,6 +135,9 @@ class Keys:
 
     def resources(self, resources_id: str) -> str:
         return self.prefix + RESOURCES + resources_id
+
+    def trainer_slot(self, rank: int) -> str:
+        return self.prefix + TRAINER_SLOT + str(rank)
 
     def weights(self, model_version: str) -> str:
         return self.prefix + WEIGHTS + model_version

@@ -1,0 +1,387 @@
+"""Data-parallel trainer ranks over Redis: membership, step plans, gradients up, one aggregate down.
+
+    leader (rank 0)                               every other rank
+    plan the step, XADD one share per live rank ─► read its share
+    backward on its own share                     backward on its share, scale, encode
+    read the ranks' chunks  ◄──────────────────── XADD its gradient chunks
+    sum, XADD the aggregate ─────────────────────► read the aggregate
+    optimizer step                                optimizer step      (same weights everywhere)
+
+A star, not all-to-all: each rank uploads its gradient once and one aggregate comes back per step.
+Each rank scales its gradient by its share of the step's tokens before encoding, so the leader only
+sums and the result is the token-mean gradient of the whole batch, as one rank would compute it.
+
+Membership: rank n is a Redis key held with a TTL and refreshed by a heartbeat; a process takes the
+lowest free rank. A rank silent for ``rank_timeout_s`` is gone: the leader then continues without
+its share or waits for it to return, as configured — it never blocks forever on a dead rank. A rank
+that (re)joins behind the leader loads the weights of the model version named in the plan.
+The leader is rank 0; if it dies the others wait for a process to take rank 0 again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import torch
+
+from fulmen.errors import RecordError
+from fulmen.store import RedisStore
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+READY = ":ready"
+STREAM_MAXLEN = 2000  # plans, gradients and aggregates of old steps are not needed again
+CHUNK_BYTES = 4 << 20  # below the 8 MiB record limit
+# KEYS[1] = the rank's key, ARGV[1] = our token, ARGV[2] = TTL ms. Returns 1 if we hold the rank
+# (refreshed, or taken back after a pause long enough to let it expire), 0 if another process has it.
+_REFRESH = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if not holder then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]); return 1 end
+return 0
+"""
+
+
+# --- the default codec: fp32, framed ---------------------------------------------------------------
+
+
+class Fp32Codec:
+    """Lossless: the flat fp32 gradient in CRC-checked chunks. The leader's aggregate uses it too."""
+
+    name = "none"
+
+    def encode(self, flat: torch.Tensor, step: int, rank: int) -> list[bytes]:
+        data = flat.detach().to(torch.float32).contiguous().numpy().tobytes()
+        parts = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+        return [
+            msgpack.packb({"v": 1, "codec": self.name, "step": step, "rank": rank, "index": i,
+                           "count": len(parts), "numel": flat.numel(), "crc": zlib.crc32(p), "data": p})
+            for i, p in enumerate(parts)
+        ]
+
+    def decode(self, chunks: Sequence[bytes]) -> torch.Tensor:
+        parts = sorted((_checked(c) for c in chunks), key=lambda h: h["index"])
+        if not parts or len(parts) != parts[0]["count"] or [h["index"] for h in parts] != list(range(len(parts))):
+            raise RecordError(f"gradient chunks incomplete: got {[h['index'] for h in parts]}")
+        data = b"".join(h["data"] for h in parts)
+        flat = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        if flat.numel() != parts[0]["numel"]:
+            raise RecordError(f"gradient has {flat.numel()} values, header says {parts[0]['numel']}")
+        return flat
+
+
+def _checked(chunk: bytes) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(chunk)
+    except Exception as e:
+        raise RecordError(f"gradient chunk is not msgpack: {e}") from None
+    if not isinstance(header, dict) or header.get("v") != 1 or not isinstance(header.get("data"), bytes):
+        raise RecordError("gradient chunk has an unknown format")
+    if zlib.crc32(header["data"]) != header.get("crc"):
+        raise RecordError(f"gradient chunk {header.get('index')} of rank {header.get('rank')} is corrupted (CRC)")
+    return header
+
+
+def make_codec(name: str, **knobs: Any) -> Any:
+    """The gradient codec by name: `fulmen.compression` when present, fp32 otherwise."""
+    if name == "none":
+        return Fp32Codec()
+    try:
+        from fulmen.compression import make_rank_codec  # type: ignore[attr-defined]
+    except ImportError:
+        raise ValueError(f"codec {name!r} needs fulmen.compression, which is not available") from None
+    return make_rank_codec(name, **knobs)
+
+
+def flat_gradient(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([
+        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()
+    ])
+
+
+def set_gradient(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+# --- membership ----------------------------------------------------------------------------------
+
+
+class Membership:
+    def __init__(self, store: RedisStore, world_size: int, timeout_s: float) -> None:
+        self.store = store
+        self.world_size = world_size
+        self.timeout_ms = int(timeout_s * 1000)
+        self.token = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.rank: int | None = None
+        self._refresh = store.redis.register_script(_REFRESH)
+
+    async def claim(self, wait_s: float = 60.0) -> int:
+        """Take the lowest free rank (waiting while all are held)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank in range(self.world_size):
+                if await self.store.redis.set(self.store.keys.trainer_slot(rank), self.token, nx=True, px=self.timeout_ms):
+                    self.rank = rank
+                    log.info("holding trainer rank %d of %d", rank, self.world_size)
+                    return rank
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"all {self.world_size} trainer ranks are taken; raise FULMEN_WORLD_SIZE")
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            assert self.rank is not None
+            key = self.store.keys.trainer_slot(self.rank)
+            try:
+                if not await self._refresh(keys=[key], args=[self.token, self.timeout_ms]):
+                    log.error("trainer rank %d was taken by another process while we were silent; stopping",
+                              self.rank)
+                    os._exit(3)  # another process may hold it now: two rank-n would corrupt the run
+            except Exception as e:
+                log.warning("rank heartbeat failed: %s", e)
+
+    async def mark_ready(self) -> None:
+        """Count in the live ranks from now on (model loaded, reading plans). Until then the leader
+        does not hand this rank a share it could not compute in time."""
+        assert self.rank is not None
+        ready = self.token + READY
+        await self.store.redis.set(self.store.keys.trainer_slot(self.rank), ready, px=self.timeout_ms)
+        self.token = ready
+
+    async def live(self) -> list[int]:
+        """Ranks held by a process that is ready."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        for rank in range(self.world_size):
+            pipe.get(self.store.keys.trainer_slot(rank))
+        return [r for r, value in enumerate(await pipe.execute()) if value and value.decode().endswith(READY)]
+
+    async def release(self) -> None:
+        if self.rank is not None:
+            key = self.store.keys.trainer_slot(self.rank)
+            if (await self.store.redis.get(key) or b"").decode() == self.token:  # still ours
+                await self.store.redis.delete(key)
+
+
+# --- the streams of one step ---------------------------------------------------------------------
+
+
+class Exchange:
+    def __init__(self, store: RedisStore, membership: Membership) -> None:
+        self.store = store
+        self.keys = store.keys
+        self.members = membership
+        self._cursors: dict[str, bytes | str] = {}
+
+    async def _xadd(self, stream: str, fields: dict[str, Any]) -> None:
+        await self.store.redis.xadd(stream, fields, maxlen=STREAM_MAXLEN, approximate=True)
+
+    async def _read(self, stream: str, block_s: float) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        cursor = self._cursors[stream]
+        reply = await self.store.redis.xread({stream: cursor}, count=100, block=max(1, int(block_s * 1000)))
+        entries = reply[0][1] if reply else []
+        if entries:
+            self._cursors[stream] = entries[-1][0]
+        return entries
+
+    async def start_reading(self) -> None:
+        """Read what is sent from now on: call it before anything this rank waits for can be sent.
+        (The cursor is the stream's current last id, not "$", which would move with every read.)"""
+        for stream in (self.keys.trainer_plans, self.keys.trainer_grads, self.keys.trainer_aggregates):
+            last = await self.store.redis.xrevrange(stream, count=1)
+            self._cursors[stream] = last[0][0] if last else "0-0"
+
+    # leader → ranks
+    async def send_plan(self, step: int, rank: int, share: dict[str, Any]) -> None:
+        await self._xadd(self.keys.trainer_plans, {"m": msgpack.packb({"step": step, "rank": rank, **share})})
+
+    async def next_plan(self, rank: int) -> dict[str, Any]:
+        while True:
+            for _, fields in await self._read(self.keys.trainer_plans, 5.0):
+                plan = msgpack.unpackb(fields[b"m"])
+                if plan["rank"] == rank:
+                    return plan
+
+    # ranks → leader
+    async def send_gradient(self, step: int, rank: int, chunks: Sequence[bytes]) -> None:
+        for chunk in chunks:
+            await self._xadd(self.keys.trainer_grads, {"step": step, "rank": rank, "m": chunk})
+
+    async def gather(self, step: int, ranks: Sequence[int], deadline_s: float) -> dict[int, list[bytes]]:
+        """The chunks of every rank in ``ranks`` for ``step``. A rank that left the membership, or that
+        has sent nothing for ``deadline_s``, is left out of this step: waiting on it could last forever
+        (a rank that restarts has missed the plan). Whether the *next* step waits for the world to be
+        whole again is the leader's choice (``on_rank_loss``)."""
+        wanted = set(ranks)
+        got: dict[int, list[bytes]] = {}
+        complete: set[int] = set()
+        deadline = time.monotonic() + deadline_s
+        while wanted - complete:
+            entries = await self._read(self.keys.trainer_grads, 0.5)
+            for _, f in entries:
+                if int(f[b"step"]) != step:
+                    continue
+                rank = int(f[b"rank"])
+                got.setdefault(rank, []).append(f[b"m"])
+                if len(got[rank]) >= _chunk_count(f[b"m"]):
+                    complete.add(rank)
+            if entries:
+                deadline = time.monotonic() + deadline_s  # progress: give the others time too
+                continue
+            gone = (wanted - complete) - set(await self.members.live())
+            silent = wanted - complete if time.monotonic() > deadline else set()
+            if gone or silent:
+                log.warning("step %d: no gradient from rank(s) %s (%s); stepping without them", step,
+                            sorted(gone or silent), "gone" if gone else "silent")
+                wanted -= gone or silent
+        return {r: got[r] for r in complete}
+
+    # leader → ranks
+    async def send_aggregate(self, step: int, chunks: Sequence[bytes]) -> None:
+        for chunk in chunks:
+            await self._xadd(self.keys.trainer_aggregates, {"step": step, "m": chunk})
+
+    async def next_aggregate(self, step: int) -> list[bytes]:
+        chunks: list[bytes] = []
+        while True:
+            for _, f in await self._read(self.keys.trainer_aggregates, 5.0):
+                if int(f[b"step"]) == step:
+                    chunks.append(f[b"m"])
+                    if len(chunks) >= _chunk_count(f[b"m"]):
+                        return chunks
+
+
+def _chunk_count(chunk: bytes) -> int:
+    try:
+        return int(msgpack.unpackb(chunk)["count"])
+    except Exception:
+        return 1
+
+
+# --- leading and following a step ----------------------------------------------------------------
+
+
+class RankGroup:
+    """What a trainer process needs to train with others: its membership, the streams, the codec."""
+
+    def __init__(self, store: RedisStore, membership: Membership, exchange: Exchange, codec: Any,
+                 *, wait_for_full_world: bool = False) -> None:
+        self.store = store
+        self.members = membership
+        self.exchange = exchange
+        self.codec = codec
+        self.wait_for_full_world = wait_for_full_world
+        self._last_live: list[int] = []
+        self.bytes_sent = 0
+
+    @property
+    def rank(self) -> int:
+        assert self.members.rank is not None
+        return self.members.rank
+
+    async def lead_step(self, trainer: Any, plan: Any) -> dict[str, Any]:
+        """Rank 0: split the step over the live ranks, back-propagate our share, sum theirs in."""
+        from fulmen import tokens
+        from fulmen.model_versions import publish_model_version
+
+        live = await self.members.live()
+        while self.wait_for_full_world and len(live) < self.members.world_size:
+            log.warning("waiting for %d trainer rank(s) to come back", self.members.world_size - len(live))
+            await asyncio.sleep(HEARTBEAT_S)
+            live = await self.members.live()
+        ranks = [0, *[r for r in live if r != 0]]
+        if ranks != self._last_live and len(ranks) > 1:
+            # someone (re)joined: publish our weights so a rank that is behind can catch up
+            update = await publish_model_version(self.store, trainer.model.state_dict(), model=trainer.model_name,
+                                                 shared_dir=trainer.s.weights_dir)
+            trainer.version = update.resources["llm"]["model_version"]
+        self._last_live = ranks
+        total_tokens = trainer._batch(plan).tokens
+        size = len(plan.samples)
+        shares = [(size * i // len(ranks), size * (i + 1) // len(ranks)) for i in range(len(ranks))]
+        for rank, (lo, hi) in zip(ranks[1:], shares[1:], strict=True):
+            await self.exchange.send_plan(trainer.step + 1, rank, {
+                "step_before": trainer.step,
+                "model_version": trainer.version,
+                "total_tokens": total_tokens,
+                "samples": [s.to_wire() for s in plan.samples[lo:hi]],
+                "advantages": tokens.pack_floats(plan.advantages[lo:hi].tolist()),
+                "rewards": plan.rewards[lo:hi],
+                "group_keys": plan.group_keys[lo:hi],
+            })
+        lo, hi = shares[0]
+        metrics = await asyncio.to_thread(trainer._backward, _share(plan, lo, hi), total_tokens)
+        gathered = await self.exchange.gather(trainer.step + 1, ranks[1:], trainer.s.rank_timeout_s)
+        started = time.perf_counter()
+        total = flat_gradient(trainer.model)
+        for chunks in gathered.values():
+            total += self.codec.decode(chunks)
+        decode_s = time.perf_counter() - started
+        aggregate = Fp32Codec().encode(total, trainer.step + 1, 0)
+        await self.exchange.send_aggregate(trainer.step + 1, aggregate)
+        set_gradient(trainer.model, total)
+        metrics.update({
+            "comm/ranks": 1 + len(gathered), "comm/ranks_missing": len(ranks) - 1 - len(gathered),
+            "comm/bytes_received": sum(len(c) for chunks in gathered.values() for c in chunks),
+            "comm/aggregate_bytes": sum(len(c) for c in aggregate), "comm/decode_s": decode_s,
+            "perf/tokens": total_tokens, "perf/samples": size,
+        })
+        return metrics
+
+    async def follow(self, trainer: Any, stop: asyncio.Event) -> None:
+        """Every rank but 0: train the shares the leader sends, until stopped."""
+        from fulmen import tokens
+        from fulmen.model_versions import fetch_model_version
+        from fulmen.records import Sample
+        from fulmen_trainer.trainer import StepPlan
+
+        while not stop.is_set():
+            reading = asyncio.ensure_future(self.exchange.next_plan(self.rank))
+            stopping = asyncio.ensure_future(stop.wait())
+            done, _ = await asyncio.wait({reading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if reading not in done:
+                reading.cancel()
+                break
+            stopping.cancel()
+            plan_msg = reading.result()
+            if plan_msg["step_before"] != trainer.step:  # joined late or came back: take the leader's weights
+                log.info("rank %d at step %d, leader at %d: loading model version %s", self.rank, trainer.step,
+                         plan_msg["step_before"], plan_msg["model_version"])
+                state = await fetch_model_version(self.store, plan_msg["model_version"])
+                trainer.model.load_state_dict(state, strict=False)
+                trainer.step = plan_msg["step_before"]
+            samples = [Sample.from_wire(b) for b in plan_msg["samples"]]
+            share = StepPlan(samples, list(plan_msg["rewards"]), torch.tensor(tokens.floats(plan_msg["advantages"])),
+                             list(plan_msg["group_keys"]), [])
+            await asyncio.to_thread(trainer._backward, share, plan_msg["total_tokens"])
+            step = trainer.step + 1
+            chunks = self.codec.encode(flat_gradient(trainer.model), step, self.rank)
+            self.bytes_sent += sum(len(c) for c in chunks)
+            await self.exchange.send_gradient(step, self.rank, chunks)
+            aggregate = Fp32Codec().decode(await self.exchange.next_aggregate(step))
+            set_gradient(trainer.model, aggregate)
+            trainer._optimizer_step()
+            trainer.version = plan_msg["model_version"]
+            if trainer.step % trainer.s.checkpoint_every == 0:
+                await trainer.checkpoint()
+
+
+def _share(plan: Any, lo: int, hi: int) -> Any:
+    from fulmen_trainer.trainer import StepPlan
+
+    return StepPlan(plan.samples[lo:hi], plan.rewards[lo:hi], plan.advantages[lo:hi], plan.group_keys[lo:hi],
+                    plan.entry_ids, plan.dropped_groups)
