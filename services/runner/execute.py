@@ -20,14 +20,14 @@ from typing import Any
 from opentelemetry import trace
 
 from fulmen import semconv
-from fulmen.errors import InvalidInput
+from fulmen.errors import InvalidInput, RecordError
 from fulmen.records import AttemptedRollout
 from fulmen.sdk.agent import Agent
 from fulmen.sdk.emit import emit_exception, emit_reward
 from fulmen.sdk.hooks import Hook, run_hooks
 from fulmen.status import AttemptStatus
 from fulmen.store import RedisStore
-from fulmen.tracing import bind, tracer
+from fulmen.tracing import RootSpan, bind
 from fulmen_runner.heartbeats import Heartbeats
 from fulmen_runner.inputs import InputResolver
 from fulmen_runner.span_writer import SpanWriter
@@ -92,16 +92,16 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
         status: AttemptStatus | None = AttemptStatus.SUCCEEDED
         reward: float | None = None
         error: BaseException | None = None
-        root = tracer().start_span(
+        root = RootSpan(
             semconv.ROLLOUT_SPAN,
-            attributes={
+            {
                 semconv.SPAN_KIND: semconv.KIND_ROLLOUT,
                 "fulmen.worker_id": ctx.worker_id,
                 "fulmen.attempt_sequence": attempt.sequence_id,
             },
         )
         try:
-            with trace.use_span(root, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+            with trace.use_span(root.span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                 ctx.heartbeats.watch(claimed, asyncio.current_task())  # type: ignore[arg-type]
                 try:
                     result = await _run_agent(ctx, claimed)
@@ -111,7 +111,7 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
                 except asyncio.CancelledError:
                     reason = ctx.heartbeats.abandoned_reason(aid)
                     if reason is None:  # the runner is shutting down: hand the attempt back
-                        root.set_status(trace.Status(trace.StatusCode.ERROR, "handed back"))
+                        root.set_error("handed back")
                         root.end()
                         await _hand_back(ctx, rid, aid)
                         raise
@@ -125,24 +125,28 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
                     ctx.heartbeats.unwatch(aid)
                 if error is not None and status is not None:
                     emit_exception(error)
-                    root.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+                    root.set_error(str(error))
             root.end()
             if status is AttemptStatus.SUCCEEDED and value is not None:
-                with trace.use_span(root, end_on_exit=False):
+                with trace.use_span(root.span, end_on_exit=False):
                     try:
                         reward = emit_reward(value)
                     except InvalidInput as e:  # a NaN or malformed reward fails the attempt, clearly
                         status, error = AttemptStatus.FAILED, e
                         emit_exception(e)
         finally:
-            if root.is_recording():
-                root.end()
+            root.end()
         await run_hooks("on_trace_end", ctx.agent, ctx.hooks, rollout)
-        await ctx.writer.flush(aid)
+        spans = await ctx.writer.drain(aid)
         if status is not None:
-            outcome = await ctx.store.update_attempt(rid, aid, status=status, error=error)
+            try:  # the last spans and the status in one atomic step
+                outcome = await ctx.store.update_attempt(rid, aid, status=status, error=error, spans=spans)
+            except RecordError:  # a span the store refuses (too large): store the rest, then report
+                await ctx.writer.write(spans)
+                outcome = await ctx.store.update_attempt(rid, aid, status=status, error=error)
             log.debug("attempt %s %s -> %s in %.3f s", aid, status.value, outcome, time.monotonic() - started)
         else:
+            await ctx.writer.write(spans)
             log.info("attempt %s abandoned: %s", aid, error)
         await run_hooks("on_rollout_end", ctx.agent, ctx.hooks, rollout, reward)
     return Outcome(status, reward, error)

@@ -40,6 +40,18 @@ class SpanWriter:
         if spans:
             await self._write(spans)
 
+    async def drain(self, attempt_id: str) -> list[Span]:
+        """Take (without writing) the attempt's spans not yet stored, once no periodic write holds any
+        of them: the caller stores them itself, with the attempt's final status in one step."""
+        while (pending := self._inflight.get(attempt_id)) is not None:
+            await asyncio.shield(pending)
+        return self.buffer.take(attempt_id)
+
+    async def write(self, spans: Sequence[Span]) -> None:
+        """Store spans now (dropping, with a log line, any the store refuses)."""
+        if spans:
+            await self._write(spans)
+
     async def flush_all(self) -> None:
         spans = self.buffer.take()
         if not spans:

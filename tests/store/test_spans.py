@@ -185,3 +185,28 @@ async def test_oversize_rollout_input_raises_record_too_large(store: RedisStore)
         await small.enqueue_rollout("x" * 2000, rollout_id="r1")
     assert await small.get_rollouts(["r1"]) == [None]
     assert await small.redis.xlen(small.keys.queue) == 0
+
+
+async def test_finishing_with_spans_stores_them_in_the_same_step(store: RedisStore) -> None:
+    """update_attempt(spans=...) stores the last spans (deduplicated, in order) and ends the attempt."""
+    await _claim(store)
+    await store.add_spans([_span("r1.1", "a")])
+    result = await store.update_attempt(
+        "r1", "r1.1", status="succeeded", spans=[_span("r1.1", "a"), _span("r1.1", "b"), _span("r1.1", "c")]
+    )
+    assert result == "succeeded"
+    assert _seq(await store.query_spans("r1")) == [(1, "r1.1", "a"), (2, "r1.1", "b"), (3, "r1.1", "c")]
+    assert (await store.get_rollout("r1")).status is RolloutStatus.SUCCEEDED
+
+
+async def test_finishing_with_spans_refuses_foreign_spans_and_unknown_attempts(store: RedisStore) -> None:
+    """A span of another attempt is refused before anything is written; an unknown attempt is NotFound."""
+    from fulmen.errors import InvalidInput
+
+    await _claim(store)
+    with pytest.raises(InvalidInput, match="belongs to attempt"):
+        await store.update_attempt("r1", "r1.1", status="succeeded", spans=[_span("r9.1", "a")])
+    assert (await store.get_attempt("r1.1")).status is AttemptStatus.PREPARING
+    with pytest.raises(NotFound):
+        await store.update_attempt("r1", "r1.7", status="succeeded", spans=[_span("r1.7", "a")])
+    assert await store.query_spans("r1") == []

@@ -27,10 +27,17 @@ class Hook:
     def on_rollout_end(self, agent: Any, rollout: Rollout, result: Any) -> Any: ...
 
 
+def _overrides(obj: Any, name: str, base: type) -> bool:
+    method = getattr(type(obj), name, None)
+    return method is not None and method is not getattr(base, name, None)
+
+
 async def run_hooks(name: str, agent: Any, hooks: Sequence[Hook], rollout: Rollout, *extra: Any) -> None:
-    """Call the agent's own hook method, then each hook's."""
-    calls = [getattr(agent, name)] if hasattr(agent, name) else []
-    calls += [(lambda *a, h=h: getattr(h, name)(agent, *a)) for h in hooks]
+    """Call the agent's own hook method, then each hook's (only those that do something)."""
+    from fulmen.sdk.agent import Agent
+
+    calls = [getattr(agent, name)] if _overrides(agent, name, Agent) else []
+    calls += [(lambda *a, h=h: getattr(h, name)(agent, *a)) for h in hooks if _overrides(h, name, Hook)]
     for call in calls:
         try:
             result = call(rollout, *extra)

@@ -119,6 +119,7 @@ class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin, SamplesMixin):
         self._claim = redis.register_script(scripts.CLAIM_NEXT)
         self._add_spans = redis.register_script(scripts.ADD_SPANS)
         self._finish = redis.register_script(scripts.FINISH_ATTEMPT)
+        self._finish_with_spans = redis.register_script(scripts.FINISH_WITH_SPANS)
         self._expire = redis.register_script(scripts.EXPIRE_ATTEMPT)
         self._set_rollout_status = redis.register_script(scripts.SET_ROLLOUT_STATUS)
         self._set_fields = redis.register_script(scripts.SET_FIELDS_IF_EXISTS)
@@ -390,11 +391,13 @@ class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin, SamplesMixin):
         worker_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         error: BaseException | Mapping[str, Any] | str | None = None,
+        spans: Sequence[Span] = (),
     ) -> FinishResult | None:
         """Change an attempt's worker or metadata, and/or report its status (running or an end).
 
         Reporting an end applies the rollout's retry policy: ``requeued`` or ``failed`` for a failure,
-        ``succeeded`` for success. Returns the outcome of the status report (None without one)."""
+        ``succeeded`` for success. Returns the outcome of the status report (None without one).
+        ``spans`` (with a status): the attempt's last spans, stored in the same atomic step."""
         if worker_id is not None or metadata is not None:
             fields: list[Any] = []
             if worker_id is not None:
@@ -411,6 +414,13 @@ class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin, SamplesMixin):
             raise InvalidInput(f"attempt status {status!r} unknown") from None
         if status is AttemptStatus.PREPARING:
             raise InvalidTransition("an attempt cannot go back to preparing")
+        if spans:
+            pairs: list[Any] = []
+            for s in spans:
+                if s.attempt_id != attempt_id or s.rollout_id != rollout_id:
+                    raise InvalidInput(f"span {s.span_id} belongs to attempt {s.attempt_id}, not {attempt_id}")
+                pairs += [f"{attempt_id}/{s.span_id}", s.to_wire(self.max_record_bytes)]
+            return await self._report(rollout_id, attempt_id, status, error, self._finish_with_spans, pairs)
         return await self._report(rollout_id, attempt_id, status, error)
 
     async def expire_attempt(self, rollout_id: str, attempt_id: str, kind: AttemptStatus) -> str:
@@ -419,7 +429,8 @@ class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin, SamplesMixin):
         return await self._report(rollout_id, attempt_id, kind, f"attempt {kind.value}", self._expire)
 
     async def _report(
-        self, rollout_id: str, attempt_id: str, status: AttemptStatus, error: Any, script: Any = None
+        self, rollout_id: str, attempt_id: str, status: AttemptStatus, error: Any, script: Any = None,
+        extra: Sequence[Any] = (),
     ) -> FinishResult:
         ending = RolloutStatus.SUCCEEDED if status is AttemptStatus.SUCCEEDED else RolloutStatus.FAILED
         args = [
@@ -430,9 +441,10 @@ class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin, SamplesMixin):
             _error_record(error),
             QueueEntry(rollout_id).to_wire(),
             Completion(rollout_id, ending, attempt_id).to_wire(),
+            *extra,
         ]
         code = (await self._pipeline.submit(script or self._finish, args)).decode()
-        if code == "missing" and script is None:
+        if code == "missing" and script in (None, self._finish_with_spans):
             raise NotFound(f"attempt {attempt_id} of rollout {rollout_id} does not exist")
         return code  # type: ignore[return-value]
 

@@ -280,6 +280,29 @@ return finish(ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
 """
 )
 
+# FINISH_ATTEMPT with the attempt's last spans in the same step (one round trip where a runner would
+# otherwise need two, and no window in which the attempt has ended without them).
+# ARGV[2..7] as FINISH_ATTEMPT, ARGV[8..] = pairs (dedupe key, span message) as ADD_SPANS.
+# Returns the code of `finish` ('missing' for an unknown attempt; then no span is stored).
+FINISH_WITH_SPANS = (
+    _PRELUDE
+    + """
+local rid, aid = ARGV[2], ARGV[3]
+local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id')
+if a[1] ~= rid then return 'missing' end
+local rk, ids, spans = K_ROLLOUT .. rid, K_SPAN_IDS .. rid, K_SPANS .. rid
+local seq
+for i = 8, #ARGV, 2 do
+  if redis.call('SADD', ids, ARGV[i]) == 1 then
+    seq = (seq or tonumber(redis.call('HGET', rk, 'seq')) or 0) + 1
+    redis.call('XADD', spans, seq .. '-0', 'm', ARGV[i + 1])
+  end
+end
+if seq then redis.call('HSET', rk, 'seq', seq) end
+return finish(rid, aid, ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+"""
+)
+
 # ARGV[2] = rollout id, ARGV[3] = attempt id, ARGV[4] = timeout | unresponsive,
 # ARGV[5] = error message, ARGV[6] = queue message, ARGV[7] = completion message.
 # Re-checks staleness with the server clock, so concurrent watchdogs transition an attempt once.

@@ -1,0 +1,166 @@
+"""Arithmetic tasks with an exactly checked reward: the task of the end-to-end demo and the trainer tests.
+
+A task is a JSON-serialisable dict::
+
+    {"id": "train-add-23-48", "question": "23+48=", "answer": "71",
+     "a": 23, "b": 48, "op": "+", "split": "train"}
+
+``question`` is the whole prompt the agent sends (the user message of a chat call, or the prompt of a
+plain completion); ``answer`` is the exact decimal string expected back. Every character of every
+question and answer is in `fulmen.tiny_model.DEFAULT_ALPHABET` (digits and ``+-*=``).
+
+Splits — train and validation are disjoint *by construction*: an operand pair ``(a, op, b)`` belongs
+to exactly one split, chosen by a hash of the pair (``sha256("a op b")``, first 8 bytes, modulo 1000
+below ``val_permille`` means validation). So no validation question ever appears in training
+whatever the seeds and sizes, a task keeps its split when the sizes change, and ``23+48`` may be in
+one split and ``48+23`` in the other (a model has to learn to add, not to remember pairs). The seed
+only picks which pairs of a split are drawn, and in which order; equal arguments give equal tasks.
+
+Difficulty is a knob: ``digits`` (operands are drawn uniformly from ``0 .. 10**digits - 1``) and
+``ops`` (any of ``+``, ``-``, ``*``). The default (2-digit addition, answers of one to three digits)
+is what the demo trains on; see ``bench/recipe_search.py`` and issue 7 in ``bench/RESULTS.md``.
+
+Reward — `reward(task, completion)` is 1.0 when the completion *starts with* the exact answer as a
+whole number, else 0.0: leading spaces are skipped, then the answer is the longest run of an
+optional ``-`` and digits; anything after that run (a newline, an end-of-turn token, more text) is
+ignored, but the run itself must equal ``answer`` character for character (``"071"``, ``"71.0"``,
+``"712"`` and ``" 7 1"`` are all wrong for ``"71"``; ``"71"``, ``" 71"``, ``"71\\n"`` and
+``"71<eos>..."`` are right). The model is meant to answer and then end its turn; what follows the
+number is never read, so a reward cannot be earned by listing several numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "OPS",
+    "Task",
+    "demonstrations",
+    "make_tasks",
+    "parse_answer",
+    "reward",
+    "split_of",
+    "write_jsonl",
+]
+
+Task = dict[str, Any]
+
+OPS = {"+": "add", "-": "sub", "*": "mul"}
+SPLITS = ("train", "val")
+DEFAULT_VAL_PERMILLE = 200  # 20% of all operand pairs are reserved for validation
+
+_LEADING_NUMBER = re.compile(r"-?\d+")
+
+
+def _compute(a: int, op: str, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    raise ValueError(f"unknown operation {op!r}; expected one of {sorted(OPS)}")
+
+
+def split_of(a: int, op: str, b: int, *, val_permille: int = DEFAULT_VAL_PERMILLE) -> str:
+    """The split ("train" or "val") that the pair ``a op b`` belongs to, by a hash of the pair."""
+    if op not in OPS:
+        raise ValueError(f"unknown operation {op!r}; expected one of {sorted(OPS)}")
+    digest = hashlib.sha256(f"{a}{op}{b}".encode()).digest()
+    return "val" if int.from_bytes(digest[:8], "big") % 1000 < val_permille else "train"
+
+
+def make_task(a: int, op: str, b: int, split: str) -> Task:
+    return {
+        "id": f"{split}-{OPS[op]}-{a}-{b}",
+        "question": f"{a}{op}{b}=",
+        "answer": str(_compute(a, op, b)),
+        "a": a,
+        "b": b,
+        "op": op,
+        "split": split,
+    }
+
+
+def make_tasks(
+    split: str,
+    n: int,
+    *,
+    seed: int = 0,
+    digits: int = 2,
+    ops: str | Sequence[str] = "+",
+    val_permille: int = DEFAULT_VAL_PERMILLE,
+) -> list[Task]:
+    """``n`` distinct tasks of ``split``, in a random order fixed by ``seed``.
+
+    Raises ValueError when the split holds fewer than ``n`` pairs (2-digit addition: ~8,000 train
+    and ~2,000 validation pairs with the default 20% reserve)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    if not 0 < val_permille < 1000:
+        raise ValueError(f"val_permille must be in 1..999, got {val_permille}")
+    ops = list(ops)
+    for op in ops:
+        if op not in OPS:
+            raise ValueError(f"unknown operation {op!r}; expected one of {sorted(OPS)}")
+    limit = 10**digits
+    pairs = [
+        (a, op, b)
+        for op in ops
+        for a in range(limit)
+        for b in range(limit)
+        if split_of(a, op, b, val_permille=val_permille) == split
+    ]
+    if n > len(pairs):
+        raise ValueError(f"the {split} split of {digits}-digit {''.join(ops)} holds {len(pairs)} tasks, asked for {n}")
+    chosen = random.Random(f"fulmen-arithmetic:{seed}:{split}").sample(pairs, n)
+    return [make_task(a, op, b, split) for a, op, b in chosen]
+
+
+def parse_answer(completion: str | None) -> str | None:
+    """The number a completion starts with (after leading spaces), or None if it starts with none."""
+    match = _LEADING_NUMBER.match((completion or "").lstrip(" "))
+    return match.group(0) if match else None
+
+
+def reward(task: Task, completion: str | None) -> float:
+    """1.0 if ``completion`` starts with exactly ``task["answer"]`` as a whole number, else 0.0."""
+    return 1.0 if parse_answer(completion) == str(task["answer"]) else 0.0
+
+
+def demonstrations(tasks: Iterable[Task]) -> list[dict[str, Any]]:
+    """One supervised example per task, in both the chat and the plain-completion shape.
+
+    ``messages`` is the conversation to fine-tune on (the user asks ``question``, the assistant
+    replies ``answer`` and ends its turn); ``prompt``/``completion`` are the same as plain text."""
+    return [
+        {
+            "id": f"demo-{task['id']}",
+            "messages": [
+                {"role": "user", "content": task["question"]},
+                {"role": "assistant", "content": task["answer"]},
+            ],
+            "prompt": task["question"],
+            "completion": task["answer"],
+        }
+        for task in tasks
+    ]
+
+
+def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> Path:
+    """Write one JSON object per line (tasks for ``fulmen push``, or demonstrations); returns path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, separators=(",", ":")) + "\n")
+    return path

@@ -1,0 +1,147 @@
+"""The same codecs as a torch.distributed DDP communication hook (for ranks on a fast network).
+
+    state, hook = make_ddp_hook("dgc", density=0.01)
+    ddp_model.register_comm_hook(state, hook)
+
+Contract of ``codec_hook(state, bucket) -> Future[Tensor]`` (see ``register_comm_hook``):
+- In: ``bucket.buffer()``, the flat local gradients of one bucket (any float dtype, usually fp32).
+- Out: a future of a tensor shaped like the buffer holding the average over the world size; DDP
+  copies it into the parameters' ``.grad``. The bucket buffer is modified in place.
+- Who divides: ``none`` and ``bf16`` divide each rank's buffer by the world size *before* the
+  all-reduce (as PyTorch's ``allreduce_hook`` / ``bf16_compress_hook`` do: it keeps the bf16 sum in
+  range); the other codecs all-gather every rank's encoded chunks, then every rank decodes and
+  averages them with `fulmen.compression.mean_decoded` — the very function of the Redis path, so both
+  paths give the same bits for the same codec, inputs and seeds. (``none`` matches the Redis path
+  exactly for 2 ranks; ``bf16`` sums in bf16 on the wire, so it matches to bf16 precision.)
+- All-gather of variable-size payloads: each rank first all-gathers its payload length (a blocking
+  all-gather of one int64), then the payloads padded to the longest (gloo all-gathers CPU tensors).
+- State (`DDPCodecState`): the codec state (error feedback keyed by ``"bucket<index>"``), the
+  iteration count (advanced after the last bucket, as ``PowerSGDState`` does) and ``start_iter``: the
+  first ``start_iter`` iterations use a plain fp32 all-reduce, because DDP rebuilds its buckets after
+  the first iteration and error-feedback state must not be keyed by buckets that change.
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime
+# (`bucket: dist.GradBucket`, `-> torch.futures.Future[torch.Tensor]`), so they must be real objects.
+
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fulmen.compression.aggregate import mean_decoded
+from fulmen.compression.base import CodecState, make_codec
+from fulmen.errors import InvalidInput
+
+__all__ = ["DDPCodecState", "codec_hook", "make_ddp_hook"]
+
+
+class DDPCodecState:
+    """Knobs: ``codec`` (a `CodecState`), ``process_group`` (None = the default group), ``start_iter``.
+    State: ``iter`` and the codec's own state. Statistics: `compression_stats` (the codec's)."""
+
+    def __init__(
+        self, codec: CodecState, process_group: dist.ProcessGroup | None = None, start_iter: int = 1
+    ) -> None:
+        if not isinstance(codec, CodecState):
+            raise InvalidInput(f"codec must be a CodecState, got {type(codec).__name__}")
+        if not isinstance(start_iter, int) or start_iter < 0:
+            raise InvalidInput(f"start_iter must be a non-negative int, got {start_iter!r}")
+        self.codec = codec
+        self.process_group = process_group
+        self.start_iter = start_iter
+        self.iter = 0
+
+    def compression_stats(self, reset: bool = False) -> dict[str, float]:
+        return self.codec.compression_stats(reset)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"iter": self.iter, "start_iter": self.start_iter, "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.iter = int(state["iter"])
+        self.start_iter = int(state["start_iter"])
+        self.codec.load_state_dict(state["codec"])
+
+    def _advance(self, bucket: dist.GradBucket) -> None:
+        if bucket.is_last():
+            self.iter += 1
+
+
+def make_ddp_hook(
+    codec_name: str, process_group: dist.ProcessGroup | None = None, start_iter: int = 1, **knobs: Any
+) -> tuple["DDPCodecState", Callable[..., torch.futures.Future[torch.Tensor]]]:
+    """A fresh ``(state, hook)`` pair for ``ddp_model.register_comm_hook(state, hook)``; ``knobs`` go to
+    ``make_codec(codec_name, **knobs)``."""
+    return DDPCodecState(make_codec(codec_name, **knobs), process_group, start_iter), codec_hook
+
+
+def codec_hook(state: DDPCodecState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket``'s gradients over the group through ``state.codec``; see the module docstring."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    name = state.codec.name
+    if state.iter < state.start_iter or name == "none":
+        future = _allreduce_mean(buffer, buffer, group, world_size)
+    elif name == "bf16":
+        future = _allreduce_mean(buffer, buffer.to(torch.bfloat16), group, world_size)
+    else:
+        chunks = state.codec.encode(
+            buffer, name=f"bucket{bucket.index()}", step=state.iter, rank=dist.get_rank(group)
+        )
+        future = _allgather_mean(buffer, chunks, group, world_size)
+    state._advance(bucket)
+    return future
+
+
+def _allreduce_mean(
+    buffer: torch.Tensor, wire: torch.Tensor, group: Any, world_size: int
+) -> torch.futures.Future[torch.Tensor]:
+    # Divide before the all-reduce, as allreduce_hook does: a bf16 sum of world_size values stays in range.
+    wire.div_(world_size)
+    work = dist.all_reduce(wire, group=group, async_op=True)
+
+    def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        fut.wait()
+        return buffer if wire is buffer else buffer.copy_(wire)
+
+    return work.get_future().then(done)
+
+
+def _allgather_mean(
+    buffer: torch.Tensor, chunks: list[bytes], group: Any, world_size: int
+) -> torch.futures.Future[torch.Tensor]:
+    # One blob per rank: u32 chunk count, u32 length per chunk, then the chunks back to back.
+    blob = struct.pack(f"<I{len(chunks)}I", len(chunks), *(len(c) for c in chunks)) + b"".join(chunks)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([len(blob)], dtype=torch.int64), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine.numpy()[: len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+
+    def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        fut.wait()
+        lists = [
+            _split_blob(t.numpy().tobytes()[: int(n.item())]) for t, n in zip(gathered, sizes, strict=True)
+        ]
+        mean = mean_decoded(lists)
+        return buffer.copy_(mean.view(-1).view_as(buffer))
+
+    return work.get_future().then(done)
+
+
+def _split_blob(blob: bytes) -> list[bytes]:
+    (count,) = struct.unpack_from("<I", blob)
+    lengths = struct.unpack_from(f"<{count}I", blob, 4)
+    position = 4 + 4 * count
+    chunks = []
+    for length in lengths:
+        chunks.append(blob[position : position + length])
+        position += length
+    return chunks

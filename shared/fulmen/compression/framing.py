@@ -1,0 +1,162 @@
+"""Chunk framing: a codec payload ↔ a list of `fulmen.records.GradientChunk` wire records.
+
+Each chunk is one msgpack record (schema version ``v``, kind ``grad_chunk``) with a small header —
+payload format version, step, rank, tensor/bucket name, codec, shape, dtype, the codec's ``meta``,
+chunk index and count, total payload size, zlib.crc32 of the chunk — and a slice of the payload. A
+chunk is at most ``max_record_bytes`` (default `fulmen.codec.DEFAULT_MAX_RECORD_BYTES`, 8 MiB) on
+the wire; the header is ~120 bytes plus the name and meta.
+
+`unframe` accepts the chunks of one payload in order and refuses, with RecordError, anything that
+is not exactly that: a corrupted (crc) or truncated record, another schema or payload version, a
+chunk missing, duplicated or out of order, or chunks of different gradients mixed together.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fulmen.codec import DEFAULT_MAX_RECORD_BYTES
+from fulmen.compression.base import FORMAT_VERSION, Payload
+from fulmen.errors import RecordError
+from fulmen.records import GradientChunk
+
+# Room for the header: the fixed fields take ~120 bytes; a long name or a large meta map is refused
+# by the record size check rather than silently split.
+_HEADER_ROOM = 16 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What every chunk of one payload agrees on."""
+
+    step: int
+    rank: int
+    name: str
+    codec: str
+    shape: tuple[int, ...]
+    dtype: str
+    meta: dict[str, Any]
+    size: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def frame(
+    payload: Payload,
+    *,
+    codec: str,
+    step: int,
+    rank: int,
+    name: str,
+    shape: list[int],
+    dtype: str,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> list[bytes]:
+    """Split ``payload`` into chunks of at most ``max_record_bytes`` each, header included."""
+    # One contiguous buffer to slice: zero-copy when the codec made a single section (fp32, bf16).
+    if len(payload.sections) == 1:
+        data = memoryview(payload.sections[0]).cast("B")
+    else:
+        data = memoryview(b"".join(payload.sections))
+    size = data.nbytes
+    per_chunk = max_record_bytes - _HEADER_ROOM
+    count = max(1, -(-size // per_chunk))
+    chunks = []
+    for index in range(count):
+        piece = data[index * per_chunk : (index + 1) * per_chunk]
+        record = GradientChunk(
+            fmt=FORMAT_VERSION,
+            step=step,
+            rank=rank,
+            name=name,
+            codec=codec,
+            shape=shape,
+            dtype=dtype,
+            meta=payload.meta,
+            index=index,
+            count=count,
+            size=size,
+            crc32=zlib.crc32(piece),
+            data=piece,
+        )
+        chunks.append(record.to_wire(max_record_bytes))
+    return chunks
+
+
+def parse_chunk(
+    chunk: bytes | GradientChunk, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> GradientChunk:
+    """One wire record → GradientChunk (already parsed ones pass through); checks version and crc."""
+    record = chunk if isinstance(chunk, GradientChunk) else GradientChunk.from_wire(chunk, max_record_bytes)
+    where = f"gradient chunk {record.index} of {record.name!r} (rank {record.rank}, step {record.step})"
+    if record.fmt != FORMAT_VERSION:
+        raise RecordError(
+            f"{where} has payload format {record.fmt}; this Fulmen reads format {FORMAT_VERSION}"
+        )
+    if zlib.crc32(record.data) != record.crc32:
+        raise RecordError(f"{where} is corrupted: crc32 mismatch")
+    return record
+
+
+def unframe(
+    chunks: Sequence[bytes | GradientChunk], max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> tuple[Header, memoryview]:
+    """The chunks of one payload, in order → (header, payload bytes). See the module docstring."""
+    if not chunks:
+        raise RecordError("no gradient chunks to decode")
+    records = [parse_chunk(c, max_record_bytes) for c in chunks]
+    first = records[0]
+    header = Header(
+        first.step,
+        first.rank,
+        first.name,
+        first.codec,
+        tuple(first.shape),
+        first.dtype,
+        first.meta,
+        first.size,
+    )
+    if first.count != len(records):
+        raise RecordError(
+            f"gradient {first.name!r} (rank {first.rank}, step {first.step}) has {first.count} chunks, "
+            f"got {len(records)}: a chunk is missing or extra"
+        )
+    for position, r in enumerate(records):
+        if r.index != position:
+            raise RecordError(
+                f"gradient {first.name!r} (rank {first.rank}, step {first.step}): expected chunk {position}, "
+                f"got chunk {r.index} (out of order, duplicated or missing)"
+            )
+        key = (r.step, r.rank, r.name, r.codec, tuple(r.shape), r.dtype, r.meta, r.size, r.count)
+        if key != (*_header_key(header), first.count):
+            raise RecordError(
+                f"chunk {r.index} belongs to gradient {r.name!r} (rank {r.rank}, step {r.step}), not to "
+                f"{first.name!r} (rank {first.rank}, step {first.step}): chunks of different gradients mixed"
+            )
+    total = sum(len(r.data) for r in records)
+    if total != header.size:
+        raise RecordError(
+            f"gradient {first.name!r} (rank {first.rank}, step {first.step}) payload is {total} bytes, "
+            f"its header says {header.size}: truncated"
+        )
+    if len(records) == 1:
+        return header, memoryview(records[0].data)
+    # One copy into a writable buffer: decoders may then hand out views of it without copying again.
+    data = bytearray(total)
+    position = 0
+    for r in records:
+        data[position : position + len(r.data)] = r.data
+        position += len(r.data)
+    return header, memoryview(data)
+
+
+def _header_key(h: Header) -> tuple[Any, ...]:
+    return (h.step, h.rank, h.name, h.codec, h.shape, h.dtype, h.meta, h.size)
