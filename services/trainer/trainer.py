@@ -30,6 +30,7 @@ from fulmen.store import RedisStore
 from fulmen_trainer import checkpoint as ckpt
 from fulmen_trainer.batch import TokenBatch, make_batch, token_logprobs
 from fulmen_trainer.groups import GroupCollector, ReadyGroup, version_number
+from fulmen_trainer.metrics import StepMetrics
 from fulmen_trainer.objectives import (
     Baseline,
     entropy_from_logits,
@@ -123,6 +124,7 @@ class Trainer:
         self.model: Any = None
         self.reference: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.metrics: StepMetrics | None = None
 
     # --- setup and resume ----------------------------------------------------------------------------
 
@@ -131,6 +133,7 @@ class Trainer:
         AutoModelForCausalLM = transformers.AutoModelForCausalLM
 
         torch.manual_seed(self.s.seed)
+        self.metrics = StepMetrics(self.rank, self.s.metrics_port)
         if self.s.torch_threads:
             torch.set_num_threads(self.s.torch_threads)
         directory = self.s.checkpoint_dir / f"rank-{self.rank}"
@@ -211,6 +214,8 @@ class Trainer:
                         "sample_ids": [s.sample_id for s in plan.samples]})
         self.consumed_since_checkpoint += plan.entry_ids
         self.unlogged.append(metrics)
+        if self.metrics is not None:
+            self.metrics.record(self.step, metrics)
         # checkpoint, then acknowledge what it covers, then log it
         if self.step % self.s.checkpoint_every == 0:
             await self.checkpoint()

@@ -102,6 +102,7 @@ class Settings(BaseSettings):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: run until stopped).")
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads for the trainer.")
     seed: int = Field(0, description="Random seed.")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Trainer /metrics port (unset: $PORT).")
     world_size: int = Field(1, ge=1, le=256, description="Data-parallel trainer ranks (honcho -c trainer=R).")
     codec: str = Field("none", description="Gradient codec between ranks: none, bf16, topk, dgc, qsgd8, qsgd4.")
     codec_density: float = Field(0.01, gt=0, le=1, description="Kept fraction for topk and dgc.")

@@ -73,9 +73,12 @@ async def test_a_step_trains_publishes_checkpoints_and_acknowledges(real_store: 
     """Two complete groups make one step: version v1 published, checkpoint written, entries acked, metrics logged."""
     await real_store.ensure_samples_group(k.TRAINERS_GROUP)
     await _push(real_store, _group("a", [1.0, 0.0, 1.0, 0.0]) + _group("b", [1.0, 1.0, 0.0, 1.0]))
+    from fulmen.embedded import free_port
+
+    port = free_port()
     settings = load_settings(model_dir=tiny, groups_per_step=2, checkpoint_dir=tmp_path / "ck",
                              metrics_file=tmp_path / "m.jsonl", max_steps=1, experiment=real_store.experiment,
-                             learning_rate=1e-3)
+                             learning_rate=1e-3, metrics_port=port)
     trainer = Trainer(real_store, settings)
     await trainer.setup()
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -91,6 +94,11 @@ async def test_a_step_trains_publishes_checkpoints_and_acknowledges(real_store: 
     pending = await real_store.redis.xpending(real_store.keys.samples, k.TRAINERS_GROUP)
     assert pending["pending"] == 0
     assert (tmp_path / "ck" / "rank-0" / "LATEST").read_text() == "step-1"
+    import urllib.request
+
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'fulmen_trainer_step{rank="0"} 1.0' in scraped
+    assert 'fulmen_trainer_rollout_reward_mean{rank="0"} 0.625' in scraped
 
 
 async def test_restart_after_a_kill_consumes_every_sample_exactly_once(
