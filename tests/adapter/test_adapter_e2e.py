@@ -1,4 +1,5 @@
-"""End to end with real processes: proxy (torch backend, tiny model) → runner → adapter → samples."""
+"""End to end with real processes: proxy (torch backend, tiny model) → runner → adapter → samples,
+and one trace per rollout across runner and proxy."""
 
 from __future__ import annotations
 
@@ -73,3 +74,8 @@ async def test_each_successful_rollout_yields_its_samples_once_with_the_proxys_t
         assert len(sample.response_logprobs) == len(sample.response_token_ids)
         assert sample.reward in (1.0, 0.5)
         assert sample.model_version is not None
+        # the trace context travelled with the call: the proxy's span sits under the attempt's root span
+        spans = await real_store.query_spans(sample.rollout_id)
+        (root,) = [s for s in spans if s.name == semconv.ROLLOUT_SPAN]
+        (call,) = [s for s in spans if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL]
+        assert (call.trace_id, call.parent_id) == (root.trace_id, root.span_id)
