@@ -39,6 +39,8 @@ WEIGHTS = "weights:"  # stream: one model version's weights, msgpack-framed safe
 CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)
 SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
 ADAPTER_STATS = "stats:adapter"  # hash: rollouts adapted, samples written, skips per reason
+ALGORITHM_STATE = "algorithm:state"  # hash: the run's position (epoch, cursor, groups and rollouts enqueued)
+ALGORITHM_DONE = "algorithm:done"  # set: train rollouts of the run seen terminal (counted once each)
 TRAINER_SLOT = "trainer:slot:"  # string with a TTL: who holds trainer rank <n> (membership heartbeat)
 TRAINER_PLANS = "trainer:plans"  # stream: the leader's step plans, one entry per rank's share
 TRAINER_GRADS = "trainer:grads"  # stream: each rank's encoded gradient chunks, per step
@@ -47,6 +49,7 @@ TRAINER_AGGREGATES = "trainer:aggregates"  # stream: the summed gradient the lea
 RUNNERS_GROUP = "runners"  # consumer group on QUEUE
 ADAPTER_GROUP = "adapter"  # consumer group on COMPLETIONS
 TRAINERS_GROUP = "trainers"  # consumer group on SAMPLES
+ALGORITHM_GROUP = "algorithm"  # consumer group on COMPLETIONS
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
@@ -78,6 +81,8 @@ class Keys:
 
     __slots__ = (
         "adapter_stats",
+        "algorithm_done",
+        "algorithm_state",
         "completions",
         "control",
         "dead_letters",
@@ -114,6 +119,8 @@ class Keys:
         self.control = p + CONTROL
         self.samples = p + SAMPLES
         self.adapter_stats = p + ADAPTER_STATS
+        self.algorithm_state = p + ALGORITHM_STATE
+        self.algorithm_done = p + ALGORITHM_DONE
         self.trainer_plans = p + TRAINER_PLANS
         self.trainer_grads = p + TRAINER_GRADS
         self.trainer_aggregates = p + TRAINER_AGGREGATES

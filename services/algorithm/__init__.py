@@ -1,0 +1,1 @@
+"""The algorithm service: drives a training run (`fulmen algorithm`)."""

@@ -1,0 +1,201 @@
+"""What to enqueue and when: GRPO groups, backpressure, the staleness bound, and resuming from the store.
+
+A group is one task's ``n_samples`` rollouts, with ids ``<run>-e<epoch>-<task id>-<k>``: enqueuing is
+idempotent, so a run restarted after a crash between enqueuing a group and recording it re-enqueues
+the same ids, which adds nothing. The run's position (epoch, cursor, groups and rollouts enqueued)
+lives in the store, never only in this process.
+
+Pacing, in rounds of ``groups_per_step`` groups (what the trainer needs for one step):
+
+- backpressure: at most ``max_inflight`` train rollouts enqueued and not yet terminal;
+- staleness bound S: round r is enqueued once the trainer has published version r - S, so no
+  rollout is generated with weights more than S versions behind the ones that train on it
+  (S = 0 is synchronous, on-policy training);
+- a trainer that dropped a group (fewer than two usable rollouts) needs one more than the rounds
+  allowed for: when nothing is in flight and the version has not moved for ``stall_s``, one extra
+  group is enqueued, so the run cannot stall.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fulmen import keys as k
+from fulmen.errors import NotFound
+from fulmen.records import RolloutConfig
+from fulmen.status import RolloutMode
+from fulmen.store import RedisStore
+from fulmen_algorithm.dataset import Task, task_id
+
+log = logging.getLogger(__name__)
+
+
+def version_number(version: str | None) -> int:
+    """"v12" → 12; the base weights → 0 (the trainer's version names, see fulmen.model_versions)."""
+    if version and version[0] == "v" and version[1:].isdigit():
+        return int(version[1:])
+    return 0
+
+
+@dataclass
+class RunState:
+    epoch: int = 0
+    cursor: int = 0  # next task (in this epoch's order)
+    groups: int = 0  # groups enqueued over the whole run
+    enqueued: int = 0  # train rollouts enqueued over the whole run
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes, bytes]) -> RunState:
+        return cls(**{f: int(raw.get(f.encode(), 0)) for f in ("epoch", "cursor", "groups", "enqueued")})
+
+
+class Scheduler:
+    def __init__(
+        self,
+        store: RedisStore,
+        tasks: Sequence[Task],
+        *,
+        run: str = "run",
+        n_samples: int = 8,
+        groups_per_step: int = 8,
+        max_inflight: int = 256,
+        staleness: int = 0,
+        epochs: int | None = None,
+        seed: int = 0,
+        resources_id: str = "policy",
+        rollout_config: RolloutConfig | None = None,
+        stall_s: float = 3.0,
+    ) -> None:
+        if max_inflight < n_samples:
+            raise ValueError(f"max_inflight ({max_inflight}) must hold at least one group of {n_samples}")
+        self.store = store
+        self.tasks = list(tasks)
+        self.run = run
+        self.n = n_samples
+        self.groups_per_step = groups_per_step
+        self.max_inflight = max_inflight
+        self.staleness = staleness
+        self.epochs = epochs
+        self.seed = seed
+        self.resources_id = resources_id
+        self.rollout_config = rollout_config or RolloutConfig()
+        self.stall_s = stall_s
+        self.state = RunState()
+        self._order: list[int] = []
+        self._order_epoch = -1
+        self._last_version = -1
+        self._version_changed_at = time.monotonic()
+
+    # --- state in the store ---------------------------------------------------------------------
+
+    async def load(self) -> RunState:
+        self.state = RunState.from_hash(await self.store.redis.hgetall(self.store.keys.algorithm_state))
+        await self.store.ensure_completions_group(k.ALGORITHM_GROUP)
+        if self.state.groups:
+            log.info("resuming the run: epoch %d, task %d of %d, %d groups enqueued so far",
+                     self.state.epoch, self.state.cursor, len(self.tasks), self.state.groups)
+        return self.state
+
+    def order(self, epoch: int) -> list[int]:
+        """This epoch's task order: a shuffle that depends only on the seed and the epoch."""
+        if self._order_epoch != epoch:
+            self._order = list(range(len(self.tasks)))
+            random.Random(f"{self.seed}-{epoch}").shuffle(self._order)
+            self._order_epoch = epoch
+        return self._order
+
+    # --- what the rest of the pipeline says ---------------------------------------------------------
+
+    async def version(self) -> int:
+        try:
+            update = await self.store.get_resources(self.resources_id)
+        except NotFound:
+            return 0
+        llm = update.resources.get("llm") or {}
+        v = version_number(llm.get("model_version"))
+        if v != self._last_version:
+            self._last_version, self._version_changed_at = v, time.monotonic()
+        return v
+
+    async def count_completions(self, block_s: float | None = None) -> int:
+        """Read the completions stream: train rollouts of this run that ended are counted once each.
+        ``block_s``: wait that long for the first completion (the run loop's pause between fills)."""
+        done = 0
+        while True:
+            batch = await self.store.read_completions(k.ALGORITHM_GROUP, "algorithm", count=500, block_s=block_s)
+            block_s = None
+            if not batch:
+                return done
+            ours = [c.rollout_id for c in batch if c.rollout_id.startswith(self.run + "-e")]
+            if ours:
+                done += await self.store.redis.sadd(self.store.keys.algorithm_done, *ours)
+            await self.store.ack_completions(k.ALGORITHM_GROUP, [c.entry_id for c in batch])
+
+    async def inflight(self) -> int:
+        return self.state.enqueued - await self.store.redis.scard(self.store.keys.algorithm_done)
+
+    # --- enqueuing ----------------------------------------------------------------------------------
+
+    @property
+    def exhausted(self) -> bool:
+        return self.epochs is not None and self.state.epoch >= self.epochs
+
+    def _allowed_groups(self, version: int) -> int:
+        return (version + self.staleness + 1) * self.groups_per_step
+
+    async def fill(self) -> int:
+        """Enqueue every group pacing allows now. Returns how many groups were enqueued."""
+        await self.count_completions()
+        version = await self.version()
+        added = 0
+        while not self.exhausted:
+            inflight = await self.inflight()
+            if inflight + self.n > self.max_inflight:
+                break
+            gated = self.state.groups >= self._allowed_groups(version)
+            stalled = inflight == 0 and time.monotonic() - self._version_changed_at > self.stall_s
+            if gated and not stalled:
+                break
+            await self.enqueue_group()
+            added += 1
+            if gated:  # a top-up: one group, then wait for the trainer again
+                self._version_changed_at = time.monotonic()
+                log.info("trainer waiting on a dropped group: enqueued one extra group")
+                break
+        return added
+
+    async def enqueue_group(self) -> list[str]:
+        s = self.state
+        task = self.tasks[self.order(s.epoch)[s.cursor]]
+        tid = task_id(task)
+        group = f"e{s.epoch}-{tid}"
+        rollouts = [
+            self.store.new_rollout(
+                task,
+                rollout_id=f"{self.run}-{group}-{i}",
+                mode=RolloutMode.TRAIN,
+                resources_id=self.resources_id,
+                config=self.rollout_config,
+                metadata={"group_key": f"{self.run}-{group}", "group_size": self.n, "epoch": s.epoch},
+            )
+            for i in range(self.n)
+        ]
+        await self.store.enqueue_rollouts(rollouts)  # idempotent: a replay after a crash adds nothing
+        cursor, epoch = s.cursor + 1, s.epoch
+        if cursor >= len(self.tasks):
+            cursor, epoch = 0, epoch + 1
+        s.epoch, s.cursor, s.groups, s.enqueued = epoch, cursor, s.groups + 1, s.enqueued + self.n
+        await self.store.redis.hset(
+            self.store.keys.algorithm_state,
+            mapping={"epoch": s.epoch, "cursor": s.cursor, "groups": s.groups, "enqueued": s.enqueued},
+        )
+        return [r.rollout_id for r in rollouts]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"epoch": self.state.epoch, "cursor": self.state.cursor, "groups": self.state.groups,
+                "enqueued": self.state.enqueued}

@@ -1,0 +1,127 @@
+"""The algorithm's scheduler against a real Redis: groups, pacing, backpressure, resume, top-ups."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from fulmen.errors import InvalidInput
+from fulmen.store import RedisStore
+from fulmen_algorithm.dataset import load_tasks, task_id
+from fulmen_algorithm.scheduler import Scheduler
+
+TASKS = [{"id": f"q{i}", "question": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
+
+
+async def _publish(store: RedisStore, version: str) -> None:
+    resources = {"llm": {"kind": "llm", "model": "tiny", "model_version": version}}
+    try:
+        await store.update_resources("policy", resources)
+    except Exception:
+        await store.add_resources(resources, resources_id="policy")
+
+
+async def _finish(store: RedisStore, count: int) -> None:
+    """A stand-in runner: claim and succeed ``count`` rollouts."""
+    for claimed in await store.dequeue_rollouts("w", count):
+        await store.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+
+
+async def test_groups_are_n_rollouts_of_one_task_with_group_metadata(real_store: RedisStore) -> None:
+    """A group is n train rollouts of one task, sharing a group key, with the group size."""
+    s = Scheduler(real_store, TASKS, n_samples=3, groups_per_step=1, max_inflight=100)
+    await s.load()
+    ids = await s.enqueue_group()
+    rollouts = await real_store.get_rollouts(ids)
+    assert len({r.input["id"] for r in rollouts}) == 1
+    assert {r.metadata["group_key"] for r in rollouts} == {ids[0].rsplit("-", 1)[0]}
+    assert {r.metadata["group_size"] for r in rollouts} == {3}
+    assert {r.mode.value for r in rollouts} == {"train"} and {r.resources_id for r in rollouts} == {"policy"}
+
+
+async def test_synchronous_pacing_waits_for_each_model_version(real_store: RedisStore) -> None:
+    """Staleness 0: one round of groups per published version, no more."""
+    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, staleness=0)
+    await s.load()
+    assert await s.fill() == 2
+    assert await s.fill() == 0
+    await _publish(real_store, "v1")
+    assert await s.fill() == 2
+    assert s.state.groups == 4
+
+
+async def test_staleness_one_runs_a_round_ahead(real_store: RedisStore) -> None:
+    """Staleness 1: two rounds before the first version, then one more per version."""
+    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, staleness=1)
+    await s.load()
+    assert await s.fill() == 2
+    await _publish(real_store, "v1")
+    assert await s.fill() == 1
+
+
+async def test_backpressure_caps_rollouts_in_flight(real_store: RedisStore) -> None:
+    """Never more than max_inflight train rollouts unfinished; finishing some makes room."""
+    s = Scheduler(real_store, TASKS, n_samples=4, groups_per_step=10, max_inflight=8, staleness=5)
+    await s.load()
+    assert await s.fill() == 2
+    await _finish(real_store, 4)
+    assert await s.fill() == 1
+    assert await s.inflight() == 8
+
+
+async def test_a_restarted_scheduler_continues_and_never_enqueues_a_task_twice(real_store: RedisStore) -> None:
+    """State lives in the store: a new scheduler resumes; a group enqueued but not recorded is not doubled."""
+    first = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, seed=7)
+    await first.load()
+    await first.fill()
+    # crash right after enqueuing the next group, before recording it:
+    replayed = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, seed=7)
+    await replayed.load()
+    s = replayed.state
+    task = TASKS[replayed.order(s.epoch)[s.cursor]]
+    await real_store.enqueue_rollouts([real_store.new_rollout(task, rollout_id=f"run-e0-{task_id(task)}-{i}") for i in range(2)])
+    second = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, seed=7)
+    assert (await second.load()).groups == 2
+    await _publish(real_store, "v1")
+    assert await second.fill() == 2
+    stats = await real_store.statistics()
+    assert stats["total_rollouts"] == second.state.enqueued == 8
+    ids = [r.rollout_id for r in await real_store.query_rollouts()]
+    assert len(ids) == len(set(ids)) == 8
+
+
+async def test_epochs_wrap_and_end(real_store: RedisStore) -> None:
+    """Every task once per epoch, in a seed-fixed order; nothing after the last epoch."""
+    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=100, max_inflight=1000, epochs=2)
+    await s.load()
+    assert await s.fill() == 10
+    assert s.exhausted and await s.fill() == 0
+    inputs = [r.input["id"] for r in await real_store.query_rollouts() if r.rollout_id.endswith("-0")]
+    assert sorted(inputs) == sorted([t["id"] for t in TASKS] * 2)
+
+
+async def test_a_dropped_group_gets_topped_up(real_store: RedisStore) -> None:
+    """Nothing in flight and no new version for stall_s: one extra group, so the trainer can step."""
+    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, stall_s=0.1)
+    await s.load()
+    assert await s.fill() == 1
+    await _finish(real_store, 2)
+    assert await s.fill() == 0  # the trainer may still step on it
+    await asyncio.sleep(0.2)
+    assert await s.fill() == 1
+
+
+def test_dataset_errors_name_the_line(tmp_path: Path) -> None:
+    """A bad dataset line or a duplicate id is refused with the file, line and reason."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\nnot json\n')
+    with pytest.raises(InvalidInput, match=r"bad\.jsonl:2: not valid JSON"):
+        load_tasks(bad)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": 1}\n{"id": 1}\n')
+    with pytest.raises(InvalidInput, match="duplicate task ids"):
+        load_tasks(dup)
+    with pytest.raises(InvalidInput, match="does not exist"):
+        load_tasks(tmp_path / "none.jsonl")
