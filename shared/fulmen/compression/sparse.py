@@ -193,7 +193,8 @@ class TopKCodec(SparseCodec):
         else:
             indices = np.argpartition(np.abs(acc), n - k)[n - k :]
             indices.sort()
-        payload, decoded = pack_sparse(indices, acc[indices], n, self.value_dtype)
+        values = acc[indices]
+        payload, decoded = pack_sparse(indices, values, n, self.value_dtype)
         if self.error_feedback:
-            acc[indices] -= decoded  # keep only what the receivers will not see
+            acc[indices] = values - decoded  # keep only what the receivers will not see
         return payload
