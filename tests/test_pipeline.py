@@ -1,4 +1,5 @@
-"""The whole pipeline as real processes, plumbing only: proxy → runner → adapter → trainer → algorithm.
+"""The whole pipeline as real processes, plumbing only: proxy → runner → adapter → trainer → algorithm,
+with validation passes (an rq job on `fulmen evaluator`, and a final one).
 
 A random tiny model learns nothing in three steps; what is checked is that every service plays its
 part: the algorithm paces groups, the trainer steps on the adapter's samples and publishes versions,
@@ -28,6 +29,7 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
     """The algorithm ends the run after 3 trainer versions; samples were trained on; the proxy served v3."""
     model = build_tiny_model(tmp_path / "tiny")
     tasks = arithmetic.write_jsonl(tmp_path / "train.jsonl", arithmetic.make_tasks("train", 20, seed=1))
+    val = arithmetic.write_jsonl(tmp_path / "val.jsonl", arithmetic.make_tasks("val", 6, seed=1))
     await real_store.add_resources(
         {"llm": {"kind": "llm", "model": "tiny", "model_version": "base", "sampling_parameters": {"temperature": 1.0}}},
         resources_id="policy",
@@ -42,15 +44,20 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
                          env=env, cwd=ROOT),
         subprocess.Popen([FULMEN, "adapter"], env=env),
         subprocess.Popen([FULMEN, "trainer", "--model-dir", str(model)], env=env),
+        subprocess.Popen([FULMEN, "evaluator"], env=env),
     ]
     try:
         algorithm = subprocess.run(
-            [FULMEN, "algorithm", "--train-data", str(tasks), "--total-steps", "3"],
+            [FULMEN, "algorithm", "--train-data", str(tasks), "--total-steps", "3", "--val-data", str(val),
+             "--val-every", "2"],
             env=env, capture_output=True, text=True, timeout=240,
         )
         assert algorithm.returncode == 0, algorithm.stderr[-2000:]
         summary = json.loads(algorithm.stdout.strip().splitlines()[-1])
         assert summary["steps"] >= 3 and summary["groups"] >= 6
+        assert 0.0 <= summary["final_val_accuracy"] <= 1.0
+        labels = [v["label"] for v in summary["validations"]]
+        assert labels[-1] == "final" and "v2" in labels  # the rq job ran on the evaluator
         assert all(p.poll() is None for p in services), "a service died during the run"
     finally:
         for p in services:

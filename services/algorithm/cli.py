@@ -25,6 +25,8 @@ def command(
     staleness: Annotated[int | None, typer.Option(help="Versions a rollout may lag; 0 = synchronous.")] = None,
     epochs: Annotated[int | None, typer.Option(help="Passes over the tasks.")] = None,
     total_steps: Annotated[int | None, typer.Option(help="End when the trainer reaches this version.")] = None,
+    val_data: Annotated[Path | None, typer.Option(help="Held-out validation tasks (.jsonl).")] = None,
+    val_every: Annotated[int | None, typer.Option(help="Validate every V versions (rq job on `fulmen evaluator`).")] = None,
     experiment: Annotated[str | None, typer.Option("--experiment", "-e", help="Experiment (FULMEN_EXPERIMENT).")] = None,
 ) -> None:
     """Drive a training run: enqueue GRPO groups of train rollouts, paced by the trainer, until done.
@@ -34,7 +36,7 @@ def command(
     versions or --epochs passes, printing a summary."""
     settings = settings_from_flags(
         train_data=train_data, n_samples=n_samples, max_inflight=max_inflight, staleness=staleness,
-        epochs=epochs, total_steps=total_steps, experiment=experiment,
+        epochs=epochs, total_steps=total_steps, val_data=val_data, val_every=val_every, experiment=experiment,
     )
     from fulmen.errors import FulmenError
     from fulmen_algorithm.dataset import load_tasks
@@ -48,9 +50,26 @@ def command(
         raise typer.Exit(2)
     try:
         tasks = load_tasks(settings.train_data)
+        val_tasks = load_tasks(settings.val_data) if settings.val_data is not None else []
     except FulmenError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    from fulmen_algorithm.validation import recorded, validate
+
+    def enqueue_validation(version: int) -> None:
+        """A validation pass as an rq job (JSON serializer): the `fulmen evaluator` worker runs it."""
+        import redis
+        from rq import Queue
+        from rq.serializers import JSONSerializer
+
+        from fulmen.keys import Keys
+
+        connection = redis.Redis.from_url(settings.redis_url_value())
+        queue = Queue(Keys(settings.experiment).eval_queue, connection=connection, serializer=JSONSerializer)
+        queue.enqueue("fulmen_algorithm.validation.validation_job", settings.experiment, str(settings.val_data),
+                      f"v{version}", settings.val_timeout_s, job_id=f"val-v{version}",
+                      job_timeout=int(settings.val_timeout_s) + 60)
+        log.info("validation of version %d queued", version)
 
     async def work(store: RedisStore) -> None:
         stop = asyncio.Event()
@@ -65,10 +84,15 @@ def command(
         await scheduler.load()
         started, last_line = time.monotonic(), 0.0
         done_at_start = await store.redis.scard(store.keys.algorithm_done)
+        next_val = int(await store.redis.hget(store.keys.algorithm_state, "next_val") or (settings.val_every or 0))
         while not stop.is_set():
             await scheduler.fill()
             version = await scheduler.version()
             inflight = await scheduler.inflight()
+            if val_tasks and settings.val_every and version >= next_val:
+                await asyncio.to_thread(enqueue_validation, version)
+                next_val = version + settings.val_every
+                await store.redis.hset(store.keys.algorithm_state, "next_val", next_val)
             if settings.total_steps is not None and version >= settings.total_steps:
                 break
             if scheduler.exhausted and inflight == 0:
@@ -77,12 +101,87 @@ def command(
                 done = await store.redis.scard(store.keys.algorithm_done) - done_at_start
                 rate = done / max(time.monotonic() - started, 1e-9)
                 stats = await store.statistics()
-                log.info("step %d | epoch %d | %d in flight | queue %d | %.1f rollouts/s",
-                         version, scheduler.state.epoch, inflight, stats["queue_depth"], rate)
+                vals = await recorded(store)
+                val = f"{vals[-1]['accuracy']:.2f} ({vals[-1]['label']})" if vals else "-"
+                log.info("step %d | epoch %d | val accuracy %s | %d in flight | queue %d | %.1f rollouts/s",
+                         version, scheduler.state.epoch, val, inflight, stats["queue_depth"], rate)
                 last_line = time.monotonic()
             await scheduler.count_completions(block_s=0.5)
-        summary = {"steps": await scheduler.version(), **scheduler.snapshot(),
-                   "wall_s": round(time.monotonic() - started, 1)}
+        summary: dict[str, object] = {"steps": await scheduler.version(), **scheduler.snapshot(),
+                                      "wall_s": round(time.monotonic() - started, 1)}
+        if val_tasks and not stop.is_set():
+            final = await validate(store, val_tasks, label="final", timeout_s=settings.val_timeout_s)
+            summary["final_val_accuracy"] = final["accuracy"]
+            summary["final_val_reward"] = final["mean_reward"]
+            summary["validations"] = [{k: v[k] for k in ("label", "accuracy", "mean_reward")} for v in await recorded(store)]
         print(json.dumps(summary), flush=True)
+
+    run_on_store(settings, work)
+
+
+def evaluator(
+    experiment: Annotated[str | None, typer.Option("--experiment", "-e", help="Experiment (FULMEN_EXPERIMENT).")] = None,
+) -> None:
+    """Run validation jobs (an rq worker on the experiment's eval queue, JSON serializer — never pickle).
+
+    The algorithm enqueues a validation pass every --val-every versions; this worker runs it (greedy
+    val-mode rollouts through the normal pipeline) while the run goes on."""
+    settings = settings_from_flags(experiment=experiment)
+    import redis
+    from rq import Queue, SimpleWorker
+    from rq.serializers import JSONSerializer
+
+    from fulmen.keys import Keys
+
+    connection = redis.Redis.from_url(settings.redis_url_value())
+    queue = Queue(Keys(settings.experiment).eval_queue, connection=connection, serializer=JSONSerializer)
+    log.info("evaluator on queue %s", queue.name)
+    SimpleWorker([queue], connection=connection, serializer=JSONSerializer).work(with_scheduler=False)
+
+
+def eval_command(
+    checkpoint: Annotated[Path, typer.Argument(help="A Hugging Face model folder (safetensors) to evaluate.")],
+    val_data: Annotated[Path | None, typer.Option(help="Validation tasks [env FULMEN_VAL_DATA].")] = None,
+    experiment: Annotated[str | None, typer.Option("--experiment", "-e", help="Experiment (FULMEN_EXPERIMENT).")] = None,
+) -> None:
+    """Evaluate a checkpoint now: publish it as a model version, wait for the proxies to serve it, run
+    the validation pass, print mean reward and accuracy as JSON."""
+    settings = settings_from_flags(val_data=val_data, experiment=experiment)
+    from fulmen.errors import FulmenError
+    from fulmen_algorithm.dataset import load_tasks
+    from fulmen_algorithm.validation import validate
+
+    if settings.val_data is None:
+        typer.echo("error: pass --val-data val.jsonl (or FULMEN_VAL_DATA)", err=True)
+        raise typer.Exit(2)
+    weights = checkpoint / "model.safetensors"
+    if not weights.exists():
+        typer.echo(f"error: {checkpoint} has no model.safetensors (a Hugging Face folder is expected)", err=True)
+        raise typer.Exit(2)
+    try:
+        tasks = load_tasks(settings.val_data)
+    except FulmenError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+    async def work(store: RedisStore) -> None:
+        from safetensors.torch import load_file
+
+        from fulmen.model_versions import publish_model_version
+
+        policy = await store.get_resources("policy")
+        model = (policy.resources.get("llm") or {}).get("model", checkpoint.name)
+        update = await publish_model_version(store, load_file(str(weights)), model=model)
+        version = update.resources["llm"]["model_version"]
+        for _ in range(600):  # until every live proxy serves it
+            proxies = await store.query_proxies()
+            if proxies and all(p.model_version == version for p in proxies):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            typer.echo(f"error: no proxy loaded {version} within 60 s; is `fulmen llm-proxy` running?", err=True)
+            raise typer.Exit(1)
+        result = await validate(store, tasks, label=f"eval-{version}", timeout_s=settings.val_timeout_s)
+        print(json.dumps(result), flush=True)
 
     run_on_store(settings, work)

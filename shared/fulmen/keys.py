@@ -41,6 +41,8 @@ SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
 ADAPTER_STATS = "stats:adapter"  # hash: rollouts adapted, samples written, skips per reason
 ALGORITHM_STATE = "algorithm:state"  # hash: the run's position (epoch, cursor, groups and rollouts enqueued)
 ALGORITHM_DONE = "algorithm:done"  # set: train rollouts of the run seen terminal (counted once each)
+VALIDATIONS = "validations"  # stream: validation results (mean reward, accuracy, per model version)
+EVAL_QUEUE = "eval"  # the rq queue of validation jobs: fulmen:{exp}:eval
 TRAINER_SLOT = "trainer:slot:"  # string with a TTL: who holds trainer rank <n> (membership heartbeat)
 TRAINER_PLANS = "trainer:plans"  # stream: the leader's step plans, one entry per rank's share
 TRAINER_GRADS = "trainer:grads"  # stream: each rank's encoded gradient chunks, per step
@@ -86,6 +88,7 @@ class Keys:
         "completions",
         "control",
         "dead_letters",
+        "eval_queue",
         "experiment",
         "prefix",
         "proxies",
@@ -97,6 +100,7 @@ class Keys:
         "trainer_aggregates",
         "trainer_grads",
         "trainer_plans",
+        "validations",
         "watch_deadline",
         "watch_heartbeat",
         "workers",
@@ -121,6 +125,8 @@ class Keys:
         self.adapter_stats = p + ADAPTER_STATS
         self.algorithm_state = p + ALGORITHM_STATE
         self.algorithm_done = p + ALGORITHM_DONE
+        self.validations = p + VALIDATIONS
+        self.eval_queue = p + EVAL_QUEUE
         self.trainer_plans = p + TRAINER_PLANS
         self.trainer_grads = p + TRAINER_GRADS
         self.trainer_aggregates = p + TRAINER_AGGREGATES

@@ -110,6 +110,8 @@ class Settings(BaseSettings):
     staleness: int = Field(0, ge=0, description="Model versions a rollout may lag (0: synchronous).")
     epochs: int | None = Field(None, ge=1, description="Passes over the training tasks (unset: until total_steps).")
     total_steps: int | None = Field(None, ge=1, description="End the run when the trainer reaches this version.")
+    val_every: int | None = Field(None, ge=1, description="Validate every V trainer versions (needs val_data).")
+    val_timeout_s: float = Field(600.0, gt=0, description="How long a validation pass may take.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Trainer /metrics port (unset: $PORT).")
     world_size: int = Field(1, ge=1, le=256, description="Data-parallel trainer ranks (honcho -c trainer=R).")
     codec: str = Field("none", description="Gradient codec between ranks: none, bf16, topk, dgc, qsgd8, qsgd4.")

@@ -1,0 +1,107 @@
+"""Validation: a greedy pass over held-out tasks as val-mode rollouts through the normal pipeline.
+
+The pass runs wherever it is called: inside an rq job (`validation_job`, JSON arguments and result,
+the `fulmen evaluator` worker runs it, so the algorithm keeps pacing the run meanwhile), or directly
+(`fulmen eval`). Greedy decoding comes from a "validation" resources entry: the policy's model with
+temperature 0. It names no model version, so publishing it never makes a proxy load weights; the
+spans record which version served each rollout, and the result lists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from typing import Any
+
+from fulmen import semconv
+from fulmen.errors import NotFound
+from fulmen.records import ResourcesUpdate
+from fulmen.status import RolloutMode, RolloutStatus
+from fulmen.store import RedisStore
+from fulmen_algorithm.dataset import Task, load_tasks, task_id
+
+RESOURCES_ID = "validation"
+
+
+async def _greedy_resources(store: RedisStore, policy_id: str) -> ResourcesUpdate:
+    policy = await store.get_resources(policy_id)
+    llm = dict(policy.resources.get("llm") or {})
+    greedy = {
+        "llm": {
+            "kind": "llm",
+            "model": llm.get("model", ""),
+            "sampling_parameters": {**(llm.get("sampling_parameters") or {}), "temperature": 0.0},
+        }
+    }
+    try:
+        return await store.update_resources(RESOURCES_ID, greedy)
+    except NotFound:
+        return await store.add_resources(greedy, resources_id=RESOURCES_ID)
+
+
+async def _reward(store: RedisStore, rollout_id: str) -> tuple[float, str | None]:
+    """The latest attempt's last reward (0 when there is none), and the model version that answered."""
+    spans = await store.query_spans(rollout_id, "latest")
+    reward, version = 0.0, None
+    for s in spans:
+        if s.name == semconv.REWARD_SPAN and isinstance(s.attributes.get(semconv.REWARD), int | float):
+            reward = float(s.attributes[semconv.REWARD])
+        if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL:
+            version = s.attributes.get(semconv.MODEL_VERSION)
+    return reward, version
+
+
+async def validate(
+    store: RedisStore, tasks: list[Task], *, label: str, policy_id: str = "policy", timeout_s: float = 600.0
+) -> dict[str, Any]:
+    """Run every task once, greedily; record and return mean reward and accuracy (reward ≥ 1)."""
+    started = time.monotonic()
+    await _greedy_resources(store, policy_id)
+    rollouts = [
+        store.new_rollout(t, rollout_id=f"val-{label}-{task_id(t)}", mode=RolloutMode.VAL, resources_id=RESOURCES_ID)
+        for t in tasks
+    ]
+    await store.enqueue_rollouts(rollouts)  # idempotent: a retried job does not run a task twice
+    ids = [r.rollout_id for r in rollouts]
+    finished = await store.wait_for_rollouts(ids, timeout_s=timeout_s)
+    results = []
+    versions: Counter[str] = Counter()
+    for r in finished:
+        reward, version = await _reward(store, r.rollout_id) if r.status is RolloutStatus.SUCCEEDED else (0.0, None)
+        results.append(reward)
+        versions[version or "none"] += 1
+    result = {
+        "label": label,
+        "tasks": len(tasks),
+        "finished": len(finished),
+        "mean_reward": sum(results) / len(tasks) if tasks else 0.0,  # unfinished tasks count as 0
+        "accuracy": sum(1 for x in results if x >= 1.0) / len(tasks) if tasks else 0.0,
+        "served_by": dict(versions),
+        "seconds": round(time.monotonic() - started, 1),
+        "time": time.time(),
+    }
+    await store.redis.xadd(store.keys.validations, {"m": json.dumps(result)})
+    return result
+
+
+async def recorded(store: RedisStore) -> list[dict[str, Any]]:
+    return [json.loads(f[b"m"]) for _, f in await store.redis.xrange(store.keys.validations)]
+
+
+def validation_job(experiment: str, val_data: str, label: str, timeout_s: float = 600.0) -> dict[str, Any]:
+    """The rq job (JSON in, JSON out): connects from the environment, like every service."""
+    from fulmen.connection import connect
+    from fulmen.settings import load_settings
+
+    async def main() -> dict[str, Any]:
+        settings = load_settings(experiment=experiment)
+        client = await connect(settings)
+        try:
+            store = RedisStore(client, experiment, max_record_bytes=settings.max_record_bytes)
+            return await validate(store, load_tasks(val_data), label=label, timeout_s=timeout_s)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
