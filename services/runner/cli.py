@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fulmen.cli import run_on_store, settings_from_flags
 from fulmen.errors import FulmenError
@@ -54,7 +55,7 @@ def _load(agent_spec: str | None, hook_specs: list[str] | None) -> tuple[Any, li
                 raise FulmenError(f"--hook {spec!r} is not a fulmen.Hook")
             hooks.append(hook)
     except (FulmenError, ImportError, AttributeError) as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
     return agent, hooks
 
@@ -83,7 +84,7 @@ def command(
     from fulmen.tracing import setup_tracing
     from fulmen_runner.runner import Runner
 
-    _, buffer = setup_tracing("fulmen-runner")
+    provider, buffer = setup_tracing("fulmen-runner")
 
     async def work(store: RedisStore) -> None:
         runner = Runner(
@@ -100,9 +101,11 @@ def command(
             loop.add_signal_handler(sig, runner.stop)
         await runner.run()
         log.info("runner %s stopped after %d rollout(s)", runner.worker_id, runner.finished)
+        provider.shutdown()  # export what OTLP still holds: leaving early below would skip its exit hook
+        # here, not after asyncio.run(): that waits for the agent threads first (longer than honcho's 5 s)
+        _exit_if_agent_threads_linger()
 
     run_on_store(settings, work)
-    _exit_if_agent_threads_linger()
 
 
 def _exit_if_agent_threads_linger() -> None:
@@ -216,8 +219,8 @@ def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -
             detail = f"{s.attributes.get(semconv.EXCEPTION_TYPE)}: {s.attributes.get(semconv.EXCEPTION_MESSAGE)}"
         elif kind == semconv.KIND_MESSAGE:
             detail = str(s.attributes.get(semconv.MESSAGE))[:100]
-        out.print(f"  {s.sequence_id:>3}  {s.name:<28} {detail}")
+        out.print(f"  {s.sequence_id:>3}  {escape(s.name):<28} {escape(detail)}")
     status = outcome.status.value if outcome.status else "abandoned"
     out.print(f"status: [bold]{status}[/bold]  reward: [bold]{outcome.reward}[/bold]")
     if outcome.error:
-        out.print(f"error: {type(outcome.error).__name__}: {outcome.error}")
+        out.print(f"error: {type(outcome.error).__name__}: {escape(str(outcome.error))}")

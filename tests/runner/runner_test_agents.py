@@ -123,3 +123,18 @@ def wrong_signature(task: Any, client: Any) -> float:  # "client" is no input th
 
 
 NOT_AN_AGENT = 42
+
+
+@fulmen.rollout
+def sync_sleeps(task: Any) -> float:
+    """A sync agent that says it started, then sleeps task["sleep_s"] in its thread (nothing can interrupt it)."""
+    fulmen.emit_message("started")
+    time.sleep(float(task.get("sleep_s", 1.0)))
+    return 1.0
+
+
+@fulmen.rollout
+async def bracket_text(task: Any) -> float:
+    """Emits text with square brackets, as chat templates have ("[INST] ... [/INST]")."""
+    fulmen.emit_message("[INST] What is 2 + 2? [/INST] 4")
+    return 1.0

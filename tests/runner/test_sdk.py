@@ -61,7 +61,7 @@ def test_decorated_function_stays_callable() -> None:
         ("nocolon", "module:function"),
         ("no_such_module_xyz:agent", "cannot import module 'no_such_module_xyz'"),
         ("runner_test_agents:missing", "has no 'missing'"),
-        ("runner_test_agents:NOT_AN_AGENT", "is a int, not an agent"),
+        ("runner_test_agents:NOT_AN_AGENT", "is not an agent but a int value"),
         ("runner_test_agents:wrong_signature", "parameter 'client' unknown"),
     ],
 )

@@ -160,9 +160,12 @@ def load_agent(spec: str) -> Agent:
         except TypeError as e:
             raise InvalidInput(f"--agent {spec!r}: cannot construct {attribute} without arguments: {e}") from None
     elif callable(target):
-        agent = FunctionAgent(target)
+        try:
+            agent = FunctionAgent(target)
+        except InvalidInput as e:
+            raise InvalidInput(f"--agent {spec!r}: {e}") from None
     else:
-        raise InvalidInput(f"--agent {spec!r}: {attribute} is a {type(target).__name__}, not an agent")
+        raise InvalidInput(f"--agent {spec!r}: {attribute} is not an agent but a {type(target).__name__} value")
     if agent._entry is None:
         agent._prepare()
     return agent

@@ -43,13 +43,15 @@ class CompletionsMixin:
         waiting = {r.rollout_id for r in current if r is not None and r.status not in TERMINAL_ROLLOUT}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while waiting:
+            # at most 0.5 s per read: a client with a socket timeout (redis-py's default is 5 s) must not
+            # take a long wait for a dead connection
             if deadline is None:
-                block_ms = 0
+                block_ms = 500
             else:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                block_ms = max(1, int(remaining * 1000))
+                block_ms = max(1, int(min(remaining, 0.5) * 1000))
             reply = await self.redis.xread({self.keys.completions: cursor}, count=1000, block=block_ms)
             for entry_id, fields in reply[0][1] if reply else []:
                 cursor = entry_id.decode()
