@@ -185,3 +185,49 @@ def eval_command(
         print(json.dumps(result), flush=True)
 
     run_on_store(settings, work)
+
+
+def apo(
+    template: Annotated[str, typer.Option("--template", help="The initial prompt template, e.g. 'Solve: {question}'.")],
+    train_data: Annotated[Path | None, typer.Option(help="Tasks to score templates on (.jsonl).")] = None,
+    critic_base_url: Annotated[str | None, typer.Option(help="OpenAI-compatible critic endpoint (FULMEN_CRITIC_BASE_URL).")] = None,
+    critic_model: Annotated[str | None, typer.Option(help="Critic model name (FULMEN_CRITIC_MODEL).")] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="Beam-search rounds.")] = 2,
+    beam_width: Annotated[int, typer.Option(min=1, help="Templates kept per round.")] = 2,
+    branch_factor: Annotated[int, typer.Option(min=1, help="Edits asked of the critic per template.")] = 2,
+    experiment: Annotated[str | None, typer.Option("--experiment", "-e", help="Experiment (FULMEN_EXPERIMENT).")] = None,
+) -> None:
+    """Automatic prompt optimisation: a beam search over prompt templates, scored by rollouts.
+
+    A critic model reads each template and the tasks it failed, criticises it, and proposes edits;
+    the runners score every edit with a `@fulmen.prompt_rollout` agent; the best template is
+    published as resources `apo-best` and printed. The critic's key comes from FULMEN_CRITIC_API_KEY."""
+    settings = settings_from_flags(train_data=train_data, critic_base_url=critic_base_url,
+                                   critic_model=critic_model, experiment=experiment)
+    from fulmen.errors import FulmenError
+    from fulmen_algorithm.apo import APO
+    from fulmen_algorithm.dataset import load_tasks
+
+    if settings.train_data is None or not settings.critic_base_url or not settings.critic_model:
+        typer.echo("error: APO needs --train-data, --critic-base-url and --critic-model", err=True)
+        raise typer.Exit(2)
+    try:
+        tasks = load_tasks(settings.train_data)
+    except FulmenError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+    async def work(store: RedisStore) -> None:
+        import openai
+
+        key = settings.critic_api_key.get_secret_value() if settings.critic_api_key else "none"
+        critic = openai.AsyncOpenAI(base_url=settings.critic_base_url, api_key=key)
+        search = APO(store, tasks, critic, settings.critic_model or "", beam_width=beam_width,
+                     branch_factor=branch_factor, rounds=rounds)
+        best = await search.run(template)
+        await store.add_resources({"prompt_template": {"template": best.template}}, resources_id=f"apo-best-{best.digest}")
+        print(json.dumps({"template": best.template, "score": best.score,
+                          "history": [{"template": c.template, "score": c.score, "round": c.round}
+                                      for c in search.history]}), flush=True)
+
+    run_on_store(settings, work)

@@ -69,7 +69,12 @@ class GroupCollector:
         if self.stale_policy not in ("drop", "downweight"):
             raise ValueError(f"stale policy {self.stale_policy!r} unknown; use drop or downweight")
 
-    def add(self, entry_id: str, item: Sample | SampleSkip) -> None:
+    def add(self, entry_id: str, item: Sample | SampleSkip) -> bool:
+        """Take a samples-stream entry; False if it is not for training (a validation or APO rollout):
+        the caller then only acknowledges it."""
+        if item.mode in ("val", "test"):
+            self.counts[f"ignored/{item.mode}"] += 1
+            return False
         group = self.groups.get(item.group_key)
         if group is None:
             group = self.groups[item.group_key] = Group(item.group_key, item.group_size or self.group_size)
@@ -78,6 +83,7 @@ class GroupCollector:
             self.counts[f"skipped/{item.reason}"] += 1
         else:
             group.samples.setdefault(item.rollout_id, []).append((entry_id, item))
+        return True
 
     def pending_samples(self) -> int:
         return sum(len(p) for g in self.groups.values() for p in g.samples.values())

@@ -170,7 +170,8 @@ class Trainer:
             acked += len(done)
             for entry_id, item in entries:
                 if entry_id not in already_done:
-                    self.collector.add(entry_id, item)
+                    if not self.collector.add(entry_id, item):
+                        self.consumed_since_checkpoint.append(entry_id)
                     requeued += 1
             if len(entries) < 1000 or requeued:  # pending reads return the same entries again: stop
                 break
@@ -184,7 +185,8 @@ class Trainer:
         while not stop.is_set() and (self.s.max_steps is None or self.step < self.s.max_steps):
             entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=512, block_s=1.0)
             for entry_id, item in entries:
-                self.collector.add(entry_id, item)
+                if not self.collector.add(entry_id, item):  # validation or APO: never trained on
+                    self.consumed_since_checkpoint.append(entry_id)
             self.ready += self.collector.take_complete(version_number(self.version))
             usable = [g for g in self.ready if g.samples]
             if len(usable) < self.s.groups_per_step:

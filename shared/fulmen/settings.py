@@ -110,6 +110,9 @@ class Settings(BaseSettings):
     staleness: int = Field(0, ge=0, description="Model versions a rollout may lag (0: synchronous).")
     epochs: int | None = Field(None, ge=1, description="Passes over the training tasks (unset: until total_steps).")
     total_steps: int | None = Field(None, ge=1, description="End the run when the trainer reaches this version.")
+    critic_base_url: str | None = Field(None, description="APO's critic: an OpenAI-compatible base URL.")
+    critic_model: str | None = Field(None, description="APO's critic model name.")
+    critic_api_key: SecretStr | None = Field(None, description="Bearer key for the critic (never logged).")
     val_every: int | None = Field(None, ge=1, description="Validate every V trainer versions (needs val_data).")
     val_timeout_s: float = Field(600.0, gt=0, description="How long a validation pass may take.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Trainer /metrics port (unset: $PORT).")
@@ -131,7 +134,7 @@ class Settings(BaseSettings):
 
     def __repr_args__(self) -> Any:  # SecretStr already masks the password; say so plainly
         for name, value in super().__repr_args__():
-            secret = name in ("redis_url", "proxy_api_keys", "upstream_api_key")
+            secret = name in ("redis_url", "proxy_api_keys", "upstream_api_key", "critic_api_key")
             yield name, ("<set>" if secret and value is not None else value)
 
 

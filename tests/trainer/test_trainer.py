@@ -59,6 +59,15 @@ def test_groups_complete_when_every_rollout_is_terminal() -> None:
     assert c.counts["groups/dropped_too_few"] == 1
 
 
+def test_validation_samples_are_never_trained_on() -> None:
+    """Samples of val or test rollouts (validation, APO) are refused by the collector and counted."""
+    from dataclasses import replace
+
+    c = GroupCollector()
+    assert c.add("1", replace(_sample("a", "g", 1.0, size=1), mode="val")) is False
+    assert c.groups == {} and c.counts["ignored/val"] == 1
+
+
 def test_stale_samples_are_dropped_or_downweighted() -> None:
     """Beyond max_staleness a sample is dropped, or halved per extra version, as configured."""
     for policy, expected in (("drop", [1.0]), ("downweight", [1.0, 0.25])):
