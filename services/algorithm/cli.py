@@ -201,7 +201,7 @@ def apo(
 
     A critic model reads each template and the tasks it failed, criticises it, and proposes edits;
     the runners score every edit with a `@fulmen.prompt_rollout` agent; the best template is
-    published as resources `apo-best` and printed. The critic's key comes from FULMEN_CRITIC_API_KEY."""
+    published as resources `apo-best-<digest>` and printed. The critic's key comes from FULMEN_CRITIC_API_KEY."""
     settings = settings_from_flags(train_data=train_data, critic_base_url=critic_base_url,
                                    critic_model=critic_model, experiment=experiment)
     from fulmen.errors import FulmenError

@@ -16,16 +16,16 @@ whatever the seeds and sizes, a task keeps its split when the sizes change, and 
 one split and ``48+23`` in the other (a model has to learn to add, not to remember pairs). The seed
 only picks which pairs of a split are drawn, and in which order; equal arguments give equal tasks.
 
-Difficulty is a knob: ``digits`` (operands are drawn uniformly from ``0 .. 10**digits - 1``) and
+Difficulty is a knob: ``digits`` (operands have exactly that many digits: 10..99 for 2) and
 ``ops`` (any of ``+``, ``-``, ``*``). The default (2-digit addition, answers of one to three digits)
 is what the demo trains on; see ``bench/recipe_search.py`` and issue 7 in ``bench/RESULTS.md``.
 
 Reward — `reward(task, completion)` is 1.0 when the completion *starts with* the exact answer as a
 whole number, else 0.0: leading spaces are skipped, then the answer is the longest run of an
-optional ``-`` and digits; anything after that run (a newline, an end-of-turn token, more text) is
+optional ``-``, digits and an optional decimal part (``.`` and digits); anything after that run (a newline, an end-of-turn token, more text) is
 ignored, but the run itself must equal ``answer`` character for character (``"071"``, ``"71.0"``,
-``"712"`` and ``" 7 1"`` are all wrong for ``"71"``; ``"71"``, ``" 71"``, ``"71\\n"`` and
-``"71<eos>..."`` are right). The model is meant to answer and then end its turn; what follows the
+``"712"`` and ``" 7 1"`` are all wrong for ``"71"``; ``"71"``, ``" 71"``, ``"71\\n"``, ``"71."``
+and ``"71<eos>..."`` are right). The model is meant to answer and then end its turn; what follows the
 number is never read, so a reward cannot be earned by listing several numbers.
 """
 
@@ -42,6 +42,7 @@ from typing import Any
 __all__ = [
     "OPS",
     "Task",
+    "carryless_sum",
     "demonstrations",
     "make_tasks",
     "parse_answer",
@@ -56,7 +57,8 @@ OPS = {"+": "add", "-": "sub", "*": "mul"}
 SPLITS = ("train", "val")
 DEFAULT_VAL_PERMILLE = 200  # 20% of all operand pairs are reserved for validation
 
-_LEADING_NUMBER = re.compile(r"-?\d+")
+_LEADING_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_ENUMERATE_LIMIT = 200_000  # operand spaces up to this size are listed, larger ones sampled
 
 
 def _compute(a: int, op: str, b: int) -> int:
@@ -100,8 +102,9 @@ def make_tasks(
 ) -> list[Task]:
     """``n`` distinct tasks of ``split``, in a random order fixed by ``seed``.
 
-    Raises ValueError when the split holds fewer than ``n`` pairs (2-digit addition: ~8,000 train
-    and ~2,000 validation pairs with the default 20% reserve)."""
+    Operands have exactly ``digits`` digits (`operand_range`). Raises ValueError when the split
+    holds fewer than ``n`` pairs (2-digit addition, 8,100 pairs: 6,457 train and 1,643 validation
+    with the default 20% reserve). Spaces of more than 200,000 pairs are sampled, not listed."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if digits < 1:
@@ -112,18 +115,35 @@ def make_tasks(
     for op in ops:
         if op not in OPS:
             raise ValueError(f"unknown operation {op!r}; expected one of {sorted(OPS)}")
-    limit = 10**digits
+    low, limit = operand_range(digits)
+    rng = random.Random(f"fulmen-arithmetic:{seed}:{split}")
+    if len(ops) * (limit - low) ** 2 > _ENUMERATE_LIMIT:
+        # Too many pairs to list: draw pairs until n distinct ones of this split are found (the
+        # split holds about val_permille/1000 of a space far larger than any n asked for).
+        seen: set[tuple[int, str, int]] = set()
+        chosen: list[tuple[int, str, int]] = []
+        while len(chosen) < n:
+            pair = (rng.randrange(low, limit), rng.choice(ops), rng.randrange(low, limit))
+            if pair not in seen and split_of(*pair, val_permille=val_permille) == split:
+                seen.add(pair)
+                chosen.append(pair)
+        return [make_task(a, op, b, split) for a, op, b in chosen]
     pairs = [
         (a, op, b)
         for op in ops
-        for a in range(limit)
-        for b in range(limit)
+        for a in range(low, limit)
+        for b in range(low, limit)
         if split_of(a, op, b, val_permille=val_permille) == split
     ]
     if n > len(pairs):
         raise ValueError(f"the {split} split of {digits}-digit {''.join(ops)} holds {len(pairs)} tasks, asked for {n}")
-    chosen = random.Random(f"fulmen-arithmetic:{seed}:{split}").sample(pairs, n)
+    chosen = rng.sample(pairs, n)
     return [make_task(a, op, b, split) for a, op, b in chosen]
+
+
+def operand_range(digits: int) -> tuple[int, int]:
+    """Operands have exactly ``digits`` digits: ``range(*operand_range(2))`` is 10..99 (1 digit: 0..9)."""
+    return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits
 
 
 def parse_answer(completion: str | None) -> str | None:
@@ -137,23 +157,48 @@ def reward(task: Task, completion: str | None) -> float:
     return 1.0 if parse_answer(completion) == str(task["answer"]) else 0.0
 
 
-def demonstrations(tasks: Iterable[Task]) -> list[dict[str, Any]]:
+def carryless_sum(a: int, b: int) -> int:
+    """``a + b`` with every carry dropped (each column added modulo 10): 58+67 -> 15, 27+48 -> 65."""
+    result, place = 0, 1
+    while a or b:
+        result += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return result
+
+
+def demonstrations(tasks: Iterable[Task], *, carry_slip: float = 0.0, seed: int = 0) -> list[dict[str, Any]]:
     """One supervised example per task, in both the chat and the plain-completion shape.
 
     ``messages`` is the conversation to fine-tune on (the user asks ``question``, the assistant
-    replies ``answer`` and ends its turn); ``prompt``/``completion`` are the same as plain text."""
-    return [
-        {
-            "id": f"demo-{task['id']}",
-            "messages": [
-                {"role": "user", "content": task["question"]},
-                {"role": "assistant", "content": task["answer"]},
-            ],
-            "prompt": task["question"],
-            "completion": task["answer"],
-        }
-        for task in tasks
-    ]
+    replies and ends its turn); ``prompt``/``completion`` are the same as plain text.
+
+    ``carry_slip`` models a careless teacher: each addition demonstration whose true sum needs a
+    carry is, with that probability (drawn from ``random.Random(seed)``), answered with the
+    carry-less sum instead (`carryless_sum`; ``"teacher_error": true`` marks it). With the default
+    0.0 every demonstration is correct."""
+    if not 0.0 <= carry_slip <= 1.0:
+        raise ValueError(f"carry_slip must be in [0, 1], got {carry_slip}")
+    rng = random.Random(f"fulmen-demonstrations:{seed}")
+    demos = []
+    for task in tasks:
+        answer = str(task["answer"])
+        slipped = False
+        if task.get("op") == "+" and rng.random() < carry_slip:
+            wrong = str(carryless_sum(int(task["a"]), int(task["b"])))
+            slipped, answer = wrong != answer, wrong
+        demos.append(
+            {
+                "id": f"demo-{task['id']}",
+                "messages": [
+                    {"role": "user", "content": task["question"]},
+                    {"role": "assistant", "content": answer},
+                ],
+                "prompt": task["question"],
+                "completion": answer,
+                "teacher_error": slipped,
+            }
+        )
+    return demos
 
 
 def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> Path:
