@@ -25,22 +25,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fulmen import keys as k
+from fulmen.codec import unpack
 from fulmen.errors import RecordError
-from fulmen.records import Completion, Rollout, SampleSkip, Span
+from fulmen.records import Completion, Rollout, SampleSkip
 from fulmen.status import RolloutStatus
 from fulmen.store import RedisStore
+from fulmen.store.samples import RolloutForSamples
 from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, spans_to_samples
 
 log = logging.getLogger(__name__)
 
 
-def group_key(rollout: Rollout) -> str:
+def group_key(rollout: Rollout | RolloutForSamples) -> str:
     """The task a rollout belongs to: the algorithm's ``group_key`` metadata, else a hash of the input."""
     key = rollout.metadata.get("group_key")
     if isinstance(key, str) and key:
         return key
-    text = json.dumps(rollout.input, sort_keys=True, default=str, separators=(",", ":"))
+    task = rollout.input if isinstance(rollout, Rollout) else _input(rollout)
+    text = json.dumps(task, sort_keys=True, default=str, separators=(",", ":"))
     return "task-" + hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+
+
+def _input(rollout: RolloutForSamples) -> Any:
+    try:
+        return unpack(rollout.input_blob) if rollout.input_blob else None
+    except RecordError:
+        return rollout.input_blob.hex()  # an unreadable input still groups consistently
 
 
 @dataclass
@@ -64,7 +74,7 @@ class Adapter:
         config: AdapterConfig | None = None,
         *,
         consumer: str | None = None,
-        batch: int = 256,
+        batch: int = 512,
         reclaim_idle_s: float = 30.0,
     ) -> None:
         self.store = store
@@ -75,10 +85,16 @@ class Adapter:
         self.counters = Counters()
         self._next_reclaim = 0.0
 
-    async def run(self, stop: asyncio.Event, *, until_idle: bool = False) -> None:
-        """Adapt completions until ``stop`` is set (or, with ``until_idle``, until none are left)."""
+    async def run(self, stop: asyncio.Event, *, until_idle: bool = False, lanes: int = 3) -> None:
+        """Adapt completions until ``stop`` is set (or, with ``until_idle``, until none are left).
+
+        ``lanes`` batches are in flight at once, so one batch's round trips to Redis overlap with the
+        next one's Python work (each lane reads its own entries from the consumer group)."""
         await self.store.ensure_completions_group(k.ADAPTER_GROUP)
         log.info("adapter %s on experiment %s", self.consumer, self.store.experiment)
+        await asyncio.gather(*(self._lane(stop, until_idle, report=i == 0) for i in range(lanes)))
+
+    async def _lane(self, stop: asyncio.Event, until_idle: bool, report: bool) -> None:
         last_report, reported = time.monotonic(), 0
         while not stop.is_set():
             completions = await self._reclaim() or await self.store.read_completions(
@@ -88,7 +104,7 @@ class Adapter:
                 await self.process(completions)
             elif until_idle:
                 return
-            if time.monotonic() - last_report > 10 and self.counters.rollouts > reported:
+            if report and time.monotonic() - last_report > 10 and self.counters.rollouts > reported:
                 log.info(
                     "adapted %d rollouts: %d samples, skipped %s",
                     self.counters.rollouts, self.counters.samples, self.counters.skipped or "none",
@@ -119,21 +135,18 @@ class Adapter:
 
     async def process(self, completions: Sequence[Completion]) -> None:
         """Adapt one batch, then acknowledge it (only once every sample is stored)."""
-        rollouts = await self.store.get_rollouts([c.rollout_id for c in completions])
-        present = [r for r in rollouts if r is not None]
-        succeeded = [r for r in present if r.status is RolloutStatus.SUCCEEDED]
-        spans = await self.store.spans_of_rollouts([r.rollout_id for r in succeeded])
-        spans_by_rollout = dict(zip((r.rollout_id for r in succeeded), spans, strict=True))
-        results = [self._adapt(r, spans_by_rollout.get(r.rollout_id)) for r in present]
+        rollouts = await self.store.read_for_samples(list(dict.fromkeys(c.rollout_id for c in completions)))
+        results = [self._adapt(r) for r in rollouts if r is not None]
         await self._append(results)
         await self.store.ack_completions(k.ADAPTER_GROUP, [c.entry_id for c in completions])
 
-    def _adapt(self, rollout: Rollout, spans: list[Span] | RecordError | None) -> _Result:
+    def _adapt(self, rollout: RolloutForSamples) -> _Result:
+        spans = rollout.spans
         info = AttemptInfo(
             rollout.rollout_id,
             rollout.attempt_id or "",
             group_key(rollout),
-            rollout.mode.value if rollout.mode else None,
+            rollout.mode,
             _int_or_none(rollout.metadata.get("group_size")),
         )
         try:

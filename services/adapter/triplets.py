@@ -19,11 +19,10 @@ log-probabilities and mask are the packed bytes (`fulmen.tokens`); `Sample.from_
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fulmen import semconv, tokens
@@ -74,9 +73,8 @@ class LlmCall:
     response: bytes  # int32 token ids
     logprobs: bytes  # float32, one per response token
     reward: float | None = None
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    prompt_text: str = ""
-    response_text: str = ""
+    request_json: str = ""
+    response_json: str = ""
 
 
 def _time(value: float | None) -> float:
@@ -124,33 +122,6 @@ def _packed(value: Any, what: str, pack: Any) -> bytes:
         raise Skip("malformed_span", f"malformed span: {what} is not a packed array or a list") from None
 
 
-def _messages(span: Span) -> tuple[list[dict[str, Any]], str, str]:
-    """The OpenAI messages view of a call (request messages + the response message) and its texts."""
-    attributes = span.attributes
-    try:
-        request = json.loads(attributes.get(semconv.REQUEST_JSON) or "{}")
-        response = json.loads(attributes.get(semconv.RESPONSE_JSON) or "null")
-    except (TypeError, ValueError):
-        return [], "", ""
-    if isinstance(request, dict) and isinstance(request.get("messages"), list):
-        messages = [m for m in request["messages"] if isinstance(m, dict)]
-        prompt_text = next(
-            (str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), ""
-        )
-    elif isinstance(request, dict) and isinstance(request.get("prompt"), str):
-        prompt_text = request["prompt"]
-        messages = [{"role": "user", "content": prompt_text}]
-    else:
-        messages, prompt_text = [], ""
-    if isinstance(response, dict) and "role" in response:
-        answer = response
-    elif isinstance(response, dict) and isinstance(response.get("message"), dict):
-        answer = response["message"]
-    else:
-        answer = {"role": "assistant", "content": response if isinstance(response, str) else ""}
-    return [*messages, answer], prompt_text, str(answer.get("content") or "")
-
-
 def find_llm_calls(spans: Sequence[Span], parents: dict[str, str | None], config: AdapterConfig) -> list[LlmCall]:
     by_id = {s.span_id: s for s in spans}
     name_match = re.compile(config.llm_call_match) if config.llm_call_match else None
@@ -184,9 +155,9 @@ def find_llm_calls(spans: Sequence[Span], parents: dict[str, str | None], config
         if len(logprobs) != len(response):  # 4 bytes each
             raise Skip("malformed_span",
                        f"malformed span: {len(logprobs) // 4} logprobs for {len(response) // 4} response tokens")
-        messages, prompt_text, response_text = _messages(s)
-        calls.append(LlmCall(s, prompt, response, logprobs,
-                             messages=messages, prompt_text=prompt_text, response_text=response_text))
+        request, answer = s.attributes.get(semconv.REQUEST_JSON), s.attributes.get(semconv.RESPONSE_JSON)
+        calls.append(LlmCall(s, prompt, response, logprobs, request_json=request if isinstance(request, str) else "",
+                             response_json=answer if isinstance(answer, str) else ""))
     return calls
 
 
@@ -250,8 +221,8 @@ def spans_to_samples(spans: Iterable[Span], info: AttemptInfo, config: AdapterCo
             response_logprobs=logprobs, response_mask=mask,  # type: ignore[arg-type]
             reward=reward, final_reward=final,
             model_version=last.span.attributes.get(semconv.MODEL_VERSION), mode=info.mode,
-            group_size=info.group_size, num_turns=turns, prompt_text=calls[first].prompt_text,
-            response_text=last.response_text, messages=last.messages,
+            group_size=info.group_size, num_turns=turns,
+            request_json=last.request_json, response_json=last.response_json,
         )
 
     samples = [

@@ -478,9 +478,23 @@ class Sample:
     mode: str | None = None  # train | val | test, from the rollout
     group_size: int | None = None  # rollouts in the group, when the algorithm said
     num_turns: int = 1
-    prompt_text: str = ""
-    response_text: str = ""
-    messages: list[dict[str, Any]] = field(default_factory=list)  # OpenAI chat messages, response last
+    # the last call's request body and response message as the proxy recorded them (JSON text, kept
+    # as text: the adapter need not parse them; `messages`, `prompt_text`, `response_text` do, on demand)
+    request_json: str = ""
+    response_json: str = ""
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The OpenAI chat messages view: the request's messages, then the response (for SFT and APO)."""
+        return _chat_view(self.request_json, self.response_json)[0]
+
+    @property
+    def prompt_text(self) -> str:
+        return _chat_view(self.request_json, self.response_json)[1]
+
+    @property
+    def response_text(self) -> str:
+        return _chat_view(self.request_json, self.response_json)[2]
 
     def to_wire(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
         fields = {name: getattr(self, name) for name in self.__slots__}
@@ -505,6 +519,32 @@ class Sample:
 
 
 _TOKEN_FIELDS = ("prompt_token_ids", "response_token_ids")
+
+
+def _chat_view(request_json: str, response_json: str) -> tuple[list[dict[str, Any]], str, str]:
+    """(messages, last user text, response text) from a chat or completion request and its response."""
+    import json
+
+    try:
+        request = json.loads(request_json or "{}")
+        response = json.loads(response_json or "null")
+    except ValueError:
+        return [], "", ""
+    if isinstance(request, dict) and isinstance(request.get("messages"), list):
+        messages = [m for m in request["messages"] if isinstance(m, dict)]
+        prompt = next((str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), "")
+    elif isinstance(request, dict) and isinstance(request.get("prompt"), str):
+        prompt = request["prompt"]
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages, prompt = [], ""
+    if isinstance(response, dict) and "role" in response:
+        answer = response
+    elif isinstance(response, dict) and isinstance(response.get("text"), str):
+        answer = {"role": "assistant", "content": response["text"]}
+    else:
+        answer = {"role": "assistant", "content": response if isinstance(response, str) else ""}
+    return [*messages, answer], prompt, str(answer.get("content") or "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,8 +61,8 @@ def triplet(turn: int, prompt: list[int], response: list[int], reward: float | N
         turn_index=turn, prompt_token_ids=prompt, response_token_ids=response,
         response_logprobs=[-0.5] * len(response), response_mask=[1] * len(response), reward=reward,
         final_reward=final, model_version="v1", mode="train", group_size=4, num_turns=1,
-        prompt_text=prompt_text, response_text=answer,
-        messages=[*(messages or [{"role": "user", "content": "q"}]), {"role": "assistant", "content": answer}],
+        request_json=json.dumps({"messages": messages or [{"role": "user", "content": "q"}]}),
+        response_json=json.dumps({"role": "assistant", "content": answer}),
     )
 
 
@@ -93,9 +93,13 @@ def test_multi_turn_with_tool_calls_joins_a_trajectory() -> None:
         sample_id="r1.1/traj0", shape="trajectory", rollout_id="r1", attempt_id="r1.1", group_key="task-a",
         turn_index=0, prompt_token_ids=[1, 2], response_token_ids=[3, 4, 9, 9, 5],
         response_logprobs=[-0.5, -0.5, 0.0, 0.0, -0.5], response_mask=[1, 1, 0, 0, 1], reward=1.0,
-        final_reward=1.0, model_version="v1", mode="train", group_size=4, num_turns=2, prompt_text="q",
-        response_text="7", messages=[*turn2_messages, {"role": "assistant", "content": "7"}],
+        final_reward=1.0, model_version="v1", mode="train", group_size=4, num_turns=2,
+        request_json=json.dumps({"messages": turn2_messages}),
+        response_json=json.dumps({"role": "assistant", "content": "7"}),
     )
+    # the messages view, for SFT and APO: the conversation, then the answer
+    assert samples[2].messages == [*turn2_messages, {"role": "assistant", "content": "7"}]
+    assert (samples[2].prompt_text, samples[2].response_text) == ("q", "7")
 
 
 def test_turns_that_do_not_extend_each_other_stay_apart() -> None:

@@ -124,6 +124,7 @@ class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin, SamplesMixin):
         self._set_rollout_status = redis.register_script(scripts.SET_ROLLOUT_STATUS)
         self._set_fields = redis.register_script(scripts.SET_FIELDS_IF_EXISTS)
         self._append_samples = redis.register_script(scripts.APPEND_SAMPLES)
+        self._read_for_samples = redis.register_script(scripts.READ_FOR_SAMPLES)
         self._pipeline = AutoPipeline(redis)  # the hot-path scripts go through it
 
     def __repr__(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -13,8 +14,22 @@ from fulmen import keys as k
 from fulmen.codec import unpack
 from fulmen.errors import RecordError
 from fulmen.records import Sample, SampleSkip, Span
+from fulmen.status import RolloutStatus
 
 SampleEntry = tuple[str, Sample | SampleSkip]
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutForSamples:
+    """A finished rollout as the adapter reads it (`SamplesMixin.read_for_samples`)."""
+
+    rollout_id: str
+    status: RolloutStatus
+    attempt_id: str | None
+    mode: str | None
+    metadata: dict[str, Any]
+    input_blob: bytes  # msgpack; decoded only when the group key must be derived from the task
+    spans: list[Span] | RecordError
 
 
 class SamplesMixin:
@@ -24,40 +39,55 @@ class SamplesMixin:
     keys: k.Keys
     max_record_bytes: int
     _append_samples: AsyncScript
+    _read_for_samples: AsyncScript
     dead_letter: Callable[..., Awaitable[Any]]
 
-    async def spans_of_rollouts(self, rollout_ids: Sequence[str]) -> list[list[Span] | RecordError]:
-        """The spans of many rollouts in one round trip; a rollout with an unreadable span gets the
-        error instead of its spans (its other spans are not trusted either)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in rollout_ids:
-            pipe.xrange(self.keys.spans(rid))
-        out: list[list[Span] | RecordError] = []
-        for entries in await pipe.execute():
+    async def read_for_samples(self, rollout_ids: Sequence[str]) -> list[RolloutForSamples | None]:
+        """What the adapter needs of many finished rollouts, in one round trip: status, latest attempt,
+        mode, metadata, input, and (for a succeeded one) its spans. None for a rollout that is gone.
+        A rollout with an unreadable span gets the error instead of its spans."""
+        if not rollout_ids:
+            return []
+        reply = await self._read_for_samples(args=[self.keys.prefix, *rollout_ids])
+        out: list[RolloutForSamples | None] = []
+        for rid, row in zip(rollout_ids, reply, strict=True):
+            if not row:
+                out.append(None)
+                continue
+            status, attempt_id, mode, metadata, input_blob, flat = row
+            spans: list[Span] | RecordError
             try:
-                out.append(
-                    [Span.from_wire(f[b"m"], int(eid.split(b"-")[0]), self.max_record_bytes) for eid, f in entries]
-                )
-            except (RecordError, KeyError, TypeError) as e:
-                out.append(e if isinstance(e, RecordError) else RecordError(f"span entry unreadable: {e!r}"))
+                spans = [
+                    Span.from_wire(flat[i + 1], int(flat[i].split(b"-")[0]), self.max_record_bytes)
+                    for i in range(0, len(flat), 2)
+                ]
+            except (RecordError, TypeError, ValueError) as e:
+                spans = e if isinstance(e, RecordError) else RecordError(f"span entry unreadable: {e!r}")
+            try:
+                meta = unpack(metadata, self.max_record_bytes) if metadata else {}
+            except RecordError:
+                meta = {}
+            out.append(RolloutForSamples(
+                rid, RolloutStatus(status.decode()), attempt_id.decode() or None, mode.decode() or None,
+                meta if isinstance(meta, dict) else {}, input_blob, spans,
+            ))
         return out
 
     async def append_samples(
         self, batch: Sequence[tuple[str, Sequence[bytes], Mapping[str, int]]]
     ) -> list[int]:
         """For each (rollout id, sample records, counter increments): append the records and bump the
-        adapter's counters, unless the rollout was sampled before — all in one round trip. Returns,
+        adapter's counters, unless the rollout was sampled before — the whole batch in one step. Returns,
         per rollout, how many were appended: 0 if sampled before, -1 if the rollout is gone."""
         if not batch:
             return []
-        pipe = self.redis.pipeline(transaction=False)
+        args: list[Any] = [self.keys.prefix]
         for rollout_id, records, stats in batch:
-            args: list[Any] = [self.keys.prefix, rollout_id, len(stats)]
+            args += [rollout_id, len(stats)]
             for name, increment in stats.items():
                 args += [name, increment]
-            args += list(records)
-            await self._append_samples(args=args, client=pipe)
-        return [int(n) for n in await pipe.execute()]
+            args += [len(records), *records]
+        return [int(n) for n in await self._append_samples(args=args)]
 
     async def adapter_stats(self) -> dict[str, int]:
         raw = await self.redis.hgetall(self.keys.adapter_stats)

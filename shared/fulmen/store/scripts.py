@@ -372,22 +372,62 @@ return 1
 """
 
 
-# ARGV[2] = rollout id, ARGV[3] = number k of stat counters, ARGV[4 .. 3+2k] = counter name, increment
-# pairs, then the sample records (msgpack), each appended to the samples stream.
-# Once per rollout: the rollout's 'sampled' field is the marker, set in the same step as the samples,
+# The adapter's write, for a whole batch of rollouts. ARGV[2..] = per rollout: rollout id, k (stat
+# counters), k pairs (counter name, increment), n (records), n sample records (msgpack).
+# Once per rollout: the rollout's 'sampled' field is the marker, set in the same step as its samples,
 # so a redelivered completion (or a second adapter racing) appends nothing.
-# Returns the number of records appended, 0 if the rollout was sampled before, -1 if it is gone.
+# Returns, per rollout, the number of records appended: 0 if sampled before, -1 if the rollout is gone.
 APPEND_SAMPLES = (
     _PRELUDE
     + f"""
-local rk = K_ROLLOUT .. ARGV[2]
-if redis.call('EXISTS', rk) == 0 then return -1 end
-if redis.call('HSETNX', rk, 'sampled', 1) == 0 then return 0 end
-local k = tonumber(ARGV[3])
-local stats = P .. '{k.ADAPTER_STATS}'
-for i = 4, 3 + 2 * k, 2 do redis.call('HINCRBY', stats, ARGV[i], ARGV[i + 1]) end
-local samples = P .. '{k.SAMPLES}'
-for i = 4 + 2 * k, #ARGV do redis.call('XADD', samples, '*', 'm', ARGV[i]) end
-return #ARGV - 3 - 2 * k
+local stats, samples = P .. '{k.ADAPTER_STATS}', P .. '{k.SAMPLES}'
+local out, i = {{}}, 2
+while i <= #ARGV do
+  local rk, nstats = K_ROLLOUT .. ARGV[i], tonumber(ARGV[i + 1])
+  local first = i + 2 + 2 * nstats
+  local nrecords = tonumber(ARGV[first])
+  local result
+  if redis.call('EXISTS', rk) == 0 then
+    result = -1
+  elseif redis.call('HSETNX', rk, 'sampled', 1) == 0 then
+    result = 0
+  else
+    for j = i + 2, first - 1, 2 do redis.call('HINCRBY', stats, ARGV[j], ARGV[j + 1]) end
+    for j = first + 1, first + nrecords do redis.call('XADD', samples, '*', 'm', ARGV[j]) end
+    result = nrecords
+  end
+  out[#out + 1] = result
+  i = first + nrecords + 1
+end
+return out
+"""
+)
+
+# The adapter's read, for a whole batch: ARGV[2..] = rollout ids. Returns, per rollout, {} if it is
+# gone, else {status, latest attempt id, mode, metadata, input, spans}, spans (of a succeeded rollout
+# only) being a flat list of (entry id, span record).
+READ_FOR_SAMPLES = (
+    _PRELUDE
+    + """
+local out = {}
+for i = 2, #ARGV do
+  local rid = ARGV[i]
+  local r = redis.call('HMGET', K_ROLLOUT .. rid, 'status', 'attempt_id', 'mode', 'metadata', 'input')
+  if not r[1] then
+    out[#out + 1] = {}
+  else
+    local spans = {}
+    if r[1] == 'succeeded' then
+      for _, e in ipairs(redis.call('XRANGE', K_SPANS .. rid, '-', '+')) do
+        local fields = e[2]
+        for f = 1, #fields, 2 do
+          if fields[f] == 'm' then spans[#spans + 1] = e[1]; spans[#spans + 1] = fields[f + 1] end
+        end
+      end
+    end
+    out[#out + 1] = {r[1], r[2] or '', r[3] or '', r[4] or '', r[5] or '', spans}
+  end
+end
+return out
 """
 )
