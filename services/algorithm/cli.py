@@ -18,6 +18,18 @@ from fulmen.store import RedisStore
 log = logging.getLogger("fulmen.algorithm")
 
 
+def _tasks_or_exit(path: Path) -> list[dict[str, object]]:
+    """The tasks of a dataset, or a clear error and exit code 2."""
+    from fulmen.errors import FulmenError
+    from fulmen_algorithm.dataset import load_tasks
+
+    try:
+        return load_tasks(path)
+    except FulmenError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
 def command(
     train_data: Annotated[Path | None, typer.Option(help="Training tasks (.jsonl or a datasets folder).")] = None,
     n_samples: Annotated[int | None, typer.Option(help="Rollouts per task, the GRPO group [default 8].")] = None,
@@ -38,8 +50,6 @@ def command(
         train_data=train_data, n_samples=n_samples, max_inflight=max_inflight, staleness=staleness,
         epochs=epochs, total_steps=total_steps, val_data=val_data, val_every=val_every, experiment=experiment,
     )
-    from fulmen.errors import FulmenError
-    from fulmen_algorithm.dataset import load_tasks
     from fulmen_algorithm.scheduler import Scheduler
 
     if settings.train_data is None:
@@ -48,12 +58,8 @@ def command(
     if settings.total_steps is None and settings.epochs is None:
         typer.echo("error: the run needs an end: --total-steps or --epochs", err=True)
         raise typer.Exit(2)
-    try:
-        tasks = load_tasks(settings.train_data)
-        val_tasks = load_tasks(settings.val_data) if settings.val_data is not None else []
-    except FulmenError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    tasks = _tasks_or_exit(settings.train_data)
+    val_tasks = _tasks_or_exit(settings.val_data) if settings.val_data is not None else []
     from fulmen_algorithm.validation import recorded, validate
 
     def enqueue_validation(version: int) -> None:
@@ -147,8 +153,6 @@ def eval_command(
     """Evaluate a checkpoint now: publish it as a model version, wait for the proxies to serve it, run
     the validation pass, print mean reward and accuracy as JSON."""
     settings = settings_from_flags(val_data=val_data, experiment=experiment)
-    from fulmen.errors import FulmenError
-    from fulmen_algorithm.dataset import load_tasks
     from fulmen_algorithm.validation import validate
 
     if settings.val_data is None:
@@ -158,11 +162,7 @@ def eval_command(
     if not weights.exists():
         typer.echo(f"error: {checkpoint} has no model.safetensors (a Hugging Face folder is expected)", err=True)
         raise typer.Exit(2)
-    try:
-        tasks = load_tasks(settings.val_data)
-    except FulmenError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    tasks = _tasks_or_exit(settings.val_data)
 
     async def work(store: RedisStore) -> None:
         from safetensors.torch import load_file
@@ -204,18 +204,12 @@ def apo(
     published as resources `apo-best-<digest>` and printed. The critic's key comes from FULMEN_CRITIC_API_KEY."""
     settings = settings_from_flags(train_data=train_data, critic_base_url=critic_base_url,
                                    critic_model=critic_model, experiment=experiment)
-    from fulmen.errors import FulmenError
     from fulmen_algorithm.apo import APO
-    from fulmen_algorithm.dataset import load_tasks
 
     if settings.train_data is None or not settings.critic_base_url or not settings.critic_model:
         typer.echo("error: APO needs --train-data, --critic-base-url and --critic-model", err=True)
         raise typer.Exit(2)
-    try:
-        tasks = load_tasks(settings.train_data)
-    except FulmenError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    tasks = _tasks_or_exit(settings.train_data)
 
     async def work(store: RedisStore) -> None:
         import openai

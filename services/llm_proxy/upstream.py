@@ -12,11 +12,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fulmen_llm_proxy.errors import ProxyError
 from fulmen_llm_proxy.http_client import HttpPool
+
+T = TypeVar("T")
 
 
 def normalize(url: str) -> str:
@@ -53,21 +55,26 @@ class Upstreams:
 
         return sorted(self.pools, key=score, reverse=True)
 
-    async def post_json(self, path: str, payload: bytes, rollout_id: str) -> dict[str, Any]:
-        """POST and return the JSON reply; upstream errors become ProxyErrors (4xx kept, 5xx -> 502)."""
+    async def _first_reachable(
+        self, rollout_id: str, send: Callable[[HttpPool], Awaitable[T]]
+    ) -> tuple[HttpPool, T]:
+        """``send`` to the rollout's replica, or the next one when it cannot be reached; the replica
+        that took it and its reply."""
         last: Exception | None = None
         for pool in self.order(rollout_id):
             try:
-                status, data = await pool.post(path, payload)
-                break
+                return pool, await send(pool)
             except (OSError, TimeoutError) as e:
                 if not _unreachable(e):
                     raise ProxyError(
                         502, f"upstream {pool.base_url} failed: {e}", code="upstream_error"
                     ) from None
                 last = e  # refused or unreachable: nothing was sent, the next replica may serve it
-        else:
-            raise _no_upstream(last)
+        raise _no_upstream(last)
+
+    async def post_json(self, path: str, payload: bytes, rollout_id: str) -> dict[str, Any]:
+        """POST and return the JSON reply; upstream errors become ProxyErrors (4xx kept, 5xx -> 502)."""
+        _, (status, data) = await self._first_reachable(rollout_id, lambda pool: pool.post(path, payload))
         if status != 200:
             raise upstream_error(status, data)
         try:
@@ -77,19 +84,7 @@ class Upstreams:
 
     async def post_sse(self, path: str, payload: bytes, rollout_id: str) -> AsyncIterator[dict[str, Any]]:
         """POST a streaming request and yield each ``data:`` event as JSON until ``[DONE]``."""
-        last: Exception | None = None
-        for pool in self.order(rollout_id):
-            try:
-                status, conn = await pool.post_stream(path, payload)
-                break
-            except (OSError, TimeoutError) as e:
-                if not _unreachable(e):
-                    raise ProxyError(
-                        502, f"upstream {pool.base_url} failed: {e}", code="upstream_error"
-                    ) from None
-                last = e
-        else:
-            raise _no_upstream(last)
+        pool, (status, conn) = await self._first_reachable(rollout_id, lambda p: p.post_stream(path, payload))
         body = pool.stream_body(conn)
         if status != 200:
             raise upstream_error(status, b"".join([piece async for piece in body]))
