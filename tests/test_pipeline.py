@@ -37,7 +37,7 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
     env = {**os.environ, "REDIS_URL": redis_url, "FULMEN_EXPERIMENT": real_store.experiment,
            "PYTHONPATH": str(ROOT), "FULMEN_GROUPS_PER_STEP": "2", "FULMEN_N_SAMPLES": "4",
            "FULMEN_CHECKPOINT_DIR": str(tmp_path / "ck"), "FULMEN_METRICS_FILE": str(tmp_path / "metrics.jsonl"),
-           "FULMEN_TORCH_THREADS": "1"}
+           "FULMEN_TORCH_THREADS": "1", "FULMEN_DATA_DIR": str(tmp_path / "data"), "FULMEN_MODEL_DIR": str(model)}
     services = [
         subprocess.Popen([FULMEN, "llm-proxy", "--backend", "torch", "--model-dir", str(model), "--port", "0"], env=env),
         subprocess.Popen([FULMEN, "runner", "--agent", "examples.arithmetic_agent:agent", "--concurrency", "8"],
@@ -58,6 +58,13 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
         assert 0.0 <= summary["final_val_accuracy"] <= 1.0
         labels = [v["label"] for v in summary["validations"]]
         assert labels[-1] == "final" and "v2" in labels  # the rq job ran on the evaluator
+        # the run's report: a PNG, a JSON summary, the final model as a loadable Hugging Face folder
+        assert Path(summary["curve"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert json.loads(Path(summary["summary"]).read_text())["steps"] == summary["steps"]
+        from fulmen.tiny_model import load_tiny_model
+
+        final_model, _ = load_tiny_model(summary["final_model"])
+        assert final_model is not None
         assert all(p.poll() is None for p in services), "a service died during the run"
     finally:
         for p in services:

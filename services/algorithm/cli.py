@@ -73,7 +73,7 @@ def command(
         connection = redis.Redis.from_url(settings.redis_url_value())
         queue = Queue(Keys(settings.experiment).eval_queue, connection=connection, serializer=JSONSerializer)
         queue.enqueue("fulmen_algorithm.validation.validation_job", settings.experiment, str(settings.val_data),
-                      f"v{version}", settings.val_timeout_s, job_id=f"val-v{version}",
+                      f"v{version}", settings.val_timeout_s, version, job_id=f"val-v{version}",
                       job_timeout=int(settings.val_timeout_s) + 60)
         log.info("validation of version %d queued", version)
 
@@ -116,11 +116,31 @@ def command(
         summary: dict[str, object] = {"steps": await scheduler.version(), **scheduler.snapshot(),
                                       "wall_s": round(time.monotonic() - started, 1)}
         if val_tasks and not stop.is_set():
-            final = await validate(store, val_tasks, label="final", timeout_s=settings.val_timeout_s)
+            final = await validate(store, val_tasks, label="final", step=await scheduler.version(),
+                                   timeout_s=settings.val_timeout_s)
             summary["final_val_accuracy"] = final["accuracy"]
             summary["final_val_reward"] = final["mean_reward"]
-            summary["validations"] = [{k: v[k] for k in ("label", "accuracy", "mean_reward")} for v in await recorded(store)]
+            summary["validations"] = [{k: v.get(k) for k in ("label", "step", "accuracy", "mean_reward")}
+                                      for v in await recorded(store)]
+        summary.update(await _report(store, summary))
         print(json.dumps(summary), flush=True)
+        log.info("run finished: curve %s, metrics %s, final model %s",
+                 summary.get("curve"), summary.get("metrics"), summary.get("final_model"))
+
+    async def _report(store: RedisStore, summary: dict[str, object]) -> dict[str, object]:
+        """The curve (PNG), the summary (JSON) and the final model, in the data folder's run/."""
+        from fulmen_algorithm.report import export_final_model, plot_curve, read_metrics
+
+        out = settings.data_dir / "run"
+        steps = read_metrics(settings.metrics_file)
+        paths: dict[str, object] = {"metrics": str(settings.metrics_file)}
+        paths["curve"] = str(plot_curve(out / "reward-curve.png", steps, await recorded(store)))
+        if settings.model_dir is not None:
+            final = await export_final_model(store, settings.model_dir, out / "final-model")
+            paths["final_model"] = str(final) if final else None
+        (out / "summary.json").write_text(json.dumps({**summary, **paths}, indent=2))
+        paths["summary"] = str(out / "summary.json")
+        return paths
 
     run_on_store(settings, work)
 

@@ -54,7 +54,8 @@ async def _reward(store: RedisStore, rollout_id: str) -> tuple[float, str | None
 
 
 async def validate(
-    store: RedisStore, tasks: list[Task], *, label: str, policy_id: str = "policy", timeout_s: float = 600.0
+    store: RedisStore, tasks: list[Task], *, label: str, step: int | None = None, policy_id: str = "policy",
+    timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """Run every task once, greedily; record and return mean reward and accuracy (reward ≥ 1)."""
     started = time.monotonic()
@@ -74,6 +75,7 @@ async def validate(
         versions[version or "none"] += 1
     result = {
         "label": label,
+        "step": step,
         "tasks": len(tasks),
         "finished": len(finished),
         "mean_reward": sum(results) / len(tasks) if tasks else 0.0,  # unfinished tasks count as 0
@@ -90,7 +92,9 @@ async def recorded(store: RedisStore) -> list[dict[str, Any]]:
     return [json.loads(f[b"m"]) for _, f in await store.redis.xrange(store.keys.validations)]
 
 
-def validation_job(experiment: str, val_data: str, label: str, timeout_s: float = 600.0) -> dict[str, Any]:
+def validation_job(
+    experiment: str, val_data: str, label: str, timeout_s: float = 600.0, step: int | None = None
+) -> dict[str, Any]:
     """The rq job (JSON in, JSON out): connects from the environment, like every service."""
     from fulmen.connection import connect
     from fulmen.settings import load_settings
@@ -100,7 +104,7 @@ def validation_job(experiment: str, val_data: str, label: str, timeout_s: float 
         client = await connect(settings)
         try:
             store = RedisStore(client, experiment, max_record_bytes=settings.max_record_bytes)
-            return await validate(store, load_tasks(val_data), label=label, timeout_s=timeout_s)
+            return await validate(store, load_tasks(val_data), label=label, step=step, timeout_s=timeout_s)
         finally:
             await client.aclose()
 

@@ -18,15 +18,20 @@ only picks which pairs of a split are drawn, and in which order; equal arguments
 
 Difficulty is a knob: ``digits`` (operands have exactly that many digits: 10..99 for 2) and
 ``ops`` (any of ``+``, ``-``, ``*``). The default (2-digit addition, answers of one to three digits)
-is what the demo trains on; see ``bench/recipe_search.py`` and issue 7 in ``bench/RESULTS.md``.
+is what the demo trains on.
 
 Reward — `reward(task, completion)` is 1.0 when the completion *starts with* the exact answer as a
 whole number, else 0.0: leading spaces are skipped, then the answer is the longest run of an
-optional ``-``, digits and an optional decimal part (``.`` and digits); anything after that run (a newline, an end-of-turn token, more text) is
-ignored, but the run itself must equal ``answer`` character for character (``"071"``, ``"71.0"``,
-``"712"`` and ``" 7 1"`` are all wrong for ``"71"``; ``"71"``, ``" 71"``, ``"71\\n"``, ``"71."``
-and ``"71<eos>..."`` are right). The model is meant to answer and then end its turn; what follows the
-number is never read, so a reward cannot be earned by listing several numbers.
+optional ``-``, digits and an optional decimal part (``.`` and digits); anything after that run (a
+newline, an end-of-turn token, more text) is ignored, but the run itself must equal ``answer``
+character for character (``"071"``, ``"71.0"``, ``"712"``, ``" 7 1"`` and ``"\\n71"`` are all wrong
+for ``"71"``; ``"71"``, ``" 71"``, ``"71\\n"``, ``"71."`` and ``"71<eos>..."`` are right). The model
+is meant to answer and then end its turn; what follows the number is never read, so a reward
+cannot be earned by listing several numbers.
+
+The recipe that makes the demo learn (model size, SFT warm start, GRPO settings) is in
+``bench/recipe_search.py``; its figures are under "Demo recipe search (issue 7)" in
+``bench/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -136,7 +141,9 @@ def make_tasks(
         if split_of(a, op, b, val_permille=val_permille) == split
     ]
     if n > len(pairs):
-        raise ValueError(f"the {split} split of {digits}-digit {''.join(ops)} holds {len(pairs)} tasks, asked for {n}")
+        raise ValueError(
+            f"the {split} split of {digits}-digit {''.join(ops)} holds {len(pairs)} tasks, asked for {n}"
+        )
     chosen = rng.sample(pairs, n)
     return [make_task(a, op, b, split) for a, op, b in chosen]
 
