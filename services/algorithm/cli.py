@@ -7,12 +7,14 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from fulmen.cli import run_on_store, settings_from_flags
+from fulmen.settings import Settings
 from fulmen.store import RedisStore
 
 log = logging.getLogger("fulmen.algorithm")
@@ -50,7 +52,6 @@ def command(
         train_data=train_data, n_samples=n_samples, max_inflight=max_inflight, staleness=staleness,
         epochs=epochs, total_steps=total_steps, val_data=val_data, val_every=val_every, experiment=experiment,
     )
-    from fulmen_algorithm.scheduler import Scheduler
 
     if settings.train_data is None:
         typer.echo("error: no training data: pass --train-data tasks.jsonl (or FULMEN_TRAIN_DATA)", err=True)
@@ -60,6 +61,12 @@ def command(
         raise typer.Exit(2)
     tasks = _tasks_or_exit(settings.train_data)
     val_tasks = _tasks_or_exit(settings.val_data) if settings.val_data is not None else []
+    _run_algorithm(settings, tasks, val_tasks)
+
+
+def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks: list[dict[str, object]],
+                   setup: Callable[[RedisStore], Awaitable[None]] | None = None) -> None:
+    from fulmen_algorithm.scheduler import Scheduler
     from fulmen_algorithm.validation import recorded, validate
 
     def enqueue_validation(version: int) -> None:
@@ -82,6 +89,8 @@ def command(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if setup is not None:
+            await setup(store)
         scheduler = Scheduler(
             store, tasks, n_samples=settings.n_samples, groups_per_step=settings.groups_per_step,
             max_inflight=settings.max_inflight, staleness=settings.staleness, epochs=settings.epochs,
@@ -245,3 +254,35 @@ def apo(
                                       for c in search.history]}), flush=True)
 
     run_on_store(settings, work)
+
+
+def demo(
+    total_steps: Annotated[int, typer.Option(help="Trainer versions to train for.")] = 300,
+    experiment: Annotated[str | None, typer.Option("--experiment", "-e", help="Experiment (FULMEN_EXPERIMENT).")] = None,
+) -> None:
+    """The demo's driver: prepare arithmetic tasks and a tiny Llama warmed up by SFT (first start
+    only), publish it, then run the training like `fulmen algorithm`, validating as it goes.
+
+    The proxy and the trainer in the demo's Procfile wait for the model folder this writes."""
+    settings = settings_from_flags(experiment=experiment)
+    from fulmen_algorithm.demo import prepare_demo
+
+    folder = settings.model_dir.parent if settings.model_dir is not None else settings.data_dir / "demo"
+    paths = prepare_demo(folder, seed=settings.seed)
+    settings = settings.model_copy(update={
+        "train_data": paths.train, "val_data": paths.val, "model_dir": paths.model,
+        "total_steps": settings.total_steps or total_steps, "val_every": settings.val_every or 25,
+    })
+
+    async def publish_base(store: RedisStore) -> None:
+        from fulmen.errors import NotFound
+
+        try:
+            await store.get_resources("policy")
+        except NotFound:
+            await store.add_resources({"llm": {
+                "kind": "llm", "model": paths.model.name, "model_version": "base",
+                "sampling_parameters": {"temperature": 1.0, "max_tokens": 5},
+            }}, resources_id="policy")
+
+    _run_algorithm(settings, _tasks_or_exit(paths.train), _tasks_or_exit(paths.val), setup=publish_base)

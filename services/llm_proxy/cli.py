@@ -77,6 +77,10 @@ def command(
     )
     from fulmen_llm_proxy.server import serve
 
+    if settings.proxy_backend == "torch" and settings.model_dir is not None:
+        from fulmen.model_versions import wait_for_model_dir
+
+        wait_for_model_dir(settings.model_dir)  # the demo writes its model after the warm start
     try:
         serve(settings)
     except (OSError, ValueError) as e:

@@ -40,6 +40,10 @@ def command(
         group_size=group_size, max_staleness=max_staleness, kl_coef=kl_coef, publish_every=publish_every,
         checkpoint_dir=checkpoint_dir, max_steps=max_steps, experiment=experiment,
     )
+    if settings.model_dir is not None:
+        from fulmen.model_versions import wait_for_model_dir
+
+        wait_for_model_dir(settings.model_dir)  # the demo writes its model after the warm start
     from fulmen_trainer.ranks import Exchange, Membership, RankGroup, make_codec
     from fulmen_trainer.trainer import Trainer
 

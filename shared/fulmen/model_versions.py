@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 from collections.abc import Iterator, Mapping
@@ -310,3 +311,19 @@ def _deserialize(version: str, blob: bytes, sha256: str | None) -> dict[str, tor
         return load(blob)
     except Exception as e:  # safetensors raises its own error type for a malformed header
         raise RecordError(f"model version {version} is not valid safetensors: {e}") from e
+
+
+log = logging.getLogger(__name__)
+
+
+def wait_for_model_dir(folder: Path, log_every_s: float = 10.0) -> None:
+    """Block until a Hugging Face folder exists (the demo writes its model after the warm start):
+    services started together by honcho wait for it rather than fail, and say what they wait for."""
+    import time
+
+    last = 0.0
+    while not (Path(folder) / "config.json").exists():
+        if time.monotonic() - last >= log_every_s:
+            log.info("waiting for the model folder %s to appear", folder)
+            last = time.monotonic()
+        time.sleep(0.5)

@@ -33,38 +33,62 @@ class LLM:
 
     @property
     def client(self) -> Any:
-        """A synchronous ``openai.OpenAI`` client for this attempt."""
+        """A synchronous ``openai.OpenAI`` client for this attempt (its HTTP pool is the process's)."""
         if self._client is None:
-            import httpx
             import openai
 
-            http = httpx.Client(event_hooks={"request": [_inject_trace_context]})
             self._client = openai.OpenAI(
-                base_url=self.base_url, api_key=self.api_key, default_headers=self.headers, http_client=http
+                base_url=self.base_url, api_key=self.api_key, default_headers=self.headers, http_client=_sync_http()
             )
         return self._client
 
     @property
     def async_client(self) -> Any:
-        """An ``openai.AsyncOpenAI`` client for this attempt."""
+        """An ``openai.AsyncOpenAI`` client for this attempt (its HTTP pool is the event loop's)."""
         if self._async_client is None:
-            import httpx
             import openai
 
-            http = httpx.AsyncClient(event_hooks={"request": [_inject_trace_context_async]})
             self._async_client = openai.AsyncOpenAI(
-                base_url=self.base_url, api_key=self.api_key, default_headers=self.headers, http_client=http
+                base_url=self.base_url, api_key=self.api_key, default_headers=self.headers, http_client=_async_http()
             )
         return self._async_client
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
+        """Nothing to release: the HTTP pools are shared by every attempt of the process."""
 
     async def aclose(self) -> None:
         self.close()
-        if self._async_client is not None:
-            await self._async_client.close()
+
+
+# One HTTP pool per process (sync) and per event loop (async), shared by every attempt: building an
+# httpx client costs milliseconds (an SSL context), a thousand times what a call to a local proxy does.
+_sync_pool: Any = None
+_async_pools: dict[int, Any] = {}
+_POOL_LIMITS = {"max_connections": 1024, "max_keepalive_connections": 256}
+
+
+def _sync_http() -> Any:
+    global _sync_pool
+    if _sync_pool is None:
+        import httpx
+
+        _sync_pool = httpx.Client(event_hooks={"request": [_inject_trace_context]}, timeout=600.0,
+                                  limits=httpx.Limits(**_POOL_LIMITS))
+    return _sync_pool
+
+
+def _async_http() -> Any:
+    import asyncio
+
+    import httpx
+
+    loop = id(asyncio.get_running_loop())
+    pool = _async_pools.get(loop)
+    if pool is None:
+        pool = _async_pools[loop] = httpx.AsyncClient(
+            event_hooks={"request": [_inject_trace_context_async]}, timeout=600.0, limits=httpx.Limits(**_POOL_LIMITS)
+        )
+    return pool
 
 
 def _inject_trace_context(request: Any) -> None:

@@ -1,0 +1,108 @@
+"""The demo's preparation: arithmetic tasks, a tiny Llama from scratch, and a brief SFT warm start.
+
+The warm start stops as soon as greedy accuracy on 200 training tasks reaches ``until`` (0.4): the
+SFT curve is so steep that a fixed number of steps would land anywhere on it (see the recipe search
+in bench/RESULTS.md). Everything is written into ``folder``; the model folder appears last (renamed
+into place), so the proxy and the trainer, which wait for it, never read half a model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from fulmen import arithmetic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DemoPaths:
+    model: Path
+    train: Path
+    val: Path
+
+
+def _greedy_accuracy(model, tokenizer, tasks: list[dict], max_tokens: int = 5) -> float:  # type: ignore[no-untyped-def]
+    import torch
+
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t["question"]}], add_generation_prompt=True,
+                                           tokenize=False) for t in tasks]
+    ids = [tokenizer(x, add_special_tokens=False).input_ids for x in texts]
+    width = max(len(x) for x in ids)
+    pad = tokenizer.pad_token_id
+    batch = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=batch, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+    answers = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    model.train()
+    return sum(arithmetic.reward(t, a) for t, a in zip(tasks, answers, strict=True)) / len(tasks)
+
+
+def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = 4000, n_val: int = 300, until: float = 0.4,
+                 max_sft_steps: int = 1000) -> DemoPaths:
+    """Idempotent: a folder prepared before is reused as it is."""
+    paths = DemoPaths(folder / "model", folder / "train.jsonl", folder / "val.jsonl")
+    if (paths.model / "config.json").exists() and paths.train.exists() and paths.val.exists():
+        log.info("demo prepared before in %s", folder)
+        return paths
+    import torch
+
+    from fulmen.tiny_model import build_tiny_model, load_tiny_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    train = arithmetic.make_tasks("train", n_train, seed=seed)
+    arithmetic.write_jsonl(paths.train, train)
+    arithmetic.write_jsonl(paths.val, arithmetic.make_tasks("val", n_val, seed=seed))
+    staging = folder / ".model-staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    # initializer_range 0.02: with the kit's 0.2, GRPO stays flat (bench/RESULTS.md, recipe search)
+    build_tiny_model(staging, seed=seed, initializer_range=0.02)
+    model, tokenizer = load_tiny_model(staging)
+    demos = arithmetic.demonstrations(train, seed=seed)
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99))
+    check = train[:200]
+    eos = tokenizer.eos_token_id
+    model.train()
+    accuracy, step = 0.0, 0
+    for step in range(1, max_sft_steps + 1):
+        batch = rng.sample(demos, 64)
+        seqs, masks = [], []
+        for d in batch:
+            prompt = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": d["prompt"]}],
+                                                             add_generation_prompt=True, tokenize=False),
+                               add_special_tokens=False).input_ids
+            answer = [*tokenizer(d["completion"], add_special_tokens=False).input_ids, eos]
+            seqs.append(prompt + answer)
+            masks.append([0] * len(prompt) + [1] * len(answer))
+        width = max(len(x) for x in seqs)
+        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in seqs])
+        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
+        target_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float)[:, 1:]
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss = -(logp * target_mask).sum() / target_mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % 2 == 0:
+            accuracy = _greedy_accuracy(model, tokenizer, check)
+            if step % 20 == 0:
+                log.info("warm start: SFT step %d, train accuracy %.2f", step, accuracy)
+            if accuracy >= until:
+                break
+    model.save_pretrained(staging, safe_serialization=True)
+    (staging / "warm_start.json").write_text(json.dumps({"sft_steps": step, "train_accuracy": accuracy}))
+    shutil.rmtree(paths.model, ignore_errors=True)
+    staging.rename(paths.model)
+    log.info("warm start done after %d SFT steps (train accuracy %.2f): %s", step, accuracy, paths.model)
+    return paths
