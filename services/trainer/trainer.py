@@ -294,9 +294,21 @@ class Trainer:
     def _clip(self) -> float:
         return math.inf if self.s.algorithm == "reinforce" else self.s.clip_eps
 
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up over lr_warmup_steps, then linear decay to lr_final over lr_decay_steps."""
+        s = self.s
+        if s.lr_warmup_steps and step < s.lr_warmup_steps:
+            return s.learning_rate * (step + 1) / s.lr_warmup_steps
+        if s.lr_decay_steps and s.lr_final is not None:
+            done = min(1.0, (step - s.lr_warmup_steps) / s.lr_decay_steps)
+            return s.learning_rate + (s.lr_final - s.learning_rate) * done
+        return s.learning_rate
+
     def _optimizer_step(self) -> float:
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm))
         assert self.optimizer is not None
+        for group in self.optimizer.param_groups:  # the schedule is a function of the step: resumes exactly
+            group["lr"] = self.learning_rate(self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

@@ -80,6 +80,9 @@ class Settings(BaseSettings):
     # --- trainer --------------------------------------------------------------------------------
     algorithm: str = Field("grpo", description="grpo, ppo, reinforce or sft.")
     learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up.")
+    lr_decay_steps: int | None = Field(None, ge=1, description="Steps of linear decay to lr_final after warm-up.")
+    lr_final: float | None = Field(None, ge=0, description="Learning rate at the end of the decay.")
     groups_per_step: int = Field(8, ge=1, description="Complete task groups in one optimizer step.")
     group_size: int | None = Field(None, ge=1, description="Rollouts per task when samples do not say.")
     sample_shape: str = Field("triplet", description="Train on triplet (per call) or trajectory samples.")

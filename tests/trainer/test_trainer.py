@@ -59,6 +59,17 @@ def test_groups_complete_when_every_rollout_is_terminal() -> None:
     assert c.counts["groups/dropped_too_few"] == 1
 
 
+def test_learning_rate_warms_up_then_decays(tmp_path: Path) -> None:
+    """Linear warm-up to the rate, then linear decay to lr_final, then flat."""
+    settings = load_settings(model_dir=tmp_path, learning_rate=1e-3, lr_warmup_steps=4, lr_decay_steps=10,
+                             lr_final=2e-4)
+    t = Trainer.__new__(Trainer)
+    t.s = settings
+    assert [round(t.learning_rate(i), 6) for i in (0, 1, 3, 4, 9, 14, 100)] == [
+        0.00025, 0.0005, 0.001, 0.001, 0.0006, 0.0002, 0.0002,
+    ]
+
+
 def test_validation_samples_are_never_trained_on() -> None:
     """Samples of val or test rollouts (validation, APO) are refused by the collector and counted."""
     from dataclasses import replace
