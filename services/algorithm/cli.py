@@ -99,7 +99,8 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
         await scheduler.load()
         started, last_line = time.monotonic(), 0.0
         done_at_start = await store.redis.scard(store.keys.algorithm_done)
-        next_val = int(await store.redis.hget(store.keys.algorithm_state, "next_val") or (settings.val_every or 0))
+        # the first pass validates the starting weights: the curve's baseline (the warm start in the demo)
+        next_val = int(await store.redis.hget(store.keys.algorithm_state, "next_val") or 0)
         while not stop.is_set():
             await scheduler.fill()
             version = await scheduler.version()
