@@ -33,14 +33,17 @@ class TokenBatch:
     def tokens(self) -> int:
         return int(self.mask.sum())
 
-    def split(self, parts: int, index: int) -> TokenBatch:
-        """This rank's share: a contiguous slice (ranks agree on the order, so the shares are disjoint)."""
-        size = len(self)
-        lo, hi = size * index // parts, size * (index + 1) // parts
+    def slice(self, lo: int, hi: int) -> TokenBatch:
+        """Sequences lo..hi (a micro-batch)."""
         return TokenBatch(
             self.input_ids[lo:hi], self.attention_mask[lo:hi], self.mask[lo:hi], self.behaviour_logp[lo:hi],
             self.rewards[lo:hi], self.group_index[lo:hi], self.staleness[lo:hi], self.sample_ids[lo:hi],
         )
+
+    def split(self, parts: int, index: int) -> TokenBatch:
+        """This rank's share: a contiguous slice (ranks agree on the order, so the shares are disjoint)."""
+        size = len(self)
+        return self.slice(size * index // parts, size * (index + 1) // parts)
 
 
 def make_batch(

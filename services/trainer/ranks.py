@@ -286,7 +286,6 @@ class RankGroup:
         self.wait_for_full_world = wait_for_full_world
         self.aggregate_codec = RankCodec(LOSSLESS)
         self._last_live: list[int] = []
-        self.bytes_sent = 0
 
     @property
     def rank(self) -> int:
@@ -380,7 +379,6 @@ class RankGroup:
             encode_s = time.perf_counter() - started
             sent = self.codec.decode(chunks)  # what the leader will see: how far from the truth?
             cos = float(torch.nn.functional.cosine_similarity(sent, true, dim=0)) if true.any() else 1.0
-            self.bytes_sent += sum(len(c) for c in chunks)
             await self.exchange.send_gradient(step, self.rank, chunks, {"cos": cos, "encode_s": encode_s})
             aggregate = RankCodec.decode(await self.exchange.next_aggregate(step))
             set_gradient(trainer.model, aggregate)

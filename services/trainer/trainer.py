@@ -17,7 +17,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -241,7 +240,7 @@ class Trainer:
         total_tokens = max(total_tokens if total_tokens is not None else batch.tokens, 1)
         sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0, "mismatch": 0.0}
         for lo in range(0, len(batch), self.s.micro_batch):
-            micro = _slice(batch, lo, lo + self.s.micro_batch)
+            micro = batch.slice(lo, lo + self.s.micro_batch)
             adv = advantages[lo : lo + self.s.micro_batch]
             logp, logits = token_logprobs(model, micro)
             weight = micro.tokens / total_tokens  # micro-batches add up to the token mean of the batch
@@ -328,16 +327,3 @@ class Trainer:
                 for line in self.unlogged:
                     f.write(json.dumps(line) + "\n")
         self.unlogged = []
-
-    def export(self, folder: Path) -> Path:
-        """The current policy as a Hugging Face folder (the demo's "final model")."""
-        self.model.save_pretrained(folder, safe_serialization=True)
-        return folder
-
-
-def _slice(batch: TokenBatch, lo: int, hi: int) -> TokenBatch:
-    return TokenBatch(
-        batch.input_ids[lo:hi], batch.attention_mask[lo:hi], batch.mask[lo:hi], batch.behaviour_logp[lo:hi],
-        batch.rewards[lo:hi], batch.group_index[lo:hi], batch.staleness[lo:hi], batch.sample_ids[lo:hi],
-    )
-

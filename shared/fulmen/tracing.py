@@ -176,10 +176,6 @@ class SpanBuffer(SpanProcessor):
             self._pending.clear()
             return spans
 
-    def pending(self) -> int:
-        with self._lock:
-            return sum(len(b) for b in self._pending.values())
-
     def shutdown(self) -> None:
         pass
 
