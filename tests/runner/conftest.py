@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from runner_processes import FulmenProcesses, fulmen_processes
 
 from fulmen.sdk.agent import load_agent
 from fulmen.store import RedisStore
@@ -19,6 +20,13 @@ AGENTS_DIR = Path(__file__).parent
 sys.path.insert(0, str(AGENTS_DIR))  # `runner_test_agents` for in-process runners
 
 StartRunner = Callable[..., Awaitable[Runner]]
+
+
+@pytest.fixture
+async def procs(tmp_path: Path, redis_url: str, experiment: str) -> AsyncIterator[FulmenProcesses]:
+    """Real `fulmen` processes (runners, watchdogs, run-once), every one killed after the test."""
+    async with fulmen_processes(tmp_path, redis_url, experiment) as processes:
+        yield processes
 
 
 @pytest.fixture

@@ -16,8 +16,6 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import redis.asyncio as aioredis
-
 from fulmen.store import RedisStore
 
 RUNNER_TESTS = Path(__file__).resolve().parent
@@ -117,18 +115,6 @@ class FulmenProcesses:
     async def close(self) -> None:
         for process in self.started:
             await process.close()
-
-
-@contextlib.asynccontextmanager
-async def blocking_store(redis_url: str, experiment: str) -> AsyncIterator[RedisStore]:
-    """The store on a client without redis-py's default 5 s socket timeout, which cuts a blocking
-    read short: `RedisStore.wait_for_rollouts` blocks as long as its ``timeout_s`` (see
-    test_store_waits.py), and child processes on a busy machine take longer than 5 s."""
-    client = aioredis.from_url(redis_url, socket_timeout=None)
-    try:
-        yield RedisStore(client, experiment)
-    finally:
-        await client.aclose()
 
 
 @contextlib.asynccontextmanager

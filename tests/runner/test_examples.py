@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from fakes.fake_openai import FakeOpenAI
 from runner_processes import (
     FulmenProcess,
     FulmenProcesses,
-    blocking_store,
     child_env,
-    fulmen_processes,
     wait_until_ready,
 )
 
@@ -33,16 +30,7 @@ CALCULATOR_CALL = {
 }
 
 
-@pytest.fixture
-async def procs(tmp_path: Path, redis_url: str, experiment: str) -> AsyncIterator[FulmenProcesses]:
-    async with fulmen_processes(tmp_path, redis_url, experiment) as processes:
-        yield processes
 
-@pytest.fixture
-async def real_store(redis_url: str, experiment: str) -> AsyncIterator[RedisStore]:
-    """Overrides tests/conftest.py's: these waits outlast redis-py's default 5 s socket timeout."""
-    async with blocking_store(redis_url, experiment) as store:
-        yield store
 
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 from fakes.otlp_receiver import OtlpReceiver, ReceivedSpan
-from runner_processes import FulmenProcesses, blocking_store, child_env, fulmen_processes, wait_until_ready
+from runner_processes import FulmenProcesses, child_env, wait_until_ready
 
 from fulmen import semconv
 from fulmen.store import RedisStore
@@ -25,16 +24,7 @@ def receiver() -> Iterator[OtlpReceiver]:
         yield r
 
 
-@pytest.fixture
-async def procs(tmp_path: Path, redis_url: str, experiment: str) -> AsyncIterator[FulmenProcesses]:
-    async with fulmen_processes(tmp_path, redis_url, experiment) as processes:
-        yield processes
 
-@pytest.fixture
-async def real_store(redis_url: str, experiment: str) -> AsyncIterator[RedisStore]:
-    """Overrides tests/conftest.py's: these waits outlast redis-py's default 5 s socket timeout."""
-    async with blocking_store(redis_url, experiment) as store:
-        yield store
 
 
 
