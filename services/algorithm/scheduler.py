@@ -27,6 +27,7 @@ from typing import Any
 
 from fulmen import keys as k
 from fulmen.errors import NotFound
+from fulmen.model_versions import version_number
 from fulmen.records import RolloutConfig
 from fulmen.status import RolloutMode
 from fulmen.store import RedisStore
@@ -35,11 +36,6 @@ from fulmen_algorithm.dataset import Task, task_id
 log = logging.getLogger(__name__)
 
 
-def version_number(version: str | None) -> int:
-    """"v12" → 12; the base weights → 0 (the trainer's version names, see fulmen.model_versions)."""
-    if version and version[0] == "v" and version[1:].isdigit():
-        return int(version[1:])
-    return 0
 
 
 @dataclass

@@ -13,14 +13,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from fulmen.model_versions import version_number
 from fulmen.records import Sample, SampleSkip
-
-
-def version_number(version: str | None) -> int:
-    """"v12" → 12; the base weights ("base", None, anything else) → 0."""
-    if version and version[0] == "v" and version[1:].isdigit():
-        return int(version[1:])
-    return 0
 
 
 @dataclass

@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from fulmen import keys as k
-from fulmen.model_versions import publish_model_version
+from fulmen.model_versions import publish_model_version, version_number
 from fulmen.records import Sample
 from fulmen.settings import Settings
 from fulmen.store import RedisStore
 from fulmen_trainer import checkpoint as ckpt
 from fulmen_trainer.batch import TokenBatch, make_batch, token_logprobs
-from fulmen_trainer.groups import GroupCollector, ReadyGroup, version_number
+from fulmen_trainer.groups import GroupCollector, ReadyGroup
 from fulmen_trainer.metrics import StepMetrics
 from fulmen_trainer.objectives import (
     Baseline,

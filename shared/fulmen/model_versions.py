@@ -316,6 +316,13 @@ def _deserialize(version: str, blob: bytes, sha256: str | None) -> dict[str, tor
 log = logging.getLogger(__name__)
 
 
+def version_number(version: str | None) -> int:
+    """The number of a version named by `publish_model_version` ("v12" → 12); base weights → 0."""
+    if version and version[0] == "v" and version[1:].isdigit():
+        return int(version[1:])
+    return 0
+
+
 def wait_for_model_dir(folder: Path, log_every_s: float = 10.0) -> None:
     """Block until a Hugging Face folder exists (the demo writes its model after the warm start):
     services started together by honcho wait for it rather than fail, and say what they wait for."""
