@@ -248,6 +248,8 @@ class ProxyApp:
             call, result, system=self.service.backend.system, raw_request=raw, span_id=new_span_id(),
             trace_id=trace_id, parent_id=parent_id, start_time=start_time, end_time=time.time(),
         )  # fmt: skip
+        if self.service.otlp is not None:
+            self.service.otlp.export(span)
         store = self.service.store
         assert store is not None
         try:

@@ -3,16 +3,32 @@
 The app stores it with ``store.add_spans`` *before* the response (or the last stream chunk) goes
 back, so a succeeded attempt always has all of its LLM spans. ``add_spans`` goes through the store's
 auto-pipeline: the spans of concurrent calls share one Redis round trip.
+
+With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, `OtlpExport` also sends each call's span to the collector
+(Jaeger), in the trace the runner's ``traceparent`` names, so one rollout is one trace across runner
+and proxy there too.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from fulmen import semconv, tokens
 from fulmen.records import Span
+from fulmen.tracing import otlp_exporter_from_env
 from fulmen_llm_proxy.backends import Call, Result
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "fulmen-llm-proxy"
 
 
 def build_span(
@@ -80,5 +96,67 @@ def build_span(
         status_code=status_code,
         status_message=status_message,
         attributes=attributes,
-        resource={"service.name": "fulmen-llm-proxy"},
+        resource={"service.name": SERVICE_NAME},
     )
+
+
+_STATUS = {"OK": trace.StatusCode.OK, "ERROR": trace.StatusCode.ERROR}
+
+
+class OtlpExport:
+    """Sends the proxy's call spans to an OTLP collector through a `BatchSpanProcessor`.
+
+    The span record already holds everything (ids from ``traceparent``, times, GenAI attributes), so
+    it becomes a `ReadableSpan` directly rather than going through a tracer a second time; `export`
+    only appends to the processor's queue, and the batch goes out on the processor's thread. Exists
+    only when an endpoint is configured: with none, the proxy pays nothing for it."""
+
+    def __init__(self, exporter: Any) -> None:
+        self._processor = BatchSpanProcessor(exporter)
+        self._resource = Resource.create({"service.name": SERVICE_NAME})
+        self._scope = InstrumentationScope("fulmen_llm_proxy")
+
+    @classmethod
+    def from_env(cls) -> OtlpExport | None:
+        exporter = otlp_exporter_from_env()
+        if exporter is None:
+            return None
+        log.info("exporting LLM call spans over OTLP to %s", os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        return cls(exporter)
+
+    def export(self, span: Span) -> None:
+        self._processor.on_end(self.readable(span))
+
+    def readable(self, span: Span) -> ReadableSpan:
+        sampled = trace.TraceFlags(trace.TraceFlags.SAMPLED)
+        trace_id = int(span.trace_id, 16)
+        context = trace.SpanContext(trace_id, int(span.span_id, 16), is_remote=False, trace_flags=sampled)
+        parent = (
+            trace.SpanContext(trace_id, int(span.parent_id, 16), is_remote=True, trace_flags=sampled)
+            if span.parent_id
+            else None
+        )
+        # The packed token ids and log-probabilities are training data, opaque bytes in a trace
+        # viewer, and the bulk of the span: they stay in the store only. None is no OTLP value.
+        attributes = {
+            k: v for k, v in span.attributes.items() if v is not None and not isinstance(v, bytes | bytearray)
+        }
+        code = _STATUS.get(span.status_code, trace.StatusCode.UNSET)
+        # OpenTelemetry keeps a description on ERROR only (and warns otherwise).
+        status = trace.Status(code, span.status_message or None if code is trace.StatusCode.ERROR else None)
+        return ReadableSpan(
+            name=span.name,
+            context=context,
+            parent=parent,
+            resource=self._resource,
+            attributes=attributes,
+            kind=trace.SpanKind.SERVER,  # the proxy serves the agent's call
+            instrumentation_scope=self._scope,
+            status=status,
+            start_time=int((span.start_time or 0) * 1e9),
+            end_time=int((span.end_time or 0) * 1e9),
+        )
+
+    def close(self) -> None:
+        """Flush what is queued and stop the export thread (blocks up to the exporter's timeout)."""
+        self._processor.shutdown()

@@ -24,6 +24,7 @@ from fulmen_llm_proxy.control import ControlFollower
 from fulmen_llm_proxy.following import ModelFollower
 from fulmen_llm_proxy.gate import Gate
 from fulmen_llm_proxy.metrics import ProxyMetrics
+from fulmen_llm_proxy.recording import OtlpExport
 from fulmen_llm_proxy.registry import Registration, default_proxy_id
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class ProxyService:
         self.backend = backend or make_backend(settings)
         self.metrics = ProxyMetrics()
         self.gate = Gate()
+        self.otlp = OtlpExport.from_env()  # None unless OTEL_EXPORTER_OTLP_ENDPOINT is set
         self.api_keys = [
             key.strip().encode()
             for key in (settings.proxy_api_keys.get_secret_value() if settings.proxy_api_keys else "").split(
@@ -125,5 +127,7 @@ class ProxyService:
         if self.registration is not None:
             await self.registration.unregister()
         await self.backend.close()
+        if self.otlp is not None:  # after the last call: its span is queued, flush it
+            await asyncio.to_thread(self.otlp.close)
         if self.redis is not None:
             await self.redis.aclose()
