@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from fulmen import keys as k
 from fulmen.cli import run_on_store, settings_from_flags
 from fulmen.store import RedisStore
 
@@ -39,6 +40,8 @@ def command(
     settings = settings_from_flags(
         llm_call_match=llm_call_match, agent_match=agent_match, trajectories=trajectories, experiment=experiment
     )
+    from fulmen.ops_http import start_ops
+    from fulmen.ops_metrics import CountersCollector
     from fulmen_adapter.adapter import Adapter
     from fulmen_adapter.triplets import AdapterConfig
 
@@ -54,10 +57,25 @@ def command(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         adapter = Adapter(store, config, batch=batch)
-        await adapter.run(stop)
+        with start_ops(settings, "adapter", groups=[("completions", k.ADAPTER_GROUP)]) as ops:
+            ops.add(CountersCollector(lambda: _adapter_counters(adapter.counters)))
+            await adapter.run(stop)
         log.info(
             "adapter stopped: %d rollouts, %d samples, skipped %s",
             adapter.counters.rollouts, adapter.counters.samples, adapter.counters.skipped or "none",
         )
 
     run_on_store(settings, work)
+
+
+def _adapter_counters(counters: Any) -> list[Any]:
+    """The adapter's own counters for /metrics (rollouts adapted, samples emitted, skips per reason)."""
+    from fulmen.ops_metrics import CounterValue
+
+    values = [
+        CounterValue("fulmen_adapter_rollouts", "Rollouts adapted (once each).", counters.rollouts),
+        CounterValue("fulmen_adapter_samples", "Samples emitted on the samples stream.", counters.samples),
+    ]
+    for reason, n in sorted(counters.skipped.items()):
+        values.append(CounterValue("fulmen_adapter_skips", "Rollouts that yielded no sample.", n, {"reason": reason}))
+    return values

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -21,6 +30,10 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # the process's CPU, memory, fds and GC, as every Fulmen service reports them (fulmen.ops_http)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter(
             "fulmen_proxy_requests",
             "Requests by endpoint and HTTP status.",

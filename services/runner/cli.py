@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from fulmen import keys as k
 from fulmen.cli import run_on_store, settings_from_flags
 from fulmen.errors import FulmenError
 from fulmen.store import RedisStore
@@ -81,6 +82,8 @@ def command(
         agent=agent, concurrency=concurrency, grace_s=grace_s, experiment=experiment, llm_base_url=llm_base_url
     )
     the_agent, hooks = _load(settings.agent, hook)
+    from fulmen.ops_http import start_ops
+    from fulmen.ops_metrics import CountersCollector
     from fulmen.tracing import setup_tracing
     from fulmen_runner.runner import Runner
 
@@ -99,13 +102,28 @@ def command(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runner.stop)
-        await runner.run()
+        with start_ops(settings, "runner", groups=[("queue", k.RUNNERS_GROUP)]) as ops:
+            ops.add(CountersCollector(lambda: _runner_counters(runner)))
+            await runner.run()
         log.info("runner %s stopped after %d rollout(s)", runner.worker_id, runner.finished)
         provider.shutdown()  # export what OTLP still holds: leaving early below would skip its exit hook
         # here, not after asyncio.run(): that waits for the agent threads first (longer than honcho's 5 s)
         _exit_if_agent_threads_linger()
 
     run_on_store(settings, work)
+
+
+def _runner_counters(runner: Any) -> list[Any]:
+    """The runner's own counters for /metrics (claims, ends, spans)."""
+    from fulmen.ops_metrics import CounterValue
+
+    return [
+        CounterValue("fulmen_runner_claims", "Rollouts claimed.", runner.claimed),
+        CounterValue("fulmen_runner_completions", "Attempts ended, by outcome.", runner.finished, {"outcome": "ended"}),
+        CounterValue("fulmen_runner_completions", "Attempts ended, by outcome.", runner.failed, {"outcome": "crashed"}),
+        CounterValue("fulmen_runner_spans_written", "Agent spans stored.", runner.writer.written),
+        CounterValue("fulmen_runner_spans_dropped", "Agent spans that could not be stored.", runner.writer.dropped),
+    ]
 
 
 def _exit_if_agent_threads_linger() -> None:

@@ -65,6 +65,7 @@ class Runner:
         )
         self.stopping = asyncio.Event()
         self.running: set[asyncio.Task[Outcome]] = set()
+        self.claimed = 0  # rollouts claimed by this process (its claim rate on /metrics)
         self.finished = 0
         self.failed = 0
         self.started_at = time.monotonic()
@@ -97,6 +98,7 @@ class Runner:
                     free = min(free, max_rollouts - claimed_total)
                 claimed = await self.store.dequeue_rollouts(self.worker_id, free, block_s=CLAIM_BLOCK_S)
                 claimed_total += len(claimed)
+                self.claimed += len(claimed)
                 for c in claimed:
                     task = asyncio.create_task(execute(self.ctx, c), name=f"attempt-{c.attempt.attempt_id}")
                     self.running.add(task)

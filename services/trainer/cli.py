@@ -6,10 +6,11 @@ import asyncio
 import logging
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from fulmen import keys as k
 from fulmen.cli import run_on_store, settings_from_flags
 from fulmen.store import RedisStore
 
@@ -44,6 +45,7 @@ def command(
         from fulmen.model_versions import wait_for_model_dir
 
         wait_for_model_dir(settings.model_dir)  # the demo writes its model after the warm start
+    from fulmen.ops_http import start_ops
     from fulmen_trainer.ranks import Exchange, Membership, RankGroup, make_codec
     from fulmen_trainer.trainer import Trainer
 
@@ -52,6 +54,10 @@ def command(
         raise typer.Exit(2)
 
     async def work(store: RedisStore) -> None:
+        with start_ops(settings, "trainer", groups=[("samples", k.TRAINERS_GROUP)]) as ops:
+            await train(store, ops)
+
+    async def train(store: RedisStore, ops: Any) -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -71,12 +77,17 @@ def command(
             ranks = RankGroup(store, membership, exchange, codec,
                               wait_for_full_world=settings.on_rank_loss == "wait")
         try:
-            trainer = Trainer(store, settings, rank=rank, ranks=ranks)
+            # the ops server owns the metrics port and serves the trainer's registry: give it none
+            trainer = Trainer(store, settings.model_copy(update={"metrics_port": None}), rank=rank, ranks=ranks)
         except ValueError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
         try:
             await trainer.setup()
+            if trainer.metrics is not None:
+                ops.add(trainer.metrics.registry)
+                if rank == 0:
+                    trainer.metrics.log_steps_to(store)  # the reward curve `fulmen top` draws
             if membership is not None:
                 await membership.mark_ready()
             if rank == 0:

@@ -1,31 +1,43 @@
-"""The trainer's Prometheus `/metrics`: the last step's numbers as gauges, labelled by rank.
+"""The trainer's step metrics: the last step's numbers as Prometheus gauges labelled by rank, and (on
+the leader) a summary per step in the store's step log, which `fulmen top` draws the reward curve from.
 
-Served on ``metrics_port`` (else $PORT, which honcho gives every process; else not at all), so
-`honcho start -c trainer=2` gives each rank its own port."""
+The gauges live in this object's own registry. `fulmen trainer` serves it through the process's ops
+server (`fulmen.ops_http`: ``/metrics`` with ``/healthz`` and ``/readyz`` on ``metrics_port``, else
+$PORT, so `honcho start -c trainer=2` gives each rank its own port) and hands the trainer no port.
+A `Trainer` built in-process with ``metrics_port`` set serves just this registry on that port."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import os
 import re
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from fulmen.store import RedisStore
+from fulmen.train_steps import append_step, summarize
 
 log = logging.getLogger(__name__)
 
 
 class StepMetrics:
-    def __init__(self, rank: int, port: int | None) -> None:
+    def __init__(self, rank: int, port: int | None = None) -> None:
         self.rank = str(rank)
         self.registry = CollectorRegistry()
         self.gauges: dict[str, Gauge] = {}
         self.step = Gauge("fulmen_trainer_step", "Optimizer steps taken", ["rank"], registry=self.registry)
-        port = port if port is not None else (int(os.environ["PORT"]) if os.environ.get("PORT") else None)
+        self.store: RedisStore | None = None
         self.port = port
         if port is not None:
             start_http_server(port, registry=self.registry)
             log.info("trainer rank %s: /metrics on port %d", self.rank, port)
+        self._writes: dict[asyncio.Task[None], None] = {}  # in flight, in order (a dict keeps it)
+
+    def log_steps_to(self, store: RedisStore) -> None:
+        """Also append each step's summary to the store's step log (the leader only)."""
+        self.store = store
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         self.step.labels(self.rank).set(step)
@@ -37,3 +49,19 @@ class StepMetrics:
             if gauge is None:
                 gauge = self.gauges[name] = Gauge(name, f"trainer metric {key}", ["rank"], registry=self.registry)
             gauge.labels(self.rank).set(value)
+        if self.store is not None:
+            # fire and forget, on the trainer's loop: the step must not wait for a diagnostic write;
+            # each write waits for the one before, so the log keeps the steps in order
+            previous = next(reversed(self._writes), None)
+            task = asyncio.get_running_loop().create_task(self._append(step, metrics, previous))
+            self._writes[task] = None
+            task.add_done_callback(lambda t: self._writes.pop(t, None))
+
+    async def _append(self, step: int, metrics: dict[str, Any], previous: asyncio.Task[None] | None) -> None:
+        assert self.store is not None
+        if previous is not None:
+            await asyncio.wait([previous])
+        try:
+            await append_step(self.store.redis, self.store.keys, summarize(step, metrics, time.time()))
+        except Exception as e:  # the curve may miss a point; training goes on
+            log.warning("step %d: could not log the step summary: %s", step, type(e).__name__)

@@ -245,6 +245,34 @@ def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+def top(
+    experiment: ExperimentOpt = None,
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 2.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one frame and exit (for scripts).")] = False,
+) -> None:
+    """A live view of the whole pipeline, refreshed in place until Ctrl-C.
+
+    Services and their live replicas (from heartbeats), queue depth, active attempts, rollouts per
+    end status, completions, samples and dead letters with their rates (between refreshes), pending
+    entries and lag per consumer group, the reward curve as a sparkline (the trainer's step log) and
+    the model version being served. Reads only Redis: run it from any machine that reaches it."""
+    settings = settings_from_flags(experiment=experiment)
+    import redis as redis_sync
+
+    from fulmen.top import run
+
+    client = redis_sync.Redis.from_url(settings.redis_url_value(), socket_timeout=5.0, socket_connect_timeout=5.0)
+    try:
+        code = run(client, settings.experiment, interval, once, out)
+    except (redis_sync.RedisError, OSError) as e:
+        err.print(f"[red]error:[/red] Redis at {redact(settings.redis_url_value())} unreachable: {type(e).__name__}")
+        raise typer.Exit(1) from None
+    finally:
+        client.close()
+    raise typer.Exit(code)
+
+
+@app.command()
 def rollouts(
     experiment: ExperimentOpt = None,
     status_: Annotated[
@@ -366,7 +394,10 @@ def watchdog(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         log.info("watchdog on experiment %s, every %.2fs", store.experiment, interval_s)
-        await run_watchdog(store, interval_s, stop)
+        from fulmen.ops_http import start_ops
+
+        with start_ops(settings, "watchdog"):
+            await run_watchdog(store, interval_s, stop)
         log.info("watchdog stopped")
 
     run_on_store(settings, work)

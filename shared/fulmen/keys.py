@@ -47,6 +47,8 @@ TRAINER_SLOT = "trainer:slot:"  # string with a TTL: who holds trainer rank <n> 
 TRAINER_PLANS = "trainer:plans"  # stream: the leader's step plans, one entry per rank's share
 TRAINER_GRADS = "trainer:grads"  # stream: each rank's encoded gradient chunks, per step
 TRAINER_AGGREGATES = "trainer:aggregates"  # stream: the summed gradient the leader sends back, per step
+TRAINER_STEPS = "trainer:steps"  # stream, capped: the leader's per-step summary (reward, loss), for `fulmen top`
+SERVICES = "services"  # hash: process id -> service heartbeat record (every long-running service)
 
 RUNNERS_GROUP = "runners"  # consumer group on QUEUE
 ADAPTER_GROUP = "adapter"  # consumer group on COMPLETIONS
@@ -97,9 +99,11 @@ class Keys:
         "resources_version",
         "rollout_index",
         "samples",
+        "services",
         "trainer_aggregates",
         "trainer_grads",
         "trainer_plans",
+        "trainer_steps",
         "validations",
         "watch_deadline",
         "watch_heartbeat",
@@ -130,6 +134,8 @@ class Keys:
         self.trainer_plans = p + TRAINER_PLANS
         self.trainer_grads = p + TRAINER_GRADS
         self.trainer_aggregates = p + TRAINER_AGGREGATES
+        self.trainer_steps = p + TRAINER_STEPS
+        self.services = p + SERVICES
 
     def rollout(self, rollout_id: str) -> str:
         return self.prefix + ROLLOUT + rollout_id

@@ -57,6 +57,7 @@ from fulmen.store.completions import CompletionsMixin
 from fulmen.store.proxies import ProxiesMixin
 from fulmen.store.resources import ResourcesMixin
 from fulmen.store.samples import SamplesMixin
+from fulmen.store.statistics import aread_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -652,36 +653,31 @@ class RedisStore(CompletionsMixin, ResourcesMixin, ProxiesMixin, SamplesMixin):
     # --- statistics ---------------------------------------------------------------------------------
 
     async def statistics(self) -> dict[str, Any]:
-        """One snapshot of the experiment: rollouts per status, queue depth, pending, dead letters."""
+        """One snapshot of the experiment: rollouts per status, queue depth, pending, dead letters
+        (`fulmen.store.statistics`, which the metrics and `fulmen top` read too)."""
         await self.ensure()
-        pipe = self.redis.pipeline(transaction=False)
-        for s in RolloutStatus:
-            pipe.scard(self.keys.status(s))
-        pipe.xlen(self.keys.dead_letters)
-        pipe.xlen(self.keys.completions)
-        pipe.xinfo_consumers(self.keys.queue, k.RUNNERS_GROUP)
-        pipe.zcard(self.keys.watch_heartbeat)
-        replies = await pipe.execute()
-        per_status = {s.value: int(n) for s, n in zip(RolloutStatus, replies, strict=False)}
-        dead, completions, consumers, watched = replies[len(RolloutStatus) :]
-        latest = await self.get_latest_resources()
+        snap = await aread_snapshot(
+            self.redis, self.keys, lambda pipe: pipe.xinfo_consumers(self.keys.queue, k.RUNNERS_GROUP)
+        )
+        consumers = snap.extra[0] if not isinstance(snap.extra[0], Exception) else []
+        latest = snap.latest_resources
         return {
             "experiment": self.experiment,
-            "rollouts": per_status,
-            "total_rollouts": sum(per_status.values()),
-            "queue_depth": per_status["queuing"] + per_status["requeuing"],
-            "active_attempts": per_status["preparing"] + per_status["running"],
+            "rollouts": snap.rollouts,
+            "total_rollouts": sum(snap.rollouts.values()),
+            "queue_depth": snap.queue_depth,
+            "active_attempts": snap.active_attempts,
             "pending": {
                 c["name"].decode() if isinstance(c["name"], bytes) else c["name"]: int(c["pending"])
                 for c in consumers
             },
-            "heartbeat_watched": int(watched),
-            "dead_letters": int(dead),
-            "completions": int(completions),
+            "heartbeat_watched": snap.heartbeat_watched,
+            "dead_letters": snap.stream_lengths["dead_letters"],
+            "completions": snap.stream_lengths["completions"],
             "latest_resources": None
             if latest is None
             else {"resources_id": latest.resources_id, "version": latest.version},
-            "workers": len(await self.redis.hkeys(self.keys.workers)),
+            "workers": snap.workers,
         }
 
 
