@@ -2,10 +2,11 @@
 
     leader (rank 0)                               every other rank
     plan the step, XADD one share per live rank ─► read its share
-    backward on its own share                     backward on its share, scale, encode
-    read the ranks' chunks  ◄──────────────────── XADD its gradient chunks
-    sum, XADD the aggregate ─────────────────────► read the aggregate
-    optimizer step                                optimizer step      (same weights everywhere)
+    per PPO epoch (ppo_epochs passes over the share, each a full exchange):
+      backward on its own share                   backward on its share, scale, encode
+      read the ranks' chunks  ◄────────────────── XADD its gradient chunks
+      sum, XADD the aggregate ───────────────────► read the aggregate
+      optimizer update                            optimizer update    (same weights everywhere)
 
 A star, not all-to-all: each rank uploads its gradient once and one aggregate comes back per step.
 Each rank scales its gradient by its share of the step's tokens before encoding, so the leader only
@@ -177,7 +178,11 @@ class Exchange:
         self.keys = store.keys
         self.members = membership
         self._cursors: dict[str, bytes | str] = {}
-        self.reports: dict[tuple[int, int], dict[str, float]] = {}
+        self.reports: dict[tuple[int, int, int], dict[str, float]] = {}
+        # Entries read but not yet asked for: one XREAD may return a later plan or aggregate than the
+        # one awaited (a rank that fell behind), and dropping it would leave that rank waiting forever.
+        self._plans: list[dict[str, Any]] = []
+        self._aggregates: dict[tuple[int, int], list[bytes]] = {}
 
     async def _xadd(self, stream: str, fields: dict[str, Any]) -> None:
         await self.store.redis.xadd(stream, fields, maxlen=STREAM_MAXLEN, approximate=True)
@@ -202,22 +207,26 @@ class Exchange:
         await self._xadd(self.keys.trainer_plans, {"m": msgpack.packb({"step": step, "rank": rank, **share})})
 
     async def next_plan(self, rank: int) -> dict[str, Any]:
-        while True:
+        while not self._plans:
             for _, fields in await self._read(self.keys.trainer_plans, 5.0):
                 plan = msgpack.unpackb(fields[b"m"])
                 if plan["rank"] == rank:
-                    return plan
+                    self._plans.append(plan)
+        return self._plans.pop(0)
 
     # ranks → leader
-    async def send_gradient(self, step: int, rank: int, chunks: Sequence[bytes], report: dict[str, float]) -> None:
-        """The chunks; the first entry also carries the rank's report (cosine to its true gradient,
-        encode time), which the leader logs."""
+    async def send_gradient(self, step: int, rank: int, chunks: Sequence[bytes], report: dict[str, float],
+                            epoch: int = 0) -> None:
+        """The chunks of one pass (``epoch``) of ``step``; the first entry also carries the rank's
+        report (cosine to its true gradient, encode time), which the leader logs."""
         for i, chunk in enumerate(chunks):
             extra = {"report": msgpack.packb(report)} if i == 0 else {}
-            await self._xadd(self.keys.trainer_grads, {"step": step, "rank": rank, "m": chunk, **extra})
+            await self._xadd(self.keys.trainer_grads,
+                             {"step": step, "epoch": epoch, "rank": rank, "m": chunk, **extra})
 
-    async def gather(self, step: int, ranks: Sequence[int], deadline_s: float) -> dict[int, list[bytes]]:
-        """The chunks of every rank in ``ranks`` for ``step``. A rank that left the membership, or that
+    async def gather(self, step: int, ranks: Sequence[int], deadline_s: float,
+                     epoch: int = 0) -> dict[int, list[bytes]]:
+        """The chunks of every rank in ``ranks`` for pass ``epoch`` of ``step``. A rank that left the membership, or that
         has sent nothing for ``deadline_s``, is left out of this step: waiting on it could last forever
         (a rank that restarts has missed the plan). Whether the *next* step waits for the world to be
         whole again is the leader's choice (``on_rank_loss``)."""
@@ -228,12 +237,12 @@ class Exchange:
         while wanted - complete:
             entries = await self._read(self.keys.trainer_grads, 0.5)
             for _, f in entries:
-                if int(f[b"step"]) != step:
-                    continue
+                if (int(f[b"step"]), int(f.get(b"epoch", 0))) != (step, epoch):
+                    continue  # a late pass of a rank that was left out: its step went on without it
                 rank = int(f[b"rank"])
                 got.setdefault(rank, []).append(f[b"m"])
                 if b"report" in f:
-                    self.reports[(step, rank)] = msgpack.unpackb(f[b"report"])
+                    self.reports[(step, epoch, rank)] = msgpack.unpackb(f[b"report"])
                 if len(got[rank]) >= _chunk_count(f[b"m"]):
                     complete.add(rank)
             if entries:
@@ -248,18 +257,22 @@ class Exchange:
         return {r: got[r] for r in complete}
 
     # leader → ranks
-    async def send_aggregate(self, step: int, chunks: Sequence[bytes]) -> None:
+    async def send_aggregate(self, step: int, chunks: Sequence[bytes], epoch: int = 0) -> None:
         for chunk in chunks:
-            await self._xadd(self.keys.trainer_aggregates, {"step": step, "m": chunk})
+            await self._xadd(self.keys.trainer_aggregates, {"step": step, "epoch": epoch, "m": chunk})
 
-    async def next_aggregate(self, step: int) -> list[bytes]:
-        chunks: list[bytes] = []
+    async def next_aggregate(self, step: int, epoch: int = 0) -> list[bytes]:
+        key = (step, epoch)
         while True:
+            chunks = self._aggregates.get(key, [])
+            if chunks and len(chunks) >= _chunk_count(chunks[-1]):
+                # older ones can no longer be asked for: this rank applies aggregates in order
+                self._aggregates = {k: v for k, v in self._aggregates.items() if k > key}
+                return chunks
             for _, f in await self._read(self.keys.trainer_aggregates, 5.0):
-                if int(f[b"step"]) == step:
-                    chunks.append(f[b"m"])
-                    if len(chunks) >= _chunk_count(f[b"m"]):
-                        return chunks
+                got = (int(f[b"step"]), int(f.get(b"epoch", 0)))
+                if got >= key:
+                    self._aggregates.setdefault(got, []).append(f[b"m"])
 
 
 def _chunk_count(chunk: bytes) -> int:
@@ -293,9 +306,11 @@ class RankGroup:
         return self.members.rank
 
     async def lead_step(self, trainer: Any, plan: Any) -> dict[str, Any]:
-        """Rank 0: split the step over the live ranks, back-propagate our share, sum theirs in."""
+        """Rank 0: split the step over the live ranks; per PPO epoch, back-propagate our share, sum the
+        ranks' gradients, send the sum back and update. The caller counts the step."""
         from fulmen import tokens
         from fulmen.model_versions import publish_model_version
+        from fulmen_trainer.trainer import merge_passes
 
         live = await self.members.live()
         while self.wait_for_full_world and len(live) < self.members.world_size:
@@ -309,41 +324,54 @@ class RankGroup:
                                                  shared_dir=trainer.s.weights_dir)
             trainer.version = update.resources["llm"]["model_version"]
         self._last_live = ranks
+        step = trainer.step + 1
+        epochs = trainer.s.ppo_epochs
         total_tokens = trainer._batch(plan).tokens
         size = len(plan.samples)
         shares = [(size * i // len(ranks), size * (i + 1) // len(ranks)) for i in range(len(ranks))]
         for rank, (lo, hi) in zip(ranks[1:], shares[1:], strict=True):
-            await self.exchange.send_plan(trainer.step + 1, rank, {
+            await self.exchange.send_plan(step, rank, {
                 "step_before": trainer.step,
                 "model_version": trainer.version,
                 "total_tokens": total_tokens,
+                "epochs": epochs,
                 "samples": [s.to_wire() for s in plan.samples[lo:hi]],
                 "advantages": tokens.pack_floats(plan.advantages[lo:hi].tolist()),
                 "rewards": plan.rewards[lo:hi],
                 "group_keys": plan.group_keys[lo:hi],
             })
-        lo, hi = shares[0]
-        metrics = await asyncio.to_thread(trainer._backward, _share(plan, lo, hi), total_tokens)
-        gathered = await self.exchange.gather(trainer.step + 1, ranks[1:], trainer.s.rank_timeout_s)
-        started = time.perf_counter()
-        total = flat_gradient(trainer.model)
-        for chunks in gathered.values():
-            total += self.codec.decode(chunks)
-        decode_s = time.perf_counter() - started
-        aggregate = self.aggregate_codec.encode(total, trainer.step + 1, 0)
-        await self.exchange.send_aggregate(trainer.step + 1, aggregate)
-        set_gradient(trainer.model, total)
-        received = sum(len(c) for chunks in gathered.values() for c in chunks)
-        reports = [self.exchange.reports.pop((trainer.step + 1, r), {}) for r in gathered]
-        metrics.update({
-            "comm/ratio": total.numel() * 4 * len(gathered) / received if received else 1.0,
-            "comm/cosine": _mean([r["cos"] for r in reports if "cos" in r]),
-            "comm/encode_s": _mean([r["encode_s"] for r in reports if "encode_s" in r]),
-            "comm/ranks": 1 + len(gathered), "comm/ranks_missing": len(ranks) - 1 - len(gathered),
-            "comm/bytes_received": sum(len(c) for chunks in gathered.values() for c in chunks),
-            "comm/aggregate_bytes": sum(len(c) for c in aggregate), "comm/decode_s": decode_s,
-            "perf/tokens": total_tokens, "perf/samples": size,
-        })
+        own = _share(plan, *shares[0])  # one object over the passes: it keeps the step's π_prox
+        answering = ranks[1:]
+        passes = []
+        for epoch in range(epochs):
+            metrics = await asyncio.to_thread(trainer._backward, own, total_tokens)
+            gathered = await self.exchange.gather(step, answering, trainer.s.rank_timeout_s, epoch)
+            answering = sorted(gathered)  # a rank left out of one pass is not waited for again this step
+            started = time.perf_counter()
+            total = flat_gradient(trainer.model)
+            for chunks in gathered.values():
+                total += self.codec.decode(chunks)
+            decode_s = time.perf_counter() - started
+            aggregate = self.aggregate_codec.encode(total, step, 0)
+            await self.exchange.send_aggregate(step, aggregate, epoch)
+            set_gradient(trainer.model, total)
+            metrics["loss/grad_norm"] = trainer._update()
+            received = sum(len(c) for chunks in gathered.values() for c in chunks)
+            reports = [self.exchange.reports.pop((step, epoch, r), {}) for r in gathered]
+            metrics.update({
+                "comm/ratio": total.numel() * 4 * len(gathered) / received if received else 1.0,
+                "comm/cosine": _mean([r["cos"] for r in reports if "cos" in r]),
+                "comm/encode_s": _mean([r["encode_s"] for r in reports if "encode_s" in r]),
+                "comm/ranks": 1 + len(gathered), "comm/ranks_missing": len(ranks) - 1 - len(gathered),
+                "comm/bytes_received": received, "comm/aggregate_bytes": sum(len(c) for c in aggregate),
+                "comm/decode_s": decode_s, "perf/tokens": total_tokens, "perf/samples": size,
+            })
+            passes.append(metrics)
+        metrics = merge_passes(passes)
+        # who took part in the whole step (the last pass), and what every pass cost on the wire
+        metrics.update({k: v for k, v in passes[-1].items() if k.startswith("comm/")})
+        for key in ("comm/bytes_received", "comm/aggregate_bytes", "comm/decode_s", "comm/encode_s"):
+            metrics[key] = sum(p[key] for p in passes)
         return metrics
 
     async def follow(self, trainer: Any, stop: asyncio.Event) -> None:
@@ -371,18 +399,20 @@ class RankGroup:
             samples = [Sample.from_wire(b) for b in plan_msg["samples"]]
             share = StepPlan(samples, list(plan_msg["rewards"]), torch.tensor(tokens.floats(plan_msg["advantages"])),
                              list(plan_msg["group_keys"]), [])
-            await asyncio.to_thread(trainer._backward, share, plan_msg["total_tokens"])
             step = trainer.step + 1
-            true = flat_gradient(trainer.model)
-            started = time.perf_counter()
-            chunks = self.codec.encode(true, step, self.rank)
-            encode_s = time.perf_counter() - started
-            sent = self.codec.decode(chunks)  # what the leader will see: how far from the truth?
-            cos = float(torch.nn.functional.cosine_similarity(sent, true, dim=0)) if true.any() else 1.0
-            await self.exchange.send_gradient(step, self.rank, chunks, {"cos": cos, "encode_s": encode_s})
-            aggregate = RankCodec.decode(await self.exchange.next_aggregate(step))
-            set_gradient(trainer.model, aggregate)
-            trainer._optimizer_step()
+            for epoch in range(plan_msg.get("epochs", 1)):
+                await asyncio.to_thread(trainer._backward, share, plan_msg["total_tokens"])
+                true = flat_gradient(trainer.model)
+                started = time.perf_counter()
+                chunks = self.codec.encode(true, step, self.rank)
+                encode_s = time.perf_counter() - started
+                sent = self.codec.decode(chunks)  # what the leader will see: how far from the truth?
+                cos = float(torch.nn.functional.cosine_similarity(sent, true, dim=0)) if true.any() else 1.0
+                await self.exchange.send_gradient(step, self.rank, chunks, {"cos": cos, "encode_s": encode_s}, epoch)
+                aggregate = RankCodec.decode(await self.exchange.next_aggregate(step, epoch))
+                set_gradient(trainer.model, aggregate)
+                trainer._update()
+            trainer.step = step
             trainer.version = plan_msg["model_version"]
             if trainer.step % trainer.s.checkpoint_every == 0:
                 await trainer.checkpoint()

@@ -51,6 +51,19 @@ class StepPlan:
     entry_ids: list[str]
     dropped_groups: int = 0
     stats: dict[str, float] = field(default_factory=dict)
+    # The policy's log-probabilities at the start of the step, one [B, T-1] tensor per micro-batch:
+    # recorded by the first pass, the centre of the clip in the later ones (see `Trainer._backward`).
+    prox_logp: list[torch.Tensor] | None = None
+
+
+def merge_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """A step's metrics from its PPO passes: the first pass's (the batch under the policy the step
+    started from, comparable whatever ppo_epochs is), plus where the last pass ended."""
+    metrics = dict(passes[0])
+    metrics["loss/clip_frac"] = passes[-1]["loss/clip_frac"]
+    metrics["loss/policy_last_pass"] = passes[-1]["loss/policy"]
+    metrics["loss/ppo_epochs"] = len(passes)
+    return metrics
 
 
 def rollout_reward(sample: Sample, source: str) -> float:
@@ -199,12 +212,12 @@ class Trainer:
         plan = plan_step(groups, self.s.algorithm, self.s.reward_source, self.baseline, self.s.sft_min_reward)
         started = time.perf_counter()
         if self.ranks is None:
-            # loss, backward (in a thread: the event loop keeps reading and answering signals)
-            metrics = await asyncio.to_thread(self._backward, plan)
+            # loss, backward, update (in a thread: the event loop keeps reading and answering signals)
+            metrics = await asyncio.to_thread(self.train_passes, plan)
         else:
-            # share the step with the live ranks; they send gradients, we send back their sum
+            # share the step with the live ranks; per pass they send gradients, we send back their sum
             metrics = await self.ranks.lead_step(self, plan)
-        metrics["loss/grad_norm"] = self._optimizer_step()
+        self.step += 1
         metrics["perf/step_s"] = time.perf_counter() - started
         metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["perf/step_s"], 1e-9)
         # publish a model version for the proxies
@@ -230,25 +243,44 @@ class Trainer:
         )
         return metrics
 
-    def _backward(self, plan: StepPlan, total_tokens: int | None = None) -> dict[str, Any]:
-        """Gradients of this rank's share, scaled so that the shares of all ranks add up to the token
-        mean of the whole step (``total_tokens``: the step's trained tokens over every share)."""
+    def train_passes(self, plan: StepPlan) -> dict[str, Any]:
+        """One rank alone: ``ppo_epochs`` passes over the batch, each a backward and an update."""
+        passes = []
+        for _ in range(self.s.ppo_epochs):
+            passes.append(self._backward(plan))
+            passes[-1]["loss/grad_norm"] = self._update()
+        return merge_passes(passes)
+
+    def _backward(self, plan: StepPlan, total_tokens: float | None = None) -> dict[str, Any]:
+        """One pass over this rank's share: gradients scaled so that the shares of all ranks add up to
+        the token mean of the whole step (``total_tokens``: the step's trained tokens over every share).
+
+        PPO epochs: the first pass records the policy's log-probabilities (π_prox, the policy at the
+        start of the step) in ``plan.prox_logp``; later passes clip the ratio π_θ/π_prox around them,
+        while the importance weight π_prox/π_behaviour keeps using the proxy's recorded log-probs, so
+        w · ratio = π_θ/π_behaviour (until truncated) in every pass."""
         model = self.model
         batch = self._batch(plan)
         advantages = plan.advantages
         loss_fn = objective(self.s.algorithm)
         total_tokens = max(total_tokens if total_tokens is not None else batch.tokens, 1)
-        sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0, "mismatch": 0.0}
-        for lo in range(0, len(batch), self.s.micro_batch):
+        first_pass = plan.prox_logp is None
+        prox_logps: list[torch.Tensor] = [] if plan.prox_logp is None else plan.prox_logp
+        sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0, "mismatch": 0.0,
+                "clip_frac": 0.0}
+        for index, lo in enumerate(range(0, len(batch), self.s.micro_batch)):
             micro = batch.slice(lo, lo + self.s.micro_batch)
             adv = advantages[lo : lo + self.s.micro_batch]
             logp, logits = token_logprobs(model, micro)
+            if first_pass:
+                prox_logps.append(logp.detach())
+            prox = prox_logps[index]
             weight = micro.tokens / total_tokens  # micro-batches add up to the token mean of the batch
             if self.s.algorithm == "sft":
                 pg = loss_fn(logp, micro.behaviour_logp, adv, micro.mask * adv[:, None],
                              aggregation=self.s.loss_aggregation)
             else:
-                pg = loss_fn(logp, micro.behaviour_logp, adv, micro.mask, clip_eps=self._clip(),
+                pg = loss_fn(logp, micro.behaviour_logp, adv, micro.mask, prox_logp=prox, clip_eps=self._clip(),
                              tis_cap=self.s.tis_cap, aggregation=self.s.loss_aggregation)
             mask = micro.mask
             entropy = (entropy_from_logits(logits) * mask).sum() / mask.sum().clamp(min=1)
@@ -263,17 +295,22 @@ class Trainer:
                 gap = (logp - micro.behaviour_logp) * mask
                 tokens = mask.sum().clamp(min=1)
                 is_weight = (torch.exp(gap).clamp(max=self.s.tis_cap) * mask).sum() / tokens
+                # tokens whose ratio to the step's start left the clip range (0 in a first pass)
+                outside = ((logp - prox).exp() - 1).abs() > self._clip()
+                sums["clip_frac"] += float((outside * mask).sum() / tokens) * weight
                 sums["loss"] += float(loss) * weight
                 sums["pg"] += float(pg) * weight
                 sums["kl"] += float(kl) * weight
                 sums["entropy"] += float(entropy) * weight
                 sums["is_weight"] += float(is_weight) * weight
                 sums["mismatch"] += float(gap.abs().sum() / tokens) * weight
+        plan.prox_logp = prox_logps
         rewards = torch.tensor(plan.rewards) if plan.rewards else torch.zeros(1)
         staleness = batch.staleness
         return {
             "loss/total": sums["loss"], "loss/policy": sums["pg"], "loss/kl": sums["kl"],
             "loss/entropy": sums["entropy"], "loss/is_weight_mean": sums["is_weight"],
+            "loss/clip_frac": sums["clip_frac"],
             "rollout/logp_mismatch": sums["mismatch"],
             "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std(unbiased=False)),
             "rollout/staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
@@ -303,14 +340,16 @@ class Trainer:
             return s.learning_rate + (s.lr_final - s.learning_rate) * done
         return s.learning_rate
 
-    def _optimizer_step(self) -> float:
+    def _update(self) -> float:
+        """One optimizer update from the gradients in ``.grad`` (clipped); the caller counts the step
+        once all of its PPO epochs are done. Returns the gradient norm before clipping."""
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm))
         assert self.optimizer is not None
-        for group in self.optimizer.param_groups:  # the schedule is a function of the step: resumes exactly
+        # the schedule is a function of the step (every epoch of a step uses one rate): resumes exactly
+        for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
         return norm
 
     async def checkpoint(self) -> None:

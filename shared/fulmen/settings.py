@@ -90,6 +90,7 @@ class Settings(BaseSettings):
     max_staleness: int | None = Field(None, ge=0, description="Model versions a sample may lag (unset: any).")
     stale_policy: str = Field("drop", description="drop or downweight samples beyond max_staleness.")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range.")
+    ppo_epochs: int = Field(1, ge=1, description="Optimizer updates per batch (PPO-clip passes over it).")
     tis_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight for stale samples.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial (reference) model.")
     ent_coef: float = Field(0.0, ge=0, description="Entropy bonus.")
