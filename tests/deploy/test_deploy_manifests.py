@@ -228,13 +228,16 @@ def test_kubernetes_validate_catches_a_mistake() -> None:
 
 
 def test_every_fulmen_deployment_has_probes_settings_and_the_redis_secret() -> None:
-    """Liveness on /healthz, readiness on /readyz of the port it serves; settings from the ConfigMaps."""
+    """Startup and liveness on /healthz, readiness on /readyz, on the port it serves ($PORT, which
+    fulmen.ops_http serves them on; the proxy's own port); settings from the ConfigMaps."""
     for name, deployment in k8s_objects("Deployment").items():
         if name in THIRD_PARTY:
             continue
         c = container(deployment)
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz", name
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz", name
+        # before it serves (waiting for Redis, the demo's warm start) liveness must not kill it
+        assert c["startupProbe"]["httpGet"]["path"] == "/healthz", name
         (port,) = c["ports"]
         assert c["livenessProbe"]["httpGet"]["port"] == port["name"], name
         assert {s["configMapRef"]["name"] for s in c["envFrom"]} == {"fulmen-settings", "fulmen-telemetry"}, name
