@@ -80,15 +80,25 @@ def _sync_http() -> Any:
 def _async_http() -> Any:
     import asyncio
 
-    import httpx
-
     loop = id(asyncio.get_running_loop())
     pool = _async_pools.get(loop)
     if pool is None:
-        pool = _async_pools[loop] = httpx.AsyncClient(
-            event_hooks={"request": [_inject_trace_context_async]}, timeout=600.0, limits=httpx.Limits(**_POOL_LIMITS)
-        )
+        pool = _async_pools[loop] = _new_async_pool()
     return pool
+
+
+def _new_async_pool() -> Any:
+    """aiohttp under the OpenAI client when it is installed: httpx's pool rescans every connection on
+    each request, which at 64 concurrent calls made it half the runner's CPU (bench/RESULTS.md)."""
+    hooks = {"request": [_inject_trace_context_async]}
+    try:
+        import openai
+
+        return openai.DefaultAioHttpClient(event_hooks=hooks, timeout=600.0)
+    except (ImportError, RuntimeError):  # openai without its aiohttp extra
+        import httpx
+
+        return httpx.AsyncClient(event_hooks=hooks, timeout=600.0, limits=httpx.Limits(**_POOL_LIMITS))
 
 
 def _inject_trace_context(request: Any) -> None:
