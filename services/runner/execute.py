@@ -141,6 +141,7 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
         if status is not None:
             try:  # the last spans and the status in one atomic step
                 outcome = await ctx.store.update_attempt(rid, aid, status=status, error=error, spans=spans)
+                ctx.writer.written += len(spans)  # stored with the status: they count as written (/metrics)
             except RecordError:  # a span the store refuses (too large): store the rest, then report
                 await ctx.writer.write(spans)
                 outcome = await ctx.store.update_attempt(rid, aid, status=status, error=error)
