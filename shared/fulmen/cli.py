@@ -60,7 +60,7 @@ def settings_from_flags(**overrides: Any) -> Settings:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for chatty in ("httpx", "httpcore", "openai"):  # a line per HTTP request drowns the services' own
+    for chatty in ("httpx", "httpx2", "httpcore", "httpcore2", "openai"):  # a line per HTTP request drowns the services' own
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     return settings
 
