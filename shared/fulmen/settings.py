@@ -79,7 +79,7 @@ class Settings(BaseSettings):
 
     # --- trainer --------------------------------------------------------------------------------
     algorithm: str = Field("grpo", description="grpo, ppo, reinforce or sft.")
-    learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    learning_rate: float = Field(1e-4, ge=0, description="AdamW learning rate (0: a no-training baseline).")
     lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up.")
     lr_decay_steps: int | None = Field(None, ge=1, description="Steps of linear decay to lr_final after warm-up.")
     lr_final: float | None = Field(None, ge=0, description="Learning rate at the end of the decay.")
