@@ -11,7 +11,7 @@ from ops_helpers import get, samples, service_env, start, stop, value, wait_for
 
 from fulmen import arithmetic
 from fulmen.embedded import free_port
-from fulmen.records import ServiceBeat
+from fulmen.records import ServiceBeat, TrainStep
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
 
@@ -92,6 +92,10 @@ async def test_every_service_serves_health_readiness_and_metrics(
         assert value(p, "fulmen_proxy_request_seconds_count", endpoint="/chat/completions") >= 8
         assert value(p, "fulmen_proxy_tokens_total", kind="completion") > 0
         assert value(p, "process_cpu_seconds_total") > 0
+
+        steps = await real_store.redis.xrange(real_store.keys.trainer_steps)  # the curve `fulmen top` draws
+        first = TrainStep.from_wire(steps[0][1][b"m"])
+        assert first.step == 1 and first.model_version == "v1" and first.reward_mean is not None
 
         beats = [ServiceBeat.from_wire(v) for v in (await real_store.redis.hgetall(real_store.keys.services)).values()]
         assert {b.service for b in beats} == set(SERVICES)
