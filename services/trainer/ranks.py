@@ -11,6 +11,11 @@
 A star, not all-to-all: each rank uploads its gradient once and one aggregate comes back per step.
 Each rank scales its gradient by its share of the step's tokens before encoding, so the leader only
 sums and the result is the token-mean gradient of the whole batch, as one rank would compute it.
+The leader's own gradient goes through its codec too (it never crosses the network, but error
+feedback keeps what the codec drops for the next step): the aggregate is then `sum_decoded` of every
+rank's encoded gradient, in rank order — the same function of the same encodings as the DDP hook's
+`mean_decoded` — so the step does not depend on which rank leads, and the Redis path and the DDP
+hook give the same weights for the same codec, seeds and batches.
 
 Membership: rank n is a Redis key held with a TTL and refreshed by a heartbeat; a process takes the
 lowest free rank. A rank silent for ``rank_timeout_s`` is gone: the leader then continues without
@@ -33,6 +38,7 @@ from typing import Any
 import msgpack
 import torch
 
+from fulmen.compression import sum_decoded
 from fulmen.errors import InvalidInput, RecordError
 from fulmen.store import RedisStore
 
@@ -347,17 +353,21 @@ class RankGroup:
             metrics = await asyncio.to_thread(trainer._backward, own, total_tokens)
             gathered = await self.exchange.gather(step, answering, trainer.s.rank_timeout_s, epoch)
             answering = sorted(gathered)  # a rank left out of one pass is not waited for again this step
+            true = flat_gradient(trainer.model)
             started = time.perf_counter()
-            total = flat_gradient(trainer.model)
-            for chunks in gathered.values():
-                total += self.codec.decode(chunks)
+            own_chunks = self.codec.encode(true, step, 0)
+            encode_s = time.perf_counter() - started
+            started = time.perf_counter()
+            total = sum_decoded([own_chunks, *(gathered[r] for r in sorted(gathered))])
             decode_s = time.perf_counter() - started
+            own_cos = _cosine(RankCodec.decode(own_chunks), true)
             aggregate = self.aggregate_codec.encode(total, step, 0)
             await self.exchange.send_aggregate(step, aggregate, epoch)
             set_gradient(trainer.model, total)
             metrics["loss/grad_norm"] = trainer._update()
             received = sum(len(c) for chunks in gathered.values() for c in chunks)
-            reports = [self.exchange.reports.pop((step, epoch, r), {}) for r in gathered]
+            reports = [{"cos": own_cos, "encode_s": encode_s},
+                       *(self.exchange.reports.pop((step, epoch, r), {}) for r in gathered)]
             metrics.update({
                 "comm/ratio": total.numel() * 4 * len(gathered) / received if received else 1.0,
                 "comm/cosine": _mean([r["cos"] for r in reports if "cos" in r]),
@@ -406,8 +416,7 @@ class RankGroup:
                 started = time.perf_counter()
                 chunks = self.codec.encode(true, step, self.rank)
                 encode_s = time.perf_counter() - started
-                sent = self.codec.decode(chunks)  # what the leader will see: how far from the truth?
-                cos = float(torch.nn.functional.cosine_similarity(sent, true, dim=0)) if true.any() else 1.0
+                cos = _cosine(self.codec.decode(chunks), true)  # what the leader will see, against the truth
                 await self.exchange.send_gradient(step, self.rank, chunks, {"cos": cos, "encode_s": encode_s}, epoch)
                 aggregate = RankCodec.decode(await self.exchange.next_aggregate(step, epoch))
                 set_gradient(trainer.model, aggregate)
@@ -416,6 +425,10 @@ class RankGroup:
             trainer.version = plan_msg["model_version"]
             if trainer.step % trainer.s.checkpoint_every == 0:
                 await trainer.checkpoint()
+
+
+def _cosine(sent: torch.Tensor, true: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(sent, true, dim=0)) if true.any() else 1.0
 
 
 def _mean(values: list[float]) -> float:

@@ -16,8 +16,9 @@ The Redis path, one step on one rank (the trainer does the XADD/XREAD):
     codec = make_codec("dgc", density=0.01, momentum=0.0)        # once; checkpoint codec.state_dict()
     flat = torch.cat([p.grad.view(-1) for p in params])          # one flat buffer (or one per bucket name)
     chunks = codec.encode(flat, name="grads", step=step, rank=rank)   # list[bytes], each <= 8 MiB
-    ... XADD each chunk; XREAD every rank's chunks for this step, its own included ...
+    ... XADD each chunk; the leader XREADs every rank's chunks for this step, its own included ...
     avg = mean_decoded([chunks_rank0, chunks_rank1, ...])        # fp32 sum in rank order / world size
+    ... (the trainer pre-scales each rank's gradient by its token share and uses sum_decoded) ...
     torch._utils._unflatten_dense_tensors / a loop of p.grad.copy_(avg[o:o + n].view_as(p))
     optimizer.step()
 

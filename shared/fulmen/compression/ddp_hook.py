@@ -10,9 +10,15 @@ Contract of ``codec_hook(state, bucket) -> Future[Tensor]`` (see ``register_comm
 - Who divides: ``none`` and ``bf16`` divide each rank's buffer by the world size *before* the
   all-reduce (as PyTorch's ``allreduce_hook`` / ``bf16_compress_hook`` do: it keeps the bf16 sum in
   range); the other codecs all-gather every rank's encoded chunks, then every rank decodes and
-  averages them with `fulmen.compression.mean_decoded` — the very function of the Redis path, so both
-  paths give the same bits for the same codec, inputs and seeds. (``none`` matches the Redis path
-  exactly for 2 ranks; ``bf16`` sums in bf16 on the wire, so it matches to bf16 precision.)
+  averages them with `fulmen.compression.mean_decoded` — the decode-and-sum of the Redis path
+  (`sum_decoded`), so both paths give the same bits for the same codec, inputs and seeds. (``none``
+  matches the Redis path exactly for 2 ranks; ``bf16`` sums in bf16 on the wire, so it matches to
+  bf16 precision.)
+- Layout: top-k's error feedback, DGC's sampled threshold and QSGD's buckets see the bucket's flat
+  layout. To reproduce the Redis path's one flat gradient bit for bit, use one bucket holding every
+  parameter in ``model.parameters()`` order: a bucket cap above the model's size, and
+  ``find_unused_parameters=True``, which stops DDP from rebuilding (reordering) its buckets after the
+  first iteration (then ``start_iter=0`` is safe too).
 - All-gather of variable-size payloads: each rank first all-gathers its payload length (a blocking
   all-gather of one int64), then the payloads padded to the longest (gloo all-gathers CPU tensors).
 - State (`DDPCodecState`): the codec state (error feedback keyed by ``"bucket<index>"``), the
