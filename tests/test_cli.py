@@ -175,8 +175,16 @@ def test_redis_command_idles_when_redis_url_is_set(tmp_path: Path, redis_url: st
     proc = subprocess.Popen(
         [sys.executable, "-m", "fulmen.cli", "redis"], env=env, stderr=subprocess.PIPE, text=True
     )
-    time.sleep(1.5)
+    assert proc.stderr is not None
+    # its message comes once it is up (imports take seconds on a busy machine): SIGTERM before
+    # that would test Python's default handler, not ours
+    seen: list[str] = []
+    for line in iter(proc.stderr.readline, ""):
+        if "REDIS_URL is set" in line:
+            seen.append(line)
+            break
+    assert seen, "`fulmen redis` exited without saying it idles"
+    time.sleep(0.3)
     assert proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
-    assert "REDIS_URL is set" in proc.stderr.read()

@@ -102,10 +102,10 @@ def redis(
     so that honcho (which stops everything when one process exits) keeps the other services running."""
     settings = settings_from_flags(redis_port=port, data_dir=data_dir)
     if not settings.embedded:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # before the line that says we are up
         log.info(
             "REDIS_URL is set (%s): nothing to run; idling until stopped", redact(settings.redis_url_value())
         )
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
         return
