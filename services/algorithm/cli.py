@@ -155,6 +155,12 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
     run_on_store(settings, work)
 
 
+async def _wait_for_redis(settings: Settings) -> None:
+    from fulmen.connection import connect
+
+    await (await connect(settings)).aclose()
+
+
 def evaluator(
     experiment: Annotated[str | None, typer.Option("--experiment", "-e", help="Experiment (FULMEN_EXPERIMENT).")] = None,
 ) -> None:
@@ -169,6 +175,7 @@ def evaluator(
 
     from fulmen.keys import Keys
 
+    asyncio.run(_wait_for_redis(settings))  # services start in any order: rq would exit at once
     connection = redis.Redis.from_url(settings.redis_url_value())
     queue = Queue(Keys(settings.experiment).eval_queue, connection=connection, serializer=JSONSerializer)
     log.info("evaluator on queue %s", queue.name)
