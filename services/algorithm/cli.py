@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from fulmen import keys as k
 from fulmen.cli import run_on_store, settings_from_flags
 from fulmen.settings import Settings
 from fulmen.store import RedisStore
@@ -152,7 +153,10 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
         paths["summary"] = str(out / "summary.json")
         return paths
 
-    run_on_store(settings, work)
+    from fulmen.ops_http import start_ops
+
+    with start_ops(settings, "algorithm", groups=[("completions", k.ALGORITHM_GROUP)]):
+        run_on_store(settings, work)
 
 
 async def _wait_for_redis(settings: Settings) -> None:
@@ -179,7 +183,10 @@ def evaluator(
     connection = redis.Redis.from_url(settings.redis_url_value())
     queue = Queue(Keys(settings.experiment).eval_queue, connection=connection, serializer=JSONSerializer)
     log.info("evaluator on queue %s", queue.name)
-    SimpleWorker([queue], connection=connection, serializer=JSONSerializer).work(with_scheduler=False)
+    from fulmen.ops_http import start_ops
+
+    with start_ops(settings, "evaluator"):
+        SimpleWorker([queue], connection=connection, serializer=JSONSerializer).work(with_scheduler=False)
 
 
 def eval_command(
