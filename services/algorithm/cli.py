@@ -68,7 +68,7 @@ def command(
 def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks: list[dict[str, object]],
                    setup: Callable[[RedisStore], Awaitable[None]] | None = None) -> None:
     from fulmen_algorithm.scheduler import Scheduler
-    from fulmen_algorithm.validation import recorded, validate
+    from fulmen_algorithm.validation import reached_target, recorded, validate
 
     def enqueue_validation(version: int) -> None:
         """A validation pass as an rq job (JSON serializer): the `fulmen evaluator` worker runs it."""
@@ -111,6 +111,10 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
                 next_val = version + settings.val_every
                 await store.redis.hset(store.keys.algorithm_state, "next_val", next_val)
             if settings.total_steps is not None and version >= settings.total_steps:
+                break
+            if settings.target_accuracy is not None and reached_target(await recorded(store), settings.target_accuracy):
+                log.info("validation reached %.2f twice in a row: ending the run at step %d",
+                         settings.target_accuracy, version)
                 break
             if scheduler.exhausted and inflight == 0:
                 break

@@ -92,6 +92,13 @@ async def recorded(store: RedisStore) -> list[dict[str, Any]]:
     return [json.loads(f[b"m"]) for _, f in await store.redis.xrange(store.keys.validations)]
 
 
+def reached_target(passes: list[dict[str, Any]], target: float, in_a_row: int = 2) -> bool:
+    """True when the last ``in_a_row`` periodic passes after the start (labels v1, v2, …) all reach
+    ``target``: one pass of a few hundred questions can touch it by luck while the policy still swings."""
+    periodic = [p["accuracy"] for p in passes if p["label"].startswith("v") and p["label"] != "v0"]
+    return len(periodic) >= in_a_row and min(periodic[-in_a_row:]) >= target
+
+
 def validation_job(
     experiment: str, val_data: str, label: str, timeout_s: float = 600.0, step: int | None = None
 ) -> dict[str, Any]:

@@ -119,6 +119,9 @@ class Settings(BaseSettings):
     critic_api_key: SecretStr | None = Field(None, description="Bearer key for the critic (never logged).")
     val_every: int | None = Field(None, ge=1, description="Validate every V trainer versions (needs val_data).")
     val_timeout_s: float = Field(600.0, gt=0, description="How long a validation pass may take.")
+    target_accuracy: float | None = Field(
+        None, gt=0, le=1, description="End the run early once two validation passes in a row reach this accuracy."
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Trainer /metrics port (unset: $PORT).")
     world_size: int = Field(1, ge=1, le=256, description="Data-parallel trainer ranks (honcho -c trainer=R).")
     codec: str = Field("none", description="Gradient codec between ranks: none, bf16, topk, dgc, qsgd8, qsgd4.")
