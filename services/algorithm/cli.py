@@ -67,7 +67,7 @@ def command(
 
 def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks: list[dict[str, object]],
                    setup: Callable[[RedisStore], Awaitable[None]] | None = None) -> None:
-    from fulmen_algorithm.scheduler import Scheduler
+    from fulmen_algorithm.scheduler import Scheduler, train_rollout_config
     from fulmen_algorithm.validation import reached_target, recorded, validate
 
     def enqueue_validation(version: int) -> None:
@@ -96,6 +96,7 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
             store, tasks, n_samples=settings.n_samples, groups_per_step=settings.groups_per_step,
             max_inflight=settings.max_inflight, staleness=settings.staleness, epochs=settings.epochs,
             seed=settings.seed,
+            rollout_config=train_rollout_config(settings.rollout_unresponsive_s, settings.rollout_max_attempts),
         )
         await scheduler.load()
         started, last_line = time.monotonic(), 0.0

@@ -14,6 +14,9 @@ Pacing, in rounds of ``groups_per_step`` groups (what the trainer needs for one 
 - a trainer that dropped a group (fewer than two usable rollouts) needs one more than the rounds
   allowed for: when nothing is in flight and the version has not moved for ``stall_s``, one extra
   group is enqueued, so the run cannot stall.
+
+Train rollouts carry a heartbeat deadline and a retry policy (`train_rollout_config`): the attempts
+of a runner that dies are ended by the watchdog and run again elsewhere, so their groups complete.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ from fulmen_algorithm.dataset import Task, task_id
 log = logging.getLogger(__name__)
 
 
+def train_rollout_config(unresponsive_s: float = 30.0, max_attempts: int = 3) -> RolloutConfig:
+    """The retry policy of train rollouts. Without a heartbeat deadline the watchdog can never take
+    back the attempts of a runner that died (SIGKILL, OOM, a lost node): they would stay "running"
+    forever, their groups would never complete, and the run would wait on them. With one, a dead
+    runner's attempts end as unresponsive and are retried on another runner."""
+    return RolloutConfig(unresponsive_seconds=unresponsive_s, max_attempts=max_attempts,
+                         retry_condition=("unresponsive", "timeout"))
 
 
 @dataclass
@@ -79,7 +89,7 @@ class Scheduler:
         self.epochs = epochs
         self.seed = seed
         self.resources_id = resources_id
-        self.rollout_config = rollout_config or RolloutConfig()
+        self.rollout_config = rollout_config or train_rollout_config()
         self.stall_s = stall_s
         self.state = RunState()
         self._order: list[int] = []
@@ -92,6 +102,10 @@ class Scheduler:
     async def load(self) -> RunState:
         self.state = RunState.from_hash(await self.store.redis.hgetall(self.store.keys.algorithm_state))
         await self.store.ensure_completions_group(k.ALGORITHM_GROUP)
+        # Completions a killed predecessor read but did not acknowledge are pending under our consumer
+        # name, and a read of new entries never returns them: count them now, or their rollouts stay
+        # "in flight" for the rest of the run (backpressure shrinks, an epoch-bounded run never ends).
+        await self.count_completions(pending=True)
         if self.state.groups:
             log.info("resuming the run: epoch %d, task %d of %d, %d groups enqueued so far",
                      self.state.epoch, self.state.cursor, len(self.tasks), self.state.groups)
@@ -118,12 +132,15 @@ class Scheduler:
             self._last_version, self._version_changed_at = v, time.monotonic()
         return v
 
-    async def count_completions(self, block_s: float | None = None) -> int:
+    async def count_completions(self, block_s: float | None = None, *, pending: bool = False) -> int:
         """Read the completions stream: train rollouts of this run that ended are counted once each.
-        ``block_s``: wait that long for the first completion (the run loop's pause between fills)."""
+        ``block_s``: wait that long for the first completion (the run loop's pause between fills).
+        ``pending``: instead, the entries read before a restart and never acknowledged."""
         done = 0
         while True:
-            batch = await self.store.read_completions(k.ALGORITHM_GROUP, "algorithm", count=500, block_s=block_s)
+            batch = await self.store.read_completions(
+                k.ALGORITHM_GROUP, "algorithm", count=500, block_s=block_s, pending=pending
+            )
             block_s = None
             if not batch:
                 return done

@@ -114,6 +114,12 @@ class Settings(BaseSettings):
     staleness: int = Field(0, ge=0, description="Model versions a rollout may lag (0: synchronous).")
     epochs: int | None = Field(None, ge=1, description="Passes over the training tasks (unset: until total_steps).")
     total_steps: int | None = Field(None, ge=1, description="End the run when the trainer reaches this version.")
+    rollout_unresponsive_s: float = Field(
+        30.0, gt=0, description="A train rollout's attempt silent this long is ended by the watchdog and retried."
+    )
+    rollout_max_attempts: int = Field(
+        3, ge=1, description="Attempts per train rollout (retried when unresponsive or timed out)."
+    )
     critic_base_url: str | None = Field(None, description="APO's critic: an OpenAI-compatible base URL.")
     critic_model: str | None = Field(None, description="APO's critic model name.")
     critic_api_key: SecretStr | None = Field(None, description="Bearer key for the critic (never logged).")

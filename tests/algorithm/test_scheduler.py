@@ -125,3 +125,39 @@ def test_dataset_errors_name_the_line(tmp_path: Path) -> None:
         load_tasks(dup)
     with pytest.raises(InvalidInput, match="does not exist"):
         load_tasks(tmp_path / "none.jsonl")
+
+
+async def test_completions_read_before_a_kill_are_counted_after_the_restart(real_store: RedisStore) -> None:
+    """A scheduler killed between reading completions and acknowledging them: its successor counts them."""
+    from fulmen import keys as k
+
+    first = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100)
+    await first.load()
+    assert await first.fill() == 1
+    await _finish(real_store, 2)
+    # what the killed process did: the completions were delivered to it, never counted nor acknowledged
+    assert len(await real_store.read_completions(k.ALGORITHM_GROUP, "algorithm", count=10)) == 2
+    second = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100)
+    await second.load()
+    assert await second.inflight() == 0
+    assert (await real_store.redis.xpending(real_store.keys.completions, k.ALGORITHM_GROUP))["pending"] == 0
+
+
+async def test_a_dead_runners_train_rollouts_are_retried(real_store: RedisStore) -> None:
+    """Train rollouts carry a heartbeat deadline: the watchdog requeues the attempts of a runner that died."""
+    from fulmen.status import RolloutStatus
+    from fulmen.store.watchdog import sweep
+    from fulmen_algorithm.scheduler import train_rollout_config
+
+    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100,
+                  rollout_config=train_rollout_config(unresponsive_s=0.1))
+    await s.load()
+    ids = await s.enqueue_group()
+    claimed = await real_store.dequeue_rollouts("runner-that-dies", 2)
+    assert len(claimed) == 2  # ...and its process is SIGKILLed: no heartbeat, no report
+    await asyncio.sleep(0.3)
+    assert (await sweep(real_store))["requeued"] == 2
+    rollouts = await real_store.get_rollouts(ids)
+    assert all(r is not None and r.status is RolloutStatus.REQUEUING for r in rollouts)
+    retried = await real_store.dequeue_rollouts("another-runner", 2)
+    assert sorted(c.attempt.attempt_id for c in retried) == sorted(f"{rid}.2" for rid in ids)

@@ -71,18 +71,20 @@ class CompletionsMixin:
         self._completion_groups.add(group)
 
     async def read_completions(
-        self, group: str, consumer: str, count: int = 100, block_s: float | None = None
+        self, group: str, consumer: str, count: int = 100, block_s: float | None = None, *, pending: bool = False
     ) -> list[Completion]:
         """Completions for a consumer group (the adapter, the algorithm). Acknowledge each with
-        `ack_completions` once its effect is stored; malformed entries are dead-lettered here."""
+        `ack_completions` once its effect is stored; malformed entries are dead-lettered here.
+        ``pending``: instead, the entries this consumer read before and has not acknowledged (after a
+        restart under the same consumer name), oldest first; acknowledge them to move on."""
         # The group is created once per store, not before every read (one more round trip each
         # time). A group deleted since (the experiment was deleted) makes the read fail (NOGROUP;
         # fakeredis words it otherwise): create the group again and read once more.
         ensured = group in self._completion_groups
         if not ensured:
             await self.ensure_completions_group(group)
-        block_ms = None if block_s is None else max(1, int(block_s * 1000))
-        streams = {self.keys.completions: ">"}
+        block_ms = None if block_s is None or pending else max(1, int(block_s * 1000))
+        streams = {self.keys.completions: "0" if pending else ">"}
         try:
             reply = await self.redis.xreadgroup(group, consumer, streams, count=count, block=block_ms)
         except ResponseError:
