@@ -1,0 +1,583 @@
+"""Chaos runs: every service as its own process, one of them SIGKILLed mid-run and started again with
+the same command, then the store is checked for lost and double-counted work.
+
+Used by tests/test_chaos.py (runner, trainer, algorithm, in CI) and bench/chaos.py (every service).
+
+Services run as systemd or Kubernetes would run them: each `fulmen <service>` is a process of its
+own with the same environment, and a supervisor restarts any that exits unexpectedly (like
+``Restart=always``), recording it, so a crash the kill provokes elsewhere is reported, not hidden.
+The run is short (a tiny model, a few trainer versions, small GRPO groups) and ends when the
+algorithm process exits 0 with its summary.
+
+What `check_store` verifies after the run (`Verdict`):
+
+- nothing lost: the train rollouts in the store are exactly the ids the scheduler's deterministic
+  order gives for the groups it recorded (every group's n rollouts, ``<run>-e<epoch>-<task>-<k>``),
+  and each reached a terminal status;
+- nothing counted twice: each train rollout appears once in the completions stream, once in the
+  algorithm's done set, has one adapter write (samples or a skip) and no sample id twice;
+- the trainer trained on each sample at most once (its metrics lines list the sample ids of each
+  step, written only after the checkpoint that covers them), its steps are 1..N each once, and the
+  run reached its final model version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from fulmen import arithmetic
+from fulmen.embedded import free_port, wait_for_port
+from fulmen.errors import NotFound
+from fulmen.model_versions import version_number
+from fulmen.records import Completion, Sample, SampleSkip
+from fulmen.status import RolloutStatus
+from fulmen.store import RedisStore
+from fulmen.store.samples import decode_sample
+from fulmen.tiny_model import build_tiny_model
+from fulmen_algorithm.dataset import load_tasks, task_id
+from fulmen_algorithm.scheduler import Scheduler
+
+REPO = Path(__file__).resolve().parents[1]
+FULMEN = str(Path(sys.executable).with_name("fulmen"))
+RUN = "run"  # the scheduler's run name: train rollout ids are "<RUN>-e<epoch>-<task>-<k>"
+TERMINAL = {RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.CANCELLED}
+SERVICES = ("redis", "watchdog", "llm-proxy", "runner", "adapter", "trainer", "evaluator", "algorithm")
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """A run that ends in well under a minute on two busy cores."""
+
+    total_steps: int = 4
+    groups_per_step: int = 2
+    n_samples: int = 4
+    train_tasks: int = 40
+    val_tasks: int = 0  # 0: no validation passes and no evaluator
+    val_every: int = 2
+    runner_concurrency: int = 8
+    # short, so a killed runner's attempts come back within seconds; still well above the runner's
+    # heartbeat interval (a third of it), so a busy machine does not end live attempts
+    unresponsive_s: float = 6.0
+    seed: int = 1
+
+
+@dataclass
+class Service:
+    """One `fulmen` command as a child process; started again with the very same command."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_dir: Path
+    process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    killed: int = 0
+    unexpected_exits: list[int] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.starts += 1
+        # one log per start: the algorithm's summary is the last stdout line of its last start
+        out = (self.log_dir / f"{self.name}.{self.starts}.out").open("wb")
+        err = (self.log_dir / f"{self.name}.{self.starts}.err").open("wb")
+        with out, err:
+            self.process = subprocess.Popen(self.argv, env=self.env, cwd=REPO, stdout=out, stderr=err)
+
+    def kill(self) -> None:
+        """SIGKILL: no handler runs, nothing is flushed, sockets close mid-request."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+        self.killed += 1
+
+    @property
+    def stdout(self) -> str:
+        return (self.log_dir / f"{self.name}.{self.starts}.out").read_text(errors="replace")
+
+    def stderr_tail(self, chars: int = 3000) -> str:
+        return (self.log_dir / f"{self.name}.{self.starts}.err").read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def reap(self, timeout_s: float = 15.0) -> None:
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+@dataclass
+class Verdict:
+    """What the store says after the run. ``problems`` empty means: nothing lost, nothing twice."""
+
+    service: str
+    finished: bool = False
+    steps: int = 0
+    rollouts: int = 0
+    expected: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    not_terminal: int = 0
+    failed: int = 0
+    retried: int = 0
+    trained_samples: int = 0
+    trained_twice: int = 0
+    dead_letters: int = 0
+    restarts: dict[str, int] = field(default_factory=dict)
+    unexpected_exits: dict[str, list[int]] = field(default_factory=dict)
+    wall_s: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.finished and not self.problems
+
+    def line(self) -> str:
+        state = "ok" if self.ok else "FAIL"
+        text = (f"{self.service:<10} {state:<4} steps {self.steps}  rollouts {self.rollouts}/{self.expected}  "
+                f"lost {self.lost}  duplicated {self.duplicated}  not terminal {self.not_terminal}  "
+                f"failed {self.failed}  retried {self.retried}  trained {self.trained_samples} "
+                f"(twice {self.trained_twice})  dead letters {self.dead_letters}  {self.wall_s:.0f} s")
+        if self.unexpected_exits:  # restarted by the supervisor, as systemd would: worth a look
+            text += f"  exited on their own (restarted): {self.unexpected_exits}"
+        return text + "".join(f"\n    - {p}" for p in self.problems)
+
+
+class ChaosRun:
+    """Every service of a short training run as its own process, on one experiment.
+
+    ``redis_url``: a Redis to use (the tests' session server); None: `fulmen redis` runs the
+    embedded server as one more process (on a free port, AOF in the work folder), so it can be
+    killed too."""
+
+    def __init__(self, workdir: Path, experiment: str, config: ChaosConfig | None = None,
+                 redis_url: str | None = None) -> None:
+        self.workdir = workdir
+        self.experiment = experiment
+        self.config = config or ChaosConfig()
+        self.redis_url = redis_url
+        self.redis_port = free_port() if redis_url is None else None
+        self.services: dict[str, Service] = {}
+        self.started = 0.0
+        self.summary: dict[str, Any] | None = None
+        self._supervising = False
+        self.client: aioredis.Redis | None = None
+        self.store: RedisStore | None = None
+
+    # --- setup ------------------------------------------------------------------------------------
+
+    def _env(self) -> dict[str, str]:
+        c, w = self.config, self.workdir
+        env = {name: value for name, value in os.environ.items()
+               if not name.startswith(("FULMEN_", "OTEL_")) and name != "REDIS_URL"}
+        env.update(
+            FULMEN_EXPERIMENT=self.experiment, PYTHONPATH=str(REPO), FULMEN_LOG_LEVEL="INFO",
+            FULMEN_GROUPS_PER_STEP=str(c.groups_per_step), FULMEN_N_SAMPLES=str(c.n_samples),
+            FULMEN_CHECKPOINT_DIR=str(w / "ck"), FULMEN_METRICS_FILE=str(w / "metrics.jsonl"),
+            FULMEN_TORCH_THREADS="1", FULMEN_DATA_DIR=str(w / "data"), FULMEN_MODEL_DIR=str(w / "tiny"),
+            FULMEN_SEED=str(c.seed), FULMEN_ROLLOUT_UNRESPONSIVE_S=str(c.unresponsive_s),
+            FULMEN_REDIS_WAIT_S="120", COLUMNS="200", PYTHONFAULTHANDLER="1",
+        )
+        if self.redis_url is not None:
+            env["REDIS_URL"] = self.redis_url
+        else:
+            env["FULMEN_REDIS_PORT"] = str(self.redis_port)
+        return env
+
+    def _commands(self) -> dict[str, list[str]]:
+        c, w = self.config, self.workdir
+        algorithm = [FULMEN, "algorithm", "--train-data", str(w / "train.jsonl"), "--total-steps", str(c.total_steps)]
+        if c.val_tasks:
+            algorithm += ["--val-data", str(w / "val.jsonl"), "--val-every", str(c.val_every)]
+        commands = {
+            "watchdog": [FULMEN, "watchdog"],
+            # a fixed port for this run, so the restarted proxy is where the store says it is
+            "llm-proxy": [FULMEN, "llm-proxy", "--backend", "torch", "--model-dir", str(w / "tiny"),
+                          "--port", str(free_port())],
+            "runner": [FULMEN, "runner", "--agent", "examples.arithmetic_agent:agent",
+                       "--concurrency", str(c.runner_concurrency)],
+            "adapter": [FULMEN, "adapter"],
+            "trainer": [FULMEN, "trainer"],
+            "algorithm": algorithm,
+        }
+        if c.val_tasks:
+            commands["evaluator"] = [FULMEN, "evaluator"]
+        if self.redis_url is None:
+            commands = {"redis": [FULMEN, "redis"], **commands}
+        return commands
+
+    async def start(self) -> None:
+        c, w = self.config, self.workdir
+        (w / "logs").mkdir(parents=True, exist_ok=True)
+        build_tiny_model(w / "tiny")
+        arithmetic.write_jsonl(w / "train.jsonl", arithmetic.make_tasks("train", c.train_tasks, seed=c.seed))
+        if c.val_tasks:
+            arithmetic.write_jsonl(w / "val.jsonl", arithmetic.make_tasks("val", c.val_tasks, seed=c.seed))
+        env = self._env()
+        for name, argv in self._commands().items():
+            self.services[name] = Service(name, argv, env, w / "logs")
+        if "redis" in self.services:
+            self.services["redis"].start()
+            assert self.redis_port is not None
+            await asyncio.to_thread(wait_for_port, self.redis_port, 30.0)
+        url = self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+        self.client = aioredis.from_url(url)
+        self.store = RedisStore(self.client, self.experiment)
+        # the policy the runners use: the tiny model's base weights, sampled at temperature 1
+        await self.store.add_resources(
+            {"llm": {"kind": "llm", "model": "tiny", "model_version": "base",
+                     "sampling_parameters": {"temperature": 1.0}}},
+            resources_id="policy",
+        )
+        self.started = time.monotonic()
+        for name, service in self.services.items():
+            if name not in ("redis", "algorithm"):
+                service.start()
+        self._supervising = True
+        # The algorithm last, once a proxy serves: on a busy machine the proxy takes tens of seconds
+        # to load torch, and attempts that find no proxy for 30 s fail (NoProxy) and shrink groups —
+        # a start-up race, not what this run is about.
+        store = self.store
+
+        async def proxy_registered() -> bool:
+            return bool(await store.query_proxies())
+
+        await self.wait_for("an LLM proxy registered", proxy_registered, 240.0)
+        self.services["algorithm"].start()
+
+    async def close(self) -> None:
+        self._supervising = False
+        for name, service in self.services.items():
+            if name != "redis":
+                service.stop()
+        for name, service in self.services.items():
+            if name != "redis":
+                await asyncio.to_thread(service.reap)
+        if self.client is not None:
+            await self.client.aclose()
+        if "redis" in self.services:  # last: the others flush to it on the way out
+            self.services["redis"].stop()
+            await asyncio.to_thread(self.services["redis"].reap)
+
+    # --- during the run -------------------------------------------------------------------------------
+
+    def supervise(self) -> None:
+        """Restart any service that exited on its own (systemd's Restart=always), and record it. The
+        algorithm exiting 0 is the end of the run, not a crash."""
+        if not self._supervising:
+            return
+        for name, service in self.services.items():
+            code = service.process.poll() if service.process is not None else None
+            if code is None or (name == "algorithm" and code == 0):
+                continue
+            service.unexpected_exits.append(code)
+            service.start()
+
+    async def wait_for(self, what: str, condition: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
+        """Supervise until ``condition`` holds; fail with the services' state if it never does."""
+        deadline = time.monotonic() + timeout_s
+        while not await condition():
+            self.supervise()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not within {timeout_s:.0f} s\n{self.describe()}")
+            await asyncio.sleep(0.2)
+
+    async def version(self) -> int:
+        assert self.store is not None
+        try:
+            update = await self.store.get_resources("policy")
+        except NotFound:
+            return 0
+        return version_number((update.resources.get("llm") or {}).get("model_version"))
+
+    async def count_status(self, *statuses: RolloutStatus) -> int:
+        assert self.store is not None
+        return sum([await self.store.redis.scard(self.store.keys.status(s.value)) for s in statuses])
+
+    async def trainer_pending(self) -> int:
+        assert self.store is not None
+        from fulmen import keys as k
+
+        with contextlib.suppress(Exception):  # no group yet: nothing pending
+            return int((await self.store.redis.xpending(self.store.keys.samples, k.TRAINERS_GROUP))["pending"])
+        return 0
+
+    async def chaos(self, name: str, moment: Callable[[ChaosRun], Awaitable[bool]], timeout_s: float = 180.0) -> float:
+        """Wait for ``moment``, SIGKILL ``name``, start it again with the same command. Returns the
+        run time (s) at the kill."""
+        await self.wait_for(f"the moment to kill {name}", lambda: moment(self), timeout_s)
+        service = self.services[name]
+        await asyncio.to_thread(service.kill)
+        at = time.monotonic() - self.started
+        if name == "redis":  # clients see their connection drop; the server comes back from its AOF
+            assert self.client is not None
+            await self.client.connection_pool.disconnect()
+        service.start()
+        if name == "redis":
+            assert self.redis_port is not None
+            await asyncio.to_thread(wait_for_port, self.redis_port, 30.0)
+        return at
+
+    async def finish(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Wait for the algorithm to end the run (exit 0), supervising; returns its summary."""
+        algorithm = self.services["algorithm"]
+
+        async def ended() -> bool:
+            return algorithm.process is not None and algorithm.process.poll() == 0
+
+        await self.wait_for("the run's end", ended, timeout_s)
+        self.summary = json.loads(algorithm.stdout.strip().splitlines()[-1])
+        return self.summary
+
+    async def settle(self, timeout_s: float = 120.0) -> None:
+        """After the run: let the rollouts still in flight end and the adapter take in every
+        completion, so the checks see the pipeline at rest (the services keep running meanwhile)."""
+        assert self.store is not None
+        store = self.store
+        from fulmen import keys as k
+
+        async def at_rest() -> bool:
+            busy = (RolloutStatus.QUEUING, RolloutStatus.REQUEUING, RolloutStatus.PREPARING, RolloutStatus.RUNNING)
+            if await self.count_status(*busy):
+                return False
+            # Redis 6.2 has no group "lag": compare the group's last delivered id with the stream's last
+            groups = await store.redis.xinfo_groups(store.keys.completions)
+            adapter = [g for g in groups if g["name"] == k.ADAPTER_GROUP.encode()]
+            last = await store.redis.xrevrange(store.keys.completions, count=1)
+            return (bool(adapter) and adapter[0]["pending"] == 0
+                    and (not last or adapter[0]["last-delivered-id"] == last[0][0]))
+
+        await self.wait_for("the pipeline at rest after the run", at_rest, timeout_s)
+
+    def describe(self) -> str:
+        lines = []
+        for name, s in self.services.items():
+            code = s.process.poll() if s.process is not None else None
+            lines.append(f"--- {name}: starts {s.starts}, exit {code}, unexpected exits {s.unexpected_exits}\n"
+                         f"{s.stderr_tail(1500)}")
+        return "\n".join(lines)
+
+    # --- after the run ---------------------------------------------------------------------------------
+
+    async def check_store(self, killed: str) -> Verdict:
+        """The store and the trainer's metrics against what the run must have done (see the module doc)."""
+        assert self.store is not None
+        store, c = self.store, self.config
+        v = Verdict(killed, wall_s=time.monotonic() - self.started)
+        v.restarts = {n: s.starts - 1 for n, s in self.services.items() if s.starts > 1}
+        v.unexpected_exits = {n: s.unexpected_exits for n, s in self.services.items() if s.unexpected_exits}
+        v.finished = self.summary is not None
+        v.steps = await self.version()
+        if v.steps < c.total_steps:
+            v.problems.append(f"the run ended at version {v.steps}, before {c.total_steps}")
+
+        # the ids the scheduler must have enqueued: its order is a pure function of seed and epoch
+        state = {key.decode(): int(value) for key, value in (await store.redis.hgetall(store.keys.algorithm_state)).items()
+                 if key in (b"epoch", b"cursor", b"groups", b"enqueued")}
+        tasks = load_tasks(self.workdir / "train.jsonl")
+        order = Scheduler(store, tasks, n_samples=c.n_samples, seed=c.seed, run=RUN)
+        expected: list[str] = []
+        for g in range(state.get("groups", 0)):
+            epoch, position = divmod(g, len(tasks))
+            tid = task_id(tasks[order.order(epoch)[position]])
+            expected += [f"{RUN}-e{epoch}-{tid}-{i}" for i in range(c.n_samples)]
+        v.expected = len(expected)
+        if state.get("enqueued") != len(expected):
+            v.problems.append(f"the algorithm recorded {state.get('enqueued')} rollouts enqueued for "
+                              f"{state.get('groups')} groups of {c.n_samples}")
+
+        indexed = [rid.decode() for rid in await store.redis.zrange(store.keys.rollout_index, 0, -1)]
+        train = [rid for rid in indexed if rid.startswith(f"{RUN}-e")]
+        v.rollouts = len(train)
+        missing, extra = set(expected) - set(train), set(train) - set(expected)
+        v.lost = len(missing)
+        if missing:
+            v.problems.append(f"{len(missing)} rollouts never enqueued, e.g. {sorted(missing)[:3]}")
+        if extra:
+            v.problems.append(f"{len(extra)} rollouts the run's groups do not account for, e.g. {sorted(extra)[:3]}")
+
+        rollouts = await store.get_rollouts(train)
+        for r in rollouts:
+            assert r is not None
+            if r.status not in TERMINAL:
+                v.not_terminal += 1
+            v.failed += r.status is RolloutStatus.FAILED
+        pipe = store.redis.pipeline(transaction=False)
+        for rid in train:
+            pipe.hget(store.keys.rollout(rid), "attempt_n")
+        v.retried = sum(1 for n in await pipe.execute() if int(n or 0) > 1)
+        if v.not_terminal:
+            stuck = [(r.rollout_id, r.status.value) for r in rollouts if r is not None and r.status not in TERMINAL]
+            v.problems.append(f"{v.not_terminal} train rollouts never ended, e.g. {stuck[:3]}")
+
+        # completions: once per terminal rollout; the algorithm's done set counts each once
+        completions = Counter[str]()
+        for _, fields in await store.redis.xrange(store.keys.completions):
+            completions[Completion.from_wire(fields[b"m"]).rollout_id] += 1
+        twice = {rid: n for rid, n in completions.items() if rid.startswith(f"{RUN}-e") and n > 1}
+        unreported = [r.rollout_id for r in rollouts if r is not None and r.status in TERMINAL
+                      and completions[r.rollout_id] == 0]
+        done = {x.decode() for x in await store.redis.smembers(store.keys.algorithm_done)}
+        if twice:
+            v.problems.append(f"{len(twice)} rollouts completed more than once: {dict(list(twice.items())[:3])}")
+        if unreported:
+            v.problems.append(f"{len(unreported)} terminal rollouts never reached the completions stream")
+        # the algorithm stops reading when the run ends: what it has not read yet is either after its
+        # group's last delivered entry or pending; with those, its done set is every terminal rollout
+        from fulmen import keys as k
+
+        groups = {g["name"]: g for g in await store.redis.xinfo_groups(store.keys.completions)}
+        last_read = groups[k.ALGORITHM_GROUP.encode()]["last-delivered-id"].decode()
+        pending = {e["message_id"].decode() for e in await store.redis.xpending_range(
+            store.keys.completions, k.ALGORITHM_GROUP, "-", "+", 10_000)}
+        unread = {Completion.from_wire(fields[b"m"]).rollout_id
+                  for eid, fields in await store.redis.xrange(store.keys.completions)
+                  if _after(eid.decode(), last_read) or eid.decode() in pending}
+        terminal = {r.rollout_id for r in rollouts if r is not None and r.status in TERMINAL}
+        if not done <= terminal or (terminal - done) - unread:
+            v.problems.append(f"the algorithm's done set ({len(done)}) is not the terminal train rollouts "
+                              f"({len(terminal)}) less the {len(unread & terminal)} completions it never read")
+
+        # samples: one adapter write per rollout (HSETNX 'sampled'); no sample id twice on the stream
+        sample_ids = Counter[str]()
+        entries_of = Counter[str]()  # train rollout -> samples-stream entries (samples or a skip)
+        attempts_of: dict[str, set[str | None]] = {}  # train rollout -> the attempts they came from
+        for _, fields in await store.redis.xrange(store.keys.samples):
+            item: Sample | SampleSkip = decode_sample(fields[b"m"], store.max_record_bytes)
+            if isinstance(item, Sample):
+                sample_ids[item.sample_id] += 1
+            if item.rollout_id.startswith(f"{RUN}-e"):
+                entries_of[item.rollout_id] += 1
+                attempts_of.setdefault(item.rollout_id, set()).add(item.attempt_id)
+        several = {rid: sorted(map(str, a)) for rid, a in attempts_of.items() if len(a) > 1}
+        doubled = {sid: n for sid, n in sample_ids.items() if n > 1}
+        if doubled:
+            v.problems.append(f"{len(doubled)} sample ids on the samples stream twice, e.g. {list(doubled)[:3]}")
+        if several:
+            v.problems.append(f"{len(several)} rollouts adapted from more than one attempt, e.g. "
+                              f"{list(several.items())[:3]}")
+        unsampled = [rid for rid in done if entries_of[rid] == 0]
+        v.duplicated = len(twice) + len(doubled) + len(several)
+
+        # the trainer: steps 1..N once each, every sample trained at most once and known to the stream
+        lines = [json.loads(x) for x in (self.workdir / "metrics.jsonl").read_text().splitlines()] \
+            if (self.workdir / "metrics.jsonl").exists() else []
+        steps = [line["step"] for line in lines]
+        if steps != list(range(1, len(steps) + 1)):
+            v.problems.append(f"trainer steps logged are not 1..N once each: {steps}")
+        trained = Counter(sid for line in lines for sid in line["sample_ids"])
+        v.trained_samples = sum(trained.values())
+        v.trained_twice = sum(1 for n in trained.values() if n > 1)
+        if v.trained_twice:
+            v.problems.append(f"{v.trained_twice} samples trained on twice, e.g. "
+                              f"{[s for s, n in trained.items() if n > 1][:3]}")
+        unknown = set(trained) - set(sample_ids)
+        if unknown:
+            v.problems.append(f"{len(unknown)} trained sample ids are not on the samples stream")
+        v.duplicated += v.trained_twice
+        v.lost += len(unsampled)
+        if unsampled:
+            # a skip record is written for a rollout with nothing to train on, so none may be silent
+            pending = await self._adapter_pending()
+            v.problems.append(f"{len(unsampled)} terminal train rollouts have no samples and no skip record "
+                              f"(adapter pending {pending}), e.g. {sorted(unsampled)[:3]}")
+        v.dead_letters = len(await store.redis.xrange(store.keys.dead_letters))
+        if v.dead_letters:
+            v.problems.append(f"{v.dead_letters} dead letters")
+        return v
+
+    async def _adapter_pending(self) -> int:
+        assert self.store is not None
+        from fulmen import keys as k
+
+        with contextlib.suppress(Exception):
+            return int((await self.store.redis.xpending(self.store.keys.completions, k.ADAPTER_GROUP))["pending"])
+        return 0
+
+
+def _after(entry_id: str, other: str) -> bool:
+    """Stream entry ids compare as (milliseconds, sequence) pairs."""
+    a, b = entry_id.split("-"), other.split("-")
+    return (int(a[0]), int(a[1])) > (int(b[0]), int(b[1]))
+
+
+# --- when to kill: one moment per service, each chosen so the kill lands on work in hand ------------------
+
+
+async def after_first_version(run: ChaosRun) -> bool:
+    """The trainer has published v1: every service has done its part at least once."""
+    return await run.version() >= 1
+
+
+async def runner_busy(run: ChaosRun) -> bool:
+    """After v1, with attempts claimed and not finished: the runner dies holding them."""
+    return await run.version() >= 1 and await run.count_status(RolloutStatus.PREPARING, RolloutStatus.RUNNING) > 0
+
+
+async def trainer_holding_samples(run: ChaosRun) -> bool:
+    """After v1, with samples read and not yet covered by a checkpoint: they must be trained once."""
+    return await run.version() >= 1 and await run.trainer_pending() > 0
+
+
+async def rollouts_in_flight(run: ChaosRun) -> bool:
+    """After v1, with train rollouts queued or running: the algorithm dies mid-run."""
+    busy = (RolloutStatus.QUEUING, RolloutStatus.PREPARING, RolloutStatus.RUNNING)
+    return await run.version() >= 1 and await run.count_status(*busy) > 0
+
+
+async def validation_running(run: ChaosRun) -> bool:
+    """A validation pass has its rollouts out: the evaluator dies inside its rq job."""
+    assert run.store is not None
+    indexed = await run.store.redis.zrange(run.store.keys.rollout_index, 0, -1)
+    return any(rid.startswith(b"val-v") for rid in indexed)
+
+
+MOMENTS: dict[str, Callable[[ChaosRun], Awaitable[bool]]] = {
+    "redis": rollouts_in_flight,
+    "watchdog": after_first_version,
+    "llm-proxy": runner_busy,
+    "runner": runner_busy,
+    "adapter": rollouts_in_flight,
+    "trainer": trainer_holding_samples,
+    "evaluator": validation_running,
+    "algorithm": rollouts_in_flight,
+}
+
+
+async def chaos_case(service: str, workdir: Path, experiment: str, config: ChaosConfig | None = None,
+                     redis_url: str | None = None, timeout_s: float = 300.0) -> Verdict:
+    """One whole case: start the run, kill ``service`` at its moment and restart it, let the run
+    finish, check the store."""
+    run = ChaosRun(workdir, experiment, config, redis_url)
+    try:
+        await run.start()
+        if service != "none":
+            await run.chaos(service, MOMENTS[service], timeout_s=timeout_s)
+        await run.finish(timeout_s=timeout_s)
+        await run.settle()
+        verdict = await run.check_store(service)
+        verdict.wall_s = time.monotonic() - run.started
+        return verdict
+    except TimeoutError as e:
+        verdict = Verdict(service, wall_s=time.monotonic() - run.started, problems=[str(e)[:4000]])
+        return verdict
+    finally:
+        await run.close()
