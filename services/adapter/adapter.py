@@ -27,11 +27,11 @@ from typing import Any
 from fulmen import keys as k
 from fulmen.codec import unpack
 from fulmen.errors import RecordError
-from fulmen.records import Completion, Rollout, SampleSkip
+from fulmen.records import Completion, Rollout, SampleSkip, pack_sample
 from fulmen.status import RolloutStatus
 from fulmen.store import RedisStore
 from fulmen.store.samples import RolloutForSamples
-from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, spans_to_samples
+from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, sample_fields
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +154,8 @@ class Adapter:
                 raise Skip(rollout.status.value, f"rollout {rollout.status.value}")
             if isinstance(spans, RecordError):
                 raise Skip("malformed_span", f"malformed span record: {spans}")
-            samples = spans_to_samples(spans or [], info, self.config)
-            records = [s.to_wire(self.store.max_record_bytes) for s in samples]
+            max_bytes = self.store.max_record_bytes
+            records = [pack_sample(fields, max_bytes) for fields in sample_fields(spans, info, self.config)]
             return _Result(rollout.rollout_id, records, {"rollouts": 1, "samples": len(records)})
         except Skip as e:
             code, reason = e.code, str(e)

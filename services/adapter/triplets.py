@@ -27,7 +27,10 @@ from typing import Any
 
 from fulmen import semconv, tokens
 from fulmen.errors import RecordError
-from fulmen.records import Sample, Span
+from fulmen.records import Sample, Span, SpanView
+
+# The adapter hands in `SpanView`s (decoded cheaply from the store); tests and tools may use `Span`s.
+SpanLike = Span | SpanView
 
 
 class Skip(Exception):
@@ -63,12 +66,12 @@ class AttemptInfo:
     group_size: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class LlmCall:
     """One LLM call; its token ids and log-probabilities stay packed (`fulmen.tokens`) throughout:
     prefix matching and joining are bytes operations, and the samples carry the bytes as they are."""
 
-    span: Span
+    span: SpanLike
     prompt: bytes  # int32 token ids
     response: bytes  # int32 token ids
     logprobs: bytes  # float32, one per response token
@@ -81,7 +84,7 @@ def _time(value: float | None) -> float:
     return value if value is not None else math.inf
 
 
-def dedupe(spans: Iterable[Span]) -> list[Span]:
+def dedupe(spans: Iterable[SpanLike]) -> list[SpanLike]:
     """One span per span id (the first stored), in store order."""
     seen: set[str] = set()
     unique = []
@@ -92,7 +95,7 @@ def dedupe(spans: Iterable[Span]) -> list[Span]:
     return unique
 
 
-def repaired_parents(spans: Sequence[Span]) -> dict[str, str | None]:
+def repaired_parents(spans: Sequence[SpanLike]) -> dict[str, str | None]:
     """Each span's parent within the attempt. A parent that was never stored (lost, or outside the
     runner) is replaced by the attempt's root span, so nothing hangs loose."""
     ids = {s.span_id for s in spans}
@@ -122,12 +125,12 @@ def _packed(value: Any, what: str, pack: Any) -> bytes:
         raise Skip("malformed_span", f"malformed span: {what} is not a packed array or a list") from None
 
 
-def find_llm_calls(spans: Sequence[Span], parents: dict[str, str | None], config: AdapterConfig) -> list[LlmCall]:
+def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], config: AdapterConfig) -> list[LlmCall]:
     by_id = {s.span_id: s for s in spans}
     name_match = re.compile(config.llm_call_match) if config.llm_call_match else None
     agent_match = re.compile(config.agent_match) if config.agent_match else None
 
-    def is_call(s: Span) -> bool:
+    def is_call(s: SpanLike) -> bool:
         if name_match is not None:
             return bool(name_match.search(s.name))
         return s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL
@@ -161,7 +164,7 @@ def find_llm_calls(spans: Sequence[Span], parents: dict[str, str | None], config
     return calls
 
 
-def match_rewards(spans: Sequence[Span], calls: list[LlmCall]) -> float | None:
+def match_rewards(spans: Sequence[SpanLike], calls: list[LlmCall]) -> float | None:
     """Give each reward to the most recent earlier call without one; return the final reward."""
     rewards = []
     for s in spans:
@@ -199,8 +202,10 @@ def _trajectories(calls: list[LlmCall]) -> list[list[int]]:
     return [c for c in chains if len(c) > 1]
 
 
-def spans_to_samples(spans: Iterable[Span], info: AttemptInfo, config: AdapterConfig | None = None) -> list[Sample]:
-    """The samples of one attempt's spans, or `Skip` with the reason."""
+def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterConfig | None = None
+                  ) -> list[dict[str, Any]]:
+    """The samples of one attempt's spans as `Sample` fields (token arrays as packed bytes), ready for
+    `fulmen.records.pack_sample`; or `Skip` with the reason."""
     config = config or AdapterConfig()
     unique = [s for s in dedupe(spans) if s.attempt_id == info.attempt_id]
     parents = repaired_parents(unique)
@@ -210,27 +215,30 @@ def spans_to_samples(spans: Iterable[Span], info: AttemptInfo, config: AdapterCo
     final = match_rewards(unique, calls)
     if final is None:
         raise Skip("no_reward", "no reward")
+    rollout_id, attempt_id, group_key = info.rollout_id, info.attempt_id, info.group_key
+    mode, group_size = info.mode, info.group_size
 
     def sample(sample_id: str, shape: str, first: int, prompt: bytes, response: bytes,
                logprobs: bytes, mask: bytes, reward: float | None, last: LlmCall,
-               turns: int) -> Sample:
-        return Sample(
-            sample_id=sample_id, shape=shape, rollout_id=info.rollout_id, attempt_id=info.attempt_id,
-            group_key=info.group_key, turn_index=first,
-            prompt_token_ids=prompt, response_token_ids=response,  # type: ignore[arg-type]
-            response_logprobs=logprobs, response_mask=mask,  # type: ignore[arg-type]
-            reward=reward, final_reward=final,
-            model_version=last.span.attributes.get(semconv.MODEL_VERSION), mode=info.mode,
-            group_size=info.group_size, num_turns=turns,
-            request_json=last.request_json, response_json=last.response_json,
-        )
+               turns: int) -> dict[str, Any]:
+        # a dict literal in `Sample`'s field order: the wire bytes are those `Sample.to_wire` writes
+        return {
+            "sample_id": sample_id, "shape": shape, "rollout_id": rollout_id, "attempt_id": attempt_id,
+            "group_key": group_key, "turn_index": first,
+            "prompt_token_ids": prompt, "response_token_ids": response,
+            "response_logprobs": logprobs, "response_mask": mask,
+            "reward": reward, "final_reward": final,
+            "model_version": last.span.attributes.get(semconv.MODEL_VERSION), "mode": mode,
+            "group_size": group_size, "num_turns": turns,
+            "request_json": last.request_json, "response_json": last.response_json,
+        }
 
     samples = [
-        sample(f"{info.attempt_id}/t{i}", "triplet", i, c.prompt, c.response, c.logprobs,
+        sample(f"{attempt_id}/t{i}", "triplet", i, c.prompt, c.response, c.logprobs,
                b"\x01" * (len(c.response) // 4), c.reward, c, 1)
         for i, c in enumerate(calls)
     ]
-    if config.trajectories:
+    if config.trajectories and len(calls) > 1:
         for chain in _trajectories(calls):
             first = calls[chain[0]]
             response, logprobs = first.response, first.logprobs
@@ -244,7 +252,13 @@ def spans_to_samples(spans: Iterable[Span], info: AttemptInfo, config: AdapterCo
                 mask += b"\x00" * (len(added) // 4) + b"\x01" * (len(c.response) // 4)
                 sequence_len = len(c.prompt) + len(c.response)
             samples.append(
-                sample(f"{info.attempt_id}/traj{chain[0]}", "trajectory", chain[0], first.prompt,
+                sample(f"{attempt_id}/traj{chain[0]}", "trajectory", chain[0], first.prompt,
                        response, logprobs, mask, final, calls[chain[-1]], len(chain))
             )
     return samples
+
+
+def spans_to_samples(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterConfig | None = None
+                     ) -> list[Sample]:
+    """The samples of one attempt's spans, or `Skip` with the reason."""
+    return [Sample(**fields) for fields in sample_fields(spans, info, config)]

@@ -403,30 +403,18 @@ return out
 """
 )
 
-# The adapter's read, for a whole batch: ARGV[2..] = rollout ids. Returns, per rollout, {} if it is
-# gone, else {status, latest attempt id, mode, metadata, input, spans}, spans (of a succeeded rollout
-# only) being a flat list of (entry id, span record).
+# The adapter's read of a whole batch, all but the spans: ARGV[2..] = rollout ids. Returns, per
+# rollout, {} if it is gone, else {status, latest attempt id, mode, metadata, input}. The spans are
+# read in the same MULTI by one native XREAD over the rollouts' span streams (`SamplesMixin`): an
+# XRANGE inside Lua copies every span record into Lua strings and back, and cost Redis ~70 us of
+# CPU per 8-span rollout against ~20 us for the XREAD.
 READ_FOR_SAMPLES = (
     _PRELUDE
     + """
 local out = {}
 for i = 2, #ARGV do
-  local rid = ARGV[i]
-  local r = redis.call('HMGET', K_ROLLOUT .. rid, 'status', 'attempt_id', 'mode', 'metadata', 'input')
-  if not r[1] then
-    out[#out + 1] = {}
-  else
-    local spans = {}
-    if r[1] == 'succeeded' then
-      for _, e in ipairs(redis.call('XRANGE', K_SPANS .. rid, '-', '+')) do
-        local fields = e[2]
-        for f = 1, #fields, 2 do
-          if fields[f] == 'm' then spans[#spans + 1] = e[1]; spans[#spans + 1] = fields[f + 1] end
-        end
-      end
-    end
-    out[#out + 1] = {r[1], r[2] or '', r[3] or '', r[4] or '', r[5] or '', spans}
-  end
+  local r = redis.call('HMGET', K_ROLLOUT .. ARGV[i], 'status', 'attempt_id', 'mode', 'metadata', 'input')
+  if r[1] then out[i - 1] = {r[1], r[2] or '', r[3] or '', r[4] or '', r[5] or ''} else out[i - 1] = {} end
 end
 return out
 """
