@@ -67,7 +67,7 @@ def command(
 
 def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks: list[dict[str, object]],
                    setup: Callable[[RedisStore], Awaitable[None]] | None = None) -> None:
-    from fulmen_algorithm.scheduler import Scheduler, train_rollout_config
+    from fulmen_algorithm.scheduler import Scheduler, recoverable_rollout_config
     from fulmen_algorithm.validation import reached_target, recorded, validate
 
     def enqueue_validation(version: int) -> None:
@@ -96,7 +96,7 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
             store, tasks, n_samples=settings.n_samples, groups_per_step=settings.groups_per_step,
             max_inflight=settings.max_inflight, staleness=settings.staleness, epochs=settings.epochs,
             seed=settings.seed,
-            rollout_config=train_rollout_config(settings.rollout_unresponsive_s, settings.rollout_max_attempts),
+            rollout_config=recoverable_rollout_config(settings.rollout_unresponsive_s, settings.rollout_max_attempts),
         )
         await scheduler.load()
         started, last_line = time.monotonic(), 0.0
@@ -133,7 +133,7 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
                                       "wall_s": round(time.monotonic() - started, 1)}
         if val_tasks and not stop.is_set():
             final = await validate(store, val_tasks, label="final", step=await scheduler.version(),
-                                   timeout_s=settings.val_timeout_s)
+                                   timeout_s=settings.val_timeout_s, config=scheduler.rollout_config)
             summary["final_val_accuracy"] = final["accuracy"]
             summary["final_val_reward"] = final["mean_reward"]
             summary["validations"] = [{k: v.get(k) for k in ("label", "step", "accuracy", "mean_reward")}
@@ -230,7 +230,10 @@ def eval_command(
         else:
             typer.echo(f"error: no proxy loaded {version} within 60 s; is `fulmen llm-proxy` running?", err=True)
             raise typer.Exit(1)
-        result = await validate(store, tasks, label=f"eval-{version}", timeout_s=settings.val_timeout_s)
+        from fulmen_algorithm.scheduler import recoverable_rollout_config
+
+        config = recoverable_rollout_config(settings.rollout_unresponsive_s, settings.rollout_max_attempts)
+        result = await validate(store, tasks, label=f"eval-{version}", timeout_s=settings.val_timeout_s, config=config)
         print(json.dumps(result), flush=True)
 
     run_on_store(settings, work)

@@ -15,7 +15,7 @@ Pacing, in rounds of ``groups_per_step`` groups (what the trainer needs for one 
   allowed for: when nothing is in flight and the version has not moved for ``stall_s``, one extra
   group is enqueued, so the run cannot stall.
 
-Train rollouts carry a heartbeat deadline and a retry policy (`train_rollout_config`): the attempts
+Train rollouts carry a heartbeat deadline and a retry policy (`recoverable_rollout_config`): the attempts
 of a runner that dies are ended by the watchdog and run again elsewhere, so their groups complete.
 """
 
@@ -39,8 +39,9 @@ from fulmen_algorithm.dataset import Task, task_id
 log = logging.getLogger(__name__)
 
 
-def train_rollout_config(unresponsive_s: float = 30.0, max_attempts: int = 3) -> RolloutConfig:
-    """The retry policy of train rollouts. Without a heartbeat deadline the watchdog can never take
+def recoverable_rollout_config(unresponsive_s: float = 30.0, max_attempts: int = 3) -> RolloutConfig:
+    """The retry policy of the rollouts the algorithm enqueues (train and validation). Without a
+    heartbeat deadline the watchdog can never take
     back the attempts of a runner that died (SIGKILL, OOM, a lost node): they would stay "running"
     forever, their groups would never complete, and the run would wait on them. With one, a dead
     runner's attempts end as unresponsive and are retried on another runner."""
@@ -89,7 +90,7 @@ class Scheduler:
         self.epochs = epochs
         self.seed = seed
         self.resources_id = resources_id
-        self.rollout_config = rollout_config or train_rollout_config()
+        self.rollout_config = rollout_config or recoverable_rollout_config()
         self.stall_s = stall_s
         self.state = RunState()
         self._order: list[int] = []

@@ -17,10 +17,11 @@ from typing import Any
 
 from fulmen import semconv
 from fulmen.errors import NotFound
-from fulmen.records import ResourcesUpdate
+from fulmen.records import ResourcesUpdate, RolloutConfig
 from fulmen.status import RolloutMode, RolloutStatus
 from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task, load_tasks, task_id
+from fulmen_algorithm.scheduler import recoverable_rollout_config
 
 RESOURCES_ID = "validation"
 
@@ -55,13 +56,17 @@ async def _reward(store: RedisStore, rollout_id: str) -> tuple[float, str | None
 
 async def validate(
     store: RedisStore, tasks: list[Task], *, label: str, step: int | None = None, policy_id: str = "policy",
-    timeout_s: float = 600.0,
+    timeout_s: float = 600.0, config: RolloutConfig | None = None,
 ) -> dict[str, Any]:
-    """Run every task once, greedily; record and return mean reward and accuracy (reward ≥ 1)."""
+    """Run every task once, greedily; record and return mean reward and accuracy (reward ≥ 1).
+    ``config``: the rollouts' retry policy (default: retried when their runner dies, so a pass does
+    not wait out ``timeout_s`` on attempts nobody runs any more)."""
     started = time.monotonic()
     await _greedy_resources(store, policy_id)
+    config = config or recoverable_rollout_config()
     rollouts = [
-        store.new_rollout(t, rollout_id=f"val-{label}-{task_id(t)}", mode=RolloutMode.VAL, resources_id=RESOURCES_ID)
+        store.new_rollout(t, rollout_id=f"val-{label}-{task_id(t)}", mode=RolloutMode.VAL, resources_id=RESOURCES_ID,
+                          config=config)
         for t in tasks
     ]
     await store.enqueue_rollouts(rollouts)  # idempotent: a retried job does not run a task twice
@@ -111,7 +116,9 @@ def validation_job(
         client = await connect(settings)
         try:
             store = RedisStore(client, experiment, max_record_bytes=settings.max_record_bytes)
-            return await validate(store, load_tasks(val_data), label=label, step=step, timeout_s=timeout_s)
+            config = recoverable_rollout_config(settings.rollout_unresponsive_s, settings.rollout_max_attempts)
+            return await validate(store, load_tasks(val_data), label=label, step=step, timeout_s=timeout_s,
+                                  config=config)
         finally:
             await client.aclose()
 

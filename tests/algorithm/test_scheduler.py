@@ -147,10 +147,10 @@ async def test_a_dead_runners_train_rollouts_are_retried(real_store: RedisStore)
     """Train rollouts carry a heartbeat deadline: the watchdog requeues the attempts of a runner that died."""
     from fulmen.status import RolloutStatus
     from fulmen.store.watchdog import sweep
-    from fulmen_algorithm.scheduler import train_rollout_config
+    from fulmen_algorithm.scheduler import recoverable_rollout_config
 
     s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100,
-                  rollout_config=train_rollout_config(unresponsive_s=0.1))
+                  rollout_config=recoverable_rollout_config(unresponsive_s=0.1))
     await s.load()
     ids = await s.enqueue_group()
     claimed = await real_store.dequeue_rollouts("runner-that-dies", 2)
