@@ -189,7 +189,9 @@ class ChaosRun:
         env = {name: value for name, value in os.environ.items()
                if not name.startswith(("FULMEN_", "OTEL_")) and name != "REDIS_URL"}
         env.update(
-            FULMEN_EXPERIMENT=self.experiment, PYTHONPATH=str(REPO), FULMEN_LOG_LEVEL="INFO",
+            # the repository for the example agent, before whatever the caller's path already had
+            PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+            FULMEN_EXPERIMENT=self.experiment, FULMEN_LOG_LEVEL="INFO",
             FULMEN_GROUPS_PER_STEP=str(c.groups_per_step), FULMEN_N_SAMPLES=str(c.n_samples),
             FULMEN_CHECKPOINT_DIR=str(w / "ck"), FULMEN_METRICS_FILE=str(w / "metrics.jsonl"),
             FULMEN_TORCH_THREADS="1", FULMEN_DATA_DIR=str(w / "data"), FULMEN_MODEL_DIR=str(w / "tiny"),
