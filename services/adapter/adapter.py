@@ -1,8 +1,8 @@
 """The adapter's loop: completions in, samples out, once per rollout.
 
     read completions (consumer group "adapter") → read the rollouts and their spans (one round trip
-    each, for the whole batch) → spans_to_samples per succeeded rollout → append samples + mark the
-    rollout sampled (one Lua step per rollout, all in one pipeline) → acknowledge the completions
+    for the whole batch) → samples per succeeded rollout → append the samples, mark each rollout
+    sampled and acknowledge the completions (one atomic Lua step for the whole batch)
 
 A rollout that failed, or yields no sample, gets a `SampleSkip` record on the samples stream instead
 (the trainer counts it towards its GRPO group) and a counter per reason. Nothing here can crash the
@@ -137,8 +137,7 @@ class Adapter:
         """Adapt one batch, then acknowledge it (only once every sample is stored)."""
         rollouts = await self.store.read_for_samples(list(dict.fromkeys(c.rollout_id for c in completions)))
         results = [self._adapt(r) for r in rollouts if r is not None]
-        await self._append(results)
-        await self.store.ack_completions(k.ADAPTER_GROUP, [c.entry_id for c in completions])
+        await self._append(results, [c.entry_id for c in completions])
 
     def _adapt(self, rollout: RolloutForSamples) -> _Result:
         spans = rollout.spans
@@ -167,8 +166,11 @@ class Adapter:
         )
         return _Result(rollout.rollout_id, [skip.to_wire()], {"rollouts": 1, "skipped": 1, f"skip:{code}": 1})
 
-    async def _append(self, results: Sequence[_Result]) -> None:
-        appended = await self.store.append_samples([(r.rollout_id, r.records, r.stats) for r in results])
+    async def _append(self, results: Sequence[_Result], entry_ids: list[str]) -> None:
+        """Write the batch's samples and acknowledge its completions, in one atomic step."""
+        appended = await self.store.append_samples(
+            [(r.rollout_id, r.records, r.stats) for r in results], ack_group=k.ADAPTER_GROUP, ack_entry_ids=entry_ids
+        )
         for result, n in zip(results, appended, strict=True):
             if n <= 0:
                 continue  # sampled before (a redelivery) or deleted meanwhile: nothing was written

@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError
@@ -89,20 +90,27 @@ class SamplesMixin:
         raise AssertionError("unreachable")
 
     async def append_samples(
-        self, batch: Sequence[tuple[str, Sequence[bytes], Mapping[str, int]]]
+        self,
+        batch: Sequence[tuple[str, Sequence[bytes], Mapping[str, int]]],
+        *,
+        ack_group: str | None = None,
+        ack_entry_ids: Sequence[str] = (),
     ) -> list[int]:
         """For each (rollout id, sample records, counter increments): append the records and bump the
-        adapter's counters, unless the rollout was sampled before — the whole batch in one step. Returns,
-        per rollout, how many were appended: 0 if sampled before, -1 if the rollout is gone."""
-        if not batch:
+        adapter's counters, unless the rollout was sampled before — the whole batch in one step, which
+        also acknowledges ``ack_entry_ids`` on the completions stream for ``ack_group`` (so they are
+        acknowledged exactly when their effect is stored). Returns, per rollout, how many were
+        appended: 0 if sampled before, -1 if the rollout is gone."""
+        if not batch and not ack_entry_ids:
             return []
-        args: list[Any] = [self.keys.prefix]
-        for rollout_id, records, stats in batch:
-            args += [rollout_id, len(stats)]
-            for name, increment in stats.items():
-                args += [name, increment]
-            args += [len(records), *records]
-        return [int(n) for n in await self._append_samples(args=args)]
+        # use_bin_type=False: the records go as msgpack raw strings, the type Redis's cmsgpack reads
+        # (it refuses the bin types); Lua strings are bytes either way
+        payload = msgpack.packb(
+            [[rid, dict(stats), list(records)] for rid, records, stats in batch], use_bin_type=False
+        )
+        ack = [ack_group, *ack_entry_ids] if ack_group and ack_entry_ids else [""]
+        replies = await self._append_samples(args=[self.keys.prefix, payload, *ack])
+        return [int(n) for n in replies or []]
 
     async def adapter_stats(self) -> dict[str, int]:
         raw = await self.redis.hgetall(self.keys.adapter_stats)

@@ -372,32 +372,41 @@ return 1
 """
 
 
-# The adapter's write, for a whole batch of rollouts. ARGV[2..] = per rollout: rollout id, k (stat
-# counters), k pairs (counter name, increment), n (records), n sample records (msgpack).
+# The adapter's write, for a whole batch of rollouts, and the acknowledgement of the completions it
+# came from. ARGV[2] = msgpack array, per rollout [rollout id, {stat counter: increment}, [sample
+# records]]; ARGV[3] = consumer group on the completions stream ('' = acknowledge nothing), ARGV[4..] =
+# completion entry ids to acknowledge once the samples are written.
 # Once per rollout: the rollout's 'sampled' field is the marker, set in the same step as its samples,
-# so a redelivered completion (or a second adapter racing) appends nothing.
+# so a redelivered completion (or a second adapter racing) appends nothing; the acknowledgement is
+# in the same step too, so a crash can never leave samples written and their completion pending.
+# One msgpack argument, not one argument per record: redis-py builds a command's RESP in Python, at
+# ~1 us an argument (9 per rollout before), and the counters are summed here and written once a batch.
 # Returns, per rollout, the number of records appended: 0 if sampled before, -1 if the rollout is gone.
 APPEND_SAMPLES = (
     _PRELUDE
     + f"""
 local stats, samples = P .. '{k.ADAPTER_STATS}', P .. '{k.SAMPLES}'
-local out, i = {{}}, 2
-while i <= #ARGV do
-  local rk, nstats = K_ROLLOUT .. ARGV[i], tonumber(ARGV[i + 1])
-  local first = i + 2 + 2 * nstats
-  local nrecords = tonumber(ARGV[first])
-  local result
+local ok, mp = pcall(function() return cmsgpack end)  -- a missing global is an error on Redis 7
+if not ok or type(mp) ~= 'table' then return redis.error_reply('this server has no cmsgpack in Lua') end
+local batch = mp.unpack(ARGV[2])
+local out, totals = {{}}, {{}}
+for i, item in ipairs(batch) do
+  local rk, records = K_ROLLOUT .. item[1], item[3]
   if redis.call('EXISTS', rk) == 0 then
-    result = -1
+    out[i] = -1
   elseif redis.call('HSETNX', rk, 'sampled', 1) == 0 then
-    result = 0
+    out[i] = 0
   else
-    for j = i + 2, first - 1, 2 do redis.call('HINCRBY', stats, ARGV[j], ARGV[j + 1]) end
-    for j = first + 1, first + nrecords do redis.call('XADD', samples, '*', 'm', ARGV[j]) end
-    result = nrecords
+    for name, increment in pairs(item[2]) do totals[name] = (totals[name] or 0) + increment end
+    for j = 1, #records do redis.call('XADD', samples, '*', 'm', records[j]) end
+    out[i] = #records
   end
-  out[#out + 1] = result
-  i = first + nrecords + 1
+end
+for name, total in pairs(totals) do redis.call('HINCRBY', stats, name, total) end
+if ARGV[3] ~= '' and #ARGV > 3 then
+  for first = 4, #ARGV, 4000 do  -- unpack() has a limit on the number of values
+    redis.call('XACK', K_COMPLETIONS, ARGV[3], unpack(ARGV, first, math.min(first + 3999, #ARGV)))
+  end
 end
 return out
 """
