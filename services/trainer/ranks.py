@@ -20,8 +20,16 @@ hook give the same weights for the same codec, seeds and batches.
 Membership: rank n is a Redis key held with a TTL and refreshed by a heartbeat; a process takes the
 lowest free rank. A rank silent for ``rank_timeout_s`` is gone: the leader then continues without
 its share or waits for it to return, as configured — it never blocks forever on a dead rank. A rank
-that (re)joins behind the leader loads the weights of the model version named in the plan.
-The leader is rank 0; if it dies the others wait for a process to take rank 0 again.
+that (re)joins behind the leader, or was left out of a step, loads the weights of the model version
+named in its next plan (the leader publishes one whenever the ranks of a step differ from the last's).
+``on_rank_loss=wait``: a step starts only when every rank is live; the leader waits (a stop request
+ends the wait, the step's samples stay pending) and resumes when the missing rank is back.
+Leader failover: there is none; rank 0 is the only leader. If it dies, the other ranks keep their
+rank and wait (blocked reads, heartbeats going on) until a process takes rank 0 again — honcho,
+systemd or Kubernetes restarts it — which resumes from rank 0's checkpoint; a rank waiting for the
+sum of a step the old leader never finished drops that step when the new leader's plan arrives and
+loads the weights that plan names. Electing another rank would need rank 0's checkpoint (its
+consumer's pending sample entries and its optimizer state) to be readable by that rank.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import torch
 
 from fulmen.compression import sum_decoded
 from fulmen.errors import InvalidInput, RecordError
+from fulmen.records import RankPlan
 from fulmen.store import RedisStore
 
 log = logging.getLogger(__name__)
@@ -187,7 +196,7 @@ class Exchange:
         self.reports: dict[tuple[int, int, int], dict[str, float]] = {}
         # Entries read but not yet asked for: one XREAD may return a later plan or aggregate than the
         # one awaited (a rank that fell behind), and dropping it would leave that rank waiting forever.
-        self._plans: list[dict[str, Any]] = []
+        self._plans: list[RankPlan] = []
         self._aggregates: dict[tuple[int, int], list[bytes]] = {}
 
     async def _xadd(self, stream: str, fields: dict[str, Any]) -> None:
@@ -209,15 +218,14 @@ class Exchange:
             self._cursors[stream] = last[0][0] if last else "0-0"
 
     # leader → ranks
-    async def send_plan(self, step: int, rank: int, share: dict[str, Any]) -> None:
-        await self._xadd(self.keys.trainer_plans, {"m": msgpack.packb({"step": step, "rank": rank, **share})})
+    async def send_plan(self, plan: RankPlan) -> None:
+        await self._xadd(self.keys.trainer_plans, {"rank": plan.rank, "m": plan.to_wire()})
 
-    async def next_plan(self, rank: int) -> dict[str, Any]:
+    async def next_plan(self, rank: int) -> RankPlan:
         while not self._plans:
             for _, fields in await self._read(self.keys.trainer_plans, 5.0):
-                plan = msgpack.unpackb(fields[b"m"])
-                if plan["rank"] == rank:
-                    self._plans.append(plan)
+                if int(fields.get(b"rank", -1)) == rank:  # the others' shares are not decoded at all
+                    self._plans.append(RankPlan.from_wire(fields[b"m"]))
         return self._plans.pop(0)
 
     # ranks → leader
@@ -267,18 +275,39 @@ class Exchange:
         for chunk in chunks:
             await self._xadd(self.keys.trainer_aggregates, {"step": step, "epoch": epoch, "m": chunk})
 
-    async def next_aggregate(self, step: int, epoch: int = 0) -> list[bytes]:
+    async def next_aggregate(self, step: int, epoch: int = 0, rank: int | None = None) -> list[bytes] | None:
+        """The leader's sum for pass ``epoch`` of ``step``; None if a newer plan for ``rank`` arrives
+        first (the leader went on without this rank, or restarted): that sum may never come."""
         key = (step, epoch)
+        newer_plan = False
         while True:
             chunks = self._aggregates.get(key, [])
             if chunks and len(chunks) >= _chunk_count(chunks[-1]):
                 # older ones can no longer be asked for: this rank applies aggregates in order
                 self._aggregates = {k: v for k, v in self._aggregates.items() if k > key}
                 return chunks
-            for _, f in await self._read(self.keys.trainer_aggregates, 5.0):
+            if newer_plan:
+                return None
+            entries = await self._read(self.keys.trainer_aggregates, 1.0)
+            for _, f in entries:
                 got = (int(f[b"step"]), int(f.get(b"epoch", 0)))
                 if got >= key:
                     self._aggregates.setdefault(got, []).append(f[b"m"])
+            if rank is not None and not entries:
+                # The leader sends a step's sums before the next plan, so once a plan is visible, one
+                # more (non-blocking) read of the sums settles whether ours was sent.
+                newer_plan = await self._poll_plans(rank)
+                if newer_plan:
+                    for _, f in await self._read(self.keys.trainer_aggregates, 0.001):
+                        got = (int(f[b"step"]), int(f.get(b"epoch", 0)))
+                        if got >= key:
+                            self._aggregates.setdefault(got, []).append(f[b"m"])
+
+    async def _poll_plans(self, rank: int) -> bool:
+        for _, fields in await self._read(self.keys.trainer_plans, 0.001):
+            if int(fields.get(b"rank", -1)) == rank:
+                self._plans.append(RankPlan.from_wire(fields[b"m"]))
+        return bool(self._plans)
 
 
 def _chunk_count(chunk: bytes) -> int:
@@ -311,41 +340,44 @@ class RankGroup:
         assert self.members.rank is not None
         return self.members.rank
 
-    async def lead_step(self, trainer: Any, plan: Any) -> dict[str, Any]:
+    async def lead_step(self, trainer: Any, plan: Any, stop: asyncio.Event | None = None) -> dict[str, Any] | None:
         """Rank 0: split the step over the live ranks; per PPO epoch, back-propagate our share, sum the
-        ranks' gradients, send the sum back and update. The caller counts the step."""
+        ranks' gradients, send the sum back and update. The caller counts the step. None when ``stop``
+        is set while waiting for missing ranks: nothing was trained, the step's entries stay pending."""
         from fulmen import tokens
         from fulmen.model_versions import publish_model_version
         from fulmen_trainer.trainer import merge_passes
 
         live = await self.members.live()
+        waiting_since = None
         while self.wait_for_full_world and len(live) < self.members.world_size:
-            log.warning("waiting for %d trainer rank(s) to come back", self.members.world_size - len(live))
+            if stop is not None and stop.is_set():
+                return None
+            if waiting_since is None or time.monotonic() - waiting_since > 30:
+                log.warning("step %d waits for %d trainer rank(s) to come back (on_rank_loss=wait)",
+                            trainer.step + 1, self.members.world_size - len(live))
+                waiting_since = time.monotonic()
             await asyncio.sleep(HEARTBEAT_S)
             live = await self.members.live()
         ranks = [0, *[r for r in live if r != 0]]
         if ranks != self._last_live and len(ranks) > 1:
-            # someone (re)joined: publish our weights so a rank that is behind can catch up
+            # someone (re)joined, or was left out of the last step: publish our weights so a rank that
+            # is behind can catch up (the plan names this version)
             update = await publish_model_version(self.store, trainer.model.state_dict(), model=trainer.model_name,
                                                  shared_dir=trainer.s.weights_dir)
             trainer.version = update.resources["llm"]["model_version"]
-        self._last_live = ranks
         step = trainer.step + 1
         epochs = trainer.s.ppo_epochs
         total_tokens = trainer._batch(plan).tokens
         size = len(plan.samples)
         shares = [(size * i // len(ranks), size * (i + 1) // len(ranks)) for i in range(len(ranks))]
         for rank, (lo, hi) in zip(ranks[1:], shares[1:], strict=True):
-            await self.exchange.send_plan(step, rank, {
-                "step_before": trainer.step,
-                "model_version": trainer.version,
-                "total_tokens": total_tokens,
-                "epochs": epochs,
-                "samples": [s.to_wire() for s in plan.samples[lo:hi]],
-                "advantages": tokens.pack_floats(plan.advantages[lo:hi].tolist()),
-                "rewards": plan.rewards[lo:hi],
-                "group_keys": plan.group_keys[lo:hi],
-            })
+            await self.exchange.send_plan(RankPlan(
+                step=step, rank=rank, step_before=trainer.step, model_version=trainer.version,
+                total_tokens=total_tokens, epochs=epochs, samples=[s.to_wire() for s in plan.samples[lo:hi]],
+                advantages=tokens.pack_floats(plan.advantages[lo:hi].tolist()),
+                rewards=[float(r) for r in plan.rewards[lo:hi]], group_keys=list(plan.group_keys[lo:hi]),
+            ))
         own = _share(plan, *shares[0])  # one object over the passes: it keeps the step's π_prox
         answering = ranks[1:]
         passes = []
@@ -377,6 +409,7 @@ class RankGroup:
                 "comm/decode_s": decode_s, "perf/tokens": total_tokens, "perf/samples": size,
             })
             passes.append(metrics)
+        self._last_live = [0, *answering]  # who took part in the whole step
         metrics = merge_passes(passes)
         # who took part in the whole step (the last pass), and what every pass cost on the wire
         metrics.update({k: v for k, v in passes[-1].items() if k.startswith("comm/")})
@@ -400,31 +433,40 @@ class RankGroup:
                 break
             stopping.cancel()
             plan_msg = reading.result()
-            if plan_msg["step_before"] != trainer.step:  # joined late or came back: take the leader's weights
+            if plan_msg.step_before != trainer.step:  # joined late or came back: take the leader's weights
                 log.info("rank %d at step %d, leader at %d: loading model version %s", self.rank, trainer.step,
-                         plan_msg["step_before"], plan_msg["model_version"])
-                state = await fetch_model_version(self.store, plan_msg["model_version"])
+                         plan_msg.step_before, plan_msg.model_version)
+                state = await fetch_model_version(self.store, plan_msg.model_version)
                 trainer.model.load_state_dict(state, strict=False)
-                trainer.step = plan_msg["step_before"]
-            samples = [Sample.from_wire(b) for b in plan_msg["samples"]]
-            share = StepPlan(samples, list(plan_msg["rewards"]), torch.tensor(tokens.floats(plan_msg["advantages"])),
-                             list(plan_msg["group_keys"]), [])
+                trainer.step = plan_msg.step_before
+            samples = [Sample.from_wire(b) for b in plan_msg.samples]
+            share = StepPlan(samples, list(plan_msg.rewards), torch.tensor(tokens.floats(plan_msg.advantages)),
+                             list(plan_msg.group_keys), [])
             step = trainer.step + 1
-            for epoch in range(plan_msg.get("epochs", 1)):
-                await asyncio.to_thread(trainer._backward, share, plan_msg["total_tokens"])
+            for epoch in range(plan_msg.epochs):
+                await asyncio.to_thread(trainer._backward, share, plan_msg.total_tokens)
                 true = flat_gradient(trainer.model)
                 started = time.perf_counter()
                 chunks = self.codec.encode(true, step, self.rank)
                 encode_s = time.perf_counter() - started
                 cos = _cosine(self.codec.decode(chunks), true)  # what the leader will see, against the truth
                 await self.exchange.send_gradient(step, self.rank, chunks, {"cos": cos, "encode_s": encode_s}, epoch)
-                aggregate = RankCodec.decode(await self.exchange.next_aggregate(step, epoch))
-                set_gradient(trainer.model, aggregate)
+                summed = await self.exchange.next_aggregate(step, epoch, self.rank)
+                if summed is None:
+                    break
+                set_gradient(trainer.model, RankCodec.decode(summed))
                 trainer._update()
-            trainer.step = step
-            trainer.version = plan_msg["model_version"]
-            if trainer.step % trainer.s.checkpoint_every == 0:
-                await trainer.checkpoint()
+            else:
+                trainer.step = step
+                trainer.version = plan_msg.model_version
+                if trainer.step % trainer.s.checkpoint_every == 0:
+                    await trainer.checkpoint()
+                continue
+            # A newer plan came before this step's sum: the leader went on without us (we were too
+            # slow) or was restarted. Its next plan names weights to load; make sure we load them.
+            log.warning("rank %d: step %d left without us; taking the leader's weights with its next plan",
+                        self.rank, step)
+            trainer.step = -1
 
 
 def _cosine(sent: torch.Tensor, true: torch.Tensor) -> float:

@@ -205,9 +205,9 @@ class Trainer:
                 continue
             cut = self.ready.index(usable[self.s.groups_per_step - 1]) + 1
             groups, self.ready = self.ready[:cut], self.ready[cut:]
-            await self.train_step(groups)
+            await self.train_step(groups, stop)
 
-    async def train_step(self, groups: list[ReadyGroup]) -> dict[str, Any]:
+    async def train_step(self, groups: list[ReadyGroup], stop: asyncio.Event | None = None) -> dict[str, Any]:
         # advantages
         plan = plan_step(groups, self.s.algorithm, self.s.reward_source, self.baseline, self.s.sft_min_reward)
         started = time.perf_counter()
@@ -216,7 +216,10 @@ class Trainer:
             metrics = await asyncio.to_thread(self.train_passes, plan)
         else:
             # share the step with the live ranks; per pass they send gradients, we send back their sum
-            metrics = await self.ranks.lead_step(self, plan)
+            shared = await self.ranks.lead_step(self, plan, stop)
+            if shared is None:  # stopped while waiting for a rank: the groups stay pending, read after a restart
+                return {}
+            metrics = shared
         self.step += 1
         metrics["perf/step_s"] = time.perf_counter() - started
         metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["perf/step_s"], 1e-9)

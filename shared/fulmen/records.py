@@ -681,6 +681,42 @@ class GradientChunk:
         return cls(*(d[n] for n in names))
 
 
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """The trainer leader's share of one step for one other rank (trainer rank 0 -> rank n).
+
+    The rank back-propagates ``epochs`` passes over ``samples`` (`Sample` wire records) with these
+    ``advantages`` (packed float32, `fulmen.tokens`), scaling its gradient by its tokens over
+    ``total_tokens`` (the whole step's). A rank whose step is not ``step_before`` first loads the
+    weights of ``model_version``."""
+
+    step: int  # the step being made (step_before + 1)
+    rank: int  # the rank this share is for
+    step_before: int
+    model_version: str
+    total_tokens: int
+    epochs: int
+    samples: list[bytes]
+    advantages: bytes
+    rewards: list[float]
+    group_keys: list[str]
+
+    # a step's samples may exceed one sample's limit: a plan carries up to a whole batch
+    MAX_BYTES = 64 << 20
+
+    def to_wire(self) -> bytes:
+        return pack_record("rank_plan", {name: getattr(self, name) for name in self.__slots__}, self.MAX_BYTES)
+
+    @classmethod
+    def from_wire(cls, data: bytes | None) -> RankPlan:
+        names = cls.__slots__
+        d = unpack_record(data, "rank_plan", cls.MAX_BYTES, required=names)
+        types = (int, int, int, str, int, int, list, bytes, list, list)
+        if not all(isinstance(d[n], t) for n, t in zip(names, types, strict=True)):
+            raise RecordError("rank_plan record has a field of the wrong type")
+        return cls(*(d[n] for n in names))
+
+
 # --- operations: service heartbeats and the trainer's step summaries (for `fulmen top`) -------------
 
 

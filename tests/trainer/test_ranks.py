@@ -40,6 +40,25 @@ def test_rank_chunks_round_trip_and_refuse_damage() -> None:
         RankCodec("zip")
 
 
+def test_rank_plan_is_a_versioned_record() -> None:
+    """The leader's share for a rank round-trips; another schema version or a wrong field is refused."""
+    import msgpack
+
+    from fulmen import tokens
+    from fulmen.records import RankPlan
+
+    plan = RankPlan(step=3, rank=1, step_before=2, model_version="v2", total_tokens=40, epochs=2,
+                    samples=[s.to_wire() for s in _samples(1)], advantages=tokens.pack_floats([0.5, -0.5, 1, -1]),
+                    rewards=[1.0, 0.0, 1.0, 0.0], group_keys=["g0"] * 4)
+    back = RankPlan.from_wire(plan.to_wire())
+    assert back == plan and Sample.from_wire(back.samples[0]) == _samples(1)[0]
+    raw = msgpack.unpackb(plan.to_wire())
+    with pytest.raises(RecordError, match="schema version"):
+        RankPlan.from_wire(msgpack.packb({**raw, "v": 99}))
+    with pytest.raises(RecordError, match="wrong type"):
+        RankPlan.from_wire(msgpack.packb({**raw, "epochs": "2"}))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
@@ -169,3 +188,162 @@ async def test_a_rank_that_dies_is_left_out_and_picked_up_when_back(redis_url: s
     assert per_step[2:4] == [1, 1]
     assert per_step[4:] == [2, 2]
     await client.aclose()
+
+
+@pytest.mark.slow
+async def test_with_wait_the_run_pauses_while_a_rank_is_gone_and_resumes_when_back(
+    redis_url: str, tiny: Path, tmp_path: Path
+) -> None:
+    """on_rank_loss=wait: SIGKILL a rank and the leader takes no step without it (and does not hang);
+    restarted, the rank rejoins and every step is taken by both ranks."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url)
+    store = RedisStore(client, "ranks-wait-" + tmp_path.name[-8:])
+    env = _env(redis_url, store.experiment, tiny, tmp_path, FULMEN_WORLD_SIZE="2", FULMEN_RANK_TIMEOUT_S="2",
+               FULMEN_ON_RANK_LOSS="wait")
+    metrics = tmp_path / "metrics.jsonl"
+
+    def ranks_per_step() -> list[int]:
+        return [json.loads(x)["comm/ranks"] for x in metrics.read_text().splitlines()] if metrics.exists() else []
+
+    leader = subprocess.Popen([FULMEN, "trainer", "--max-steps", "4"], env=env)
+    procs = [leader]
+    try:
+        await _wait(lambda: _ready(store, 0))
+        procs.append(follower := subprocess.Popen([FULMEN, "trainer"], env=env))
+        await _wait(lambda: _ready(store, 1))
+        samples = _samples(8)
+        await _push(store, samples[:16])  # two steps with both ranks
+        await _wait(lambda: asyncio.sleep(0, len(ranks_per_step()) >= 2))
+        follower.send_signal(signal.SIGKILL)
+        follower.wait(timeout=10)
+        await _wait(lambda: _absent(store, 1))  # its slot expired: the leader now sees it gone
+        await _push(store, samples[16:])  # two more steps' worth: the leader must wait
+        await asyncio.sleep(4)  # two rank timeouts; "continue" steps alone within this (the test above)
+        assert ranks_per_step() == [2, 2] and leader.poll() is None, "paused, not stepped alone or exited"
+        procs.append(subprocess.Popen([FULMEN, "trainer"], env=env))  # it comes back
+        assert await asyncio.to_thread(leader.wait, 120) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    assert ranks_per_step() == [2, 2, 2, 2]
+    await client.aclose()
+
+
+async def _absent(store: RedisStore, rank: int) -> bool:
+    return not await store.redis.exists(store.keys.trainer_slot(rank))
+
+
+async def test_a_leader_waiting_for_a_missing_rank_stops_when_asked(real_store: RedisStore, tiny: Path,
+                                                                    tmp_path: Path) -> None:
+    """on_rank_loss=wait with a rank missing: no step is taken, and a stop (SIGTERM) ends the wait at
+    once, the step's samples left pending for the next start."""
+    from fulmen.settings import load_settings
+    from fulmen_trainer.ranks import Exchange, Membership, RankGroup
+    from fulmen_trainer.trainer import Trainer
+
+    settings = load_settings(model_dir=tiny, experiment=real_store.experiment, world_size=2, on_rank_loss="wait",
+                             groups_per_step=2, checkpoint_dir=tmp_path / "ck", metrics_file=tmp_path / "m.jsonl",
+                             rank_timeout_s=5)
+    members = Membership(real_store, 2, settings.rank_timeout_s)
+    assert await members.claim() == 0
+    beating = asyncio.create_task(members.heartbeat())
+    exchange = Exchange(real_store, members)
+    await exchange.start_reading()
+    trainer = Trainer(real_store, settings, ranks=RankGroup(real_store, members, exchange, RankCodec("none"),
+                                                            wait_for_full_world=True))
+    try:
+        await trainer.setup()
+        await members.mark_ready()
+        await _push(real_store, _samples(2))
+        stop = asyncio.Event()
+        running = asyncio.create_task(trainer.run(stop))
+        await asyncio.sleep(3)
+        assert not running.done() and trainer.step == 0  # waiting for rank 1
+        stop.set()
+        await asyncio.wait_for(running, 5)
+        assert trainer.step == 0
+        pending = await real_store.redis.xpending(real_store.keys.samples, k.TRAINERS_GROUP)
+        assert pending["pending"] == 8  # read, not trained on, not acknowledged: read again after a restart
+    finally:
+        beating.cancel()
+        await members.release()
+
+
+@pytest.mark.slow
+async def test_a_restarted_leader_leads_the_waiting_ranks_again(redis_url: str, tiny: Path, tmp_path: Path) -> None:
+    """No failover: SIGKILL rank 0 and rank 1 waits; a new process takes rank 0, resumes from its
+    checkpoint, and both ranks train the remaining steps to the same weights."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url)
+    store = RedisStore(client, "ranks-lead-" + tmp_path.name[-8:])
+    env = _env(redis_url, store.experiment, tiny, tmp_path, FULMEN_WORLD_SIZE="2", FULMEN_RANK_TIMEOUT_S="2")
+    metrics = tmp_path / "metrics.jsonl"
+
+    def logged() -> list[dict]:  # type: ignore[type-arg]
+        return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+
+    leader = subprocess.Popen([FULMEN, "trainer"], env=env)
+    procs = [leader]
+    try:
+        await _wait(lambda: _ready(store, 0))
+        procs.append(follower := subprocess.Popen([FULMEN, "trainer"], env=env))
+        await _wait(lambda: _ready(store, 1))
+        samples = _samples(8)
+        await _push(store, samples[:16])
+        await _wait(lambda: asyncio.sleep(0, len(logged()) >= 2))
+        leader.send_signal(signal.SIGKILL)
+        leader.wait(timeout=10)
+        await _wait(lambda: _absent(store, 0))
+        assert follower.poll() is None  # it waits for a leader; it does not exit or take over
+        procs.append(new_leader := subprocess.Popen([FULMEN, "trainer", "--max-steps", "4"], env=env))
+        await _push(store, samples[16:])
+        assert await asyncio.to_thread(new_leader.wait, 120) == 0
+        await _wait(lambda: asyncio.sleep(0, (tmp_path / "ck" / "rank-1" / "step-4").exists()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    assert [line["step"] for line in logged()] == [1, 2, 3, 4]
+    assert [line["comm/ranks"] for line in logged()] == [2, 2, 2, 2]
+    lead, follow = _weights(tmp_path / "ck" / "rank-0", 4), _weights(tmp_path / "ck" / "rank-1", 4)
+    assert all(torch.equal(lead[name], follow[name]) for name in lead)
+    await client.aclose()
+
+
+async def test_a_rank_waiting_for_a_sum_that_never_comes_gives_up_on_a_newer_plan(real_store: RedisStore) -> None:
+    """A rank waits for step 3's sum; the leader (restarted, or gone on without it) sends a new plan
+    instead: the wait ends (None) and the plan is next. A sum sent before the plan is still taken."""
+    from fulmen import tokens
+    from fulmen.records import RankPlan
+    from fulmen_trainer.ranks import Exchange, Membership
+
+    members = Membership(real_store, 2, 5.0)
+    members.rank = 1
+    waiting, leading = Exchange(real_store, members), Exchange(real_store, members)
+    await waiting.start_reading()
+    plan = RankPlan(step=3, rank=1, step_before=2, model_version="v2", total_tokens=12, epochs=1,
+                    samples=[s.to_wire() for s in _samples(1)], advantages=tokens.pack_floats([1, -1, 1, -1]),
+                    rewards=[1.0, 0.0, 1.0, 0.0], group_keys=["g0"] * 4)
+    waiting_task = asyncio.create_task(waiting.next_aggregate(3, 0, rank=1))
+    await asyncio.sleep(0.3)
+    await leading.send_plan(plan)
+    assert await asyncio.wait_for(waiting_task, 10) is None
+    assert await waiting.next_plan(1) == plan
+    summed = RankCodec("none").encode(torch.ones(10), 4, 0)
+    await leading.send_aggregate(4, summed, 0)  # the sum of step 4, then already the plan of step 5
+    await leading.send_plan(RankPlan(**{**{n: getattr(plan, n) for n in plan.__slots__}, "step": 5}))
+    assert await asyncio.wait_for(waiting.next_aggregate(4, 0, rank=1), 10) == summed
