@@ -368,6 +368,28 @@ class ChaosRun:
                     and (not last or adapter[0]["last-delivered-id"] == last[0][0]))
 
         await self.wait_for("the pipeline at rest after the run", at_rest, timeout_s)
+        if self.config.val_tasks:
+            await self.wait_for("the validation jobs run", self._validation_jobs_done, timeout_s)
+
+    def _eval_queue(self) -> Any:
+        import redis
+        from rq import Queue
+        from rq.serializers import JSONSerializer
+
+        from fulmen.keys import Keys
+
+        url = self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+        return Queue(Keys(self.experiment).eval_queue, connection=redis.Redis.from_url(url), serializer=JSONSerializer)
+
+    async def _validation_jobs_done(self) -> bool:
+        def done() -> bool:
+            queue = self._eval_queue()
+            try:
+                return not queue.job_ids and not queue.started_job_registry.get_job_ids(cleanup=False)
+            finally:
+                queue.connection.close()
+
+        return await asyncio.to_thread(done)
 
     def describe(self) -> str:
         lines = []
@@ -501,10 +523,32 @@ class ChaosRun:
             pending = await self._adapter_pending()
             v.problems.append(f"{len(unsampled)} terminal train rollouts have no samples and no skip record "
                               f"(adapter pending {pending}), e.g. {sorted(unsampled)[:3]}")
+        if c.val_tasks:
+            await self._check_validations(v)
         v.dead_letters = len(await store.redis.xrange(store.keys.dead_letters))
         if v.dead_letters:
             v.problems.append(f"{v.dead_letters} dead letters")
         return v
+
+    async def _check_validations(self, v: Verdict) -> None:
+        """Every validation job the algorithm queued ran to the end and its pass was recorded."""
+        from fulmen_algorithm.validation import recorded
+
+        assert self.store is not None
+
+        def jobs() -> tuple[list[str], list[str]]:
+            queue = self._eval_queue()
+            try:
+                return queue.finished_job_registry.get_job_ids(), queue.failed_job_registry.get_job_ids()
+            finally:
+                queue.connection.close()
+
+        finished, failed = await asyncio.to_thread(jobs)
+        labels = {r["label"] for r in await recorded(self.store)}
+        missing = [job for job in finished if job.removeprefix("val-") not in labels]
+        if failed or missing or "final" not in labels:
+            v.problems.append(f"validation passes lost: failed jobs {failed}, finished but unrecorded {missing}, "
+                              f"recorded {sorted(labels)}")
 
     async def _adapter_pending(self) -> int:
         assert self.store is not None

@@ -188,6 +188,9 @@ def evaluator(
     connection = redis.Redis.from_url(settings.redis_url_value())
     queue = Queue(Keys(settings.experiment).eval_queue, connection=connection, serializer=JSONSerializer)
     log.info("evaluator on queue %s", queue.name)
+    from fulmen_algorithm.validation import requeue_abandoned
+
+    requeue_abandoned(queue)  # a pass an evaluator was killed in is run again, not lost
     from fulmen.ops_http import start_ops
 
     with start_ops(settings, "evaluator"):

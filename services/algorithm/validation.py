@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fulmen import semconv
 from fulmen.errors import NotFound
@@ -23,7 +24,11 @@ from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task, load_tasks, task_id
 from fulmen_algorithm.scheduler import recoverable_rollout_config
 
+if TYPE_CHECKING:
+    from rq import Queue
+
 RESOURCES_ID = "validation"
+log = logging.getLogger(__name__)
 
 
 async def _greedy_resources(store: RedisStore, policy_id: str) -> ResourcesUpdate:
@@ -94,7 +99,35 @@ async def validate(
 
 
 async def recorded(store: RedisStore) -> list[dict[str, Any]]:
-    return [json.loads(f[b"m"]) for _, f in await store.redis.xrange(store.keys.validations)]
+    """The validation results in the order they were recorded, one per label: a pass run twice (a
+    job requeued by `requeue_abandoned` while its first run was still alive) counts once."""
+    results: dict[str, dict[str, Any]] = {}
+    for _, f in await store.redis.xrange(store.keys.validations):
+        result = json.loads(f[b"m"])
+        results.setdefault(result["label"], result)
+    return list(results.values())
+
+
+def requeue_abandoned(queue: Queue) -> list[str]:
+    """Put back on the queue the validation jobs an evaluator left started when it died (SIGKILL,
+    OOM, a lost node); call it when an evaluator starts. Returns their ids.
+
+    rq itself would find such a job only after the job's timeout plus 60 s and its maintenance
+    interval (over 20 minutes with ours), then fail it: that point of the curve would be lost. Running
+    a job twice (if the one that started it is in fact alive) is harmless: its rollouts have fixed
+    ids, so enqueuing them again adds nothing, and `recorded` keeps one result per label."""
+    registry = queue.started_job_registry
+    requeued = []
+    for entry in queue.connection.zrange(registry.key, 0, -1):  # rq 2+: "<job id>:<execution id>"
+        job_id = registry.parse_job_id(entry)
+        job = queue.fetch_job(job_id)
+        queue.connection.zrem(registry.key, entry)
+        if job is not None:
+            queue.enqueue_job(job)
+            requeued.append(job_id)
+    if requeued:
+        log.warning("requeued validation jobs an evaluator left unfinished: %s", requeued)
+    return requeued
 
 
 def reached_target(passes: list[dict[str, Any]], target: float, in_a_row: int = 2) -> bool:

@@ -27,3 +27,52 @@ async def test_a_pass_finishes_when_the_runner_holding_its_rollouts_dies(real_st
         await real_store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
     result = await asyncio.wait_for(running, 30)
     assert result["finished"] == 2
+
+
+async def test_a_job_an_evaluator_died_in_goes_back_on_the_queue(redis_url: str, experiment: str) -> None:
+    """An evaluator SIGKILLed inside a validation job: the next evaluator to start requeues that job."""
+    import signal
+    import subprocess
+    import sys
+
+    import redis
+    from rq import Queue
+    from rq.job import JobStatus
+    from rq.serializers import JSONSerializer
+
+    from fulmen.keys import Keys
+    from fulmen_algorithm.validation import requeue_abandoned
+
+    connection = redis.Redis.from_url(redis_url)
+    queue = Queue(Keys(experiment).eval_queue, connection=connection, serializer=JSONSerializer)
+    queue.enqueue("time.sleep", 60, job_id="val-v2", job_timeout=120)
+    worker = subprocess.Popen([sys.executable, "-c", (
+        "import redis, sys; from rq import Queue, SimpleWorker; from rq.serializers import JSONSerializer; "
+        "c = redis.Redis.from_url(sys.argv[1]); q = Queue(sys.argv[2], connection=c, serializer=JSONSerializer); "
+        "SimpleWorker([q], connection=c, serializer=JSONSerializer).work(burst=True)"
+    ), redis_url, queue.name])
+    try:
+        for _ in range(300):
+            if queue.started_job_registry.get_job_ids(cleanup=False):
+                break
+            await asyncio.sleep(0.1)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+    finally:
+        worker.kill()
+    assert queue.started_job_registry.get_job_ids(cleanup=False) == ["val-v2"]
+    assert requeue_abandoned(queue) == ["val-v2"]
+    assert queue.job_ids == ["val-v2"] and queue.fetch_job("val-v2").get_status() == JobStatus.QUEUED
+    assert queue.started_job_registry.get_job_ids(cleanup=False) == []
+    connection.close()
+
+
+async def test_a_pass_recorded_twice_counts_once(real_store: RedisStore) -> None:
+    """A validation job run twice records its label twice; the curve reads one result per label."""
+    import json
+
+    from fulmen_algorithm.validation import recorded
+
+    for label, accuracy in (("v0", 0.1), ("v2", 0.2), ("v0", 0.3)):
+        await real_store.redis.xadd(real_store.keys.validations, {"m": json.dumps({"label": label, "accuracy": accuracy})})
+    assert [(r["label"], r["accuracy"]) for r in await recorded(real_store)] == [("v0", 0.1), ("v2", 0.2)]
