@@ -11,7 +11,8 @@ random stream per rank). What is equal by construction:
 - One DDP bucket holding every parameter in `model.parameters()` order, as the Redis path's flat
   gradient: ``find_unused_parameters=True`` keeps DDP from rebuilding (reordering) its buckets after
   the first iteration, so error feedback and QSGD's buckets see the same layout (checked below).
-Hence none, topk (+ error feedback), dgc and qsgd8 give bitwise equal weights. bf16 differs by
+Hence none, topk (+ error feedback), dgc and qsgd8 give bitwise equal weights, also with 2 PPO epochs
+(two updates per step, each with its own exchange). bf16 differs by
 design: the hook all-reduces in bf16 (as PyTorch's bf16_compress_hook: the sum of the two bf16
 gradients is rounded to bf16), the Redis leader adds the decoded bf16 gradients in fp32; the weights
 then agree within BF16_ATOL (AdamW's update barely depends on a 2^-8 relative change of the gradient).
@@ -49,7 +50,9 @@ CASES: dict[str, dict[str, Any]] = {  # name → codec, density, ppo_epochs
     "topk": {"codec": "topk", "density": 0.01, "epochs": 1},
     "dgc": {"codec": "dgc", "density": 0.01, "epochs": 1},
     "qsgd8": {"codec": "qsgd8", "density": 0.01, "epochs": 1},
-    "topk-2-epochs": {"codec": "topk", "density": 0.01, "epochs": 2},  # every pass is an exchange
+    # every PPO pass is an exchange of its own on both paths
+    "none-2-epochs": {"codec": "none", "density": 0.01, "epochs": 2},
+    "topk-2-epochs": {"codec": "topk", "density": 0.01, "epochs": 2},
 }
 
 
