@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fulmen import arithmetic
+from fulmen.model_versions import version_number
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
 
@@ -65,7 +66,20 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
 
         final_model, _ = load_tiny_model(summary["final_model"])
         assert final_model is not None
-        assert all(p.poll() is None for p in services), "a service died during the run"
+        # `fulmen eval CHECKPOINT`: published as a new version, served, validated through the same services
+        trainer = services[3]  # stopped first: a version it published mid-pass would serve part of it
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(timeout=30) == 0
+        trained = (await real_store.get_resources("policy")).resources["llm"]["model_version"]
+        evaluation = subprocess.run([FULMEN, "eval", summary["final_model"], "--val-data", str(val)],
+                                    env=env, capture_output=True, text=True, timeout=180)
+        assert evaluation.returncode == 0, evaluation.stderr[-2000:]
+        result = json.loads(evaluation.stdout.strip().splitlines()[-1])
+        evaluated = result["label"].removeprefix("eval-")
+        assert version_number(evaluated) > version_number(trained)
+        assert result["tasks"] == result["finished"] == 6 and 0.0 <= result["accuracy"] <= 1.0
+        assert result["served_by"] == {evaluated: 6}  # every answer came from the evaluated weights
+        assert all(p.poll() is None for p in services if p is not trainer), "a service died during the run"
     finally:
         for p in services:
             p.send_signal(signal.SIGTERM)
@@ -77,5 +91,5 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
     steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) >= 3 and all(s["perf/samples"] > 0 for s in steps)
     latest = await real_store.get_resources("policy")
-    assert latest.resources["llm"]["model_version"] in ("v3", "v4")
+    assert version_number(latest.resources["llm"]["model_version"]) >= version_number(evaluated)
     assert latest.resources["llm"]["sampling_parameters"] == {"temperature": 1.0}  # carried over by publishing
