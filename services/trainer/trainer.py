@@ -6,7 +6,8 @@ includes the step that consumed it; the checkpoint lists the entries consumed si
 one, so a trainer killed between the checkpoint and the acknowledgement acknowledges them on restart
 instead of training on them twice. Entries read but not yet consumed stay pending under the
 trainer's stable consumer name and are read again after a restart. Metrics lines are written after
-their checkpoint, so the metrics file never counts a step twice either.
+their checkpoint, so the metrics file never counts a step twice either; the checkpoint carries
+them too, so a trainer that died before writing them writes them on restart.
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class Trainer:
         self.version = "base"
         self.consumed_since_checkpoint: list[str] = []
         self.unlogged: list[dict[str, Any]] = []
+        self._logged_step: int | None = None  # the metrics file's last step, read on first use
         self.model: Any = None
         self.reference: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -167,6 +169,10 @@ class Trainer:
             self.step, self.version = checkpoint.step, checkpoint.model_version
             already_done = set(checkpoint.consumed_entry_ids)
             log.info("resumed from %s: step %d, model version %s", path, self.step, self.version)
+            if self.rank == 0:
+                # a trainer that died after its checkpoint but before the metrics write (SIGKILL, or
+                # Redis gone at the acknowledgement) logs those steps now, or the file misses them
+                self._log_metrics(checkpoint.extra.get("metrics", []))
         await self._recover_pending(already_done)
 
     async def _recover_pending(self, already_done: set[str]) -> None:
@@ -357,15 +363,31 @@ class Trainer:
 
     async def checkpoint(self) -> None:
         assert self.optimizer is not None
-        checkpoint = ckpt.Checkpoint(self.step, self.version, self.consumed_since_checkpoint)
+        checkpoint = ckpt.Checkpoint(self.step, self.version, self.consumed_since_checkpoint,
+                                     {"metrics": self.unlogged} if self.rank == 0 else {})
         directory = self.s.checkpoint_dir / f"rank-{self.rank}"
         codec_state = self.ranks.codec.state_dict() if self.ranks is not None else None
         await asyncio.to_thread(ckpt.save, directory, checkpoint, self.model, self.optimizer, codec_state)
         await self.store.ack_samples(k.TRAINERS_GROUP, self.consumed_since_checkpoint)
         self.consumed_since_checkpoint = []
         if self.rank == 0:
-            self.s.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-            with self.s.metrics_file.open("a") as f:
-                for line in self.unlogged:
-                    f.write(json.dumps(line) + "\n")
+            self._log_metrics(self.unlogged)
         self.unlogged = []
+
+    def _log_metrics(self, lines: list[dict[str, Any]]) -> None:
+        """Append the lines of steps the metrics file does not have yet (each step once)."""
+        if self._logged_step is None:  # once per process: the last step the file has
+            self._logged_step = 0
+            if self.s.metrics_file.exists():
+                with self.s.metrics_file.open() as f:
+                    for raw in f:
+                        if raw.strip():
+                            self._logged_step = max(self._logged_step, int(json.loads(raw)["step"]))
+        new = [line for line in lines if line["step"] > self._logged_step]
+        if not new:
+            return
+        self.s.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.s.metrics_file.open("a") as f:
+            for line in new:
+                f.write(json.dumps(line) + "\n")
+        self._logged_step = new[-1]["step"]
