@@ -23,6 +23,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from fulmen import semconv, tokens
@@ -84,11 +85,14 @@ def _time(value: float | None) -> float:
     return value if value is not None else math.inf
 
 
+_BY_SEQUENCE = attrgetter("sequence_id")
+
+
 def dedupe(spans: Iterable[SpanLike]) -> list[SpanLike]:
     """One span per span id (the first stored), in store order."""
     seen: set[str] = set()
     unique = []
-    for s in sorted(spans, key=lambda s: s.sequence_id):
+    for s in sorted(spans, key=_BY_SEQUENCE):
         if s.span_id not in seen:
             seen.add(s.span_id)
             unique.append(s)
@@ -109,13 +113,15 @@ def repaired_parents(spans: Sequence[SpanLike]) -> dict[str, str | None]:
     return parents
 
 
-def _ancestors(span_id: str, parents: dict[str, str | None]) -> Iterable[str]:
+def _ancestors(span_id: str, parents: dict[str, str | None]) -> list[str]:
+    lineage: list[str] = []
     seen = {span_id}
     parent = parents.get(span_id)
     while parent is not None and parent not in seen:  # a cycle in bad data must not loop forever
         seen.add(parent)
-        yield parent
+        lineage.append(parent)
         parent = parents.get(parent)
+    return lineage
 
 
 def _packed(value: Any, what: str, pack: Any) -> bytes:
@@ -126,21 +132,21 @@ def _packed(value: Any, what: str, pack: Any) -> bytes:
 
 
 def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], config: AdapterConfig) -> list[LlmCall]:
-    by_id = {s.span_id: s for s in spans}
-    name_match = re.compile(config.llm_call_match) if config.llm_call_match else None
+    if config.llm_call_match:
+        name_match = re.compile(config.llm_call_match)
+        call_spans = [s for s in spans if name_match.search(s.name)]
+    else:
+        call_spans = [s for s in spans if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL]
+    if not call_spans:
+        return []
     agent_match = re.compile(config.agent_match) if config.agent_match else None
-
-    def is_call(s: SpanLike) -> bool:
-        if name_match is not None:
-            return bool(name_match.search(s.name))
-        return s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL
-
-    call_ids = {s.span_id for s in spans if is_call(s)}
+    by_id = {s.span_id: s for s in spans} if agent_match is not None else {}
+    call_ids = {s.span_id for s in call_spans}
     calls: list[LlmCall] = []
     responses: set[str] = set()
-    for s in sorted((by_id[i] for i in call_ids), key=lambda s: (_time(s.start_time), s.sequence_id)):
-        lineage = list(_ancestors(s.span_id, parents))
-        if any(a in call_ids for a in lineage):
+    for s in sorted(call_spans, key=lambda s: (_time(s.start_time), s.sequence_id)):
+        lineage = _ancestors(s.span_id, parents)
+        if not call_ids.isdisjoint(lineage):
             continue  # the same call seen by two layers (client and proxy): keep the outer one
         if agent_match is not None and not any(agent_match.search(by_id[a].name) for a in lineage):
             continue

@@ -230,26 +230,32 @@ class Span:
     sequence_id: int = 0  # 0 until stored
 
     def to_wire(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
-        return pack_record(
-            "span",
-            {
-                "rollout_id": self.rollout_id,
-                "attempt_id": self.attempt_id,
-                "span_id": self.span_id,
-                "name": self.name,
-                "trace_id": self.trace_id,
-                "parent_id": self.parent_id,
-                "start_time": self.start_time,
-                "end_time": self.end_time,
-                "status_code": self.status_code,
-                "status_message": self.status_message,
-                "attributes": self.attributes,
-                "events": self.events,
-                "links": self.links,
-                "resource": self.resource,
-            },
-            max_bytes,
-        )
+        fields: dict[str, Any] = {
+            "rollout_id": self.rollout_id,
+            "attempt_id": self.attempt_id,
+            "span_id": self.span_id,
+            "name": self.name,
+            "trace_id": self.trace_id,
+            "parent_id": self.parent_id,
+            "start_time": self.start_time,
+            "end_time": self.end_time,
+            "attributes": self.attributes,
+        }
+        # The rest only when not the default: most spans have no status, events, links or resource,
+        # and each field left out is two objects fewer for every reader to decode (the adapter reads
+        # tens of thousands of spans a second). `from_wire` fills in the defaults, so records with and
+        # without them are the same schema version.
+        if self.status_code != "UNSET":
+            fields["status_code"] = self.status_code
+        if self.status_message:
+            fields["status_message"] = self.status_message
+        if self.events:
+            fields["events"] = self.events
+        if self.links:
+            fields["links"] = self.links
+        if self.resource:
+            fields["resource"] = self.resource
+        return pack_record("span", fields, max_bytes)
 
     @classmethod
     def from_wire(cls, data: bytes, sequence_id: int, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Span:
