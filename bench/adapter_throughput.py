@@ -147,6 +147,8 @@ async def main() -> None:
             "adapter_cpu_us_per_rollout": round(1e6 * adapter_cpu / counted, 1),
             "adapter_cpu_cores": round(adapter_cpu / elapsed, 2),
             "redis_cpu_cores": round(redis_cpu / elapsed, 2),
+            "redis_cpu_us_per_rollout": round(1e6 * redis_cpu / counted, 1),
+            "load_average_1m": round(os.getloadavg()[0], 2),  # other work on the machine
             "rollouts": args.n,
             "samples": samples,
             "skipped": stats.get("skipped", 0),

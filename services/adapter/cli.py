@@ -42,7 +42,7 @@ def command(
     )
     from fulmen.ops_http import start_ops
     from fulmen.ops_metrics import CountersCollector
-    from fulmen_adapter.adapter import Adapter
+    from fulmen_adapter.adapter import Adapter, tune_gc_for_batches
     from fulmen_adapter.triplets import AdapterConfig
 
     try:
@@ -57,6 +57,7 @@ def command(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         adapter = Adapter(store, config, batch=batch)
+        tune_gc_for_batches()
         with start_ops(settings, "adapter", groups=[("completions", k.ADAPTER_GROUP)]) as ops:
             ops.add(CountersCollector(lambda: _adapter_counters(adapter.counters)))
             await adapter.run(stop)
