@@ -48,6 +48,11 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def run_delay_s(pid: int) -> float:
+    """Time the process was runnable but waiting for a CPU (another process had it), from the scheduler."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+
+
 def trace(rollout_id: str, attempt_id: str, rng: random.Random) -> list[Span]:
     """8 spans: root, 2 LLM calls (512 + 128 token ids each), a tool operation, 3 messages, the reward."""
     t = 1_700_000_000.0
@@ -121,12 +126,13 @@ async def main() -> None:
         assert server.process is not None
         try:
             first = None
-            cpu0 = redis0 = 0.0
+            cpu0 = redis0 = delay0 = 0.0
             while True:
                 stats = await store.adapter_stats()
                 adapted = stats.get("rollouts", 0)
                 if first is None and adapted:
                     first, cpu0, redis0 = time.perf_counter(), cpu_s(proc.pid), cpu_s(server.process.pid)
+                    delay0 = run_delay_s(proc.pid)
                     start_count = adapted
                 if adapted >= args.n:
                     break
@@ -136,6 +142,7 @@ async def main() -> None:
             elapsed = time.perf_counter() - (first or time.perf_counter())
             adapter_cpu = cpu_s(proc.pid) - cpu0
             redis_cpu = cpu_s(server.process.pid) - redis0
+            adapter_delay = run_delay_s(proc.pid) - delay0
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=15)
@@ -148,6 +155,9 @@ async def main() -> None:
             "adapter_cpu_cores": round(adapter_cpu / elapsed, 2),
             "redis_cpu_cores": round(redis_cpu / elapsed, 2),
             "redis_cpu_us_per_rollout": round(1e6 * redis_cpu / counted, 1),
+            # the share of the run the adapter was ready to work but another process had the CPU: on a
+            # shared machine this, not the adapter, is what rollouts_per_s then measures
+            "adapter_waiting_for_cpu": round(adapter_delay / elapsed, 2),
             "load_average_1m": round(os.getloadavg()[0], 2),  # other work on the machine
             "rollouts": args.n,
             "samples": samples,
