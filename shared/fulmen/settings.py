@@ -128,7 +128,10 @@ class Settings(BaseSettings):
     target_accuracy: float | None = Field(
         None, gt=0, le=1, description="End the run early once two validation passes in a row reach this accuracy."
     )
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="Trainer /metrics port (unset: $PORT).")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="Port of this process's /healthz /readyz /metrics (unset: $PORT; neither: none; 0: any free port).",
+    )
     world_size: int = Field(1, ge=1, le=256, description="Data-parallel trainer ranks (honcho -c trainer=R).")
     codec: str = Field("none", description="Gradient codec between ranks: none, bf16, topk, dgc, qsgd8, qsgd4.")
     codec_density: float = Field(0.01, gt=0, le=1, description="Kept fraction for topk and dgc.")
