@@ -179,10 +179,13 @@ class Trainer:
         """Entries read before a restart: those the last checkpoint consumed are acknowledged now; the
         rest go back into the groups."""
         acked = requeued = 0
+        after = "0"
         while True:
-            entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=1000, pending=True)
+            entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=1000, pending=True,
+                                                    after=after)
             if not entries:
                 break
+            after = entries[-1][0]
             done = [e for e, _ in entries if e in already_done]
             await self.store.ack_samples(k.TRAINERS_GROUP, done)
             acked += len(done)
@@ -191,8 +194,6 @@ class Trainer:
                     if not self.collector.add(entry_id, item):
                         self.consumed_since_checkpoint.append(entry_id)
                     requeued += 1
-            if len(entries) < 1000 or requeued:  # pending reads return the same entries again: stop
-                break
         if acked or requeued:
             log.info("after restart: %d entries were already trained on, %d back in their groups", acked, requeued)
 

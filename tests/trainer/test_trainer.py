@@ -161,3 +161,20 @@ async def test_restart_after_a_kill_consumes_every_sample_exactly_once(
     assert sorted(trained) == sorted(produced)  # every sample, once
     assert [line["step"] for line in lines] == list(range(1, 9))
     assert (await real_store.redis.xpending(real_store.keys.samples, k.TRAINERS_GROUP))["pending"] == 0
+
+
+async def test_restart_recovers_every_pending_sample_past_the_first_page(real_store: RedisStore, tiny: Path) -> None:
+    """More entries pending than one read returns (1,000): a restarted trainer puts all of them back."""
+    groups = [_group(f"p{g}", [1.0, 0.0, 1.0]) for g in range(600)]
+    await _push(real_store, [s for g in groups for s in g[:2]] + [g[2] for g in groups[:10]])
+    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    read = []
+    while batch := await real_store.read_samples(k.TRAINERS_GROUP, "trainer-0", count=500):
+        read += batch  # the trainer read them all, then died before any checkpoint
+    assert len(read) == 1210
+    settings = load_settings(model_dir=tiny, groups_per_step=1000)
+    trainer = Trainer(real_store, settings)
+    await trainer._recover_pending(set())
+    complete = trainer.collector.take_complete(0)
+    assert len(complete) == 10  # the groups whose third sample arrived
+    assert sum(len(g.entry_ids) for g in complete) + trainer.collector.pending_samples() == 1210

@@ -124,13 +124,15 @@ class SamplesMixin:
                 raise
 
     async def read_samples(
-        self, group: str, consumer: str, count: int = 256, block_s: float | None = None, *, pending: bool = False
+        self, group: str, consumer: str, count: int = 256, block_s: float | None = None, *, pending: bool = False,
+        after: str = "0",
     ) -> list[SampleEntry]:
         """New sample entries for a consumer group (the trainer); malformed ones are dead-lettered.
         ``pending``: instead, the entries this consumer read before and has not acknowledged (after a
-        restart under the same consumer name), oldest first."""
+        restart under the same consumer name), oldest first, from the one after ``after``: page on
+        with the last id read, since entries that stay pending are returned again from "0"."""
         block_ms = None if block_s is None or pending else max(1, int(block_s * 1000))
-        cursor = "0" if pending else ">"
+        cursor = after if pending else ">"
         reply = await self.redis.xreadgroup(group, consumer, {self.keys.samples: cursor}, count=count, block=block_ms)
         out: list[SampleEntry] = []
         for entry_id, fields in reply[0][1] if reply else []:
