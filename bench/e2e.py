@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from typing import Any
 
 import redis
 
+from fulmen.embedded import free_port
 from fulmen.keys import Keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,12 +40,6 @@ VARIANTS: dict[str, dict[str, str]] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _validations(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     try:
         return [json.loads(fields[b"m"]) for _, fields in client.xrange(keys.validations)]
@@ -55,8 +49,8 @@ def _validations(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
 
 def run_variant(name: str, target: float, budget_s: float, folder: Path) -> dict[str, Any]:
     shutil.copy(ROOT / "Procfile", folder / "Procfile")
-    redis_port = _free_port()
-    overrides = {"FULMEN_REDIS_PORT": str(redis_port), "FULMEN_PROXY_PORT": str(_free_port()),
+    redis_port = free_port()
+    overrides = {"FULMEN_REDIS_PORT": str(redis_port), "FULMEN_PROXY_PORT": str(free_port()),
                  "FULMEN_METRICS_PORT": "0", "FULMEN_TOTAL_STEPS": "100000", **VARIANTS[name]}
     lines = [x for x in (ROOT / ".env").read_text().splitlines() if x.split("=", 1)[0] not in overrides]
     (folder / ".env").write_text("\n".join([*lines, *(f"{k}={v}" for k, v in overrides.items())]) + "\n")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from procs import stop  # noqa: F401  (the ops tests import it from here)
 from prometheus_client.parser import text_string_to_metric_families
 
 FULMEN = str(Path(sys.executable).with_name("fulmen"))
@@ -30,21 +30,6 @@ def service_env(redis_url: str, experiment: str, tmp_path: Path, **extra: str) -
 def start(args: Sequence[str], env: dict[str, str], port: int | None = None) -> subprocess.Popen[bytes]:
     env = dict(env) if port is None else {**env, "PORT": str(port)}
     return subprocess.Popen([FULMEN, *args], env=env, cwd=ROOT)
-
-
-def stop(procs: Sequence[subprocess.Popen[Any]], kill: Sequence[subprocess.Popen[Any]] = ()) -> None:
-    """SIGTERM each (SIGKILL those in ``kill``: their clean exit is not under test and takes long)."""
-    for p in kill:
-        if p.poll() is None:
-            p.kill()
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int, str]:

@@ -11,12 +11,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fulmen.embedded import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,18 +29,12 @@ MARGIN = 0.1
 TIMEOUT_S = 900  # ~4 min on a quiet 2-core machine; the slack is for a busy one
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(TIMEOUT_S)
 def test_shortened_demo_through_honcho_beats_the_warm_start(tmp_path: Path) -> None:
     """`honcho start` with STEPS trainer steps: ends by itself, reports, and validation rose by MARGIN."""
     shutil.copy(ROOT / "Procfile", tmp_path / "Procfile")
     overrides = {
-        "FULMEN_REDIS_PORT": _free_port(), "FULMEN_PROXY_PORT": _free_port(), "FULMEN_METRICS_PORT": 0,
+        "FULMEN_REDIS_PORT": free_port(), "FULMEN_PROXY_PORT": free_port(), "FULMEN_METRICS_PORT": 0,
         "FULMEN_TOTAL_STEPS": STEPS, "FULMEN_VAL_EVERY": STEPS, "FULMEN_SEED": 0,
     }
     settings = [line for line in (ROOT / ".env").read_text().splitlines()

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import stop
 
 from fulmen import arithmetic
 from fulmen.model_versions import version_number
@@ -81,13 +82,7 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
         assert result["served_by"] == {evaluated: 6}  # every answer came from the evaluated weights
         assert all(p.poll() is None for p in services if p is not trainer), "a service died during the run"
     finally:
-        for p in services:
-            p.send_signal(signal.SIGTERM)
-        for p in services:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(services)
     steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) >= 3 and all(s["perf/samples"] > 0 for s in steps)
     latest = await real_store.get_resources("policy")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from procs import stop
 
 from fulmen import semconv
 from fulmen.records import Sample
@@ -28,14 +28,7 @@ FULMEN = str(Path(sys.executable).with_name("fulmen"))
 def processes() -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
     yield started
-    for p in started:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in started:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    stop(started, timeout_s=10)
 
 
 async def test_each_successful_rollout_yields_its_samples_once_with_the_proxys_token_ids(

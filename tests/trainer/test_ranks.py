@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import stop
 from safetensors.torch import load_file
 
 from fulmen import keys as k
@@ -175,14 +176,7 @@ async def test_a_rank_that_dies_is_left_out_and_picked_up_when_back(redis_url: s
         await _push(store, samples[32:])
         assert await asyncio.to_thread(leader.wait, 120) == 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs, timeout_s=20)
     per_step = ranks_per_step()
     assert per_step[:2] == [2, 2]
     assert per_step[2:4] == [1, 1]
@@ -225,14 +219,7 @@ async def test_with_wait_the_run_pauses_while_a_rank_is_gone_and_resumes_when_ba
         procs.append(subprocess.Popen([FULMEN, "trainer"], env=env))  # it comes back
         assert await asyncio.to_thread(leader.wait, 120) == 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs, timeout_s=20)
     assert ranks_per_step() == [2, 2, 2, 2]
     await client.aclose()
 
@@ -309,14 +296,7 @@ async def test_a_restarted_leader_leads_the_waiting_ranks_again(redis_url: str, 
         assert await asyncio.to_thread(new_leader.wait, 120) == 0
         await _wait(lambda: asyncio.sleep(0, (tmp_path / "ck" / "rank-1" / "step-4").exists()))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs, timeout_s=20)
     assert [line["step"] for line in logged()] == [1, 2, 3, 4]
     assert [line["comm/ranks"] for line in logged()] == [2, 2, 2, 2]
     lead, follow = _weights(tmp_path / "ck" / "rank-0", 4), _weights(tmp_path / "ck" / "rank-1", 4)
