@@ -48,6 +48,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(stolen, total) CPU ticks of the whole machine since boot, from /proc/stat: "steal" is time the
+    hypervisor ran another guest while this VM had work, the noise a shared VM adds to a benchmark."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[7], sum(fields[:8])
+
+
 def run_delay_s(pid: int) -> float:
     """Time the process was runnable but waiting for a CPU (another process had it), from the scheduler."""
     return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
@@ -132,7 +139,7 @@ async def main() -> None:
                 adapted = stats.get("rollouts", 0)
                 if first is None and adapted:
                     first, cpu0, redis0 = time.perf_counter(), cpu_s(proc.pid), cpu_s(server.process.pid)
-                    delay0 = run_delay_s(proc.pid)
+                    delay0, ticks0 = run_delay_s(proc.pid), machine_ticks()
                     start_count = adapted
                 if adapted >= args.n:
                     break
@@ -143,6 +150,7 @@ async def main() -> None:
             adapter_cpu = cpu_s(proc.pid) - cpu0
             redis_cpu = cpu_s(server.process.pid) - redis0
             adapter_delay = run_delay_s(proc.pid) - delay0
+            stolen, total = (b - a for a, b in zip(ticks0, machine_ticks(), strict=True))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=15)
@@ -158,6 +166,9 @@ async def main() -> None:
             # the share of the run the adapter was ready to work but another process had the CPU: on a
             # shared machine this, not the adapter, is what rollouts_per_s then measures
             "adapter_waiting_for_cpu": round(adapter_delay / elapsed, 2),
+            # the share of the machine's CPU time the hypervisor gave to other guests: runs with a high
+            # figure measure the host's neighbours, not the adapter
+            "cpu_steal": round(stolen / max(1, total), 3),
             "load_average_1m": round(os.getloadavg()[0], 2),  # other work on the machine
             "rollouts": args.n,
             "samples": samples,

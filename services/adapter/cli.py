@@ -26,7 +26,7 @@ def command(
     trajectories: Annotated[
         bool | None, typer.Option("--trajectories/--no-trajectories", help="Also emit joined multi-turn samples.")
     ] = None,
-    batch: Annotated[int, typer.Option(min=1, max=10_000, help="Completions handled per round trip.")] = 512,
+    batch: Annotated[int, typer.Option(min=1, max=10_000, help="Completions handled per round trip (8 batches in flight).")] = 128,
     experiment: Annotated[
         str | None, typer.Option("--experiment", "-e", help="Experiment [env FULMEN_EXPERIMENT].")
     ] = None,

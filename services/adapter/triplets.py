@@ -23,7 +23,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from fulmen import semconv, tokens
@@ -86,14 +86,15 @@ def _time(value: float | None) -> float:
 
 
 _BY_SEQUENCE = attrgetter("sequence_id")
+_FIRST_TWO = itemgetter(0, 1)
 
 
-def dedupe(spans: Iterable[SpanLike]) -> list[SpanLike]:
-    """One span per span id (the first stored), in store order."""
+def dedupe(spans: Iterable[SpanLike], attempt_id: str | None = None) -> list[SpanLike]:
+    """One span per span id (the first stored), in store order; only ``attempt_id``'s if given."""
     seen: set[str] = set()
     unique = []
     for s in sorted(spans, key=_BY_SEQUENCE):
-        if s.span_id not in seen:
+        if s.span_id not in seen and (attempt_id is None or s.attempt_id == attempt_id):
             seen.add(s.span_id)
             unique.append(s)
     return unique
@@ -125,6 +126,8 @@ def _ancestors(span_id: str, parents: dict[str, str | None]) -> list[str]:
 
 
 def _packed(value: Any, what: str, pack: Any) -> bytes:
+    if type(value) is bytes and not len(value) % 4:  # as the proxy writes them: nothing to do
+        return value
     try:
         return pack(value)
     except RecordError:
@@ -144,55 +147,71 @@ def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], co
     call_ids = {s.span_id for s in call_spans}
     calls: list[LlmCall] = []
     responses: set[str] = set()
-    for s in sorted(call_spans, key=lambda s: (_time(s.start_time), s.sequence_id)):
-        lineage = _ancestors(s.span_id, parents)
-        if not call_ids.isdisjoint(lineage):
-            continue  # the same call seen by two layers (client and proxy): keep the outer one
-        if agent_match is not None and not any(agent_match.search(by_id[a].name) for a in lineage):
-            continue
-        response_id = s.attributes.get(semconv.GEN_AI_RESPONSE_ID)
-        if isinstance(response_id, str) and response_id:
+    if len(call_spans) > 1:
+        call_spans.sort(key=lambda s: (_time(s.start_time), s.sequence_id))
+    for s in call_spans:
+        attributes = s.attributes
+        if len(call_ids) > 1 or agent_match is not None:
+            lineage = _ancestors(s.span_id, parents)
+            if not call_ids.isdisjoint(lineage):
+                continue  # the same call seen by two layers (client and proxy): keep the outer one
+            if agent_match is not None and not any(agent_match.search(by_id[a].name) for a in lineage):
+                continue
+        response_id = attributes.get(semconv.GEN_AI_RESPONSE_ID)
+        if type(response_id) is str and response_id:
             if response_id in responses:
                 continue
             responses.add(response_id)
-        if semconv.PROMPT_TOKEN_IDS not in s.attributes or semconv.RESPONSE_TOKEN_IDS not in s.attributes:
-            fidelity = s.attributes.get(semconv.TOKEN_FIDELITY, "unknown")
+        if semconv.PROMPT_TOKEN_IDS not in attributes or semconv.RESPONSE_TOKEN_IDS not in attributes:
+            fidelity = attributes.get(semconv.TOKEN_FIDELITY, "unknown")
             raise Skip("no_token_ids", f"LLM call {s.name!r} has no token ids (token fidelity {fidelity})")
-        prompt = _packed(s.attributes[semconv.PROMPT_TOKEN_IDS], "prompt token ids", tokens.pack_ids)
-        response = _packed(s.attributes[semconv.RESPONSE_TOKEN_IDS], "response token ids", tokens.pack_ids)
-        logprobs = _packed(s.attributes.get(semconv.RESPONSE_LOGPROBS) or b"", "logprobs", tokens.pack_floats)
+        prompt = _packed(attributes[semconv.PROMPT_TOKEN_IDS], "prompt token ids", tokens.pack_ids)
+        response = _packed(attributes[semconv.RESPONSE_TOKEN_IDS], "response token ids", tokens.pack_ids)
+        logprobs = _packed(attributes.get(semconv.RESPONSE_LOGPROBS) or b"", "logprobs", tokens.pack_floats)
         if len(logprobs) != len(response):  # 4 bytes each
             raise Skip("malformed_span",
                        f"malformed span: {len(logprobs) // 4} logprobs for {len(response) // 4} response tokens")
-        request, answer = s.attributes.get(semconv.REQUEST_JSON), s.attributes.get(semconv.RESPONSE_JSON)
-        calls.append(LlmCall(s, prompt, response, logprobs, request_json=request if isinstance(request, str) else "",
-                             response_json=answer if isinstance(answer, str) else ""))
+        request, answer = attributes.get(semconv.REQUEST_JSON), attributes.get(semconv.RESPONSE_JSON)
+        calls.append(LlmCall(s, prompt, response, logprobs, None, request if type(request) is str else "",
+                             answer if type(answer) is str else ""))
     return calls
+
+
+def _finite_number(value: Any) -> bool:
+    # exact float or int first (what decoding gives); a bool is not a reward
+    if type(value) is not float and type(value) is not int and (
+            isinstance(value, bool) or not isinstance(value, int | float)):
+        return False
+    return math.isfinite(value)
 
 
 def match_rewards(spans: Sequence[SpanLike], calls: list[LlmCall]) -> float | None:
     """Give each reward to the most recent earlier call without one; return the final reward."""
     rewards = []
     for s in spans:
-        if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_REWARD or s.name == semconv.REWARD_SPAN:
-            value = s.attributes.get(semconv.REWARD)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        attributes = s.attributes
+        if attributes.get(semconv.SPAN_KIND) == semconv.KIND_REWARD or s.name == semconv.REWARD_SPAN:
+            value = attributes.get(semconv.REWARD)
+            if not _finite_number(value):
                 raise Skip("malformed_span", f"malformed span: reward {value!r} is not a finite number")
             rewards.append((_time(s.start_time), s.sequence_id, float(value)))
     if not rewards:
         return None
-    events = [(_time(c.span.end_time), c.span.sequence_id, 0, i) for i, c in enumerate(calls)]
+    # (time, sequence id, 0 for a call / 1 for a reward, payload); sequence ids are unique, so the
+    # first two decide the order
+    events = [(_time(c.span.end_time), c.span.sequence_id, 0, c) for c in calls]
     events += [(t, seq, 1, value) for t, seq, value in rewards]
+    events.sort(key=_FIRST_TWO)
     seen_calls: list[LlmCall] = []
-    for _, _, is_reward, payload in sorted(events, key=lambda e: (e[0], e[1])):
+    for _, _, is_reward, payload in events:
         if not is_reward:
-            seen_calls.append(calls[int(payload)])
+            seen_calls.append(payload)
             continue
         for call in reversed(seen_calls):
             if call.reward is None:
-                call.reward = float(payload)
+                call.reward = payload
                 break
-    return sorted(rewards)[-1][2]
+    return max(rewards)[2]
 
 
 def _trajectories(calls: list[LlmCall]) -> list[list[int]]:
@@ -213,7 +232,7 @@ def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterC
     """The samples of one attempt's spans as `Sample` fields (token arrays as packed bytes), ready for
     `fulmen.records.pack_sample`; or `Skip` with the reason."""
     config = config or AdapterConfig()
-    unique = [s for s in dedupe(spans) if s.attempt_id == info.attempt_id]
+    unique = dedupe(spans, info.attempt_id)
     parents = repaired_parents(unique)
     calls = find_llm_calls(unique, parents, config)
     if not calls:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from fulmen import codec, semconv
 from fulmen.errors import RecordError, SchemaVersionError
 from fulmen.records import Sample, Span, SpanView, pack_sample
-from fulmen.store.samples import _span_views
+from fulmen.store.samples import _batch_payload, _span_views
 
 SPAN = Span("r1", "r1.1", "s1", "chat tiny", "t" * 32, "root", 1.0, 2.0,
             attributes={semconv.SPAN_KIND: semconv.KIND_LLM_CALL, semconv.PROMPT_TOKEN_IDS: b"\x01\x00\x00\x00"})
@@ -21,21 +22,29 @@ def test_span_view_reads_what_span_to_wire_writes() -> None:
     assert (view.start_time, view.end_time, view.attributes) == (1.0, 2.0, SPAN.attributes)
 
 
-def test_span_records_leave_defaults_out_and_read_back_whole() -> None:
-    """A span with default status, events, links and resource is stored without them and reads back equal;
-    a record written with every field (older writers) still reads."""
+def test_span_records_are_positional_leave_defaults_out_and_read_back_whole() -> None:
+    """A span with default trace id, status, events, links and resource is stored as the 10-item array
+    without them and reads back equal; one with every field set reads back whole; a record written as
+    a map (before) still reads, as a `Span` and as a view."""
     data = SPAN.to_wire()
-    assert not {"status_code", "status_message", "events", "links", "resource"} & set(codec.unpack(data))
+    assert codec.unpack(data) == [1, "span", "r1", "r1.1", "s1", "root", "chat tiny", 1.0, 2.0, SPAN.attributes,
+                                  "t" * 32]
+    bare = Span("r1", "r1.1", "s0", "n")
+    assert codec.unpack(bare.to_wire()) == [1, "span", "r1", "r1.1", "s0", None, "n", None, None, {}]
     assert Span.from_wire(data, 0) == SPAN
     full = Span("r1", "r1.1", "s2", "tool", status_code="ERROR", status_message="boom", events=[{"name": "e"}],
                 links=[{"trace_id": "x"}], resource={"service.name": "runner"})
     assert Span.from_wire(full.to_wire(), 0) == full
+    assert Span.from_wire(Span("r1", "r1.1", "s4", "n", links=[{"a": 1}]).to_wire(), 0).links == [{"a": 1}]
     old_style = codec.pack_record("span", {
-        "rollout_id": "r1", "attempt_id": "r1.1", "span_id": "s3", "name": "n", "trace_id": "", "parent_id": None,
-        "start_time": None, "end_time": None, "status_code": "UNSET", "status_message": "", "attributes": {},
+        "rollout_id": "r1", "attempt_id": "r1.1", "span_id": "s3", "name": "n", "trace_id": "", "parent_id": "p",
+        "start_time": None, "end_time": 5.0, "status_code": "UNSET", "status_message": "", "attributes": {"a": 1},
         "events": [], "links": [], "resource": {}})
-    assert Span.from_wire(old_style, 3) == Span("r1", "r1.1", "s3", "n", sequence_id=3)
-    assert SpanView.from_wire(old_style, 3).span_id == "s3"
+    assert Span.from_wire(old_style, 3) == Span("r1", "r1.1", "s3", "n", parent_id="p", end_time=5.0,
+                                                 attributes={"a": 1}, sequence_id=3)
+    assert SpanView.from_wire(old_style, 3) == ("r1", "r1.1", "s3", "p", "n", None, 5.0, {"a": 1}, 3)
+    sparse_map = codec.pack_record("span", {"rollout_id": "r1", "attempt_id": "r1.1", "span_id": "s5", "name": "n"})
+    assert Span.from_wire(sparse_map, 1) == Span("r1", "r1.1", "s5", "n", sequence_id=1)
 
 
 @pytest.mark.parametrize(("data", "error"), [
@@ -46,19 +55,40 @@ def test_span_records_leave_defaults_out_and_read_back_whole() -> None:
     (codec.pack_record("span", {"rollout_id": "r1", "attempt_id": "a", "name": "n"}), RecordError),  # no span_id
     (codec.pack_record("span", {"rollout_id": "r1", "attempt_id": "a", "span_id": "s", "name": "n",
                                 "attributes": [1]}), RecordError),
+    (codec.pack_record("span", {"rollout_id": "r1", "attempt_id": "a", "span_id": "s", "name": "n", "x": 1}),
+     RecordError),  # a field no version had
+    (codec.pack([99, "span", "r1", "a", "s", None, "n", None, None, {}]), SchemaVersionError),
+    (codec.pack([1, "queue", "r1", "a", "s", None, "n", None, None, {}]), RecordError),
+    (codec.pack([1, "span", "r1", "a", "s", None, "n", None, None]), RecordError),  # too short
+    (codec.pack([1, "span", "r1", "a", "s", None, "n", None, None, {}, *[""] * 7]), RecordError),  # too long
+    (codec.pack([1, "span", "r1", "a", 5, None, "n", None, None, {}]), RecordError),  # span id a number
+    (codec.pack([1, "span", "r1", "a", "s", {"x": 1}, "n", None, None, {}]), RecordError),  # parent a map
+    (codec.pack([1, "span", "r1", "a", "s", None, "n", "soon", None, {}]), RecordError),  # time a string
+    (codec.pack([1, "span", "r1", "a", "s", None, "n", None, None, [1]]), RecordError),  # attributes a list
+    (codec.pack("span"), RecordError),
 ])
 def test_span_view_refuses_what_span_from_wire_refuses(data: bytes, error: type[Exception]) -> None:
-    """Garbage, another schema version, another kind, a missing or mistyped field: refused, never misread."""
+    """Garbage, another schema version, another kind, a missing, extra or mistyped field: refused by both
+    decoders with the same error type, never misread (a mistyped time or parent would break the tree walk)."""
     with pytest.raises(error):
         SpanView.from_wire(data, 1)
+    with pytest.raises(error):
+        Span.from_wire(data, 1)
 
 
 def test_span_entries_from_xread_become_views_or_the_error() -> None:
     """Entry ids give the sequence ids; an unreadable entry makes the whole rollout's result the error."""
-    entries = [[b"1-0", [b"m", SPAN.to_wire()]], [b"2-0", [b"x", b"1", b"m", SPAN.to_wire()]], [b"3-0", [b"x", b"1"]]]
+    old_style = codec.pack_record("span", {"rollout_id": "r1", "attempt_id": "r1.1", "span_id": "s9", "name": "n"})
+    entries = [[b"1-0", [b"m", SPAN.to_wire()]], [b"2-0", [b"x", b"1", b"m", SPAN.to_wire()]], [b"3-0", [b"x", b"1"]],
+               [b"12-0", [b"m", old_style]]]
     views = _span_views(entries, 1 << 20)
-    assert isinstance(views, list) and [v.sequence_id for v in views] == [1, 2]
-    assert isinstance(_span_views([[b"1-0", [b"m", b"\xc1"]]], 1 << 20), RecordError)
+    assert isinstance(views, list) and [v.sequence_id for v in views] == [1, 2, 12]
+    assert views[0] == SpanView.from_wire(SPAN.to_wire(), 1) and views[2] == SpanView.from_wire(old_style, 12)
+    for bad, message in [(b"\xc1", "not a valid msgpack record"), (codec.pack([1, "span", "r", "a", "s", None, "n",
+                         "soon", None, {}]), "wrong type"), (SPAN.to_wire(), "over the")]:
+        error = _span_views([[b"1-0", [b"m", SPAN.to_wire()]], [b"2-0", [b"m", bad]]], 100 if message == "over the" else 1 << 20)
+        assert isinstance(error, RecordError) and message in str(error), error
+    assert isinstance(_span_views([[b"x", [b"m", SPAN.to_wire()]]], 1 << 20), RecordError)  # no sequence id
 
 
 def test_pack_sample_writes_the_bytes_of_sample_to_wire() -> None:
@@ -70,3 +100,14 @@ def test_pack_sample_writes_the_bytes_of_sample_to_wire() -> None:
     sample = Sample(**fields)  # type: ignore[arg-type]
     assert pack_sample(dict(fields)) == sample.to_wire()
     assert Sample.from_wire(pack_sample(dict(fields))) == sample
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [5, 31, 32, 4540], [70_000], [1] * 20])
+def test_batch_payload_is_what_msgpack_writes(sizes: list[int]) -> None:
+    """The adapter's framed write argument is byte for byte msgpack's (raw strings for the records, the
+    type Redis's cmsgpack reads), at every header size: fix, 16-bit and 32-bit lengths and counts."""
+    for rollouts in (3, 20, 70_000 if sizes == [0] else 3):
+        batch = [(f"r{i}", [bytes([i % 251]) * n for n in sizes], {"rollouts": 1, "samples": len(sizes)})
+                 for i in range(rollouts)]
+        expected = msgpack.packb([[r, dict(st), list(rec)] for r, rec, st in batch], use_bin_type=False)
+        assert _batch_payload(batch) == expected
