@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from fulmen import semconv, tokens
 from fulmen.errors import RecordError
@@ -58,8 +58,7 @@ class AdapterConfig:
                     raise ValueError(f"{name} {pattern!r} is not a regular expression: {e}") from None
 
 
-@dataclass(frozen=True)
-class AttemptInfo:
+class AttemptInfo(NamedTuple):  # a tuple: one is made per rollout, a frozen dataclass cost 4x as much
     rollout_id: str
     attempt_id: str
     group_key: str

@@ -45,6 +45,9 @@ def test_span_records_are_positional_leave_defaults_out_and_read_back_whole() ->
     assert SpanView.from_wire(old_style, 3) == ("r1", "r1.1", "s3", "p", "n", None, 5.0, {"a": 1}, 3)
     sparse_map = codec.pack_record("span", {"rollout_id": "r1", "attempt_id": "r1.1", "span_id": "s5", "name": "n"})
     assert Span.from_wire(sparse_map, 1) == Span("r1", "r1.1", "s5", "n", sequence_id=1)
+    one, two = Span.from_wire(bare.to_wire(), 1), Span.from_wire(sparse_map, 2)
+    one.events.append({"name": "mine"})
+    assert two.events == [] and Span.from_wire(bare.to_wire(), 3).events == []  # defaults are not shared
 
 
 @pytest.mark.parametrize(("data", "error"), [

@@ -64,7 +64,11 @@ _WIRE_FIELDS = ("rollout_id", "attempt_id", "span_id", "parent_id", "name", "sta
                 "trace_id", "status_code", "status_message", "events", "links", "resource")
 _REQUIRED = 10  # v, kind and the fields through attributes
 _MOST = 2 + len(_WIRE_FIELDS)
-_OPTIONAL_DEFAULTS: tuple[Any, ...] = ("", "UNSET", "", [], [], {})
+_OPTIONAL_DEFAULTS: tuple[Any, ...] = ("", "UNSET", "", [], [], {})  # to compare with; fresh ones to fill in
+
+
+def _fresh_defaults() -> tuple[Any, ...]:
+    return "", "UNSET", "", [], [], {}  # new lists and dicts each time: no two spans share one
 _TIMES = frozenset({float, int, type(None)})
 
 
@@ -88,14 +92,14 @@ def _fields(record: Any) -> tuple[Any, ...]:
         raise RecordError(f"expected a span record, got kind {record[1]!r}")
     if not _REQUIRED <= len(record) <= 2 + len(_WIRE_FIELDS):
         raise RecordError(f"span record has {len(record) - 2} fields, expected 8 to {len(_WIRE_FIELDS)}")
-    fields = tuple(record[2:]) + _OPTIONAL_DEFAULTS[len(record) - _REQUIRED:]
+    fields = tuple(record[2:]) + _fresh_defaults()[len(record) - _REQUIRED:]
     _check_types(fields[2], fields[3], fields[4], fields[5], fields[6], fields[7])
     return fields
 
 
 def _default(name: str) -> Any:
     i = _WIRE_FIELDS.index(name)
-    return _OPTIONAL_DEFAULTS[i - 8] if i >= 8 else ({} if name == "attributes" else None)
+    return _fresh_defaults()[i - 8] if i >= 8 else ({} if name == "attributes" else None)
 
 
 def _check_types(span_id: Any, parent_id: Any, name: Any, start_time: Any, end_time: Any, attributes: Any) -> None:

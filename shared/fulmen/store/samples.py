@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import redis.asyncio as aioredis
@@ -20,9 +19,9 @@ from fulmen.status import RolloutStatus
 SampleEntry = tuple[str, Sample | SampleSkip]
 
 
-@dataclass(frozen=True, slots=True)
-class RolloutForSamples:
-    """A finished rollout as the adapter reads it (`SamplesMixin.read_for_samples`)."""
+class RolloutForSamples(NamedTuple):
+    """A finished rollout as the adapter reads it (`SamplesMixin.read_for_samples`); a tuple, which
+    is cheaper to make than a frozen dataclass, thousands a second."""
 
     rollout_id: str
     status: RolloutStatus
