@@ -148,9 +148,12 @@ def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], co
     responses: set[str] = set()
     if len(call_spans) > 1:
         call_spans.sort(key=lambda s: (_time(s.start_time), s.sequence_id))
+    # A call has a call among its ancestors only if some call is some span's parent: the usual trace
+    # (every call under the agent's or the root span) needs no walk up the tree at all.
+    nested = not call_ids.isdisjoint(parents.values())
     for s in call_spans:
         attributes = s.attributes
-        if len(call_ids) > 1 or agent_match is not None:
+        if nested or agent_match is not None:
             lineage = _ancestors(s.span_id, parents)
             if not call_ids.isdisjoint(lineage):
                 continue  # the same call seen by two layers (client and proxy): keep the outer one
