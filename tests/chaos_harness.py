@@ -300,7 +300,7 @@ class ChaosRun:
             self.supervise()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what}: not within {timeout_s:.0f} s\n{self.describe()}")
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.05)  # some moments last a second or two (a trainer holding samples)
 
     async def version(self) -> int:
         assert self.store is not None

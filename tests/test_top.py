@@ -3,6 +3,7 @@ changes, lists the live services and draws the reward curve; `--once` prints one
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pty
@@ -60,6 +61,20 @@ class Terminal:
                     chunk = b""
                 self.text += ANSI.sub("", chunk.decode(errors="replace"))
 
+    def wait(self, timeout_s: float) -> int:
+        """The exit code, reading what it draws meanwhile: a process writing to a full terminal (its last
+        frame, the cursor restored on exit) blocks until someone reads, and would never exit."""
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"still running after {timeout_s}s; last output:\n{self.text[-3000:]}")
+            ready, _, _ = select.select([self.master], [], [], min(left, 0.1))
+            if ready:
+                with contextlib.suppress(OSError):  # the process closed the terminal
+                    self.text += ANSI.sub("", os.read(self.master, 65536).decode(errors="replace"))
+        return self.proc.returncode
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -91,7 +106,7 @@ async def test_top_shows_the_queue_depth_live(real_store: RedisStore, redis_url:
             await real_store.enqueue_rollout({"q": i}, rollout_id=f"r{i}")
         assert term.read_until(r"queue depth\W+(10)\W", 15).group(1) == "10"
         os.write(term.master, b"\x03")  # Ctrl-C
-        assert term.proc.wait(15) == 0
+        assert term.wait(15) == 0
     finally:
         if term is not None:
             term.close()
