@@ -9,6 +9,7 @@ import os
 import pty
 import re
 import select
+import signal
 import struct
 import subprocess
 import termios
@@ -26,6 +27,15 @@ pytestmark = pytest.mark.slow
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
 
 
+def _as_a_foreground_job() -> None:
+    """In the child, before exec: the terminal becomes its controlling one, and Ctrl-C gets its
+    default action back, as a shell gives a foreground job. A test run started in the background
+    (`.ci/run &` from a script) inherits SIGINT ignored, and Python then never turns it into
+    KeyboardInterrupt: `fulmen top` would draw on through every Ctrl-C."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Terminal:
     """A process on a pseudo-terminal of a fixed size; everything it drew, escapes removed."""
 
@@ -36,7 +46,7 @@ class Terminal:
         # its own session with the terminal as its controlling one, so Ctrl-C on it is a SIGINT
         self.proc = subprocess.Popen(
             args, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
-            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+            preexec_fn=_as_a_foreground_job,
         )
         os.close(slave)
         self.master = master

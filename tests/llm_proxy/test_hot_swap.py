@@ -71,10 +71,10 @@ async def test_weight_update_with_32_calls_in_flight(
         # Each response follows the weights of the version it names, for every token.
         assert logprobs == pytest.approx(forward_logprobs(models[version], prompt_ids, token_ids), abs=1e-4)
     assert {r.model_extra["model_version"] for r in later} == {"v1"}
-    # Greedy outputs of the two versions differ, so "follows the new weights" is a real check.
-    assert later[0].choices[0].model_extra["token_ids"] != results[0].choices[0].model_extra["token_ids"] or {
-        r.model_extra["model_version"] for r in results
-    } == {"v1"}
+    # Greedy outputs of the two versions differ, so "follows the new weights" is a real check (against
+    # a call the old weights answered: which of the 32 those were depends on the machine's speed).
+    by_base = [r for r in results if r.model_extra["model_version"] == "base"]
+    assert not by_base or later[0].choices[0].model_extra["token_ids"] != by_base[0].choices[0].model_extra["token_ids"]
     (endpoint,) = await real_store.query_proxies()
     assert endpoint.model_version == "v1"
 
