@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import msgpack
 import pytest
 
 from fulmen import codec, semconv
 from fulmen.errors import RecordError, SchemaVersionError
 from fulmen.records import Sample, Span, SpanView, pack_sample
-from fulmen.store.samples import _batch_payload, _span_views
+from fulmen.store.samples import _span_views
 
 SPAN = Span("r1", "r1.1", "s1", "chat tiny", "t" * 32, "root", 1.0, 2.0,
             attributes={semconv.SPAN_KIND: semconv.KIND_LLM_CALL, semconv.PROMPT_TOKEN_IDS: b"\x01\x00\x00\x00"})
@@ -104,13 +103,3 @@ def test_pack_sample_writes_the_bytes_of_sample_to_wire() -> None:
     assert pack_sample(dict(fields)) == sample.to_wire()
     assert Sample.from_wire(pack_sample(dict(fields))) == sample
 
-
-@pytest.mark.parametrize("sizes", [[], [0], [5, 31, 32, 4540], [70_000], [1] * 20])
-def test_batch_payload_is_what_msgpack_writes(sizes: list[int]) -> None:
-    """The adapter's framed write argument is byte for byte msgpack's (raw strings for the records, the
-    type Redis's cmsgpack reads), at every header size: fix, 16-bit and 32-bit lengths and counts."""
-    for rollouts in (3, 20, 70_000 if sizes == [0] else 3):
-        batch = [(f"r{i}", [bytes([i % 251]) * n for n in sizes], {"rollouts": 1, "samples": len(sizes)})
-                 for i in range(rollouts)]
-        expected = msgpack.packb([[r, dict(st), list(rec)] for r, rec, st in batch], use_bin_type=False)
-        assert _batch_payload(batch) == expected

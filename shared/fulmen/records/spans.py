@@ -64,11 +64,15 @@ _WIRE_FIELDS = ("rollout_id", "attempt_id", "span_id", "parent_id", "name", "sta
                 "trace_id", "status_code", "status_message", "events", "links", "resource")
 _REQUIRED = 10  # v, kind and the fields through attributes
 _MOST = 2 + len(_WIRE_FIELDS)
-_OPTIONAL_DEFAULTS: tuple[Any, ...] = ("", "UNSET", "", [], [], {})  # to compare with; fresh ones to fill in
 
 
 def _fresh_defaults() -> tuple[Any, ...]:
-    return "", "UNSET", "", [], [], {}  # new lists and dicts each time: no two spans share one
+    """trace_id, status_code, status_message, events, links, resource when left out: new lists and
+    dicts each time, so no two spans share one."""
+    return "", "UNSET", "", [], [], {}
+
+
+_OPTIONAL_DEFAULTS = _fresh_defaults()  # to compare with when writing
 _TIMES = frozenset({float, int, type(None)})
 
 
@@ -90,7 +94,7 @@ def _fields(record: Any) -> tuple[Any, ...]:
         check_version(record[0], "span")
     if record[1] != "span":
         raise RecordError(f"expected a span record, got kind {record[1]!r}")
-    if not _REQUIRED <= len(record) <= 2 + len(_WIRE_FIELDS):
+    if not _REQUIRED <= len(record) <= _MOST:
         raise RecordError(f"span record has {len(record) - 2} fields, expected 8 to {len(_WIRE_FIELDS)}")
     fields = tuple(record[2:]) + _fresh_defaults()[len(record) - _REQUIRED:]
     _check_types(fields[2], fields[3], fields[4], fields[5], fields[6], fields[7])

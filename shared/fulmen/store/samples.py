@@ -102,7 +102,11 @@ class SamplesMixin:
         appended: 0 if sampled before, -1 if the rollout is gone."""
         if not batch and not ack_entry_ids:
             return []
-        payload = _batch_payload(batch)
+        # use_bin_type=False: the records go as msgpack raw strings, the type Redis's cmsgpack reads
+        # (it refuses the bin types); Lua strings are bytes either way
+        payload = msgpack.packb(
+            [[rid, dict(stats), list(records)] for rid, records, stats in batch], use_bin_type=False
+        )
         ack = [ack_group, *ack_entry_ids] if ack_group and ack_entry_ids else [""]
         replies = await self._append_samples(args=[self.keys.prefix, payload, *ack])
         return [int(n) for n in replies or []]
@@ -147,34 +151,6 @@ def decode_sample(data: bytes | None, max_bytes: int) -> Sample | SampleSkip:
     if isinstance(value, dict) and value.get("kind") == "sample_skip":
         return SampleSkip.from_wire(data)
     return Sample.from_wire(data, max_bytes)
-
-
-def _batch_payload(batch: Sequence[tuple[str, Sequence[bytes], Mapping[str, int]]]) -> bytes:
-    """APPEND_SAMPLES' argument: msgpack ``[[rollout id, {counter: increment}, [record, ...]], ...]``.
-
-    The records (kilobytes each, already msgpack) are framed, not packed: one copy into the joined
-    payload instead of msgpack's growing buffer. As raw strings in the old msgpack spec (fixraw, raw16,
-    raw32, what ``use_bin_type=False`` writes): the type Redis's cmsgpack reads, it refuses bin."""
-    pack = _RAW_PACKER.pack
-    parts = [_header(len(batch), 0x90, b"\xdc", b"\xdd")]
-    for rollout_id, records, stats in batch:
-        parts.append(b"\x93" + pack(rollout_id) + pack(dict(stats)) + _header(len(records), 0x90, b"\xdc", b"\xdd"))
-        for record in records:
-            parts.append(_header(len(record), 0xA0, b"\xda", b"\xdb"))
-            parts.append(record)
-    return b"".join(parts)
-
-
-_RAW_PACKER = msgpack.Packer(use_bin_type=False)
-
-
-def _header(n: int, fix: int, head16: bytes, head32: bytes) -> bytes:
-    """A msgpack array (0x90) or raw string (0xa0) header for ``n`` items or bytes."""
-    if n < (16 if fix == 0x90 else 32):
-        return bytes((fix | n,))
-    if n < 0x10000:
-        return head16 + n.to_bytes(2, "big")
-    return head32 + n.to_bytes(4, "big")
 
 
 def _span_views(entries: Any, max_bytes: int) -> list[SpanView] | RecordError:
