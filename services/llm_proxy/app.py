@@ -5,10 +5,11 @@ Routes (each ``/v1`` route also under the attribution prefix ``/rollout/{r}/atte
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
     GET /healthz   GET /readyz   GET /metrics
 
-A framework's routing, request objects and middleware cost more CPU per request than the whole
-budget (0.5 ms); here a request is a few dict lookups, one JSON parse, the backend call, one span
-write (auto-pipelined) and one JSON dump. Every error is an OpenAI-style body with its status
-(`fulmen_llm_proxy.errors`), and no error stops the server.
+A framework's routing, request objects and middleware would cost more CPU per request than the
+proxy's whole overhead budget (bench/RESULTS.md, "Proxy overhead"); here a request is a few dict
+lookups, one JSON parse, the backend call, one span write (auto-pipelined) and one JSON dump.
+Every error is an OpenAI-style body with its status (`fulmen_llm_proxy.errors`), and no error
+stops the server.
 
 Each completion carries the model version that served it, in the ``x-fulmen-model-version``
 header and a ``model_version`` body field (in every chunk when streaming). Its span is stored
@@ -29,7 +30,7 @@ from redis.exceptions import RedisError
 from fulmen import semconv
 from fulmen.errors import NotFound, RecordTooLarge
 from fulmen_llm_proxy.attribution import Target, from_headers, new_span_id, split_path, trace_context
-from fulmen_llm_proxy.backends import Call, Operation, Result
+from fulmen_llm_proxy.backend_base import Call, Operation, Result
 from fulmen_llm_proxy.errors import ProxyError
 from fulmen_llm_proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fulmen_llm_proxy.parsing import parse_call
@@ -46,6 +47,7 @@ _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")
 _VERSION_HEADER = semconv.HEADER_MODEL_VERSION.encode()
 _OPERATIONS: dict[str, Operation] = {"/chat/completions": "chat", "/completions": "text_completion"}
 _DONE = b"data: [DONE]\n\n"
+CLIENT_CLOSED = 499  # nginx's "client closed request": the status logged when nothing was answered
 
 
 class ClientGone(Exception):
@@ -123,7 +125,7 @@ class ProxyApp:
             status = e.status
             await _send_body(send, e.status, e.body())
         except ClientGone:
-            status = 499  # nginx's "client closed request": nothing to answer
+            status = CLIENT_CLOSED
         except Exception as e:  # a bug must cost one request, never the server
             log.exception("unexpected error on %s %s", scope["method"], scope["path"])
             status = 500
@@ -155,7 +157,7 @@ class ProxyApp:
         await _send_body(send, 200, json.dumps({"object": "list", "data": data}).encode())
         return 200
 
-    # --- completions --------------------------------------------------------------------------------
+    # --- /v1/chat/completions and /v1/completions (the OpenAI API) -----------------------------------
 
     async def _completion(
         self, receive: Receive, send: Send, target: Target, headers: dict[bytes, bytes], operation: Operation
@@ -276,9 +278,7 @@ class ProxyApp:
         limit = self.max_request_bytes
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise ProxyError(
-                413, f"request body over {limit} bytes (FULMEN_MAX_REQUEST_BYTES)", code="request_too_large"
-            )
+            raise _too_large(limit)
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
@@ -294,13 +294,15 @@ class ProxyApp:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise ProxyError(
-                    413,
-                    f"request body over {limit} bytes (FULMEN_MAX_REQUEST_BYTES)",
-                    code="request_too_large",
-                )
+                raise _too_large(limit)
             parts.append(chunk)
         return b"".join(parts)
+
+
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(
+        413, f"request body over {limit} bytes (FULMEN_MAX_REQUEST_BYTES)", code="request_too_large"
+    )
 
 
 async def _send_body(

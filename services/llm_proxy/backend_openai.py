@@ -12,10 +12,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fulmen_llm_proxy.backends import Call, Fidelity, Result
+from fulmen_llm_proxy.backend_base import BASE_MODEL_VERSION, Call, Fidelity, Result
 from fulmen_llm_proxy.upstream import Upstreams
 
-BASE_VERSION = "base"
 _PATHS = {"chat": "/v1/chat/completions", "text_completion": "/v1/completions"}
 
 
@@ -33,7 +32,7 @@ class OpenAIBackend:
 
     @property
     def model_version(self) -> str:
-        return BASE_VERSION  # the upstream loads its own weights; it may say otherwise per response
+        return BASE_MODEL_VERSION  # the upstream loads its own weights; it may say otherwise per response
 
     async def start(self) -> None:
         await self.upstreams.start()

@@ -21,17 +21,23 @@ from typing import Any
 
 from fulmen.errors import InvalidInput, RetryableError
 from fulmen_llm_proxy import formatting
-from fulmen_llm_proxy.backends import Call, Result
+from fulmen_llm_proxy.backend_base import Call, Result
 from fulmen_llm_proxy.errors import ProxyError, bad_request
 from fulmen_llm_proxy.parsing import single_prompt
+from fulmen_llm_proxy.torch_engine import DEFAULT_MAX_BATCH, GenerationStream, SamplingParams, TorchEngine
 
 DEFAULT_MAX_TOKENS = 256
+# OpenAI accepts top_p = 0 and the engine needs top_p > 0: a nucleus this small keeps only the
+# likeliest token, which is what 0 asks for.
+MIN_TOP_P = 1e-9
 
 
 class TorchBackend:
     system = "torch"
 
-    def __init__(self, model_dir: str | Path, *, model_name: str | None = None, max_batch: int = 16) -> None:
+    def __init__(
+        self, model_dir: str | Path, *, model_name: str | None = None, max_batch: int = DEFAULT_MAX_BATCH
+    ) -> None:
         self.model_dir = Path(model_dir)
         self.name = model_name or self.model_dir.resolve().name
         self.max_batch = max_batch
@@ -46,8 +52,6 @@ class TorchBackend:
         return self.engine.model_version if self.engine is not None else ""
 
     async def start(self) -> None:
-        from fulmen_llm_proxy.torch_engine import TorchEngine
-
         # Loading runs in a thread so the event loop (and the lifespan) stays responsive.
         self.engine = await asyncio.to_thread(TorchEngine, self.model_dir, max_batch=self.max_batch)
         await self.engine.start()
@@ -80,9 +84,7 @@ class TorchBackend:
             return list(tokenizer.encode(prompt))
         return list(prompt)
 
-    def _open(self, call: Call) -> tuple[Any, list[int]]:
-        from fulmen_llm_proxy.torch_engine import SamplingParams
-
+    def _open(self, call: Call) -> tuple[GenerationStream, list[int]]:
         prompt = self.prompt_ids(call)
         stop_ids = call.body.get("stop_token_ids") or ()
         if not isinstance(stop_ids, list | tuple) or not all(isinstance(t, int) for t in stop_ids):
@@ -90,14 +92,15 @@ class TorchBackend:
         try:
             params = SamplingParams(
                 max_tokens=call.max_tokens or DEFAULT_MAX_TOKENS, temperature=call.temperature,
-                top_p=call.top_p if call.top_p > 0 else 1e-9, seed=call.seed, stop_token_ids=tuple(stop_ids),
+                top_p=call.top_p if call.top_p > 0 else MIN_TOP_P, seed=call.seed,
+                stop_token_ids=tuple(stop_ids),
             )  # fmt: skip
             return self.engine.stream(prompt, params), prompt
         except InvalidInput as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise bad_request(str(e), "messages" if call.operation == "chat" else "prompt", code) from None
         except RetryableError as e:
-            raise ProxyError(503, str(e), code="engine_closed") from None
+            raise _engine_closed(e) from None
 
     def token_strings(self, call: Call, token_ids: list[int]) -> list[str]:
         if call.tokens_as_ids:
@@ -186,11 +189,16 @@ class TorchBackend:
         except InvalidInput as e:
             raise bad_request(str(e)) from None
         except RetryableError as e:
-            raise ProxyError(503, str(e), code="engine_closed") from None
+            raise _engine_closed(e) from None
         result.text = decoded if incremental else tokenizer.decode(token_ids, skip_special_tokens=True)
         result.finish_reason = finish
         result.input_tokens = len(prompt)
         result.output_tokens = len(token_ids)
+
+
+def _engine_closed(error: RetryableError) -> ProxyError:
+    """The engine stopped (the proxy is shutting down): retryable on another proxy."""
+    return ProxyError(503, str(error), code="engine_closed")
 
 
 def _stop_at(text: str, stops: list[str], sent: int) -> int:

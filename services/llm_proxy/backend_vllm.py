@@ -5,7 +5,8 @@ response comes back in vLLM's own shape, which is the proxy's shape too:
 
 - chat: ``prompt_token_ids`` at the top level, ``token_ids`` in each choice,
   ``choices[i].logprobs.content[*].logprob``;
-- completions: ``prompt_token_ids`` and ``token_ids`` in each choice, ``logprobs.token_logprobs``;
+- ``/v1/completions``: ``prompt_token_ids`` and ``token_ids`` in each choice,
+  ``logprobs.token_logprobs``;
 - streaming: the same fields per chunk (``prompt_token_ids`` in the first, the chunk's
   ``token_ids`` in each).
 
@@ -18,8 +19,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fulmen_llm_proxy.backend_base import Call, Fidelity, Result
 from fulmen_llm_proxy.backend_openai import OpenAIBackend
-from fulmen_llm_proxy.backends import Call, Fidelity, Result
 
 
 class VllmBackend(OpenAIBackend):

@@ -1,132 +1,55 @@
-"""What every backend (torch, vllm, openai) takes and gives back, and how one is chosen.
+"""Which backend serves the proxy: a registry from a backend's name to its class, and the builder.
 
-A backend turns one validated `Call` into an OpenAI-compatible response body (or a stream of chunk
-bodies) and fills a `Result` with what the span needs: token ids, log-probabilities, text, finish
-reason, the model version that served the call and how faithful the token ids are. The app adds
-the fields every response carries (``model_version``) and records the span; a backend never
-touches the store.
+The registry names each class as a ``"module:attribute"`` string resolved on use, so this module
+imports no backend: the torch backend pulls in torch (too heavy for ``fulmen --help``), and the
+backends depend on `fulmen_llm_proxy.backend_base` only, never on this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from fulmen_llm_proxy.backend_base import Backend
 
 if TYPE_CHECKING:
     from fulmen.settings import Settings
 
-Operation = Literal["chat", "text_completion"]
-Fidelity = Literal["exact", "text_only"]
+BACKENDS: dict[str, str] = {
+    "torch": "fulmen_llm_proxy.backend_torch:TorchBackend",
+    "vllm": "fulmen_llm_proxy.backend_vllm:VllmBackend",
+    "openai": "fulmen_llm_proxy.backend_openai:OpenAIBackend",
+}
+LOCAL_BACKENDS = frozenset({"torch"})  # serve a model folder in this process; the others an upstream
 
 
-@dataclass(slots=True)
-class Call:
-    """One validated chat or text-completion request."""
-
-    operation: Operation
-    body: dict[str, Any]  # the request JSON as the agent sent it (upstream backends forward it)
-    model: str
-    stream: bool
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: list[str]
-    rollout_id: str = ""  # "" when unattributed
-    attempt_id: str = ""
-    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
-    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
-
-    @property
-    def messages(self) -> list[dict[str, Any]]:
-        return self.body["messages"]
-
-    @property
-    def tools(self) -> list[dict[str, Any]] | None:
-        return self.body.get("tools")
-
-
-@dataclass(slots=True)
-class Result:
-    """What a backend learned while serving a call; the span is built from it."""
-
-    model_version: str = ""
-    fidelity: Fidelity = "exact"
-    response_id: str = ""
-    response_model: str = ""
-    prompt_token_ids: list[int] | None = None  # None: the backend could not tell (text_only)
-    token_ids: list[int] | None = None
-    logprobs: list[float] | None = None
-    text: str = ""
-    tool_calls: list[dict[str, Any]] | None = None
-    finish_reason: str | None = None
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def message(self) -> dict[str, Any]:
-        """The assistant message (chat) as recorded in the span."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.text}
-        if self.tool_calls:
-            message["tool_calls"] = self.tool_calls
-        return message
-
-
-class Backend(Protocol):
-    """A model server behind the proxy."""
-
-    system: str  # gen_ai.system: torch | vllm | openai
-
-    @property
-    def model_names(self) -> list[str]:
-        """Names this backend answers to (``/v1/models``); empty: whatever the upstream accepts."""
-        ...
-
-    @property
-    def model_version(self) -> str:
-        """The version a call starting now would be served by."""
-        ...
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    def ready(self) -> bool:
-        """Loaded and able to serve (``/readyz``)."""
-        ...
-
-    async def complete(self, call: Call, result: Result) -> dict[str, Any]:
-        """Serve a non-streaming call: the OpenAI response body; fills ``result``."""
-        ...
-
-    def stream(self, call: Call, result: Result) -> AsyncIterator[dict[str, Any]]:
-        """Serve a streaming call: OpenAI chunk bodies in order; ``result`` is complete when the
-        iterator ends. The first chunk carries the prompt token ids when the backend knows them."""
-        ...
-
-    async def load_weights(self, state_dict: dict[str, Any], model_version: str) -> bool:
-        """Swap in new weights between batches; False when this backend cannot (upstreams)."""
-        ...
+def backend_class(name: str) -> Callable[..., Backend]:
+    """The class registered under ``name`` (imports its module now); local backends take a model
+    folder, the others a list of upstream URLs."""
+    target = BACKENDS.get(name)
+    if target is None:
+        raise ValueError(f"proxy backend {name!r} unknown: use {_choices()}")
+    module, _, attribute = target.partition(":")
+    cls: Callable[..., Backend] = getattr(importlib.import_module(module), attribute)
+    return cls
 
 
 def make_backend(settings: Settings) -> Backend:
     """The backend the settings ask for (imports torch only for the torch backend)."""
     kind = settings.proxy_backend
-    if kind == "torch":
-        from fulmen_llm_proxy.backend_torch import TorchBackend
-
+    cls = backend_class(kind)
+    if kind in LOCAL_BACKENDS:
         if settings.model_dir is None:
-            raise ValueError("the torch backend needs --model-dir (FULMEN_MODEL_DIR)")
-        return TorchBackend(settings.model_dir, model_name=settings.model_name, max_batch=settings.max_batch)
-    if kind in ("vllm", "openai"):
-        from fulmen_llm_proxy.backend_openai import OpenAIBackend
-        from fulmen_llm_proxy.backend_vllm import VllmBackend
+            raise ValueError(f"the {kind} backend needs --model-dir (FULMEN_MODEL_DIR)")
+        return cls(settings.model_dir, model_name=settings.model_name, max_batch=settings.max_batch)
+    urls = [u.strip() for u in (settings.upstream_urls or "").split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"the {kind} backend needs --upstream-urls (FULMEN_UPSTREAM_URLS)")
+    key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
+    return cls(urls, model_name=settings.model_name, api_key=key)
 
-        urls = [u.strip() for u in (settings.upstream_urls or "").split(",") if u.strip()]
-        if not urls:
-            raise ValueError(f"the {kind} backend needs --upstream-urls (FULMEN_UPSTREAM_URLS)")
-        key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
-        cls = VllmBackend if kind == "vllm" else OpenAIBackend
-        return cls(urls, model_name=settings.model_name, api_key=key)
-    raise ValueError(f"proxy backend {kind!r} unknown: use torch, vllm or openai")
+
+def _choices() -> str:
+    *rest, last = BACKENDS
+    return f"{', '.join(rest)} or {last}"

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 ACTIONS = ("pause", "drain", "resume")
 DEFAULT_TIMEOUT_S = 120.0
+# Control messages kept on the stream: a proxy only ever needs the latest at start, then follows.
+CONTROL_STREAM_MAXLEN = 1000
+CONTROL_ID_HEX = 12  # hex digits of a control id: unique among the messages kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +80,11 @@ async def send_control(
     """Broadcast one control message; returns it (its ``control_id`` comes back in the registry)."""
     if action not in ACTIONS:
         raise ValueError(f"control action {action!r} unknown; use {', '.join(ACTIONS)}")
-    message = ControlMessage(action, uuid.uuid4().hex[:12], tuple(proxy_ids), timeout_s, time.time())
-    await store.redis.xadd(store.keys.control, {"m": message.to_wire()}, maxlen=1000, approximate=True)
+    control_id = uuid.uuid4().hex[:CONTROL_ID_HEX]
+    message = ControlMessage(action, control_id, tuple(proxy_ids), timeout_s, time.time())
+    await store.redis.xadd(
+        store.keys.control, {"m": message.to_wire()}, maxlen=CONTROL_STREAM_MAXLEN, approximate=True
+    )
     return message
 
 

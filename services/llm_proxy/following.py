@@ -17,7 +17,7 @@ from typing import Any
 
 from fulmen.records import ResourcesUpdate
 from fulmen.store import RedisStore
-from fulmen_llm_proxy.backends import Backend
+from fulmen_llm_proxy.backend_base import Backend
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ Field names follow vLLM (``return_token_ids``), so clients written for vLLM read
 
 - chat: ``prompt_token_ids`` at the top level, ``token_ids`` in the choice, log-probabilities in
   ``choices[0].logprobs.content[*]`` (``token``, ``logprob``, ``bytes``, ``top_logprobs``);
-- completions: ``prompt_token_ids`` and ``token_ids`` in the choice (the top level has the prompt
-  ids too), log-probabilities in ``choices[0].logprobs`` (``tokens``, ``token_logprobs``,
+- ``/v1/completions``: ``prompt_token_ids`` and ``token_ids`` in the choice (the top level has
+  the prompt ids too), log-probabilities in ``choices[0].logprobs`` (``tokens``, ``token_logprobs``,
   ``top_logprobs``, ``text_offset``);
 - streaming: one chunk per token with its ``token_ids`` and log-probability; the first chunk
   carries ``prompt_token_ids``.
@@ -17,11 +17,20 @@ import time
 import uuid
 from typing import Any
 
-from fulmen_llm_proxy.backends import Call
+from fulmen_llm_proxy.backend_base import Call
+
+RESPONSE_ID_HEX = 24  # random hex digits after the prefix: ids never repeat, as OpenAI's do not
 
 
 def response_id(call: Call) -> str:
-    return ("chatcmpl-" if call.operation == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    return ("chatcmpl-" if call.operation == "chat" else "cmpl-") + uuid.uuid4().hex[:RESPONSE_ID_HEX]
+
+
+def _object(call: Call, *, chunk: bool) -> str:
+    """The body's ``object`` field: text completions use one name for bodies and chunks."""
+    if call.operation != "chat":
+        return "text_completion"
+    return "chat.completion.chunk" if chunk else "chat.completion"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -63,17 +72,15 @@ def full_body(
     """A non-streaming response."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": token_ids}
     if call.operation == "chat":
-        object_ = "chat.completion"
         choice["message"] = {"role": "assistant", "content": text}
         choice["logprobs"] = chat_logprobs(tokens, logprobs)
     else:
-        object_ = "text_completion"
         choice["text"] = text
         choice["logprobs"] = completion_logprobs(tokens, logprobs)
         choice["prompt_token_ids"] = prompt_ids
     return {
         "id": rid,
-        "object": object_,
+        "object": _object(call, chunk=False),
         "created": int(time.time()),
         "model": call.model,
         "choices": [choice],
@@ -98,21 +105,19 @@ def chunk(
     """One streaming chunk; ``prompt_ids`` only in the first."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": token_ids}
     if call.operation == "chat":
-        object_ = "chat.completion.chunk"
         delta: dict[str, Any] = {"content": text}
         if prompt_ids is not None:
             delta["role"] = "assistant"
         choice["delta"] = delta
         choice["logprobs"] = chat_logprobs(tokens, logprobs) if tokens else None
     else:
-        object_ = "text_completion"
         choice["text"] = text
         choice["logprobs"] = completion_logprobs(tokens, logprobs, text_offset) if tokens else None
         if prompt_ids is not None:
             choice["prompt_token_ids"] = prompt_ids
     body: dict[str, Any] = {
         "id": rid,
-        "object": object_,
+        "object": _object(call, chunk=True),
         "created": created,
         "model": call.model,
         "choices": [choice],
@@ -126,8 +131,7 @@ def usage_chunk(
     call: Call, rid: str, created: int, prompt_tokens: int, completion_tokens: int
 ) -> dict[str, Any]:
     """The last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
-    object_ = "chat.completion.chunk" if call.operation == "chat" else "text_completion"
     return {
-        "id": rid, "object": object_, "created": created, "model": call.model, "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "id": rid, "object": _object(call, chunk=True), "created": created, "model": call.model,
+        "choices": [], "usage": usage(prompt_tokens, completion_tokens),
     }  # fmt: skip

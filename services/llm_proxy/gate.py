@@ -13,12 +13,16 @@ from collections.abc import Callable
 
 from fulmen_llm_proxy.errors import ProxyError
 
+# How long a new call waits while paused before its 503: long enough for a weight update to finish,
+# short enough that an agent's own timeout is not reached first.
+PAUSED_WAIT_S = 60.0
+
 
 class Gate:
     def __init__(self, on_change: Callable[[], None] | None = None) -> None:
         self.state = "serving"  # serving | paused | draining | closing
         self.in_flight = 0
-        self.wait_s = 60.0  # how long a new call waits while paused before its 503
+        self.wait_s = PAUSED_WAIT_S
         self._open = asyncio.Event()
         self._open.set()
         self._idle = asyncio.Event()
@@ -29,7 +33,7 @@ class Gate:
         """Admit one call (wait while paused); pair with `leave`."""
         if self.state != "serving":
             if self.state == "closing":
-                raise ProxyError(503, "the proxy is shutting down; retry on another", code="shutting_down")
+                raise _shutting_down()
             try:
                 await asyncio.wait_for(self._open.wait(), self.wait_s)
             except TimeoutError:
@@ -37,7 +41,7 @@ class Gate:
                     503, f"the proxy is {self.state} for a weight update; retry later", code=self.state
                 ) from None
             if self.state == "closing":
-                raise ProxyError(503, "the proxy is shutting down; retry on another", code="shutting_down")
+                raise _shutting_down()
         self.in_flight += 1
         self._idle.clear()
 
@@ -66,3 +70,7 @@ class Gate:
             return True
         except TimeoutError:
             return False
+
+
+def _shutting_down() -> ProxyError:
+    return ProxyError(503, "the proxy is shutting down; retry on another", code="shutting_down")

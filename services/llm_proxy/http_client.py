@@ -1,8 +1,8 @@
 """A minimal HTTP/1.1 client for JSON POSTs: keep-alive connection pool, httptools parser.
 
 Why not aiohttp: per call, aiohttp's client builds request and response objects, header
-multidicts, a timer context and a payload writer, and that costs more CPU (~0.2 ms) than the rest
-of the proxy's work on a call; the proxy's budget is 0.5 ms. This client writes one pre-built
+multidicts, a timer context and a payload writer, and that costs more CPU than the rest of the
+proxy's work on a call (bench/RESULTS.md, "Proxy overhead"). This client writes one pre-built
 header block and the body in one ``write``, and parses the reply with httptools (C, the parser
 uvicorn uses), delivering either the whole body or, for SSE, the body pieces as they arrive.
 
@@ -22,6 +22,9 @@ from urllib.parse import urlsplit
 import httptools
 
 CONNECT_TIMEOUT_S = 10.0
+# Idle keep-alive connections kept per upstream: enough for the proxy's concurrent calls to reuse
+# theirs; beyond it a connection is closed after its reply rather than held open.
+MAX_IDLE_CONNECTIONS = 256
 
 
 class StaleConnection(ConnectionError):
@@ -132,7 +135,9 @@ class _Connection(asyncio.Protocol):
 class HttpPool:
     """Keep-alive connections to one origin (scheme, host, port), with a path prefix."""
 
-    def __init__(self, base_url: str, headers: dict[str, str] | None = None, max_idle: int = 256) -> None:
+    def __init__(
+        self, base_url: str, headers: dict[str, str] | None = None, max_idle: int = MAX_IDLE_CONNECTIONS
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"upstream URL {base_url!r} must be http:// or https:// with a host")

@@ -3,7 +3,7 @@
 With ``PROMETHEUS_MULTIPROC_DIR`` set (several worker processes behind one port), prometheus-client
 writes every value to files in that folder and ``/metrics`` aggregates them, so any worker answers
 for all (the in-flight gauge sums live processes). Label children are looked up once and cached:
-``labels()`` takes a lock and builds a tuple, which matters at thousands of requests per second.
+``labels()`` takes a lock and builds a tuple, on every request otherwise.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fulmen_llm_proxy.backends import Call, Operation
+from fulmen_llm_proxy.backend_base import Call, Operation
 from fulmen_llm_proxy.errors import ProxyError, bad_request
 
 
@@ -78,9 +78,9 @@ def parse_call(raw: bytes, operation: Operation, default_model: str | None) -> C
 
 
 def check_prompt(prompt: Any) -> None:
-    """A completions prompt: one string or one list of token ids (a one-element list of either too)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    """A ``/v1/completions`` prompt: one string or one list of token ids (or a one-element list of
+    either)."""
+    prompt = single_prompt(prompt)
     if isinstance(prompt, str):
         return
     if (
@@ -93,7 +93,7 @@ def check_prompt(prompt: Any) -> None:
 
 
 def single_prompt(prompt: Any) -> str | list[int]:
-    """The one prompt of a validated completions body."""
+    """The one prompt of a validated ``/v1/completions`` body."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         return prompt[0]
     return prompt

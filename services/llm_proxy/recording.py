@@ -25,7 +25,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from fulmen import semconv, tokens
 from fulmen.records import Span
 from fulmen.tracing import otlp_exporter_from_env
-from fulmen_llm_proxy.backends import Call, Result
+from fulmen_llm_proxy.backend_base import Call, Result
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "fulmen-llm-proxy"
@@ -75,7 +75,7 @@ def build_span(
         attributes[semconv.GEN_AI_INPUT_TOKENS] = result.input_tokens
     if result.output_tokens is not None:
         attributes[semconv.GEN_AI_OUTPUT_TOKENS] = result.output_tokens
-    # packed arrays, not lists: see fulmen.tokens (the adapter reads thousands of these a second)
+    # packed arrays, not lists: the adapter decodes every span's ids (see fulmen.tokens)
     if result.prompt_token_ids is not None:
         attributes[semconv.PROMPT_TOKEN_IDS] = tokens.pack_ids(result.prompt_token_ids)
     if result.token_ids is not None:

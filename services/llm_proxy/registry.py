@@ -24,12 +24,13 @@ from fulmen.store import RedisStore
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
+MAX_PROXY_ID = 128  # the store's id limit (`fulmen.keys.check_id`)
 
 
 def default_proxy_id(base_url: str) -> str:
     """Stable across restarts of the same proxy (host and port), so a restart replaces its entry."""
     name = re.sub(r"[^A-Za-z0-9_.:\-]", "-", base_url.split("://", 1)[-1].rstrip("/"))
-    return f"proxy-{name}"[:128]
+    return f"proxy-{name}"[:MAX_PROXY_ID]
 
 
 def default_base_url(host: str, port: int) -> str:

@@ -14,11 +14,16 @@ import uvicorn
 
 from fulmen.settings import Settings
 from fulmen_llm_proxy.app import ProxyApp
-from fulmen_llm_proxy.backends import Backend
+from fulmen_llm_proxy.backend_base import Backend
 from fulmen_llm_proxy.registry import default_base_url
 from fulmen_llm_proxy.service import ProxyService
 
 DEFAULT_PORT = 8000
+# Connections the kernel queues before uvicorn accepts them: a burst of agents connecting at once
+# (a new GRPO group) waits in the queue rather than being refused.
+LISTEN_BACKLOG = 2048
+KEEP_ALIVE_S = 75  # agents keep connections open between turns
+GRACEFUL_SHUTDOWN_S = 4  # honcho sends SIGKILL after 5 s
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -26,7 +31,7 @@ def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
 
@@ -54,9 +59,9 @@ def build(
         access_log=False,  # one log line per request would cost more CPU than the request
         proxy_headers=False,  # no X-Forwarded-* rewriting: one middleware layer less per request
         log_level=settings.log_level.lower(),
-        timeout_keep_alive=75,  # agents keep connections open between turns
-        timeout_graceful_shutdown=4,  # honcho sends SIGKILL after 5 s
-        backlog=2048,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        backlog=LISTEN_BACKLOG,
     )
     return app, config
 

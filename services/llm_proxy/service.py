@@ -19,7 +19,8 @@ import redis.asyncio as aioredis
 from fulmen.connection import connect
 from fulmen.settings import Settings
 from fulmen.store import RedisStore
-from fulmen_llm_proxy.backends import Backend, make_backend
+from fulmen_llm_proxy.backend_base import Backend
+from fulmen_llm_proxy.backends import make_backend
 from fulmen_llm_proxy.control import ControlFollower
 from fulmen_llm_proxy.following import ModelFollower
 from fulmen_llm_proxy.gate import Gate
@@ -28,6 +29,9 @@ from fulmen_llm_proxy.recording import OtlpExport
 from fulmen_llm_proxy.registry import Registration, default_proxy_id
 
 log = logging.getLogger(__name__)
+
+# /readyz answers within a load balancer's probe timeout even when Redis hangs.
+READY_PING_TIMEOUT_S = 2.0
 
 
 class ProxyService:
@@ -111,7 +115,7 @@ class ProxyService:
         if self.redis is None or not self.backend.ready():
             return False
         try:
-            return bool(await asyncio.wait_for(self.redis.ping(), 2.0))
+            return bool(await asyncio.wait_for(self.redis.ping(), READY_PING_TIMEOUT_S))
         except Exception:
             return False
 

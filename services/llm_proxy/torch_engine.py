@@ -39,17 +39,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import random
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulmen.errors import InvalidInput, RetryableError
+from fulmen_llm_proxy.backend_base import BASE_MODEL_VERSION
+from fulmen_llm_proxy.engine_batch import Batch, sample_rows
+from fulmen_llm_proxy.engine_request import Generation, Request, SamplingParams, TokenStep
 
 if TYPE_CHECKING:
     import torch
@@ -58,76 +58,15 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Generation", "GenerationStream", "SamplingParams", "TokenStep", "TorchEngine"]
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 64
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int | None = None  # makes one request's sampling reproducible, whatever it is batched with
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidInput(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidInput(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidInput(f"seed must be an integer or None, got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-
-
-@dataclass(frozen=True)
-class TokenStep:
-    token_id: int
-    logprob: float  # raw model logprob of token_id (before temperature / top-p)
-    finish_reason: str | None  # "stop" | "length" on the last step, else None
-
-
-@dataclass(frozen=True)
-class Generation:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
-    model_version: str
-
-
-class _Request:
-    """One request, shared by the event loop (its queue) and the engine thread (the rest)."""
-
-    __slots__ = (
-        "cancelled",
-        "generated",
-        "limit",
-        "loop",
-        "model_version",
-        "params",
-        "prompt",
-        "queue",
-        "rng",
-    )
-
-    def __init__(self, prompt: list[int], params: SamplingParams, limit: int) -> None:
-        self.prompt = prompt
-        self.params = params
-        self.limit = limit  # tokens this request may generate: max_tokens capped by the context length
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[TokenStep | BaseException] = asyncio.Queue()
-        self.model_version: str | None = None
-        self.cancelled = False
-        self.generated = 0
-        # Each request owns its generator, drawn once per sampled token, so its draws depend on
-        # its seed alone, never on its batch-mates.
-        self.rng = random.Random(params.seed if params.seed is not None else random.getrandbits(63))
+DEFAULT_MAX_BATCH = 16
+# The context of a model whose config states none: only memory bounds prompt plus response.
+UNBOUNDED_CONTEXT = 1 << 31
 
 
 class GenerationStream:
     """The tokens of one request, as they are decoded (see the module docstring)."""
 
-    def __init__(self, engine: TorchEngine, request: _Request) -> None:
+    def __init__(self, engine: TorchEngine, request: Request) -> None:
         self._engine = engine
         self._request = request
         self._finished = False
@@ -175,8 +114,8 @@ class TorchEngine:
         self,
         model_dir: str | Path,
         *,
-        max_batch: int = 16,
-        model_version: str = "base",
+        max_batch: int = DEFAULT_MAX_BATCH,
+        model_version: str = BASE_MODEL_VERSION,
         device: str = "cpu",
         dtype: str | None = None,
         num_threads: int | None = None,
@@ -188,8 +127,8 @@ class TorchEngine:
             raise InvalidInput(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
         # The engine thread's torch (OpenMP) threads. Default: all cores but one, which stays for the
-        # event loop; an OpenMP team sharing its cores with a busy event loop spins at every barrier
-        # (measured on 2 cores: 16 concurrent requests ran ~10x slower with 2 threads than with 1).
+        # event loop: an OpenMP team that shares its cores with a busy event loop spins at every
+        # barrier, which costs far more than the extra core gains.
         self.num_threads = num_threads or max(1, torch.get_num_threads() - 1)
         self.model_version = model_version
         self.device = torch.device(device)
@@ -199,7 +138,7 @@ class TorchEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(self.device).eval()
         config = self.model.config
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 1 << 31)
+        self.max_model_len = int(getattr(config, "max_position_embeddings", None) or UNBOUNDED_CONTEXT)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -211,11 +150,11 @@ class TorchEngine:
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
 
         self._cond = threading.Condition()
-        self._inbox: deque[_Request] = deque()  # submitted, not yet admitted
+        self._inbox: deque[Request] = deque()  # submitted, not yet admitted
         self._swaps: deque[tuple[dict[str, torch.Tensor], str, asyncio.Future[None]]] = deque()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._batch = _Batch()  # touched by the engine thread only
+        self._batch = Batch()  # touched by the engine thread only
         # Counters for metrics; "peak_batch" is the most requests ever decoded together.
         self.stats = {"requests": 0, "tokens": 0, "steps": 0, "swaps": 0, "peak_batch": 0}
 
@@ -246,7 +185,7 @@ class TorchEngine:
             future.get_loop().call_soon_threadsafe(_set_exception, future, closed)
         self._inbox.clear()
         self._swaps.clear()
-        self._batch = _Batch()
+        self._batch = Batch()
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -262,7 +201,7 @@ class TorchEngine:
             )
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise InvalidInput(f"prompt token ids must be in [0, {self.vocab_size})")
-        request = _Request(prompt, params, min(params.max_tokens, self.max_model_len - len(prompt)))
+        request = Request(prompt, params, min(params.max_tokens, self.max_model_len - len(prompt)))
         self._start()
         with self._cond:
             self._inbox.append(request)
@@ -340,7 +279,7 @@ class TorchEngine:
         batch = self._batch
         while True:
             swap = None
-            admitted: list[_Request] = []
+            admitted: list[Request] = []
             with self._cond:
                 while not (self._stopping or self._inbox or self._swaps or batch.rows):
                     self._cond.wait()
@@ -377,7 +316,7 @@ class TorchEngine:
         else:
             future.get_loop().call_soon_threadsafe(_set_result, future)
 
-    def _iterate(self, batch: _Batch, admitted: list[_Request]) -> None:
+    def _iterate(self, batch: Batch, admitted: list[Request]) -> None:
         """One token for every running request, then the first token of every admitted one."""
         if batch.rows:
             logits = batch.decode(self.model)
@@ -391,7 +330,7 @@ class TorchEngine:
         self.stats["steps"] += 1
         batch.drop_finished()
 
-    def _emit(self, rows: list[_Request], logits: torch.Tensor, batch: _Batch) -> None:
+    def _emit(self, rows: list[Request], logits: torch.Tensor, batch: Batch) -> None:
         """Choose the next token of each row, deliver it, and record it as the row's next input."""
         import torch
 
@@ -400,10 +339,10 @@ class TorchEngine:
         chosen = logprobs.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
         if sampled:
-            chosen[sampled] = _sample(logits[sampled], [rows[i] for i in sampled])
+            chosen[sampled] = sample_rows(logits[sampled], [rows[i] for i in sampled])
         chosen_logprobs = logprobs.gather(1, chosen[:, None]).squeeze(1)
         batch.set_next(rows, chosen)
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[_Request, TokenStep]]] = {}
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[Request, TokenStep]]] = {}
         for request, token, logprob in zip(rows, chosen.tolist(), chosen_logprobs.tolist(), strict=True):
             request.generated += 1
             finish = None
@@ -419,131 +358,7 @@ class TorchEngine:
             loop.call_soon_threadsafe(_deliver, items)
 
 
-class _Batch:
-    """The running requests and their left-padded KV cache: row i's tokens fill the last columns.
-
-    Every row holds all its tokens but the last one chosen (``next_ids``), which the next decode
-    step feeds at position ``positions``. Rows grow in lockstep, so each row's real tokens are a
-    suffix of the columns, and dropping leading all-padding columns keeps the cache no longer than
-    the longest row.
-    """
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.rows: list[_Request] = []
-        self.finished: set[int] = set()  # id() of rows to drop after this iteration
-        self.cache: Any = None  # transformers DynamicCache
-        self.mask: Any = None  # [rows, columns] int64, 1 = real token
-        self.next_ids: Any = None  # [rows] int64
-        self.positions: Any = None  # [rows] int64
-
-    def decode(self, model: Any) -> torch.Tensor:
-        import torch
-
-        ones = torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=self.mask.device)
-        self.mask = torch.cat([self.mask, ones], dim=1)
-        out = model(
-            input_ids=self.next_ids[:, None],
-            attention_mask=self.mask,
-            position_ids=self.positions[:, None],
-            past_key_values=self.cache,
-            use_cache=True,
-        )
-        self.positions = self.positions + 1
-        return out.logits[:, -1]
-
-    def prefill(self, model: Any, requests: list[_Request], pad_id: int, device: Any) -> torch.Tensor:
-        """Run the prompts of ``requests`` (left-padded together) and merge them into the batch."""
-        import torch
-        import torch.nn.functional as F
-        from transformers import DynamicCache
-
-        width = max(len(r.prompt) for r in requests)
-        ids = torch.full((len(requests), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
-            mask[i, width - len(r.prompt) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        lengths = mask.sum(dim=1)
-        if not self.rows:
-            self.cache, self.mask, self.positions = cache, mask, lengths
-            self.next_ids = torch.zeros_like(lengths)
-        else:
-            columns = max(self.mask.shape[1], width)
-            for old, new in zip(self.cache.layers, cache.layers, strict=True):
-                old.keys = torch.cat([_pad_kv(old.keys, columns), _pad_kv(new.keys, columns)])
-                old.values = torch.cat([_pad_kv(old.values, columns), _pad_kv(new.values, columns)])
-            self.mask = torch.cat(
-                [F.pad(self.mask, (columns - self.mask.shape[1], 0)), F.pad(mask, (columns - width, 0))]
-            )
-            self.positions = torch.cat([self.positions, lengths])
-            self.next_ids = torch.cat([self.next_ids, torch.zeros_like(lengths)])
-        self.rows.extend(requests)
-        return out.logits[:, -1]
-
-    def set_next(self, rows: list[_Request], tokens: torch.Tensor) -> None:
-        # `rows` is the whole batch (decode) or its tail (prefill): either way the last len(rows).
-        self.next_ids[len(self.rows) - len(rows) :] = tokens
-
-    def drop_finished(self) -> None:
-        if not self.finished:
-            return
-        keep = [i for i, r in enumerate(self.rows) if id(r) not in self.finished]
-        self.finished.clear()
-        if not keep:
-            self.reset()
-            return
-        rows = [self.rows[i] for i in keep]
-        index = self.mask.new_tensor(keep)
-        mask = self.mask[index]
-        start = int(mask.any(dim=0).to(mask.dtype).argmax())  # first column some kept row uses
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, start:]
-            layer.values = layer.values[index, :, start:]
-        self.rows, self.mask = rows, mask[:, start:]
-        self.next_ids, self.positions = self.next_ids[index], self.positions[index]
-
-
-def _pad_kv(x: torch.Tensor, columns: int) -> torch.Tensor:
-    """Left-pad a [batch, heads, seq, dim] cache tensor to ``columns`` along seq (masked out)."""
-    import torch.nn.functional as F
-
-    return F.pad(x, (0, 0, columns - x.shape[2], 0))
-
-
-def _sample(logits: torch.Tensor, rows: list[_Request]) -> torch.Tensor:
-    """Temperature and top-p sampling for each row, drawing from the row's own seeded generator."""
-    import torch
-
-    temperature = logits.new_tensor([r.params.temperature for r in rows])
-    top_p = logits.new_tensor([r.params.top_p for r in rows])
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # Nucleus: keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
-    cumulative = sorted_probs.cumsum(dim=-1)
-    sorted_probs = sorted_probs.masked_fill(cumulative - sorted_probs >= top_p[:, None], 0.0)
-    cumulative = sorted_probs.cumsum(dim=-1)
-    # Inverse-CDF draw: one uniform per row from the row's generator, whatever the batch looks like.
-    uniform = torch.tensor([r.rng.random() for r in rows], dtype=cumulative.dtype, device=cumulative.device)
-    picks = torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None])
-    picks = picks.clamp(max=logits.shape[-1] - 1)
-    return order.gather(1, picks).squeeze(1)
-
-
-def _deliver(items: list[tuple[_Request, TokenStep]]) -> None:
+def _deliver(items: list[tuple[Request, TokenStep]]) -> None:
     for request, step in items:
         request.queue.put_nowait(step)
 
