@@ -113,7 +113,9 @@ class Record:
         if len(values) + 2 != len(d):  # "v" and "kind" are there: unpack_record checked them
             unknown = sorted(map(str, set(d) - schema.names - {"v", "kind"}))
             raise RecordError(f"{kind} record has unknown fields {unknown}")
-        record = cls(**values, **off_wire)
+        if off_wire:
+            values.update(off_wire)
+        record = cls(**values)
         if schema.checks:
             record.check_wire()
         return record
