@@ -174,7 +174,7 @@ def test_malformed_records_are_refused(cls: type[Record], value: Any, error: typ
 
 def test_bool_is_not_an_int_and_ints_are_floats() -> None:
     """A bool in an int field is refused; an int in a float field reads as a float."""
-    with pytest.raises(RecordError, match="'step' is bool, expected int"):
+    with pytest.raises(RecordError, match="'step' has the wrong type bool, expected int"):
         good = msgpack.unpackb(TrainStep(3, "v3", 0.5, 0.1, 64, 12.0).to_wire())
         TrainStep.from_wire(msgpack.packb({**good, "step": True}))
     step = TrainStep.from_wire(TrainStep(3, "v3", 1, None, None, 12).to_wire())

@@ -99,7 +99,9 @@ class Record:
                     raise RecordError(f"{kind} record has no {name!r}")
                 continue
             if accepted is not None and type(value) not in accepted:
-                raise RecordError(f"{kind} record's {name!r} is {type(value).__name__}, expected {expected}")
+                raise RecordError(
+                    f"{kind} record's {name!r} has the wrong type {type(value).__name__}, expected {expected}"
+                )
             if convert is not None:
                 try:
                     value = convert(value)
