@@ -5,14 +5,10 @@ registry entry (`ProxyEndpoint.metadata`) shows ``state == "drained"`` with its 
 publishes the new model version, and sends ``resume``. ``pause`` holds new calls without the
 report. Every proxy reads every message (a plain XREAD, no consumer group: it is a broadcast).
 
-Wire form: an entry ``{"m": <msgpack record>}`` on ``store.keys.control``; the record is
-``{"v": 1, "kind": "control", "action": "pause" | "drain" | "resume", "control_id": str,
-"proxy_ids": [str] (empty: every proxy), "timeout_s": float | None, "time": float}``.
+The record is `fulmen.records.ControlMessage` (its wire form is described there).
 ``timeout_s`` bounds a pause or drain: the proxy resumes by itself after it, so a trainer that dies
 mid-update cannot freeze the fleet. A proxy that starts while the latest message is a pause or drain
 still within its timeout starts paused.
-
-The record belongs in `fulmen.records` once the trainer writes it; it lives here until then.
 """
 
 from __future__ import annotations
@@ -22,52 +18,20 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from fulmen.codec import pack_record, unpack_record
 from fulmen.errors import RecordError
+from fulmen.records.control import DEFAULT_CONTROL_TIMEOUT_S, ControlAction, ControlMessage
 from fulmen.store import RedisStore
 from fulmen_llm_proxy.gate import Gate
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("pause", "drain", "resume")
-DEFAULT_TIMEOUT_S = 120.0
+ACTIONS = tuple(ControlAction)
+DEFAULT_TIMEOUT_S = DEFAULT_CONTROL_TIMEOUT_S
 # Control messages kept on the stream: a proxy only ever needs the latest at start, then follows.
 CONTROL_STREAM_MAXLEN = 1000
 CONTROL_ID_HEX = 12  # hex digits of a control id: unique among the messages kept
-
-
-@dataclass(frozen=True, slots=True)
-class ControlMessage:
-    action: str  # pause | drain | resume
-    control_id: str = ""
-    proxy_ids: tuple[str, ...] = ()  # empty: every proxy
-    timeout_s: float | None = DEFAULT_TIMEOUT_S  # pause/drain end by themselves after this long
-    time: float = 0.0
-
-    def to_wire(self) -> bytes:
-        return pack_record(
-            "control",
-            {
-                "action": self.action,
-                "control_id": self.control_id,
-                "proxy_ids": list(self.proxy_ids),
-                "timeout_s": self.timeout_s,
-                "time": self.time,
-            },
-        )
-
-    @classmethod
-    def from_wire(cls, data: bytes | None) -> ControlMessage:
-        d = unpack_record(data, "control", required=("action",))
-        if d["action"] not in ACTIONS:
-            raise RecordError(f"control action {d['action']!r} unknown; use {', '.join(ACTIONS)}")
-        return cls(
-            d["action"], d.get("control_id", ""), tuple(d.get("proxy_ids") or ()), d.get("timeout_s"),
-            float(d.get("time") or 0.0),
-        )  # fmt: skip
 
 
 async def send_control(
@@ -81,7 +45,7 @@ async def send_control(
     if action not in ACTIONS:
         raise ValueError(f"control action {action!r} unknown; use {', '.join(ACTIONS)}")
     control_id = uuid.uuid4().hex[:CONTROL_ID_HEX]
-    message = ControlMessage(action, control_id, tuple(proxy_ids), timeout_s, time.time())
+    message = ControlMessage(ControlAction(action), control_id, tuple(proxy_ids), timeout_s, time.time())
     await store.redis.xadd(
         store.keys.control, {"m": message.to_wire()}, maxlen=CONTROL_STREAM_MAXLEN, approximate=True
     )

@@ -12,9 +12,9 @@ from fakes.fake_openai import FakeOpenAI
 from proxy_helpers import RunningProxy
 
 from fulmen.embedded import EmbeddedRedis
-from fulmen.records import ProxyEndpoint
+from fulmen.records import ControlMessage, ProxyEndpoint
 from fulmen.store import RedisStore
-from fulmen_llm_proxy.control import ControlMessage, send_control
+from fulmen_llm_proxy.control import send_control
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -14,8 +14,12 @@ One module per area, every record importable from here:
     samples    Sample, SampleSkip, pack_sample
     ranks      GradientChunk, RankPlan
     ops        ServiceBeat, TrainStep
+    control    ControlMessage, ControlAction (the proxies' control stream)
+    base       Record: the msgpack map form derived from a dataclass's fields
 """
 
+from fulmen.records.base import Record
+from fulmen.records.control import ControlAction, ControlMessage
 from fulmen.records.messages import (
     Completion,
     DeadLetter,
@@ -35,11 +39,14 @@ __all__ = [
     "Attempt",
     "AttemptedRollout",
     "Completion",
+    "ControlAction",
+    "ControlMessage",
     "DeadLetter",
     "GradientChunk",
     "ProxyEndpoint",
     "QueueEntry",
     "RankPlan",
+    "Record",
     "ResourcesUpdate",
     "Rollout",
     "RolloutConfig",

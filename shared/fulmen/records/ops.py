@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from fulmen.codec import (
-    pack_record,
-    unpack_record,
-)
+from fulmen.records.base import Record
 
 
 @dataclass(frozen=True, slots=True)
-class ServiceBeat:
+class ServiceBeat(Record):
     """A long-running service process as it last reported itself (every few seconds)."""
+
+    KIND: ClassVar[str] = "service"
 
     service: str  # runner, adapter, trainer, algorithm, evaluator, watchdog, ...
     instance: str  # unique per process: "<service>-<host>-<pid>"
@@ -22,18 +22,12 @@ class ServiceBeat:
     started: float
     time: float
 
-    def to_wire(self) -> bytes:
-        return pack_record("service", {name: getattr(self, name) for name in self.__slots__})
-
-    @classmethod
-    def from_wire(cls, data: bytes | None) -> ServiceBeat:
-        d = unpack_record(data, "service", required=cls.__slots__)
-        return cls(*(d[n] for n in cls.__slots__))
-
 
 @dataclass(frozen=True, slots=True)
-class TrainStep:
+class TrainStep(Record):
     """One optimizer step as the trainer's leader summarises it: the reward curve's points."""
+
+    KIND: ClassVar[str] = "train_step"
 
     step: int
     model_version: str
@@ -41,11 +35,3 @@ class TrainStep:
     loss: float | None
     samples: int | None
     time: float
-
-    def to_wire(self) -> bytes:
-        return pack_record("train_step", {name: getattr(self, name) for name in self.__slots__})
-
-    @classmethod
-    def from_wire(cls, data: bytes | None) -> TrainStep:
-        d = unpack_record(data, "train_step", required=cls.__slots__)
-        return cls(*(d[n] for n in cls.__slots__))

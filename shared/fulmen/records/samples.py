@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from fulmen import tokens
-from fulmen.codec import (
-    DEFAULT_MAX_RECORD_BYTES,
-    pack_record,
-    unpack_record,
-)
-from fulmen.errors import RecordError
+from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, pack_record
+from fulmen.records.base import Record, wire_codec
 
 
 @dataclass(frozen=True, slots=True)
-class Sample:
+class Sample(Record):
     """One training sample on the samples stream: a (prompt, response, reward) triplet of one LLM call,
     or a whole multi-turn trajectory (``shape`` says which).
 
@@ -24,16 +20,18 @@ class Sample:
     tokens (``response_mask`` 1, with their log-probabilities) and the tokens the environment added
     between turns (mask 0, log-probability 0.0). A triplet's mask is all ones."""
 
+    KIND: ClassVar[str] = "sample"
+
     sample_id: str  # "<attempt_id>/t<turn>" or "<attempt_id>/traj<first turn>": unique, stable
     shape: str  # "triplet" | "trajectory"
     rollout_id: str
     attempt_id: str
     group_key: str  # the task: GRPO groups the samples of one task
     turn_index: int  # triplet: the LLM call's index in the attempt; trajectory: its first turn
-    prompt_token_ids: list[int]
-    response_token_ids: list[int]
-    response_logprobs: list[float]
-    response_mask: list[int]
+    prompt_token_ids: list[int] = field(metadata=wire_codec(tokens.pack_ids, tokens.ids))
+    response_token_ids: list[int] = field(metadata=wire_codec(tokens.pack_ids, tokens.ids))
+    response_logprobs: list[float] = field(metadata=wire_codec(tokens.pack_floats, tokens.floats))
+    response_mask: list[int] = field(metadata=wire_codec(tokens.pack_mask, tokens.mask))
     reward: float | None  # the reward matched to this call (triplet) or the final one (trajectory)
     final_reward: float | None  # the attempt's last reward, for trajectory-level credit
     model_version: str | None
@@ -58,21 +56,6 @@ class Sample:
     def response_text(self) -> str:
         return _chat_view(self.request_json, self.response_json)[2]
 
-    def to_wire(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
-        return pack_sample({name: getattr(self, name) for name in self.__slots__}, max_bytes)
-
-    @classmethod
-    def from_wire(cls, data: bytes | None, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Sample:
-        d = unpack_record(data, "sample", max_bytes, required=("sample_id", "shape", "rollout_id"))
-        del d["v"], d["kind"]
-        try:
-            for name in _TOKEN_FIELDS:
-                d[name] = tokens.ids(d[name])
-            d["response_logprobs"] = tokens.floats(d["response_logprobs"])
-            d["response_mask"] = tokens.mask(d["response_mask"])
-            return cls(**d)
-        except (TypeError, KeyError) as e:
-            raise RecordError(f"sample record does not fit: {e!r}") from None
 
 
 _TOKEN_FIELDS = ("prompt_token_ids", "response_token_ids")
@@ -82,7 +65,8 @@ def pack_sample(fields: dict[str, Any], max_bytes: int = DEFAULT_MAX_RECORD_BYTE
     """The wire form of a `Sample` from its fields (every field of `Sample`, by name, in its order),
     without building the object: the adapter writes thousands a second and needs only the bytes.
     Token ids, log-probabilities and the mask may be lists or packed bytes (bytes pass through).
-    ``fields`` is consumed: its arrays are replaced by their packed form."""
+    ``fields`` is consumed: its arrays are replaced by their packed form. The same bytes as
+    `Sample.to_wire`."""
     for name in _TOKEN_FIELDS:
         fields[name] = tokens.pack_ids(fields[name])
     fields["response_logprobs"] = tokens.pack_floats(fields["response_logprobs"])
@@ -117,9 +101,11 @@ def _chat_view(request_json: str, response_json: str) -> tuple[list[dict[str, An
 
 
 @dataclass(frozen=True, slots=True)
-class SampleSkip:
+class SampleSkip(Record):
     """A terminal rollout that yielded no sample, and why; the trainer counts it towards its group's
     completeness (a group is complete when all its rollouts are terminal)."""
+
+    KIND: ClassVar[str] = "sample_skip"
 
     rollout_id: str
     attempt_id: str | None
@@ -128,15 +114,3 @@ class SampleSkip:
     reason: str  # e.g. "failed", "no LLM call", "no reward", "malformed span: ..."
     mode: str | None = None
     group_size: int | None = None
-
-    def to_wire(self) -> bytes:
-        return pack_record("sample_skip", {name: getattr(self, name) for name in self.__slots__})
-
-    @classmethod
-    def from_wire(cls, data: bytes | None) -> SampleSkip:
-        d = unpack_record(data, "sample_skip", required=("rollout_id", "group_key", "reason"))
-        del d["v"], d["kind"]
-        try:
-            return cls(**d)
-        except TypeError as e:
-            raise RecordError(f"sample_skip record does not fit: {e}") from None

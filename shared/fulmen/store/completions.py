@@ -130,4 +130,4 @@ class CompletionsMixin:
 
     async def query_dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         entries = await self.redis.xrevrange(self.keys.dead_letters, count=limit)
-        return [DeadLetter.from_wire(f[b"m"], eid.decode()) for eid, f in entries]
+        return [DeadLetter.from_wire(f[b"m"], dead_letter_id=eid.decode()) for eid, f in entries]
