@@ -33,8 +33,8 @@ async def _known_contents(store: RedisStore) -> None:
     done = claimed[0]
     await store.update_attempt(done.rollout.rollout_id, done.attempt.attempt_id, status="succeeded")
     await store.dead_letter(store.keys.queue, "1-0", "poison", {b"m": b"junk"})
-    await store.ensure_completions_group(k.ADAPTER_GROUP)
-    assert len(await store.read_completions(k.ADAPTER_GROUP, "adapter-1", count=10)) == 1
+    await store.ensure_finished_group(k.ADAPTER_GROUP)
+    assert len(await store.read_finished(k.ADAPTER_GROUP, "adapter-1", count=10)) == 1
     await store.ensure_samples_group()
     await store.update_worker("w1", "busy")
     await store.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "v3"}}, resources_id="policy")

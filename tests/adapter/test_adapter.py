@@ -60,7 +60,7 @@ async def test_each_succeeded_rollout_yields_its_samples_once(real_store: RedisS
     assert first.response_logprobs == pytest.approx([-0.1, -0.2])
     assert (first.group_key, first.group_size, first.model_version, first.final_reward) == ("g1", 4, "v3", 1.0)
     # redelivered: the completions group is rewound, as after a crash before the acknowledgement
-    await real_store.redis.xgroup_setid(real_store.keys.completions, k.ADAPTER_GROUP, "0")
+    await real_store.redis.xgroup_setid(real_store.keys.finished, k.ADAPTER_GROUP, "0")
     again = Adapter(real_store)
     await again.run(asyncio.Event(), until_idle=True)
     assert len(await _entries(real_store)) == 3
@@ -82,8 +82,8 @@ async def test_failed_and_unrewarded_rollouts_are_skipped_with_reasons(real_stor
 
 async def test_poison_completion_and_malformed_span_do_not_stop_the_adapter(real_store: RedisStore) -> None:
     """A garbage completion is dead-lettered, a garbage span skips its rollout, the rest is adapted."""
-    await real_store.ensure_completions_group(k.ADAPTER_GROUP)
-    await real_store.redis.xadd(real_store.keys.completions, {"m": b"\xc1garbage"})
+    await real_store.ensure_finished_group(k.ADAPTER_GROUP)
+    await real_store.redis.xadd(real_store.keys.finished, {"m": b"\xc1garbage"})
     broken = await _rollout_with_spans(real_store, "c")
     await real_store.redis.xadd(real_store.keys.spans(broken), {"m": b"\x93not a span"}, id="99-0")
     good = await _rollout_with_spans(real_store, "d")
@@ -92,21 +92,21 @@ async def test_poison_completion_and_malformed_span_do_not_stop_the_adapter(real
     assert isinstance(entries[good], Sample)
     assert isinstance(entries[broken], SampleSkip) and entries[broken].reason.startswith("malformed span record")
     (dead,) = await real_store.query_dead_letters()
-    assert dead.source == real_store.keys.completions
-    pending = await real_store.redis.xpending(real_store.keys.completions, k.ADAPTER_GROUP)
+    assert dead.source == real_store.keys.finished
+    pending = await real_store.redis.xpending(real_store.keys.finished, k.ADAPTER_GROUP)
     assert pending["pending"] == 0
 
 
 async def test_completions_of_a_dead_adapter_are_taken_over(real_store: RedisStore) -> None:
     """Completions read but never acknowledged are adapted by another adapter once idle."""
     rid = await _rollout_with_spans(real_store, "e")
-    await real_store.ensure_completions_group(k.ADAPTER_GROUP)
-    await real_store.read_completions(k.ADAPTER_GROUP, "dead-adapter", count=10)  # read, then "died"
+    await real_store.ensure_finished_group(k.ADAPTER_GROUP)
+    await real_store.read_finished(k.ADAPTER_GROUP, "dead-adapter", count=10)  # read, then "died"
     survivor = Adapter(real_store, consumer="survivor", reclaim_idle_s=0.05)
     await asyncio.sleep(0.1)
     await survivor.run(asyncio.Event(), until_idle=True)
     assert [s.rollout_id for s in await _entries(real_store)] == [rid]
-    assert (await real_store.redis.xpending(real_store.keys.completions, k.ADAPTER_GROUP))["pending"] == 0
+    assert (await real_store.redis.xpending(real_store.keys.finished, k.ADAPTER_GROUP))["pending"] == 0
 
 
 async def test_fulmen_adapter_process_adapts_and_stops_on_sigterm(real_store: RedisStore, redis_url: str) -> None:

@@ -8,7 +8,7 @@ import runner_test_agents as agents
 
 from fulmen import semconv
 from fulmen.records import RolloutConfig
-from fulmen.status import AttemptStatus, RolloutStatus
+from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore
 
 

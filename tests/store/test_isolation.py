@@ -9,7 +9,7 @@ import pytest
 from fulmen import keys as k
 from fulmen.errors import NotFound
 from fulmen.records import Span
-from fulmen.status import RolloutStatus
+from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
 
 
@@ -108,9 +108,9 @@ async def test_completions_and_dead_letters_are_per_experiment(store: RedisStore
     await store.ensure()
     await store.redis.xadd(store.keys.queue, {b"junk": b"1"})
     await store.dequeue_rollouts("w1", count=10)
-    assert await other.read_completions("adapter", "c1") == []
+    assert await other.read_finished("adapter", "c1") == []
     assert await other.query_dead_letters() == []
-    assert [c.rollout_id for c in await store.read_completions("adapter", "c1")] == ["r1"]
+    assert [c.rollout_id for c in await store.read_finished("adapter", "c1")] == ["r1"]
     assert len(await store.query_dead_letters()) == 1
 
 

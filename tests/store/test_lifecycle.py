@@ -6,14 +6,14 @@ import pytest
 
 from fulmen import keys as k
 from fulmen.errors import InvalidInput, InvalidTransition, NotFound
-from fulmen.records import Completion, RolloutConfig, Span
-from fulmen.status import AttemptStatus, RolloutMode, RolloutStatus
+from fulmen.records import RolloutConfig, RolloutFinished, Span
+from fulmen.records.status import AttemptStatus, RolloutMode, RolloutStatus
 from fulmen.store import RedisStore
 
 
-async def _completions(store: RedisStore) -> list[Completion]:
-    entries = await store.redis.xrange(store.keys.completions)
-    return [Completion.from_wire(f[b"m"], eid.decode()) for eid, f in entries]
+async def _completions(store: RedisStore) -> list[RolloutFinished]:
+    entries = await store.redis.xrange(store.keys.finished)
+    return [RolloutFinished.from_wire(f[b"m"], eid.decode()) for eid, f in entries]
 
 
 async def _pending(store: RedisStore) -> int:

@@ -1,4 +1,4 @@
-"""Stream messages between the services: queue entries, completions, dead letters, resources,
+"""Stream messages between the services: queue entries, finished rollouts, dead letters, resources,
 workers, proxies and weights chunks."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fulmen.codec import (
     unpack_record,
 )
 from fulmen.errors import RecordError
-from fulmen.status import RolloutStatus
+from fulmen.records.status import RolloutStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,27 +33,28 @@ class QueueEntry:
 
 
 @dataclass(frozen=True, slots=True)
-class Completion:
-    """A rollout that reached a terminal status (appended exactly once per rollout)."""
+class RolloutFinished:
+    """A rollout that reached a terminal status: an entry of the finished stream, appended exactly
+    once per rollout."""
 
     rollout_id: str
     status: RolloutStatus
     attempt_id: str | None
-    entry_id: str = ""  # the completions-stream entry id, set when read
+    entry_id: str = ""  # the finished-stream entry id, set when read
 
     def to_wire(self) -> bytes:
         return pack_record(
-            "completion",
+            "rollout_finished",
             {"rollout_id": self.rollout_id, "status": self.status.value, "attempt_id": self.attempt_id},
         )
 
     @classmethod
-    def from_wire(cls, data: bytes | None, entry_id: str = "") -> Completion:
-        d = unpack_record(data, "completion", required=("rollout_id", "status"))
+    def from_wire(cls, data: bytes | None, entry_id: str = "") -> RolloutFinished:
+        d = unpack_record(data, "rollout_finished", required=("rollout_id", "status"))
         try:
             status = RolloutStatus(d["status"])
         except ValueError:
-            raise RecordError(f"completion record has unknown status {d['status']!r}") from None
+            raise RecordError(f"rollout_finished record has unknown status {d['status']!r}") from None
         return cls(d["rollout_id"], status, d.get("attempt_id"), entry_id)
 
 
