@@ -100,7 +100,7 @@ async def test_statistics_still_reads_the_same(real_store: RedisStore) -> None:
     await _known_contents(real_store)
     stats = await real_store.statistics()
     assert stats["queue_depth"] == 3 and stats["active_attempts"] == 1 and stats["total_rollouts"] == 5
-    assert stats["dead_letters"] == 1 and stats["completions"] == 1 and stats["workers"] == 1
+    assert stats["dead_letters"] == 1 and stats["finished"] == 1 and stats["workers"] == 1
     assert stats["pending"] == {"w1": 0}
     assert stats["latest_resources"]["resources_id"] == "policy"
 

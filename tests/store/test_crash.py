@@ -63,11 +63,11 @@ async def _rescue(store: RedisStore, spawn: Spawn, redis_url: str, ids: list[str
 
 
 async def _assert_recovered_once(store: RedisStore, ids: list[str]) -> None:
-    """Attempt 1 of each rollout unresponsive, attempt 2 succeeded; one completion per rollout."""
-    completions = [
+    """Attempt 1 of each rollout unresponsive, attempt 2 succeeded; one finished entry per rollout."""
+    finished = [
         RolloutFinished.from_wire(fields[b"m"]) for _, fields in await store.redis.xrange(store.keys.finished)
     ]
-    assert sorted((c.rollout_id, c.status, c.attempt_id) for c in completions) == [
+    assert sorted((c.rollout_id, c.status, c.attempt_id) for c in finished) == [
         (rid, RolloutStatus.SUCCEEDED, f"{rid}.2") for rid in ids
     ]
     for rid in ids:
