@@ -20,7 +20,10 @@ from fulmen_adapter.adapter import Adapter, group_key
 
 
 async def _rollout_with_spans(store: RedisStore, task: object, *, reward: float | None = 1.0, calls: int = 1,
-                              status: str = "succeeded", metadata: dict | None = None) -> str:
+                              status: str = "succeeded", metadata: dict | None = None,
+                              stored_reward: float | None = None) -> str:
+    """A rollout with LLM-call spans and a reward span; ``stored_reward``: the final reward reported
+    with the status, as a runner does."""
     claimed = await store.start_rollout(task, "w1", metadata=metadata or {})
     rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
     spans = []
@@ -35,7 +38,7 @@ async def _rollout_with_spans(store: RedisStore, task: object, *, reward: float 
         spans.append(Span(rid, aid, "w", semconv.REWARD_SPAN, start_time=20.0, end_time=20.0,
                           attributes={semconv.SPAN_KIND: semconv.KIND_REWARD, semconv.REWARD: reward}))
     await store.add_spans(spans)
-    await store.update_attempt(rid, aid, status=status)
+    await store.update_attempt(rid, aid, status=status, reward=stored_reward)
     return rid
 
 
@@ -66,6 +69,14 @@ async def test_each_succeeded_rollout_yields_its_samples_once(real_store: RedisS
     assert len(await _entries(real_store)) == 3
     assert again.counters.rollouts == 0
     assert await real_store.adapter_stats() == {"rollouts": 1, "samples": 3}
+
+
+async def test_the_final_reward_is_the_one_stored_with_the_rollout(real_store: RedisStore) -> None:
+    """The runner's stored reward is every sample's final reward; the per-call reward comes from the spans."""
+    await _rollout_with_spans(real_store, "a", reward=1.0, stored_reward=0.5)
+    await Adapter(real_store).run(asyncio.Event(), until_idle=True)
+    (sample,) = await _entries(real_store)
+    assert isinstance(sample, Sample) and (sample.reward, sample.final_reward) == (1.0, 0.5)
 
 
 async def test_failed_and_unrewarded_rollouts_are_skipped_with_reasons(real_store: RedisStore) -> None:

@@ -513,3 +513,20 @@ async def test_query_workers_filters_sorts_and_paginates(store: RedisStore) -> N
     newest = await store.query_workers(sort_by="last_heartbeat_time", descending=True, limit=1)
     assert [w.worker_id for w in newest] == ["c"]
     assert [w.worker_id for w in await store.query_workers(offset=2)] == ["c"]
+
+
+async def test_reward_is_stored_with_the_attempt_and_the_rollout_it_ends(store: RedisStore) -> None:
+    """A reported reward is kept on the attempt; on the rollout only when that attempt ends it."""
+    config = {"max_attempts": 2, "retry_condition": ["failed"]}
+    await store.enqueue_rollout("x", rollout_id="r1", config=config)
+    first = await store.dequeue_rollout("w")
+    assert first is not None and first.rollout.reward is None and first.attempt.reward is None
+    assert await store.update_attempt("r1", "r1.1", status="failed", reward=0.25) == "requeued"
+    assert (await store.get_attempt("r1.1")).reward == 0.25
+    assert (await store.get_rollout("r1")).reward is None  # the rollout goes on: not its reward
+    assert await store.dequeue_rollout("w") is not None
+    assert await store.update_attempt("r1", "r1.2", status="succeeded", reward=0.75) == "succeeded"
+    assert (await store.get_attempt("r1.2")).reward == 0.75
+    assert (await store.get_rollout("r1")).reward == 0.75
+    (row,) = await store.read_for_samples(["r1"])
+    assert row is not None and row.reward == 0.75
