@@ -56,10 +56,10 @@ async def test_pipeline_gauges_match_the_store(real_store: RedisStore, redis_url
         for status, n in expected.items():
             assert value("fulmen_rollouts", {"status": status}) == n
         assert value("fulmen_dead_letters") == 1
-        for stream, n in {"queue": 5, "completions": 1, "samples": 0, "dead_letters": 1}.items():
+        for stream, n in {"queue": 5, "finished": 1, "samples": 0, "dead_letters": 1}.items():
             assert value("fulmen_stream_length", {"stream": stream}) == n
         queue = {"stream": "queue", "group": k.RUNNERS_GROUP}
-        adapter = {"stream": "completions", "group": k.ADAPTER_GROUP}
+        adapter = {"stream": "finished", "group": k.ADAPTER_GROUP}
         trainers = {"stream": "samples", "group": k.TRAINERS_GROUP}
         assert value("fulmen_pending_entries", queue) == 0  # the claim acknowledges the queue entry
         assert value("fulmen_pending_entries", adapter) == 1
@@ -69,7 +69,7 @@ async def test_pipeline_gauges_match_the_store(real_store: RedisStore, redis_url
         assert value("fulmen_group_consumers", trainers) == 0
         assert 0.05 <= value("fulmen_consumer_lag_seconds", queue) < 60  # 3 entries never delivered
         assert value("fulmen_consumer_lag_seconds", adapter) == 0  # read everything there is
-        assert value("fulmen_pending_entries", {"stream": "completions", "group": k.ALGORITHM_GROUP}) is None
+        assert value("fulmen_pending_entries", {"stream": "finished", "group": k.ALGORITHM_GROUP}) is None
         assert value("fulmen_workers") == 1
         assert value("fulmen_model_version") == 3
     finally:
