@@ -94,7 +94,7 @@ class Queue:
         except ResponseError as e:
             await self.stream.recover(e)  # the experiment was deleted under us: go on with a new group
             self.ctx.forget_registration()
-            await self.ensure()
+            await self.ctx.register_experiment()
             return None
         claimed = [attempted(r) for r in reply[0]]
         if reply[1]:
