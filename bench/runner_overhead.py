@@ -60,7 +60,7 @@ def cpu_s(pid: int) -> float:
 async def bench_runner(url: str, redis_pid: int, n: int, concurrency: int, workdir: Path) -> dict[str, Any]:
     client = aioredis.from_url(url)
     store = RedisStore(client, EXPERIMENT)
-    await store.ensure_completions_group("bench")
+    await store.ensure_finished_group("bench")
     ids = []
     for start in range(0, n, 1000):
         batch = [store.new_rollout({"i": i}) for i in range(start, min(n, start + 1000))]
@@ -87,13 +87,13 @@ async def bench_runner(url: str, redis_pid: int, n: int, concurrency: int, workd
         first = None
         cpu_at_first = redis_at_first = 0.0
         while seen < n:
-            batch = await store.read_completions("bench", "bench", count=1000, block_s=30)
+            batch = await store.read_finished("bench", "bench", count=1000, block_s=30)
             if not batch:
                 raise SystemExit(f"no completion for 30 s ({seen}/{n}); is the runner alive? rc={proc.poll()}")
             if first is None:
                 first, cpu_at_first, redis_at_first = time.perf_counter(), cpu_s(proc.pid), cpu_s(redis_pid)
             seen += len(batch)
-            await store.ack_completions("bench", [c.entry_id for c in batch])
+            await store.ack_finished("bench", [c.entry_id for c in batch])
             if seen % 1000 < len(batch):
                 log("%d/%d done", seen, n)
         elapsed = time.perf_counter() - (first or time.perf_counter())

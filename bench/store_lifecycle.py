@@ -2,7 +2,7 @@
 
 The enqueuing side (this process) queues N rollouts in batches with `RedisStore.enqueue_rollouts`,
 keeping at most ``--window`` of them unfinished, and observes their completions on the completions
-stream through a consumer group (`read_completions` + `ack_completions`), as the algorithm does.
+stream through a consumer group (`read_finished` + `ack_finished`), as the algorithm does.
 ``--workers`` separate OS processes, each with its own asyncio loop and Redis client (made by
 `fulmen.connection.connect`, as the services make theirs), run ``--concurrency`` rollouts at a time
 as asyncio tasks, as a runner does: claim one (`dequeue_rollouts`), add 8 spans of about 1 KB each in
@@ -147,7 +147,7 @@ async def drive(url: str, n: int, batch: int, window: int, workers: list[Any]) -
     client = await connect(Settings(redis_url=url), wait_s=10)
     store = RedisStore(client, EXPERIMENT)
     await store.ensure()
-    await store.ensure_completions_group(COMPLETIONS_GROUP, start="$")
+    await store.ensure_finished_group(COMPLETIONS_GROUP, start="$")
     rollouts = [store.new_rollout({"task": i, "question": f"what is {i} + {i}?"}) for i in range(n)]
     enqueued = completed = 0
     room = asyncio.Event()
@@ -168,10 +168,10 @@ async def drive(url: str, n: int, batch: int, window: int, workers: list[Any]) -
         nonlocal completed
         next_report = last_progress = time.perf_counter()
         while completed < n:
-            finished = await store.read_completions(COMPLETIONS_GROUP, "driver", count=1000, block_s=1.0)
+            finished = await store.read_finished(COMPLETIONS_GROUP, "driver", count=1000, block_s=1.0)
             now = time.perf_counter()
             if finished:
-                await store.ack_completions(COMPLETIONS_GROUP, [c.entry_id for c in finished])
+                await store.ack_finished(COMPLETIONS_GROUP, [c.entry_id for c in finished])
                 completed += sum(1 for c in finished if c.status == "succeeded")
                 room.set()
                 last_progress = now

@@ -43,8 +43,8 @@ from fulmen import arithmetic
 from fulmen.embedded import free_port, wait_for_port
 from fulmen.errors import NotFound
 from fulmen.model_versions import version_number
-from fulmen.records import Completion, Sample, SampleSkip
-from fulmen.status import RolloutStatus
+from fulmen.records import RolloutFinished, Sample, SampleSkip
+from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
 from fulmen.store.samples import decode_sample
 from fulmen.tiny_model import build_tiny_model
@@ -361,9 +361,9 @@ class ChaosRun:
             if await self.count_status(*busy):
                 return False
             # Redis 6.2 has no group "lag": compare the group's last delivered id with the stream's last
-            groups = await store.redis.xinfo_groups(store.keys.completions)
+            groups = await store.redis.xinfo_groups(store.keys.finished)
             adapter = [g for g in groups if g["name"] == k.ADAPTER_GROUP.encode()]
-            last = await store.redis.xrevrange(store.keys.completions, count=1)
+            last = await store.redis.xrevrange(store.keys.finished, count=1)
             return (bool(adapter) and adapter[0]["pending"] == 0
                     and (not last or adapter[0]["last-delivered-id"] == last[0][0]))
 
@@ -454,8 +454,8 @@ class ChaosRun:
 
         # completions: once per terminal rollout; the algorithm's done set counts each once
         completions = Counter[str]()
-        for _, fields in await store.redis.xrange(store.keys.completions):
-            completions[Completion.from_wire(fields[b"m"]).rollout_id] += 1
+        for _, fields in await store.redis.xrange(store.keys.finished):
+            completions[RolloutFinished.from_wire(fields[b"m"]).rollout_id] += 1
         twice = {rid: n for rid, n in completions.items() if rid.startswith(f"{RUN}-e") and n > 1}
         unreported = [r.rollout_id for r in rollouts if r is not None and r.status in TERMINAL
                       and completions[r.rollout_id] == 0]
@@ -468,12 +468,12 @@ class ChaosRun:
         # group's last delivered entry or pending; with those, its done set is every terminal rollout
         from fulmen import keys as k
 
-        groups = {g["name"]: g for g in await store.redis.xinfo_groups(store.keys.completions)}
+        groups = {g["name"]: g for g in await store.redis.xinfo_groups(store.keys.finished)}
         last_read = groups[k.ALGORITHM_GROUP.encode()]["last-delivered-id"].decode()
         pending = {e["message_id"].decode() for e in await store.redis.xpending_range(
-            store.keys.completions, k.ALGORITHM_GROUP, "-", "+", 10_000)}
-        unread = {Completion.from_wire(fields[b"m"]).rollout_id
-                  for eid, fields in await store.redis.xrange(store.keys.completions)
+            store.keys.finished, k.ALGORITHM_GROUP, "-", "+", 10_000)}
+        unread = {RolloutFinished.from_wire(fields[b"m"]).rollout_id
+                  for eid, fields in await store.redis.xrange(store.keys.finished)
                   if _after(eid.decode(), last_read) or eid.decode() in pending}
         terminal = {r.rollout_id for r in rollouts if r is not None and r.status in TERMINAL}
         if not done <= terminal or (terminal - done) - unread:
@@ -555,7 +555,7 @@ class ChaosRun:
         from fulmen import keys as k
 
         with contextlib.suppress(Exception):
-            return int((await self.store.redis.xpending(self.store.keys.completions, k.ADAPTER_GROUP))["pending"])
+            return int((await self.store.redis.xpending(self.store.keys.finished, k.ADAPTER_GROUP))["pending"])
         return 0
 
 

@@ -64,7 +64,7 @@ async def test_the_store_check_sees_a_lost_and_a_doubled_rollout(real_store: Red
     assert clean.lost == 0 and clean.duplicated == 0 and not any("never" in p for p in clean.problems)
     # a rollout of the group vanished, and another one's completion was appended twice
     await real_store.redis.zrem(real_store.keys.rollout_index, ids[0])
-    entry = (await real_store.redis.xrange(real_store.keys.completions, count=1))[0][1]
-    await real_store.redis.xadd(real_store.keys.completions, entry)
+    entry = (await real_store.redis.xrange(real_store.keys.finished, count=1))[0][1]
+    await real_store.redis.xadd(real_store.keys.finished, entry)
     broken = await run.check_store("none")
     assert broken.lost == 1 and broken.duplicated >= 1 and not broken.ok

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from fulmen.embedded import EmbeddedRedis
-from fulmen.status import RolloutStatus
+from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
 
 DURABLE_AFTER_S = 2.0  # appendfsync everysec: a write can be lost for up to 2 s, no longer

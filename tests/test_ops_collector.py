@@ -33,8 +33,8 @@ async def _known_contents(store: RedisStore) -> None:
     done = claimed[0]
     await store.update_attempt(done.rollout.rollout_id, done.attempt.attempt_id, status="succeeded")
     await store.dead_letter(store.keys.queue, "1-0", "poison", {b"m": b"junk"})
-    await store.ensure_completions_group(k.ADAPTER_GROUP)
-    assert len(await store.read_completions(k.ADAPTER_GROUP, "adapter-1", count=10)) == 1
+    await store.ensure_finished_group(k.ADAPTER_GROUP)
+    assert len(await store.read_finished(k.ADAPTER_GROUP, "adapter-1", count=10)) == 1
     await store.ensure_samples_group()
     await store.update_worker("w1", "busy")
     await store.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "v3"}}, resources_id="policy")
@@ -56,10 +56,10 @@ async def test_pipeline_gauges_match_the_store(real_store: RedisStore, redis_url
         for status, n in expected.items():
             assert value("fulmen_rollouts", {"status": status}) == n
         assert value("fulmen_dead_letters") == 1
-        for stream, n in {"queue": 5, "completions": 1, "samples": 0, "dead_letters": 1}.items():
+        for stream, n in {"queue": 5, "finished": 1, "samples": 0, "dead_letters": 1}.items():
             assert value("fulmen_stream_length", {"stream": stream}) == n
         queue = {"stream": "queue", "group": k.RUNNERS_GROUP}
-        adapter = {"stream": "completions", "group": k.ADAPTER_GROUP}
+        adapter = {"stream": "finished", "group": k.ADAPTER_GROUP}
         trainers = {"stream": "samples", "group": k.TRAINERS_GROUP}
         assert value("fulmen_pending_entries", queue) == 0  # the claim acknowledges the queue entry
         assert value("fulmen_pending_entries", adapter) == 1
@@ -69,7 +69,7 @@ async def test_pipeline_gauges_match_the_store(real_store: RedisStore, redis_url
         assert value("fulmen_group_consumers", trainers) == 0
         assert 0.05 <= value("fulmen_consumer_lag_seconds", queue) < 60  # 3 entries never delivered
         assert value("fulmen_consumer_lag_seconds", adapter) == 0  # read everything there is
-        assert value("fulmen_pending_entries", {"stream": "completions", "group": k.ALGORITHM_GROUP}) is None
+        assert value("fulmen_pending_entries", {"stream": "finished", "group": k.ALGORITHM_GROUP}) is None
         assert value("fulmen_workers") == 1
         assert value("fulmen_model_version") == 3
     finally:
@@ -100,7 +100,7 @@ async def test_statistics_still_reads_the_same(real_store: RedisStore) -> None:
     await _known_contents(real_store)
     stats = await real_store.statistics()
     assert stats["queue_depth"] == 3 and stats["active_attempts"] == 1 and stats["total_rollouts"] == 5
-    assert stats["dead_letters"] == 1 and stats["completions"] == 1 and stats["workers"] == 1
+    assert stats["dead_letters"] == 1 and stats["finished"] == 1 and stats["workers"] == 1
     assert stats["pending"] == {"w1": 0}
     assert stats["latest_resources"]["resources_id"] == "policy"
 

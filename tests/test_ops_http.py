@@ -52,7 +52,7 @@ def test_not_ready_when_redis_is_unreachable() -> None:
     """Nothing listens at REDIS_URL: /readyz is 503 with the reason (no password in it), /healthz 200."""
     url = f"redis://user:s3cret@127.0.0.1:{free_port()}/0"
     settings = load_settings(redis_url=url)
-    with OpsServer(settings, "adapter", groups=[("completions", k.ADAPTER_GROUP)], port=0) as ops:
+    with OpsServer(settings, "adapter", groups=[("finished", k.ADAPTER_GROUP)], port=0) as ops:
         assert _get(ops.port, "/healthz")[0] == 200
         status, body = _get(ops.port, "/readyz")
         assert status == 503

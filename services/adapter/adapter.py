@@ -1,14 +1,14 @@
-"""The adapter's loop: completions in, samples out, once per rollout.
+"""The adapter's loop: finished rollouts in, samples out, once per rollout.
 
-    read completions (consumer group "adapter") → read the rollouts and their spans (one round trip
-    for the whole batch) → samples per succeeded rollout → append the samples, mark each rollout
-    sampled and acknowledge the completions (one atomic Lua step for the whole batch)
+    read the finished stream (consumer group "adapter") → read the rollouts, their stored rewards and
+    their spans (one round trip for the whole batch) → samples per succeeded rollout → append the
+    samples, mark each rollout sampled and acknowledge the entries (one atomic Lua step for the batch)
 
 A rollout that failed, or yields no sample, gets a `SampleSkip` record on the samples stream instead
 (the trainer counts it towards its GRPO group) and a counter per reason. Nothing here can crash the
-loop on bad data: a malformed completion is dead-lettered by the store, a malformed span skips its
+loop on bad data: a malformed entry is dead-lettered by the store, a malformed span skips its
 rollout with the reason. Delivery is at-least-once and the marker makes a redelivery a no-op.
-Completions left pending by an adapter that died are taken over after ``reclaim_idle_s``.
+Entries left pending by an adapter that died are taken over after ``reclaim_idle_s``.
 """
 
 from __future__ import annotations
@@ -28,13 +28,23 @@ from typing import Any
 from fulmen import keys as k
 from fulmen.codec import unpack
 from fulmen.errors import RecordError
-from fulmen.records import Completion, Rollout, SampleSkip, pack_sample
-from fulmen.status import RolloutStatus
+from fulmen.records import Rollout, RolloutFinished, RolloutStatus, SampleSkip, pack_sample
 from fulmen.store import RedisStore
 from fulmen.store.samples import RolloutForSamples
 from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, sample_fields
 
 log = logging.getLogger(__name__)
+
+DEFAULT_BATCH = 128  # finished rollouts per lane's read and write (see `Adapter.run` on lanes)
+DEFAULT_LANES = 8
+DEFAULT_RECLAIM_IDLE_S = 30.0  # an entry pending this long belongs to an adapter that died
+READ_BLOCK_S = 1.0  # a lane's blocking read: how soon it sees ``stop``
+REPORT_INTERVAL_S = 10.0  # between two progress log lines
+# A reclaim costs a round trip, and nothing goes idle faster than the idle period: look a few times
+# per period, but at most once a second.
+RECLAIMS_PER_IDLE_PERIOD = 3
+MIN_RECLAIM_INTERVAL_S = 1.0
+GC_THRESHOLD_0 = 50_000  # allocations between young-generation collections (`tune_gc_for_batches`)
 
 
 def group_key(rollout: Rollout | RolloutForSamples) -> str:
@@ -75,8 +85,8 @@ class Adapter:
         config: AdapterConfig | None = None,
         *,
         consumer: str | None = None,
-        batch: int = 128,
-        reclaim_idle_s: float = 30.0,
+        batch: int = DEFAULT_BATCH,
+        reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S,
     ) -> None:
         self.store = store
         self.config = config or AdapterConfig()
@@ -86,63 +96,48 @@ class Adapter:
         self.counters = Counters()
         self._next_reclaim = 0.0
 
-    async def run(self, stop: asyncio.Event, *, until_idle: bool = False, lanes: int = 8) -> None:
-        """Adapt completions until ``stop`` is set (or, with ``until_idle``, until none are left).
+    async def run(self, stop: asyncio.Event, *, until_idle: bool = False, lanes: int = DEFAULT_LANES) -> None:
+        """Adapt finished rollouts until ``stop`` is set (or, with ``until_idle``, until none are left).
 
         ``lanes`` batches are in flight at once, so one batch's round trips to Redis overlap with the
         others' Python work (each lane reads its own entries from the consumer group). Many small
-        batches rather than a few large ones: Redis runs one command at a time, and a 512-rollout
-        read or write held it for tens of milliseconds while the other lanes' commands queued behind
-        it; with 8 lanes of 128 the adapter was busy 0.86–0.97 of its core against 0.73–0.84 with 3
-        of 512 (in-process A/B, bench/RESULTS.md "Adapter throughput")."""
-        await self.store.ensure_completions_group(k.ADAPTER_GROUP)
+        batches rather than a few large ones: Redis runs one command at a time, so a large batch's
+        read or write holds it while the other lanes' commands queue behind it (bench/RESULTS.md,
+        "Adapter throughput", has the measurements behind the defaults)."""
+        await self.store.ensure_finished_group(k.ADAPTER_GROUP)
         log.info("adapter %s on experiment %s", self.consumer, self.store.experiment)
         await asyncio.gather(*(self._lane(stop, until_idle, report=i == 0) for i in range(lanes)))
 
     async def _lane(self, stop: asyncio.Event, until_idle: bool, report: bool) -> None:
         last_report, reported = time.monotonic(), 0
         while not stop.is_set():
-            completions = await self._reclaim() or await self.store.read_completions(
-                k.ADAPTER_GROUP, self.consumer, count=self.batch, block_s=None if until_idle else 1.0
+            finished = await self._reclaim() or await self.store.read_finished(
+                k.ADAPTER_GROUP, self.consumer, self.batch, None if until_idle else READ_BLOCK_S
             )
-            if completions:
-                await self.process(completions)
+            if finished:
+                await self.process(finished)
             elif until_idle:
                 return
-            if report and time.monotonic() - last_report > 10 and self.counters.rollouts > reported:
+            if report and time.monotonic() - last_report > REPORT_INTERVAL_S and self.counters.rollouts > reported:
                 log.info(
                     "adapted %d rollouts: %d samples, skipped %s",
                     self.counters.rollouts, self.counters.samples, self.counters.skipped or "none",
                 )
                 last_report, reported = time.monotonic(), self.counters.rollouts
 
-    async def _reclaim(self) -> list[Completion]:
-        """Completions another adapter read but never acknowledged (it died), once they are idle."""
+    async def _reclaim(self) -> list[RolloutFinished]:
+        """Entries another adapter read but never acknowledged (it died), once they are idle."""
         if time.monotonic() < self._next_reclaim:
             return []
-        self._next_reclaim = time.monotonic() + max(1.0, self.reclaim_idle_ms / 3000)
-        reply = await self.store.redis.xautoclaim(
-            self.store.keys.completions, k.ADAPTER_GROUP, self.consumer, self.reclaim_idle_ms, "0-0", count=self.batch
-        )
-        out = []
-        for entry_id, fields in reply[1]:
-            if fields is None:
-                continue
-            try:
-                out.append(Completion.from_wire(fields.get(b"m"), entry_id.decode()))
-            except RecordError as e:
-                await self.store.dead_letter(
-                    self.store.keys.completions, entry_id.decode(), str(e), fields, ack_group=k.ADAPTER_GROUP
-                )
-        if out:
-            log.info("took over %d completions left pending by a dead adapter", len(out))
-        return out
+        interval_s = max(MIN_RECLAIM_INTERVAL_S, self.reclaim_idle_ms / 1000 / RECLAIMS_PER_IDLE_PERIOD)
+        self._next_reclaim = time.monotonic() + interval_s
+        return await self.store.reclaim_finished(k.ADAPTER_GROUP, self.consumer, self.reclaim_idle_ms, self.batch)
 
-    async def process(self, completions: Sequence[Completion]) -> None:
+    async def process(self, finished: Sequence[RolloutFinished]) -> None:
         """Adapt one batch, then acknowledge it (only once every sample is stored)."""
-        rollouts = await self.store.read_for_samples(list(dict.fromkeys(c.rollout_id for c in completions)))
+        rollouts = await self.store.read_for_samples(list(dict.fromkeys(f.rollout_id for f in finished)))
         results = [self._adapt(r) for r in rollouts if r is not None]
-        await self._append(results, [c.entry_id for c in completions])
+        await self._append(results, [f.entry_id for f in finished])
 
     def _adapt(self, rollout: RolloutForSamples) -> _Result:
         spans = rollout.spans
@@ -152,6 +147,7 @@ class Adapter:
             group_key(rollout),
             rollout.mode,
             _int_or_none(rollout.metadata.get("group_size")),
+            rollout.reward,
         )
         try:
             if rollout.status is not RolloutStatus.SUCCEEDED:
@@ -172,7 +168,7 @@ class Adapter:
         return _Result(rollout.rollout_id, [skip.to_wire()], {"rollouts": 1, "skipped": 1, f"skip:{code}": 1})
 
     async def _append(self, results: Sequence[_Result], entry_ids: list[str]) -> None:
-        """Write the batch's samples and acknowledge its completions, in one atomic step."""
+        """Write the batch's samples and acknowledge their finished entries, in one atomic step."""
         appended = await self.store.append_samples(
             [(r.rollout_id, r.records, r.stats) for r in results], ack_group=k.ADAPTER_GROUP, ack_entry_ids=entry_ids
         )
@@ -190,12 +186,12 @@ class Adapter:
 def tune_gc_for_batches() -> None:
     """Process-wide: run Python's cycle collector less often (call once, from the entry point).
 
-    A batch allocates tens of thousands of short-lived containers (decoded span records, reply lists);
-    with the default threshold (700) the collector ran ~1,300 times for 20,000 rollouts and cost 25 us
-    per rollout, 12% of the adapter's CPU, mostly re-scanning the same live batch. Objects from start-up
-    are frozen out of its way; cycles are still collected, only in larger steps (~5 us a rollout)."""
+    A batch allocates tens of thousands of short-lived containers (decoded span records, reply lists):
+    with the default threshold (700) the collector runs many times per batch, mostly re-scanning the
+    same live batch, a visible share of the adapter's CPU (bench/RESULTS.md). Objects from start-up
+    are frozen out of its way; cycles are still collected, only in larger steps."""
     gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
+    gc.set_threshold(GC_THRESHOLD_0, 20, 20)
 
 
 def _int_or_none(value: Any) -> int | None:

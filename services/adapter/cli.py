@@ -58,7 +58,7 @@ def command(
             loop.add_signal_handler(sig, stop.set)
         adapter = Adapter(store, config, batch=batch)
         tune_gc_for_batches()
-        with start_ops(settings, "adapter", groups=[("completions", k.ADAPTER_GROUP)]) as ops:
+        with start_ops(settings, "adapter", groups=[("finished", k.ADAPTER_GROUP)]) as ops:
             ops.add(CountersCollector(lambda: _adapter_counters(adapter.counters)))
             await adapter.run(stop)
         log.info(

@@ -8,8 +8,10 @@
   response seen twice (a client library's span around the proxy's) and is left out, as is a second
   span with the same ``gen_ai.response.id``.
 - Rewards, in time order, go to the most recent earlier call that has none yet (a reward before any
-  call has no call to go to). The last reward is the attempt's final reward, kept on every sample for
-  trajectory-level credit.
+  call has no call to go to). The attempt's final reward, kept on every sample for trajectory-level
+  credit, is the one its runner stored with the rollout (`AttemptInfo.reward`); only for an attempt
+  stored without one (spans written by a tool, not a runner) is it the last reward span, which is
+  how the runner computes it too.
 - Turns whose prompt extends the previous turn's prompt and response (token-prefix match) are joined
   into one trajectory sample, with a mask over the model's own tokens.
 
@@ -58,12 +60,13 @@ class AdapterConfig:
                     raise ValueError(f"{name} {pattern!r} is not a regular expression: {e}") from None
 
 
-class AttemptInfo(NamedTuple):  # a tuple: one is made per rollout, a frozen dataclass cost 4x as much
+class AttemptInfo(NamedTuple):  # a tuple: one is made per rollout, cheaper than a frozen dataclass
     rollout_id: str
     attempt_id: str
     group_key: str
     mode: str | None = None
     group_size: int | None = None
+    reward: float | None = None  # the final reward the runner stored (None: none stored)
 
 
 @dataclass(slots=True)
@@ -239,7 +242,8 @@ def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterC
     calls = find_llm_calls(unique, parents, config)
     if not calls:
         raise Skip("no_llm_call", "no LLM call")
-    final = match_rewards(unique, calls)
+    last_reward = match_rewards(unique, calls)  # the per-call rewards need the spans
+    final = info.reward if info.reward is not None else last_reward
     if final is None:
         raise Skip("no_reward", "no reward")
     rollout_id, attempt_id, group_key = info.rollout_id, info.attempt_id, info.group_key

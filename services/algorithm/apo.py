@@ -26,7 +26,7 @@ from typing import Any
 
 from fulmen import semconv
 from fulmen.errors import InvalidInput, NotFound
-from fulmen.status import RolloutMode, RolloutStatus
+from fulmen.records.status import RolloutMode, RolloutStatus
 from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task, task_id
 

@@ -160,7 +160,7 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
 
     from fulmen.ops_http import start_ops
 
-    with start_ops(settings, "algorithm", groups=[("completions", k.ALGORITHM_GROUP)]):
+    with start_ops(settings, "algorithm", groups=[("finished", k.ALGORITHM_GROUP)]):
         run_on_store(settings, work)
 
 

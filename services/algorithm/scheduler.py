@@ -32,7 +32,7 @@ from fulmen import keys as k
 from fulmen.errors import NotFound
 from fulmen.model_versions import version_number
 from fulmen.records import RolloutConfig
-from fulmen.status import RolloutMode
+from fulmen.records.status import RolloutMode
 from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task, task_id
 
@@ -102,7 +102,7 @@ class Scheduler:
 
     async def load(self) -> RunState:
         self.state = RunState.from_hash(await self.store.redis.hgetall(self.store.keys.algorithm_state))
-        await self.store.ensure_completions_group(k.ALGORITHM_GROUP)
+        await self.store.ensure_finished_group(k.ALGORITHM_GROUP)
         # Completions a killed predecessor read but did not acknowledge are pending under our consumer
         # name, and a read of new entries never returns them: count them now, or their rollouts stay
         # "in flight" for the rest of the run (backpressure shrinks, an epoch-bounded run never ends).
@@ -139,7 +139,7 @@ class Scheduler:
         ``pending``: instead, the entries read before a restart and never acknowledged."""
         done = 0
         while True:
-            batch = await self.store.read_completions(
+            batch = await self.store.read_finished(
                 k.ALGORITHM_GROUP, "algorithm", count=500, block_s=block_s, pending=pending
             )
             block_s = None
@@ -148,7 +148,7 @@ class Scheduler:
             ours = [c.rollout_id for c in batch if c.rollout_id.startswith(self.run + "-e")]
             if ours:
                 done += await self.store.redis.sadd(self.store.keys.algorithm_done, *ours)
-            await self.store.ack_completions(k.ALGORITHM_GROUP, [c.entry_id for c in batch])
+            await self.store.ack_finished(k.ALGORITHM_GROUP, [c.entry_id for c in batch])
 
     async def inflight(self) -> int:
         return self.state.enqueued - await self.store.redis.scard(self.store.keys.algorithm_done)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fulmen import semconv
 from fulmen.errors import NotFound
 from fulmen.records import ResourcesUpdate, RolloutConfig
-from fulmen.status import RolloutMode, RolloutStatus
+from fulmen.records.status import RolloutMode, RolloutStatus
 from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task, load_tasks, task_id
 from fulmen_algorithm.scheduler import recoverable_rollout_config
@@ -47,16 +47,13 @@ async def _greedy_resources(store: RedisStore, policy_id: str) -> ResourcesUpdat
         return await store.add_resources(greedy, resources_id=RESOURCES_ID)
 
 
-async def _reward(store: RedisStore, rollout_id: str) -> tuple[float, str | None]:
-    """The latest attempt's last reward (0 when there is none), and the model version that answered."""
-    spans = await store.query_spans(rollout_id, "latest")
-    reward, version = 0.0, None
-    for s in spans:
-        if s.name == semconv.REWARD_SPAN and isinstance(s.attributes.get(semconv.REWARD), int | float):
-            reward = float(s.attributes[semconv.REWARD])
+async def _served_by(store: RedisStore, rollout_id: str) -> str | None:
+    """The model version that answered the latest attempt's last LLM call."""
+    version = None
+    for s in await store.query_spans(rollout_id, "latest"):
         if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL:
             version = s.attributes.get(semconv.MODEL_VERSION)
-    return reward, version
+    return version
 
 
 async def validate(
@@ -80,8 +77,9 @@ async def validate(
     results = []
     versions: Counter[str] = Counter()
     for r in finished:
-        reward, version = await _reward(store, r.rollout_id) if r.status is RolloutStatus.SUCCEEDED else (0.0, None)
-        results.append(reward)
+        succeeded = r.status is RolloutStatus.SUCCEEDED
+        version = await _served_by(store, r.rollout_id) if succeeded else None
+        results.append(r.reward if succeeded and r.reward is not None else 0.0)  # stored by the runner
         versions[version or "none"] += 1
     result = {
         "label": label,

@@ -2,7 +2,7 @@
 
 Several replicas serve one model; a rollout sticks to one of them (its KV/prefix cache stays warm
 across the turns of a multi-turn agent), chosen by rendezvous hashing of the rollout id as
-`fulmen.store.proxies.pick_proxy` chooses proxies: when a replica is added or removed only the
+`fulmen.store.registry.pick_proxy` chooses proxies: when a replica is added or removed only the
 rollouts on it move. A replica that refuses the connection is skipped for the next one in the same
 order, so its rollouts fail over in a stable way. Unattributed calls go round robin.
 """

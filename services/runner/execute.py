@@ -4,7 +4,8 @@
     → on_trace_end → flush spans → report the attempt's status → on_rollout_end
 
 Every span of the attempt is stored before its status is reported, so whoever sees the attempt end
-(the adapter, through the completions stream) finds all of its spans. Cancelled from outside (the
+(the adapter, through the finished stream) finds all of its spans. The attempt's final reward is
+computed here once (`SpanWriter.final_reward`) and stored with its status. Cancelled from outside (the
 runner shutting down), the attempt is handed back to the queue instead of being failed.
 """
 
@@ -21,11 +22,10 @@ from opentelemetry import trace
 
 from fulmen import semconv
 from fulmen.errors import InvalidInput, RecordError
-from fulmen.records import AttemptedRollout
+from fulmen.records import AttemptedRollout, AttemptStatus
 from fulmen.sdk.agent import Agent
 from fulmen.sdk.emit import emit_exception, emit_reward
 from fulmen.sdk.hooks import Hook, run_hooks
-from fulmen.status import AttemptStatus
 from fulmen.store import RedisStore
 from fulmen.tracing import RootSpan, bind
 from fulmen_runner.heartbeats import Heartbeats
@@ -130,7 +130,7 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
             if status is AttemptStatus.SUCCEEDED and value is not None:
                 with trace.use_span(root.span, end_on_exit=False):
                     try:
-                        reward = emit_reward(value)
+                        emit_reward(value)
                     except InvalidInput as e:  # a NaN or malformed reward fails the attempt, clearly
                         status, error = AttemptStatus.FAILED, e
                         emit_exception(e)
@@ -138,13 +138,17 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
             root.end()
         await run_hooks("on_trace_end", ctx.agent, ctx.hooks, rollout)
         spans = await ctx.writer.drain(aid)
+        final = ctx.writer.final_reward(aid)
+        reward = final if status is AttemptStatus.SUCCEEDED else None
         if status is not None:
-            try:  # the last spans and the status in one atomic step
-                outcome = await ctx.store.update_attempt(rid, aid, status=status, error=error, spans=spans)
+            try:  # the last spans, the status and the reward in one atomic step
+                outcome = await ctx.store.update_attempt(
+                    rid, aid, status=status, error=error, spans=spans, reward=reward
+                )
                 ctx.writer.written += len(spans)  # stored with the status: they count as written (/metrics)
             except RecordError:  # a span the store refuses (too large): store the rest, then report
                 await ctx.writer.write(spans)
-                outcome = await ctx.store.update_attempt(rid, aid, status=status, error=error)
+                outcome = await ctx.store.update_attempt(rid, aid, status=status, error=error, reward=reward)
             log.debug("attempt %s %s -> %s in %.3f s", aid, status.value, outcome, time.monotonic() - started)
         else:
             await ctx.writer.write(spans)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from fulmen.records import AttemptedRollout
-from fulmen.status import ACTIVE_ATTEMPT, RolloutStatus
+from fulmen.records.status import ACTIVE_ATTEMPT, RolloutStatus
 from fulmen.store import RedisStore
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from fulmen.records import AttemptedRollout, ResourcesUpdate
 from fulmen.sdk.agent import AgentInputs
 from fulmen.sdk.resources import LLM, llm_for_attempt, prompt_template_of
 from fulmen.store import RedisStore
-from fulmen.store.proxies import pick_proxy
+from fulmen.store.registry import pick_proxy
 
 log = logging.getLogger(__name__)
 

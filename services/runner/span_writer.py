@@ -4,17 +4,24 @@ Two paths: a periodic flush (every ``interval_s``) so long rollouts show progres
 `flush(attempt_id)` when an attempt ends, which returns only once all of that attempt's spans are
 stored — before the runner reports the attempt's status, so a finished attempt never misses a span.
 Writes of one attempt never overlap, so its spans keep the order in which they ended.
+
+Every span of an attempt passes through here, so this is also where the attempt's final reward is
+computed, once: the latest reward span (by time, then by the order the spans ended), as the adapter
+would find it among the stored spans. The runner stores it with the attempt's status.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from fulmen import semconv
 from fulmen.errors import FulmenError, NotFound, RetryableError
 from fulmen.records import Span
 from fulmen.store import RedisStore
@@ -31,12 +38,37 @@ class SpanWriter:
         self._inflight: dict[str, asyncio.Future[None]] = {}
         self.written = 0
         self.dropped = 0
+        self._rewards: dict[str, tuple[float, int, float]] = {}  # attempt -> (time, order, reward)
+        self._order = itertools.count()
+
+    def _take(self, attempt_id: str | None = None) -> list[Span]:
+        spans = self.buffer.take(attempt_id)
+        self._note_rewards(spans)
+        return spans
+
+    def _note_rewards(self, spans: Iterable[Span]) -> None:
+        for s in spans:
+            attributes = s.attributes
+            if attributes.get(semconv.SPAN_KIND) != semconv.KIND_REWARD and s.name != semconv.REWARD_SPAN:
+                continue
+            value = attributes.get(semconv.REWARD)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                continue  # the adapter skips such an attempt as malformed; it is no reward
+            key = (s.start_time if s.start_time is not None else math.inf, next(self._order), float(value))
+            best = self._rewards.get(s.attempt_id)
+            if best is None or key[:2] > best[:2]:
+                self._rewards[s.attempt_id] = key
+
+    def final_reward(self, attempt_id: str) -> float | None:
+        """The attempt's final reward among the spans taken so far (None: it emitted none); forgets it."""
+        best = self._rewards.pop(attempt_id, None)
+        return None if best is None else best[2]
 
     async def flush(self, attempt_id: str) -> None:
         """Store every finished span of one attempt (waiting for a periodic write that holds some)."""
         while (pending := self._inflight.get(attempt_id)) is not None:
             await asyncio.shield(pending)
-        spans = self.buffer.take(attempt_id)  # no await since the check: nobody took them in between
+        spans = self._take(attempt_id)  # no await since the check: nobody took them in between
         if spans:
             await self._write(spans)
 
@@ -45,7 +77,7 @@ class SpanWriter:
         of them: the caller stores them itself, with the attempt's final status in one step."""
         while (pending := self._inflight.get(attempt_id)) is not None:
             await asyncio.shield(pending)
-        return self.buffer.take(attempt_id)
+        return self._take(attempt_id)
 
     async def write(self, spans: Sequence[Span]) -> None:
         """Store spans now (dropping, with a log line, any the store refuses)."""
@@ -53,7 +85,7 @@ class SpanWriter:
             await self._write(spans)
 
     async def flush_all(self) -> None:
-        spans = self.buffer.take()
+        spans = self._take()
         if not spans:
             return
         attempts = {s.attempt_id for s in spans}

@@ -20,8 +20,8 @@ from rich.table import Table
 from fulmen import semconv
 from fulmen.connection import connect, redact
 from fulmen.errors import FulmenError
+from fulmen.records.status import RolloutMode, RolloutStatus
 from fulmen.settings import Settings, load_settings
-from fulmen.status import RolloutMode, RolloutStatus
 from fulmen.store import RedisStore, run_watchdog
 from fulmen.store.experiments import delete_experiment, list_experiments
 from fulmen.store.retention import RetentionPolicy, trim
@@ -237,7 +237,7 @@ def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
     pending = ", ".join(f"{c}: {n}" for c, n in stats["pending"].items() if n) or "none"
     table.add_row("pending (claimed, not started)", pending)
     table.add_row("dead letters", str(stats["dead_letters"]))
-    table.add_row("completions", str(stats["completions"]))
+    table.add_row("finished", str(stats["finished"]))
     latest = stats["latest_resources"]
     table.add_row("latest resources", f"{latest['resources_id']} v{latest['version']}" if latest else "none")
     table.add_row("workers", str(stats["workers"]))
@@ -253,7 +253,7 @@ def top(
     """A live view of the whole pipeline, refreshed in place until Ctrl-C.
 
     Services and their live replicas (from heartbeats), queue depth, active attempts, rollouts per
-    end status, completions, samples and dead letters with their rates (between refreshes), pending
+    end status, finished rollouts, samples and dead letters with their rates (between refreshes), pending
     entries and lag per consumer group, the reward curve as a sparkline (the trainer's step log) and
     the model version being served. Reads only Redis: run it from any machine that reaches it."""
     settings = settings_from_flags(experiment=experiment)
@@ -431,13 +431,13 @@ def trim_command(
     max_count: Annotated[int | None, typer.Option(help="Keep at most this many entries per stream.")] = None,
     delete_rollouts: Annotated[bool, typer.Option(help="Also delete the trimmed rollouts' records.")] = False,
 ) -> None:
-    """Trim what every consumer group has acknowledged (queue, completions and their spans)."""
+    """Trim what every consumer group has acknowledged (queue, finished stream and their spans)."""
     settings = settings_from_flags(experiment=experiment)
 
     async def work(store: RedisStore) -> None:
         report = await trim(store, RetentionPolicy(max_age_s, max_count, delete_rollouts))
         out.print(
-            f"trimmed {report.queue_entries} queue entries, {report.completions} completions, "
+            f"trimmed {report.queue_entries} queue entries, {report.finished} finished entries, "
             f"{report.span_streams} span streams, {report.rollouts} rollouts"
         )
 

@@ -2,7 +2,7 @@
 
 Every key of an experiment starts with ``fulmen:{<experiment>}:``. The braces are a Redis Cluster hash
 tag: all keys of one experiment live in one slot, so the Lua scripts that move a rollout, its attempt,
-the queue and the completions stream in one atomic step are legal on a cluster too.
+the queue and the finished stream in one atomic step are legal on a cluster too.
 
 Lua scripts receive the experiment prefix and append the suffixes below (as BullMQ's scripts do):
 the suffix constants are interpolated into the Lua source by ``fulmen.store.scripts``, so this module
@@ -26,7 +26,7 @@ SPAN_IDS = "spanids:"  # set: "<attempt_id>/<span_id>" already stored for one ro
 STATUS = "status:"  # set: rollout ids currently in one status
 RESOURCES = "resources:"  # hash: version -> resources record, for one resources id
 QUEUE = "queue"  # stream: rollouts waiting for a runner
-COMPLETIONS = "completions"  # stream: rollouts that reached a terminal status, once each
+FINISHED = "finished"  # stream: rollouts that reached a terminal status, once each
 DEAD_LETTERS = "dead"  # stream: poison messages, with the reason
 ROLLOUT_INDEX = "rollouts"  # zset: rollout id -> enqueue time
 RESOURCES_LOG = "resources-log"  # stream: every resources version, in publication order
@@ -51,9 +51,9 @@ TRAINER_STEPS = "trainer:steps"  # stream, capped: the leader's per-step summary
 SERVICES = "services"  # hash: process id -> service heartbeat record (every long-running service)
 
 RUNNERS_GROUP = "runners"  # consumer group on QUEUE
-ADAPTER_GROUP = "adapter"  # consumer group on COMPLETIONS
+ADAPTER_GROUP = "adapter"  # consumer group on FINISHED
 TRAINERS_GROUP = "trainers"  # consumer group on SAMPLES
-ALGORITHM_GROUP = "algorithm"  # consumer group on COMPLETIONS
+ALGORITHM_GROUP = "algorithm"  # consumer group on FINISHED
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
@@ -87,11 +87,11 @@ class Keys:
         "adapter_stats",
         "algorithm_done",
         "algorithm_state",
-        "completions",
         "control",
         "dead_letters",
         "eval_queue",
         "experiment",
+        "finished",
         "prefix",
         "proxies",
         "queue",
@@ -115,7 +115,7 @@ class Keys:
         self.prefix = experiment_prefix(experiment)
         p = self.prefix
         self.queue = p + QUEUE
-        self.completions = p + COMPLETIONS
+        self.finished = p + FINISHED
         self.dead_letters = p + DEAD_LETTERS
         self.rollout_index = p + ROLLOUT_INDEX
         self.resources_log = p + RESOURCES_LOG

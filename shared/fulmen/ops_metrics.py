@@ -5,7 +5,7 @@ the same whichever process is scraped: they are read from Redis when Prometheus 
 pipelined round trips (`fulmen.store.statistics`), never kept in a process. Every service serves
 them, so one scrape target is enough; with several, aggregate with ``max`` (not ``sum``).
 
-Per-process counters (claims, completions, spans, samples, skips) live in the service objects; a
+Per-process counters (claims, attempts ended, spans, samples, skips) live in the service objects; a
 `CountersCollector` reads them at scrape time, so services keep plain integer attributes and need no
 Prometheus import on their hot paths.
 """

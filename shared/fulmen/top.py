@@ -24,7 +24,7 @@ from fulmen import keys as k
 from fulmen.errors import RecordError
 from fulmen.ops_http import HEARTBEAT_S
 from fulmen.records import ProxyEndpoint, ServiceBeat, TrainStep, Worker
-from fulmen.store.proxies import PROXY_TTL_S
+from fulmen.store.registry import PROXY_TTL_S
 from fulmen.store.statistics import Snapshot, read_snapshot
 from fulmen.train_steps import read_steps
 
@@ -129,8 +129,8 @@ def _pipeline_table(frame: Frame, before: Frame | None) -> Table:
     table.add_row("active attempts", str(snap.active_attempts), "")
     for status in ("succeeded", "failed", "cancelled"):
         table.add_row(f"  {status}", str(snap.rollouts[status]), _rate(frame, before, lambda f, s=status: f.snap.rollouts[s]))
-    table.add_row("completions", str(snap.stream_lengths["completions"]),
-                  _rate(frame, before, lambda f: f.snap.stream_lengths["completions"]))
+    table.add_row("finished", str(snap.stream_lengths["finished"]),
+                  _rate(frame, before, lambda f: f.snap.stream_lengths["finished"]))
     table.add_row("samples", str(frame.adapter.get("samples", 0)), _rate(frame, before, lambda f: f.adapter.get("samples", 0)))
     table.add_row("dead letters", str(snap.stream_lengths["dead_letters"]),
                   _rate(frame, before, lambda f: f.snap.stream_lengths["dead_letters"]))

@@ -20,7 +20,10 @@ from fulmen_adapter.adapter import Adapter, group_key
 
 
 async def _rollout_with_spans(store: RedisStore, task: object, *, reward: float | None = 1.0, calls: int = 1,
-                              status: str = "succeeded", metadata: dict | None = None) -> str:
+                              status: str = "succeeded", metadata: dict | None = None,
+                              stored_reward: float | None = None) -> str:
+    """A rollout with LLM-call spans and a reward span; ``stored_reward``: the final reward reported
+    with the status, as a runner does."""
     claimed = await store.start_rollout(task, "w1", metadata=metadata or {})
     rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
     spans = []
@@ -35,7 +38,7 @@ async def _rollout_with_spans(store: RedisStore, task: object, *, reward: float 
         spans.append(Span(rid, aid, "w", semconv.REWARD_SPAN, start_time=20.0, end_time=20.0,
                           attributes={semconv.SPAN_KIND: semconv.KIND_REWARD, semconv.REWARD: reward}))
     await store.add_spans(spans)
-    await store.update_attempt(rid, aid, status=status)
+    await store.update_attempt(rid, aid, status=status, reward=stored_reward)
     return rid
 
 
@@ -60,12 +63,20 @@ async def test_each_succeeded_rollout_yields_its_samples_once(real_store: RedisS
     assert first.response_logprobs == pytest.approx([-0.1, -0.2])
     assert (first.group_key, first.group_size, first.model_version, first.final_reward) == ("g1", 4, "v3", 1.0)
     # redelivered: the completions group is rewound, as after a crash before the acknowledgement
-    await real_store.redis.xgroup_setid(real_store.keys.completions, k.ADAPTER_GROUP, "0")
+    await real_store.redis.xgroup_setid(real_store.keys.finished, k.ADAPTER_GROUP, "0")
     again = Adapter(real_store)
     await again.run(asyncio.Event(), until_idle=True)
     assert len(await _entries(real_store)) == 3
     assert again.counters.rollouts == 0
     assert await real_store.adapter_stats() == {"rollouts": 1, "samples": 3}
+
+
+async def test_the_final_reward_is_the_one_stored_with_the_rollout(real_store: RedisStore) -> None:
+    """The runner's stored reward is every sample's final reward; the per-call reward comes from the spans."""
+    await _rollout_with_spans(real_store, "a", reward=1.0, stored_reward=0.5)
+    await Adapter(real_store).run(asyncio.Event(), until_idle=True)
+    (sample,) = await _entries(real_store)
+    assert isinstance(sample, Sample) and (sample.reward, sample.final_reward) == (1.0, 0.5)
 
 
 async def test_failed_and_unrewarded_rollouts_are_skipped_with_reasons(real_store: RedisStore) -> None:
@@ -82,8 +93,8 @@ async def test_failed_and_unrewarded_rollouts_are_skipped_with_reasons(real_stor
 
 async def test_poison_completion_and_malformed_span_do_not_stop_the_adapter(real_store: RedisStore) -> None:
     """A garbage completion is dead-lettered, a garbage span skips its rollout, the rest is adapted."""
-    await real_store.ensure_completions_group(k.ADAPTER_GROUP)
-    await real_store.redis.xadd(real_store.keys.completions, {"m": b"\xc1garbage"})
+    await real_store.ensure_finished_group(k.ADAPTER_GROUP)
+    await real_store.redis.xadd(real_store.keys.finished, {"m": b"\xc1garbage"})
     broken = await _rollout_with_spans(real_store, "c")
     await real_store.redis.xadd(real_store.keys.spans(broken), {"m": b"\x93not a span"}, id="99-0")
     good = await _rollout_with_spans(real_store, "d")
@@ -92,21 +103,21 @@ async def test_poison_completion_and_malformed_span_do_not_stop_the_adapter(real
     assert isinstance(entries[good], Sample)
     assert isinstance(entries[broken], SampleSkip) and entries[broken].reason.startswith("malformed span record")
     (dead,) = await real_store.query_dead_letters()
-    assert dead.source == real_store.keys.completions
-    pending = await real_store.redis.xpending(real_store.keys.completions, k.ADAPTER_GROUP)
+    assert dead.source == real_store.keys.finished
+    pending = await real_store.redis.xpending(real_store.keys.finished, k.ADAPTER_GROUP)
     assert pending["pending"] == 0
 
 
 async def test_completions_of_a_dead_adapter_are_taken_over(real_store: RedisStore) -> None:
     """Completions read but never acknowledged are adapted by another adapter once idle."""
     rid = await _rollout_with_spans(real_store, "e")
-    await real_store.ensure_completions_group(k.ADAPTER_GROUP)
-    await real_store.read_completions(k.ADAPTER_GROUP, "dead-adapter", count=10)  # read, then "died"
+    await real_store.ensure_finished_group(k.ADAPTER_GROUP)
+    await real_store.read_finished(k.ADAPTER_GROUP, "dead-adapter", count=10)  # read, then "died"
     survivor = Adapter(real_store, consumer="survivor", reclaim_idle_s=0.05)
     await asyncio.sleep(0.1)
     await survivor.run(asyncio.Event(), until_idle=True)
     assert [s.rollout_id for s in await _entries(real_store)] == [rid]
-    assert (await real_store.redis.xpending(real_store.keys.completions, k.ADAPTER_GROUP))["pending"] == 0
+    assert (await real_store.redis.xpending(real_store.keys.finished, k.ADAPTER_GROUP))["pending"] == 0
 
 
 async def test_fulmen_adapter_process_adapts_and_stops_on_sigterm(real_store: RedisStore, redis_url: str) -> None:

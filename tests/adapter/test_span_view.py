@@ -23,8 +23,7 @@ def test_span_view_reads_what_span_to_wire_writes() -> None:
 
 def test_span_records_are_positional_leave_defaults_out_and_read_back_whole() -> None:
     """A span with default trace id, status, events, links and resource is stored as the 10-item array
-    without them and reads back equal; one with every field set reads back whole; a record written as
-    a map (before) still reads, as a `Span` and as a view."""
+    without them and reads back equal; one with every field set reads back whole."""
     data = SPAN.to_wire()
     assert codec.unpack(data) == [1, "span", "r1", "r1.1", "s1", "root", "chat tiny", 1.0, 2.0, SPAN.attributes,
                                   "t" * 32]
@@ -35,16 +34,7 @@ def test_span_records_are_positional_leave_defaults_out_and_read_back_whole() ->
                 links=[{"trace_id": "x"}], resource={"service.name": "runner"})
     assert Span.from_wire(full.to_wire(), 0) == full
     assert Span.from_wire(Span("r1", "r1.1", "s4", "n", links=[{"a": 1}]).to_wire(), 0).links == [{"a": 1}]
-    old_style = codec.pack_record("span", {
-        "rollout_id": "r1", "attempt_id": "r1.1", "span_id": "s3", "name": "n", "trace_id": "", "parent_id": "p",
-        "start_time": None, "end_time": 5.0, "status_code": "UNSET", "status_message": "", "attributes": {"a": 1},
-        "events": [], "links": [], "resource": {}})
-    assert Span.from_wire(old_style, 3) == Span("r1", "r1.1", "s3", "n", parent_id="p", end_time=5.0,
-                                                 attributes={"a": 1}, sequence_id=3)
-    assert SpanView.from_wire(old_style, 3) == ("r1", "r1.1", "s3", "p", "n", None, 5.0, {"a": 1}, 3)
-    sparse_map = codec.pack_record("span", {"rollout_id": "r1", "attempt_id": "r1.1", "span_id": "s5", "name": "n"})
-    assert Span.from_wire(sparse_map, 1) == Span("r1", "r1.1", "s5", "n", sequence_id=1)
-    one, two = Span.from_wire(bare.to_wire(), 1), Span.from_wire(sparse_map, 2)
+    one, two = Span.from_wire(bare.to_wire(), 1), Span.from_wire(bare.to_wire(), 2)
     one.events.append({"name": "mine"})
     assert two.events == [] and Span.from_wire(bare.to_wire(), 3).events == []  # defaults are not shared
 
@@ -52,7 +42,8 @@ def test_span_records_are_positional_leave_defaults_out_and_read_back_whole() ->
 @pytest.mark.parametrize(("data", "error"), [
     (b"\xc1", RecordError),
     (b"\x93not a span", RecordError),
-    (codec.pack({"v": 99, "kind": "span"}), SchemaVersionError),
+    (codec.pack({"v": 1, "kind": "span", "rollout_id": "r1", "attempt_id": "a", "span_id": "s", "name": "n"}),
+     RecordError),  # a map: span records are positional arrays
     (codec.pack_record("queue", {"rollout_id": "r1"}), RecordError),
     (codec.pack_record("span", {"rollout_id": "r1", "attempt_id": "a", "name": "n"}), RecordError),  # no span_id
     (codec.pack_record("span", {"rollout_id": "r1", "attempt_id": "a", "span_id": "s", "name": "n",
@@ -80,12 +71,12 @@ def test_span_view_refuses_what_span_from_wire_refuses(data: bytes, error: type[
 
 def test_span_entries_from_xread_become_views_or_the_error() -> None:
     """Entry ids give the sequence ids; an unreadable entry makes the whole rollout's result the error."""
-    old_style = codec.pack_record("span", {"rollout_id": "r1", "attempt_id": "r1.1", "span_id": "s9", "name": "n"})
+    other = Span("r1", "r1.1", "s9", "n").to_wire()
     entries = [[b"1-0", [b"m", SPAN.to_wire()]], [b"2-0", [b"x", b"1", b"m", SPAN.to_wire()]], [b"3-0", [b"x", b"1"]],
-               [b"12-0", [b"m", old_style]]]
+               [b"12-0", [b"m", other]]]
     views = _span_views(entries, 1 << 20)
     assert isinstance(views, list) and [v.sequence_id for v in views] == [1, 2, 12]
-    assert views[0] == SpanView.from_wire(SPAN.to_wire(), 1) and views[2] == SpanView.from_wire(old_style, 12)
+    assert views[0] == SpanView.from_wire(SPAN.to_wire(), 1) and views[2] == SpanView.from_wire(other, 12)
     for bad, message in [(b"\xc1", "not a valid msgpack record"), (codec.pack([1, "span", "r", "a", "s", None, "n",
                          "soon", None, {}]), "wrong type"), (SPAN.to_wire(), "over the")]:
         error = _span_views([[b"1-0", [b"m", SPAN.to_wire()]], [b"2-0", [b"m", bad]]], 100 if message == "over the" else 1 << 20)

@@ -136,16 +136,16 @@ async def test_completions_read_before_a_kill_are_counted_after_the_restart(real
     assert await first.fill() == 1
     await _finish(real_store, 2)
     # what the killed process did: the completions were delivered to it, never counted nor acknowledged
-    assert len(await real_store.read_completions(k.ALGORITHM_GROUP, "algorithm", count=10)) == 2
+    assert len(await real_store.read_finished(k.ALGORITHM_GROUP, "algorithm", count=10)) == 2
     second = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100)
     await second.load()
     assert await second.inflight() == 0
-    assert (await real_store.redis.xpending(real_store.keys.completions, k.ALGORITHM_GROUP))["pending"] == 0
+    assert (await real_store.redis.xpending(real_store.keys.finished, k.ALGORITHM_GROUP))["pending"] == 0
 
 
 async def test_a_dead_runners_train_rollouts_are_retried(real_store: RedisStore) -> None:
     """Train rollouts carry a heartbeat deadline: the watchdog requeues the attempts of a runner that died."""
-    from fulmen.status import RolloutStatus
+    from fulmen.records.status import RolloutStatus
     from fulmen.store.watchdog import sweep
     from fulmen_algorithm.scheduler import recoverable_rollout_config
 

@@ -16,7 +16,7 @@ from runner_processes import (
 
 from fulmen import semconv
 from fulmen.records import Rollout
-from fulmen.status import RolloutStatus
+from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
 from fulmen.tracing import rollout_trace_id
 

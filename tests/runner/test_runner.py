@@ -8,7 +8,7 @@ import runner_test_agents as agents
 
 from fulmen import semconv
 from fulmen.records import RolloutConfig
-from fulmen.status import AttemptStatus, RolloutStatus
+from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore
 
 
@@ -46,6 +46,10 @@ async def test_sync_agent_runs_in_a_thread_with_its_spans_bound(real_store, star
     assert [s.name for s in spans] == ["fulmen.object", "fulmen.rollout", "fulmen.reward"]
     assert spans[0].attributes[semconv.OBJECT_JSON] == f'{{"rollout": "{r.rollout_id}", "task": {{"reward": 0.75}}}}'
     assert spans[-1].attributes[semconv.REWARD] == 0.75
+    # the runner stores the final reward with the attempt and the rollout it ended
+    rollout = await real_store.get_rollout(r.rollout_id)
+    assert rollout.reward == 0.75
+    assert (await real_store.get_attempt(rollout.attempt_id or "")).reward == 0.75
 
 
 async def test_agent_that_raises_fails_with_exception_span_and_is_retried(real_store, start_runner) -> None:
@@ -58,6 +62,7 @@ async def test_agent_that_raises_fails_with_exception_span_and_is_retried(real_s
     assert rollout.status is RolloutStatus.FAILED
     attempts = await real_store.query_attempts(r.rollout_id)
     assert [a.status for a in attempts] == [AttemptStatus.FAILED, AttemptStatus.FAILED]
+    assert rollout.reward is None and [a.reward for a in attempts] == [None, None]
     assert attempts[0].error is not None and "bad task 'x'" in attempts[0].error["message"]
     spans = await real_store.query_spans(r.rollout_id, attempts[0].attempt_id)
     exc = [s for s in spans if s.name == semconv.EXCEPTION_SPAN]
@@ -121,6 +126,8 @@ async def test_named_rewards_keep_the_primary(real_store, start_runner) -> None:
     assert reward.attributes[semconv.REWARD] == 0.0
     assert reward.attributes[semconv.REWARD_PRIMARY] == "correct"
     assert reward.attributes[semconv.REWARD_PREFIX + "format"] == 1.0
+    # emitted by the agent itself (it returned None): the runner finds it among the attempt's spans
+    assert (await real_store.get_rollout(r.rollout_id)).reward == 0.0
 
 
 async def test_operations_record_input_and_output(real_store, start_runner) -> None:

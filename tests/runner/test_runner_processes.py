@@ -19,7 +19,7 @@ from runner_processes import (
 from fulmen import semconv
 from fulmen.embedded import free_port
 from fulmen.records import RolloutConfig
-from fulmen.status import AttemptStatus, RolloutStatus
+from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from fulmen.errors import InvalidInput
 from fulmen.records import ProxyEndpoint
 from fulmen.sdk.agent import load_agent, wanted_parameters
 from fulmen.sdk.resources import PromptTemplate, llm_for_attempt, prompt_template_of
-from fulmen.store.proxies import pick_proxy
+from fulmen.store.registry import pick_proxy
 from fulmen.tracing import bind, rollout_trace_id, setup_tracing
 
 

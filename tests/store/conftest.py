@@ -49,3 +49,10 @@ async def _wait_blocked_reader(redis: aioredis.Redis) -> None:
 @pytest.fixture
 def blocked_reader() -> Callable[[aioredis.Redis], Awaitable[None]]:
     return _wait_blocked_reader
+
+
+@pytest.fixture
+async def store(real_store: Any) -> Any:
+    """The store tests run on a real server: claiming reads the queue inside Lua with the cmsgpack
+    library Redis builds in, which fakeredis lacks (pure unit tests use ``fake_store``)."""
+    return real_store

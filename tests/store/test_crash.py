@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from fulmen import keys as k
-from fulmen.records import Completion, RolloutConfig
-from fulmen.status import AttemptStatus, RolloutStatus
+from fulmen.records import RolloutConfig, RolloutFinished
+from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore, run_watchdog
 
 Spawn = Callable[..., Awaitable[Any]]  # what the `spawn` fixture (conftest.py) gives
@@ -63,11 +63,11 @@ async def _rescue(store: RedisStore, spawn: Spawn, redis_url: str, ids: list[str
 
 
 async def _assert_recovered_once(store: RedisStore, ids: list[str]) -> None:
-    """Attempt 1 of each rollout unresponsive, attempt 2 succeeded; one completion per rollout."""
-    completions = [
-        Completion.from_wire(fields[b"m"]) for _, fields in await store.redis.xrange(store.keys.completions)
+    """Attempt 1 of each rollout unresponsive, attempt 2 succeeded; one finished entry per rollout."""
+    finished = [
+        RolloutFinished.from_wire(fields[b"m"]) for _, fields in await store.redis.xrange(store.keys.finished)
     ]
-    assert sorted((c.rollout_id, c.status, c.attempt_id) for c in completions) == [
+    assert sorted((c.rollout_id, c.status, c.attempt_id) for c in finished) == [
         (rid, RolloutStatus.SUCCEEDED, f"{rid}.2") for rid in ids
     ]
     for rid in ids:

@@ -11,15 +11,15 @@ from fulmen import keys as k
 from fulmen.errors import RecordError, RecordTooLarge, SchemaVersionError
 from fulmen.records import (
     Attempt,
-    Completion,
     DeadLetter,
     QueueEntry,
     ResourcesUpdate,
     Rollout,
+    RolloutFinished,
     Span,
     Worker,
 )
-from fulmen.status import RolloutStatus
+from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
 
 POISON_QUEUE_ENTRIES = [
@@ -32,8 +32,8 @@ POISON_QUEUE_ENTRIES = [
     ),
     pytest.param({b"m": msgpack.packb([1, 2])}, "a queue record must be a map, got list", id="not-a-map"),
     pytest.param(
-        {b"m": codec.pack_record("completion", {"rollout_id": "x"})},
-        "expected a queue record, got kind 'completion'",
+        {b"m": codec.pack_record("rollout_finished", {"rollout_id": "x"})},
+        "expected a queue record, got kind 'rollout_finished'",
         id="wrong-kind",
     ),
     pytest.param(
@@ -118,38 +118,38 @@ async def test_dead_letters_newest_first_with_limit(store: RedisStore) -> None:
     ("fields", "reason"),
     [
         pytest.param({b"m": b"\xc1garbage"}, "not a valid msgpack record", id="garbage"),
-        pytest.param({b"x": b"1"}, "completion entry has no 'm' field", id="no-m-field"),
+        pytest.param({b"x": b"1"}, "rollout_finished entry has no 'm' field", id="no-m-field"),
         pytest.param(
-            {b"m": codec.pack_record("completion", {"status": "failed"})},
-            "completion record has no 'rollout_id'",
+            {b"m": codec.pack_record("rollout_finished", {"status": "failed"})},
+            "rollout_finished record has no 'rollout_id'",
             id="no-rollout-id",
         ),
         pytest.param(
-            {b"m": msgpack.packb({"v": 99, "kind": "completion", "rollout_id": "x"})},
-            "completion record has schema version 99",
+            {b"m": msgpack.packb({"v": 99, "kind": "rollout_finished", "rollout_id": "x"})},
+            "rollout_finished record has schema version 99",
             id="schema-99",
         ),
         pytest.param(
-            {b"m": codec.pack_record("completion", {"rollout_id": "x", "status": "bogus"})},
-            "completion record has unknown status 'bogus'",
+            {b"m": codec.pack_record("rollout_finished", {"rollout_id": "x", "status": "bogus"})},
+            "rollout_finished record has unknown status 'bogus'",
             id="bad-status",
         ),
     ],
 )
 async def test_poison_completion_is_dead_lettered(store: RedisStore, fields: dict, reason: str) -> None:
-    """A malformed completions entry is dead-lettered and acked; the valid ones are still read."""
-    await store.ensure_completions_group("adapter")
-    poison_id = (await store.redis.xadd(store.keys.completions, fields)).decode()
+    """A malformed finished entry is dead-lettered and acked; the valid ones are still read."""
+    await store.ensure_finished_group("adapter")
+    poison_id = (await store.redis.xadd(store.keys.finished, fields)).decode()
     await store.enqueue_rollout("x", rollout_id="r1")
     await store.cancel_rollout("r1")
 
-    got = await store.read_completions("adapter", "c1")
+    got = await store.read_finished("adapter", "c1")
     assert [(c.rollout_id, c.status) for c in got] == [("r1", RolloutStatus.CANCELLED)]
     letters = await store.query_dead_letters()
-    assert [(d.source, d.entry_id) for d in letters] == [(store.keys.completions, poison_id)]
+    assert [(d.source, d.entry_id) for d in letters] == [(store.keys.finished, poison_id)]
     assert reason in letters[0].reason
     assert letters[0].payload == _payload(fields)
-    pending = await store.redis.xpending_range(store.keys.completions, "adapter", "-", "+", 10)
+    pending = await store.redis.xpending_range(store.keys.finished, "adapter", "-", "+", 10)
     assert [p["message_id"].decode() for p in pending] == [got[0].entry_id]  # the poison one is acked
     # wait_for_rollouts reads past the poison entry without failing.
     assert [r.rollout_id for r in await store.wait_for_rollouts(["r1"], timeout_s=0)] == ["r1"]
@@ -179,8 +179,9 @@ def test_unpack_record_refuses_missing_version() -> None:
     ("decode", "kind"),
     [
         (QueueEntry.from_wire, "queue"),
-        (Completion.from_wire, "completion"),
-        (lambda data: Span.from_wire(data, 1), "span"),
+        (RolloutFinished.from_wire, "rollout_finished"),
+        # a span record is positional: version 99 in the first place, whatever the fields
+        (lambda _: Span.from_wire(msgpack.packb([99, "span", "r", "r.1", "s", None, "n", None, None, {}]), 1), "span"),
         (ResourcesUpdate.from_wire, "resources"),
         (DeadLetter.from_wire, "dead_letter"),
         (Worker.from_wire, "worker"),
@@ -194,8 +195,8 @@ def test_message_decoders_refuse_unknown_version(decode, kind: str) -> None:
 
 def test_message_decoders_round_trip_current_version() -> None:
     """The current version decodes back to the same record."""
-    completion = Completion("r1", RolloutStatus.FAILED, "r1.2")
-    assert Completion.from_wire(completion.to_wire()) == completion
+    finished = RolloutFinished("r1", RolloutStatus.FAILED, "r1.2")
+    assert RolloutFinished.from_wire(finished.to_wire()) == finished
     assert QueueEntry.from_wire(QueueEntry("r1").to_wire()) == QueueEntry("r1")
     span = Span("r1", "r1.1", "s1", "llm", attributes={"a": 1})
     assert Span.from_wire(span.to_wire(), 7) == Span(

@@ -9,7 +9,7 @@ import pytest
 from fulmen import keys as k
 from fulmen.errors import NotFound
 from fulmen.records import Span
-from fulmen.status import RolloutStatus
+from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
 
 
@@ -49,7 +49,7 @@ async def test_same_rollout_id_in_two_experiments(store: RedisStore, other: Redi
 
 
 async def test_statistics_are_per_experiment(store: RedisStore, other: RedisStore) -> None:
-    """Statistics count only the experiment's own rollouts, completions and dead letters."""
+    """Statistics count only the experiment's own rollouts, finished entries and dead letters."""
     for rid in ["a", "b", "c"]:
         await store.enqueue_rollout(rid, rollout_id=rid)
     await store.cancel_rollout("a")
@@ -68,10 +68,10 @@ async def test_statistics_are_per_experiment(store: RedisStore, other: RedisStor
         "failed": 0,
         "cancelled": 1,
     }
-    assert (mine["total_rollouts"], mine["completions"], mine["dead_letters"]) == (3, 1, 1)
+    assert (mine["total_rollouts"], mine["finished"], mine["dead_letters"]) == (3, 1, 1)
     assert mine["pending"] == {"w1": 0}
     assert theirs["rollouts"]["queuing"] == 1
-    assert (theirs["total_rollouts"], theirs["completions"], theirs["dead_letters"]) == (1, 0, 0)
+    assert (theirs["total_rollouts"], theirs["finished"], theirs["dead_letters"]) == (1, 0, 0)
     assert theirs["pending"] == {}
     assert (mine["experiment"], theirs["experiment"]) == (store.experiment, other.experiment)
 
@@ -102,15 +102,15 @@ async def test_resources_are_per_experiment(store: RedisStore, other: RedisStore
 
 
 async def test_completions_and_dead_letters_are_per_experiment(store: RedisStore, other: RedisStore) -> None:
-    """A completion or dead letter in one experiment never shows in the other."""
+    """A finished entry or dead letter in one experiment never shows in the other."""
     await store.enqueue_rollout("x", rollout_id="r1")
     await store.cancel_rollout("r1")
     await store.ensure()
     await store.redis.xadd(store.keys.queue, {b"junk": b"1"})
     await store.dequeue_rollouts("w1", count=10)
-    assert await other.read_completions("adapter", "c1") == []
+    assert await other.read_finished("adapter", "c1") == []
     assert await other.query_dead_letters() == []
-    assert [c.rollout_id for c in await store.read_completions("adapter", "c1")] == ["r1"]
+    assert [c.rollout_id for c in await store.read_finished("adapter", "c1")] == ["r1"]
     assert len(await store.query_dead_letters()) == 1
 
 

@@ -6,14 +6,14 @@ import pytest
 
 from fulmen import keys as k
 from fulmen.errors import InvalidInput, InvalidTransition, NotFound
-from fulmen.records import Completion, RolloutConfig, Span
-from fulmen.status import AttemptStatus, RolloutMode, RolloutStatus
+from fulmen.records import RolloutConfig, RolloutFinished, Span
+from fulmen.records.status import AttemptStatus, RolloutMode, RolloutStatus
 from fulmen.store import RedisStore
 
 
-async def _completions(store: RedisStore) -> list[Completion]:
-    entries = await store.redis.xrange(store.keys.completions)
-    return [Completion.from_wire(f[b"m"], eid.decode()) for eid, f in entries]
+async def _finished(store: RedisStore) -> list[RolloutFinished]:
+    entries = await store.redis.xrange(store.keys.finished)
+    return [RolloutFinished.from_wire(f[b"m"], entry_id=eid.decode()) for eid, f in entries]
 
 
 async def _pending(store: RedisStore) -> int:
@@ -140,7 +140,7 @@ async def test_report_running_moves_to_running(store: RedisStore) -> None:
 
 
 async def test_succeeded(store: RedisStore) -> None:
-    """A succeeded attempt ends the rollout as succeeded and appends one completion."""
+    """A succeeded attempt ends the rollout as succeeded and appends one finished entry."""
     await _claim(store)
     await store.heartbeat("r1", "r1.1")
     assert await store.update_attempt("r1", "r1.1", status=AttemptStatus.SUCCEEDED) == "succeeded"
@@ -153,7 +153,7 @@ async def test_succeeded(store: RedisStore) -> None:
     assert attempt.error is None
     assert await _ids_in(store, "running") == []
     assert await _ids_in(store, "succeeded") == ["r1"]
-    assert [(c.rollout_id, c.status, c.attempt_id) for c in await _completions(store)] == [
+    assert [(c.rollout_id, c.status, c.attempt_id) for c in await _finished(store)] == [
         ("r1", RolloutStatus.SUCCEEDED, "r1.1")
     ]
 
@@ -170,7 +170,7 @@ async def test_failed_with_exception(store: RedisStore) -> None:
     assert attempt.error is not None
     assert (attempt.error["type"], attempt.error["message"]) == ("ValueError", "boom")
     assert "ValueError: boom" in attempt.error["traceback"]
-    assert [(c.rollout_id, c.status, c.attempt_id) for c in await _completions(store)] == [
+    assert [(c.rollout_id, c.status, c.attempt_id) for c in await _finished(store)] == [
         ("r1", RolloutStatus.FAILED, "r1.1")
     ]
 
@@ -209,7 +209,7 @@ async def test_start_attempt_supersedes_the_active_attempt(store: RedisStore) ->
     assert [a.attempt_id for a in await store.query_attempts("r1")] == ["r1.1", "r1.2"]
     assert await _ids_in(store, "running") == []
     assert await _ids_in(store, "preparing") == ["r1"]
-    assert await _completions(store) == []
+    assert await _finished(store) == []
 
 
 async def test_start_attempt_of_queued_rollout_makes_queue_entry_stale(store: RedisStore) -> None:
@@ -256,7 +256,7 @@ async def test_start_rollout_skips_the_queue(store: RedisStore) -> None:
 
 @pytest.mark.parametrize("status", ["succeeded", "failed", "cancelled"])
 async def test_update_rollout_to_terminal_status(store: RedisStore, status: str) -> None:
-    """Forcing a terminal status ends the active attempt as failed and appends one completion."""
+    """Forcing a terminal status ends the active attempt as failed and appends one finished entry."""
     await _claim(store)
     await store.heartbeat("r1", "r1.1")
     assert await store.update_rollout("r1", status=status, reason="operator") == RolloutStatus(status)
@@ -267,10 +267,10 @@ async def test_update_rollout_to_terminal_status(store: RedisStore, status: str)
     assert attempt.error == {"type": "Error", "message": "operator"}
     assert await _ids_in(store, "running") == []
     assert await _ids_in(store, status) == ["r1"]
-    assert [(c.rollout_id, c.status) for c in await _completions(store)] == [("r1", RolloutStatus(status))]
+    assert [(c.rollout_id, c.status) for c in await _finished(store)] == [("r1", RolloutStatus(status))]
     assert await store.update_rollout("r1", status="failed") is None  # terminal: nothing changes
     assert (await store.get_rollout("r1")).status is RolloutStatus(status)
-    assert len(await _completions(store)) == 1
+    assert len(await _finished(store)) == 1
 
 
 async def test_update_rollout_to_requeuing(store: RedisStore) -> None:
@@ -285,7 +285,7 @@ async def test_update_rollout_to_requeuing(store: RedisStore) -> None:
     assert again is not None
     assert (again.attempt.attempt_id, again.attempt.worker_id) == ("r1.2", "w2")
     assert again.rollout.status is RolloutStatus.PREPARING
-    assert await _completions(store) == []
+    assert await _finished(store) == []
 
 
 async def test_release_attempt_requeues_at_once_even_without_retries(store: RedisStore) -> None:
@@ -297,7 +297,7 @@ async def test_release_attempt_requeues_at_once_even_without_retries(store: Redi
     assert (await store.get_rollout("r1")).status is RolloutStatus.REQUEUING
     again = await store.dequeue_rollout("w2")
     assert again is not None and again.attempt.attempt_id == "r1.2"
-    assert await _completions(store) == []
+    assert await _finished(store) == []
 
 
 async def test_release_of_a_replaced_attempt_changes_nothing(store: RedisStore) -> None:
@@ -337,13 +337,13 @@ async def test_cancel_queued_rollout(store: RedisStore) -> None:
     assert await store.dequeue_rollouts("w1", count=5) == []
     assert await _pending(store) == 0
     assert (await store.get_rollout("r1")).attempt_count == 0
-    assert [(c.rollout_id, c.status, c.attempt_id) for c in await _completions(store)] == [
+    assert [(c.rollout_id, c.status, c.attempt_id) for c in await _finished(store)] == [
         ("r1", RolloutStatus.CANCELLED, None)
     ]
 
 
 async def test_cancel_running_rollout(store: RedisStore) -> None:
-    """Cancelling a running rollout fails its attempt and appends one completion, once."""
+    """Cancelling a running rollout fails its attempt and appends one finished entry, once."""
     await _claim(store)
     await store.heartbeat("r1", "r1.1")
     assert await store.cancel_rollout("r1", reason="user asked") is True
@@ -353,7 +353,7 @@ async def test_cancel_running_rollout(store: RedisStore) -> None:
     assert (await store.get_rollout("r1")).status is RolloutStatus.CANCELLED
     assert await store.heartbeat("r1", "r1.1") == (RolloutStatus.CANCELLED, AttemptStatus.FAILED)
     assert await store.cancel_rollout("r1") is False
-    assert [(c.rollout_id, c.status) for c in await _completions(store)] == [("r1", RolloutStatus.CANCELLED)]
+    assert [(c.rollout_id, c.status) for c in await _finished(store)] == [("r1", RolloutStatus.CANCELLED)]
     assert (await store.statistics())["heartbeat_watched"] == 0
 
 
@@ -364,7 +364,7 @@ async def test_cancel_finished_rollout_returns_false(store: RedisStore) -> None:
     assert await store.cancel_rollout("r1") is False
     assert (await store.get_rollout("r1")).status is RolloutStatus.SUCCEEDED
     assert (await store.get_attempt("r1.1")).status is AttemptStatus.SUCCEEDED
-    assert len(await _completions(store)) == 1
+    assert len(await _finished(store)) == 1
 
 
 # --- idempotence and reports that change nothing ------------------------------------------------
@@ -401,7 +401,7 @@ async def test_report_on_superseded_attempt(store: RedisStore) -> None:
     assert (await store.get_attempt("r1.1")).status is AttemptStatus.FAILED
     assert (await store.get_rollout("r1")).status is RolloutStatus.PREPARING
     assert (await store.get_attempt("r1.2")).status is AttemptStatus.PREPARING
-    assert await _completions(store) == []
+    assert await _finished(store) == []
 
 
 async def test_duplicate_report_returns_already(store: RedisStore) -> None:
@@ -412,7 +412,7 @@ async def test_duplicate_report_returns_already(store: RedisStore) -> None:
     assert await store.update_attempt("r1", "r1.1", status="failed") == "already"
     assert (await store.get_attempt("r1.1")).status is AttemptStatus.SUCCEEDED
     assert (await store.get_rollout("r1")).status is RolloutStatus.SUCCEEDED
-    assert len(await _completions(store)) == 1
+    assert len(await _finished(store)) == 1
 
 
 async def test_report_after_cancel_is_ignored(store: RedisStore) -> None:
@@ -422,7 +422,7 @@ async def test_report_after_cancel_is_ignored(store: RedisStore) -> None:
     assert await store.update_attempt("r1", "r1.1", status="succeeded") == "ignored"
     assert (await store.get_rollout("r1")).status is RolloutStatus.CANCELLED
     assert (await store.get_attempt("r1.1")).status is AttemptStatus.FAILED
-    assert [c.status for c in await _completions(store)] == [RolloutStatus.CANCELLED]
+    assert [c.status for c in await _finished(store)] == [RolloutStatus.CANCELLED]
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -513,3 +513,20 @@ async def test_query_workers_filters_sorts_and_paginates(store: RedisStore) -> N
     newest = await store.query_workers(sort_by="last_heartbeat_time", descending=True, limit=1)
     assert [w.worker_id for w in newest] == ["c"]
     assert [w.worker_id for w in await store.query_workers(offset=2)] == ["c"]
+
+
+async def test_reward_is_stored_with_the_attempt_and_the_rollout_it_ends(store: RedisStore) -> None:
+    """A reported reward is kept on the attempt; on the rollout only when that attempt ends it."""
+    config = {"max_attempts": 2, "retry_condition": ["failed"]}
+    await store.enqueue_rollout("x", rollout_id="r1", config=config)
+    first = await store.dequeue_rollout("w")
+    assert first is not None and first.rollout.reward is None and first.attempt.reward is None
+    assert await store.update_attempt("r1", "r1.1", status="failed", reward=0.25) == "requeued"
+    assert (await store.get_attempt("r1.1")).reward == 0.25
+    assert (await store.get_rollout("r1")).reward is None  # the rollout goes on: not its reward
+    assert await store.dequeue_rollout("w") is not None
+    assert await store.update_attempt("r1", "r1.2", status="succeeded", reward=0.75) == "succeeded"
+    assert (await store.get_attempt("r1.2")).reward == 0.75
+    assert (await store.get_rollout("r1")).reward == 0.75
+    (row,) = await store.read_for_samples(["r1"])
+    assert row is not None and row.reward == 0.75

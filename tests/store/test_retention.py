@@ -29,42 +29,42 @@ async def test_nothing_trimmed_without_consumer_groups(store: RedisStore) -> Non
     """Completions that no group has read are never trimmed, however old."""
     await _finish(store, ["a", "b"])
     report = await trim(store, RetentionPolicy(max_age_s=0))
-    assert report.completions == 0
-    assert await store.redis.xlen(store.keys.completions) == 2
+    assert report.finished == 0
+    assert await store.redis.xlen(store.keys.finished) == 2
     assert len(await store.query_spans("a")) == 1
 
 
 async def test_trims_only_acknowledged_completions(store: RedisStore) -> None:
     """With two groups, only entries both acknowledged go, and their spans with them."""
-    await store.ensure_completions_group("adapter")
-    await store.ensure_completions_group("algorithm")
+    await store.ensure_finished_group("adapter")
+    await store.ensure_finished_group("algorithm")
     await _finish(store, ["a", "b", "c"])
-    adapter = await store.read_completions("adapter", "x", count=10)
-    await store.ack_completions("adapter", [c.entry_id for c in adapter])
-    algorithm = await store.read_completions("algorithm", "y", count=2)  # reads a, b; acks only a
+    adapter = await store.read_finished("adapter", "x", count=10)
+    await store.ack_finished("adapter", [c.entry_id for c in adapter])
+    algorithm = await store.read_finished("algorithm", "y", count=2)  # reads a, b; acks only a
     assert [c.rollout_id for c in algorithm] == ["a", "b"]
-    await store.ack_completions("algorithm", [algorithm[0].entry_id])
+    await store.ack_finished("algorithm", [algorithm[0].entry_id])
 
     report = await trim(store, RetentionPolicy(max_age_s=0))
 
-    assert (report.completions, report.span_streams) == (1, 1)
+    assert (report.finished, report.span_streams) == (1, 1)
     assert await store.query_spans("a") == []
     assert [s.span_id for s in await store.query_spans("b")] == ["s1"]  # pending in algorithm: kept
-    remaining = await store.redis.xrange(store.keys.completions)
+    remaining = await store.redis.xrange(store.keys.finished)
     assert len(remaining) == 2
     assert (await store.get_rollout("a")).status == "succeeded"  # records kept unless asked
 
 
 async def test_count_policy_and_delete_rollouts(store: RedisStore) -> None:
     """max_count keeps the newest entries; delete_rollouts removes the trimmed rollouts too."""
-    await store.ensure_completions_group("adapter")
+    await store.ensure_finished_group("adapter")
     await _finish(store, ["a", "b", "c"])
-    done = await store.read_completions("adapter", "x", count=10)
-    await store.ack_completions("adapter", [c.entry_id for c in done])
+    done = await store.read_finished("adapter", "x", count=10)
+    await store.ack_finished("adapter", [c.entry_id for c in done])
 
     report = await trim(store, RetentionPolicy(max_count=1, delete_rollouts=True))
 
-    assert (report.completions, report.rollouts) == (2, 2)
+    assert (report.finished, report.rollouts) == (2, 2)
     with pytest.raises(NotFound):
         await store.get_rollout("a")
     assert [r.rollout_id for r in await store.query_rollouts()] == ["c"]
@@ -83,10 +83,10 @@ async def test_queue_keeps_unclaimed_entries(store: RedisStore) -> None:
 
 async def test_pending_entry_is_kept(store: RedisStore) -> None:
     """An entry delivered but not acknowledged (pending) blocks trimming from it on."""
-    await store.ensure_completions_group("adapter")
+    await store.ensure_finished_group("adapter")
     await _finish(store, ["a", "b"])
-    done = await store.read_completions("adapter", "x", count=10)
-    await store.ack_completions("adapter", [done[1].entry_id])  # a still pending
+    done = await store.read_finished("adapter", "x", count=10)
+    await store.ack_finished("adapter", [done[1].entry_id])  # a still pending
     report = await trim(store, RetentionPolicy(max_age_s=0))
-    assert report.completions == 0
+    assert report.finished == 0
     assert len(await store.query_spans("a")) == 1

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from fulmen.records import Completion
-from fulmen.status import AttemptStatus, RolloutStatus
+from fulmen.records import RolloutFinished
+from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore, run_watchdog, sweep
 
 # Deadlines short enough to keep the suite fast, with sleeps well past them so a slow machine
@@ -18,10 +18,10 @@ PAST_DEADLINE_S = 0.45
 
 
 async def _completions(store: RedisStore) -> list[tuple[str, str, str | None]]:
-    entries = await store.redis.xrange(store.keys.completions)
+    entries = await store.redis.xrange(store.keys.finished)
     return [
         (c.rollout_id, c.status.value, c.attempt_id)
-        for c in (Completion.from_wire(f[b"m"]) for _, f in entries)
+        for c in (RolloutFinished.from_wire(f[b"m"]) for _, f in entries)
     ]
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from fulmen.errors import NotFound, RecordTooLarge
 from fulmen.records import Span
-from fulmen.status import AttemptStatus, RolloutStatus
+from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore
 
 

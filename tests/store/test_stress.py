@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from fulmen import keys as k
-from fulmen.records import Attempt, Completion, RolloutConfig
-from fulmen.status import AttemptStatus, RolloutStatus
+from fulmen.records import Attempt, RolloutConfig, RolloutFinished
+from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore
 
 Spawn = Callable[..., Awaitable[Any]]  # what the `spawn` fixture (conftest.py) gives
@@ -118,8 +118,8 @@ async def test_racing_watchdogs_end_each_stale_attempt_once(
     assert {(a.status, a.worker_id) for a in attempts} == {(AttemptStatus.UNRESPONSIVE, "sleeper")}
     assert await real_store.redis.zcard(real_store.keys.watch_heartbeat) == 0
     completions = [
-        Completion.from_wire(fields[b"m"])
-        for _, fields in await real_store.redis.xrange(real_store.keys.completions)
+        RolloutFinished.from_wire(fields[b"m"])
+        for _, fields in await real_store.redis.xrange(real_store.keys.finished)
     ]
     if outcome == "requeued":
         assert (await real_store.statistics())["rollouts"] == _per_status(requeuing=len(ids))

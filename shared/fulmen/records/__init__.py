@@ -1,8 +1,7 @@
 """Every record Fulmen stores or sends, each with its wire form. One schema version (`fulmen.codec`).
 
 Messages on streams are msgpack maps with ``v`` (schema version) and ``kind``; span records, read
-tens of thousands a second by the adapter, are positional arrays that start with the same two
-(`fulmen.records.spans`). Rollouts and attempts change status inside Lua scripts, so they live in
+in bulk by the adapter, are positional arrays that start with the same two (`fulmen.records.spans`). Rollouts and attempts change status inside Lua scripts, so they live in
 Redis hashes whose plain fields the scripts can read; their free-form parts (input, metadata, error)
 are msgpack inside a field.
 
@@ -10,7 +9,8 @@ One module per area, every record importable from here:
 
     rollouts   RolloutConfig, Rollout, Attempt, AttemptedRollout (hashes)
     spans      Span, SpanView
-    messages   QueueEntry, Completion, DeadLetter, ResourcesUpdate, Worker, ProxyEndpoint, WeightsChunk
+    status     RolloutStatus, AttemptStatus, RolloutMode and their transition table
+    messages   QueueEntry, RolloutFinished, DeadLetter, ResourcesUpdate, Worker, ProxyEndpoint, WeightsChunk
     samples    Sample, SampleSkip, pack_sample
     ranks      GradientChunk, RankPlan
     ops        ServiceBeat, TrainStep
@@ -21,11 +21,11 @@ One module per area, every record importable from here:
 from fulmen.records.base import Record
 from fulmen.records.control import ControlAction, ControlMessage
 from fulmen.records.messages import (
-    Completion,
     DeadLetter,
     ProxyEndpoint,
     QueueEntry,
     ResourcesUpdate,
+    RolloutFinished,
     WeightsChunk,
     Worker,
 )
@@ -34,11 +34,12 @@ from fulmen.records.ranks import GradientChunk, RankPlan
 from fulmen.records.rollouts import Attempt, AttemptedRollout, Rollout, RolloutConfig
 from fulmen.records.samples import Sample, SampleSkip, pack_sample
 from fulmen.records.spans import Span, SpanView
+from fulmen.records.status import AttemptStatus, RolloutMode, RolloutStatus
 
 __all__ = [
     "Attempt",
+    "AttemptStatus",
     "AttemptedRollout",
-    "Completion",
     "ControlAction",
     "ControlMessage",
     "DeadLetter",
@@ -50,6 +51,9 @@ __all__ = [
     "ResourcesUpdate",
     "Rollout",
     "RolloutConfig",
+    "RolloutFinished",
+    "RolloutMode",
+    "RolloutStatus",
     "Sample",
     "SampleSkip",
     "ServiceBeat",

@@ -1,4 +1,4 @@
-"""Stream messages between the services: queue entries, completions, dead letters, resources,
+"""Stream messages between the services: queue entries, finished rollouts, dead letters, resources,
 workers, proxies and weights chunks."""
 
 from __future__ import annotations
@@ -6,13 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from fulmen.codec import (
-    pack_record,
-    unpack_record,
-)
-from fulmen.errors import RecordError
 from fulmen.records.base import OFF_WIRE, Record
-from fulmen.status import RolloutStatus
+from fulmen.records.status import RolloutStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,28 +20,16 @@ class QueueEntry(Record):
 
 
 @dataclass(frozen=True, slots=True)
-class Completion:
-    """A rollout that reached a terminal status (appended exactly once per rollout)."""
+class RolloutFinished(Record):
+    """A rollout that reached a terminal status: an entry of the finished stream, appended exactly
+    once per rollout."""
+
+    KIND: ClassVar[str] = "rollout_finished"
 
     rollout_id: str
     status: RolloutStatus
-    attempt_id: str | None
-    entry_id: str = ""  # the completions-stream entry id, set when read
-
-    def to_wire(self) -> bytes:
-        return pack_record(
-            "completion",
-            {"rollout_id": self.rollout_id, "status": self.status.value, "attempt_id": self.attempt_id},
-        )
-
-    @classmethod
-    def from_wire(cls, data: bytes | None, entry_id: str = "") -> Completion:
-        d = unpack_record(data, "completion", required=("rollout_id", "status"))
-        try:
-            status = RolloutStatus(d["status"])
-        except ValueError:
-            raise RecordError(f"completion record has unknown status {d['status']!r}") from None
-        return cls(d["rollout_id"], status, d.get("attempt_id"), entry_id)
+    attempt_id: str | None = None  # None: cancelled before any attempt
+    entry_id: str = field(default="", metadata=OFF_WIRE)  # the finished-stream entry id, set when read
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from fulmen.codec import (
     unpack,
 )
 from fulmen.errors import InvalidInput
-from fulmen.status import RETRYABLE_ATTEMPT, AttemptStatus, RolloutMode, RolloutStatus
+from fulmen.records.status import RETRYABLE_ATTEMPT, AttemptStatus, RolloutMode, RolloutStatus
 
 
 def _s(raw: Mapping[bytes, bytes], name: str) -> str:
@@ -108,6 +108,7 @@ class Rollout:
     end_time: float | None = None  # when it reached a terminal status
     attempt_count: int = 0  # sequence number of the latest attempt
     attempt_id: str | None = None  # the latest attempt, which drives the status
+    reward: float | None = None  # the final reward of the attempt that ended it, as its runner reported
 
     def to_hash(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> dict[str, Any]:
         c = self.config
@@ -128,6 +129,7 @@ class Rollout:
             "end_time": _opt(self.end_time),
             "attempt_n": self.attempt_count,
             "attempt_id": self.attempt_id or "",
+            "reward": _opt(self.reward),
         }
 
     @classmethod
@@ -153,6 +155,7 @@ class Rollout:
             end_time=_f(raw, "end_time"),
             attempt_count=_i(raw, "attempt_n"),
             attempt_id=_s(raw, "attempt_id") or None,
+            reward=_f(raw, "reward"),
         )
 
 
@@ -168,6 +171,7 @@ class Attempt:
     last_heartbeat_time: float | None = None
     error: dict[str, Any] | None = None  # {"type", "message", "traceback"} of a failure
     metadata: dict[str, Any] = field(default_factory=dict)
+    reward: float | None = None  # the final reward its runner computed (None: none, or not ended)
 
     @classmethod
     def from_hash(cls, raw: Mapping[bytes, bytes]) -> Attempt:
@@ -183,6 +187,7 @@ class Attempt:
             last_heartbeat_time=_f(raw, "heartbeat_time"),
             error=_blob(raw, "error", None),
             metadata=_blob(raw, "metadata", {}),
+            reward=_f(raw, "reward"),
         )
 
 

@@ -8,13 +8,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from fulmen.codec import (
-    DEFAULT_MAX_RECORD_BYTES,
-    SCHEMA_VERSION,
-    check_version,
-    pack,
-    unpack,
-)
+from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, SCHEMA_VERSION, check_version, pack, unpack
 from fulmen.errors import RecordError
 
 
@@ -58,8 +52,8 @@ class Span:
 # The wire form: [v, "span", rollout_id, attempt_id, span_id, parent_id, name, start_time, end_time,
 # attributes, trace_id, status_code, status_message, events, links, resource], the trailing fields
 # left out while they hold their defaults. Positional, not a map like the other records: the adapter
-# decodes ~40,000 spans a second, and a map's keys were half the cost of decoding a span (each key a
-# new string, interned). Records written as maps (``{"v": 1, "kind": "span", ...}``, before) still read.
+# decodes every span of every finished rollout, and a map's keys (each a new string to intern) would
+# be a large share of decoding one.
 _WIRE_FIELDS = ("rollout_id", "attempt_id", "span_id", "parent_id", "name", "start_time", "end_time", "attributes",
                 "trace_id", "status_code", "status_message", "events", "links", "resource")
 _REQUIRED = 10  # v, kind and the fields through attributes
@@ -79,17 +73,8 @@ _TIMES = frozenset({float, int, type(None)})
 def _fields(record: Any) -> tuple[Any, ...]:
     """The 14 fields of a decoded span record in wire order, defaults filled in; RecordError (or
     SchemaVersionError) for anything that is not a span record of this version."""
-    if isinstance(record, dict):  # the map form
-        if record.get("v") != SCHEMA_VERSION:
-            check_version(record.get("v"), "span")
-        if record.get("kind") != "span":
-            raise RecordError(f"expected a span record, got kind {record.get('kind')!r}")
-        missing = [name for name in ("rollout_id", "attempt_id", "span_id", "name") if name not in record]
-        if missing or not set(record) <= {"v", "kind", *_WIRE_FIELDS}:
-            raise RecordError(f"span record has no {missing[0]!r}" if missing else "span record has unknown fields")
-        record = [SCHEMA_VERSION, "span", *(record.get(name, _default(name)) for name in _WIRE_FIELDS)]
-    elif not isinstance(record, list | tuple) or len(record) < 2:
-        raise RecordError(f"a span record must be an array or a map, got {type(record).__name__}")
+    if not isinstance(record, list | tuple) or len(record) < 2:
+        raise RecordError(f"a span record must be an array, got {type(record).__name__}")
     if record[0] != SCHEMA_VERSION:
         check_version(record[0], "span")
     if record[1] != "span":
@@ -99,11 +84,6 @@ def _fields(record: Any) -> tuple[Any, ...]:
     fields = tuple(record[2:]) + _fresh_defaults()[len(record) - _REQUIRED:]
     _check_types(fields[2], fields[3], fields[4], fields[5], fields[6], fields[7])
     return fields
-
-
-def _default(name: str) -> Any:
-    i = _WIRE_FIELDS.index(name)
-    return _fresh_defaults()[i - 8] if i >= 8 else ({} if name == "attributes" else None)
 
 
 def _check_types(span_id: Any, parent_id: Any, name: Any, start_time: Any, end_time: Any, attributes: Any) -> None:
@@ -121,9 +101,8 @@ class SpanView(NamedTuple):
     """The parts of a stored span record that walking an attempt's span tree needs (the adapter):
     ids, name, times, attributes, with the store's sequence id. Same attribute names as `Span`.
 
-    The adapter reads 8 spans per rollout at thousands of rollouts a second: building a frozen
-    15-field `Span` cost more than decoding the record, so this is a tuple made straight from the
-    decoded record, and `from_wire` decodes in one msgpack call (tuples for arrays, which are cheaper
+    The adapter reads every span of every finished rollout: building a frozen 15-field `Span` would
+    cost more than decoding the record, so this is a tuple made straight from the decoded record, and `from_wire` decodes in one msgpack call (tuples for arrays, which are cheaper
     than lists) and checks only what the store does not guarantee: the schema version, the kind, and
     the types of the fields used here."""
 
@@ -156,7 +135,7 @@ class SpanView(NamedTuple):
 
         The loop inlines the common case of `from_wire` (one field ``m`` holding a positional record
         of this version with well-typed fields; anything else goes through `from_wire`, which says
-        what is wrong): at 8 spans a rollout the calls were a fifth of the decoding."""
+        what is wrong): a call per span would be a large share of the decoding."""
         views = []
         unpackb, new_tuple = msgpack.unpackb, _new_tuple
         try:

@@ -16,8 +16,8 @@ class AutoPipeline:
 
     No call waits for another's round trip; a call made alone goes out alone, one loop iteration
     later. Under load, when several coroutines wake together (a runner with several rollouts in
-    flight), they share one round trip, and redis-py's fixed cost per round trip (~100 us of CPU,
-    more than the script itself) is paid once.
+    flight), they share one round trip, and redis-py's fixed CPU cost per round trip (more than the
+    hot scripts themselves cost the server) is paid once.
     """
 
     def __init__(self, redis: aioredis.Redis) -> None:

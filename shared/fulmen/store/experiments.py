@@ -6,6 +6,8 @@ import redis.asyncio as aioredis
 
 from fulmen import keys as k
 
+SCAN_BATCH = 1000  # keys per SCAN step and per UNLINK: small enough that Redis never blocks long
+
 
 async def list_experiments(redis: aioredis.Redis) -> list[str]:
     return sorted(x.decode() for x in await redis.smembers(k.EXPERIMENTS))
@@ -18,9 +20,9 @@ async def delete_experiment(redis: aioredis.Redis, experiment: str) -> int:
     keys = k.Keys(experiment)
     deleted = 0
     batch: list[bytes] = []
-    async for key in redis.scan_iter(match=keys.pattern(), count=1000):
+    async for key in redis.scan_iter(match=keys.pattern(), count=SCAN_BATCH):
         batch.append(key)
-        if len(batch) >= 1000:
+        if len(batch) >= SCAN_BATCH:
             deleted += await redis.unlink(*batch)
             batch.clear()
     if batch:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -11,15 +11,22 @@ import redis.asyncio as aioredis
 from fulmen import keys as k
 from fulmen.errors import InvalidInput, NotFound
 from fulmen.records import ResourcesUpdate
+from fulmen.store.context import StoreContext
+from fulmen.store.stream import Fields, Stream
 
 
-class ResourcesMixin:
-    """Part of `RedisStore`: publishing, reading and following resources versions."""
+class Resources:
+    """Part of the store: publishing, reading and following resources versions."""
 
-    redis: aioredis.Redis
-    keys: k.Keys
-    max_record_bytes: int
-    ensure: Callable[[], Awaitable[None]]
+    def __init__(self, ctx: StoreContext) -> None:
+        self.ctx = ctx
+        self.redis = ctx.redis
+        self.keys = ctx.keys
+        self.max_record_bytes = ctx.max_record_bytes
+        self.log: Stream[ResourcesUpdate] = ctx.stream(ctx.keys.resources_log, self._decode)
+
+    def _decode(self, entry_id: str, fields: Fields) -> ResourcesUpdate:
+        return ResourcesUpdate.from_wire(fields[b"m"], self.max_record_bytes)
 
     async def add_resources(
         self,
@@ -43,7 +50,7 @@ class ResourcesMixin:
         metadata: Mapping[str, Any] | None,
         new_id: bool,
     ) -> ResourcesUpdate:
-        await self.ensure()
+        await self.ctx.register_experiment()
         if resources_id is not None:
             k.check_id("resources_id", resources_id)
         # WATCH the version counter so versions enter the log in order: "latest" is the log's tail.
@@ -79,8 +86,8 @@ class ResourcesMixin:
         return ResourcesUpdate.from_wire(record, self.max_record_bytes)
 
     async def get_latest_resources(self) -> ResourcesUpdate | None:
-        last = await self.redis.xrevrange(self.keys.resources_log, count=1)
-        return ResourcesUpdate.from_wire(last[0][1][b"m"], self.max_record_bytes) if last else None
+        last = await self.log.last()
+        return self._decode(*last) if last else None
 
     async def query_resources(
         self, *, limit: int | None = None, offset: int = 0, descending: bool = False
@@ -93,13 +100,6 @@ class ResourcesMixin:
 
     async def subscribe_resources(self, after_version: int | None = None) -> AsyncIterator[ResourcesUpdate]:
         """Yield every resources version published after ``after_version`` (default: from now on)."""
-        cursor = "0-0" if after_version is not None else "$"
-        if cursor == "$":
-            cursor = (await self.redis.xrevrange(self.keys.resources_log, count=1) or [[b"0-0"]])[0][0]
-        while True:
-            reply = await self.redis.xread({self.keys.resources_log: cursor}, count=100, block=0)
-            for entry_id, fields in reply[0][1] if reply else []:
-                cursor = entry_id
-                update = ResourcesUpdate.from_wire(fields[b"m"], self.max_record_bytes)
-                if after_version is None or update.version > after_version:
-                    yield update
+        async for _, update in self.log.follow("0-0" if after_version is not None else None):
+            if after_version is None or update.version > after_version:
+                yield update

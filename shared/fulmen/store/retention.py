@@ -5,8 +5,8 @@ stream has been delivered it and acknowledged it; a stream with no group is neve
 count, because no one has read it yet.
 
 - The queue: entries the runners group acknowledged (each was claimed, or dead-lettered).
-- Completions: entries every group acknowledged (the adapter and the algorithm have them). With them
-  go the spans of their rollouts, and, with ``delete_rollouts``, the rollouts and attempts too.
+- The finished stream: entries every group acknowledged (the adapter and the algorithm have them).
+  With them go the spans of their rollouts, and, with ``delete_rollouts``, the rollouts and attempts too.
 """
 
 from __future__ import annotations
@@ -15,17 +15,19 @@ from dataclasses import dataclass
 
 from fulmen import keys as k
 from fulmen.errors import InvalidInput, RecordError
-from fulmen.records import Completion
-from fulmen.status import TERMINAL_ROLLOUT
+from fulmen.records import RolloutFinished
+from fulmen.records.status import TERMINAL_ROLLOUT
 from fulmen.store.redis_store import RedisStore
 from fulmen.store.streams import StreamId, consumed_below, format_id, parse_id
+
+TRIM_BATCH = 500  # finished entries whose rollouts are cleaned per round trip
 
 
 @dataclass(frozen=True, slots=True)
 class RetentionPolicy:
     max_age_s: float | None = None  # trim consumed entries older than this
     max_count: int | None = None  # keep at most this many entries per stream (consumed ones go first)
-    delete_rollouts: bool = False  # also delete the trimmed completions' rollouts and attempts
+    delete_rollouts: bool = False  # also delete the trimmed finished entries' rollouts and attempts
 
     def __post_init__(self) -> None:
         if self.max_age_s is None and self.max_count is None:
@@ -39,7 +41,7 @@ class RetentionPolicy:
 @dataclass(frozen=True, slots=True)
 class TrimReport:
     queue_entries: int
-    completions: int
+    finished: int
     span_streams: int
     rollouts: int
 
@@ -94,18 +96,18 @@ async def trim(store: RedisStore, policy: RetentionPolicy) -> TrimReport:
         await store.redis.xtrim(keys.queue, minid=format_id(queue_cut), approximate=False) if queue_cut else 0
     )
 
-    completions_trimmed = span_streams = rollouts = 0
-    cut = await _safe_cut(store, keys.completions, policy, now_ms)
+    finished_trimmed = span_streams = rollouts = 0
+    cut = await _safe_cut(store, keys.finished, policy, now_ms)
     if cut is not None:
         start = "-"
         while True:
-            batch = await store.redis.xrange(keys.completions, min=start, max=f"({format_id(cut)}", count=500)
+            batch = await store.redis.xrange(keys.finished, min=start, max=f"({format_id(cut)}", count=TRIM_BATCH)
             if not batch:
                 break
             rollout_ids = []
             for _entry_id, fields in batch:
                 try:
-                    rollout_ids.append(Completion.from_wire(fields.get(b"m")).rollout_id)
+                    rollout_ids.append(RolloutFinished.from_wire(fields.get(b"m")).rollout_id)
                 except RecordError:  # holds no rollout to clean; trimmed all the same
                     continue
             span_streams += await _delete_rollout_data(store, rollout_ids, policy.delete_rollouts)
@@ -113,10 +115,8 @@ async def trim(store: RedisStore, policy: RetentionPolicy) -> TrimReport:
                 rollouts += len(rollout_ids)
             start = f"({batch[-1][0].decode()}"
         # delete the data first, then the entries: a crash in between leaves entries to redo, never orphans
-        completions_trimmed = await store.redis.xtrim(
-            keys.completions, minid=format_id(cut), approximate=False
-        )
-    return TrimReport(queue_trimmed, completions_trimmed, span_streams, rollouts)
+        finished_trimmed = await store.redis.xtrim(keys.finished, minid=format_id(cut), approximate=False)
+    return TrimReport(queue_trimmed, finished_trimmed, span_streams, rollouts)
 
 
 async def _delete_rollout_data(store: RedisStore, rollout_ids: list[str], delete_rollouts: bool) -> int:

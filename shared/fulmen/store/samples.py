@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgpack
-import redis.asyncio as aioredis
-from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 
 from fulmen import keys as k
 from fulmen.codec import unpack
 from fulmen.errors import RecordError
-from fulmen.records import Sample, SampleSkip, SpanView
-from fulmen.status import RolloutStatus
+from fulmen.records import RolloutStatus, Sample, SampleSkip, SpanView
+from fulmen.store import scripts
+from fulmen.store.context import StoreContext
+from fulmen.store.stream import Fields, Stream
 
 SampleEntry = tuple[str, Sample | SampleSkip]
+DEFAULT_READ_COUNT = 256  # sample entries per read unless the trainer asks for another number
 
 
 class RolloutForSamples(NamedTuple):
-    """A finished rollout as the adapter reads it (`SamplesMixin.read_for_samples`); a tuple, which
-    is cheaper to make than a frozen dataclass, thousands a second."""
+    """A finished rollout as the adapter reads it (`Samples.read_for_samples`); a tuple, which is
+    cheaper to make than a frozen dataclass, and one is made per rollout adapted."""
 
     rollout_id: str
     status: RolloutStatus
@@ -30,17 +31,31 @@ class RolloutForSamples(NamedTuple):
     metadata: dict[str, Any]
     input_blob: bytes  # msgpack; decoded only when the group key must be derived from the task
     spans: list[SpanView] | RecordError  # in sequence order; [] unless the rollout succeeded
+    reward: float | None = None  # the final reward its runner stored with it
 
 
-class SamplesMixin:
-    """Part of `RedisStore`: reading spans in bulk, appending samples once, reading them back."""
+class Samples:
+    """Part of the store: reading finished rollouts and their spans in bulk, appending samples
+    once per rollout, and the trainers' consumer group on the samples stream."""
 
-    redis: aioredis.Redis
-    keys: k.Keys
-    max_record_bytes: int
-    _append_samples: AsyncScript
-    _read_for_samples: AsyncScript
-    dead_letter: Callable[..., Awaitable[Any]]
+    def __init__(self, ctx: StoreContext) -> None:
+        self.ctx = ctx
+        self.redis = ctx.redis
+        self.keys = ctx.keys
+        self.max_record_bytes = ctx.max_record_bytes
+        self._append_samples = ctx.script(scripts.APPEND_SAMPLES)
+        self._read_for_samples = ctx.script(scripts.READ_FOR_SAMPLES)
+        self._groups: dict[str, Stream[Sample | SampleSkip]] = {}
+
+    def _decode(self, entry_id: str, fields: Fields) -> Sample | SampleSkip:
+        return decode_sample(fields.get(b"m"), self.max_record_bytes)
+
+    def group(self, group: str = k.TRAINERS_GROUP) -> Stream[Sample | SampleSkip]:
+        """The samples stream as consumer group ``group`` (one `Stream` per group, kept)."""
+        stream = self._groups.get(group)
+        if stream is None:
+            stream = self._groups[group] = self.ctx.stream(self.keys.samples, self._decode, group=group)
+        return stream
 
     async def read_for_samples(self, rollout_ids: Sequence[str]) -> list[RolloutForSamples | None]:
         """What the adapter needs of many finished rollouts, in one round trip: status, latest attempt,
@@ -57,7 +72,7 @@ class SamplesMixin:
             if not row:
                 out.append(None)
                 continue
-            status, attempt_id, mode, metadata, input_blob = row
+            status, attempt_id, mode, metadata, input_blob, reward = row
             spans: list[SpanView] | RecordError = []
             if status == b"succeeded":
                 spans = _span_views(entries_by_key.get(key.encode(), ()), max_bytes)
@@ -67,7 +82,7 @@ class SamplesMixin:
                 meta = {}
             out.append(RolloutForSamples(
                 rid, RolloutStatus(status.decode()), attempt_id.decode() or None, mode.decode() or None,
-                meta if isinstance(meta, dict) else {}, input_blob, spans,
+                meta if isinstance(meta, dict) else {}, input_blob, spans, float(reward) if reward else None,
             ))
         return out
 
@@ -78,7 +93,7 @@ class SamplesMixin:
             pipe.evalsha(self._read_for_samples.sha, 0, self.keys.prefix, *rollout_ids)
             # The command name as bytes: redis-py looks its response callbacks up by the str name, so
             # this reply stays hiredis's nested lists; its XREAD callback would build a dict per span
-            # entry in Python (~15 us a rollout). No COUNT: every span of every stream.
+            # entry in Python. No COUNT: every span of every stream.
             pipe.execute_command(b"XREAD", b"STREAMS", *span_keys, *([b"0"] * len(span_keys)))
             try:
                 return list(await pipe.execute())
@@ -97,7 +112,7 @@ class SamplesMixin:
     ) -> list[int]:
         """For each (rollout id, sample records, counter increments): append the records and bump the
         adapter's counters, unless the rollout was sampled before — the whole batch in one step, which
-        also acknowledges ``ack_entry_ids`` on the completions stream for ``ack_group`` (so they are
+        also acknowledges ``ack_entry_ids`` on the finished stream for ``ack_group`` (so they are
         acknowledged exactly when their effect is stored). Returns, per rollout, how many were
         appended: 0 if sampled before, -1 if the rollout is gone."""
         if not batch and not ack_entry_ids:
@@ -116,33 +131,20 @@ class SamplesMixin:
         return {key.decode(): int(value) for key, value in raw.items()}
 
     async def ensure_samples_group(self, group: str = k.TRAINERS_GROUP, start: str = "0") -> None:
-        try:
-            await self.redis.xgroup_create(self.keys.samples, group, id=start, mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        await self.group(group).ensure_group(start)
 
     async def read_samples(
-        self, group: str, consumer: str, count: int = 256, block_s: float | None = None, *, pending: bool = False,
-        after: str = "0",
+        self, group: str, consumer: str, count: int = DEFAULT_READ_COUNT, block_s: float | None = None, *,
+        pending: bool = False, after: str = "0",
     ) -> list[SampleEntry]:
         """New sample entries for a consumer group (the trainer); malformed ones are dead-lettered.
         ``pending``: instead, the entries this consumer read before and has not acknowledged (after a
         restart under the same consumer name), oldest first, from the one after ``after``: page on
         with the last id read, since entries that stay pending are returned again from "0"."""
-        block_ms = None if block_s is None or pending else max(1, int(block_s * 1000))
-        cursor = after if pending else ">"
-        reply = await self.redis.xreadgroup(group, consumer, {self.keys.samples: cursor}, count=count, block=block_ms)
-        out: list[SampleEntry] = []
-        for entry_id, fields in reply[0][1] if reply else []:
-            try:
-                out.append((entry_id.decode(), decode_sample(fields.get(b"m"), self.max_record_bytes)))
-            except RecordError as e:
-                await self.dead_letter(self.keys.samples, entry_id.decode(), str(e), fields, ack_group=group)
-        return out
+        return await self.group(group).read(consumer, count, block_s, pending=pending, after=after)
 
     async def ack_samples(self, group: str, entry_ids: Sequence[str]) -> int:
-        return await self.redis.xack(self.keys.samples, group, *entry_ids) if entry_ids else 0
+        return await self.group(group).ack(entry_ids)
 
 
 def decode_sample(data: bytes | None, max_bytes: int) -> Sample | SampleSkip:

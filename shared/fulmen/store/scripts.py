@@ -4,19 +4,21 @@ Contract shared by all scripts: ARGV[1] is the experiment prefix (``fulmen:{exp}
 append the suffixes from `fulmen.keys` (interpolated below, never retyped). Time is the server's
 (`TIME`), so workers on machines with skewed clocks still agree on deadlines. Every key a script
 touches carries the experiment's hash tag, so on Redis Cluster they all live in one slot.
-Return values are documented per script; `fulmen.store.redis_store` maps them to results and errors.
+Return values are documented per script; the store's parts (`fulmen.store.rollouts`, ...) map them to results
+and errors. The status sets are generated from the transition table in `fulmen.records.status`.
 """
 
 from __future__ import annotations
 
 from fulmen import keys as k
 from fulmen.codec import SCHEMA_VERSION
+from fulmen.records.status import ACTIVE_ATTEMPT, TERMINAL_ROLLOUT, WAITING_ROLLOUT, lua_set
 
 _PRELUDE = f"""
 local P = ARGV[1]
 local K_ROLLOUT, K_ATTEMPT, K_SPANS, K_SPAN_IDS, K_STATUS =
   P .. '{k.ROLLOUT}', P .. '{k.ATTEMPT}', P .. '{k.SPANS}', P .. '{k.SPAN_IDS}', P .. '{k.STATUS}'
-local K_QUEUE, K_COMPLETIONS, K_INDEX = P .. '{k.QUEUE}', P .. '{k.COMPLETIONS}', P .. '{k.ROLLOUT_INDEX}'
+local K_QUEUE, K_FINISHED, K_INDEX = P .. '{k.QUEUE}', P .. '{k.FINISHED}', P .. '{k.ROLLOUT_INDEX}'
 local K_HEARTBEAT, K_DEADLINE = P .. '{k.WATCH_HEARTBEAT}', P .. '{k.WATCH_DEADLINE}'
 local GROUP = '{k.RUNNERS_GROUP}'
 
@@ -25,8 +27,9 @@ local function now()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
-local TERMINAL = {{succeeded = true, failed = true, cancelled = true}}
-local ACTIVE = {{preparing = true, running = true}}
+{lua_set("TERMINAL", TERMINAL_ROLLOUT)}
+{lua_set("WAITING", WAITING_ROLLOUT)}
+{lua_set("ACTIVE", ACTIVE_ATTEMPT)}
 
 -- Move a rollout to a new status: the hash field and the per-status index change together.
 local function set_status(rid, old, new)
@@ -62,9 +65,11 @@ local function touch(rid, aid, t, status)
   return status, r[1]
 end
 
--- End an active attempt with `status` and apply the rollout's retry policy.
+-- End an active attempt with `status` and apply the rollout's retry policy. `reward` ('' = none), the
+-- attempt's final reward as its runner computed it, is stored with the attempt and, when the attempt
+-- ends the rollout, with the rollout.
 -- Returns: missing | already | running | superseded | ignored | succeeded | requeued | failed
-local function finish(rid, aid, status, err, queue_msg, completion_msg)
+local function finish(rid, aid, status, err, queue_msg, finished_msg, reward)
   local ak = K_ATTEMPT .. aid
   local a = redis.call('HMGET', ak, 'status')
   if not a[1] then return 'missing' end
@@ -79,6 +84,7 @@ local function finish(rid, aid, status, err, queue_msg, completion_msg)
   if status == 'running' then touch(rid, aid, t); return 'running' end
   redis.call('HSET', ak, 'status', status, 'end_time', t)
   if err ~= '' then redis.call('HSET', ak, 'error', err) end
+  if reward and reward ~= '' then redis.call('HSET', ak, 'reward', reward) end
   unwatch(aid)
   local rk = K_ROLLOUT .. rid
   local r = redis.call('HMGET', rk, 'status', 'attempt_id', 'attempt_n', 'max_attempts', 'retry_on')
@@ -87,7 +93,8 @@ local function finish(rid, aid, status, err, queue_msg, completion_msg)
   if status == 'succeeded' then
     set_status(rid, r[1], 'succeeded')
     redis.call('HSET', rk, 'end_time', t)
-    redis.call('XADD', K_COMPLETIONS, '*', 'm', completion_msg)
+    if reward and reward ~= '' then redis.call('HSET', rk, 'reward', reward) end
+    redis.call('XADD', K_FINISHED, '*', 'm', finished_msg)
     return 'succeeded'
   end
   local retry = string.find(',' .. r[5] .. ',', ',' .. status .. ',', 1, true)
@@ -99,7 +106,8 @@ local function finish(rid, aid, status, err, queue_msg, completion_msg)
   end
   set_status(rid, r[1], 'failed')
   redis.call('HSET', rk, 'end_time', t)
-  redis.call('XADD', K_COMPLETIONS, '*', 'm', completion_msg)
+  if reward and reward ~= '' then redis.call('HSET', rk, 'reward', reward) end
+  redis.call('XADD', K_FINISHED, '*', 'm', finished_msg)
   return 'failed'
 end
 """
@@ -134,7 +142,7 @@ local function begin(worker, qid, rid)
   local r = redis.call('HMGET', rk, 'status', 'qid', 'attempt_n', 'unresponsive_s', 'timeout_s',
                        'attempt_id', 'start_time')
   if not r[1] then return {'missing'} end
-  if qid ~= '' and (r[2] ~= qid or not (r[1] == 'queuing' or r[1] == 'requeuing')) then
+  if qid ~= '' and (r[2] ~= qid or not WAITING[r[1]]) then
     redis.call('XACK', K_QUEUE, GROUP, qid)
     return {'stale'}
   end
@@ -203,8 +211,7 @@ return begin(ARGV[2], '', ARGV[3])
 # begins an attempt for each as BEGIN_ATTEMPTS does: read and claim in one round trip instead of two.
 # The rollout id comes from the entry's msgpack record, decoded with the cmsgpack library that Redis
 # builds into its Lua; the record is checked as `QueueEntry.from_wire` checks it.
-# Returns -1 if this server's Lua has no cmsgpack (fakeredis): nothing was read, so the caller reads
-# and claims in two steps. Otherwise {claimed, leftover, n}: claimed holds BEGIN_ATTEMPTS' 'ok' items;
+# Returns {claimed, leftover, n}: claimed holds BEGIN_ATTEMPTS' 'ok' items;
 # leftover the raw entries {id, {field, value, ...}} it could not claim (unreadable record, missing
 # rollout), still pending, for the caller to dead-letter; n the number of entries read (0: the queue
 # had nothing new). Stale entries are acked and skipped.
@@ -212,8 +219,7 @@ CLAIM_NEXT = (
     _PRELUDE
     + _BEGIN
     + """
-local ok, mp = pcall(function() return cmsgpack end)  -- a missing global is an error on Redis 7
-if not ok or type(mp) ~= 'table' then return -1 end
+local mp = cmsgpack
 local worker = ARGV[2]
 local reply = redis.call('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', ARGV[3], 'STREAMS', K_QUEUE, '>')
 local claimed, leftover = {}, {}
@@ -272,17 +278,18 @@ return out
 
 # ARGV[2] = rollout id, ARGV[3] = attempt id, ARGV[4] = new status (running or a terminal status),
 # ARGV[5] = error message ('' = none), ARGV[6] = queue message (used on retry),
-# ARGV[7] = completion message (used when the rollout ends). Returns the code of `finish`.
+# ARGV[7] = finished message (used when the rollout ends), ARGV[8] = the attempt's reward ('' = none).
+# Returns the code of `finish`.
 FINISH_ATTEMPT = (
     _PRELUDE
     + """
-return finish(ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+return finish(ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
 """
 )
 
 # FINISH_ATTEMPT with the attempt's last spans in the same step (one round trip where a runner would
 # otherwise need two, and no window in which the attempt has ended without them).
-# ARGV[2..7] as FINISH_ATTEMPT, ARGV[8..] = pairs (dedupe key, span message) as ADD_SPANS.
+# ARGV[2..8] as FINISH_ATTEMPT, ARGV[9..] = pairs (dedupe key, span message) as ADD_SPANS.
 # Returns the code of `finish` ('missing' for an unknown attempt; then no span is stored).
 FINISH_WITH_SPANS = (
     _PRELUDE
@@ -292,19 +299,19 @@ local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id')
 if a[1] ~= rid then return 'missing' end
 local rk, ids, spans = K_ROLLOUT .. rid, K_SPAN_IDS .. rid, K_SPANS .. rid
 local seq
-for i = 8, #ARGV, 2 do
+for i = 9, #ARGV, 2 do
   if redis.call('SADD', ids, ARGV[i]) == 1 then
     seq = (seq or tonumber(redis.call('HGET', rk, 'seq')) or 0) + 1
     redis.call('XADD', spans, seq .. '-0', 'm', ARGV[i + 1])
   end
 end
 if seq then redis.call('HSET', rk, 'seq', seq) end
-return finish(rid, aid, ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+return finish(rid, aid, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
 """
 )
 
 # ARGV[2] = rollout id, ARGV[3] = attempt id, ARGV[4] = timeout | unresponsive,
-# ARGV[5] = error message, ARGV[6] = queue message, ARGV[7] = completion message.
+# ARGV[5] = error message, ARGV[6] = queue message, ARGV[7] = finished message.
 # Re-checks staleness with the server clock, so concurrent watchdogs transition an attempt once.
 # Returns 'fresh' (not stale after all; its watch score is refreshed) or the code of `finish`.
 EXPIRE_ATTEMPT = (
@@ -325,13 +332,13 @@ else
   due = tonumber(a[3]) + tonumber(r[2])
   if due > t then redis.call('ZADD', K_HEARTBEAT, due, aid); return 'fresh' end
 end
-return finish(rid, aid, kind, ARGV[5], ARGV[6], ARGV[7])
+return finish(rid, aid, kind, ARGV[5], ARGV[6], ARGV[7], '')
 """
 )
 
 # ARGV[2] = rollout id, ARGV[3] = new status (succeeded | failed | cancelled | requeuing),
 # ARGV[4] = error message for an attempt cut short, ARGV[5] = queue message,
-# ARGV[6] = completion message, ARGV[7] (optional) = only if this attempt is the latest and active
+# ARGV[6] = finished message, ARGV[7] (optional) = only if this attempt is the latest and active
 # (a runner handing back its own attempt must not requeue a newer one).
 # Returns 'missing', 'already' (terminal, already waiting, or not that attempt's), or the new status.
 SET_ROLLOUT_STATUS = (
@@ -342,7 +349,7 @@ local rk = K_ROLLOUT .. rid
 local r = redis.call('HMGET', rk, 'status', 'attempt_id')
 if not r[1] then return 'missing' end
 if TERMINAL[r[1]] then return 'already' end
-if new == 'requeuing' and (r[1] == 'queuing' or r[1] == 'requeuing') then return 'already' end
+if new == 'requeuing' and WAITING[r[1]] then return 'already' end
 if ARGV[7] and ARGV[7] ~= '' and (r[2] ~= ARGV[7]
     or not ACTIVE[redis.call('HGET', K_ATTEMPT .. ARGV[7], 'status')]) then
   return 'already'
@@ -357,7 +364,7 @@ if new == 'requeuing' then
   redis.call('HSET', rk, 'qid', redis.call('XADD', K_QUEUE, '*', 'm', ARGV[5]))
 else
   redis.call('HSET', rk, 'qid', '', 'end_time', t)
-  redis.call('XADD', K_COMPLETIONS, '*', 'm', ARGV[6])
+  redis.call('XADD', K_FINISHED, '*', 'm', ARGV[6])
 end
 return new
 """
@@ -372,23 +379,21 @@ return 1
 """
 
 
-# The adapter's write, for a whole batch of rollouts, and the acknowledgement of the completions it
-# came from. ARGV[2] = msgpack array, per rollout [rollout id, {stat counter: increment}, [sample
-# records]]; ARGV[3] = consumer group on the completions stream ('' = acknowledge nothing), ARGV[4..] =
-# completion entry ids to acknowledge once the samples are written.
+# The adapter's write, for a whole batch of rollouts, and the acknowledgement of the finished-stream
+# entries it came from. ARGV[2] = msgpack array, per rollout [rollout id, {stat counter: increment},
+# [sample records]]; ARGV[3] = consumer group on the finished stream ('' = acknowledge nothing),
+# ARGV[4..] = finished entry ids to acknowledge once the samples are written.
 # Once per rollout: the rollout's 'sampled' field is the marker, set in the same step as its samples,
-# so a redelivered completion (or a second adapter racing) appends nothing; the acknowledgement is
-# in the same step too, so a crash can never leave samples written and their completion pending.
-# One msgpack argument, not one argument per record: redis-py builds a command's RESP in Python, at
-# ~1 us an argument (9 per rollout before), and the counters are summed here and written once a batch.
+# so a redelivered entry (or a second adapter racing) appends nothing; the acknowledgement is in the
+# same step too, so a crash can never leave samples written and their entry pending.
+# One msgpack argument, not one argument per record: redis-py builds a command's RESP in Python, one
+# argument at a time, and the counters are summed here and written once a batch.
 # Returns, per rollout, the number of records appended: 0 if sampled before, -1 if the rollout is gone.
 APPEND_SAMPLES = (
     _PRELUDE
     + f"""
 local stats, samples = P .. '{k.ADAPTER_STATS}', P .. '{k.SAMPLES}'
-local ok, mp = pcall(function() return cmsgpack end)  -- a missing global is an error on Redis 7
-if not ok or type(mp) ~= 'table' then return redis.error_reply('this server has no cmsgpack in Lua') end
-local batch = mp.unpack(ARGV[2])
+local batch = cmsgpack.unpack(ARGV[2])
 local out, totals = {{}}, {{}}
 for i, item in ipairs(batch) do
   local rk, records = K_ROLLOUT .. item[1], item[3]
@@ -405,7 +410,7 @@ end
 for name, total in pairs(totals) do redis.call('HINCRBY', stats, name, total) end
 if ARGV[3] ~= '' and #ARGV > 3 then
   for first = 4, #ARGV, 4000 do  -- unpack() has a limit on the number of values
-    redis.call('XACK', K_COMPLETIONS, ARGV[3], unpack(ARGV, first, math.min(first + 3999, #ARGV)))
+    redis.call('XACK', K_FINISHED, ARGV[3], unpack(ARGV, first, math.min(first + 3999, #ARGV)))
   end
 end
 return out
@@ -413,17 +418,21 @@ return out
 )
 
 # The adapter's read of a whole batch, all but the spans: ARGV[2..] = rollout ids. Returns, per
-# rollout, {} if it is gone, else {status, latest attempt id, mode, metadata, input}. The spans are
-# read in the same MULTI by one native XREAD over the rollouts' span streams (`SamplesMixin`): an
-# XRANGE inside Lua copies every span record into Lua strings and back, and cost Redis ~70 us of
-# CPU per 8-span rollout against ~20 us for the XREAD.
+# rollout, {} if it is gone, else {status, latest attempt id, mode, metadata, input, reward}. The
+# spans are read in the same MULTI by one native XREAD over the rollouts' span streams
+# (`fulmen.store.samples`): an XRANGE inside Lua would copy every span record into Lua strings and
+# back, several times the server's CPU of the native read (bench/RESULTS.md).
 READ_FOR_SAMPLES = (
     _PRELUDE
     + """
 local out = {}
 for i = 2, #ARGV do
-  local r = redis.call('HMGET', K_ROLLOUT .. ARGV[i], 'status', 'attempt_id', 'mode', 'metadata', 'input')
-  if r[1] then out[i - 1] = {r[1], r[2] or '', r[3] or '', r[4] or '', r[5] or ''} else out[i - 1] = {} end
+  local r = redis.call('HMGET', K_ROLLOUT .. ARGV[i], 'status', 'attempt_id', 'mode', 'metadata', 'input', 'reward')
+  if r[1] then
+    out[i - 1] = {r[1], r[2] or '', r[3] or '', r[4] or '', r[5] or '', r[6] or ''}
+  else
+    out[i - 1] = {}
+  end
 end
 return out
 """

@@ -21,21 +21,21 @@ import redis.asyncio as aioredis
 from fulmen import keys as k
 from fulmen.errors import RecordError
 from fulmen.records import ResourcesUpdate
-from fulmen.status import RolloutStatus
+from fulmen.records.status import RolloutStatus
 
 # (stream attribute of Keys, consumer group) pairs worth watching: who consumes what
 GROUPS: tuple[tuple[str, str], ...] = (
     ("queue", k.RUNNERS_GROUP),
-    ("completions", k.ADAPTER_GROUP),
-    ("completions", k.ALGORITHM_GROUP),
+    ("finished", k.ADAPTER_GROUP),
+    ("finished", k.ALGORITHM_GROUP),
     ("samples", k.TRAINERS_GROUP),
 )
-STREAMS = ("queue", "completions", "samples", "dead_letters")
+STREAMS = ("queue", "finished", "samples", "dead_letters")
 
 
 @dataclass(frozen=True, slots=True)
 class GroupInfo:
-    stream: str  # the Keys attribute: queue, completions, samples
+    stream: str  # the Keys attribute: queue, finished, samples
     group: str
     consumers: int
     pending: int  # delivered, not acknowledged

@@ -13,13 +13,15 @@ import time
 from collections import Counter
 
 from fulmen import keys as k
-from fulmen.status import AttemptStatus
+from fulmen.records.status import AttemptStatus
 from fulmen.store.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
+SWEEP_LIMIT = 1000  # overdue attempts of each kind ended per pass; the next pass takes the rest
 
-async def sweep(store: RedisStore, limit: int = 1000) -> Counter[str]:
+
+async def sweep(store: RedisStore, limit: int = SWEEP_LIMIT) -> Counter[str]:
     """One pass over overdue attempts. Returns how many ended in each outcome (requeued, failed…)."""
     seconds, micros = await store.redis.time()
     now = seconds + micros / 1e6

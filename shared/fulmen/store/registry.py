@@ -1,26 +1,53 @@
-"""Proxy registry: LLM proxies announce their base URL with a heartbeat; runners pick a live one."""
+"""The registry of processes: runners (workers) report their status, LLM proxies announce their
+base URL; both double as heartbeats. Runners pick a live proxy per rollout (`pick_proxy`)."""
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-
-import redis.asyncio as aioredis
+from typing import Any, Literal
 
 from fulmen import keys as k
 from fulmen.errors import RecordError
-from fulmen.records import ProxyEndpoint
+from fulmen.records import ProxyEndpoint, Worker
+from fulmen.store.context import StoreContext
 
 PROXY_TTL_S = 15.0  # a proxy silent for longer is not handed to new attempts
 
 
-class ProxiesMixin:
-    """Part of `RedisStore`: the registry of LLM proxies."""
+class Registry:
+    """Part of the store: the workers and the LLM proxies, as they last reported themselves."""
 
-    redis: aioredis.Redis
-    keys: k.Keys
+    def __init__(self, ctx: StoreContext) -> None:
+        self.redis = ctx.redis
+        self.keys = ctx.keys
+
+    async def update_worker(
+        self, worker_id: str, status: str = "idle", metadata: Mapping[str, Any] | None = None
+    ) -> Worker:
+        """Record a worker's status; doubles as its heartbeat."""
+        worker = Worker(worker_id, status, time.time(), dict(metadata or {}))
+        await self.redis.hset(self.keys.workers, worker_id, worker.to_wire())
+        return worker
+
+    async def query_workers(
+        self,
+        status: str | None = None,
+        *,
+        sort_by: Literal["worker_id", "last_heartbeat_time"] = "worker_id",
+        descending: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> list[Worker]:
+        """Workers as they last reported themselves, filtered by status, sorted and paginated."""
+        raw = await self.redis.hgetall(self.keys.workers)
+        workers = [
+            w for w in (Worker.from_wire(v) for v in raw.values()) if status is None or w.status == status
+        ]
+        workers.sort(key=lambda w: (getattr(w, sort_by) or 0, w.worker_id), reverse=descending)
+        return workers[offset : None if limit is None else offset + limit]
 
     async def register_proxy(self, endpoint: ProxyEndpoint) -> ProxyEndpoint:
         """Record (or refresh) a proxy; call it every few seconds as the proxy's heartbeat."""

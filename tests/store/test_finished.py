@@ -1,4 +1,4 @@
-"""The completions stream: once per terminal rollout, consumer groups, and waiting on it."""
+"""The finished stream: once per terminal rollout, consumer groups, and waiting on it."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import pytest
 import redis.asyncio as aioredis
 
 from fulmen.errors import NotFound
-from fulmen.records import Completion
-from fulmen.status import RolloutStatus
+from fulmen.records import RolloutFinished
+from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
 
 BlockedReader = Callable[[aioredis.Redis], Awaitable[None]]  # the conftest.py fixture
 
 
 async def _all(store: RedisStore) -> list[tuple[str, str, str | None]]:
-    entries = await store.redis.xrange(store.keys.completions)
+    entries = await store.redis.xrange(store.keys.finished)
     return [
         (c.rollout_id, c.status.value, c.attempt_id)
-        for c in (Completion.from_wire(f[b"m"]) for _, f in entries)
+        for c in (RolloutFinished.from_wire(f[b"m"]) for _, f in entries)
     ]
 
 
@@ -33,7 +33,7 @@ async def _run(store: RedisStore, rollout_id: str, outcome: str = "succeeded") -
 
 
 async def test_each_terminal_rollout_is_appended_once(store: RedisStore) -> None:
-    """Every way of ending a rollout appends exactly one completion, whatever is repeated after."""
+    """Every way of ending a rollout appends exactly one finished entry, whatever is repeated after."""
     await _run(store, "ok")
     await store.update_attempt("ok", "ok.1", status="succeeded")  # duplicate report
     await store.cancel_rollout("ok")  # too late
@@ -58,51 +58,51 @@ async def test_each_terminal_rollout_is_appended_once(store: RedisStore) -> None
         ("gone", "cancelled", None),
         ("bad", "failed", "bad.1"),
     ]
-    assert (await store.statistics())["completions"] == 4
+    assert (await store.statistics())["finished"] == 4
 
 
 async def test_read_and_ack_with_a_consumer_group(store: RedisStore) -> None:
-    """A group reads each completion once; unacked ones stay pending until acked."""
+    """A group reads each finished entry once; unacked ones stay pending until acked."""
     await _run(store, "a")
     await _run(store, "b", "failed")
-    got = await store.read_completions("adapter", "c1")
+    got = await store.read_finished("adapter", "c1")
     assert [(c.rollout_id, c.status, c.attempt_id) for c in got] == [
         ("a", RolloutStatus.SUCCEEDED, "a.1"),
         ("b", RolloutStatus.FAILED, "b.1"),
     ]
     assert [c.entry_id for c in got] == [
-        eid.decode() for eid, _ in await store.redis.xrange(store.keys.completions)
+        eid.decode() for eid, _ in await store.redis.xrange(store.keys.finished)
     ]
-    assert await store.read_completions("adapter", "c1") == []
-    assert (await store.redis.xpending(store.keys.completions, "adapter"))["pending"] == 2
-    assert await store.ack_completions("adapter", [got[0].entry_id]) == 1
-    assert await store.ack_completions("adapter", [got[0].entry_id]) == 0  # already acked
-    assert await store.ack_completions("adapter", []) == 0
-    assert (await store.redis.xpending(store.keys.completions, "adapter"))["pending"] == 1
-    await store.ack_completions("adapter", [got[1].entry_id])
-    assert (await store.redis.xpending(store.keys.completions, "adapter"))["pending"] == 0
+    assert await store.read_finished("adapter", "c1") == []
+    assert (await store.redis.xpending(store.keys.finished, "adapter"))["pending"] == 2
+    assert await store.ack_finished("adapter", [got[0].entry_id]) == 1
+    assert await store.ack_finished("adapter", [got[0].entry_id]) == 0  # already acked
+    assert await store.ack_finished("adapter", []) == 0
+    assert (await store.redis.xpending(store.keys.finished, "adapter"))["pending"] == 1
+    await store.ack_finished("adapter", [got[1].entry_id])
+    assert (await store.redis.xpending(store.keys.finished, "adapter"))["pending"] == 0
 
     await _run(store, "c")
-    assert [c.rollout_id for c in await store.read_completions("adapter", "c2")] == ["c"]
+    assert [c.rollout_id for c in await store.read_finished("adapter", "c2")] == ["c"]
 
 
 async def test_groups_are_independent_and_consumers_share(store: RedisStore) -> None:
-    """Each group sees every completion; consumers of one group split them."""
+    """Each group sees every finished entry; consumers of one group split them."""
     for rid in ["a", "b", "c"]:
         await _run(store, rid)
-    assert [c.rollout_id for c in await store.read_completions("algorithm", "x")] == ["a", "b", "c"]
-    first = await store.read_completions("adapter", "c1", count=2)
-    second = await store.read_completions("adapter", "c2", count=2)
+    assert [c.rollout_id for c in await store.read_finished("algorithm", "x")] == ["a", "b", "c"]
+    first = await store.read_finished("adapter", "c1", count=2)
+    second = await store.read_finished("adapter", "c2", count=2)
     assert [c.rollout_id for c in first] == ["a", "b"]
     assert [c.rollout_id for c in second] == ["c"]
 
 
 async def test_group_created_late_reads_from_the_start(store: RedisStore) -> None:
-    """A group created after completions were appended still reads them all."""
+    """A group created after finished entries were appended still reads them all."""
     await _run(store, "a")
-    await store.ensure_completions_group("late")
-    await store.ensure_completions_group("late")  # idempotent
-    assert [c.rollout_id for c in await store.read_completions("late", "x")] == ["a"]
+    await store.ensure_finished_group("late")
+    await store.ensure_finished_group("late")  # idempotent
+    assert [c.rollout_id for c in await store.read_finished("late", "x")] == ["a"]
 
 
 async def test_wait_returns_at_once_for_finished_rollouts(store: RedisStore) -> None:
@@ -119,7 +119,7 @@ async def test_wait_returns_at_once_for_finished_rollouts(store: RedisStore) -> 
 async def test_wait_unblocks_when_rollouts_finish(
     real_store: RedisStore, blocked_reader: BlockedReader
 ) -> None:
-    """A waiter blocked on the completions stream returns once every rollout it waits on ends."""
+    """A waiter blocked on the finished stream returns once every rollout it waits on ends."""
     store = real_store
     for rid in ["a", "b"]:
         await store.enqueue_rollout(rid, rollout_id=rid)

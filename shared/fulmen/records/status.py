@@ -1,0 +1,83 @@
+"""Rollout and attempt statuses (Agent Lightning 0.3 vocabulary) and the one table of their transitions.
+
+    enqueue ─► queuing ─claim─► preparing ─first span/heartbeat─► running ─► succeeded
+                  ▲                  │                                 │
+                  └── requeuing ◄────┴── failed / timeout / unresponsive (retry allowed)
+                                     └── otherwise: failed          any non-terminal ─► cancelled
+
+Every status set the code tests against (the Python frozensets below and the Lua tables in
+`fulmen.store.scripts`) is derived from the two transition tables, so a new status or transition is
+written once, here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+
+
+class RolloutStatus(StrEnum):
+    QUEUING = "queuing"
+    PREPARING = "preparing"
+    RUNNING = "running"
+    REQUEUING = "requeuing"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class AttemptStatus(StrEnum):
+    PREPARING = "preparing"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    UNRESPONSIVE = "unresponsive"
+
+
+class RolloutMode(StrEnum):
+    TRAIN = "train"
+    VAL = "val"
+    TEST = "test"
+
+
+R, A = RolloutStatus, AttemptStatus
+
+# Where each status may go next; a status with nowhere to go is terminal. A manual attempt
+# (`start_attempt`) may begin from any non-terminal status, and `update_rollout` may force any
+# non-terminal rollout to an end or back to the queue.
+ROLLOUT_TRANSITIONS: Mapping[RolloutStatus, frozenset[RolloutStatus]] = {
+    R.QUEUING: frozenset({R.PREPARING, R.SUCCEEDED, R.FAILED, R.CANCELLED}),
+    R.REQUEUING: frozenset({R.PREPARING, R.SUCCEEDED, R.FAILED, R.CANCELLED}),
+    R.PREPARING: frozenset({R.PREPARING, R.RUNNING, R.REQUEUING, R.SUCCEEDED, R.FAILED, R.CANCELLED}),
+    R.RUNNING: frozenset({R.PREPARING, R.REQUEUING, R.SUCCEEDED, R.FAILED, R.CANCELLED}),
+    R.SUCCEEDED: frozenset(),
+    R.FAILED: frozenset(),
+    R.CANCELLED: frozenset(),
+}
+ATTEMPT_TRANSITIONS: Mapping[AttemptStatus, frozenset[AttemptStatus]] = {
+    A.PREPARING: frozenset({A.RUNNING, A.SUCCEEDED, A.FAILED, A.TIMEOUT, A.UNRESPONSIVE}),
+    A.RUNNING: frozenset({A.SUCCEEDED, A.FAILED, A.TIMEOUT, A.UNRESPONSIVE}),
+    A.SUCCEEDED: frozenset(),
+    A.FAILED: frozenset(),
+    A.TIMEOUT: frozenset(),
+    A.UNRESPONSIVE: frozenset(),
+}
+
+TERMINAL_ROLLOUT = frozenset(s for s, after in ROLLOUT_TRANSITIONS.items() if not after)
+ACTIVE_ATTEMPT = frozenset(s for s, after in ATTEMPT_TRANSITIONS.items() if after)
+# A rollout that has not ended and whose status is not its attempt's (preparing, running) waits
+# on the queue.
+WAITING_ROLLOUT = frozenset(
+    s for s in ROLLOUT_TRANSITIONS if s not in TERMINAL_ROLLOUT and s.value not in set(ACTIVE_ATTEMPT)
+)
+# Attempt outcomes a rollout's retry_condition may name: every end but success.
+RETRYABLE_ATTEMPT = frozenset(
+    s for s, after in ATTEMPT_TRANSITIONS.items() if not after and s is not AttemptStatus.SUCCEEDED
+)
+
+
+def lua_set(name: str, statuses: Iterable[StrEnum]) -> str:
+    """A Lua table literal used as a set: ``local NAME = {a = true, b = true}``."""
+    members = ", ".join(f"{s.value} = true" for s in sorted(statuses))
+    return f"local {name} = {{{members}}}"
