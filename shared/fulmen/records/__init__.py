@@ -12,7 +12,7 @@ One module per area, every record importable from here:
     spans      Span, SpanView
     messages   QueueEntry, Completion, DeadLetter, ResourcesUpdate, Worker, ProxyEndpoint, WeightsChunk
     samples    Sample, SampleSkip, pack_sample
-    ranks      GradientChunk, RankPlan
+    ranks      GradientChunk, GradientHeader, RankPlan
     ops        ServiceBeat, TrainStep
 """
 
@@ -26,7 +26,7 @@ from fulmen.records.messages import (
     Worker,
 )
 from fulmen.records.ops import ServiceBeat, TrainStep
-from fulmen.records.ranks import GradientChunk, RankPlan
+from fulmen.records.ranks import GradientChunk, GradientHeader, RankPlan
 from fulmen.records.rollouts import Attempt, AttemptedRollout, Rollout, RolloutConfig
 from fulmen.records.samples import Sample, SampleSkip, pack_sample
 from fulmen.records.spans import Span, SpanView
@@ -37,6 +37,7 @@ __all__ = [
     "Completion",
     "DeadLetter",
     "GradientChunk",
+    "GradientHeader",
     "ProxyEndpoint",
     "QueueEntry",
     "RankPlan",

@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fulmen.compression.base import Payload, register_codec
-from fulmen.compression.sparse import SparseCodec, pack_sparse
 from fulmen.errors import InvalidInput
+from fulmen_trainer.codecs.base import register_codec
+from fulmen_trainer.codecs.framing import Payload
+from fulmen_trainer.codecs.sparse import SparseCodec, pack_sparse
 
 LOW, HIGH = 0.8, 1.25  # accepted band of the selected count, relative to the target
 MIN_SAMPLE = 4096
