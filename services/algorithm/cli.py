@@ -105,7 +105,7 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
         next_val = int(await store.redis.hget(store.keys.algorithm_state, "next_val") or 0)
         while not stop.is_set():
             await scheduler.fill()
-            version = await scheduler.version()
+            version = await scheduler.trainer_step()
             inflight = await scheduler.inflight()
             if val_tasks and settings.val_every and version >= next_val:
                 await asyncio.to_thread(enqueue_validation, version)
@@ -129,10 +129,10 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
                          version, scheduler.state.epoch, val, inflight, stats["queue_depth"], rate)
                 last_line = time.monotonic()
             await scheduler.count_completions(block_s=0.5)
-        summary: dict[str, object] = {"steps": await scheduler.version(), **scheduler.snapshot(),
+        summary: dict[str, object] = {"steps": await scheduler.trainer_step(), **scheduler.snapshot(),
                                       "wall_s": round(time.monotonic() - started, 1)}
         if val_tasks and not stop.is_set():
-            final = await validate(store, val_tasks, label="final", step=await scheduler.version(),
+            final = await validate(store, val_tasks, label="final", step=await scheduler.trainer_step(),
                                    timeout_s=settings.val_timeout_s, config=scheduler.rollout_config)
             summary["final_val_accuracy"] = final["accuracy"]
             summary["final_val_reward"] = final["mean_reward"]
@@ -145,10 +145,11 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
 
     async def _report(store: RedisStore, summary: dict[str, object]) -> dict[str, object]:
         """The curve (PNG), the summary (JSON) and the final model, in the data folder's run/."""
-        from fulmen_algorithm.report import export_final_model, plot_curve, read_metrics
+        from fulmen.train_steps import read_curve
+        from fulmen_algorithm.report import export_final_model, plot_curve
 
         out = settings.data_dir / "run"
-        steps = read_metrics(settings.metrics_file)
+        steps = await read_curve(store.redis, store.keys)
         paths: dict[str, object] = {"metrics": str(settings.metrics_file)}
         paths["curve"] = str(plot_curve(out / "reward-curve.png", steps, await recorded(store)))
         if settings.model_dir is not None:
