@@ -220,19 +220,21 @@ def eval_command(
     async def work(store: RedisStore) -> None:
         from safetensors.torch import load_file
 
-        from fulmen.model_versions import publish_model_version
+        from fulmen.model_versions import (
+            POLICY_RESOURCES_ID,
+            SERVE_TIMEOUT_S,
+            ModelVersion,
+            publish_model_version,
+            wait_until_served,
+        )
 
-        policy = await store.get_resources("policy")
+        policy = await store.get_resources(POLICY_RESOURCES_ID)
         model = (policy.resources.get("llm") or {}).get("model", checkpoint.name)
         update = await publish_model_version(store, load_file(str(weights)), model=model)
-        version = update.resources["llm"]["model_version"]
-        for _ in range(600):  # until every live proxy serves it
-            proxies = await store.query_proxies()
-            if proxies and all(p.model_version == version for p in proxies):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            typer.echo(f"error: no proxy loaded {version} within 60 s; is `fulmen llm-proxy` running?", err=True)
+        version = ModelVersion.of(update)
+        if not await wait_until_served(store, version):
+            typer.echo(f"error: no proxy loaded {version} within {SERVE_TIMEOUT_S:.0f} s; "
+                       "is `fulmen llm-proxy` running?", err=True)
             raise typer.Exit(1)
         from fulmen_algorithm.scheduler import recoverable_rollout_config
 
@@ -303,13 +305,14 @@ def demo(
 
     async def publish_base(store: RedisStore) -> None:
         from fulmen.errors import NotFound
+        from fulmen.model_versions import BASE_VERSION, POLICY_RESOURCES_ID
 
         try:
-            await store.get_resources("policy")
+            await store.get_resources(POLICY_RESOURCES_ID)
         except NotFound:
             await store.add_resources({"llm": {
-                "kind": "llm", "model": paths.model.name, "model_version": "base",
+                "kind": "llm", "model": paths.model.name, "model_version": BASE_VERSION.name,
                 "sampling_parameters": {"temperature": 1.0, "max_tokens": 5},
-            }}, resources_id="policy")
+            }}, resources_id=POLICY_RESOURCES_ID)
 
     _run_algorithm(settings, _tasks_or_exit(paths.train), _tasks_or_exit(paths.val), setup=publish_base)

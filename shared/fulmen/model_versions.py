@@ -68,6 +68,7 @@ __all__ = [
     "fetch_model_version",
     "llm_resource",
     "publish_model_version",
+    "wait_until_served",
 ]
 
 POLICY_RESOURCES_ID = "policy"  # the resources entry the trainer publishes to and rollouts are run with
@@ -76,6 +77,8 @@ WEIGHTS_FILE = "model.safetensors"
 CHUNK_HEADER_BYTES = 1024  # room for a chunk record's fields besides the data (version, sha256, ...)
 PIPELINE_BYTES = 32 << 20  # chunks per round trip: few round trips, bounded client buffers
 READ_PAGE_BYTES = 64 << 20  # chunks per XRANGE page, likewise
+SERVE_TIMEOUT_S = 60.0  # a proxy loads a version in seconds; a minute means none is coming
+SERVE_POLL_S = 0.1
 MAX_NAME_TRIES = 1000  # default names skipped as taken before giving up (each was a crashed publish)
 
 
@@ -205,6 +208,21 @@ async def fetch_model_version(
     if found is None:
         raise NotFound(f"model version {model_version} has no weights in the store")
     return await asyncio.to_thread(_deserialize, model_version, *found)
+
+
+async def wait_until_served(
+    store: RedisStore, version: ModelVersion, timeout_s: float = SERVE_TIMEOUT_S, poll_s: float = SERVE_POLL_S
+) -> bool:
+    """Wait until at least one proxy is live and every live proxy serves ``version``; False after
+    ``timeout_s`` (no proxy running, or one that cannot load it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        proxies = await store.query_proxies()
+        if proxies and all(p.model_version == version.name for p in proxies):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
 
 
 # --- writing ----------------------------------------------------------------------------------------
