@@ -206,7 +206,10 @@ async def replay(redis_url: str, model_dir: Path, groups: list[list[Sample]], *,
 
     from fulmen.settings import load_settings
     from fulmen.store import RedisStore
-    from fulmen_trainer.ranks import Exchange, Membership, RankCodec, RankGroup
+    from fulmen_trainer.gradients import RankCodec
+    from fulmen_trainer.membership import Membership
+    from fulmen_trainer.rank_group import RankGroup
+    from fulmen_trainer.ranks import Exchange
     from fulmen_trainer.trainer import Trainer
 
     client = aioredis.from_url(redis_url)

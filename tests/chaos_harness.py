@@ -42,7 +42,7 @@ import redis.asyncio as aioredis
 from fulmen import arithmetic
 from fulmen.embedded import free_port, wait_for_port
 from fulmen.errors import NotFound
-from fulmen.model_versions import version_number
+from fulmen.model_versions import ModelVersion
 from fulmen.records import RolloutFinished, Sample, SampleSkip
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
@@ -308,7 +308,7 @@ class ChaosRun:
             update = await self.store.get_resources("policy")
         except NotFound:
             return 0
-        return version_number((update.resources.get("llm") or {}).get("model_version"))
+        return ModelVersion.of(update).number
 
     async def count_status(self, *statuses: RolloutStatus) -> int:
         assert self.store is not None

@@ -50,7 +50,7 @@ async def test_the_store_check_sees_a_lost_and_a_doubled_rollout(real_store: Red
     ids = await scheduler.enqueue_group()
     for claimed in await real_store.dequeue_rollouts("w", 2):
         await real_store.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")
-    await scheduler.count_completions()
+    await scheduler.count_finished()
     # the adapter's part: a rollout with nothing to train on still gets a skip record
     await real_store.append_samples([
         (rid, [SampleSkip(rid, f"{rid}.1", rid.rsplit("-", 1)[0], "succeeded", "no LLM call").to_wire()], {})

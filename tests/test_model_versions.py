@@ -9,9 +9,19 @@ import pytest
 import torch
 
 from fulmen.errors import InvalidInput, NotFound, RecordError
-from fulmen.model_versions import CHUNK_HEADER_BYTES, fetch_model_version, llm_resource, publish_model_version
-from fulmen.records import WeightsChunk
+from fulmen.model_versions import (
+    BASE_VERSION,
+    CHUNK_HEADER_BYTES,
+    POLICY_RESOURCES_ID,
+    ModelVersion,
+    fetch_model_version,
+    llm_resource,
+    publish_model_version,
+    wait_until_served,
+)
+from fulmen.records import TrainStep, WeightsChunk
 from fulmen.store import RedisStore
+from fulmen.train_steps import append_step, latest_step, read_curve
 
 
 def _state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -193,3 +203,35 @@ async def test_llm_resource_is_none_without_llm(store: RedisStore) -> None:
     """llm_resource returns None for resources without an llm entry."""
     update = await store.add_resources({"prompt": "hi"})
     assert llm_resource(update) is None
+
+
+def test_a_model_version_is_one_value_with_a_number_and_a_name() -> None:
+    """A name parses to (number, name) in one place; names given by hand and the base weights are 0."""
+    assert ModelVersion.parse("v12") == ModelVersion(12, "v12") == ModelVersion.numbered(12)
+    assert ModelVersion.parse("base") == ModelVersion.parse(None) == ModelVersion.numbered(0) == BASE_VERSION
+    assert ModelVersion.parse("trained-1") == ModelVersion(0, "trained-1")
+    assert ModelVersion.parse("v") == ModelVersion(0, "v") and str(ModelVersion(3, "v3")) == "v3"
+
+
+async def test_published_versions_are_numbered_from_the_previous_one(store: RedisStore) -> None:
+    """ModelVersion.of reads what a resources update names; the next default version counts on from it."""
+    first = await publish_model_version(store, _state_dict(0), model="tiny")
+    second = await publish_model_version(store, _state_dict(1), model="tiny")
+    assert [ModelVersion.of(u) for u in (first, second)] == [ModelVersion(1, "v1"), ModelVersion(2, "v2")]
+    assert ModelVersion.of(await store.get_resources(POLICY_RESOURCES_ID)) == ModelVersion(2, "v2")
+
+
+async def test_waiting_for_proxies_gives_up_when_none_serves_the_version(store: RedisStore) -> None:
+    """No live proxy: the wait ends False at its timeout rather than hanging."""
+    assert not await wait_until_served(store, ModelVersion(1, "v1"), timeout_s=0.2, poll_s=0.05)
+
+
+async def test_the_steps_stream_gives_progress_and_one_point_per_step(real_store: RedisStore) -> None:
+    """latest_step is the last summary's step (0 before any); read_curve keeps the latest summary of a
+    step trained again after a restart, in step order."""
+    assert await latest_step(real_store.redis, real_store.keys) == 0
+    for step, reward in [(1, 0.1), (2, 0.2), (3, 0.3), (3, 0.35), (4, 0.4)]:  # step 3 trained twice
+        await append_step(real_store.redis, real_store.keys, TrainStep(step, f"v{step}", reward, 0.0, 8, 0.0))
+    assert await latest_step(real_store.redis, real_store.keys) == 4
+    curve = await read_curve(real_store.redis, real_store.keys)
+    assert [(s.step, s.reward_mean) for s in curve] == [(1, 0.1), (2, 0.2), (3, 0.35), (4, 0.4)]

@@ -18,7 +18,7 @@ import pytest
 from procs import stop
 
 from fulmen import arithmetic
-from fulmen.model_versions import version_number
+from fulmen.model_versions import ModelVersion
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
 
@@ -77,7 +77,7 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
         assert evaluation.returncode == 0, evaluation.stderr[-2000:]
         result = json.loads(evaluation.stdout.strip().splitlines()[-1])
         evaluated = result["label"].removeprefix("eval-")
-        assert version_number(evaluated) > version_number(trained)
+        assert ModelVersion.parse(evaluated).number > ModelVersion.parse(trained).number
         assert result["tasks"] == result["finished"] == 6 and 0.0 <= result["accuracy"] <= 1.0
         assert result["served_by"] == {evaluated: 6}  # every answer came from the evaluated weights
         assert all(p.poll() is None for p in services if p is not trainer), "a service died during the run"
@@ -86,5 +86,5 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
     steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) >= 3 and all(s["perf/samples"] > 0 for s in steps)
     latest = await real_store.get_resources("policy")
-    assert version_number(latest.resources["llm"]["model_version"]) >= version_number(evaluated)
+    assert ModelVersion.parse(latest.resources["llm"]["model_version"]).number >= ModelVersion.parse(evaluated).number
     assert latest.resources["llm"]["sampling_parameters"] == {"temperature": 1.0}  # carried over by publishing

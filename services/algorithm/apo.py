@@ -26,6 +26,7 @@ from typing import Any
 
 from fulmen import semconv
 from fulmen.errors import InvalidInput, NotFound
+from fulmen.model_versions import POLICY_RESOURCES_ID
 from fulmen.records.status import RolloutMode, RolloutStatus
 from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task, task_id
@@ -86,7 +87,7 @@ class APO:
         beam_width: int = 2,
         branch_factor: int = 2,
         rounds: int = 2,
-        base_resources_id: str | None = "policy",
+        base_resources_id: str | None = POLICY_RESOURCES_ID,
         timeout_s: float = 300.0,
     ) -> None:
         self.store = store

@@ -105,7 +105,7 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
         next_val = int(await store.redis.hget(store.keys.algorithm_state, "next_val") or 0)
         while not stop.is_set():
             await scheduler.fill()
-            version = await scheduler.version()
+            version = await scheduler.trainer_step()
             inflight = await scheduler.inflight()
             if val_tasks and settings.val_every and version >= next_val:
                 await asyncio.to_thread(enqueue_validation, version)
@@ -128,11 +128,11 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
                 log.info("step %d | epoch %d | val accuracy %s | %d in flight | queue %d | %.1f rollouts/s",
                          version, scheduler.state.epoch, val, inflight, stats["queue_depth"], rate)
                 last_line = time.monotonic()
-            await scheduler.count_completions(block_s=0.5)
-        summary: dict[str, object] = {"steps": await scheduler.version(), **scheduler.snapshot(),
+            await scheduler.count_finished(block_s=0.5)
+        summary: dict[str, object] = {"steps": await scheduler.trainer_step(), **scheduler.snapshot(),
                                       "wall_s": round(time.monotonic() - started, 1)}
         if val_tasks and not stop.is_set():
-            final = await validate(store, val_tasks, label="final", step=await scheduler.version(),
+            final = await validate(store, val_tasks, label="final", step=await scheduler.trainer_step(),
                                    timeout_s=settings.val_timeout_s, config=scheduler.rollout_config)
             summary["final_val_accuracy"] = final["accuracy"]
             summary["final_val_reward"] = final["mean_reward"]
@@ -145,10 +145,11 @@ def _run_algorithm(settings: Settings, tasks: list[dict[str, object]], val_tasks
 
     async def _report(store: RedisStore, summary: dict[str, object]) -> dict[str, object]:
         """The curve (PNG), the summary (JSON) and the final model, in the data folder's run/."""
-        from fulmen_algorithm.report import export_final_model, plot_curve, read_metrics
+        from fulmen.train_steps import read_curve
+        from fulmen_algorithm.report import export_final_model, plot_curve
 
         out = settings.data_dir / "run"
-        steps = read_metrics(settings.metrics_file)
+        steps = await read_curve(store.redis, store.keys)
         paths: dict[str, object] = {"metrics": str(settings.metrics_file)}
         paths["curve"] = str(plot_curve(out / "reward-curve.png", steps, await recorded(store)))
         if settings.model_dir is not None:
@@ -219,19 +220,21 @@ def eval_command(
     async def work(store: RedisStore) -> None:
         from safetensors.torch import load_file
 
-        from fulmen.model_versions import publish_model_version
+        from fulmen.model_versions import (
+            POLICY_RESOURCES_ID,
+            SERVE_TIMEOUT_S,
+            ModelVersion,
+            publish_model_version,
+            wait_until_served,
+        )
 
-        policy = await store.get_resources("policy")
+        policy = await store.get_resources(POLICY_RESOURCES_ID)
         model = (policy.resources.get("llm") or {}).get("model", checkpoint.name)
         update = await publish_model_version(store, load_file(str(weights)), model=model)
-        version = update.resources["llm"]["model_version"]
-        for _ in range(600):  # until every live proxy serves it
-            proxies = await store.query_proxies()
-            if proxies and all(p.model_version == version for p in proxies):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            typer.echo(f"error: no proxy loaded {version} within 60 s; is `fulmen llm-proxy` running?", err=True)
+        version = ModelVersion.of(update)
+        if not await wait_until_served(store, version):
+            typer.echo(f"error: no proxy loaded {version} within {SERVE_TIMEOUT_S:.0f} s; "
+                       "is `fulmen llm-proxy` running?", err=True)
             raise typer.Exit(1)
         from fulmen_algorithm.scheduler import recoverable_rollout_config
 
@@ -302,13 +305,14 @@ def demo(
 
     async def publish_base(store: RedisStore) -> None:
         from fulmen.errors import NotFound
+        from fulmen.model_versions import BASE_VERSION, POLICY_RESOURCES_ID
 
         try:
-            await store.get_resources("policy")
+            await store.get_resources(POLICY_RESOURCES_ID)
         except NotFound:
             await store.add_resources({"llm": {
-                "kind": "llm", "model": paths.model.name, "model_version": "base",
+                "kind": "llm", "model": paths.model.name, "model_version": BASE_VERSION.name,
                 "sampling_parameters": {"temperature": 1.0, "max_tokens": 5},
-            }}, resources_id="policy")
+            }}, resources_id=POLICY_RESOURCES_ID)
 
     _run_algorithm(settings, _tasks_or_exit(paths.train), _tasks_or_exit(paths.val), setup=publish_base)

@@ -1,7 +1,8 @@
 """The end of a run: the reward curve as a PNG, a JSON summary, and the final model as a folder.
 
-The curve plots the trainer's mean rollout reward per step (from its metrics file) and the
-validation accuracy of every pass. The final model is the latest published version, fetched from
+The curve plots the trainer's mean rollout reward per step (from the trainer's steps stream in
+Redis, `fulmen.train_steps.read_curve`, so the algorithm needs no access to the trainer's disk) and
+the validation accuracy of every pass. The final model is the latest published version, fetched from
 Redis and written as a Hugging Face folder next to the base model's config and tokenizer files.
 """
 
@@ -9,33 +10,29 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import matplotlib
+from safetensors.torch import save_file
+
+from fulmen.model_versions import BASE_VERSION, POLICY_RESOURCES_ID, ModelVersion, fetch_model_version
+from fulmen.records import TrainStep
 from fulmen.store import RedisStore
 
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    lines = []
-    for line in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut by a crash: the rest is still worth plotting
-    return lines
+CURVE_SIZE_IN = (7, 4)
+CURVE_DPI = 120
 
 
-def plot_curve(path: Path, steps: list[dict[str, Any]], validations: list[dict[str, Any]]) -> Path:
-    import matplotlib
-
+def plot_curve(path: Path, steps: Sequence[TrainStep], validations: list[dict[str, Any]]) -> Path:
+    """The train reward per step and the validation accuracy of every pass, as a PNG."""
     matplotlib.use("Agg")  # files only: no display on a server
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use(): pyplot picks its backend when first imported
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=CURVE_SIZE_IN)
     if steps:
-        ax.plot([s["step"] for s in steps], [s.get("rollout/reward_mean", 0.0) for s in steps],
+        ax.plot([s.step for s in steps], [s.reward_mean if s.reward_mean is not None else 0.0 for s in steps],
                 label="train reward (mean per step)", color="tab:blue", alpha=0.8)
     points = [(v["step"], v["accuracy"]) for v in validations if isinstance(v.get("step"), int)]
     if points:
@@ -47,23 +44,21 @@ def plot_curve(path: Path, steps: list[dict[str, Any]], validations: list[dict[s
     ax.set_title("Fulmen: reward curve")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=CURVE_DPI)
     plt.close(fig)
     return path
 
 
-async def export_final_model(store: RedisStore, base_model_dir: Path, out: Path, resources_id: str = "policy") -> Path | None:
+async def export_final_model(store: RedisStore, base_model_dir: Path, out: Path,
+                             resources_id: str = POLICY_RESOURCES_ID) -> Path | None:
     """The latest published weights as a Hugging Face folder (config and tokenizer from the base)."""
-    from safetensors.torch import save_file
-
-    from fulmen.model_versions import fetch_model_version
-
     try:
-        llm = (await store.get_resources(resources_id)).resources.get("llm") or {}
+        update = await store.get_resources(resources_id)
     except Exception:
         return None
-    version = llm.get("model_version")
-    if not version or version == "base":
+    llm = update.resources.get("llm") or {}
+    version = ModelVersion.of(update).name
+    if version == BASE_VERSION.name:
         return None
     state = await fetch_model_version(store, version, resource=llm)
     if out.exists():

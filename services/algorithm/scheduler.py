@@ -8,12 +8,13 @@ lives in the store, never only in this process.
 Pacing, in rounds of ``groups_per_step`` groups (what the trainer needs for one step):
 
 - backpressure: at most ``max_inflight`` train rollouts enqueued and not yet terminal;
-- staleness bound S: round r is enqueued once the trainer has published version r - S, so no
-  rollout is generated with weights more than S versions behind the ones that train on it
-  (S = 0 is synchronous, on-policy training);
+- staleness bound S: round r is enqueued once the trainer has taken step r - S, so no rollout is
+  generated with weights more than S steps behind the ones that train on it (S = 0 is synchronous,
+  on-policy training). The trainer's progress is read from its steps stream (`fulmen.train_steps`),
+  never parsed out of a model version's name;
 - a trainer that dropped a group (fewer than two usable rollouts) needs one more than the rounds
-  allowed for: when nothing is in flight and the version has not moved for ``stall_s``, one extra
-  group is enqueued, so the run cannot stall.
+  allowed for: when nothing is in flight and the trainer's step has not moved for ``stall_s``, one
+  extra group is enqueued, so the run cannot stall.
 
 Train rollouts carry a heartbeat deadline and a retry policy (`recoverable_rollout_config`): the attempts
 of a runner that dies are ended by the watchdog and run again elsewhere, so their groups complete.
@@ -29,14 +30,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from fulmen import keys as k
-from fulmen.errors import NotFound
-from fulmen.model_versions import version_number
+from fulmen.model_versions import POLICY_RESOURCES_ID
 from fulmen.records import RolloutConfig
 from fulmen.records.status import RolloutMode
 from fulmen.store import RedisStore
+from fulmen.train_steps import latest_step
 from fulmen_algorithm.dataset import Task, task_id
 
 log = logging.getLogger(__name__)
+
+FINISHED_READ_COUNT = 500  # finished rollouts per read; the loop reads until none are left
 
 
 def recoverable_rollout_config(unresponsive_s: float = 30.0, max_attempts: int = 3) -> RolloutConfig:
@@ -74,7 +77,7 @@ class Scheduler:
         staleness: int = 0,
         epochs: int | None = None,
         seed: int = 0,
-        resources_id: str = "policy",
+        resources_id: str = POLICY_RESOURCES_ID,
         rollout_config: RolloutConfig | None = None,
         stall_s: float = 3.0,
     ) -> None:
@@ -95,8 +98,8 @@ class Scheduler:
         self.state = RunState()
         self._order: list[int] = []
         self._order_epoch = -1
-        self._last_version = -1
-        self._version_changed_at = time.monotonic()
+        self._last_step = -1
+        self._step_changed_at = time.monotonic()
 
     # --- state in the store ---------------------------------------------------------------------
 
@@ -106,7 +109,7 @@ class Scheduler:
         # Completions a killed predecessor read but did not acknowledge are pending under our consumer
         # name, and a read of new entries never returns them: count them now, or their rollouts stay
         # "in flight" for the rest of the run (backpressure shrinks, an epoch-bounded run never ends).
-        await self.count_completions(pending=True)
+        await self.count_finished(pending=True)
         if self.state.groups:
             log.info("resuming the run: epoch %d, task %d of %d, %d groups enqueued so far",
                      self.state.epoch, self.state.cursor, len(self.tasks), self.state.groups)
@@ -122,25 +125,21 @@ class Scheduler:
 
     # --- what the rest of the pipeline says ---------------------------------------------------------
 
-    async def version(self) -> int:
-        try:
-            update = await self.store.get_resources(self.resources_id)
-        except NotFound:
-            return 0
-        llm = update.resources.get("llm") or {}
-        v = version_number(llm.get("model_version"))
-        if v != self._last_version:
-            self._last_version, self._version_changed_at = v, time.monotonic()
-        return v
+    async def trainer_step(self) -> int:
+        """The trainer's progress: optimizer steps taken, from its steps stream (0 before the first)."""
+        step = await latest_step(self.store.redis, self.store.keys)
+        if step != self._last_step:
+            self._last_step, self._step_changed_at = step, time.monotonic()
+        return step
 
-    async def count_completions(self, block_s: float | None = None, *, pending: bool = False) -> int:
-        """Read the completions stream: train rollouts of this run that ended are counted once each.
+    async def count_finished(self, block_s: float | None = None, *, pending: bool = False) -> int:
+        """Read the finished stream: train rollouts of this run that ended are counted once each.
         ``block_s``: wait that long for the first completion (the run loop's pause between fills).
         ``pending``: instead, the entries read before a restart and never acknowledged."""
         done = 0
         while True:
             batch = await self.store.read_finished(
-                k.ALGORITHM_GROUP, "algorithm", count=500, block_s=block_s, pending=pending
+                k.ALGORITHM_GROUP, "algorithm", count=FINISHED_READ_COUNT, block_s=block_s, pending=pending
             )
             block_s = None
             if not batch:
@@ -159,26 +158,26 @@ class Scheduler:
     def exhausted(self) -> bool:
         return self.epochs is not None and self.state.epoch >= self.epochs
 
-    def _allowed_groups(self, version: int) -> int:
-        return (version + self.staleness + 1) * self.groups_per_step
+    def _allowed_groups(self, trainer_step: int) -> int:
+        return (trainer_step + self.staleness + 1) * self.groups_per_step
 
     async def fill(self) -> int:
         """Enqueue every group pacing allows now. Returns how many groups were enqueued."""
-        await self.count_completions()
-        version = await self.version()
+        await self.count_finished()
+        trainer_step = await self.trainer_step()
         added = 0
         while not self.exhausted:
             inflight = await self.inflight()
             if inflight + self.n > self.max_inflight:
                 break
-            gated = self.state.groups >= self._allowed_groups(version)
-            stalled = inflight == 0 and time.monotonic() - self._version_changed_at > self.stall_s
+            gated = self.state.groups >= self._allowed_groups(trainer_step)
+            stalled = inflight == 0 and time.monotonic() - self._step_changed_at > self.stall_s
             if gated and not stalled:
                 break
             await self.enqueue_group()
             added += 1
             if gated:  # a top-up: one group, then wait for the trainer again
-                self._version_changed_at = time.monotonic()
+                self._step_changed_at = time.monotonic()
                 log.info("trainer waiting on a dropped group: enqueued one extra group")
                 break
         return added

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fulmen import semconv
 from fulmen.errors import NotFound
+from fulmen.model_versions import POLICY_RESOURCES_ID
 from fulmen.records import ResourcesUpdate, RolloutConfig
 from fulmen.records.status import RolloutMode, RolloutStatus
 from fulmen.store import RedisStore
@@ -57,7 +58,7 @@ async def _served_by(store: RedisStore, rollout_id: str) -> str | None:
 
 
 async def validate(
-    store: RedisStore, tasks: list[Task], *, label: str, step: int | None = None, policy_id: str = "policy",
+    store: RedisStore, tasks: list[Task], *, label: str, step: int | None = None, policy_id: str = POLICY_RESOURCES_ID,
     timeout_s: float = 600.0, config: RolloutConfig | None = None,
 ) -> dict[str, Any]:
     """Run every task once, greedily; record and return mean reward and accuracy (reward ≥ 1).

@@ -46,7 +46,10 @@ def command(
 
         wait_for_model_dir(settings.model_dir)  # the demo writes its model after the warm start
     from fulmen.ops_http import start_ops
-    from fulmen_trainer.ranks import Exchange, Membership, RankGroup, make_codec
+    from fulmen_trainer.gradients import RankCodec
+    from fulmen_trainer.membership import Membership
+    from fulmen_trainer.rank_group import RankGroup
+    from fulmen_trainer.ranks import Exchange
     from fulmen_trainer.trainer import Trainer
 
     if settings.on_rank_loss not in ("continue", "wait"):
@@ -70,7 +73,7 @@ def command(
             exchange = Exchange(store, membership)
             await exchange.start_reading()
             try:
-                codec = make_codec(settings.codec, density=settings.codec_density)
+                codec = RankCodec(settings.codec, density=settings.codec_density)
             except ValueError as e:
                 typer.echo(f"error: {e}", err=True)
                 raise typer.Exit(2) from None
@@ -86,8 +89,6 @@ def command(
             await trainer.setup()
             if trainer.metrics is not None:
                 ops.add(trainer.metrics.registry)
-                if rank == 0:
-                    trainer.metrics.log_steps_to(store)  # the reward curve `fulmen top` draws
             if membership is not None:
                 await membership.mark_ready()
             if rank == 0:

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from fulmen.model_versions import version_number
+from fulmen.model_versions import ModelVersion
 from fulmen.records import Sample, SampleSkip
 
 
@@ -110,7 +110,7 @@ class GroupCollector:
                 s for s in rollout_samples if s.shape == "triplet"
             ]
             for s in chosen:
-                weight = self._weight(current_version - version_number(s.model_version))
+                weight = self._weight(current_version - ModelVersion.parse(s.model_version).number)
                 if weight == 0.0:
                     self.counts["samples/dropped_stale"] += 1
                     continue

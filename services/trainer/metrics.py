@@ -1,5 +1,6 @@
-"""The trainer's step metrics: the last step's numbers as Prometheus gauges labelled by rank, and (on
-the leader) a summary per step in the store's step log, which `fulmen top` draws the reward curve from.
+"""The trainer's step metrics: the last step's numbers as Prometheus gauges labelled by rank, (on the
+leader) a summary per step on the trainer's steps stream — what the algorithm paces itself on and the
+reward curve, `fulmen top` and the run's report draw — and a local JSON-lines mirror of every metric.
 
 The gauges live in this object's own registry. `fulmen trainer` serves it through the process's ops
 server (`fulmen.ops_http`: ``/metrics`` with ``/healthz`` and ``/readyz`` on ``metrics_port``, else
@@ -9,9 +10,11 @@ A `Trainer` built in-process with ``metrics_port`` set serves just this registry
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
@@ -57,6 +60,11 @@ class StepMetrics:
             self._writes[task] = None
             task.add_done_callback(lambda t: self._writes.pop(t, None))
 
+    async def flush(self) -> None:
+        """Wait for the summaries in flight to be written (or to have failed)."""
+        if self._writes:
+            await asyncio.wait(list(self._writes))
+
     async def _append(self, step: int, metrics: dict[str, Any], previous: asyncio.Task[None] | None) -> None:
         assert self.store is not None
         if previous is not None:
@@ -65,3 +73,29 @@ class StepMetrics:
             await append_step(self.store.redis, self.store.keys, summarize(step, metrics, time.time()))
         except Exception as e:  # the curve may miss a point; training goes on
             log.warning("step %d: could not log the step summary: %s", step, type(e).__name__)
+
+
+class MetricsMirror:
+    """The JSON-lines file of every step's full metrics: a local mirror, each step written once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._last_step: int | None = None  # the file's last step, read on first use
+
+    def append(self, lines: list[dict[str, Any]]) -> None:
+        """Append the lines of steps the file does not have yet."""
+        if self._last_step is None:  # once per process
+            self._last_step = 0
+            if self.path.exists():
+                with self.path.open() as f:
+                    for raw in f:
+                        if raw.strip():
+                            self._last_step = max(self._last_step, int(json.loads(raw)["step"]))
+        new = [line for line in lines if line["step"] > self._last_step]
+        if not new:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            for line in new:
+                f.write(json.dumps(line) + "\n")
+        self._last_step = new[-1]["step"]

@@ -5,123 +5,57 @@ Exactly-once consumption: a sample-stream entry is acknowledged only after a che
 includes the step that consumed it; the checkpoint lists the entries consumed since the previous
 one, so a trainer killed between the checkpoint and the acknowledgement acknowledges them on restart
 instead of training on them twice. Entries read but not yet consumed stay pending under the
-trainer's stable consumer name and are read again after a restart. Metrics lines are written after
-their checkpoint, so the metrics file never counts a step twice either; the checkpoint carries
-them too, so a trainer that died before writing them writes them on restart.
+trainer's stable consumer name and are read again after a restart.
+
+Metrics: the leader appends each step's summary to the trainer's steps stream (`fulmen.train_steps`)
+as the step ends; the algorithm paces itself on it, and the reward curve, `fulmen top` and the run's
+report read it. The local JSON-lines file (``metrics_file``) mirrors the full metrics of each step,
+written after their checkpoint so it never counts a step twice; the checkpoint carries them too, so a
+trainer that died before writing them writes them on restart.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from fulmen import keys as k
-from fulmen.model_versions import publish_model_version, version_number
-from fulmen.records import Sample
+from fulmen.model_versions import BASE_VERSION, ModelVersion, fetch_model_version, publish_model_version
 from fulmen.settings import Settings
 from fulmen.store import RedisStore
 from fulmen_trainer import checkpoint as ckpt
 from fulmen_trainer.batch import TokenBatch, make_batch, token_logprobs
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
-from fulmen_trainer.metrics import StepMetrics
-from fulmen_trainer.objectives import (
-    Baseline,
-    entropy_from_logits,
-    group_advantages,
-    kl_to_reference,
-    objective,
-)
+from fulmen_trainer.metrics import MetricsMirror, StepMetrics
+from fulmen_trainer.objectives import Baseline, entropy_from_logits, kl_to_reference, objective
+from fulmen_trainer.plan import StepPlan, merge_passes, plan_step
+from fulmen_trainer.rank_group import RankGroup
 
 log = logging.getLogger(__name__)
 
-@dataclass
-class StepPlan:
-    """One optimizer step's work: the samples, their advantages, and every stream entry it consumes."""
+RECOVER_READ_COUNT = 1000  # pending entries per read when recovering after a restart
+READ_COUNT = 512  # sample entries per read: a few steps' worth, so a read rarely waits on the next
+READ_BLOCK_S = 1.0  # also how often the loop looks at the stop event
 
-    samples: list[Sample]
-    rewards: list[float]
-    advantages: torch.Tensor
-    group_keys: list[str]
-    entry_ids: list[str]
-    dropped_groups: int = 0
-    stats: dict[str, float] = field(default_factory=dict)
-    # The policy's log-probabilities at the start of the step, one [B, T-1] tensor per micro-batch:
-    # recorded by the first pass, the centre of the clip in the later ones (see `Trainer._backward`).
-    prox_logp: list[torch.Tensor] | None = None
-
-
-def merge_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
-    """A step's metrics from its PPO passes: the first pass's (the batch under the policy the step
-    started from, comparable whatever ppo_epochs is), plus where the last pass ended."""
-    metrics = dict(passes[0])
-    metrics["loss/clip_frac"] = passes[-1]["loss/clip_frac"]
-    metrics["loss/policy_last_pass"] = passes[-1]["loss/policy"]
-    metrics["loss/ppo_epochs"] = len(passes)
-    return metrics
-
-
-def rollout_reward(sample: Sample, source: str) -> float:
-    if source == "matched" and sample.reward is not None:
-        return sample.reward
-    value = sample.final_reward if sample.final_reward is not None else sample.reward
-    return float(value if value is not None else 0.0)
-
-
-def plan_step(groups: list[ReadyGroup], algorithm: str, reward_source: str, baseline: Baseline,
-              sft_min_reward: float | None = None) -> StepPlan:
-    """Advantages per sample. GRPO normalises within each group at the rollout level (a rollout with
-    three LLM calls does not count three times), then every sample gets its rollout's advantage."""
-    samples, weights, keys, entry_ids = [], [], [], []
-    dropped = 0
-    for g in groups:
-        entry_ids += g.entry_ids
-        if not g.samples:
-            dropped += 1
-            continue
-        samples += g.samples
-        weights += g.weights
-        keys += [g.key] * len(g.samples)
-    rewards = [rollout_reward(s, reward_source) for s in samples]
-    reward_t = torch.tensor(rewards, dtype=torch.float)
-    if algorithm == "grpo":
-        rollouts = {(key, s.rollout_id): i for i, (key, s) in enumerate(zip(keys, samples, strict=True))}
-        index = {r: j for j, r in enumerate(rollouts)}
-        per_rollout = torch.tensor([rewards[i] for i in rollouts.values()], dtype=torch.float)
-        group_of = {key: j for j, key in enumerate(dict.fromkeys(keys))}
-        rollout_groups = torch.tensor([group_of[key] for key, _ in rollouts], dtype=torch.long)
-        rollout_adv = group_advantages(per_rollout, rollout_groups) if len(per_rollout) else per_rollout
-        advantages = torch.stack([rollout_adv[index[(key, s.rollout_id)]] for key, s in zip(keys, samples, strict=True)]) \
-            if samples else torch.zeros(0)
-    elif algorithm in ("ppo", "reinforce"):
-        advantages = baseline.advantages(reward_t) if samples else torch.zeros(0)
-    else:  # sft: advantages unused; a sample below the reward threshold gets weight 0
-        advantages = torch.zeros(len(samples))
-        if sft_min_reward is not None:
-            weights = [w if r >= sft_min_reward else 0.0 for w, r in zip(weights, rewards, strict=True)]
-    advantages = advantages * torch.tensor(weights, dtype=torch.float) if samples else advantages
-    plan = StepPlan(samples, rewards, advantages, keys, entry_ids, dropped)
-    if algorithm == "sft":
-        plan.stats["sft_weights"] = float(sum(weights))
-        plan.advantages = torch.tensor(weights, dtype=torch.float)  # sft reads them as sample weights
-    return plan
 
 
 class Trainer:
-    def __init__(self, store: RedisStore, settings: Settings, *, rank: int = 0, ranks: Any = None) -> None:
+    """One trainer process: alone, or rank ``rank`` of a `RankGroup` (it is then a `RankTrainer`)."""
+
+    def __init__(self, store: RedisStore, settings: Settings, *, rank: int = 0,
+                 ranks: RankGroup | None = None) -> None:
         if settings.model_dir is None:
             raise ValueError("the trainer needs --model-dir (a Hugging Face model folder)")
         objective(settings.algorithm)  # unknown names fail here, at start
         self.store = store
         self.s = settings
         self.rank = rank
-        self.ranks = ranks  # fulmen_trainer.ranks.RankGroup when several ranks train together
+        self.ranks = ranks  # when several ranks train together
         self.consumer = f"trainer-{rank}"
         self.model_name = settings.model_name or settings.model_dir.resolve().name
         self.collector = GroupCollector(
@@ -131,10 +65,10 @@ class Trainer:
         self.baseline = Baseline()
         self.ready: list[ReadyGroup] = []
         self.step = 0
-        self.version = "base"
+        self.version: ModelVersion = BASE_VERSION
         self.consumed_since_checkpoint: list[str] = []
         self.unlogged: list[dict[str, Any]] = []
-        self._logged_step: int | None = None  # the metrics file's last step, read on first use
+        self.mirror = MetricsMirror(settings.metrics_file)
         self.model: Any = None
         self.reference: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -148,6 +82,8 @@ class Trainer:
 
         torch.manual_seed(self.s.seed)
         self.metrics = StepMetrics(self.rank, self.s.metrics_port)
+        if self.rank == 0:
+            self.metrics.log_steps_to(self.store)  # the steps stream: pacing, reward curve, `fulmen top`
         if self.s.torch_threads:
             torch.set_num_threads(self.s.torch_threads)
         directory = self.s.checkpoint_dir / f"rank-{self.rank}"
@@ -166,13 +102,13 @@ class Trainer:
             checkpoint, codec_state = ckpt.load(path, self.optimizer)
             if self.ranks is not None and codec_state:
                 self.ranks.codec.load_state_dict(codec_state)  # error feedback carries over the restart
-            self.step, self.version = checkpoint.step, checkpoint.model_version
+            self.step, self.version = checkpoint.step, ModelVersion.parse(checkpoint.model_version)
             already_done = set(checkpoint.consumed_entry_ids)
             log.info("resumed from %s: step %d, model version %s", path, self.step, self.version)
             if self.rank == 0:
                 # a trainer that died after its checkpoint but before the metrics write (SIGKILL, or
                 # Redis gone at the acknowledgement) logs those steps now, or the file misses them
-                self._log_metrics(checkpoint.extra.get("metrics", []))
+                self.mirror.append(checkpoint.extra.get("metrics", []))
         await self._recover_pending(already_done)
 
     async def _recover_pending(self, already_done: set[str]) -> None:
@@ -181,8 +117,8 @@ class Trainer:
         acked = requeued = 0
         after = "0"
         while True:
-            entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=1000, pending=True,
-                                                    after=after)
+            entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=RECOVER_READ_COUNT,
+                                                    pending=True, after=after)
             if not entries:
                 break
             after = entries[-1][0]
@@ -202,17 +138,20 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         assert self.model is not None, "call setup() first"
         while not stop.is_set() and (self.s.max_steps is None or self.step < self.s.max_steps):
-            entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=512, block_s=1.0)
+            entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=READ_COUNT,
+                                                    block_s=READ_BLOCK_S)
             for entry_id, item in entries:
                 if not self.collector.add(entry_id, item):  # validation or APO: never trained on
                     self.consumed_since_checkpoint.append(entry_id)
-            self.ready += self.collector.take_complete(version_number(self.version))
+            self.ready += self.collector.take_complete(self.version.number)
             usable = [g for g in self.ready if g.samples]
             if len(usable) < self.s.groups_per_step:
                 continue
             cut = self.ready.index(usable[self.s.groups_per_step - 1]) + 1
             groups, self.ready = self.ready[:cut], self.ready[cut:]
             await self.train_step(groups, stop)
+        if self.metrics is not None:
+            await self.metrics.flush()  # the last steps reach the steps stream before we return
 
     async def train_step(self, groups: list[ReadyGroup], stop: asyncio.Event | None = None) -> dict[str, Any]:
         # advantages
@@ -232,11 +171,8 @@ class Trainer:
         metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["perf/step_s"], 1e-9)
         # publish a model version for the proxies
         if self.rank == 0 and self.step % self.s.publish_every == 0:
-            update = await publish_model_version(
-                self.store, self.model.state_dict(), model=self.model_name, shared_dir=self.s.weights_dir
-            )
-            self.version = update.resources["llm"]["model_version"]
-        metrics.update({"step": self.step, "model_version": self.version, "time": time.time(),
+            await self.publish()
+        metrics.update({"step": self.step, "model_version": self.version.name, "time": time.time(),
                         "sample_ids": [s.sample_id for s in plan.samples]})
         self.consumed_since_checkpoint += plan.entry_ids
         self.unlogged.append(metrics)
@@ -257,11 +193,20 @@ class Trainer:
         """One rank alone: ``ppo_epochs`` passes over the batch, each a backward and an update."""
         passes = []
         for _ in range(self.s.ppo_epochs):
-            passes.append(self._backward(plan))
-            passes[-1]["loss/grad_norm"] = self._update()
+            passes.append(self.backward(plan))
+            passes[-1]["loss/grad_norm"] = self.update()
         return merge_passes(passes)
 
-    def _backward(self, plan: StepPlan, total_tokens: float | None = None) -> dict[str, Any]:
+    # --- what a step is made of (also `RankTrainer`, what the ranks call) ---------------------------
+
+    @property
+    def ppo_epochs(self) -> int:
+        return self.s.ppo_epochs
+
+    def batch_tokens(self, plan: StepPlan) -> int:
+        return self._batch(plan).tokens
+
+    def backward(self, plan: StepPlan, total_tokens: float | None = None) -> dict[str, Any]:
         """One pass over this rank's share: gradients scaled so that the shares of all ranks add up to
         the token mean of the whole step (``total_tokens``: the step's trained tokens over every share).
 
@@ -331,10 +276,10 @@ class Trainer:
 
     def _batch(self, plan: StepPlan) -> TokenBatch:
         pad_id = getattr(self.model.config, "pad_token_id", None) or 0
-        version_now = version_number(self.version)
+        now = self.version.number
         return make_batch(
             plan.samples, pad_id=pad_id, rewards=plan.rewards, group_keys=plan.group_keys,
-            staleness=[version_now - version_number(s.model_version) for s in plan.samples],
+            staleness=[now - ModelVersion.parse(s.model_version).number for s in plan.samples],
         )
 
     def _clip(self) -> float:
@@ -350,7 +295,7 @@ class Trainer:
             return s.learning_rate + (s.lr_final - s.learning_rate) * done
         return s.learning_rate
 
-    def _update(self) -> float:
+    def update(self) -> float:
         """One optimizer update from the gradients in ``.grad`` (clipped); the caller counts the step
         once all of its PPO epochs are done. Returns the gradient norm before clipping."""
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm))
@@ -362,9 +307,34 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
+    async def publish(self) -> ModelVersion:
+        """Publish the current weights as the next model version; the proxies load it."""
+        update = await publish_model_version(
+            self.store, self.model.state_dict(), model=self.model_name, shared_dir=self.s.weights_dir
+        )
+        self.version = ModelVersion.of(update)
+        return self.version
+
+    async def load_version(self, version: ModelVersion, step: int) -> None:
+        """Take the weights of a published version (a rank catching up with its leader's ``step``)."""
+        state = await fetch_model_version(self.store, version.name)
+        self.model.load_state_dict(state, strict=False)
+        self.step = step
+
+    async def finish_step(self, step: int, version: ModelVersion) -> None:
+        """A step taken with the other ranks: count it, and checkpoint when one is due."""
+        self.step, self.version = step, version
+        if self.step % self.s.checkpoint_every == 0:
+            await self.checkpoint()
+
+    def lose_step(self) -> None:
+        """A step went on without this rank: no step number matches its weights until the leader's next
+        plan names weights to load."""
+        self.step = -1
+
     async def checkpoint(self) -> None:
         assert self.optimizer is not None
-        checkpoint = ckpt.Checkpoint(self.step, self.version, self.consumed_since_checkpoint,
+        checkpoint = ckpt.Checkpoint(self.step, self.version.name, self.consumed_since_checkpoint,
                                      {"metrics": self.unlogged} if self.rank == 0 else {})
         directory = self.s.checkpoint_dir / f"rank-{self.rank}"
         codec_state = self.ranks.codec.state_dict() if self.ranks is not None else None
@@ -372,23 +342,5 @@ class Trainer:
         await self.store.ack_samples(k.TRAINERS_GROUP, self.consumed_since_checkpoint)
         self.consumed_since_checkpoint = []
         if self.rank == 0:
-            self._log_metrics(self.unlogged)
+            self.mirror.append(self.unlogged)
         self.unlogged = []
-
-    def _log_metrics(self, lines: list[dict[str, Any]]) -> None:
-        """Append the lines of steps the metrics file does not have yet (each step once)."""
-        if self._logged_step is None:  # once per process: the last step the file has
-            self._logged_step = 0
-            if self.s.metrics_file.exists():
-                with self.s.metrics_file.open() as f:
-                    for raw in f:
-                        if raw.strip():
-                            self._logged_step = max(self._logged_step, int(json.loads(raw)["step"]))
-        new = [line for line in lines if line["step"] > self._logged_step]
-        if not new:
-            return
-        self.s.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.s.metrics_file.open("a") as f:
-            for line in new:
-                f.write(json.dumps(line) + "\n")
-        self._logged_step = new[-1]["step"]

@@ -19,6 +19,10 @@ names the model version, so whoever sees the version can always fetch it::
 The new resources version starts from the previous one (other resources and other ``llm`` keys, such
 as proxy URLs, carry over; ``inherit=False`` starts empty); ``extra_resources`` overrides them.
 
+A version is one value, `ModelVersion` (number, name): the number orders versions (staleness, the
+``fulmen_model_version`` gauge), the name keys its weights and travels in resources and spans.
+`ModelVersion.parse` is the one place a name turns back into a number.
+
 Version names: an explicit ``model_version`` that exists already is refused (versions are immutable).
 By default the name is ``v<n+1>`` after the previous version ``v<n>`` of ``resources_id`` (``v1``
 first); a name already taken (by another resources id, or by a publish that crashed before the
@@ -39,9 +43,10 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
@@ -54,12 +59,60 @@ if TYPE_CHECKING:
 
     from fulmen.store import RedisStore
 
-__all__ = ["fetch_model_version", "llm_resource", "publish_model_version"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BASE_VERSION",
+    "POLICY_RESOURCES_ID",
+    "ModelVersion",
+    "fetch_model_version",
+    "llm_resource",
+    "publish_model_version",
+    "wait_until_served",
+]
+
+POLICY_RESOURCES_ID = "policy"  # the resources entry the trainer publishes to and rollouts are run with
 
 WEIGHTS_FILE = "model.safetensors"
 CHUNK_HEADER_BYTES = 1024  # room for a chunk record's fields besides the data (version, sha256, ...)
 PIPELINE_BYTES = 32 << 20  # chunks per round trip: few round trips, bounded client buffers
 READ_PAGE_BYTES = 64 << 20  # chunks per XRANGE page, likewise
+SERVE_TIMEOUT_S = 60.0  # a proxy loads a version in seconds; a minute means none is coming
+SERVE_POLL_S = 0.1
+MAX_NAME_TRIES = 1000  # default names skipped as taken before giving up (each was a crashed publish)
+
+
+class ModelVersion(NamedTuple):
+    """A model version: ``number`` (0 for the base weights, n for the n-th published version) and
+    ``name`` (``"base"``, ``"v<n>"``, or a name given to `publish_model_version`)."""
+
+    number: int
+    name: str
+
+    @classmethod
+    def numbered(cls, number: int) -> ModelVersion:
+        """The default name of the ``number``-th version: ``v<number>`` (0 is the base weights)."""
+        return cls(number, f"v{number}") if number > 0 else BASE_VERSION
+
+    @classmethod
+    def parse(cls, name: str | None) -> ModelVersion:
+        """The version a stored name stands for: ``"v12"`` → 12; the base weights, no name, or a name
+        given by hand (``"trained-1"``) → 0, as it says nothing about its place in the order."""
+        if name and name[0] == "v" and name[1:].isdigit():
+            return cls(int(name[1:]), name)
+        return cls(0, name or BASE_VERSION.name)
+
+    @classmethod
+    def of(cls, update: ResourcesUpdate | None) -> ModelVersion:
+        """The model version a resources update names (base when it names none)."""
+        llm = llm_resource(update) if update is not None else None
+        return cls.parse((llm or {}).get("model_version"))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+BASE_VERSION = ModelVersion(0, "base")
 
 
 class _VersionTaken(Exception):
@@ -78,7 +131,7 @@ async def publish_model_version(
     *,
     model: str,
     model_version: str | None = None,
-    resources_id: str = "policy",
+    resources_id: str = POLICY_RESOURCES_ID,
     chunk_bytes: int = 4 << 20,
     metadata: Mapping[str, Any] | None = None,
     extra_resources: Mapping[str, Any] | None = None,
@@ -117,7 +170,7 @@ async def publish_model_version(
                 raise InvalidInput(
                     f"model version {version} exists already; versions are immutable"
                 ) from None
-    else:  # pragma: no cover - a thousand taken names in a row
+    else:  # pragma: no cover - MAX_NAME_TRIES taken names in a row
         raise InvalidInput("no free default model version name; pass model_version")
 
     old = previous.resources if previous is not None and inherit else {}
@@ -157,13 +210,27 @@ async def fetch_model_version(
     return await asyncio.to_thread(_deserialize, model_version, *found)
 
 
+async def wait_until_served(
+    store: RedisStore, version: ModelVersion, timeout_s: float = SERVE_TIMEOUT_S, poll_s: float = SERVE_POLL_S
+) -> bool:
+    """Wait until at least one proxy is live and every live proxy serves ``version``; False after
+    ``timeout_s`` (no proxy running, or one that cannot load it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        proxies = await store.query_proxies()
+        if proxies and all(p.model_version == version.name for p in proxies):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+
+
 # --- writing ----------------------------------------------------------------------------------------
 
 
 def _default_versions(previous: ResourcesUpdate | None) -> Iterator[str]:
-    last = (llm_resource(previous) or {}).get("model_version") if previous is not None else None
-    n = int(last[1:]) if isinstance(last, str) and last[:1] == "v" and last[1:].isdigit() else 0
-    return (f"v{i}" for i in range(n + 1, n + 1001))
+    n = ModelVersion.of(previous).number
+    return (ModelVersion.numbered(i).name for i in range(n + 1, n + MAX_NAME_TRIES + 1))
 
 
 def _serialize(state_dict: Mapping[str, torch.Tensor]) -> bytes:
@@ -313,21 +380,9 @@ def _deserialize(version: str, blob: bytes, sha256: str | None) -> dict[str, tor
         raise RecordError(f"model version {version} is not valid safetensors: {e}") from e
 
 
-log = logging.getLogger(__name__)
-
-
-def version_number(version: str | None) -> int:
-    """The number of a version named by `publish_model_version` ("v12" → 12); base weights → 0."""
-    if version and version[0] == "v" and version[1:].isdigit():
-        return int(version[1:])
-    return 0
-
-
 def wait_for_model_dir(folder: Path, log_every_s: float = 10.0) -> None:
     """Block until a Hugging Face folder exists (the demo writes its model after the warm start):
     services started together by honcho wait for it rather than fail, and say what they wait for."""
-    import time
-
     last = 0.0
     while not (Path(folder) / "config.json").exists():
         if time.monotonic() - last >= log_every_s:

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from redis.exceptions import RedisError
 
 from fulmen import keys as k
-from fulmen.model_versions import version_number
+from fulmen.model_versions import ModelVersion
 from fulmen.store.statistics import read_snapshot
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class PipelineCollector:
             "fulmen_model_version", "Number of the model version in the latest resources (v3 -> 3)."
         )
         if snap.model_version is not None:
-            version.add_metric([], version_number(snap.model_version))
+            version.add_metric([], ModelVersion.parse(snap.model_version).number)
         yield version
 
 

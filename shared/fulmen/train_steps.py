@@ -1,8 +1,13 @@
-"""The trainer's step log in Redis: a capped stream of per-step summaries (the reward curve).
+"""The trainer's steps stream in Redis: one summary per optimizer step, the one record of progress.
 
-The trainer's leader appends one `TrainStep` per optimizer step; `fulmen top` reads the tail to draw
-the reward sparkline from any machine (the JSON-lines metrics file stays on the trainer's disk).
-Capped (approximately, which lets Redis trim whole nodes cheaply) so a long run cannot grow it.
+The trainer's leader appends one `TrainStep` per optimizer step. Readers: the algorithm paces its
+rollouts on the last step (`latest_step`), `fulmen top` draws the reward sparkline from the tail
+(`read_steps`), and the run's report plots the whole curve (`read_curve`) — all from any machine (the
+trainer's JSON-lines metrics file is only a local mirror). Capped (approximately, which lets Redis
+trim whole nodes cheaply) so a long run cannot grow it.
+
+A trainer restarted from a checkpoint trains the steps after it again, so a step number may appear
+twice; the later entry is the one that counts.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from fulmen.keys import Keys
 from fulmen.records import TrainStep
 
 MAX_STEPS = 10_000
+TAIL_STEPS = 60  # what `fulmen top` draws
+CURVE_PAGE = 1000  # entries per XRANGE page when reading the whole curve
 
 
 def _number(value: Any) -> float | None:
@@ -37,12 +44,33 @@ async def append_step(client: aioredis.Redis, keys: Keys, summary: TrainStep) ->
     await client.xadd(keys.trainer_steps, {"m": summary.to_wire()}, maxlen=MAX_STEPS, approximate=True)
 
 
-def read_steps(client: redis.Redis, keys: Keys, count: int = 60) -> list[TrainStep]:
-    """The last ``count`` steps, oldest first; unreadable entries are left out."""
+def _decode(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[TrainStep]:
     steps = []
-    for _, fields in reversed(client.xrevrange(keys.trainer_steps, count=count)):
+    for _, fields in entries:
         try:
             steps.append(TrainStep.from_wire(fields.get(b"m")))
         except RecordError:
-            continue
+            continue  # one unreadable entry must not hide the rest
     return steps
+
+
+def read_steps(client: redis.Redis, keys: Keys, count: int = TAIL_STEPS) -> list[TrainStep]:
+    """The last ``count`` entries, oldest first; unreadable entries are left out."""
+    return _decode(list(reversed(client.xrevrange(keys.trainer_steps, count=count))))
+
+
+async def latest_step(client: aioredis.Redis, keys: Keys) -> int:
+    """The trainer's progress: the step of its last summary (0 before its first step)."""
+    last = _decode(await client.xrevrange(keys.trainer_steps, count=1))
+    return last[0].step if last else 0
+
+
+async def read_curve(client: aioredis.Redis, keys: Keys) -> list[TrainStep]:
+    """Every step still in the stream, one summary per step (the latest), in step order."""
+    by_step: dict[int, TrainStep] = {}
+    start = "-"
+    while entries := await client.xrange(keys.trainer_steps, min=start, count=CURVE_PAGE):
+        for summary in _decode(entries):
+            by_step[summary.step] = summary
+        start = "(" + entries[-1][0].decode()
+    return [by_step[step] for step in sorted(by_step)]

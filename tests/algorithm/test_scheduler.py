@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 
 from fulmen.errors import InvalidInput
+from fulmen.model_versions import POLICY_RESOURCES_ID
+from fulmen.records import TrainStep
 from fulmen.store import RedisStore
+from fulmen.train_steps import append_step
 from fulmen_algorithm.dataset import load_tasks, task_id
 from fulmen_algorithm.scheduler import Scheduler
 
 TASKS = [{"id": f"q{i}", "question": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
 
 
-async def _publish(store: RedisStore, version: str) -> None:
-    resources = {"llm": {"kind": "llm", "model": "tiny", "model_version": version}}
-    try:
-        await store.update_resources("policy", resources)
-    except Exception:
-        await store.add_resources(resources, resources_id="policy")
+async def _trainer_step(store: RedisStore, step: int) -> None:
+    """What the trainer's leader does after each step: append its summary to the steps stream."""
+    await append_step(store.redis, store.keys, TrainStep(step, f"v{step}", 0.5, 0.0, 8, time.time()))
 
 
 async def _finish(store: RedisStore, count: int) -> None:
@@ -38,26 +39,26 @@ async def test_groups_are_n_rollouts_of_one_task_with_group_metadata(real_store:
     assert len({r.input["id"] for r in rollouts}) == 1
     assert {r.metadata["group_key"] for r in rollouts} == {ids[0].rsplit("-", 1)[0]}
     assert {r.metadata["group_size"] for r in rollouts} == {3}
-    assert {r.mode.value for r in rollouts} == {"train"} and {r.resources_id for r in rollouts} == {"policy"}
+    assert {r.mode.value for r in rollouts} == {"train"} and {r.resources_id for r in rollouts} == {POLICY_RESOURCES_ID}
 
 
-async def test_synchronous_pacing_waits_for_each_model_version(real_store: RedisStore) -> None:
-    """Staleness 0: one round of groups per published version, no more."""
+async def test_synchronous_pacing_waits_for_each_trainer_step(real_store: RedisStore) -> None:
+    """Staleness 0: one round of groups per trainer step (read from its steps stream), no more."""
     s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, staleness=0)
     await s.load()
     assert await s.fill() == 2
     assert await s.fill() == 0
-    await _publish(real_store, "v1")
+    await _trainer_step(real_store, 1)
     assert await s.fill() == 2
     assert s.state.groups == 4
 
 
 async def test_staleness_one_runs_a_round_ahead(real_store: RedisStore) -> None:
-    """Staleness 1: two rounds before the first version, then one more per version."""
+    """Staleness 1: two rounds before the first trainer step, then one more per step."""
     s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, staleness=1)
     await s.load()
     assert await s.fill() == 2
-    await _publish(real_store, "v1")
+    await _trainer_step(real_store, 1)
     assert await s.fill() == 1
 
 
@@ -84,7 +85,7 @@ async def test_a_restarted_scheduler_continues_and_never_enqueues_a_task_twice(r
     await real_store.enqueue_rollouts([real_store.new_rollout(task, rollout_id=f"run-e0-{task_id(task)}-{i}") for i in range(2)])
     second = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, seed=7)
     assert (await second.load()).groups == 2
-    await _publish(real_store, "v1")
+    await _trainer_step(real_store, 1)
     assert await second.fill() == 2
     stats = await real_store.statistics()
     assert stats["total_rollouts"] == second.state.enqueued == 8
@@ -103,7 +104,7 @@ async def test_epochs_wrap_and_end(real_store: RedisStore) -> None:
 
 
 async def test_a_dropped_group_gets_topped_up(real_store: RedisStore) -> None:
-    """Nothing in flight and no new version for stall_s: one extra group, so the trainer can step."""
+    """Nothing in flight and no new trainer step for stall_s: one extra group, so the trainer can step."""
     s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, stall_s=0.1)
     await s.load()
     assert await s.fill() == 1

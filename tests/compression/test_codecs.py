@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from fulmen.compression import available_codecs, decode, make_codec
 from fulmen.errors import InvalidInput
+from fulmen_trainer.codecs import available_codecs, decode, make_codec
 
 
 def dyadic(n: int, seed: int = 0) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The DDP hook path (gloo, 2 processes) and the Redis path (2 trainer ranks) reach the same weights.
 
-Both run the trainer's own passes (`Trainer._backward`, `Trainer._update`) on the same 3 steps of the
+Both run the trainer's own passes (`Trainer.backward`, `Trainer.update`) on the same 3 steps of the
 same samples, split the same way, with the same codec state (`RankCodec`: same knobs, seed 0, one
 random stream per rank). What is equal by construction:
 - The Redis leader sums every rank's *decoded* gradient (its own included) with `sum_decoded`; the
@@ -32,15 +32,19 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.nn.parallel import DistributedDataParallel
 
-from fulmen.compression import DDPCodecState, codec_hook
 from fulmen.records import Sample
 from fulmen.settings import Settings, load_settings
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
+from fulmen_trainer.codecs import DDPCodecState, codec_hook
+from fulmen_trainer.gradients import RankCodec
 from fulmen_trainer.groups import ReadyGroup
+from fulmen_trainer.membership import Membership
 from fulmen_trainer.objectives import Baseline
-from fulmen_trainer.ranks import Exchange, Membership, RankCodec, RankGroup, _share
-from fulmen_trainer.trainer import Trainer, plan_step
+from fulmen_trainer.plan import plan_step
+from fulmen_trainer.rank_group import RankGroup
+from fulmen_trainer.ranks import Exchange
+from fulmen_trainer.trainer import Trainer
 
 WORLD, STEPS, GROUPS_PER_STEP, LR = 2, 3, 2, 1e-3
 BF16_ATOL = 1e-4  # measured 2.8e-5 after 3 steps at lr 1e-3, ≈ 1% of how far the weights moved (≈ 3e-3)
@@ -97,7 +101,7 @@ def ddp_worker(rank: int, init_file: str, tiny: str, out_dir: str) -> None:
         trainer = Trainer(None, settings, rank=rank)  # type: ignore[arg-type]  # passes only, no store
         model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).train()
         ddp = DistributedDataParallel(model, find_unused_parameters=True)
-        ddp.config = model.config  # Trainer._batch reads the pad id there
+        ddp.config = model.config  # Trainer.batch_tokens reads the pad id there
         state = DDPCodecState(RankCodec(case["codec"], density=case["density"]).state, start_iter=0)
         state.buckets = []  # type: ignore[attr-defined]
         ddp.register_comm_hook(state, _layout_checked_hook)
@@ -107,13 +111,13 @@ def ddp_worker(rank: int, init_file: str, tiny: str, out_dir: str) -> None:
             groups = [ReadyGroup(f"g{g}", samples[4 * g : 4 * g + 4], [1.0] * 4, [])
                       for g in range(step * GROUPS_PER_STEP, (step + 1) * GROUPS_PER_STEP)]
             plan = plan_step(groups, "grpo", "final", Baseline())
-            total_tokens = trainer._batch(plan).tokens
+            total_tokens = trainer.batch_tokens(plan)
             size = len(plan.samples)
-            share = _share(plan, size * rank // WORLD, size * (rank + 1) // WORLD)
+            share = plan.share(size * rank // WORLD, size * (rank + 1) // WORLD)
             for _ in range(case["epochs"]):
                 # twice this rank's share of the token mean: DDP's average of two is then their sum
-                trainer._backward(share, total_tokens / WORLD)
-                trainer._update()
+                trainer.backward(share, total_tokens / WORLD)
+                trainer.update()
             trainer.step += 1
         expected = [p.data_ptr() for p in model.parameters()]
         layouts[name] = all(b == expected for b in state.buckets) and len(state.buckets) == STEPS * case["epochs"]

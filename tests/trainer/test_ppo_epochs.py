@@ -13,7 +13,8 @@ from fulmen.settings import load_settings
 from fulmen.tiny_model import build_tiny_model
 from fulmen_trainer.batch import make_batch, token_logprobs
 from fulmen_trainer.objectives import policy_gradient
-from fulmen_trainer.trainer import StepPlan, Trainer
+from fulmen_trainer.plan import StepPlan
+from fulmen_trainer.trainer import Trainer
 
 LR, CLIP, TIS_CAP, MAX_NORM = 0.05, 0.2, 2.0, 1.0  # a large rate: the second pass leaves the clip range
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fulmen import keys as k
+from fulmen.model_versions import ModelVersion
 from fulmen.records import Sample, SampleSkip
 from fulmen.settings import load_settings
 from fulmen.store import RedisStore
@@ -103,7 +104,7 @@ async def test_a_step_trains_publishes_checkpoints_and_acknowledges(real_store: 
     await trainer.setup()
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     await asyncio.wait_for(trainer.run(asyncio.Event()), 60)
-    assert trainer.step == 1 and trainer.version == "v1"
+    assert trainer.step == 1 and trainer.version == ModelVersion(1, "v1")
     assert any(not (p.detach() == before[n]).all() for n, p in trainer.model.named_parameters())
     latest = await real_store.get_latest_resources()
     assert latest is not None and latest.resources["llm"]["model_version"] == "v1"

@@ -12,7 +12,7 @@ One module per area, every record importable from here:
     status     RolloutStatus, AttemptStatus, RolloutMode and their transition table
     messages   QueueEntry, RolloutFinished, DeadLetter, ResourcesUpdate, Worker, ProxyEndpoint, WeightsChunk
     samples    Sample, SampleSkip, pack_sample
-    ranks      GradientChunk, RankPlan
+    ranks      GradientChunk, GradientHeader, RankPlan
     ops        ServiceBeat, TrainStep
     control    ControlMessage, ControlAction (the proxies' control stream)
     base       Record: the msgpack map form derived from a dataclass's fields
@@ -30,7 +30,7 @@ from fulmen.records.messages import (
     Worker,
 )
 from fulmen.records.ops import ServiceBeat, TrainStep
-from fulmen.records.ranks import GradientChunk, RankPlan
+from fulmen.records.ranks import GradientChunk, GradientHeader, RankPlan
 from fulmen.records.rollouts import Attempt, AttemptedRollout, Rollout, RolloutConfig
 from fulmen.records.samples import Sample, SampleSkip, pack_sample
 from fulmen.records.spans import Span, SpanView
@@ -44,6 +44,7 @@ __all__ = [
     "ControlMessage",
     "DeadLetter",
     "GradientChunk",
+    "GradientHeader",
     "ProxyEndpoint",
     "QueueEntry",
     "RankPlan",

@@ -1,4 +1,4 @@
-"""Between trainer ranks: compressed gradient chunks and the leader's step plan."""
+"""Between trainer ranks: compressed gradient chunks, their header, and the leader's step plan."""
 
 from __future__ import annotations
 
@@ -14,11 +14,33 @@ from fulmen.errors import RecordError
 
 
 @dataclass(frozen=True, slots=True)
+class GradientHeader:
+    """What every chunk of one framed gradient payload agrees on (`GradientChunk.header`)."""
+
+    step: int
+    rank: int
+    name: str  # the tensor or bucket this gradient belongs to
+    codec: str
+    shape: tuple[int, ...]
+    dtype: str
+    meta: dict[str, Any]
+    size: int  # bytes in the whole payload
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
 class GradientChunk:
     """One piece of one rank's compressed gradient for one tensor or bucket at one step
-    (`fulmen.compression` writes and reads these; ``data`` is a slice of the codec's payload)."""
+    (the trainer's codecs, `fulmen_trainer.codecs`, write and read these; ``data`` is a slice of the
+    codec's payload)."""
 
-    fmt: int  # layout version of the codec payloads (fulmen.compression.FORMAT_VERSION)
+    fmt: int  # layout version of the codec payloads (fulmen_trainer.codecs.FORMAT_VERSION)
     step: int
     rank: int
     name: str  # the tensor or bucket this gradient belongs to
@@ -31,6 +53,12 @@ class GradientChunk:
     size: int  # bytes in the whole payload
     crc32: int  # zlib.crc32 of this chunk's data
     data: bytes | memoryview
+
+    @property
+    def header(self) -> GradientHeader:
+        return GradientHeader(
+            self.step, self.rank, self.name, self.codec, tuple(self.shape), self.dtype, self.meta, self.size
+        )
 
     def to_wire(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> bytes:
         return pack_record("grad_chunk", {name: getattr(self, name) for name in self.__slots__}, max_bytes)

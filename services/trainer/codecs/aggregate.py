@@ -16,6 +16,7 @@ Aggregation semantics:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,10 +24,10 @@ import numpy as np
 import torch
 
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES
-from fulmen.compression.base import codec_class
-from fulmen.compression.framing import Header, unframe
 from fulmen.errors import InvalidInput, RecordError
-from fulmen.records import GradientChunk
+from fulmen.records import GradientChunk, GradientHeader
+from fulmen_trainer.codecs.base import CodecStats, codec_class
+from fulmen_trainer.codecs.framing import unframe
 
 Chunks = Sequence[bytes | GradientChunk]
 
@@ -36,7 +37,7 @@ class DecodedGradient:
     """One rank's decoded gradient: ``dense`` (fp32, numel) or, for sparse codecs, ``indices``
     (int64, unique, increasing) and ``values`` (fp32) over a flat gradient of ``header.numel``."""
 
-    header: Header
+    header: GradientHeader
     dense: np.ndarray | None = None
     indices: np.ndarray | None = None
     values: np.ndarray | None = None
@@ -60,9 +61,20 @@ def decode_parts(chunks: Chunks, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTE
     return DecodedGradient(header, dense=result)
 
 
-def decode(chunks: Chunks, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> torch.Tensor:
-    """The chunks of one rank's gradient, in order → a new dense fp32 tensor of the encoded shape."""
-    part = decode_parts(chunks, max_record_bytes)
+def decode(
+    chunks: Chunks, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, *, stats: CodecStats | None = None
+) -> torch.Tensor:
+    """The chunks of one rank's gradient, in order → a new dense fp32 tensor of the encoded shape.
+    ``stats`` (a codec's `CodecStats`): count this decode and its time there."""
+    started = time.perf_counter()
+    out = _dense(decode_parts(chunks, max_record_bytes))
+    if stats is not None:
+        stats.decode_s += time.perf_counter() - started
+        stats.decode_calls += 1
+    return out
+
+
+def _dense(part: DecodedGradient) -> torch.Tensor:
     if part.dense is not None:
         dense = part.dense if part.dense.flags.writeable else part.dense.copy()
         out = torch.from_numpy(dense)

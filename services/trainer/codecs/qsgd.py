@@ -9,8 +9,8 @@ element is stochastically rounded to one of 2s + 1 levels:
 
 with s = 127 (8 bits, int8) or s = 7 (4 bits, q + 8 in 1..15, two values per byte: the first of a
 pair in the high nibble). Wire: ``norms float32[nbuckets]`` then the codes, exactly ``numel``
-of them (no padding sent). meta: ``{"bucket": int, "levels": s}``. Ratio for bucket 512:
-3.97× (8 bits), 7.88× (4 bits).
+of them (no padding sent). meta: ``{"bucket": int, "levels": s}``. With buckets of 512, the 4-byte
+norm per bucket leaves the ratio just under 4× (8 bits) and 8× (4 bits).
 
 No error feedback: the codec is unbiased, and the noise of independent ranks averages out (each
 rank draws from its own stream, seeded by ``seed`` and its rank).
@@ -23,8 +23,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fulmen.compression.base import CodecState, Payload, check_end, check_section, register_codec
 from fulmen.errors import InvalidInput, RecordError
+from fulmen_trainer.codecs.base import CodecState, check_end, check_section, register_codec
+from fulmen_trainer.codecs.framing import Payload
 
 _NORMS = ("max", "l2")
 

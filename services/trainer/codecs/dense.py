@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fulmen.compression.base import CodecState, Payload, check_end, check_section, register_codec
+from fulmen_trainer.codecs.base import CodecState, check_end, check_section, register_codec
+from fulmen_trainer.codecs.framing import Payload
 
 
 @register_codec("none")

@@ -10,7 +10,7 @@ Contract of ``codec_hook(state, bucket) -> Future[Tensor]`` (see ``register_comm
 - Who divides: ``none`` and ``bf16`` divide each rank's buffer by the world size *before* the
   all-reduce (as PyTorch's ``allreduce_hook`` / ``bf16_compress_hook`` do: it keeps the bf16 sum in
   range); the other codecs all-gather every rank's encoded chunks, then every rank decodes and
-  averages them with `fulmen.compression.mean_decoded` — the decode-and-sum of the Redis path
+  averages them with `fulmen_trainer.codecs.mean_decoded` — the decode-and-sum of the Redis path
   (`sum_decoded`), so both paths give the same bits for the same codec, inputs and seeds. (``none``
   matches the Redis path exactly for 2 ranks; ``bf16`` sums in bf16 on the wire, so it matches to
   bf16 precision.)
@@ -38,9 +38,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fulmen.compression.aggregate import mean_decoded
-from fulmen.compression.base import CodecState, make_codec
 from fulmen.errors import InvalidInput
+from fulmen_trainer.codecs.aggregate import mean_decoded
+from fulmen_trainer.codecs.base import CodecState, make_codec
 
 __all__ = ["DDPCodecState", "codec_hook", "make_ddp_hook"]
 

@@ -3,8 +3,8 @@
 A codec is a state object (PyTorch's ``PowerSGDState`` shape): knobs (validated in ``__init__``),
 internal state (error-feedback residuals and momenta, keyed by tensor/bucket name, and the random
 generator), and statistics. ``encode`` turns one gradient into framed chunks; decoding needs no state
-(`fulmen.compression.aggregate.decode` reads the codec name from the chunk header), so any rank
-decodes any other rank's chunks.
+(`fulmen_trainer.codecs.aggregate.decode` reads the codec name from the chunk header), so any rank
+decodes any other rank's chunks; it counts its time in a codec's statistics when given them.
 
 What persists across ``state_dict``/``load_state_dict``: knobs (checked, not overwritten), residuals,
 momenta, the generator state and the warm-up start step. Statistics do not (they are per run).
@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -24,25 +24,9 @@ import torch
 
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES
 from fulmen.errors import InvalidInput, RecordError
+from fulmen_trainer.codecs.framing import FORMAT_VERSION, Payload, frame
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1  # layout of every codec payload; bump on any change, old chunks are then refused
-
-
-@dataclass(slots=True)
-class Payload:
-    """A codec's output before framing: byte sections laid end to end, and the small ``meta`` map the
-    decoder needs (it travels in every chunk header)."""
-
-    sections: list[memoryview | bytes]
-    meta: dict[str, Any] = field(default_factory=dict)
-    selected: int | None = None  # elements actually sent (sparse codecs), for statistics
-
-    @property
-    def nbytes(self) -> int:
-        return sum(memoryview(s).nbytes for s in self.sections)
-
 
 @dataclass(slots=True)
 class CodecStats:
@@ -88,7 +72,7 @@ class CodecState(ABC):
 
     ``encode`` contract: ``grad`` is any-shaped floating tensor (converted to contiguous fp32 on CPU,
     a copy only if needed); it is never modified. The gradient is encoded as the caller gives it:
-    nothing is divided by the world size here (see `fulmen.compression.aggregate`). Error-feedback
+    nothing is divided by the world size here (see `fulmen_trainer.codecs.aggregate`). Error-feedback
     state for ``name`` is updated in place.
     """
 
@@ -123,8 +107,6 @@ class CodecState(ABC):
         ``name`` keys the error-feedback state (one residual per name); ``step`` and ``rank`` go in the
         headers (and ``step`` drives schedules such as DGC's density warm-up).
         """
-        from fulmen.compression.framing import frame  # framing imports this module
-
         t0 = time.perf_counter()
         flat = as_flat_fp32(grad)
         rng = self._generator(rank)
@@ -148,16 +130,6 @@ class CodecState(ABC):
         s.wire_bytes += sum(len(c) for c in chunks)
         s.chunks += len(chunks)
         return chunks
-
-    def decode(self, chunks: Sequence[Any]) -> torch.Tensor:
-        """Decode one rank's chunks (any codec's) to a new dense fp32 tensor, counting the time."""
-        from fulmen.compression.aggregate import decode
-
-        t0 = time.perf_counter()
-        out = decode(chunks)
-        self.stats.decode_s += time.perf_counter() - t0
-        self.stats.decode_calls += 1
-        return out
 
     @abstractmethod
     def _compress(self, flat: torch.Tensor, name: str, step: int, rng: np.random.Generator) -> Payload:

@@ -1,5 +1,8 @@
 """Chunk framing: a codec payload ↔ a list of `fulmen.records.GradientChunk` wire records.
 
+The bottom of the codec package: codecs (`base`) produce a `Payload` and frame it here; decoders
+(`aggregate`) unframe it and look the codec up by the name in the header. Nothing here imports them.
+
 Each chunk is one msgpack record (schema version ``v``, kind ``grad_chunk``) with a small header —
 payload format version, step, rank, tensor/bucket name, codec, shape, dtype, the codec's ``meta``,
 chunk index and count, total payload size, zlib.crc32 of the chunk — and a slice of the payload. A
@@ -15,38 +18,32 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES
-from fulmen.compression.base import FORMAT_VERSION, Payload
 from fulmen.errors import RecordError
-from fulmen.records import GradientChunk
+from fulmen.records import GradientChunk, GradientHeader
+
+FORMAT_VERSION = 1  # layout of every codec payload; bump on any change, old chunks are then refused
 
 # Room for the header: the fixed fields take ~120 bytes; a long name or a large meta map is refused
 # by the record size check rather than silently split.
 _HEADER_ROOM = 16 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
-    """What every chunk of one payload agrees on."""
+@dataclass(slots=True)
+class Payload:
+    """A codec's output before framing: byte sections laid end to end, and the small ``meta`` map the
+    decoder needs (it travels in every chunk header)."""
 
-    step: int
-    rank: int
-    name: str
-    codec: str
-    shape: tuple[int, ...]
-    dtype: str
-    meta: dict[str, Any]
-    size: int
+    sections: list[memoryview | bytes]
+    meta: dict[str, Any] = field(default_factory=dict)
+    selected: int | None = None  # elements actually sent (sparse codecs), for statistics
 
     @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+    def nbytes(self) -> int:
+        return sum(memoryview(s).nbytes for s in self.sections)
 
 
 def frame(
@@ -108,22 +105,13 @@ def parse_chunk(
 
 def unframe(
     chunks: Sequence[bytes | GradientChunk], max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-) -> tuple[Header, memoryview]:
+) -> tuple[GradientHeader, memoryview]:
     """The chunks of one payload, in order → (header, payload bytes). See the module docstring."""
     if not chunks:
         raise RecordError("no gradient chunks to decode")
     records = [parse_chunk(c, max_record_bytes) for c in chunks]
     first = records[0]
-    header = Header(
-        first.step,
-        first.rank,
-        first.name,
-        first.codec,
-        tuple(first.shape),
-        first.dtype,
-        first.meta,
-        first.size,
-    )
+    header = first.header
     if first.count != len(records):
         raise RecordError(
             f"gradient {first.name!r} (rank {first.rank}, step {first.step}) has {first.count} chunks, "
@@ -135,8 +123,7 @@ def unframe(
                 f"gradient {first.name!r} (rank {first.rank}, step {first.step}): expected chunk {position}, "
                 f"got chunk {r.index} (out of order, duplicated or missing)"
             )
-        key = (r.step, r.rank, r.name, r.codec, tuple(r.shape), r.dtype, r.meta, r.size, r.count)
-        if key != (*_header_key(header), first.count):
+        if r.header != header or r.count != first.count:
             raise RecordError(
                 f"chunk {r.index} belongs to gradient {r.name!r} (rank {r.rank}, step {r.step}), not to "
                 f"{first.name!r} (rank {first.rank}, step {first.step}): chunks of different gradients mixed"
@@ -157,6 +144,3 @@ def unframe(
         position += len(r.data)
     return header, memoryview(data)
 
-
-def _header_key(h: Header) -> tuple[Any, ...]:
-    return (h.step, h.rank, h.name, h.codec, h.shape, h.dtype, h.meta, h.size)

@@ -1,4 +1,10 @@
-"""Gradient compression for data-parallel trainer ranks: codecs, chunk framing, aggregation, DDP hook.
+"""Gradient codecs for data-parallel trainer ranks: codecs, chunk framing, aggregation, DDP hook.
+
+Only the trainer sends gradients, so the codecs live beside it; the wire records they frame
+(`fulmen.records.GradientChunk`, `GradientHeader`) live in `fulmen.records` with every other record.
+Modules, lowest first (each imports only those above it): ``framing`` (payload ↔ chunks),
+``base`` (the codec interface and registry), the codecs (``dense``, ``sparse``, ``dgc``, ``qsgd``),
+``aggregate`` (decode and sum), ``ddp_hook``.
 
 Codecs, by registered name (`make_codec(name, **knobs)`):
 
@@ -28,23 +34,21 @@ in ``state_dict()``. Nobody divides by the world size before encoding; `mean_dec
 summing. `make_ddp_hook` offers the same codecs to ``DistributedDataParallel.register_comm_hook``.
 """
 
-from fulmen.compression import dense, dgc, qsgd, sparse  # noqa: F401  (registers the codecs)
-from fulmen.compression.aggregate import DecodedGradient, decode, decode_parts, mean_decoded, sum_decoded
-from fulmen.compression.base import (
-    FORMAT_VERSION,
+from fulmen_trainer.codecs import dense, dgc, qsgd, sparse  # noqa: F401  (registers the codecs)
+from fulmen_trainer.codecs.aggregate import DecodedGradient, decode, decode_parts, mean_decoded, sum_decoded
+from fulmen_trainer.codecs.base import (
     CodecState,
     CodecStats,
-    Payload,
     available_codecs,
     make_codec,
     register_codec,
 )
-from fulmen.compression.ddp_hook import DDPCodecState, codec_hook, make_ddp_hook
-from fulmen.compression.dense import Bf16Codec, NoneCodec
-from fulmen.compression.dgc import DGCCodec
-from fulmen.compression.framing import Header, frame, parse_chunk, unframe
-from fulmen.compression.qsgd import QSGD4Codec, QSGD8Codec, QSGDCodec
-from fulmen.compression.sparse import BLOCK, SparseCodec, TopKCodec, pack_sparse, unpack_sparse
+from fulmen_trainer.codecs.ddp_hook import DDPCodecState, codec_hook, make_ddp_hook
+from fulmen_trainer.codecs.dense import Bf16Codec, NoneCodec
+from fulmen_trainer.codecs.dgc import DGCCodec
+from fulmen_trainer.codecs.framing import FORMAT_VERSION, Payload, frame, parse_chunk, unframe
+from fulmen_trainer.codecs.qsgd import QSGD4Codec, QSGD8Codec, QSGDCodec
+from fulmen_trainer.codecs.sparse import BLOCK, SparseCodec, TopKCodec, pack_sparse, unpack_sparse
 
 __all__ = [
     "BLOCK",
@@ -55,7 +59,6 @@ __all__ = [
     "DDPCodecState",
     "DGCCodec",
     "DecodedGradient",
-    "Header",
     "NoneCodec",
     "Payload",
     "QSGD4Codec",

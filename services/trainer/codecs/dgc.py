@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fulmen.compression.base import Payload, register_codec
-from fulmen.compression.sparse import SparseCodec, pack_sparse
 from fulmen.errors import InvalidInput
+from fulmen_trainer.codecs.base import register_codec
+from fulmen_trainer.codecs.framing import Payload
+from fulmen_trainer.codecs.sparse import SparseCodec, pack_sparse
 
 LOW, HIGH = 0.8, 1.25  # accepted band of the selected count, relative to the target
 MIN_SAMPLE = 4096
@@ -141,7 +142,8 @@ class DGCCodec(SparseCodec):
 
         values = v[candidates]
         payload, decoded = pack_sparse(candidates, values, n, self.value_dtype)
-        v[candidates] = values - decoded  # one scatter; no second gather (random access: ~5 ms each)
+        # one scatter and no second gather: each is a random access over the whole buffer
+        v[candidates] = values - decoded
         if u is not None:
             u[candidates] = 0.0
         return payload

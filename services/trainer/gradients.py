@@ -1,0 +1,70 @@
+"""A rank's gradient as one flat fp32 vector, and the codec it travels through between ranks.
+
+The Redis rank path sends one flat gradient per pass (every parameter, in ``model.parameters()``
+order), which is also the layout of a single DDP bucket: the two paths then feed the codecs the same
+vector and reach the same weights (tests/trainer/test_ddp_parity.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fulmen.errors import InvalidInput
+from fulmen_trainer import codecs
+
+GRADIENT_NAME = "grads"  # the codec's error-feedback key: one flat gradient per rank
+LOSSLESS = "none"  # the leader's aggregate: one per step, exact, so every rank applies the same bits
+SPARSE_CODECS = ("topk", "dgc")  # the codecs that take a density
+
+
+class RankCodec:
+    """A rank's gradient codec: its state (error feedback, DGC momentum) persists across steps and in
+    checkpoints. Decoding needs no state, so the leader decodes every rank's chunks alike."""
+
+    def __init__(self, name: str, **knobs: Any) -> None:
+        if name == "dgc":
+            knobs.setdefault("momentum", 0.0)  # AdamW keeps the momentum; DGC's would count it twice
+        if name not in SPARSE_CODECS:
+            knobs.pop("density", None)  # one settings field serves every codec; only these use it
+        try:
+            self.state = codecs.make_codec(name, **knobs)
+        except (InvalidInput, ValueError, KeyError) as e:
+            raise ValueError(str(e)) from None
+        self.name = name
+
+    def encode(self, flat: torch.Tensor, step: int, rank: int) -> list[bytes]:
+        return self.state.encode(flat, name=GRADIENT_NAME, step=step, rank=rank)
+
+    @staticmethod
+    def decode(chunks: Sequence[bytes]) -> torch.Tensor:
+        return codecs.decode(chunks).reshape(-1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state)
+
+
+def flat_gradient(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient (zeros where there is none), in parameter order, as one vector."""
+    return torch.cat([
+        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()
+    ])
+
+
+def set_gradient(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    """The inverse of `flat_gradient`: each parameter's ``.grad`` becomes its slice of ``flat``."""
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def cosine(sent: torch.Tensor, true: torch.Tensor) -> float:
+    """How far what the codec sent is from the true gradient (1.0: same direction; 1.0 for a zero one)."""
+    return float(torch.nn.functional.cosine_similarity(sent, true, dim=0)) if true.any() else 1.0
