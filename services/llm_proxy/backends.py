@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
-    from fulmen.settings import Settings
+    from fulmen.settings import ProxySettings
 
 Operation = Literal["chat", "text_completion"]
 Fidelity = Literal["exact", "text_only"]
@@ -110,7 +110,7 @@ class Backend(Protocol):
         ...
 
 
-def make_backend(settings: Settings) -> Backend:
+def make_backend(settings: ProxySettings) -> Backend:
     """The backend the settings ask for (imports torch only for the torch backend)."""
     kind = settings.proxy_backend
     if kind == "torch":

@@ -17,7 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from fulmen.connection import connect
-from fulmen.settings import Settings
+from fulmen.settings import ProxySettings
 from fulmen.store import RedisStore
 from fulmen_llm_proxy.backends import Backend, make_backend
 from fulmen_llm_proxy.control import ControlFollower
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class ProxyService:
-    def __init__(self, settings: Settings, base_url: str, backend: Backend | None = None) -> None:
+    def __init__(self, settings: ProxySettings, base_url: str, backend: Backend | None = None) -> None:
         self.settings = settings
         self.base_url = base_url
         self.proxy_id = default_proxy_id(base_url)

@@ -25,7 +25,7 @@ import torch
 from fulmen import keys as k
 from fulmen.model_versions import publish_model_version, version_number
 from fulmen.records import Sample
-from fulmen.settings import Settings
+from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 from fulmen_trainer import checkpoint as ckpt
 from fulmen_trainer.batch import TokenBatch, make_batch, token_logprobs
@@ -114,7 +114,7 @@ def plan_step(groups: list[ReadyGroup], algorithm: str, reward_source: str, base
 
 
 class Trainer:
-    def __init__(self, store: RedisStore, settings: Settings, *, rank: int = 0, ranks: Any = None) -> None:
+    def __init__(self, store: RedisStore, settings: TrainerSettings, *, rank: int = 0, ranks: Any = None) -> None:
         if settings.model_dir is None:
             raise ValueError("the trainer needs --model-dir (a Hugging Face model folder)")
         objective(settings.algorithm)  # unknown names fail here, at start

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
 
 from fulmen.errors import RedisUnavailable
-from fulmen.settings import Settings
+from fulmen.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-async def connect(settings: Settings, *, wait_s: float | None = None) -> aioredis.Redis:
+async def connect(settings: CommonSettings, *, wait_s: float | None = None) -> aioredis.Redis:
     """A client for the configured Redis, once it answers PING. Waits with jittered exponential
     backoff (services start in any order), up to ``wait_s`` (default: settings.redis_wait_s)."""
     url = settings.redis_url_value()
