@@ -246,7 +246,10 @@ def _add_service_commands() -> None:
     """`fulmen runner`, `fulmen llm-proxy`, ...: each service registers its command as an entry point."""
     from importlib.metadata import entry_points
 
+    registered = {c.name for c in app.registered_commands}
     for ep in entry_points(group="fulmen.services"):
+        if ep.name in registered:  # called twice (tests): once is enough
+            continue
         try:
             command = ep.load()
         except Exception as e:  # one broken service must not take the whole CLI down
