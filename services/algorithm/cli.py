@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from fulmen import keys as k
-from fulmen.service_cli import run_on_store, settings_command
+from fulmen.service_cli import own_fields, run_on_store, settings_command
 from fulmen.settings import AlgorithmSettings, ApoSettings, DemoSettings, EvalSettings, EvaluatorSettings
 from fulmen.store import RedisStore
 
@@ -24,6 +24,8 @@ log = logging.getLogger("fulmen.algorithm")
 APO_ROUNDS = 2
 APO_BEAM_WIDTH = 2
 APO_BRANCH_FACTOR = 2
+# The demo writes its own datasets: no flag for them.
+DEMO_WRITES = ("train_data", "val_data")
 
 
 def _error(message: str, code: int = 2) -> typer.Exit:
@@ -58,7 +60,7 @@ def command(settings: AlgorithmSettings) -> None:
     _run(settings, tasks, val_tasks)
 
 
-@settings_command(DemoSettings)
+@settings_command(DemoSettings, fields=("experiment", *(f for f in own_fields(DemoSettings) if f not in DEMO_WRITES)))
 def demo(settings: DemoSettings) -> None:
     """The demo's driver: prepare arithmetic tasks and a tiny Llama warmed up by SFT (first start
     only), publish it, then run the training like `fulmen algorithm`, validating as it goes.

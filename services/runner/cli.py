@@ -28,6 +28,8 @@ err = Console(stderr=True)
 HookOpt = Annotated[
     list[str] | None, typer.Option("--hook", help="A fulmen.Hook as module:Class (repeatable).")
 ]
+# How much of a message span `run-once` prints.
+MESSAGE_CHARS = 100
 SHORT_NAMES = {"agent": ("--agent", "-a"), "concurrency": ("--concurrency", "-c")}
 
 
@@ -215,7 +217,7 @@ def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -
         elif kind == semconv.KIND_EXCEPTION:
             detail = f"{s.attributes.get(semconv.EXCEPTION_TYPE)}: {s.attributes.get(semconv.EXCEPTION_MESSAGE)}"
         elif kind == semconv.KIND_MESSAGE:
-            detail = str(s.attributes.get(semconv.MESSAGE))[:100]
+            detail = str(s.attributes.get(semconv.MESSAGE))[:MESSAGE_CHARS]
         out.print(f"  {s.sequence_id:>3}  {escape(s.name):<28} {escape(detail)}")
     status = outcome.status.value if outcome.status else "abandoned"
     out.print(f"status: [bold]{status}[/bold]  reward: [bold]{outcome.reward}[/bold]")

@@ -15,6 +15,10 @@ from fulmen.status import RolloutMode, RolloutStatus
 
 # Seconds a read-only view waits on Redis before it says Redis is unreachable.
 REDIS_TIMEOUT_S = 5.0
+TOP_INTERVAL_S = 2.0
+# Rows a listing shows unless told otherwise, and the characters of a JSON cell before it is cut.
+LIST_LIMIT = 20
+CELL_CHARS = 60
 
 
 def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
@@ -42,7 +46,7 @@ def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
 
 def top(
     experiment: ExperimentOpt = None,
-    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 2.0,
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = TOP_INTERVAL_S,
     once: Annotated[bool, typer.Option("--once", help="Print one frame and exit (for scripts).")] = False,
 ) -> None:
     """A live view of the whole pipeline, refreshed in place until Ctrl-C.
@@ -73,7 +77,7 @@ def rollouts(
         list[RolloutStatus] | None, typer.Option("--status", help="Only these statuses (repeatable).")
     ] = None,
     mode: Annotated[RolloutMode | None, typer.Option(help="Only this mode.")] = None,
-    limit: Annotated[int, typer.Option(min=1, help="At most this many.")] = 20,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many.")] = LIST_LIMIT,
     offset: Annotated[int, typer.Option(min=0, help="Skip this many first.")] = 0,
     oldest_first: Annotated[bool, typer.Option(help="Oldest first (default: newest first).")] = False,
     as_json: JsonOpt = False,
@@ -109,7 +113,7 @@ def rollouts(
     for r in found:
         text = json.dumps(r.input, default=str)
         table.add_row(
-            r.rollout_id, r.status.value, r.mode.value if r.mode else "", str(r.attempt_count), text[:60]
+            r.rollout_id, r.status.value, r.mode.value if r.mode else "", str(r.attempt_count), text[:CELL_CHARS]
         )
     out.print(table)
     if not found:
@@ -148,7 +152,7 @@ def spans(
     table = Table("seq", "attempt", "name", "span", "parent", "attributes")
     for s in found:
         attrs = json.dumps(semconv.readable(s.attributes), default=str)
-        table.add_row(str(s.sequence_id), s.attempt_id, s.name, s.span_id, s.parent_id or "", attrs[:60])
+        table.add_row(str(s.sequence_id), s.attempt_id, s.name, s.span_id, s.parent_id or "", attrs[:CELL_CHARS])
     out.print(table)
     if not found:
         out.print(f"rollout {rollout_id} has no spans")
@@ -156,7 +160,7 @@ def spans(
 
 def dead_letters(
     experiment: ExperimentOpt = None,
-    limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 20,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = LIST_LIMIT,
 ) -> None:
     """Show poison messages and why they were set aside."""
     settings = settings_from_flags(experiment=experiment)
