@@ -204,7 +204,7 @@ async def replay(redis_url: str, model_dir: Path, groups: list[list[Sample]], *,
     model (both ranks hold the same weights)."""
     import redis.asyncio as aioredis
 
-    from fulmen.settings import load_settings
+    from fulmen.settings import TrainerSettings, load_settings
     from fulmen.store import RedisStore
     from fulmen_trainer.gradients import RankCodec
     from fulmen_trainer.membership import Membership
@@ -214,7 +214,7 @@ async def replay(redis_url: str, model_dir: Path, groups: list[list[Sample]], *,
 
     client = aioredis.from_url(redis_url)
     store = RedisStore(client, f"parity-{codec}-{seed}-{uuid.uuid4().hex[:6]}")
-    settings = load_settings(
+    settings = load_settings(TrainerSettings,
         model_dir=model_dir, experiment=store.experiment, world_size=2, codec=codec, codec_density=args.density,
         groups_per_step=args.groups_per_step, ppo_epochs=args.ppo_epochs, learning_rate=args.lr,
         lr_warmup_steps=args.warmup, max_steps=args.steps, seed=seed, torch_threads=1,

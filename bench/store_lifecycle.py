@@ -41,7 +41,7 @@ import redis.asyncio as aioredis
 from fulmen.connection import connect
 from fulmen.embedded import EmbeddedRedis
 from fulmen.records import Span
-from fulmen.settings import Settings
+from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore
 
 EXPERIMENT = "bench-lifecycle"
@@ -88,7 +88,7 @@ def make_spans(rollout_id: str, attempt_id: str) -> list[Span]:
 
 async def run_worker(index: int, url: str, concurrency: int, ready: Any, stop: Any, separate: bool = False) -> dict[str, Any]:
     """One runner process: ``concurrency`` slots, each claiming and running one rollout at a time."""
-    client = await connect(Settings(redis_url=url), wait_s=10)
+    client = await connect(CommonSettings(redis_url=url), wait_s=10)
     store = RedisStore(client, EXPERIMENT)
     await store.ensure()
     worker_id = f"bench-w{index}"
@@ -144,7 +144,7 @@ def worker_main(index: int, url: str, concurrency: int, ready: Any, stop: Any, r
 async def drive(url: str, n: int, batch: int, window: int, workers: list[Any]) -> dict[str, Any]:
     """Enqueue N rollouts in batches, keeping at most ``window`` unfinished, until N completions
     are observed. Returns the timings and the server's CPU and command counts over the run."""
-    client = await connect(Settings(redis_url=url), wait_s=10)
+    client = await connect(CommonSettings(redis_url=url), wait_s=10)
     store = RedisStore(client, EXPERIMENT)
     await store.ensure()
     await store.ensure_finished_group(COMPLETIONS_GROUP, start="$")

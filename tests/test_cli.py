@@ -14,6 +14,7 @@ import pytest
 import redis as syncredis
 from typer.testing import CliRunner
 
+from fulmen import cli
 from fulmen.cli import app
 from fulmen.embedded import free_port, wait_for_port
 
@@ -149,6 +150,24 @@ def test_every_command_has_help() -> None:
         result = subprocess.run(args, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         assert "Usage" in result.stdout
+
+
+def test_a_service_help_shows_only_its_own_options() -> None:
+    """`fulmen runner --help` lists the runner's settings, each with its environment name and the
+    field's default, and none of another service's."""
+    cli._add_service_commands()
+
+    def help_text(command: str) -> str:  # the help with rich's box and line wrapping taken out
+        result = CliRunner().invoke(app, [command, "--help"])
+        assert result.exit_code == 0, result.output
+        return " ".join(result.stdout.replace("│", " ").split())
+
+    text = help_text("runner")
+    assert "--concurrency" in text and "(env FULMEN_CONCURRENCY; default 8)" in text
+    assert "--learning-rate" not in text and "--backend" not in text and "--redis-port" not in text
+    trainer_help = help_text("trainer")
+    assert "--learning-rate" in trainer_help and "default 0.0001" in trainer_help
+    assert "--concurrency" not in trainer_help and "--proxy-api-keys" not in trainer_help
 
 
 def test_redis_command_runs_embedded_server_with_aof(tmp_path: Path) -> None:

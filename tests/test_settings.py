@@ -6,7 +6,17 @@ import pytest
 
 from fulmen.connection import redact
 from fulmen.errors import InvalidInput
-from fulmen.settings import load_settings
+from fulmen.settings import (
+    AlgorithmSettings,
+    ApoSettings,
+    CommonSettings,
+    DemoSettings,
+    ProxySettings,
+    RunnerSettings,
+    TrainerSettings,
+    known_env_names,
+    load_settings,
+)
 
 
 def test_flag_over_environment_over_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,3 +58,45 @@ def test_invalid_values_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("FULMEN_REDIS_URL", "redis://x")  # the URL is REDIS_URL, nothing else
     with pytest.raises(InvalidInput, match="FULMEN_REDIS_URL"):
         load_settings()
+
+
+def test_each_service_reads_only_its_own_fields() -> None:
+    """A service's class holds the common base and its own fields, not another service's."""
+    assert "concurrency" in RunnerSettings.model_fields and "learning_rate" not in RunnerSettings.model_fields
+    assert "learning_rate" in TrainerSettings.model_fields and "concurrency" not in TrainerSettings.model_fields
+    for cls in (RunnerSettings, TrainerSettings, ProxySettings, AlgorithmSettings):
+        assert set(CommonSettings.model_fields) <= set(cls.model_fields)
+
+
+def test_a_field_two_services_read_is_defined_once() -> None:
+    """groups_per_step (trainer and algorithm) has one definition: same default, bounds, description."""
+    trainer, algorithm = TrainerSettings.model_fields, AlgorithmSettings.model_fields
+    declared_in = [c.__name__ for c in (*TrainerSettings.__mro__, *AlgorithmSettings.__mro__)
+                   if "groups_per_step" in vars(c).get("__annotations__", {})]
+    assert set(declared_in) == {"TrainingRunSettings"}
+    assert repr(trainer["groups_per_step"]) == repr(algorithm["groups_per_step"])
+    assert DemoSettings.model_fields["total_steps"].description == algorithm["total_steps"].description
+    assert (DemoSettings().total_steps, AlgorithmSettings().total_steps) == (300, None)
+
+
+def test_another_services_variable_is_no_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """honcho gives every process the same .env: the trainer's variables do not stop the runner."""
+    monkeypatch.setenv("FULMEN_LEARNING_RATE", "0.5")
+    monkeypatch.setenv("FULMEN_CONCURRENCY", "3")
+    assert load_settings(RunnerSettings).concurrency == 3
+    assert load_settings(TrainerSettings).learning_rate == 0.5
+    assert "FULMEN_LEARNING_RATE" in known_env_names()
+    monkeypatch.setenv("FULMEN_LEARNING_RAT", "0.5")
+    with pytest.raises(InvalidInput, match="FULMEN_LEARNING_RAT"):
+        load_settings(RunnerSettings)
+
+
+def test_secrets_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """API keys are SecretStr: repr says they are set, never what they are."""
+    monkeypatch.setenv("FULMEN_PROXY_API_KEYS", "k-123,k-456")
+    monkeypatch.setenv("FULMEN_CRITIC_API_KEY", "c-789")
+    proxy, apo = load_settings(ProxySettings), load_settings(ApoSettings)
+    assert proxy.proxy_api_keys is not None and proxy.proxy_api_keys.get_secret_value() == "k-123,k-456"
+    for text in (repr(proxy), str(proxy), repr(apo), str(apo)):
+        assert "k-123" not in text and "c-789" not in text
+    assert "proxy_api_keys='<set>'" in repr(proxy)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hashlib
-import json
 import logging
 import os
 import socket
@@ -31,6 +29,7 @@ from fulmen.errors import RecordError
 from fulmen.records import Rollout, RolloutFinished, RolloutStatus, SampleSkip, pack_sample
 from fulmen.store import RedisStore
 from fulmen.store.samples import RolloutForSamples
+from fulmen.tasks import task_id
 from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, sample_fields
 
 log = logging.getLogger(__name__)
@@ -53,8 +52,7 @@ def group_key(rollout: Rollout | RolloutForSamples) -> str:
     if isinstance(key, str) and key:
         return key
     task = rollout.input if isinstance(rollout, Rollout) else _input(rollout)
-    text = json.dumps(task, sort_keys=True, default=str, separators=(",", ":"))
-    return "task-" + hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+    return task_id(task)
 
 
 def _input(rollout: RolloutForSamples) -> Any:

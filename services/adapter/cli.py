@@ -10,26 +10,25 @@ from typing import Annotated, Any
 import typer
 
 from fulmen import keys as k
-from fulmen.cli import run_on_store, settings_from_flags
+from fulmen.service_cli import run_on_store, settings_command
+from fulmen.settings import AdapterSettings
 from fulmen.store import RedisStore
 
 log = logging.getLogger("fulmen.adapter")
 
 
+# Completions one adapter handles per round trip (8 batches in flight): large batches amortise the
+# round trips, and the cap keeps one batch's spans well inside memory.
+DEFAULT_BATCH = 128
+MAX_BATCH = 10_000
+
+
+@settings_command(AdapterSettings)
 def command(
-    llm_call_match: Annotated[
-        str | None, typer.Option(help="Regex on span names marking LLM calls [default: the proxy's spans].")
-    ] = None,
-    agent_match: Annotated[
-        str | None, typer.Option(help="Regex: keep only LLM calls under a span whose name matches.")
-    ] = None,
-    trajectories: Annotated[
-        bool | None, typer.Option("--trajectories/--no-trajectories", help="Also emit joined multi-turn samples.")
-    ] = None,
-    batch: Annotated[int, typer.Option(min=1, max=10_000, help="Completions handled per round trip (8 batches in flight).")] = 128,
-    experiment: Annotated[
-        str | None, typer.Option("--experiment", "-e", help="Experiment [env FULMEN_EXPERIMENT].")
-    ] = None,
+    settings: AdapterSettings,
+    batch: Annotated[
+        int, typer.Option(min=1, max=MAX_BATCH, help="Completions handled per round trip (8 batches in flight).")
+    ] = DEFAULT_BATCH,
 ) -> None:
     """Turn every finished rollout's spans into training samples on the samples stream.
 
@@ -37,9 +36,6 @@ def command(
     ids and log-probabilities the proxy recorded, plus one trajectory sample per multi-turn
     conversation; any other rollout yields a skip record with the reason. Once per rollout, however
     often a completion is delivered. Several adapters may run (one consumer group)."""
-    settings = settings_from_flags(
-        llm_call_match=llm_call_match, agent_match=agent_match, trajectories=trajectories, experiment=experiment
-    )
     from fulmen.ops_http import start_ops
     from fulmen.ops_metrics import CountersCollector
     from fulmen_adapter.adapter import Adapter, tune_gc_for_batches

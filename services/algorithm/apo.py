@@ -28,10 +28,16 @@ from fulmen import semconv
 from fulmen.errors import InvalidInput, NotFound
 from fulmen.model_versions import POLICY_RESOURCES_ID
 from fulmen.records.status import RolloutMode, RolloutStatus
+from fulmen.settings import ApoSettings
 from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task, task_id
 
 log = logging.getLogger(__name__)
+
+# How many failed tasks the critic is shown: enough to see a pattern, few enough to keep the prompt short.
+SHOWN_FAILURES = 5
+# The OpenAI client needs a key even when the critic asks for none.
+NO_API_KEY = "none"
 
 GRADIENT_PROMPT = """You improve prompt templates for an AI agent.
 
@@ -147,7 +153,7 @@ class APO:
 
     async def expand(self, candidate: Candidate, round_: int) -> list[Candidate]:
         """A critique of the candidate, then ``branch_factor`` edits of it."""
-        failures = "\n".join(f"- {t}" for t in candidate.failures[:5]) or "(none)"
+        failures = "\n".join(f"- {t}" for t in candidate.failures[:SHOWN_FAILURES]) or "(none)"
         candidate.critique = await self._ask(
             GRADIENT_PROMPT.format(template=candidate.template, score=candidate.score or 0.0, failures=failures)
         )
@@ -182,3 +188,21 @@ class APO:
             beam = sorted(beam + children, key=lambda c: -(c.score or 0.0))[: self.beam_width]
             log.info("APO round %d: best %.3f (%s)", round_, beam[0].score or 0.0, beam[0].digest)
         return beam[0]
+
+
+async def optimise(
+    store: RedisStore, tasks: Sequence[Task], settings: ApoSettings, template: str, *,
+    rounds: int, beam_width: int, branch_factor: int,
+) -> dict[str, Any]:
+    """The beam search with the settings' critic; the best template is published as resources
+    ``apo-best-<digest>``. The best template, its score and every template scored."""
+    import openai
+
+    key = settings.critic_api_key.get_secret_value() if settings.critic_api_key else NO_API_KEY
+    critic = openai.AsyncOpenAI(base_url=settings.critic_base_url, api_key=key)
+    search = APO(store, tasks, critic, settings.critic_model or "", beam_width=beam_width,
+                 branch_factor=branch_factor, rounds=rounds)
+    best = await search.run(template)
+    await store.add_resources({"prompt_template": {"template": best.template}}, resources_id=f"apo-best-{best.digest}")
+    return {"template": best.template, "score": best.score,
+            "history": [{"template": c.template, "score": c.score, "round": c.round} for c in search.history]}

@@ -1,26 +1,29 @@
 """Loading a task dataset: JSON lines, or a Hugging Face `datasets` folder saved with save_to_disk.
 
-Every task gets a stable id (its ``id`` field, else a hash of its content): rollout ids are built
-from it, which is what makes enqueuing idempotent and a restarted run enqueue nothing twice.
+Every task gets a stable id (`fulmen.tasks.task_id`: its ``id`` field, else a hash of its content):
+rollout ids are built from it, which is what makes enqueuing idempotent and a restarted run enqueue
+nothing twice.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
-from typing import Any
 
 from fulmen.errors import InvalidInput
+from fulmen.tasks import Task, parse_task_lines
+from fulmen.tasks import task_id as library_task_id
 
-Task = dict[str, Any]
+__all__ = ["Task", "load_tasks", "task_id"]
+
+# A task's id becomes part of its rollout ids: kept short and free of spaces.
+MAX_ID_CHARS = 80
+# How many duplicate ids an error message lists.
+SHOWN_DUPLICATES = 5
 
 
 def task_id(task: Task) -> str:
-    value = task.get("id")
-    if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
-        return str(value).replace(" ", "_")[:80]
-    return "t-" + hashlib.blake2b(json.dumps(task, sort_keys=True).encode(), digest_size=8).hexdigest()
+    """The task's id as a part of rollout ids (`fulmen.tasks.task_id`, spaces replaced, shortened)."""
+    return library_task_id(task).replace(" ", "_")[:MAX_ID_CHARS]
 
 
 def load_tasks(path: str | Path) -> list[Task]:
@@ -38,20 +41,14 @@ def load_tasks(path: str | Path) -> list[Task]:
         return [dict(row) for row in datasets.load_from_disk(str(path))]
     tasks = []
     with path.open() as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                task = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InvalidInput(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            if not isinstance(task, dict):
-                raise InvalidInput(f"{path}:{number}: a task must be a JSON object")
+        for number, task in parse_task_lines(f):
+            if isinstance(task, str):
+                raise InvalidInput(f"{path}:{number}: {task}")
             tasks.append(task)
     if not tasks:
         raise InvalidInput(f"dataset {path} has no tasks")
     ids = [task_id(t) for t in tasks]
     if len(set(ids)) != len(ids):
-        duplicates = sorted({i for i in ids if ids.count(i) > 1})[:5]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})[:SHOWN_DUPLICATES]
         raise InvalidInput(f"dataset {path} has duplicate task ids {duplicates}")
     return tasks

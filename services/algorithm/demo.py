@@ -1,6 +1,6 @@
 """The demo's preparation: arithmetic tasks, a tiny Llama from scratch, and a brief SFT warm start.
 
-The warm start stops as soon as greedy accuracy on 200 training tasks reaches ``until`` (0.4): the
+The warm start stops as soon as greedy accuracy on some training tasks reaches ``until``: the
 SFT curve is so steep that a fixed number of steps would land anywhere on it (see the recipe search
 in bench/RESULTS.md). Everything is written into ``folder``; the model folder appears last (renamed
 into place), so the proxy and the trainer, which wait for it, never read half a model.
@@ -16,8 +16,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fulmen import arithmetic
+from fulmen.errors import NotFound
+from fulmen.model_versions import BASE_VERSION, POLICY_RESOURCES_ID
+from fulmen.store import RedisStore
 
 log = logging.getLogger(__name__)
+
+# An answer is at most 4 digits and the end token: 5 tokens are enough, more only cost time.
+ANSWER_TOKENS = 5
+# The policy samples at temperature 1 during training (GRPO needs different answers within a group).
+TRAIN_TEMPERATURE = 1.0
+N_TRAIN, N_VAL = 4000, 300
+# The warm start: batches of demonstrations until greedy accuracy on the first CHECK_TASKS training
+# tasks reaches UNTIL (checked every CHECK_EVERY steps: it is the slow part), at most MAX_SFT_STEPS.
+UNTIL = 0.4
+MAX_SFT_STEPS = 1000
+SFT_BATCH = 64
+SFT_LR = 3e-3
+CHECK_TASKS = 200
+CHECK_EVERY = 2
+LOG_EVERY = 20
+# With the tiny model kit's 0.2, GRPO stays flat (bench/RESULTS.md, recipe search).
+INITIALIZER_RANGE = 0.02
 
 
 @dataclass(frozen=True)
@@ -27,7 +47,7 @@ class DemoPaths:
     val: Path
 
 
-def _greedy_accuracy(model, tokenizer, tasks: list[dict], max_tokens: int = 5) -> float:  # type: ignore[no-untyped-def]
+def _greedy_accuracy(model, tokenizer, tasks: list[dict], max_tokens: int = ANSWER_TOKENS) -> float:  # type: ignore[no-untyped-def]
     import torch
 
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": t["question"]}], add_generation_prompt=True,
@@ -46,8 +66,8 @@ def _greedy_accuracy(model, tokenizer, tasks: list[dict], max_tokens: int = 5) -
     return sum(arithmetic.reward(t, a) for t, a in zip(tasks, answers, strict=True)) / len(tasks)
 
 
-def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = 4000, n_val: int = 300, until: float = 0.4,
-                 max_sft_steps: int = 1000) -> DemoPaths:
+def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: int = N_VAL, until: float = UNTIL,
+                 max_sft_steps: int = MAX_SFT_STEPS) -> DemoPaths:
     """Idempotent: a folder prepared before is reused as it is."""
     paths = DemoPaths(folder / "model", folder / "train.jsonl", folder / "val.jsonl")
     if (paths.model / "config.json").exists() and paths.train.exists() and paths.val.exists():
@@ -64,18 +84,17 @@ def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = 4000, n_val: int
     arithmetic.write_jsonl(paths.val, arithmetic.make_tasks("val", n_val, seed=seed))
     staging = folder / ".model-staging"
     shutil.rmtree(staging, ignore_errors=True)
-    # initializer_range 0.02: with the kit's 0.2, GRPO stays flat (bench/RESULTS.md, recipe search)
-    build_tiny_model(staging, seed=seed, initializer_range=0.02)
+    build_tiny_model(staging, seed=seed, initializer_range=INITIALIZER_RANGE)
     model, tokenizer = load_tiny_model(staging)
     demos = arithmetic.demonstrations(train, seed=seed)
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99))
-    check = train[:200]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, betas=(0.9, 0.99))
+    check = train[:CHECK_TASKS]
     eos = tokenizer.eos_token_id
     model.train()
     accuracy, step = 0.0, 0
     for step in range(1, max_sft_steps + 1):
-        batch = rng.sample(demos, 64)
+        batch = rng.sample(demos, SFT_BATCH)
         seqs, masks = [], []
         for d in batch:
             prompt = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": d["prompt"]}],
@@ -94,9 +113,9 @@ def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = 4000, n_val: int
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if step % 2 == 0:
+        if step % CHECK_EVERY == 0:
             accuracy = _greedy_accuracy(model, tokenizer, check)
-            if step % 20 == 0:
+            if step % LOG_EVERY == 0:
                 log.info("warm start: SFT step %d, train accuracy %.2f", step, accuracy)
             if accuracy >= until:
                 break
@@ -106,3 +125,15 @@ def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = 4000, n_val: int
     staging.rename(paths.model)
     log.info("warm start done after %d SFT steps (train accuracy %.2f): %s", step, accuracy, paths.model)
     return paths
+
+
+async def publish_base_policy(store: RedisStore, model_name: str) -> None:
+    """The policy's first resources (the warm-started model, version "base"), unless a run published
+    some before: a restarted demo continues with the trainer's latest version."""
+    try:
+        await store.get_resources(POLICY_RESOURCES_ID)
+    except NotFound:
+        await store.add_resources({"llm": {
+            "kind": "llm", "model": model_name, "model_version": BASE_VERSION.name,
+            "sampling_parameters": {"temperature": TRAIN_TEMPERATURE, "max_tokens": ANSWER_TOKENS},
+        }}, resources_id=POLICY_RESOURCES_ID)

@@ -141,10 +141,10 @@ def validation_job(
 ) -> dict[str, Any]:
     """The rq job (JSON in, JSON out): connects from the environment, like every service."""
     from fulmen.connection import connect
-    from fulmen.settings import load_settings
+    from fulmen.settings import EvaluatorSettings, load_settings
 
     async def main() -> dict[str, Any]:
-        settings = load_settings(experiment=experiment)
+        settings = load_settings(EvaluatorSettings, experiment=experiment)
         client = await connect(settings)
         try:
             store = RedisStore(client, experiment, max_record_bytes=settings.max_record_bytes)

@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from fulmen.model_versions import BASE_VERSION
+
 Operation = Literal["chat", "text_completion"]
 Fidelity = Literal["exact", "text_only"]
 
 # The version a backend reports before any trained version is loaded (its weights as they started).
-BASE_MODEL_VERSION = "base"
+BASE_MODEL_VERSION = BASE_VERSION.name
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from fulmen_llm_proxy.backend_base import Backend
 
 if TYPE_CHECKING:
-    from fulmen.settings import Settings
+    from fulmen.settings import ProxySettings
 
 BACKENDS: dict[str, str] = {
     "torch": "fulmen_llm_proxy.backend_torch:TorchBackend",
@@ -35,7 +35,7 @@ def backend_class(name: str) -> Callable[..., Backend]:
     return cls
 
 
-def make_backend(settings: Settings) -> Backend:
+def make_backend(settings: ProxySettings) -> Backend:
     """The backend the settings ask for (imports torch only for the torch backend)."""
     kind = settings.proxy_backend
     cls = backend_class(kind)

@@ -12,7 +12,7 @@ from types import FrameType
 
 import uvicorn
 
-from fulmen.settings import Settings
+from fulmen.settings import ProxySettings
 from fulmen_llm_proxy.app import ProxyApp
 from fulmen_llm_proxy.backend_base import Backend
 from fulmen_llm_proxy.registry import default_base_url
@@ -45,7 +45,7 @@ def loop_name() -> str:
 
 
 def build(
-    settings: Settings, sock: socket.socket, backend: Backend | None = None
+    settings: ProxySettings, sock: socket.socket, backend: Backend | None = None
 ) -> tuple[ProxyApp, uvicorn.Config]:
     """The app for ``settings`` on an already bound socket, and a uvicorn config to serve it."""
     port = sock.getsockname()[1]
@@ -74,7 +74,7 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: ProxySettings) -> None:
     """Serve until SIGTERM/SIGINT (blocking)."""
     port = (
         settings.proxy_port if settings.proxy_port is not None else int(os.environ.get("PORT", DEFAULT_PORT))

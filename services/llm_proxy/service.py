@@ -17,7 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from fulmen.connection import connect
-from fulmen.settings import Settings
+from fulmen.settings import ProxySettings
 from fulmen.store import RedisStore
 from fulmen_llm_proxy.backend_base import Backend
 from fulmen_llm_proxy.backends import make_backend
@@ -35,7 +35,7 @@ READY_PING_TIMEOUT_S = 2.0
 
 
 class ProxyService:
-    def __init__(self, settings: Settings, base_url: str, backend: Backend | None = None) -> None:
+    def __init__(self, settings: ProxySettings, base_url: str, backend: Backend | None = None) -> None:
         self.settings = settings
         self.base_url = base_url
         self.proxy_id = default_proxy_id(base_url)

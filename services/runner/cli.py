@@ -16,25 +16,21 @@ from rich.console import Console
 from rich.markup import escape
 
 from fulmen import keys as k
-from fulmen.cli import run_on_store, settings_from_flags
 from fulmen.errors import FulmenError
+from fulmen.service_cli import run_on_store, settings_command
+from fulmen.settings import RunnerSettings
 from fulmen.store import RedisStore
 
 log = logging.getLogger("fulmen.runner")
 out = Console()
 err = Console(stderr=True)
 
-AgentOpt = Annotated[
-    str | None, typer.Option("--agent", "-a", help="The agent, as module:function or module:Class [env FULMEN_AGENT].")
-]
 HookOpt = Annotated[
     list[str] | None, typer.Option("--hook", help="A fulmen.Hook as module:Class (repeatable).")
 ]
-ExperimentOpt = Annotated[str | None, typer.Option("--experiment", "-e", help="Experiment [env FULMEN_EXPERIMENT].")]
-BaseUrlOpt = Annotated[
-    str | None,
-    typer.Option(help="OpenAI-compatible base URL for agents [env FULMEN_LLM_BASE_URL; default: the proxies in the store]."),
-]
+# How much of a message span `run-once` prints.
+MESSAGE_CHARS = 100
+SHORT_NAMES = {"agent": ("--agent", "-a"), "concurrency": ("--concurrency", "-c")}
 
 
 def _load(agent_spec: str | None, hook_specs: list[str] | None) -> tuple[Any, list[Any]]:
@@ -61,26 +57,13 @@ def _load(agent_spec: str | None, hook_specs: list[str] | None) -> tuple[Any, li
     return agent, hooks
 
 
-def command(
-    agent: AgentOpt = None,
-    concurrency: Annotated[
-        int | None, typer.Option("--concurrency", "-c", min=1, help="Rollouts run at once [env FULMEN_CONCURRENCY; default 8].")
-    ] = None,
-    grace_s: Annotated[
-        float | None, typer.Option(min=0, help="On SIGTERM, seconds in-flight rollouts may finish [default 3].")
-    ] = None,
-    hook: HookOpt = None,
-    experiment: ExperimentOpt = None,
-    llm_base_url: BaseUrlOpt = None,
-) -> None:
+@settings_command(RunnerSettings, names=SHORT_NAMES)
+def command(settings: RunnerSettings, hook: HookOpt = None) -> None:
     """Claim rollouts and run the agent on them, N at a time; scale with more processes.
 
     Each attempt gets the resources its rollout names and an LLM on a registered proxy; its spans go
     to the store (and to OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set). SIGTERM: stop claiming,
     let in-flight rollouts finish for --grace-s, hand back the rest."""
-    settings = settings_from_flags(
-        agent=agent, concurrency=concurrency, grace_s=grace_s, experiment=experiment, llm_base_url=llm_base_url
-    )
     the_agent, hooks = _load(settings.agent, hook)
     from fulmen.ops_http import start_ops
     from fulmen.ops_metrics import CountersCollector
@@ -147,22 +130,20 @@ def _parse_task(text: str) -> Any:
         return text  # a plain string task
 
 
+@settings_command(RunnerSettings, fields=("agent", "experiment", "llm_base_url"), names=SHORT_NAMES)
 def run_once(
-    agent: AgentOpt = None,
+    settings: RunnerSettings,
     task: Annotated[str, typer.Option("--task", "-t", help="The task, as JSON (or a plain string).")] = "",
     resources_id: Annotated[
         str | None, typer.Option(help="Resources to use (default: the latest in the store).")
     ] = None,
     hook: HookOpt = None,
-    experiment: ExperimentOpt = None,
-    llm_base_url: BaseUrlOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the spans and reward as JSON.")] = False,
 ) -> None:
     """Run one task through the agent, in this process, and print its spans and reward.
 
     The way to debug an agent before training it: the rollout goes through the store (so the proxy
     records its LLM calls) but skips the queue; exit code 0 if it succeeded, 1 otherwise."""
-    settings = settings_from_flags(agent=agent, experiment=experiment, llm_base_url=llm_base_url)
     the_agent, hooks = _load(settings.agent, hook)
     the_task = _parse_task(task)
     from fulmen.tracing import setup_tracing
@@ -236,7 +217,7 @@ def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -
         elif kind == semconv.KIND_EXCEPTION:
             detail = f"{s.attributes.get(semconv.EXCEPTION_TYPE)}: {s.attributes.get(semconv.EXCEPTION_MESSAGE)}"
         elif kind == semconv.KIND_MESSAGE:
-            detail = str(s.attributes.get(semconv.MESSAGE))[:100]
+            detail = str(s.attributes.get(semconv.MESSAGE))[:MESSAGE_CHARS]
         out.print(f"  {s.sequence_id:>3}  {escape(s.name):<28} {escape(detail)}")
     status = outcome.status.value if outcome.status else "abandoned"
     out.print(f"status: [bold]{status}[/bold]  reward: [bold]{outcome.reward}[/bold]")

@@ -5,42 +5,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 
 from fulmen import keys as k
-from fulmen.cli import run_on_store, settings_from_flags
+from fulmen.service_cli import run_on_store, settings_command
+from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 
 log = logging.getLogger("fulmen.trainer")
 
+ON_RANK_LOSS = ("continue", "wait")
 
-def command(
-    model_dir: Annotated[Path | None, typer.Option(help="Hugging Face model folder to train (FULMEN_MODEL_DIR).")] = None,
-    algorithm: Annotated[str | None, typer.Option(help="grpo, ppo, reinforce or sft [default grpo].")] = None,
-    learning_rate: Annotated[float | None, typer.Option(help="AdamW learning rate [default 1e-4].")] = None,
-    groups_per_step: Annotated[int | None, typer.Option(help="Complete task groups per step [default 8].")] = None,
-    group_size: Annotated[int | None, typer.Option(help="Rollouts per task when samples do not say.")] = None,
-    max_staleness: Annotated[int | None, typer.Option(help="Model versions a sample may lag.")] = None,
-    kl_coef: Annotated[float | None, typer.Option(help="KL penalty to the initial model [default 0].")] = None,
-    publish_every: Annotated[int | None, typer.Option(help="Publish a model version every K steps [default 1].")] = None,
-    checkpoint_dir: Annotated[Path | None, typer.Option(help="Checkpoint folder [default .fulmen/checkpoints].")] = None,
-    max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
-    experiment: Annotated[str | None, typer.Option("--experiment", "-e", help="Experiment (FULMEN_EXPERIMENT).")] = None,
-) -> None:
+
+@settings_command(TrainerSettings)
+def command(settings: TrainerSettings) -> None:
     """Train the policy on the samples stream and publish each new model version to the proxies.
 
     Steps whenever it holds enough complete task groups (all n rollouts of a task terminal). Every
-    setting has an environment variable (FULMEN_<NAME>): see `fulmen.settings` for the full list
-    (sample shape, reward source, clip range, entropy bonus, micro-batch, checkpoint cadence, ...).
-    Killed at any point, it resumes from its last checkpoint without losing or repeating a sample."""
-    settings = settings_from_flags(
-        model_dir=model_dir, algorithm=algorithm, learning_rate=learning_rate, groups_per_step=groups_per_step,
-        group_size=group_size, max_staleness=max_staleness, kl_coef=kl_coef, publish_every=publish_every,
-        checkpoint_dir=checkpoint_dir, max_steps=max_steps, experiment=experiment,
-    )
+    option is also an environment variable (FULMEN_<NAME>). Killed at any point, it resumes from its
+    last checkpoint without losing or repeating a sample."""
     if settings.model_dir is not None:
         from fulmen.model_versions import wait_for_model_dir
 
@@ -52,7 +37,7 @@ def command(
     from fulmen_trainer.ranks import Exchange
     from fulmen_trainer.trainer import Trainer
 
-    if settings.on_rank_loss not in ("continue", "wait"):
+    if settings.on_rank_loss not in ON_RANK_LOSS:
         typer.echo(f"error: on_rank_loss {settings.on_rank_loss!r} unknown; use continue or wait", err=True)
         raise typer.Exit(2)
 

@@ -26,7 +26,7 @@ import torch
 
 from fulmen import keys as k
 from fulmen.model_versions import BASE_VERSION, ModelVersion, fetch_model_version, publish_model_version
-from fulmen.settings import Settings
+from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 from fulmen_trainer import checkpoint as ckpt
 from fulmen_trainer.batch import TokenBatch, make_batch, token_logprobs
@@ -47,7 +47,7 @@ READ_BLOCK_S = 1.0  # also how often the loop looks at the stop event
 class Trainer:
     """One trainer process: alone, or rank ``rank`` of a `RankGroup` (it is then a `RankTrainer`)."""
 
-    def __init__(self, store: RedisStore, settings: Settings, *, rank: int = 0,
+    def __init__(self, store: RedisStore, settings: TrainerSettings, *, rank: int = 0,
                  ranks: RankGroup | None = None) -> None:
         if settings.model_dir is None:
             raise ValueError("the trainer needs --model-dir (a Hugging Face model folder)")

@@ -12,9 +12,17 @@ import redis.asyncio as aioredis
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
 
 from fulmen.errors import RedisUnavailable
-from fulmen.settings import Settings
+from fulmen.settings import CommonSettings
 
 log = logging.getLogger(__name__)
+
+# Seconds between PINGs on an idle connection: how soon a dead connection is noticed.
+HEALTH_CHECK_S = 30
+CONNECT_TIMEOUT_S = 5
+# Jittered exponential backoff while Redis comes up, and a log line every LOG_EVERY attempts.
+FIRST_DELAY_S = 0.1
+MAX_DELAY_S = 2.0
+LOG_EVERY = 10
 
 
 def redact(url: str) -> str:
@@ -28,16 +36,17 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-async def connect(settings: Settings, *, wait_s: float | None = None) -> aioredis.Redis:
+async def connect(settings: CommonSettings, *, wait_s: float | None = None) -> aioredis.Redis:
     """A client for the configured Redis, once it answers PING. Waits with jittered exponential
     backoff (services start in any order), up to ``wait_s`` (default: settings.redis_wait_s)."""
     url = settings.redis_url_value()
     # No socket timeout: blocking reads (claim, wait_for_rollouts, subscriptions) may wait longer
     # than any fixed value; a dead connection is caught by the health check instead.
-    client = aioredis.from_url(url, health_check_interval=30, socket_timeout=None, socket_connect_timeout=5)
+    client = aioredis.from_url(url, health_check_interval=HEALTH_CHECK_S, socket_timeout=None,
+                              socket_connect_timeout=CONNECT_TIMEOUT_S)
     wait_s = settings.redis_wait_s if wait_s is None else wait_s
     deadline = time.monotonic() + wait_s
-    delay = 0.1
+    delay = FIRST_DELAY_S
     attempt = 0
     while True:
         attempt += 1
@@ -53,7 +62,7 @@ async def connect(settings: Settings, *, wait_s: float | None = None) -> aioredi
                 raise RedisUnavailable(
                     f"Redis at {redact(url)} did not answer within {wait_s:.0f}s ({e}); {hint}"
                 ) from None
-            if attempt == 1 or attempt % 10 == 0:
+            if attempt == 1 or attempt % LOG_EVERY == 0:
                 log.info("waiting for Redis at %s (%s)", redact(url), type(e).__name__)
             await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, MAX_DELAY_S)

@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 from fulmen import keys as k
 from fulmen.ops_metrics import PipelineCollector
 from fulmen.records import ServiceBeat
-from fulmen.settings import Settings
+from fulmen.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ HEARTBEAT_S = 5.0  # `fulmen top` counts a service live while its beat is younge
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def ops_port(settings: Settings) -> int | None:
+def ops_port(settings: CommonSettings) -> int | None:
     """FULMEN_METRICS_PORT, else $PORT, else None (no server)."""
     if settings.metrics_port is not None:
         return settings.metrics_port
@@ -94,7 +94,7 @@ class OpsServer:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: CommonSettings,
         service: str,
         *,
         groups: Sequence[tuple[str, str]] = (),
@@ -174,7 +174,7 @@ class OpsServer:
         self.stop()
 
 
-def start_ops(settings: Settings, service: str, groups: Sequence[tuple[str, str]] = ()) -> OpsServer:
+def start_ops(settings: CommonSettings, service: str, groups: Sequence[tuple[str, str]] = ()) -> OpsServer:
     """Start `OpsServer` for a service on its configured port (see the module docstring)."""
     return OpsServer(settings, service, groups=groups, port=ops_port(settings)).start()
 

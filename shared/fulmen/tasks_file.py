@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,6 +10,7 @@ from typing import IO, Any
 from fulmen.errors import FulmenError
 from fulmen.records import Rollout
 from fulmen.store import RedisStore
+from fulmen.tasks import own_id, parse_task_lines, task_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,33 +25,21 @@ def parse_tasks(
     """One result per non-blank line: a validated rollout request, or why the line cannot be one.
 
     A line is a JSON object, the task given to the agent as the rollout's input. Its rollout id is
-    the value of ``id_field`` if the task has one, else a hash of the task's content (the n-th copy of
-    the same task gets its own): either way, pushing the same file twice enqueues nothing new."""
+    its `task_id` (the value of ``id_field`` if the task has one, else a hash of its content; the n-th
+    copy of the same content gets its own): either way, pushing the same file twice enqueues nothing new."""
     seen: Counter[str] = Counter()
-    for number, line in enumerate(stream, start=1):
-        if not line.strip():
+    for number, task in parse_task_lines(stream):
+        if isinstance(task, str):
+            yield BadLine(number, task)
             continue
-        try:
-            task = json.loads(line)
-        except json.JSONDecodeError as e:
-            yield BadLine(number, f"not valid JSON ({e.msg} at column {e.colno})")
+        value = task[id_field] if id_field and id_field in task else ""
+        if not isinstance(value, str | int) or isinstance(value, bool):
+            yield BadLine(number, f"field {id_field!r} must be a string or an integer to serve as rollout id")
             continue
-        if not isinstance(task, dict):
-            yield BadLine(number, f"a task must be a JSON object, got {type(task).__name__}")
-            continue
-        rollout_id = None
-        if id_field and id_field in task:
-            value = task[id_field]
-            if not isinstance(value, str | int) or isinstance(value, bool):
-                yield BadLine(
-                    number, f"field {id_field!r} must be a string or an integer to serve as rollout id"
-                )
-                continue
-            rollout_id = str(value)
-        else:
-            digest = hashlib.sha1(json.dumps(task, sort_keys=True).encode()).hexdigest()[:16]
-            seen[digest] += 1
-            rollout_id = f"task-{digest}" + (f"-{seen[digest]}" if seen[digest] > 1 else "")
+        rollout_id = task_id(task, id_field)
+        if own_id(task, id_field) is None:  # named by its content: the n-th copy gets its own id
+            seen[rollout_id] += 1
+            rollout_id += f"-{seen[rollout_id]}" if seen[rollout_id] > 1 else ""
         try:
             rollout = store.new_rollout(task, rollout_id=rollout_id, **defaults)
             rollout.to_hash(store.max_record_bytes)  # size check now, not halfway through the push

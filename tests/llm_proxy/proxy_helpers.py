@@ -8,7 +8,7 @@ from typing import Any
 
 import uvicorn
 
-from fulmen.settings import Settings
+from fulmen.settings import ProxySettings
 from fulmen_llm_proxy.app import ProxyApp
 from fulmen_llm_proxy.server import bind, build
 
@@ -18,7 +18,7 @@ class RunningProxy:
 
     def __init__(self, **settings: Any) -> None:
         settings.setdefault("log_level", "WARNING")
-        self.settings = Settings(**settings)
+        self.settings = ProxySettings(**settings)
         sock = bind("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         self.app: ProxyApp

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fulmen.settings import Settings
+from fulmen.settings import ProxySettings as Settings
 from fulmen_llm_proxy.backend_base import BASE_MODEL_VERSION
 from fulmen_llm_proxy.backends import BACKENDS, backend_class, make_backend
 

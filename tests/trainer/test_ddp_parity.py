@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn.parallel import DistributedDataParallel
 
 from fulmen.records import Sample
-from fulmen.settings import Settings, load_settings
+from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
 from fulmen_trainer.codecs import DDPCodecState, codec_hook
@@ -73,8 +73,8 @@ def _samples() -> list[Sample]:
     return out
 
 
-def _settings(tiny: Path, out: Path, case: dict[str, Any], experiment: str = "ddp") -> Settings:
-    return load_settings(model_dir=tiny, groups_per_step=GROUPS_PER_STEP, world_size=WORLD, codec=case["codec"],
+def _settings(tiny: Path, out: Path, case: dict[str, Any], experiment: str = "ddp") -> TrainerSettings:
+    return load_settings(TrainerSettings, model_dir=tiny, groups_per_step=GROUPS_PER_STEP, world_size=WORLD, codec=case["codec"],
                          codec_density=case["density"], ppo_epochs=case["epochs"], learning_rate=LR,
                          max_steps=STEPS, checkpoint_dir=out / "ck", checkpoint_every=1000,
                          metrics_file=out / "m.jsonl", torch_threads=1, rank_timeout_s=60, experiment=experiment)

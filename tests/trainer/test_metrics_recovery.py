@@ -11,7 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from fulmen import keys as k
 from fulmen.records import Sample
-from fulmen.settings import load_settings
+from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
 from fulmen_trainer.trainer import Trainer
@@ -33,7 +33,7 @@ async def test_a_step_checkpointed_but_not_logged_is_logged_on_restart(
         for sample in _group(name):
             await real_store.redis.xadd(real_store.keys.samples, {"m": sample.to_wire()})
     metrics = tmp_path / "m.jsonl"
-    settings = load_settings(model_dir=tiny, groups_per_step=1, checkpoint_dir=tmp_path / "ck", metrics_file=metrics,
+    settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=1, checkpoint_dir=tmp_path / "ck", metrics_file=metrics,
                              experiment=real_store.experiment, metrics_port=0, max_steps=2)
     first = Trainer(real_store, settings)
     await first.setup()

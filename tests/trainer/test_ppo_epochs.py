@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fulmen.records import Sample
-from fulmen.settings import load_settings
+from fulmen.settings import TrainerSettings, load_settings
 from fulmen.tiny_model import build_tiny_model
 from fulmen_trainer.batch import make_batch, token_logprobs
 from fulmen_trainer.objectives import policy_gradient
@@ -41,7 +41,7 @@ def _plan() -> StepPlan:
 def _trainer(tiny: Path, epochs: int) -> Trainer:
     from transformers import AutoModelForCausalLM
 
-    settings = load_settings(model_dir=tiny, algorithm="ppo", ppo_epochs=epochs, learning_rate=LR, clip_eps=CLIP,
+    settings = load_settings(TrainerSettings, model_dir=tiny, algorithm="ppo", ppo_epochs=epochs, learning_rate=LR, clip_eps=CLIP,
                              tis_cap=TIS_CAP, max_grad_norm=MAX_NORM)
     trainer = Trainer(None, settings)  # type: ignore[arg-type]  # no store: only the passes are run
     trainer.model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).train()

@@ -232,13 +232,13 @@ async def test_a_leader_waiting_for_a_missing_rank_stops_when_asked(real_store: 
                                                                     tmp_path: Path) -> None:
     """on_rank_loss=wait with a rank missing: no step is taken, and a stop (SIGTERM) ends the wait at
     once, the step's samples left pending for the next start."""
-    from fulmen.settings import load_settings
+    from fulmen.settings import TrainerSettings, load_settings
     from fulmen_trainer.membership import Membership
     from fulmen_trainer.rank_group import RankGroup
     from fulmen_trainer.ranks import Exchange
     from fulmen_trainer.trainer import Trainer
 
-    settings = load_settings(model_dir=tiny, experiment=real_store.experiment, world_size=2, on_rank_loss="wait",
+    settings = load_settings(TrainerSettings, model_dir=tiny, experiment=real_store.experiment, world_size=2, on_rank_loss="wait",
                              groups_per_step=2, checkpoint_dir=tmp_path / "ck", metrics_file=tmp_path / "m.jsonl",
                              rank_timeout_s=5)
     members = Membership(real_store, 2, settings.rank_timeout_s)

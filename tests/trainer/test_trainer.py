@@ -15,7 +15,7 @@ import pytest
 from fulmen import keys as k
 from fulmen.model_versions import ModelVersion
 from fulmen.records import Sample, SampleSkip
-from fulmen.settings import load_settings
+from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
 from fulmen_trainer.groups import GroupCollector
@@ -62,7 +62,7 @@ def test_groups_complete_when_every_rollout_is_terminal() -> None:
 
 def test_learning_rate_warms_up_then_decays(tmp_path: Path) -> None:
     """Linear warm-up to the rate, then linear decay to lr_final, then flat."""
-    settings = load_settings(model_dir=tmp_path, learning_rate=1e-3, lr_warmup_steps=4, lr_decay_steps=10,
+    settings = load_settings(TrainerSettings, model_dir=tmp_path, learning_rate=1e-3, lr_warmup_steps=4, lr_decay_steps=10,
                              lr_final=2e-4)
     t = Trainer.__new__(Trainer)
     t.s = settings
@@ -97,7 +97,7 @@ async def test_a_step_trains_publishes_checkpoints_and_acknowledges(real_store: 
     from fulmen.embedded import free_port
 
     port = free_port()
-    settings = load_settings(model_dir=tiny, groups_per_step=2, checkpoint_dir=tmp_path / "ck",
+    settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=2, checkpoint_dir=tmp_path / "ck",
                              metrics_file=tmp_path / "m.jsonl", max_steps=1, experiment=real_store.experiment,
                              learning_rate=1e-3, metrics_port=port)
     trainer = Trainer(real_store, settings)
@@ -173,7 +173,7 @@ async def test_restart_recovers_every_pending_sample_past_the_first_page(real_st
     while batch := await real_store.read_samples(k.TRAINERS_GROUP, "trainer-0", count=500):
         read += batch  # the trainer read them all, then died before any checkpoint
     assert len(read) == 1210
-    settings = load_settings(model_dir=tiny, groups_per_step=1000)
+    settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=1000)
     trainer = Trainer(real_store, settings)
     await trainer._recover_pending(set())
     complete = trainer.collector.take_complete(0)

@@ -1,0 +1,148 @@
+"""A training run: GRPO groups enqueued as the trainer allows, validation on schedule, a report at the end.
+
+`Run` is built from the settings and the tasks and driven by ``await run.run(store)`` (like arq's
+`Worker`). Its position lives in the store (the `Scheduler`'s state and `RunProgress`): killed and
+started again, it continues where it was and never enqueues a task twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fulmen.settings import AlgorithmSettings
+from fulmen.store import RedisStore
+from fulmen_algorithm.dataset import Task
+from fulmen_algorithm.jobs import enqueue_validation
+from fulmen_algorithm.run_state import RunProgress
+from fulmen_algorithm.scheduler import Scheduler, recoverable_rollout_config
+from fulmen_algorithm.validation import reached_target, recorded, validate
+
+log = logging.getLogger("fulmen.algorithm")
+
+# How long one tick waits for completions before it looks at the trainer again.
+TICK_WAIT_S = 0.5
+# Seconds between two progress lines in the log.
+PROGRESS_EVERY_S = 2.0
+# Where in the data folder the run writes its curve, summary and final model.
+RUN_DIR = "run"
+VALIDATION_FIELDS = ("label", "step", "accuracy", "mean_reward")
+
+
+class Run:
+    def __init__(
+        self,
+        settings: AlgorithmSettings,
+        tasks: list[Task],
+        val_tasks: list[Task],
+        *,
+        setup: Callable[[RedisStore], Awaitable[None]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.tasks = tasks
+        self.val_tasks = val_tasks
+        self.setup = setup
+        self.stopping = asyncio.Event()
+        self.started = time.monotonic()
+        self._last_line = 0.0
+        self._done_at_start = 0
+        self._next_validation = 0
+
+    def stop(self) -> None:
+        """End the loop at the next tick (SIGTERM): no final validation, the state stays for a restart."""
+        self.stopping.set()
+
+    async def run(self, store: RedisStore) -> dict[str, Any]:
+        """Run until the end condition, then validate a last time and write the report; the summary."""
+        if self.setup is not None:
+            await self.setup(store)
+        self.store, self.progress = store, RunProgress(store)
+        s = self.settings
+        self.scheduler = Scheduler(
+            store, self.tasks, n_samples=s.n_samples, groups_per_step=s.groups_per_step,
+            max_inflight=s.max_inflight, staleness=s.staleness, epochs=s.epochs, seed=s.seed,
+            rollout_config=recoverable_rollout_config(s.rollout_unresponsive_s, s.rollout_max_attempts),
+        )
+        await self.scheduler.load()
+        self.started = time.monotonic()
+        self._done_at_start = await self.progress.rollouts_done()
+        # the first pass validates the starting weights: the curve's baseline (the warm start in the demo)
+        self._next_validation = await self.progress.next_validation()
+        while not self.stopping.is_set():
+            if await self.tick():
+                break
+            await self.scheduler.count_finished(block_s=TICK_WAIT_S)
+        return await self.finish()
+
+    async def tick(self) -> bool:
+        """Enqueue what pacing allows, schedule a validation when one is due; True once the run is over."""
+        await self.scheduler.fill()
+        step = await self.scheduler.trainer_step()
+        inflight = await self.scheduler.inflight()
+        await self.schedule_validation(step)
+        if await self.ended(step, inflight):
+            return True
+        if time.monotonic() - self._last_line > PROGRESS_EVERY_S:
+            await self.log_progress(step, inflight)
+        return False
+
+    async def schedule_validation(self, step: int) -> None:
+        """Every ``val_every`` trainer steps, a pass for the evaluator; the next due step is stored."""
+        if not (self.val_tasks and self.settings.val_every) or step < self._next_validation:
+            return
+        await asyncio.to_thread(enqueue_validation, self.settings, step)
+        self._next_validation = step + self.settings.val_every
+        await self.progress.set_next_validation(self._next_validation)
+
+    async def ended(self, step: int, inflight: int) -> bool:
+        s = self.settings
+        if s.total_steps is not None and step >= s.total_steps:
+            return True
+        if s.target_accuracy is not None and reached_target(await recorded(self.store), s.target_accuracy):
+            log.info("validation reached %.2f twice in a row: ending the run at step %d", s.target_accuracy, step)
+            return True
+        return self.scheduler.exhausted and inflight == 0
+
+    async def log_progress(self, step: int, inflight: int) -> None:
+        done = await self.progress.rollouts_done() - self._done_at_start
+        rate = done / max(time.monotonic() - self.started, 1e-9)
+        stats = await self.store.statistics()
+        vals = await recorded(self.store)
+        val = f"{vals[-1]['accuracy']:.2f} ({vals[-1]['label']})" if vals else "-"
+        log.info("step %d | epoch %d | val accuracy %s | %d in flight | queue %d | %.1f rollouts/s",
+                 step, self.scheduler.state.epoch, val, inflight, stats["queue_depth"], rate)
+        self._last_line = time.monotonic()
+
+    async def finish(self) -> dict[str, Any]:
+        """The summary: steps, position, wall time, the final validation (unless stopped) and the report."""
+        summary: dict[str, Any] = {"steps": await self.scheduler.trainer_step(), **self.scheduler.snapshot(),
+                                   "wall_s": round(time.monotonic() - self.started, 1)}
+        if self.val_tasks and not self.stopping.is_set():
+            final = await validate(self.store, self.val_tasks, label="final", step=await self.scheduler.trainer_step(),
+                                   timeout_s=self.settings.val_timeout_s, config=self.scheduler.rollout_config)
+            summary["final_val_accuracy"] = final["accuracy"]
+            summary["final_val_reward"] = final["mean_reward"]
+            summary["validations"] = [{k: v.get(k) for k in VALIDATION_FIELDS} for v in await recorded(self.store)]
+        summary.update(await self.write_report(summary))
+        return summary
+
+    async def write_report(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """The curve (PNG), the summary (JSON) and the final model, in the data folder's run/."""
+        from fulmen.train_steps import read_curve
+        from fulmen_algorithm.report import export_final_model, plot_curve
+
+        s = self.settings
+        out = s.data_dir / RUN_DIR
+        steps = await read_curve(self.store.redis, self.store.keys)
+        paths: dict[str, Any] = {"metrics": str(s.metrics_file)}
+        paths["curve"] = str(plot_curve(out / "reward-curve.png", steps, await recorded(self.store)))
+        if s.model_dir is not None:
+            final = await export_final_model(self.store, s.model_dir, out / "final-model")
+            paths["final_model"] = str(final) if final else None
+        (out / "summary.json").write_text(json.dumps({**summary, **paths}, indent=2))
+        paths["summary"] = str(out / "summary.json")
+        return paths

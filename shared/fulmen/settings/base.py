@@ -1,0 +1,71 @@
+"""What every process reads: where Redis is, which experiment, logging and the ops port.
+
+Environment names: ``REDIS_URL`` (secrets such as the Redis password live only there, never in a
+flag or a log line) and ``FULMEN_<FIELD>`` for every other field; the CLI flags carry the same names.
+"""
+
+from __future__ import annotations
+
+from copy import copy
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fulmen.codec import DEFAULT_MAX_RECORD_BYTES
+from fulmen.embedded import DEFAULT_PORT
+
+ENV_PREFIX = "FULMEN_"
+# The one field read from an unprefixed name: REDIS_URL is what every Redis tool already reads.
+REDIS_URL_FIELD = "redis_url"
+
+
+class CommonSettings(BaseSettings):
+    """The base of every service's settings; a service's own class adds only the fields it reads."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    redis_url: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("REDIS_URL", REDIS_URL_FIELD),
+        description="Redis to use (redis://, rediss:// for TLS, user:password@ for ACL). Unset: the embedded one.",
+    )
+    experiment: str = Field("default", description="Experiment name; several share one Redis in isolation.")
+    data_dir: Path = Field(Path(".fulmen"), description="Where the embedded Redis keeps its AOF (under redis/).")
+    redis_port: int = Field(DEFAULT_PORT, ge=1, le=65535, description="Port of the embedded Redis.")
+    redis_wait_s: float = Field(60.0, ge=0, description="How long to wait for Redis to come up before giving up.")
+    max_record_bytes: int = Field(DEFAULT_MAX_RECORD_BYTES, ge=1024, description="Size limit of one record.")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="Port of this process's /healthz /readyz /metrics (unset: $PORT; neither: none; 0: any free port).",
+    )
+
+    @property
+    def embedded(self) -> bool:
+        return self.redis_url is None
+
+    def redis_url_value(self) -> str:
+        """The URL to connect to, secret included (pass it to the client, never to a log)."""
+        if self.redis_url is not None:
+            return self.redis_url.get_secret_value()
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def __repr_args__(self) -> Any:  # SecretStr already masks its value; say plainly that one is set
+        for name, value in super().__repr_args__():
+            yield name, ("<set>" if isinstance(value, SecretStr) else value)
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a field (``REDIS_URL`` for the Redis URL)."""
+    return "REDIS_URL" if field == REDIS_URL_FIELD else f"{ENV_PREFIX}{field.upper()}"
+
+
+def with_default(owner: type[BaseSettings], field: str, default: Any) -> Any:
+    """``owner``'s field with another default, for a subclass that only changes the default (the
+    description and the bounds stay written once, in ``owner``)."""
+    info: FieldInfo = copy(owner.model_fields[field])
+    info.default = default
+    return info

@@ -1,0 +1,169 @@
+"""Each service's settings: the common base plus only the fields that service reads.
+
+A field two services read is defined once, in a mixin both classes inherit (``groups_per_step`` is
+in `TrainingRunSettings`, which the trainer and the algorithm share), so its default, bounds and
+description cannot drift apart. The classes live here rather than in the services because every
+process must also accept the variables meant for the others (honcho gives every process the same
+``.env``): the check for unknown names needs all the fields, and `fulmen` imports no service.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+
+from fulmen.settings.base import CommonSettings, with_default
+
+# --- fields two or more services read ------------------------------------------------------------
+
+
+class ModelDirSettings(CommonSettings):
+    model_dir: Path | None = Field(None, description="Hugging Face model folder (the policy).")
+
+
+class ServedModelSettings(ModelDirSettings):
+    model_name: str | None = Field(None, description="Model name the policy is served as (default: the folder's name).")
+
+
+class TrainingRunSettings(CommonSettings):
+    """What the trainer and the algorithm must agree on."""
+
+    groups_per_step: int = Field(8, ge=1, description="Complete task groups in one optimizer step.")
+    seed: int = Field(0, description="Random seed.")
+    metrics_file: Path = Field(Path(".fulmen/trainer-metrics.jsonl"), description="Per-step metrics, JSON lines.")
+
+
+class RolloutPolicySettings(CommonSettings):
+    """The retry policy of the rollouts the algorithm and the validation passes enqueue."""
+
+    rollout_unresponsive_s: float = Field(
+        30.0, gt=0, description="A train rollout's attempt silent this long is ended by the watchdog and retried."
+    )
+    rollout_max_attempts: int = Field(
+        3, ge=1, description="Attempts per train rollout (retried when unresponsive or timed out)."
+    )
+
+
+class ValidationSettings(RolloutPolicySettings):
+    val_data: Path | None = Field(None, description="Validation tasks (held out).")
+    val_timeout_s: float = Field(600.0, gt=0, description="How long a validation pass may take.")
+
+
+class TrainDataSettings(CommonSettings):
+    train_data: Path | None = Field(None, description="Training tasks: JSON lines, or a datasets folder.")
+
+
+# --- one class per service -----------------------------------------------------------------------
+
+
+class RunnerSettings(CommonSettings):
+    agent: str | None = Field(None, description="The agent to run, as module:function or module:Class.")
+    concurrency: int = Field(8, ge=1, le=4096, description="Rollouts one runner process runs at once.")
+    grace_s: float = Field(
+        3.0, ge=0, description="On SIGTERM, how long in-flight rollouts may run on before they are released."
+    )
+    llm_base_url: str | None = Field(
+        None, description="OpenAI-compatible base URL for agents; unset: the proxies registered in the store."
+    )
+
+
+class ProxySettings(ServedModelSettings):
+    proxy_host: str = Field("127.0.0.1", description="Address the LLM proxy listens on.")
+    proxy_port: int | None = Field(
+        None, ge=0, le=65535, description="Port of the LLM proxy (unset: $PORT from honcho, else 8000)."
+    )
+    proxy_public_url: str | None = Field(
+        None, description="Base URL the proxy registers for runners (unset: http://<host>:<port>)."
+    )
+    proxy_backend: str = Field("torch", description="torch (in-process HF model), vllm, or openai (upstream).")
+    upstream_urls: str | None = Field(
+        None, description="Comma-separated base URLs of upstream vllm/openai servers (sticky by rollout)."
+    )
+    proxy_api_keys: SecretStr | None = Field(
+        None, description="Comma-separated bearer keys the proxy accepts (unset: no auth)."
+    )
+    upstream_api_key: SecretStr | None = Field(None, description="Bearer key for the upstream server.")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the proxy accepts.")
+    max_batch: int = Field(16, ge=1, le=1024, description="Most requests the torch backend decodes together.")
+
+
+class AdapterSettings(CommonSettings):
+    llm_call_match: str | None = Field(
+        None, description="Regex on span names that marks LLM calls (default: the proxy's llm_call spans)."
+    )
+    agent_match: str | None = Field(None, description="Regex: only LLM calls under a span whose name matches.")
+    trajectories: bool = Field(True, description="Also join multi-turn calls into trajectory samples.")
+
+
+class TrainerSettings(ServedModelSettings, TrainingRunSettings):
+    algorithm: str = Field("grpo", description="grpo, ppo, reinforce or sft.")
+    learning_rate: float = Field(1e-4, ge=0, description="AdamW learning rate (0: a no-training baseline).")
+    lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up.")
+    lr_decay_steps: int | None = Field(None, ge=1, description="Steps of linear decay to lr_final after warm-up.")
+    lr_final: float | None = Field(None, ge=0, description="Learning rate at the end of the decay.")
+    group_size: int | None = Field(None, ge=1, description="Rollouts per task when samples do not say.")
+    sample_shape: str = Field("triplet", description="Train on triplet (per call) or trajectory samples.")
+    reward_source: str = Field("final", description="final (the rollout's last reward) or matched (per call).")
+    max_staleness: int | None = Field(None, ge=0, description="Model versions a sample may lag (unset: any).")
+    stale_policy: str = Field("drop", description="drop or downweight samples beyond max_staleness.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range.")
+    ppo_epochs: int = Field(1, ge=1, description="Optimizer updates per batch (PPO-clip passes over it).")
+    tis_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight for stale samples.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial (reference) model.")
+    ent_coef: float = Field(0.0, ge=0, description="Entropy bonus.")
+    loss_aggregation: str = Field("token", description="token or sequence mean of the per-token loss.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    micro_batch: int = Field(64, ge=1, description="Sequences per forward/backward pass (memory bound).")
+    sft_min_reward: float | None = Field(None, description="sft: train only on samples with reward >= this.")
+    publish_every: int = Field(1, ge=1, description="Publish a model version every K steps.")
+    checkpoint_every: int = Field(1, ge=1, description="Checkpoint every K steps.")
+    checkpoint_dir: Path = Field(Path(".fulmen/checkpoints"), description="Where the trainer checkpoints.")
+    weights_dir: Path | None = Field(None, description="Shared folder for model versions (unset: via Redis).")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: run until stopped).")
+    torch_threads: int | None = Field(None, ge=1, description="torch CPU threads for the trainer.")
+    world_size: int = Field(1, ge=1, le=256, description="Data-parallel trainer ranks (honcho -c trainer=R).")
+    codec: str = Field("none", description="Gradient codec between ranks: none, bf16, topk, dgc, qsgd8, qsgd4.")
+    codec_density: float = Field(0.01, gt=0, le=1, description="Kept fraction for topk and dgc.")
+    rank_timeout_s: float = Field(10.0, gt=0, description="A rank silent this long is considered gone.")
+    on_rank_loss: str = Field("continue", description="When a rank is gone: continue without it, or wait.")
+
+
+class AlgorithmSettings(ModelDirSettings, TrainingRunSettings, ValidationSettings, TrainDataSettings):
+    n_samples: int = Field(8, ge=1, description="Rollouts per task (the GRPO group).")
+    max_inflight: int = Field(256, ge=1, description="Most train rollouts enqueued and unfinished.")
+    staleness: int = Field(0, ge=0, description="Model versions a rollout may lag (0: synchronous).")
+    epochs: int | None = Field(None, ge=1, description="Passes over the training tasks (unset: until total_steps).")
+    total_steps: int | None = Field(None, ge=1, description="End the run when the trainer reaches this version.")
+    val_every: int | None = Field(None, ge=1, description="Validate every V trainer versions (needs val_data).")
+    target_accuracy: float | None = Field(
+        None, gt=0, le=1, description="End the run early once two validation passes in a row reach this accuracy."
+    )
+
+
+class DemoSettings(AlgorithmSettings):
+    """The algorithm with the demo's defaults: it must end on its own and validate as it goes."""
+
+    total_steps: int | None = with_default(AlgorithmSettings, "total_steps", 300)
+    val_every: int | None = with_default(AlgorithmSettings, "val_every", 25)
+
+
+class EvaluatorSettings(RolloutPolicySettings):
+    pass
+
+
+class EvalSettings(ValidationSettings):
+    pass
+
+
+class ApoSettings(TrainDataSettings):
+    critic_base_url: str | None = Field(None, description="APO's critic: an OpenAI-compatible base URL.")
+    critic_model: str | None = Field(None, description="APO's critic model name.")
+    critic_api_key: SecretStr | None = Field(None, description="Bearer key for the critic (never logged).")
+
+
+# Every process's class: a FULMEN_* variable is known if one of them has the field.
+SERVICE_SETTINGS: tuple[type[CommonSettings], ...] = (
+    CommonSettings, RunnerSettings, ProxySettings, AdapterSettings, TrainerSettings, AlgorithmSettings,
+    DemoSettings, EvaluatorSettings, EvalSettings, ApoSettings,
+)
