@@ -26,9 +26,8 @@ from typing import Any
 from fulmen import keys as k
 from fulmen.codec import unpack
 from fulmen.errors import RecordError
-from fulmen.records import Rollout, RolloutFinished, RolloutStatus, SampleSkip, pack_sample
+from fulmen.records import Rollout, RolloutFinished, RolloutForSamples, RolloutStatus, SampleSkip, pack_sample
 from fulmen.store import RedisStore
-from fulmen.store.samples import RolloutForSamples
 from fulmen.tasks import task_id
 from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, sample_fields
 

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fulmen.errors import RecordError
@@ -32,6 +32,7 @@ DEFAULT_TIMEOUT_S = DEFAULT_CONTROL_TIMEOUT_S
 # Control messages kept on the stream: a proxy only ever needs the latest at start, then follows.
 CONTROL_STREAM_MAXLEN = 1000
 CONTROL_ID_HEX = 12  # hex digits of a control id: unique among the messages kept
+CONTROL_READ_COUNT = 100  # messages per read: a follower that fell behind catches up in one
 
 
 async def send_control(
@@ -71,29 +72,20 @@ class ControlFollower:
         return "drained" if self.drained and self.gate.state == "draining" else self.gate.state
 
     async def run(self) -> None:
-        last = await self.store.redis.xrevrange(self.store.keys.control, count=1)
-        cursor: bytes | str = "0-0"
-        if last:
-            cursor = last[0][0]
-            message = self._decode(last[0][1])
+        """Apply the latest message if it still holds (a pause or drain within its timeout), then
+        every message sent from then on."""
+        stream = self.store.ctx.stream(self.store.keys.control, _decode)
+        after = "0-0"
+        last = await stream.last()
+        if last is not None:
+            after = last[0]
+            message = _decode_or_none(last[1])
             if message and message.action != "resume":
                 age_s = time.time() - message.time
                 if message.timeout_s is None or age_s < message.timeout_s:
                     self.apply(message, elapsed_s=age_s)
-        while True:
-            reply = await self.store.redis.xread({self.store.keys.control: cursor}, count=100, block=0)
-            for entry_id, fields in reply[0][1] if reply else []:
-                cursor = entry_id
-                message = self._decode(fields)
-                if message is not None:
-                    self.apply(message)
-
-    def _decode(self, fields: dict[bytes, bytes]) -> ControlMessage | None:
-        try:
-            return ControlMessage.from_wire(fields.get(b"m"))
-        except RecordError as e:
-            log.warning("ignoring a control message: %s", e)
-            return None
+        async for _, message in stream.follow(after, count=CONTROL_READ_COUNT):
+            self.apply(message)
 
     def apply(self, message: ControlMessage, elapsed_s: float = 0.0) -> None:
         if message.proxy_ids and self.proxy_id not in message.proxy_ids:
@@ -133,3 +125,15 @@ class ControlFollower:
             self._auto_resume.cancel()
         if self._drain_task is not None:
             self._drain_task.cancel()
+
+
+def _decode(entry_id: str, fields: Mapping[bytes, bytes]) -> ControlMessage:
+    return ControlMessage.from_wire(fields.get(b"m"))
+
+
+def _decode_or_none(fields: Mapping[bytes, bytes]) -> ControlMessage | None:
+    try:
+        return ControlMessage.from_wire(fields.get(b"m"))
+    except RecordError as e:
+        log.warning("ignoring a control message: %s", e)
+        return None

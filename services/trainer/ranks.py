@@ -17,15 +17,16 @@ import msgpack
 from fulmen.errors import RecordError
 from fulmen.records import GradientChunk, RankPlan
 from fulmen.store import RedisStore
+from fulmen.store.stream import MAX_BLOCK_S, Cursor, Fields
 from fulmen_trainer.membership import Membership
 
 log = logging.getLogger(__name__)
 
 STREAM_MAXLEN = 2000  # plans, gradients and aggregates of old steps are not needed again
 READ_COUNT = 100  # entries per XREAD: a step's chunks and plans, with room for a rank that fell behind
-PLAN_BLOCK_S = 5.0  # a follower waits this long per read for its next plan
-GATHER_BLOCK_S = 0.5  # short: between reads the leader checks whether a rank it waits for is gone
-AGGREGATE_BLOCK_S = 1.0  # between reads a follower checks whether a newer plan made its wait moot
+# Reads block at most MAX_BLOCK_S (a dead connection is noticed); between two reads the leader checks
+# whether a rank it waits for is gone, and a follower whether a newer plan made its wait moot.
+PLAN_BLOCK_S = GATHER_BLOCK_S = AGGREGATE_BLOCK_S = MAX_BLOCK_S
 POLL_S = 0.001  # a read that only takes what is already there
 
 
@@ -36,7 +37,7 @@ class Exchange:
         self.store = store
         self.keys = store.keys
         self.members = membership
-        self._cursors: dict[str, bytes | str] = {}
+        self._cursors: dict[str, Cursor[Fields]] = {}
         self.reports: dict[tuple[int, int, int], dict[str, float]] = {}
         # Entries read but not yet asked for: one XREAD may return a later plan or aggregate than the
         # one awaited (a rank that fell behind), and dropping it would leave that rank waiting forever.
@@ -46,21 +47,14 @@ class Exchange:
     async def _xadd(self, stream: str, fields: dict[str, Any]) -> None:
         await self.store.redis.xadd(stream, fields, maxlen=STREAM_MAXLEN, approximate=True)
 
-    async def _read(self, stream: str, block_s: float) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        cursor = self._cursors[stream]
-        reply = await self.store.redis.xread({stream: cursor}, count=READ_COUNT,
-                                            block=max(1, int(block_s * 1000)))
-        entries = reply[0][1] if reply else []
-        if entries:
-            self._cursors[stream] = entries[-1][0]
-        return entries
+    async def _read(self, stream: str, block_s: float) -> list[tuple[str, Fields]]:
+        return await self._cursors[stream].read(block_s, READ_COUNT)
 
     async def start_reading(self) -> None:
         """Read what is sent from now on: call it before anything this rank waits for can be sent.
-        (The cursor is the stream's current last id, not "$", which would move with every read.)"""
-        for stream in (self.keys.trainer_plans, self.keys.trainer_grads, self.keys.trainer_aggregates):
-            last = await self.store.redis.xrevrange(stream, count=1)
-            self._cursors[stream] = last[0][0] if last else "0-0"
+        Entries stay raw here: a rank decodes only the plans and chunks meant for it."""
+        for key in (self.keys.trainer_plans, self.keys.trainer_grads, self.keys.trainer_aggregates):
+            self._cursors[key] = await self.store.ctx.stream(key, _raw).cursor()
 
     # leader → ranks
     async def send_plan(self, plan: RankPlan) -> None:
@@ -160,3 +154,7 @@ def _chunk_count(chunk: bytes) -> int:
         return int(GradientChunk.from_wire(chunk).count)
     except RecordError:
         return 1  # a broken chunk: decoding it will say what is wrong
+
+
+def _raw(entry_id: str, fields: Fields) -> Fields:
+    return fields

@@ -23,12 +23,12 @@ async def test_run_ends_validates_on_schedule_and_resumes(
     """At version 1 with total_steps 1: one pass of version 1 queued, the next due at 1 + val_every
     (kept in the store), the summary written; a restarted run queues no pass again."""
     queued: list[int] = []
-    monkeypatch.setattr("fulmen_algorithm.run.enqueue_validation", lambda _settings, version: queued.append(version))
+    monkeypatch.setattr("fulmen_algorithm.run.enqueue_validation", lambda _settings, step: queued.append(step))
 
-    async def at_version_one(_self: Scheduler) -> int:
+    async def at_step_one(_self: Scheduler) -> int:
         return 1
 
-    monkeypatch.setattr(Scheduler, "version", at_version_one)
+    monkeypatch.setattr(Scheduler, "trainer_step", at_step_one)
     await real_store.add_resources({"llm": {"kind": "llm", "model": "m", "model_version": "base"}}, resources_id="policy")
     settings = AlgorithmSettings(
         experiment=real_store.experiment, data_dir=tmp_path, metrics_file=tmp_path / "m.jsonl", n_samples=2,

@@ -11,7 +11,7 @@ One module per area, every record importable from here:
     spans      Span, SpanView
     status     RolloutStatus, AttemptStatus, RolloutMode and their transition table
     messages   QueueEntry, RolloutFinished, DeadLetter, ResourcesUpdate, Worker, ProxyEndpoint, WeightsChunk
-    samples    Sample, SampleSkip, pack_sample
+    samples    Sample, SampleSkip, pack_sample, RolloutForSamples (a finished rollout as the adapter reads it)
     ranks      GradientChunk, GradientHeader, RankPlan
     ops        ServiceBeat, TrainStep
     control    ControlMessage, ControlAction (the proxies' control stream)
@@ -32,7 +32,7 @@ from fulmen.records.messages import (
 from fulmen.records.ops import ServiceBeat, TrainStep
 from fulmen.records.ranks import GradientChunk, GradientHeader, RankPlan
 from fulmen.records.rollouts import Attempt, AttemptedRollout, Rollout, RolloutConfig
-from fulmen.records.samples import Sample, SampleSkip, pack_sample
+from fulmen.records.samples import RolloutForSamples, Sample, SampleSkip, pack_sample
 from fulmen.records.spans import Span, SpanView
 from fulmen.records.status import AttemptStatus, RolloutMode, RolloutStatus
 
@@ -53,6 +53,7 @@ __all__ = [
     "Rollout",
     "RolloutConfig",
     "RolloutFinished",
+    "RolloutForSamples",
     "RolloutMode",
     "RolloutStatus",
     "Sample",

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from fulmen import tokens
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, pack_record
+from fulmen.errors import RecordError
 from fulmen.records.base import Record, wire_codec
+from fulmen.records.spans import SpanView
+from fulmen.records.status import RolloutStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,3 +117,17 @@ class SampleSkip(Record):
     reason: str  # e.g. "failed", "no LLM call", "no reward", "malformed span: ..."
     mode: str | None = None
     group_size: int | None = None
+
+
+class RolloutForSamples(NamedTuple):
+    """A finished rollout as the adapter reads it (`Samples.read_for_samples`); a tuple, which is
+    cheaper to make than a frozen dataclass, and one is made per rollout adapted."""
+
+    rollout_id: str
+    status: RolloutStatus
+    attempt_id: str | None
+    mode: str | None
+    metadata: dict[str, Any]
+    input_blob: bytes  # msgpack; decoded only when the group key must be derived from the task
+    spans: list[SpanView] | RecordError  # in sequence order; [] unless the rollout succeeded
+    reward: float | None = None  # the final reward its runner stored with it

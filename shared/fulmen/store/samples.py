@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgpack
 from redis.exceptions import NoScriptError
@@ -11,27 +11,13 @@ from redis.exceptions import NoScriptError
 from fulmen import keys as k
 from fulmen.codec import unpack
 from fulmen.errors import RecordError
-from fulmen.records import RolloutStatus, Sample, SampleSkip, SpanView
+from fulmen.records import RolloutForSamples, RolloutStatus, Sample, SampleSkip, SpanView
 from fulmen.store import scripts
 from fulmen.store.context import StoreContext
 from fulmen.store.stream import Fields, Stream
 
 SampleEntry = tuple[str, Sample | SampleSkip]
 DEFAULT_READ_COUNT = 256  # sample entries per read unless the trainer asks for another number
-
-
-class RolloutForSamples(NamedTuple):
-    """A finished rollout as the adapter reads it (`Samples.read_for_samples`); a tuple, which is
-    cheaper to make than a frozen dataclass, and one is made per rollout adapted."""
-
-    rollout_id: str
-    status: RolloutStatus
-    attempt_id: str | None
-    mode: str | None
-    metadata: dict[str, Any]
-    input_blob: bytes  # msgpack; decoded only when the group key must be derived from the task
-    spans: list[SpanView] | RecordError  # in sequence order; [] unless the rollout succeeded
-    reward: float | None = None  # the final reward its runner stored with it
 
 
 class Samples:
