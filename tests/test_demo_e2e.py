@@ -43,6 +43,8 @@ def test_shortened_demo_through_honcho_beats_the_warm_start(tmp_path: Path) -> N
     # the user's shell: no Redis of theirs, no FULMEN_* of the test session; the agent's module importable
     env = {k: v for k, v in os.environ.items() if not k.startswith("FULMEN_") and k != "REDIS_URL"}
     env["PYTHONPATH"] = str(ROOT)
+    # the Procfile runs `fulmen`: this venv's, even when pytest was started without activating it
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     with open(tmp_path / "honcho.log", "w") as out:
         honcho = subprocess.Popen([HONCHO, "start"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
                                   start_new_session=True)
