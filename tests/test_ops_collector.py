@@ -122,7 +122,7 @@ def test_counters_collector_reads_live_values() -> None:
 
 
 async def test_trainer_leader_logs_steps_for_the_curve(real_store: RedisStore, redis_url: str) -> None:
-    """StepMetrics with a store appends one summary per step; read_steps returns them oldest first."""
+    """StepMetrics with a store appends one record per step, all its metrics; read_steps returns them oldest first."""
     from fulmen_trainer.metrics import StepMetrics
 
     metrics = StepMetrics(0)
@@ -137,7 +137,8 @@ async def test_trainer_leader_logs_steps_for_the_curve(real_store: RedisStore, r
     finally:
         client.close()
     assert [s.step for s in steps] == [1, 2, 3]
-    assert steps[-1] == TrainStep(3, "v3", 0.9, -0.5, 8, steps[-1].time)
+    assert steps[-1] == TrainStep(3, "v3", 0.9, -0.5, 8, steps[-1].time,
+                                  {"rollout/reward_mean": 0.9, "loss/total": -0.5, "perf/samples": 8.0})
     assert metrics.registry.get_sample_value("fulmen_trainer_rollout_reward_mean", {"rank": "0"}) == 0.9
 
 

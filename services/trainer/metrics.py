@@ -1,6 +1,7 @@
-"""The trainer's step metrics: the last step's numbers as Prometheus gauges labelled by rank, (on the
-leader) a summary per step on the trainer's steps stream — what the algorithm paces itself on and the
-reward curve, `fulmen top` and the run's report draw — and a local JSON-lines mirror of every metric.
+"""The trainer's step metrics: (on the leader) one record per step with all its metrics on the
+trainer's steps stream — what the algorithm paces itself on and the reward curve, `fulmen top` and
+the run's report draw — the last step's numbers as Prometheus gauges labelled by rank, and a local
+JSON-lines mirror.
 
 The gauges live in this object's own registry. `fulmen trainer` serves it through the process's ops
 server (`fulmen.ops_http`: ``/metrics`` with ``/healthz`` and ``/readyz`` on ``metrics_port``, else
@@ -39,7 +40,7 @@ class StepMetrics:
         self._writes: dict[asyncio.Task[None], None] = {}  # in flight, in order (a dict keeps it)
 
     def log_steps_to(self, store: RedisStore) -> None:
-        """Also append each step's summary to the store's step log (the leader only)."""
+        """Also append each step's record to the store's steps stream (the leader only)."""
         self.store = store
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:

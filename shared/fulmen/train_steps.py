@@ -1,4 +1,5 @@
-"""The trainer's steps stream in Redis: one summary per optimizer step, the one record of progress.
+"""The trainer's steps stream in Redis: one record per optimizer step (its metrics), the one record of
+progress.
 
 The trainer's leader appends one `TrainStep` per optimizer step. Readers: the algorithm paces its
 rollouts on the last step (`latest_step`), `fulmen top` draws the reward sparkline from the tail
@@ -32,11 +33,15 @@ def _number(value: Any) -> float | None:
 
 
 def summarize(step: int, metrics: Mapping[str, Any], time: float) -> TrainStep:
-    """A step's summary from the trainer's metrics dict (its ``rollout/``, ``loss/``, ``perf/`` keys)."""
+    """A step's record from the trainer's metrics dict: the curve's fields, and every numeric metric
+    under a namespace (``rollout/``, ``loss/``, ``perf/``, ``comm/``)."""
     samples = metrics.get("perf/samples")
+    numbers = {key: _number(value) for key, value in metrics.items() if "/" in key}
+    numeric = {key: value for key, value in numbers.items() if value is not None}
     return TrainStep(
         step, str(metrics.get("model_version", "")), _number(metrics.get("rollout/reward_mean")),
         _number(metrics.get("loss/total")), int(samples) if isinstance(samples, int | float) else None, time,
+        numeric,
     )
 
 

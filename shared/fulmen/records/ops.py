@@ -1,8 +1,8 @@
-"""Operations: service heartbeats and the trainer's step summaries (for `fulmen top`)."""
+"""Operations: service heartbeats and the trainer's step records (the steps stream)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from fulmen.records.base import Record
@@ -25,7 +25,8 @@ class ServiceBeat(Record):
 
 @dataclass(frozen=True, slots=True)
 class TrainStep(Record):
-    """One optimizer step as the trainer's leader summarises it: the reward curve's points."""
+    """One optimizer step as the trainer's leader records it: the reward curve's points, and every
+    numeric metric of the step (``metrics``: ``loss/``, ``rollout/``, ``perf/``, ``comm/`` keys)."""
 
     KIND: ClassVar[str] = "train_step"
 
@@ -35,3 +36,4 @@ class TrainStep(Record):
     loss: float | None
     samples: int | None
     time: float
+    metrics: dict[str, float] = field(default_factory=dict)
