@@ -74,8 +74,8 @@ async def test_every_service_serves_health_readiness_and_metrics(
 
         runner = samples(get(ports["runner"], "/metrics")[1])
         assert value(runner, "fulmen_runner_claims_total") >= 8
-        assert value(runner, "fulmen_runner_completions_total", outcome="ended") >= 8
-        assert value(runner, "fulmen_runner_completions_total", outcome="crashed") == 0
+        assert value(runner, "fulmen_runner_attempts_ended_total", outcome="ended") >= 8
+        assert value(runner, "fulmen_runner_attempts_ended_total", outcome="crashed") == 0
         assert value(runner, "fulmen_runner_spans_written_total") > 0
         adapter = samples(get(ports["adapter"], "/metrics")[1])
         assert value(adapter, "fulmen_adapter_rollouts_total") >= 8

@@ -102,8 +102,8 @@ def _runner_counters(runner: Any) -> list[Any]:
 
     return [
         CounterValue("fulmen_runner_claims", "Rollouts claimed.", runner.claimed),
-        CounterValue("fulmen_runner_completions", "Attempts ended, by outcome.", runner.finished, {"outcome": "ended"}),
-        CounterValue("fulmen_runner_completions", "Attempts ended, by outcome.", runner.failed, {"outcome": "crashed"}),
+        CounterValue("fulmen_runner_attempts_ended", "Attempts ended, by outcome.", runner.finished, {"outcome": "ended"}),
+        CounterValue("fulmen_runner_attempts_ended", "Attempts ended, by outcome.", runner.failed, {"outcome": "crashed"}),
         CounterValue("fulmen_runner_spans_written", "Agent spans stored.", runner.writer.written),
         CounterValue("fulmen_runner_spans_dropped", "Agent spans that could not be stored.", runner.writer.dropped),
     ]
