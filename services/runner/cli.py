@@ -81,6 +81,7 @@ def command(settings: RunnerSettings, hook: HookOpt = None) -> None:
             concurrency=settings.concurrency,
             grace_s=settings.grace_s,
             llm_base_url=settings.llm_base_url,
+            proxy_api_key=settings.proxy_key(),
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -192,7 +193,7 @@ def run_once(
             store,
             the_agent,
             hooks,
-            InputResolver(store, llm_base_url=settings.llm_base_url),
+            InputResolver(store, llm_base_url=settings.llm_base_url, api_key=settings.proxy_key()),
             SpanWriter(store, buffer),
             heartbeats,
             worker_id,

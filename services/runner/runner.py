@@ -48,6 +48,7 @@ class Runner:
         grace_s: float = 3.0,
         worker_id: str | None = None,
         llm_base_url: str | None = None,
+        proxy_api_key: str | None = None,
     ) -> None:
         self.store = store
         self.concurrency = concurrency
@@ -60,7 +61,7 @@ class Runner:
             store,
             agent,
             hooks,
-            InputResolver(store, llm_base_url=llm_base_url),
+            InputResolver(store, llm_base_url=llm_base_url, api_key=proxy_api_key),
             self.writer,
             self.heartbeats,
             self.worker_id,
