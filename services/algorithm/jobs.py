@@ -1,25 +1,77 @@
 """Validation passes as rq jobs: the algorithm enqueues them, `fulmen evaluator` runs them.
 
-rq with its JSON serializer (never pickle): a job is a function name and JSON arguments.
+rq with its JSON serializer (never pickle): a job is a function name and JSON arguments. rq would
+import and call whatever function a job names, so anyone who can write to Redis could run code in
+the evaluator; the evaluator's job class (`AllowlistedJob`) runs only `FULMEN_JOBS` and fails any
+other job with a clear error, before importing anything it names (a callback included).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from fulmen.errors import TerminalError
 from fulmen.keys import Keys
 from fulmen.settings import AlgorithmSettings, CommonSettings, EvaluatorSettings
 
 if TYPE_CHECKING:
-    from rq import Queue
+    from rq import Queue, SimpleWorker
 
 log = logging.getLogger(__name__)
 
 VALIDATION_JOB = "fulmen_algorithm.validation.validation_job"
+# The only functions the evaluator runs: a job naming anything else is refused, never imported.
+FULMEN_JOBS = frozenset({VALIDATION_JOB})
 # rq kills a job this long after the pass's own timeout: the pass ends on its timeout first and
 # records what it has.
 JOB_TIMEOUT_MARGIN_S = 60
+
+
+class JobRefused(TerminalError):
+    """An rq job names a function (or callback) that is not one of Fulmen's jobs."""
+
+
+_job_class: type | None = None
+
+
+def allowlisted_job_class() -> type:
+    """rq's ``Job`` that resolves only `FULMEN_JOBS`: any other function, a method of a stored
+    instance, or a callback fails the job with `JobRefused` (rq records it as the job's error).
+    Built on first use: rq is imported only by the processes that use the queue."""
+    global _job_class
+    if _job_class is not None:
+        return _job_class
+    from rq.job import Job
+
+    class AllowlistedJob(Job):
+        @property
+        def func(self) -> Any:
+            name = self.func_name
+            if name not in FULMEN_JOBS or self.instance is not None:
+                raise JobRefused(
+                    f"job {self.id} names {name!r}, which is not one of Fulmen's jobs "
+                    f"({', '.join(sorted(FULMEN_JOBS))}): refused, not run"
+                )
+            if self._success_callback_name or self._failure_callback_name or self._stopped_callback_name:
+                raise JobRefused(f"job {self.id} names callbacks; Fulmen's jobs take none: refused, not run")
+            return super().func
+
+        # Callbacks are never imported: rq reads these when it finishes a job, the refused ones too.
+        @property
+        def success_callback(self) -> None:
+            return None
+
+        @property
+        def failure_callback(self) -> None:
+            return None
+
+        @property
+        def stopped_callback(self) -> None:
+            return None
+
+    _job_class = AllowlistedJob
+    return _job_class
 
 
 def validation_queue(settings: CommonSettings) -> Queue:
@@ -29,7 +81,10 @@ def validation_queue(settings: CommonSettings) -> Queue:
     from rq.serializers import JSONSerializer
 
     connection = redis.Redis.from_url(settings.redis_url_value())
-    return Queue(Keys(settings.experiment).eval_queue, connection=connection, serializer=JSONSerializer)
+    return Queue(
+        Keys(settings.experiment).eval_queue, connection=connection, serializer=JSONSerializer,
+        job_class=allowlisted_job_class(),
+    )  # fmt: skip
 
 
 def validation_job_id(version: int) -> str:
@@ -46,14 +101,22 @@ def enqueue_validation(settings: AlgorithmSettings, version: int) -> None:
     log.info("validation of version %d queued", version)
 
 
-def run_evaluator(settings: EvaluatorSettings) -> None:
-    """Work the eval queue until stopped, after putting back the passes a killed evaluator left."""
+def evaluator_worker(queue: Queue) -> SimpleWorker:
+    """The rq worker of the eval queue: in this process (the jobs are asyncio passes), JSON only,
+    and running Fulmen's jobs only."""
     from rq import SimpleWorker
     from rq.serializers import JSONSerializer
 
+    return SimpleWorker(
+        [queue], connection=queue.connection, serializer=JSONSerializer, job_class=allowlisted_job_class()
+    )
+
+
+def run_evaluator(settings: EvaluatorSettings) -> None:
+    """Work the eval queue until stopped, after putting back the passes a killed evaluator left."""
     from fulmen_algorithm.validation import requeue_abandoned
 
     queue = validation_queue(settings)
     log.info("evaluator on queue %s", queue.name)
     requeue_abandoned(queue)  # a pass an evaluator was killed in is run again, not lost
-    SimpleWorker([queue], connection=queue.connection, serializer=JSONSerializer).work(with_scheduler=False)
+    evaluator_worker(queue).work(with_scheduler=False)

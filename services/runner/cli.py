@@ -81,12 +81,14 @@ def command(settings: RunnerSettings, hook: HookOpt = None) -> None:
             concurrency=settings.concurrency,
             grace_s=settings.grace_s,
             llm_base_url=settings.llm_base_url,
+            proxy_api_key=settings.proxy_key(),
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, runner.stop)
         with start_ops(settings, "runner", groups=[("queue", k.RUNNERS_GROUP)]) as ops:
             ops.add(CountersCollector(lambda: _runner_counters(runner)))
+            ops.add(AgentThreadGauges(runner))
             await runner.run()
         log.info("runner %s stopped after %d rollout(s)", runner.worker_id, runner.finished)
         provider.shutdown()  # export what OTLP still holds: leaving early below would skip its exit hook
@@ -106,7 +108,33 @@ def _runner_counters(runner: Any) -> list[Any]:
         CounterValue("fulmen_runner_attempts_ended", "Attempts ended, by outcome.", runner.failed, {"outcome": "crashed"}),
         CounterValue("fulmen_runner_spans_written", "Agent spans stored.", runner.writer.written),
         CounterValue("fulmen_runner_spans_dropped", "Agent spans that could not be stored.", runner.writer.dropped),
+        CounterValue(
+            "fulmen_runner_agent_threads_abandoned",
+            "Sync agent calls left running in their thread after their attempt ended.",
+            runner.threads.abandoned,
+        ),
     ]
+
+
+class AgentThreadGauges:
+    """The sync agents' pool on /metrics: its size, threads in an agent, and the hung ones among them."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        threads = self.runner.threads
+        yield GaugeMetricFamily("fulmen_runner_agent_threads", "Threads sync agents may use.", value=threads.size)
+        yield GaugeMetricFamily(
+            "fulmen_runner_agent_threads_busy", "Threads running a sync agent now.", value=threads.running
+        )
+        yield GaugeMetricFamily(
+            "fulmen_runner_agent_threads_hung",
+            "Threads still running a sync agent whose attempt is over (it ignored its timeout).",
+            value=threads.hung,
+        )
 
 
 def _exit_if_agent_threads_linger() -> None:
@@ -165,7 +193,7 @@ def run_once(
             store,
             the_agent,
             hooks,
-            InputResolver(store, llm_base_url=settings.llm_base_url),
+            InputResolver(store, llm_base_url=settings.llm_base_url, api_key=settings.proxy_key()),
             SpanWriter(store, buffer),
             heartbeats,
             worker_id,

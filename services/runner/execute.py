@@ -7,6 +7,10 @@ Every span of the attempt is stored before its status is reported, so whoever se
 (the adapter, through the finished stream) finds all of its spans. The attempt's final reward is
 computed here once (`SpanWriter.final_reward`) and stored with its status. Cancelled from outside (the
 runner shutting down), the attempt is handed back to the queue instead of being failed.
+
+Whatever the agent raises ends its attempt, never the runner: a ``KeyboardInterrupt``, ``SystemExit``
+or ``GeneratorExit`` of the agent's (which asyncio would let through to the event loop), or a
+``CancelledError`` it raises itself (not a cancellation of its task), fails the attempt saying so.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from fulmen.sdk.emit import emit_exception, emit_reward
 from fulmen.sdk.hooks import Hook, run_hooks
 from fulmen.store import RedisStore
 from fulmen.tracing import RootSpan, bind
+from fulmen_runner.agent_threads import AgentThreads
 from fulmen_runner.heartbeats import Heartbeats
 from fulmen_runner.inputs import InputResolver
 from fulmen_runner.span_writer import SpanWriter
@@ -51,10 +56,29 @@ class AttemptContext:
     writer: SpanWriter
     heartbeats: Heartbeats
     worker_id: str
+    threads: AgentThreads | None = None  # where sync agents run (None: asyncio's default executor)
 
 
 class Abandoned(Exception):
     """The store says the attempt is over (rollout cancelled, attempt timed out elsewhere)."""
+
+
+class AgentRaisedBaseException(Exception):
+    """The agent raised what only the runner may (an interrupt, an exit, a cancellation of its own)."""
+
+    def __init__(self, raised: BaseException) -> None:
+        what = type(raised).__name__ + (f"({raised})" if str(raised) else "")
+        super().__init__(
+            f"the agent raised {what}; it ends this attempt only, not the runner — raise an Exception "
+            "subclass to fail an attempt"
+        )
+
+
+def _cancelled_from_outside() -> bool:
+    """True when this task was asked to stop (the runner's shutdown, the heartbeat loop, a timeout);
+    False when the CancelledError came from the agent's own code."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _reward_of(result: Any) -> float | Mapping[str, float] | None:
@@ -74,7 +98,7 @@ async def _run_agent(ctx: AttemptContext, claimed: AttemptedRollout) -> Any:
     inputs = await ctx.resolver.resolve(claimed)
     try:
         async with asyncio.timeout(timeout_s):
-            return await ctx.agent.call(inputs)
+            return await ctx.agent.call(inputs, ctx.threads.run if ctx.threads is not None else None)
     except TimeoutError:
         raise TimeoutError(f"the agent ran longer than timeout_seconds={timeout_s}") from None
     finally:
@@ -108,19 +132,15 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
                     value = _reward_of(result)
                 except TimeoutError as e:
                     status, error = AttemptStatus.TIMEOUT, e
-                except asyncio.CancelledError:
-                    reason = ctx.heartbeats.abandoned_reason(aid)
-                    if reason is None:  # the runner is shutting down: hand the attempt back
-                        root.set_error("handed back")
-                        root.end()
-                        await _hand_back(ctx, rid, aid)
-                        raise
-                    current = asyncio.current_task()
-                    if current is not None:
-                        current.uncancel()
-                    status, error = None, Abandoned(reason)
+                except asyncio.CancelledError as e:
+                    if not _cancelled_from_outside():  # the agent's own: handing back would loop forever
+                        status, error = AttemptStatus.FAILED, AgentRaisedBaseException(e)
+                    else:
+                        status, error = await _on_cancelled(ctx, root, rid, aid)
                 except Exception as e:
                     status, error = AttemptStatus.FAILED, e
+                except BaseException as e:  # KeyboardInterrupt, SystemExit, GeneratorExit of the agent's
+                    status, error = AttemptStatus.FAILED, AgentRaisedBaseException(e)
                 finally:
                     ctx.heartbeats.unwatch(aid)
                 if error is not None and status is not None:
@@ -131,7 +151,7 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
                 with trace.use_span(root.span, end_on_exit=False):
                     try:
                         emit_reward(value)
-                    except InvalidInput as e:  # a NaN or malformed reward fails the attempt, clearly
+                    except Exception as e:  # a NaN, huge or malformed reward fails the attempt, clearly
                         status, error = AttemptStatus.FAILED, e
                         emit_exception(e)
         finally:
@@ -155,6 +175,23 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
             log.info("attempt %s abandoned: %s", aid, error)
         await run_hooks("on_rollout_end", ctx.agent, ctx.hooks, rollout, reward)
     return Outcome(status, reward, error)
+
+
+async def _on_cancelled(
+    ctx: AttemptContext, root: RootSpan, rollout_id: str, attempt_id: str
+) -> tuple[AttemptStatus | None, BaseException]:
+    """The attempt's task was cancelled: the store abandoned it (nothing to report), or the runner is
+    shutting down (hand it back, and let the cancellation go on)."""
+    reason = ctx.heartbeats.abandoned_reason(attempt_id)
+    if reason is None:  # the runner is shutting down: hand the attempt back
+        root.set_error("handed back")
+        root.end()
+        await _hand_back(ctx, rollout_id, attempt_id)
+        raise asyncio.CancelledError
+    current = asyncio.current_task()
+    if current is not None:
+        current.uncancel()
+    return None, Abandoned(reason)
 
 
 async def _hand_back(ctx: AttemptContext, rollout_id: str, attempt_id: str) -> None:

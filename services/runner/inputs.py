@@ -4,6 +4,9 @@ The rollout names a resources id (or none: then the latest snapshot). The "llm" 
 gives the model and sampling parameters; the base URL is a live proxy from the store's registry,
 picked by a stable hash of the rollout id, with the attempt's path prefix — or ``llm_base_url`` from
 the settings when the user points agents at an endpoint of their own.
+
+The runner's ``api_key`` goes with the proxies and ``llm_base_url`` (both the operator's choice),
+never to an ``endpoint`` named inside a resource: whoever can write resources must not learn the key.
 """
 
 from __future__ import annotations
@@ -29,10 +32,16 @@ class NoProxy(RetryableError):
 
 class InputResolver:
     def __init__(
-        self, store: RedisStore, *, llm_base_url: str | None = None, proxy_wait_s: float = 30.0
+        self,
+        store: RedisStore,
+        *,
+        llm_base_url: str | None = None,
+        api_key: str | None = None,
+        proxy_wait_s: float = 30.0,
     ) -> None:
         self.store = store
         self.llm_base_url = llm_base_url
+        self.api_key = api_key
         self.proxy_wait_s = proxy_wait_s
         self._snapshots: dict[str | None, tuple[float, ResourcesUpdate | None]] = {}
         self._proxies: tuple[float, list[Any]] = (0.0, [])
@@ -66,7 +75,9 @@ class InputResolver:
 
     async def llm(self, spec: dict[str, Any], rollout_id: str, attempt_id: str) -> LLM:
         if self.llm_base_url:
-            return llm_for_attempt(spec, self.llm_base_url, rollout_id, attempt_id, attributed=False)
+            return llm_for_attempt(
+                spec, self.llm_base_url, rollout_id, attempt_id, attributed=False, api_key=self.api_key
+            )
         if spec.get("endpoint"):  # a fixed endpoint in the resource itself (Agent Lightning style)
             return llm_for_attempt(spec, spec["endpoint"], rollout_id, attempt_id, attributed=False)
         deadline = time.monotonic() + self.proxy_wait_s
@@ -78,7 +89,8 @@ class InputResolver:
                 )
             log.info("waiting for an LLM proxy to register (rollout %s)", rollout_id)
             await asyncio.sleep(1.0)
-        return llm_for_attempt(spec, pick_proxy(proxies, rollout_id).base_url, rollout_id, attempt_id)
+        proxy = pick_proxy(proxies, rollout_id)
+        return llm_for_attempt(spec, proxy.base_url, rollout_id, attempt_id, api_key=self.api_key)
 
     async def resolve(self, claimed: AttemptedRollout) -> AgentInputs:
         rollout = claimed.rollout

@@ -20,6 +20,7 @@ from fulmen.sdk.agent import Agent
 from fulmen.sdk.hooks import Hook
 from fulmen.store import RedisStore
 from fulmen.tracing import SpanBuffer
+from fulmen_runner.agent_threads import AgentThreads, pool_size
 from fulmen_runner.execute import AttemptContext, Outcome, execute
 from fulmen_runner.heartbeats import Heartbeats
 from fulmen_runner.inputs import InputResolver
@@ -47,6 +48,7 @@ class Runner:
         grace_s: float = 3.0,
         worker_id: str | None = None,
         llm_base_url: str | None = None,
+        proxy_api_key: str | None = None,
     ) -> None:
         self.store = store
         self.concurrency = concurrency
@@ -54,14 +56,16 @@ class Runner:
         self.worker_id = worker_id or default_worker_id()
         self.writer = SpanWriter(store, buffer)
         self.heartbeats = Heartbeats(store)
+        self.threads = AgentThreads(pool_size(concurrency))  # sync agents', never the default executor
         self.ctx = AttemptContext(
             store,
             agent,
             hooks,
-            InputResolver(store, llm_base_url=llm_base_url),
+            InputResolver(store, llm_base_url=llm_base_url, api_key=proxy_api_key),
             self.writer,
             self.heartbeats,
             self.worker_id,
+            self.threads,
         )
         self.stopping = asyncio.Event()
         self.running: set[asyncio.Task[Outcome]] = set()
@@ -105,6 +109,7 @@ class Runner:
                     task.add_done_callback(self._done)
             await self._wind_down()
         finally:
+            self.threads.shutdown()  # takes no new calls; a thread still in an agent finishes on its own
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
@@ -25,15 +25,36 @@ MAX_DELAY_S = 2.0
 LOG_EVERY = 10
 
 
+# A secret in a URL's query (redis-py reads ?password=): its value runs to the next "&" or the end.
+_QUERY_SECRET = re.compile(r"[?&][^=&?]*(?:password|passwd|pwd|secret|token)[^=&]*=([^&]*)", re.IGNORECASE)
+REDACTED = "***"
+
+
 def redact(url: str) -> str:
-    """The URL with any password replaced, fit for a log line."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """The URL with every password replaced, fit for a log line.
+
+    Not parsed as a URL: a password written unencoded may hold "/", "#", "?" or "@", which a parser
+    takes for the end of the authority (then the rest of the password would be printed). So the
+    userinfo's password is everything from the first ":" after "scheme://" to the last "@", and a
+    query secret (``?password=``) everything to the next "&". Where the two overlap (an "@" inside a
+    query password) more than the secret is hidden, never less."""
+    hidden: list[tuple[int, int]] = []
+    scheme = url.find("://")
+    at = url.rfind("@")
+    if scheme >= 0 and at > scheme:
+        colon = url.find(":", scheme + 3, at)
+        if colon >= 0:  # user:password@ (a lone name before "@" is the ACL user, not a secret)
+            hidden.append((colon + 1, at))
+    hidden += [m.span(1) for m in _QUERY_SECRET.finditer(url) if m.end(1) > m.start(1)]
+    if not hidden:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    out, pos = [], 0
+    for start, end in sorted(hidden):
+        if end <= pos:
+            continue
+        out += [url[pos:max(start, pos)], REDACTED if start >= pos else ""]
+        pos = end
+    return "".join(out) + url[pos:]
 
 
 async def connect(settings: CommonSettings, *, wait_s: float | None = None) -> aioredis.Redis:

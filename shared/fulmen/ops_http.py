@@ -11,13 +11,18 @@ thread or rq's blocking worker, and a busy loop never makes a service look dead.
   service's counters, and the pipeline-wide gauges read from Redis at scrape time (`fulmen.ops_metrics`).
 
 The port is ``FULMEN_METRICS_PORT``, else ``$PORT`` (honcho gives each process its own, so
-``honcho start -c runner=4`` works), else no server — and no log line about it. The heartbeat
-(`fulmen.keys.SERVICES`, read by `fulmen top`) runs either way.
+``honcho start -c runner=4`` works), else no server — and no log line about it. The address is
+``FULMEN_METRICS_HOST``: loopback by default, so a laptop's services are not open to its network;
+the container images and manifests set 0.0.0.0 for probes and Prometheus. With
+``FULMEN_METRICS_TOKEN`` set, /metrics answers only ``Authorization: Bearer <token>`` (401 otherwise);
+the probes stay open (Kubernetes probes send no secret). The heartbeat (`fulmen.keys.SERVICES`, read
+by `fulmen top`) runs either way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -99,13 +104,17 @@ class OpsServer:
         *,
         groups: Sequence[tuple[str, str]] = (),
         port: int | None = None,
-        host: str = "0.0.0.0",  # scraped from other hosts (Prometheus, Kubernetes probes)
+        host: str | None = None,
+        token: str | None = None,
     ) -> None:
         self.service = service
         self.keys = k.Keys(settings.experiment)
         self.groups = list(groups)
         self.port = port
-        self.host = host
+        self.host = settings.metrics_host if host is None else host
+        if token is None and settings.metrics_token is not None:
+            token = settings.metrics_token.get_secret_value()
+        self.token = token.encode() if token else None  # what /metrics requires (None: nothing)
         # short timeouts: a probe must answer "not ready" quickly, not hang with a dead Redis
         self.redis = redis.Redis.from_url(
             settings.redis_url_value(), socket_timeout=2.0, socket_connect_timeout=2.0
@@ -127,6 +136,14 @@ class OpsServer:
     def ready(self) -> str | None:
         return readiness(self.redis, self.keys, self.groups)
 
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether a request may read /metrics: no token configured, or the right bearer token."""
+        if self.token is None:
+            return True
+        given = (authorization or "").encode("utf-8", "replace")
+        token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
+        return hmac.compare_digest(token, self.token)  # constant time: timing says nothing of the token
+
     def start(self) -> OpsServer:
         if self._threads:
             return self  # already started (`with start_ops(...)` starts it before entering)
@@ -135,7 +152,8 @@ class OpsServer:
             self._http.daemon_threads = True
             self.port = self._http.server_address[1]  # port 0: the one the OS picked
             self._spawn(self._http.serve_forever, "ops-http")
-            log.info("%s: /healthz /readyz /metrics on port %d", self.service, self.port)
+            log.info("%s: /healthz /readyz /metrics on %s port %d%s", self.service, self.host, self.port,
+                     " (/metrics needs the bearer token)" if self.token else "")
         self._spawn(self._beat, "ops-heartbeat")
         return self
 
@@ -190,7 +208,10 @@ def _handler(server: OpsServer) -> type[BaseHTTPRequestHandler]:
                 body = {"ready": True} if reason is None else {"ready": False, "reason": reason}
                 self._send(200 if reason is None else 503, json.dumps(body).encode(), "application/json")
             elif path == "/metrics":
-                self._send(200, server.metrics(), METRICS_CONTENT_TYPE)
+                if server.authorized(self.headers.get("Authorization")):
+                    self._send(200, server.metrics(), METRICS_CONTENT_TYPE)
+                else:
+                    self._send(401, b'{"error":"missing or invalid bearer token"}', "application/json")
             else:
                 self._send(404, b'{"error":"no such path"}', "application/json")
 

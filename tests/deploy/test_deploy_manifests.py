@@ -345,6 +345,17 @@ def test_every_fulmen_variable_named_in_deploy_is_a_settings_field() -> None:
     assert named - known == set()
 
 
+def test_containers_serve_the_ops_endpoints_on_every_interface() -> None:
+    """The default address of /healthz /readyz /metrics is loopback; every container setting opens it."""
+    env_file = dict(
+        line.split("=", 1) for line in (DEPLOY / "fulmen.env").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )  # fmt: skip
+    assert env_file["FULMEN_METRICS_HOST"] == "0.0.0.0"
+    assert k8s_objects("ConfigMap")["fulmen-settings"]["data"]["FULMEN_METRICS_HOST"] == "0.0.0.0"
+    assert re.search(r"^ENV .*\bFULMEN_METRICS_HOST=0\.0\.0\.0\b", (DEPLOY / "Dockerfile").read_text(), re.M)
+
+
 def test_dockerfile_installs_cpu_torch_first_within_the_package_range() -> None:
     """torch==2.13.0 is installed before the package, and the package's torch range admits it."""
     text = (DEPLOY / "Dockerfile").read_text()

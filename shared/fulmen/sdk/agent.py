@@ -12,7 +12,7 @@ import asyncio
 import importlib
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,16 +70,18 @@ class Agent:
             self._prepare()
         return name in self._wanted
 
-    async def call(self, inputs: AgentInputs) -> Any:
+    async def call(self, inputs: AgentInputs, run_sync: Callable[..., Awaitable[Any]] | None = None) -> Any:
         """Run one rollout: async agents on the event loop, sync agents in a worker thread (which
-        inherits the context, so their spans stay bound to the attempt)."""
+        inherits the context, so their spans stay bound to the attempt). ``run_sync(fn, *args,
+        **kwargs)`` runs a sync agent: the runner gives its own bounded pool (`AgentThreads`), so a
+        hung agent never holds a thread of asyncio's default executor; unset, ``asyncio.to_thread``."""
         if self._entry is None:
             self._prepare()
         assert self._entry is not None
         kwargs = {name: getattr(inputs, name) for name in self._wanted}
         if self._is_async:
             return await self._entry(inputs.task, **kwargs)
-        return await asyncio.to_thread(self._entry, inputs.task, **kwargs)
+        return await (run_sync or asyncio.to_thread)(self._entry, inputs.task, **kwargs)
 
 
 def wanted_parameters(fn: Callable[..., Any], what: str) -> tuple[str, ...]:

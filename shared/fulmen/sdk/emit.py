@@ -51,7 +51,10 @@ def check_reward(value: Any, name: str = "reward") -> float:
         return float(value)
     if not isinstance(value, int | float):
         raise InvalidInput(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond a float's range (10**400): no reward, and no repr of 400 digits
+        raise InvalidInput(f"{name} must be a finite number, got an integer too large for a float") from None
     if not math.isfinite(value):
         raise InvalidInput(f"{name} must be a finite number, got {value}")
     return value

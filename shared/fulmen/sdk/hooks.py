@@ -2,11 +2,14 @@
 
 Order for one attempt: ``on_rollout_start`` → ``on_trace_start`` → the agent → ``on_trace_end`` →
 ``on_rollout_end``. Each may be sync or async. An exception in a hook is recorded and logged but
-does not fail the rollout: hooks observe, they do not decide.
+does not fail the rollout: hooks observe, they do not decide. That holds for a ``KeyboardInterrupt``,
+``SystemExit``, ``GeneratorExit`` or ``CancelledError`` a hook raises itself too: only a cancellation
+of the attempt's task (the runner stopping) goes through.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Sequence
@@ -43,5 +46,10 @@ async def run_hooks(name: str, agent: Any, hooks: Sequence[Hook], rollout: Rollo
             result = call(rollout, *extra)
             if inspect.isawaitable(result):
                 await result
-        except Exception:
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling() > 0:
+                raise  # the attempt's task was cancelled (shutdown, abandoned): not the hook's doing
+            log.exception("hook %s raised CancelledError on rollout %s", name, rollout.rollout_id)
+        except BaseException:  # an interrupt or exit a hook raises must not take the runner down
             log.exception("hook %s failed on rollout %s", name, rollout.rollout_id)

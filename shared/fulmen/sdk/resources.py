@@ -9,6 +9,10 @@ from typing import Any
 
 from fulmen import semconv
 
+# What the OpenAI client sends when the runner has no key (it refuses an empty one); a proxy without
+# FULMEN_PROXY_API_KEYS accepts any.
+NO_API_KEY = "fulmen"
+
 
 @dataclass
 class LLM:
@@ -21,7 +25,9 @@ class LLM:
     base_url: str
     model: str
     sampling_parameters: dict[str, Any] = field(default_factory=dict)
-    api_key: str = "fulmen"  # the proxy's keys come from the environment; upstream keys never reach here
+    # The runner's key for the proxy (FULMEN_PROXY_API_KEY, else the first of FULMEN_PROXY_API_KEYS);
+    # upstream keys never reach here. Out of the repr: an agent may print its LLM.
+    api_key: str = field(default=NO_API_KEY, repr=False)
     headers: dict[str, str] = field(default_factory=dict)
     model_version: str | None = None
     _client: Any = field(default=None, init=False, repr=False, compare=False)
@@ -127,10 +133,17 @@ class PromptTemplate:
 
 
 def llm_for_attempt(
-    spec: dict[str, Any], proxy_base_url: str, rollout_id: str, attempt_id: str, *, attributed: bool = True
+    spec: dict[str, Any],
+    proxy_base_url: str,
+    rollout_id: str,
+    attempt_id: str,
+    *,
+    attributed: bool = True,
+    api_key: str | None = None,
 ) -> LLM:
     """The agent's `LLM` from the "llm" resource and the chosen proxy (or a plain endpoint when
-    ``attributed`` is False: then the ids travel in headers instead of the path)."""
+    ``attributed`` is False: then the ids travel in headers instead of the path), with the runner's
+    bearer ``api_key`` for it (None: `NO_API_KEY`)."""
     root = proxy_base_url.rstrip("/")
     if root.endswith("/v1"):
         root = root[: -len("/v1")]
@@ -140,6 +153,7 @@ def llm_for_attempt(
         base_url=base,
         model=str(spec.get("model", "")),
         sampling_parameters=dict(spec.get("sampling_parameters") or {}),
+        api_key=api_key or NO_API_KEY,
         headers=headers,
         model_version=spec.get("model_version"),
     )

@@ -42,6 +42,13 @@ class CommonSettings(BaseSettings):
         None, ge=0, le=65535,
         description="Port of this process's /healthz /readyz /metrics (unset: $PORT; neither: none; 0: any free port).",
     )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="Address /healthz /readyz /metrics listen on (containers set 0.0.0.0 for probes and scrapers).",
+    )
+    metrics_token: SecretStr | None = Field(
+        None, description="Bearer token /metrics requires (unset: none); /healthz and /readyz stay open for probes.",
+    )
 
     @property
     def embedded(self) -> bool:

@@ -54,10 +54,18 @@ class TrainDataSettings(CommonSettings):
     train_data: Path | None = Field(None, description="Training tasks: JSON lines, or a datasets folder.")
 
 
+class ProxyKeysSettings(CommonSettings):
+    """The keys the proxy accepts: the proxy checks them, a runner sends the first (one .env for all)."""
+
+    proxy_api_keys: SecretStr | None = Field(
+        None, description="Comma-separated bearer keys the proxy accepts (unset: no auth)."
+    )
+
+
 # --- one class per service -----------------------------------------------------------------------
 
 
-class RunnerSettings(CommonSettings):
+class RunnerSettings(ProxyKeysSettings):
     agent: str | None = Field(None, description="The agent to run, as module:function or module:Class.")
     concurrency: int = Field(8, ge=1, le=4096, description="Rollouts one runner process runs at once.")
     grace_s: float = Field(
@@ -66,9 +74,23 @@ class RunnerSettings(CommonSettings):
     llm_base_url: str | None = Field(
         None, description="OpenAI-compatible base URL for agents; unset: the proxies registered in the store."
     )
+    proxy_api_key: SecretStr | None = Field(
+        None,
+        description="Bearer key agents send to the proxies and to llm_base_url (unset: the first of "
+        "proxy_api_keys, else none).",
+    )
+
+    def proxy_key(self) -> str | None:
+        """The key agents send: this runner's own, else the first key the proxies accept (never logged)."""
+        if self.proxy_api_key is not None:
+            return self.proxy_api_key.get_secret_value().strip() or None
+        if self.proxy_api_keys is not None:
+            keys = [key.strip() for key in self.proxy_api_keys.get_secret_value().split(",")]
+            return next((key for key in keys if key), None)
+        return None
 
 
-class ProxySettings(ServedModelSettings):
+class ProxySettings(ServedModelSettings, ProxyKeysSettings):
     proxy_host: str = Field("127.0.0.1", description="Address the LLM proxy listens on.")
     proxy_port: int | None = Field(
         None, ge=0, le=65535, description="Port of the LLM proxy (unset: $PORT from honcho, else 8000)."
@@ -79,9 +101,6 @@ class ProxySettings(ServedModelSettings):
     proxy_backend: str = Field("torch", description="torch (in-process HF model), vllm, or openai (upstream).")
     upstream_urls: str | None = Field(
         None, description="Comma-separated base URLs of upstream vllm/openai servers (sticky by rollout)."
-    )
-    proxy_api_keys: SecretStr | None = Field(
-        None, description="Comma-separated bearer keys the proxy accepts (unset: no auth)."
     )
     upstream_api_key: SecretStr | None = Field(None, description="Bearer key for the upstream server.")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the proxy accepts.")

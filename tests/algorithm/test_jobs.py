@@ -1,0 +1,62 @@
+"""The evaluator runs Fulmen's own jobs only: a job naming any other function is refused, never run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rq.job import JobStatus
+
+from fulmen.settings import EvaluatorSettings
+from fulmen_algorithm.jobs import VALIDATION_JOB, allowlisted_job_class, evaluator_worker, validation_queue
+from fulmen_algorithm.validation import validation_job
+
+
+@pytest.fixture
+def queue(redis_url: str, experiment: str):
+    q = validation_queue(EvaluatorSettings(redis_url=redis_url, experiment=experiment))
+    yield q
+    q.connection.close()
+
+
+def _plain_enqueue(queue, func: str, *args, **kwargs):
+    """Enqueue as an attacker with Redis access would: rq's own Job class, any function name."""
+    import rq
+    from rq.serializers import JSONSerializer
+
+    plain = rq.Queue(queue.name, connection=queue.connection, serializer=JSONSerializer)
+    return plain.enqueue(func, *args, **kwargs)
+
+
+def test_a_job_naming_another_function_is_refused_and_not_run(queue, tmp_path: Path) -> None:
+    """os.makedirs as a job: the evaluator fails it with a clear error and the directory never appears."""
+    target = tmp_path / "pwned"
+    job = _plain_enqueue(queue, "os.makedirs", str(target))
+    evaluator_worker(queue).work(burst=True, with_scheduler=False)
+    job = queue.fetch_job(job.id)
+    assert job.get_status() == JobStatus.FAILED
+    assert "'os.makedirs', which is not one of Fulmen's jobs" in (job.latest_result().exc_string or "")
+    assert not target.exists()
+
+
+def test_a_fulmen_job_with_a_callback_is_refused_and_no_callback_runs(queue, tmp_path: Path) -> None:
+    """A callback is code too: a job naming one fails, and neither it nor the job's function runs."""
+    from rq import Callback
+
+    target = tmp_path / "pwned-by-callback"
+    job = _plain_enqueue(
+        queue, VALIDATION_JOB, "x", str(tmp_path / "missing.jsonl"), "v1",
+        on_failure=Callback("os.makedirs"), on_success=Callback("os.makedirs"),
+    )  # fmt: skip
+    evaluator_worker(queue).work(burst=True, with_scheduler=False)
+    job = queue.fetch_job(job.id)
+    assert job.get_status() == JobStatus.FAILED
+    assert "names callbacks" in (job.latest_result().exc_string or "")
+    assert not target.exists()
+
+
+def test_fulmen_jobs_resolve(queue) -> None:
+    """The validation job, enqueued as the algorithm does, resolves to Fulmen's function."""
+    job = queue.enqueue(VALIDATION_JOB, "x", "data.jsonl", "v1")
+    fetched = allowlisted_job_class().fetch(job.id, connection=queue.connection, serializer=queue.serializer)
+    assert fetched.func is validation_job
