@@ -1,4 +1,15 @@
-"""Connecting to Redis: wait with backoff and a clear log line, never print a password."""
+"""Connecting to Redis: wait with backoff and a clear log line, never print a password; then ride out
+outages.
+
+Once connected, every command of the client goes through `OutageRetry`: a connection error (Redis
+restarting, a network blip, a server still loading its AOF) is retried with jittered exponential
+backoff for up to ``redis_outage_s``, with one log line when the outage starts and one when it ends.
+So a service's loops never see a short outage, whichever command it hits, and `/readyz` (its own
+client, no retry) says 503 meanwhile. Retrying is safe for what the services send: the Lua lifecycle
+scripts are idempotent on a repeat (a finished attempt reports ``already``, a stored span is ignored,
+samples are written once per rollout) — except a claim whose reply was lost, which leaves its attempt
+to the watchdog (rollouts with ``unresponsive_seconds``, as the algorithm's are, are recovered).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +18,11 @@ import logging
 import random
 import re
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
 
 from fulmen.errors import RedisUnavailable
@@ -23,6 +37,9 @@ CONNECT_TIMEOUT_S = 5
 FIRST_DELAY_S = 0.1
 MAX_DELAY_S = 2.0
 LOG_EVERY = 10
+# Backoff between retries of a command during an outage (jittered; the cap keeps reconnects prompt).
+OUTAGE_FIRST_DELAY_S = 0.05
+OUTAGE_MAX_DELAY_S = 1.0
 
 
 # A secret in a URL's query (redis-py reads ?password=): its value runs to the next "&" or the end.
@@ -75,6 +92,8 @@ async def connect(settings: CommonSettings, *, wait_s: float | None = None) -> a
             await client.ping()
             if attempt > 1:
                 log.info("Redis at %s is up after %d attempts", redact(url), attempt)
+            # From now on a lost connection is an outage to ride out, not the end of the process.
+            client.set_retry(OutageRetry(url, settings.redis_outage_s))
             return client
         except (ConnectionError, TimeoutError, BusyLoadingError, OSError) as e:
             if time.monotonic() + delay > deadline:
@@ -87,3 +106,44 @@ async def connect(settings: CommonSettings, *, wait_s: float | None = None) -> a
                 log.info("waiting for Redis at %s (%s)", redact(url), type(e).__name__)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, MAX_DELAY_S)
+
+
+class OutageRetry(Retry):
+    """redis-py's retry of a failed command, bounded by time rather than by count, that says once
+    when Redis went away and once when it is back (with how long it was gone). One per client: its
+    coroutines share the outage, so they share the log lines too."""
+
+    def __init__(self, url: str, outage_s: float) -> None:
+        super().__init__(ExponentialWithJitterBackoff(OUTAGE_MAX_DELAY_S, OUTAGE_FIRST_DELAY_S), -1,
+                         (ConnectionError, TimeoutError))  # BusyLoadingError is a ConnectionError
+        self.url, self.outage_s = url, outage_s
+        self.down_since: float | None = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OutageRetry:
+        return self  # redis-py copies a connection's retry; one outage is one state for the client
+
+    async def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
+                              with_failure_count: bool = False) -> Any:
+        failures = 0
+        while True:
+            try:
+                result = await do()
+            except self._supported_errors as error:
+                if is_retryable is not None and not is_retryable(error):
+                    raise
+                failures += 1
+                await (fail(error, failures) if with_failure_count else fail(error))
+                now = time.monotonic()
+                if self.down_since is None:
+                    self.down_since = now
+                    log.warning("Redis at %s unreachable (%s): reconnecting for up to %.0f s",
+                                redact(self.url), type(error).__name__, self.outage_s)
+                if now - self.down_since >= self.outage_s:
+                    raise
+                await asyncio.sleep(self._backoff.compute(failures))
+                continue
+            if self.down_since is not None:
+                log.warning("Redis at %s is back after an outage of %.1f s",
+                            redact(self.url), time.monotonic() - self.down_since)
+                self.down_since = None
+            return result

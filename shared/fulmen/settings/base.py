@@ -36,6 +36,10 @@ class CommonSettings(BaseSettings):
     data_dir: Path = Field(Path(".fulmen"), description="Where the embedded Redis keeps its AOF (under redis/).")
     redis_port: int = Field(DEFAULT_PORT, ge=1, le=65535, description="Port of the embedded Redis.")
     redis_wait_s: float = Field(60.0, ge=0, description="How long to wait for Redis to come up before giving up.")
+    redis_outage_s: float = Field(
+        60.0, ge=0,
+        description="How long a running service rides out a Redis outage (reconnecting with backoff) before it gives up.",
+    )
     max_record_bytes: int = Field(DEFAULT_MAX_RECORD_BYTES, ge=1024, description="Size limit of one record.")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
     metrics_port: int | None = Field(
