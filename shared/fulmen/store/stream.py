@@ -37,6 +37,11 @@ DEFAULT_READ_COUNT = 100  # entries per read when the caller names no count
 # a long block for a dead connection, and a follower must notice a dead connection within seconds.
 MAX_BLOCK_S = 0.5
 DEAD_LETTER_PAYLOAD_BYTES = 65536  # of each raw field kept in a dead letter, enough to diagnose it
+# The whole copy kept in a dead letter stays far below the record size limit, however large or many
+# the poison entry's fields: setting it aside must never fail in turn.
+DEAD_LETTER_TOTAL_BYTES = 1 << 20
+DEAD_LETTER_NAME_CHARS = 256
+DEAD_LETTER_REASON_CHARS = 4096
 
 
 def block_ms(block_s: float | None) -> int | None:
@@ -166,11 +171,11 @@ class Stream(Generic[T]):
         acknowledge it (in the same MULTI) so the group moves on."""
         if self.dead_letters is None:
             raise TypeError(f"{self!r} has no dead-letter stream")
+        payload, kept = _dead_letter_copy(fields)
+        if kept < len(fields):
+            reason = f"{reason} (copy truncated: {kept} of {len(fields)} fields kept)"
+        reason = reason[:DEAD_LETTER_REASON_CHARS]
         log.error("dead-lettered %s entry %s: %s", self.key, entry_id, reason)
-        payload = {
-            (name.decode(errors="replace") if isinstance(name, bytes) else str(name)): value[:DEAD_LETTER_PAYLOAD_BYTES]
-            for name, value in fields.items()
-        }
         letter = DeadLetter(self.key, entry_id, reason, payload, time.time())
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.dead_letters, {"m": letter.to_wire()})
@@ -203,6 +208,21 @@ class Stream(Generic[T]):
         while True:
             for item in await cursor.read(MAX_BLOCK_S, count):
                 yield item
+
+
+def _dead_letter_copy(fields: Fields) -> tuple[dict[str, bytes], int]:
+    """What a dead letter keeps of an entry's raw fields (each cut to `DEAD_LETTER_PAYLOAD_BYTES`,
+    all within `DEAD_LETTER_TOTAL_BYTES`), and how many fields it kept."""
+    payload: dict[str, bytes] = {}
+    budget = DEAD_LETTER_TOTAL_BYTES
+    for name, value in fields.items():
+        text = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+        data = (value if isinstance(value, bytes) else str(value).encode())[:min(DEAD_LETTER_PAYLOAD_BYTES, budget)]
+        if budget <= 0:
+            break
+        payload[text[:DEAD_LETTER_NAME_CHARS]] = data
+        budget -= len(data) + len(text)
+    return payload, len(payload)
 
 
 class Cursor(Generic[T]):
