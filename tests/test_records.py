@@ -274,3 +274,20 @@ def test_unsupported_annotation_fails_on_first_use() -> None:
 
     with pytest.raises(TypeError, match="has no wire form"):
         Odd(1j).to_wire()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"reward": float("nan")}, "'reward' is not finite"),
+        ({"final_reward": float("inf")}, "'final_reward' is not finite"),
+        ({"response_token_ids": [], "response_logprobs": [], "response_mask": []}, "no response tokens"),
+        ({"prompt_token_ids": [1, -2]}, "negative token id"),
+        ({"group_size": 0}, "group_size must be at least 1"),
+    ],
+)
+def test_a_sample_the_trainer_cannot_learn_from_is_refused(change: dict, message: str) -> None:
+    """Types alone let these through; check_wire refuses them, so the trainers' group dead-letters them."""
+    _, sample = next((d, r) for d, r in OLD_WIRE if isinstance(r, Sample))
+    with pytest.raises(RecordError, match=message):
+        Sample.from_wire(dataclasses.replace(sample, **change).to_wire())

@@ -297,9 +297,17 @@ class Trainer:
 
     def update(self) -> float:
         """One optimizer update from the gradients in ``.grad`` (clipped); the caller counts the step
-        once all of its PPO epochs are done. Returns the gradient norm before clipping."""
+        once all of its PPO epochs are done. Returns the gradient norm before clipping.
+
+        A non-finite gradient (a NaN reward or loss got through) is dropped, not applied: the weights
+        stay as they were, so no diverged version is ever published."""
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm))
         assert self.optimizer is not None
+        if not math.isfinite(norm):
+            log.warning("step %d: the gradient is not finite (norm %s): update skipped, weights unchanged",
+                        self.step, norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
         # the schedule is a function of the step (every epoch of a step uses one rate): resumes exactly
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.step)

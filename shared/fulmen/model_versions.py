@@ -144,6 +144,10 @@ async def publish_model_version(
         k.check_id("model_version", model_version)
     if extra_resources and "llm" in extra_resources:
         raise InvalidInput("extra_resources cannot set 'llm': publish_model_version writes it")
+    bad = non_finite_tensors(state_dict)
+    if bad:
+        raise InvalidInput(f"refusing to publish weights with NaN or infinite values in {bad[:5]}: "
+                           "a diverged step must not reach the proxies")
     limit = store.max_record_bytes - CHUNK_HEADER_BYTES
     if shared_dir is None and not 0 < chunk_bytes <= limit:
         raise InvalidInput(
@@ -375,9 +379,21 @@ def _deserialize(version: str, blob: bytes, sha256: str | None) -> dict[str, tor
             f"model version {version} is corrupt: sha256 {actual[:12]}… expected {sha256[:12]}…"
         )
     try:
-        return load(blob)
+        state = load(blob)
     except Exception as e:  # safetensors raises its own error type for a malformed header
         raise RecordError(f"model version {version} is not valid safetensors: {e}") from e
+    bad = non_finite_tensors(state)
+    if bad:  # published by hand or by an older trainer: no backend may serve it
+        raise RecordError(f"model version {version} has NaN or infinite values in {bad[:5]}; not loaded")
+    return state
+
+
+def non_finite_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors holding a NaN or an infinity."""
+    import torch
+
+    return [name for name, t in state_dict.items()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
 def wait_for_model_dir(folder: Path, log_every_s: float = 10.0) -> None:

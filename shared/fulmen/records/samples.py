@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -45,6 +46,20 @@ class Sample(Record):
     # as text: the adapter need not parse them; `messages`, `prompt_text`, `response_text` do, on demand)
     request_json: str = ""
     response_json: str = ""
+
+    def check_wire(self) -> None:
+        # Values the trainer cannot learn from are refused here, so its group dead-letters them: a
+        # NaN reward makes a NaN advantage for the whole group, an empty response has no token to train.
+        for name in ("reward", "final_reward"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise RecordError(f"sample record's {name!r} is not finite: {value!r}")
+        if not self.response_token_ids or len(self.response_mask) != len(self.response_token_ids):
+            raise RecordError("sample record has no response tokens, or a mask of another length")
+        if any(t < 0 for t in self.prompt_token_ids) or any(t < 0 for t in self.response_token_ids):
+            raise RecordError("sample record has a negative token id")
+        if self.group_size is not None and self.group_size < 1:
+            raise RecordError(f"sample record's group_size must be at least 1, got {self.group_size}")
 
     @property
     def messages(self) -> list[dict[str, Any]]:
