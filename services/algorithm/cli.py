@@ -91,8 +91,12 @@ def _run(settings: AlgorithmSettings, tasks: list[dict[str, object]], val_tasks:
             loop.add_signal_handler(sig, run.stop)
         summary = await run.run(store)
         print(json.dumps(summary), flush=True)
-        log.info("run finished: curve %s, metrics %s, final model %s",
-                 summary.get("curve"), summary.get("metrics"), summary.get("final_model"))
+        if summary.get("stopped"):
+            log.info("run stopped at step %s: started again it goes on from the store; no report written",
+                     summary.get("steps"))
+        else:
+            log.info("run finished: curve %s, metrics %s, final model %s",
+                     summary.get("curve"), summary.get("metrics"), summary.get("final_model"))
 
     with start_ops(settings, "algorithm", groups=[("finished", k.ALGORITHM_GROUP)]):
         run_on_store(settings, work)

@@ -118,7 +118,7 @@ class Run:
         self._last_line = time.monotonic()
 
     async def finish(self) -> dict[str, Any]:
-        """The summary: steps, position, wall time, the final validation (unless stopped) and the report."""
+        """The summary: steps, position, wall time, and unless stopped the final validation and the report."""
         summary: dict[str, Any] = {"steps": await self.scheduler.trainer_step(), **self.scheduler.snapshot(),
                                    "wall_s": round(time.monotonic() - self.started, 1)}
         if self.val_tasks and not self.stopping.is_set():
@@ -127,6 +127,11 @@ class Run:
             summary["final_val_accuracy"] = final["accuracy"]
             summary["final_val_reward"] = final["mean_reward"]
             summary["validations"] = [{k: v.get(k) for k in VALIDATION_FIELDS} for v in await recorded(self.store)]
+        if self.stopping.is_set():
+            # Stopped, not finished: started again, the run goes on from the store, and the report of
+            # a run that had finished (its summary, curve and final model) stays as it was.
+            summary["stopped"] = True
+            return summary
         summary.update(await self.write_report(summary))
         return summary
 

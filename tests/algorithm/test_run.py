@@ -44,9 +44,14 @@ async def test_run_ends_validates_on_schedule_and_resumes(
 
 
 async def test_a_stopped_run_skips_the_final_validation(real_store: RedisStore, tmp_path: Path) -> None:
-    """SIGTERM (`stop`) ends the loop with no final pass; the summary is still written."""
+    """SIGTERM (`stop`) ends the loop with no final pass, says it stopped, and leaves the report of a
+    run that had finished exactly as it was (issue 20, item 6)."""
     settings = AlgorithmSettings(experiment=real_store.experiment, data_dir=tmp_path, epochs=1, n_samples=2)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text('{"steps": 300, "final_val_accuracy": 0.95}')
     run = Run(settings, TASKS, VAL)
     run.stop()
     summary = await run.run(real_store)
-    assert "final_val_accuracy" not in summary and summary["steps"] == 0
+    assert "final_val_accuracy" not in summary and summary["steps"] == 0 and summary["stopped"] is True
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == {"steps": 300, "final_val_accuracy": 0.95}
+    assert not (tmp_path / "run" / "reward-curve.png").exists()
