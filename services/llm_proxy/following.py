@@ -28,12 +28,18 @@ class ModelFollower:
         self.backend = backend
         self.on_loaded = on_loaded  # (model_version, outcome: loaded | failed)
 
-    async def run(self) -> None:
+    async def catch_up(self) -> int | None:
+        """Load the version the latest resources name (before the proxy serves: a restarted proxy
+        must not answer with the base weights); the resources version it read, None if none."""
         latest = await self.store.get_latest_resources()
-        after = None
-        if latest is not None:
-            after = latest.version
-            await self.consider(latest)
+        if latest is None:
+            return None
+        await self.consider(latest)
+        return latest.version
+
+    async def run(self) -> None:
+        """Catch up, then load every version announced after that, forever."""
+        after = await self.catch_up()
         async for update in self.store.subscribe_resources(after_version=after):
             await self.consider(update)
 

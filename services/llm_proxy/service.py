@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 
 # /readyz answers within a load balancer's probe timeout even when Redis hangs.
 READY_PING_TIMEOUT_S = 2.0
+# A background task (registry heartbeat, control reader, model follower) that fails is started again
+# after this long, doubling up to the cap; meanwhile the proxy is not ready.
+RESTART_FIRST_DELAY_S = 0.5
+RESTART_MAX_DELAY_S = 10.0
 
 
 class ProxyService:
@@ -55,6 +60,7 @@ class ProxyService:
         self.control: ControlFollower | None = None
         self.registration: Registration | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._down: set[str] = set()  # background tasks failed and waiting to be started again
 
     @property
     def default_model(self) -> str | None:
@@ -70,26 +76,37 @@ class ProxyService:
         self.metrics.set_model_version(self.backend.model_version)
         self.registration = Registration(self.store, self.proxy_id, self.base_url, self._describe)
         self.control = ControlFollower(self.store, self.gate, self.proxy_id, self.registration.refresh)
-        await self.registration.register()
-        self._spawn(self.registration.run(), "registry")
-        self._spawn(self.control.run(), "control")
         if self.backend.system == "torch":  # upstream servers load their weights themselves
             follower = ModelFollower(self.store, self.backend, self._loaded)
-            self._spawn(follower.run(), "model versions")
+            await follower.catch_up()  # before registering or serving: never answer with stale weights
+            self._spawn(follower.run, "model versions")
+        await self.registration.register()
+        self._spawn(self.registration.run, "registry")
+        self._spawn(self.control.run, "control")
         log.info(
             "llm-proxy %s serving %s (%s backend, version %s) at %s",
             self.proxy_id, self.default_model or "upstream models", self.backend.system,
             self.backend.model_version, self.base_url,
         )  # fmt: skip
 
-    def _spawn(self, work: Any, name: str) -> None:
-        task = asyncio.create_task(work, name=name)
-        task.add_done_callback(self._died)
-        self._tasks.append(task)
+    def _spawn(self, work: Callable[[], Awaitable[Any]], name: str) -> None:
+        self._tasks.append(asyncio.create_task(self._supervise(work, name), name=name))
 
-    def _died(self, task: asyncio.Task[Any]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background task %r stopped", task.get_name(), exc_info=task.exception())
+    async def _supervise(self, work: Callable[[], Awaitable[Any]], name: str) -> None:
+        """Run ``work`` again whenever it fails, with backoff; the proxy is not ready while it is down."""
+        delay = RESTART_FIRST_DELAY_S
+        while True:
+            try:
+                await work()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self._down.add(name)
+                log.exception("background task %r failed: starting it again in %.1f s", name, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RESTART_MAX_DELAY_S)
+                self._down.discard(name)
 
     def _loaded(self, version: str, outcome: str) -> None:
         self.metrics.weight_loads.labels(outcome).inc()
@@ -112,7 +129,7 @@ class ProxyService:
         }
 
     async def ready(self) -> bool:
-        if self.redis is None or not self.backend.ready():
+        if self.redis is None or not self.backend.ready() or self._down:
             return False
         try:
             return bool(await asyncio.wait_for(self.redis.ping(), READY_PING_TIMEOUT_S))

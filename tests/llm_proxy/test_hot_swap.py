@@ -100,3 +100,23 @@ async def test_restarted_proxy_serves_the_latest_version(
         assert response.headers["x-fulmen-model-version"] == "trained-1"
     finally:
         proxy.stop()
+
+
+async def test_a_restarted_proxy_answers_its_first_call_with_the_latest_version(
+    redis_server: EmbeddedRedis, real_store: RedisStore, experiment: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """No call is served by the base weights once a version is published: the proxy loads it before it
+    starts serving and registers (issue 20, item 2)."""
+    new_model, _ = load_tiny_model(build_tiny_model(tmp_path / "other", seed=7))
+    await publish_model_version(real_store, new_model.state_dict(), model="tiny", model_version="trained-2")
+    proxy = RunningProxy(
+        redis_url=redis_server.url, experiment=experiment, proxy_backend="torch", model_dir=tiny_model
+    )
+    try:
+        (endpoint,) = await real_store.query_proxies()  # registered once started: with that version
+        assert endpoint.model_version == "trained-2"
+        client = openai.OpenAI(base_url=proxy.base(), api_key="unused", max_retries=0)
+        response = client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=4)
+        assert response.headers["x-fulmen-model-version"] == "trained-2"
+    finally:
+        proxy.stop()
