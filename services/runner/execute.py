@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import openai
 from opentelemetry import trace
 
 from fulmen import semconv
@@ -36,6 +37,10 @@ from fulmen_runner.agent_threads import AgentThreads
 from fulmen_runner.heartbeats import Heartbeats
 from fulmen_runner.inputs import InputResolver
 from fulmen_runner.span_writer import SpanWriter
+
+# Attempts of one rollout requeued because the proxy was unreachable, whatever its retry policy; past
+# it the attempt fails as usual (with the real cause), so a proxy gone for good still ends the rollout.
+PROXY_RETRIES = 3
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +165,17 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
         spans = await ctx.writer.drain(aid)
         final = ctx.writer.final_reward(aid)
         reward = final if status is AttemptStatus.SUCCEEDED else None
+        unreachable = proxy_unreachable(error) if status is AttemptStatus.FAILED else None
+        if unreachable is not None:
+            error = unreachable
+            if attempt.sequence_id < PROXY_RETRIES:
+                # The infrastructure failed, not the agent: run the rollout again whatever its retry
+                # policy, as a runner that stops hands its attempts back (bounded, so a proxy that is
+                # gone for good still ends the rollout).
+                await ctx.writer.write(spans)
+                released = await ctx.store.release_attempt(rid, aid, reason=str(unreachable))
+                log.warning("attempt %s: %s; rollout %s", aid, unreachable, "requeued" if released else "already over")
+                status = None
         if status is not None:
             try:  # the last spans, the status and the reward in one atomic step
                 outcome = await ctx.store.update_attempt(
@@ -170,11 +186,33 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
                 await ctx.writer.write(spans)
                 outcome = await ctx.store.update_attempt(rid, aid, status=status, error=error, reward=reward)
             log.debug("attempt %s %s -> %s in %.3f s", aid, status.value, outcome, time.monotonic() - started)
-        else:
+        elif unreachable is None:
             await ctx.writer.write(spans)
             log.info("attempt %s abandoned: %s", aid, error)
         await run_hooks("on_rollout_end", ctx.agent, ctx.hooks, rollout, reward)
     return Outcome(status, reward, error)
+
+
+class ProxyUnreachable(Exception):
+    """The agent's LLM call never reached the proxy, or the proxy went away mid-call."""
+
+
+def proxy_unreachable(error: BaseException | None) -> ProxyUnreachable | None:
+    """The real cause when ``error`` is (or was raised from) the openai client failing to reach its
+    server — it says APITimeoutError or "Connection error." where the cause is a refused connection."""
+    chain: list[BaseException] = []
+    e = error
+    while e is not None and all(e is not c for c in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    found = next((c for c in chain if isinstance(c, openai.APIConnectionError)), None)
+    if found is None:
+        return None
+    root = chain[-1]
+    url = getattr(getattr(found, "request", None), "url", "")
+    base = str(url).split("/rollout/")[0].split("/v1/")[0] if url else "the LLM endpoint"
+    cause = f"{type(root).__name__}: {root}" if root is not found else type(found).__name__
+    return ProxyUnreachable(f"proxy {base} unreachable ({cause})")
 
 
 async def _on_cancelled(

@@ -138,3 +138,9 @@ async def bracket_text(task: Any) -> float:
     """Emits text with square brackets, as chat templates have ("[INST] ... [/INST]")."""
     fulmen.emit_message("[INST] What is 2 + 2? [/INST] 4")
     return 1.0
+
+
+async def calls_llm(task: Any, llm: Any) -> float:
+    """One chat call through the LLM it was handed (tests point it at a proxy that is not there)."""
+    await llm.async_client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "hi"}])
+    return 1.0
