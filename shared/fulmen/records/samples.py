@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from fulmen import tokens
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, pack_record
 from fulmen.errors import RecordError
-from fulmen.records.base import Record, wire_codec
+from fulmen.records.base import (
+    Record,
+    require,
+    require_at_least,
+    require_finite,
+    require_nonempty,
+    wire_codec,
+)
 from fulmen.records.spans import SpanView
 from fulmen.records.status import RolloutStatus
+
+SHAPES = ("triplet", "trajectory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +55,25 @@ class Sample(Record):
     # as text: the adapter need not parse them; `messages`, `prompt_text`, `response_text` do, on demand)
     request_json: str = ""
     response_json: str = ""
+
+    def check_wire(self) -> None:
+        """Values a trainer can use: ids, a known shape, tokens to train on, finite numbers. Token ids
+        are checked against the vocabulary by the trainer, the one reader that knows it."""
+        require_nonempty(self, "sample_id", "rollout_id", "attempt_id", "group_key")
+        require(self, self.shape in SHAPES, f"shape {self.shape!r} is none of {SHAPES}")
+        require_at_least(self, 0, "turn_index")
+        require_at_least(self, 1, "num_turns", "group_size")
+        require_finite(self, "reward", "final_reward")
+        prompt, response = self.prompt_token_ids, self.response_token_ids
+        require(self, bool(prompt) and bool(response), "a sample needs prompt and response token ids")
+        require(self, min(prompt) >= 0 and min(response) >= 0, "token ids must not be negative")
+        n = len(response)
+        require(self, len(self.response_logprobs) == n and len(self.response_mask) == n,
+                f"{n} response tokens, {len(self.response_logprobs)} log-probabilities, "
+                f"{len(self.response_mask)} mask values")
+        # a sum is finite only if every term is (NaN and ±inf propagate), at C speed
+        require(self, math.isfinite(sum(self.response_logprobs)), "a log-probability is not finite")
+        require(self, min(self.response_mask) >= 0 and max(self.response_mask) <= 1, "mask values must be 0 or 1")
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -117,6 +146,10 @@ class SampleSkip(Record):
     reason: str  # e.g. "failed", "no LLM call", "no reward", "malformed span: ..."
     mode: str | None = None
     group_size: int | None = None
+
+    def check_wire(self) -> None:
+        require_nonempty(self, "rollout_id", "group_key")
+        require_at_least(self, 1, "group_size")
 
 
 class RolloutForSamples(NamedTuple):
