@@ -3,6 +3,9 @@ dead-lettered with the reason and acknowledged, and the stream goes on (issue 20
 
 from __future__ import annotations
 
+import asyncio
+import math
+
 import pytest
 
 from fulmen import codec
@@ -38,3 +41,32 @@ async def test_a_queue_entry_with_an_invalid_rollout_id_is_dead_lettered(store: 
     (letter,) = await store.query_dead_letters()
     assert "rollout_id" in letter.reason
 
+
+
+RESOURCES_GARBAGE = [
+    pytest.param({b"x": b"1"}, id="no-m-field"),
+    pytest.param({b"m": b"\xc1garbage"}, id="not-msgpack"),
+    pytest.param({b"m": codec.pack_record("resources", {"resources_id": "p", "version": "7", "resources": {},
+                                                        "create_time": 1.0})}, id="string-version"),
+    pytest.param({b"m": codec.pack_record("resources", {"resources_id": "p", "version": 7,
+                                                        "resources": {"llm": {"model_version": 3}},
+                                                        "create_time": 1.0})}, id="numeric-model-version"),
+    pytest.param({b"m": codec.pack_record("resources", {"resources_id": "p", "version": 7, "resources": {},
+                                                        "create_time": math.nan})}, id="nan-time"),
+]
+
+
+@pytest.mark.parametrize("fields", RESOURCES_GARBAGE)
+async def test_a_garbage_resources_log_tail_is_passed_over(real_store: RedisStore, fields: dict) -> None:
+    """Latest resources skip an unreadable tail; a follower skips the entry and sees the next version."""
+    store = real_store
+    first = await store.add_resources({"llm": {"model_version": "v1"}}, "policy")
+    subscription = store.subscribe_resources(after_version=first.version)
+    following = asyncio.ensure_future(anext(subscription))
+    await store.redis.xadd(store.keys.resources_log, fields)
+    latest = await store.get_latest_resources()
+    assert latest is not None and latest.version == first.version
+    assert [u.version for u in await store.query_resources()] == [first.version]
+    second = await store.update_resources("policy", {"llm": {"model_version": "v2"}})
+    assert (await asyncio.wait_for(following, 10)).version == second.version
+    await subscription.aclose()
