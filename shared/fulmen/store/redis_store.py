@@ -104,6 +104,7 @@ class RedisStore:
         self.ensure_samples_group = samples.ensure_samples_group
         self.read_samples = samples.read_samples
         self.ack_samples = samples.ack_samples
+        self.dead_letter_samples = samples.dead_letter_samples
 
         self.registry = registry = Registry(ctx)
         self.update_worker = registry.update_worker
