@@ -88,6 +88,7 @@ class RedisStore:
         self.read_finished = finished.read_finished
         self.ack_finished = finished.ack_finished
         self.reclaim_finished = finished.reclaim_finished
+        self.dead_letter_finished = finished.dead_letter_finished
 
         self.resources = resources = Resources(ctx)
         self.add_resources = resources.add_resources
