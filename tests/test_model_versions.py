@@ -31,7 +31,8 @@ def _state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
         "layer.0.weight": torch.randn(16, 16, generator=g).to(torch.bfloat16),
         "layer.0.bias": torch.randn(16, generator=g).to(torch.float16),
         "steps": torch.tensor([3, -1, 2**40], dtype=torch.int64),
-        "odd": torch.tensor([float("nan"), float("-inf"), -0.0]),
+        # the extremes of float32 (NaN and infinity are refused: test_non_finite_versions_are_refused)
+        "odd": torch.tensor([-0.0, torch.finfo(torch.float32).max, torch.finfo(torch.float32).smallest_normal / 4]),
     }
 
 
@@ -235,3 +236,20 @@ async def test_the_steps_stream_gives_progress_and_one_point_per_step(real_store
     assert await latest_step(real_store.redis, real_store.keys) == 4
     curve = await read_curve(real_store.redis, real_store.keys)
     assert [(s.step, s.reward_mean) for s in curve] == [(1, 0.1), (2, 0.2), (3, 0.35), (4, 0.4)]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+async def test_non_finite_versions_are_refused(store: RedisStore, tmp_path: Path, bad: float) -> None:
+    """Publishing weights with a NaN or infinity is refused; such a version written anyway is refused on fetch."""
+    weights = {**_state_dict(), "layer.0.bias": torch.tensor([0.0, bad]).to(torch.float16)}
+    with pytest.raises(InvalidInput, match="NaN or infinite"):
+        await publish_model_version(store, weights, model="tiny")
+    assert await store.get_latest_resources() is None
+    # written by hand, past the publisher's check (a foreign writer): every fetch refuses it
+    from safetensors.torch import save
+
+    blob = save(weights)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(blob)
+    with pytest.raises(RecordError, match="NaN or infinite"):
+        await fetch_model_version(store, "v9", resource={"weights": {"path": str(path)}})
