@@ -23,10 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from fulmen import keys as k
 from fulmen.codec import unpack
-from fulmen.errors import RecordError
+from fulmen.errors import RecordError, RedisUnavailable
 from fulmen.records import Rollout, RolloutFinished, RolloutForSamples, RolloutStatus, SampleSkip, pack_sample
+from fulmen.records.status import TERMINAL_ROLLOUT
 from fulmen.store import RedisStore
 from fulmen.tasks import task_id
 from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, sample_fields
@@ -42,6 +46,9 @@ REPORT_INTERVAL_S = 10.0  # between two progress log lines
 # per period, but at most once a second.
 RECLAIMS_PER_IDLE_PERIOD = 3
 MIN_RECLAIM_INTERVAL_S = 1.0
+# Errors of the connection, not of an entry: never a reason to dead-letter one (the loop's caller
+# rides out the outage).
+TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, RedisUnavailable)
 GC_THRESHOLD_0 = 50_000  # allocations between young-generation collections (`tune_gc_for_batches`)
 
 
@@ -131,10 +138,35 @@ class Adapter:
         return await self.store.reclaim_finished(k.ADAPTER_GROUP, self.consumer, self.reclaim_idle_ms, self.batch)
 
     async def process(self, finished: Sequence[RolloutFinished]) -> None:
-        """Adapt one batch, then acknowledge it (only once every sample is stored)."""
+        """Adapt one batch, then acknowledge it (only once every sample is stored). If the batch fails
+        for anything but the connection, its entries go one by one, and an entry that fails alone is
+        dead-lettered with the reason: it would fail again after every restart."""
+        try:
+            await self._process(finished)
+        except TRANSIENT_ERRORS:
+            raise
+        except Exception as e:
+            if len(finished) > 1:
+                for entry in finished:
+                    await self.process([entry])
+                return
+            reason = f"could not adapt rollout {finished[0].rollout_id}: {type(e).__name__}: {e}"
+            log.exception("%s", reason)
+            await self.store.dead_letter_finished(k.ADAPTER_GROUP, finished[0].entry_id, reason)
+
+    async def _process(self, finished: Sequence[RolloutFinished]) -> None:
         rollouts = await self.store.read_for_samples(list(dict.fromkeys(f.rollout_id for f in finished)))
-        results = [self._adapt(r) for r in rollouts if r is not None]
-        await self._append(results, [f.entry_id for f in finished])
+        # Only a terminal rollout has all its spans: an entry for one still running was not written by
+        # the store (which appends it as the rollout ends) and must not mark it sampled with a skip.
+        early = {r.rollout_id: r.status for r in rollouts if r is not None and r.status not in TERMINAL_ROLLOUT}
+        for entry in finished:
+            if entry.rollout_id in early:
+                await self.store.dead_letter_finished(
+                    k.ADAPTER_GROUP, entry.entry_id,
+                    f"rollout {entry.rollout_id} is {early[entry.rollout_id]}, not terminal: nothing to adapt",
+                )
+        results = [self._adapt(r) for r in rollouts if r is not None and r.rollout_id not in early]
+        await self._append(results, [f.entry_id for f in finished if f.rollout_id not in early])
 
     def _adapt(self, rollout: RolloutForSamples) -> _Result:
         spans = rollout.spans

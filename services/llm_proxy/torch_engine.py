@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulmen.errors import InvalidInput, RetryableError
+from fulmen.model_versions import non_finite_tensors
 from fulmen_llm_proxy.backend_base import BASE_MODEL_VERSION
 from fulmen_llm_proxy.engine_batch import Batch, sample_rows
 from fulmen_llm_proxy.engine_request import Generation, Request, SamplingParams, TokenStep
@@ -257,6 +258,9 @@ class TorchEngine:
         missing = sorted(n for n in set(own) - set(state_dict) if own[n].data_ptr() not in given)
         if missing:
             raise InvalidInput(f"weights lack keys {missing[:5]}")
+        broken = non_finite_tensors(state_dict)
+        if broken:  # a NaN weight answers garbage to every call: keep serving the weights we have
+            raise InvalidInput(f"weights hold NaN or infinite values in {broken[:5]}")
         return dict(state_dict)
 
     def _swap(self, weights: dict[str, torch.Tensor], model_version: str) -> None:

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import torch
 
 from fulmen import tokens
+from fulmen.errors import RecordError
 from fulmen.model_versions import ModelVersion
 from fulmen.records import RankPlan, Sample
 from fulmen.store import RedisStore
@@ -185,7 +186,14 @@ class RankGroup:
         own_chunks = self.codec.encode(true, step, 0)
         encode_s = time.perf_counter() - started
         started = time.perf_counter()
-        total = sum_decoded([own_chunks, *(gathered[r] for r in sorted(gathered))])
+        try:
+            total = sum_decoded([own_chunks, *(gathered[r] for r in sorted(gathered))])
+        except RecordError as e:
+            # a rank's chunks that do not decode (damaged, or foreign): step without that rank
+            bad = [r for r in sorted(gathered) if not _decodes(gathered[r])]
+            log.warning("step %d: gradients of rank(s) %s do not decode (%s); stepping without them", step, bad, e)
+            gathered = {r: c for r, c in gathered.items() if r not in bad}
+            total = sum_decoded([own_chunks, *(gathered[r] for r in sorted(gathered))])
         decode_s = time.perf_counter() - started
         own_cos = cosine(RankCodec.decode(own_chunks), true)
         aggregate = self.aggregate_codec.encode(total, step, 0)
@@ -254,6 +262,14 @@ class RankGroup:
             set_gradient(trainer.model, RankCodec.decode(summed))
             trainer.update()
         return True
+
+
+def _decodes(chunks: list[bytes]) -> bool:
+    try:
+        RankCodec.decode(chunks)
+    except RecordError:
+        return False
+    return True
 
 
 def _mean(values: list[float]) -> float:

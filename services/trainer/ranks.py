@@ -62,10 +62,18 @@ class Exchange:
 
     async def next_plan(self, rank: int) -> RankPlan:
         while not self._plans:
-            for _, fields in await self._read(self.keys.trainer_plans, PLAN_BLOCK_S):
-                if int(fields.get(b"rank", -1)) == rank:  # the others' shares are not decoded at all
-                    self._plans.append(RankPlan.from_wire(fields[b"m"]))
+            self._take_plans(await self._read(self.keys.trainer_plans, PLAN_BLOCK_S), rank)
         return self._plans.pop(0)
+
+    def _take_plans(self, entries: list[tuple[str, Fields]], rank: int) -> None:
+        """Keep the plans for ``rank``; the others' shares are not decoded at all. An entry that is
+        not a plan (garbage on the stream) is skipped with a log line: waiting on is all a rank can do."""
+        for entry_id, fields in entries:
+            try:
+                if _int_field(fields, b"rank") == rank:
+                    self._plans.append(RankPlan.from_wire(fields.get(b"m")))
+            except RecordError as e:
+                log.warning("skipping %s entry %s: %s", self.keys.trainer_plans, entry_id, e)
 
     # ranks → leader
     async def send_gradient(self, step: int, rank: int, chunks: Sequence[bytes], report: dict[str, float],
@@ -89,14 +97,23 @@ class Exchange:
         deadline = time.monotonic() + deadline_s
         while wanted - complete:
             entries = await self._read(self.keys.trainer_grads, GATHER_BLOCK_S)
-            for _, f in entries:
-                if (int(f[b"step"]), int(f.get(b"epoch", 0))) != (step, epoch):
-                    continue  # a late pass of a rank that was left out: its step went on without it
-                rank = int(f[b"rank"])
+            for entry_id, f in entries:
+                try:
+                    if _pass_of(f) != (step, epoch):
+                        continue  # a late pass of a rank that was left out: its step went on without it
+                    rank, chunk = _int_field(f, b"rank"), _chunk(f, step)
+                    report = _report(f)
+                except RecordError as e:
+                    log.warning("skipping %s entry %s: %s", self.keys.trainer_grads, entry_id, e)
+                    continue
+                if rank in complete or chunk.rank != rank:
+                    log.warning("skipping %s entry %s: a chunk of rank %d sent as rank %d's, or one too many",
+                                self.keys.trainer_grads, entry_id, chunk.rank, rank)
+                    continue
                 got.setdefault(rank, []).append(f[b"m"])
-                if b"report" in f:
-                    self.reports[(step, epoch, rank)] = msgpack.unpackb(f[b"report"])
-                if len(got[rank]) >= _chunk_count(f[b"m"]):
+                if report is not None:
+                    self.reports[(step, epoch, rank)] = report
+                if len(got[rank]) >= chunk.count:
                     complete.add(rank)
             if entries:
                 deadline = time.monotonic() + deadline_s  # progress: give the others time too
@@ -128,24 +145,27 @@ class Exchange:
             if newer_plan:
                 return None
             entries = await self._read(self.keys.trainer_aggregates, AGGREGATE_BLOCK_S)
-            for _, f in entries:
-                got = (int(f[b"step"]), int(f.get(b"epoch", 0)))
-                if got >= key:
-                    self._aggregates.setdefault(got, []).append(f[b"m"])
+            self._take_aggregates(entries, key)
             if rank is not None and not entries:
                 # The leader sends a step's sums before the next plan, so once a plan is visible, one
                 # more (non-blocking) read of the sums settles whether ours was sent.
                 newer_plan = await self._poll_plans(rank)
                 if newer_plan:
-                    for _, f in await self._read(self.keys.trainer_aggregates, POLL_S):
-                        got = (int(f[b"step"]), int(f.get(b"epoch", 0)))
-                        if got >= key:
-                            self._aggregates.setdefault(got, []).append(f[b"m"])
+                    self._take_aggregates(await self._read(self.keys.trainer_aggregates, POLL_S), key)
+
+    def _take_aggregates(self, entries: list[tuple[str, Fields]], key: tuple[int, int]) -> None:
+        """Keep the sums' chunks of pass ``key`` and later ones; garbage is skipped with a log line."""
+        for entry_id, f in entries:
+            try:
+                got = _pass_of(f)
+                if got >= key:
+                    _chunk(f, got[0])
+                    self._aggregates.setdefault(got, []).append(f[b"m"])
+            except RecordError as e:
+                log.warning("skipping %s entry %s: %s", self.keys.trainer_aggregates, entry_id, e)
 
     async def _poll_plans(self, rank: int) -> bool:
-        for _, fields in await self._read(self.keys.trainer_plans, POLL_S):
-            if int(fields.get(b"rank", -1)) == rank:
-                self._plans.append(RankPlan.from_wire(fields[b"m"]))
+        self._take_plans(await self._read(self.keys.trainer_plans, POLL_S), rank)
         return bool(self._plans)
 
 
@@ -154,6 +174,42 @@ def _chunk_count(chunk: bytes) -> int:
         return int(GradientChunk.from_wire(chunk).count)
     except RecordError:
         return 1  # a broken chunk: decoding it will say what is wrong
+
+
+# Reading the plain fields of the rank streams' entries: anything unreadable is a RecordError, so the
+# reader skips the entry (the streams are written by the ranks alone; garbage there is foreign).
+
+
+def _int_field(fields: Fields, name: bytes) -> int:
+    try:
+        return int(fields[name])
+    except (KeyError, ValueError, TypeError) as e:
+        raise RecordError(f"field {name.decode()} is missing or not an integer ({e!r})") from None
+
+
+def _pass_of(fields: Fields) -> tuple[int, int]:
+    """(step, epoch) of a gradient or aggregate entry."""
+    return _int_field(fields, b"step"), (_int_field(fields, b"epoch") if b"epoch" in fields else 0)
+
+
+def _chunk(fields: Fields, step: int) -> GradientChunk:
+    """The entry's chunk, decoded to check it (the codec decodes the payload later)."""
+    chunk = GradientChunk.from_wire(fields.get(b"m"))
+    if chunk.step != step:
+        raise RecordError(f"a chunk of step {chunk.step} in an entry of step {step}")
+    return chunk
+
+
+def _report(fields: Fields) -> dict[str, float] | None:
+    if b"report" not in fields:
+        return None
+    try:
+        report = msgpack.unpackb(fields[b"report"])
+    except (ValueError, msgpack.UnpackException) as e:
+        raise RecordError(f"unreadable report: {e}") from None
+    if not isinstance(report, dict):
+        raise RecordError("a report must be a map")
+    return report
 
 
 def _raw(entry_id: str, fields: Fields) -> Fields:

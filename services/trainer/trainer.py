@@ -26,6 +26,7 @@ import torch
 
 from fulmen import keys as k
 from fulmen.model_versions import BASE_VERSION, ModelVersion, fetch_model_version, publish_model_version
+from fulmen.records import Sample, SampleSkip
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 from fulmen_trainer import checkpoint as ckpt
@@ -73,6 +74,8 @@ class Trainer:
         self.reference: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.metrics: StepMetrics | None = None
+        self.vocab_size: int | None = None  # token ids at or above it are refused (set by `setup`)
+        self.nonfinite: str | None = None  # why the step under way makes no update (a NaN or inf)
 
     # --- setup and resume ----------------------------------------------------------------------------
 
@@ -92,6 +95,7 @@ class Trainer:
         # in a thread: loading takes seconds, and the rank's heartbeat must keep beating meanwhile
         self.model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, source, dtype=torch.float32)
         self.model.train()
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.s.learning_rate)
         if self.s.kl_coef > 0:
             base = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, self.s.model_dir, dtype=torch.float32)
@@ -125,11 +129,9 @@ class Trainer:
             done = [e for e, _ in entries if e in already_done]
             await self.store.ack_samples(k.TRAINERS_GROUP, done)
             acked += len(done)
-            for entry_id, item in entries:
-                if entry_id not in already_done:
-                    if not self.collector.add(entry_id, item):
-                        self.consumed_since_checkpoint.append(entry_id)
-                    requeued += 1
+            rest = [(entry_id, item) for entry_id, item in entries if entry_id not in already_done]
+            await self.take(rest)
+            requeued += len(rest)
         if acked or requeued:
             log.info("after restart: %d entries were already trained on, %d back in their groups", acked, requeued)
 
@@ -140,9 +142,7 @@ class Trainer:
         while not stop.is_set() and (self.s.max_steps is None or self.step < self.s.max_steps):
             entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=READ_COUNT,
                                                     block_s=READ_BLOCK_S)
-            for entry_id, item in entries:
-                if not self.collector.add(entry_id, item):  # validation or APO: never trained on
-                    self.consumed_since_checkpoint.append(entry_id)
+            await self.take(entries)
             self.ready += self.collector.take_complete(self.version.number)
             usable = [g for g in self.ready if g.samples]
             if len(usable) < self.s.groups_per_step:
@@ -153,10 +153,37 @@ class Trainer:
         if self.metrics is not None:
             await self.metrics.flush()  # the last steps reach the steps stream before we return
 
+    async def take(self, entries: list[tuple[str, Sample | SampleSkip]]) -> None:
+        """Put sample-stream entries into their groups. An entry this trainer cannot train on (a token
+        id outside its vocabulary) or that fails on the way in is dead-lettered with the reason, and
+        the others go on: it would fail again after every restart."""
+        for entry_id, item in entries:
+            reason = self.unusable(item)
+            if reason is None:
+                try:
+                    if not self.collector.add(entry_id, item):  # validation or APO: never trained on
+                        self.consumed_since_checkpoint.append(entry_id)
+                    continue
+                except Exception as e:  # one bad entry must not stop the trainer
+                    reason = f"could not group the sample: {type(e).__name__}: {e}"
+            await self.store.dead_letter_samples(k.TRAINERS_GROUP, entry_id, reason)
+            self.collector.counts["samples/dead_lettered"] += 1
+
+    def unusable(self, item: Sample | SampleSkip) -> str | None:
+        """Why this trainer cannot train on ``item`` although it decoded, or None."""
+        if isinstance(item, Sample) and self.vocab_size is not None:
+            top = max(max(item.prompt_token_ids, default=0), max(item.response_token_ids, default=0))
+            if top >= self.vocab_size:
+                return f"token id {top} is outside the model's vocabulary of {self.vocab_size}"
+        return None
+
     async def train_step(self, groups: list[ReadyGroup], stop: asyncio.Event | None = None) -> dict[str, Any]:
         # advantages
         plan = plan_step(groups, self.s.algorithm, self.s.reward_source, self.baseline, self.s.sft_min_reward)
         started = time.perf_counter()
+        self.nonfinite = _nonfinite_plan(plan)
+        if self.nonfinite is not None:  # nothing was sent to the ranks yet: not even counted as a step
+            return self.skip_step(plan)
         if self.ranks is None:
             # loss, backward, update (in a thread: the event loop keeps reading and answering signals)
             metrics = await asyncio.to_thread(self.train_passes, plan)
@@ -167,6 +194,8 @@ class Trainer:
                 return {}
             metrics = shared
         self.step += 1
+        if self.nonfinite is not None:  # the ranks counted the step too, and all skipped its update
+            return self.skip_step(plan)
         metrics["perf/step_s"] = time.perf_counter() - started
         metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["perf/step_s"], 1e-9)
         # publish a model version for the proxies
@@ -189,12 +218,26 @@ class Trainer:
         )
         return metrics
 
+    def skip_step(self, plan: StepPlan) -> dict[str, Any]:
+        """A step with a NaN or infinite reward, advantage, loss or gradient: its update was not made
+        and no version is published; its entries count as consumed (they would do the same again) and
+        are acknowledged with the next checkpoint."""
+        log.warning("step %d skipped: %s (%d samples; no update, nothing published)", self.step,
+                    self.nonfinite, len(plan.samples))
+        self.collector.counts["steps/skipped_nonfinite"] += 1
+        self.consumed_since_checkpoint += plan.entry_ids
+        return {}
+
     def train_passes(self, plan: StepPlan) -> dict[str, Any]:
         """One rank alone: ``ppo_epochs`` passes over the batch, each a backward and an update."""
         passes = []
         for _ in range(self.s.ppo_epochs):
             passes.append(self.backward(plan))
+            if not math.isfinite(passes[-1]["loss/total"]):
+                self.nonfinite = self.nonfinite or f"loss {passes[-1]['loss/total']}"
             passes[-1]["loss/grad_norm"] = self.update()
+            if self.nonfinite is not None:
+                break  # a later pass would start from the same broken numbers
         return merge_passes(passes)
 
     # --- what a step is made of (also `RankTrainer`, what the ranks call) ---------------------------
@@ -297,15 +340,13 @@ class Trainer:
 
     def update(self) -> float:
         """One optimizer update from the gradients in ``.grad`` (clipped); the caller counts the step
-        once all of its PPO epochs are done. Returns the gradient norm before clipping.
-
-        A non-finite gradient (a NaN reward or loss got through) is dropped, not applied: the weights
-        stay as they were, so no diverged version is ever published."""
+        once all of its PPO epochs are done. Returns the gradient norm before clipping."""
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm))
         assert self.optimizer is not None
-        if not math.isfinite(norm):
-            log.warning("step %d: the gradient is not finite (norm %s): update skipped, weights unchanged",
-                        self.step, norm)
+        if not math.isfinite(norm) or self.nonfinite is not None:
+            # a NaN or inf gradient (or loss) would poison every weight: no update this step. Every
+            # rank applies the same summed gradient, so every rank skips alike.
+            self.nonfinite = self.nonfinite or f"gradient norm {norm}"
             self.optimizer.zero_grad(set_to_none=True)
             return norm
         # the schedule is a function of the step (every epoch of a step uses one rate): resumes exactly
@@ -332,6 +373,7 @@ class Trainer:
     async def finish_step(self, step: int, version: ModelVersion) -> None:
         """A step taken with the other ranks: count it, and checkpoint when one is due."""
         self.step, self.version = step, version
+        self.nonfinite = None  # a follower's flag of this step (its update was skipped) is spent
         if self.step % self.s.checkpoint_every == 0:
             await self.checkpoint()
 
@@ -339,6 +381,7 @@ class Trainer:
         """A step went on without this rank: no step number matches its weights until the leader's next
         plan names weights to load."""
         self.step = -1
+        self.nonfinite = None
 
     async def checkpoint(self) -> None:
         assert self.optimizer is not None
@@ -352,3 +395,12 @@ class Trainer:
         if self.rank == 0:
             self.mirror.append(self.unlogged)
         self.unlogged = []
+
+
+def _nonfinite_plan(plan: StepPlan) -> str | None:
+    """Why a step's rewards or advantages make it untrainable (a NaN or an infinity), or None."""
+    if not all(math.isfinite(r) for r in plan.rewards):
+        return "a reward is not finite"
+    if plan.advantages.numel() and not bool(torch.isfinite(plan.advantages).all()):
+        return "an advantage is not finite"
+    return None

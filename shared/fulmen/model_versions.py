@@ -67,6 +67,7 @@ __all__ = [
     "ModelVersion",
     "fetch_model_version",
     "llm_resource",
+    "non_finite_tensors",
     "publish_model_version",
     "wait_until_served",
 ]
@@ -144,10 +145,6 @@ async def publish_model_version(
         k.check_id("model_version", model_version)
     if extra_resources and "llm" in extra_resources:
         raise InvalidInput("extra_resources cannot set 'llm': publish_model_version writes it")
-    bad = non_finite_tensors(state_dict)
-    if bad:
-        raise InvalidInput(f"refusing to publish weights with NaN or infinite values in {bad[:5]}: "
-                           "a diverged step must not reach the proxies")
     limit = store.max_record_bytes - CHUNK_HEADER_BYTES
     if shared_dir is None and not 0 < chunk_bytes <= limit:
         raise InvalidInput(
@@ -247,6 +244,8 @@ def _serialize(state_dict: Mapping[str, torch.Tensor]) -> bytes:
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInput(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor")
         tensor = tensor.detach().to("cpu").contiguous()
+        if not tensor_is_finite(tensor):
+            raise InvalidInput(f"state_dict[{name!r}] holds NaN or infinite values: not publishing it")
         # safetensors refuses tensors sharing memory (tied embeddings): each gets its own copy.
         storage = tensor.untyped_storage().data_ptr()
         if storage in storages:
@@ -379,21 +378,25 @@ def _deserialize(version: str, blob: bytes, sha256: str | None) -> dict[str, tor
             f"model version {version} is corrupt: sha256 {actual[:12]}… expected {sha256[:12]}…"
         )
     try:
-        state = load(blob)
+        state_dict = load(blob)
     except Exception as e:  # safetensors raises its own error type for a malformed header
         raise RecordError(f"model version {version} is not valid safetensors: {e}") from e
-    bad = non_finite_tensors(state)
-    if bad:  # published by hand or by an older trainer: no backend may serve it
-        raise RecordError(f"model version {version} has NaN or infinite values in {bad[:5]}; not loaded")
-    return state
+    broken = non_finite_tensors(state_dict)
+    if broken:
+        raise RecordError(f"model version {version} holds NaN or infinite values in {broken[:5]}: refused")
+    return state_dict
+
+
+def tensor_is_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in a floating-point tensor (integer tensors always are)."""
+    import torch
+
+    return not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
 
 
 def non_finite_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point tensors holding a NaN or an infinity."""
-    import torch
-
-    return [name for name, t in state_dict.items()
-            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    """The names of the tensors holding a NaN or an infinity: weights no backend may serve."""
+    return [name for name, tensor in state_dict.items() if not tensor_is_finite(tensor)]
 
 
 def wait_for_model_dir(folder: Path, log_every_s: float = 10.0) -> None:

@@ -268,7 +268,8 @@ async def test_hot_swap_under_traffic(engine: TorchEngine, reference: Any, other
 
 
 async def test_weights_that_do_not_fit_are_refused(engine: TorchEngine) -> None:
-    """load_weights refuses wrong shapes, unknown and missing keys; the old weights keep serving."""
+    """load_weights refuses wrong shapes, unknown and missing keys, NaN or infinite values; the old
+    weights keep serving."""
     good = engine.model.state_dict()
     bad_shape = {**good, "lm_head.weight": torch.zeros(3, 3)}
     missing = {n: t for n, t in good.items() if n != "lm_head.weight"}
@@ -276,6 +277,8 @@ async def test_weights_that_do_not_fit_are_refused(engine: TorchEngine) -> None:
         (bad_shape, "shape"),
         (missing, "lack"),
         ({**good, "x": torch.zeros(1)}, "keys"),
+        ({**good, "lm_head.weight": torch.full_like(good["lm_head.weight"], float("nan"))}, "NaN"),
+        ({n: t.clone().fill_(float("inf")) if t.is_floating_point() else t for n, t in good.items()}, "infinite"),
     ]:
         with pytest.raises(InvalidInput, match=message):
             await engine.load_weights(weights, "bad")

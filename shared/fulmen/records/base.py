@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple, Self
 
+from fulmen import keys
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, SCHEMA_VERSION, pack, unpack_record
-from fulmen.errors import RecordError
+from fulmen.errors import InvalidInput, RecordError
 
 _OFF_WIRE = "fulmen.off_wire"
 _CODEC = "fulmen.wire_codec"
@@ -125,6 +127,50 @@ class Record:
     def check_wire(self) -> None:
         """Refuse (RecordError) a decoded record whose fields have the right types but not valid
         values; override where a type says too little. The default accepts every record."""
+
+
+# Value checks for `Record.check_wire`: each raises RecordError naming the record's kind and the field.
+
+
+def require(record: Record, ok: bool, text: str) -> None:
+    """Refuse ``record`` unless ``ok``; ``text`` says what is wrong."""
+    if not ok:
+        raise RecordError(f"{record.KIND} record: {text}")
+
+
+def require_nonempty(record: Record, *names: str) -> None:
+    """The named str fields hold at least one character (an id of "" names nothing)."""
+    for name in names:
+        if not getattr(record, name):
+            raise RecordError(f"{record.KIND} record's {name!r} is empty")
+
+
+def require_id(record: Record, name: str) -> None:
+    """The named field is a valid store id (`fulmen.keys.check_id`): it goes into Redis keys."""
+    try:
+        keys.check_id(name, getattr(record, name))
+    except InvalidInput as e:
+        raise RecordError(f"{record.KIND} record: {e}") from None
+
+
+def require_finite(record: Record, *names: str, minimum: float | None = None) -> None:
+    """The named float fields (None allowed) are finite numbers, at least ``minimum`` if given: a NaN
+    or infinite reward or time poisons every sum it enters."""
+    for name in names:
+        value = getattr(record, name)
+        if value is None:
+            continue
+        if not math.isfinite(value) or (minimum is not None and value < minimum):
+            bound = "" if minimum is None else f" >= {minimum}"
+            raise RecordError(f"{record.KIND} record's {name!r} is {value!r}, expected a finite number{bound}")
+
+
+def require_at_least(record: Record, minimum: int, *names: str) -> None:
+    """The named int fields (None allowed) are at least ``minimum``."""
+    for name in names:
+        value = getattr(record, name)
+        if value is not None and value < minimum:
+            raise RecordError(f"{record.KIND} record's {name!r} is {value!r}, expected >= {minimum}")
 
 
 _SCHEMAS: dict[type, _Schema] = {}

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar
 
-from fulmen.records.base import Record
+from fulmen.records.base import Record, require, require_finite
 
 DEFAULT_CONTROL_TIMEOUT_S = 120.0
+MAX_CONTROL_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is no timeout; say None for that
 
 
 class ControlAction(StrEnum):
@@ -35,3 +36,12 @@ class ControlMessage(Record):
     # freeze the fleet
     timeout_s: float | None = DEFAULT_CONTROL_TIMEOUT_S
     time: float = 0.0
+
+    def check_wire(self) -> None:
+        require(self, all(type(p) is str for p in self.proxy_ids), "proxy_ids must be strings")
+        # the proxy schedules its auto-resume on the event loop: a NaN, infinite or huge timeout
+        # would raise there, or never resume
+        require_finite(self, "time", minimum=0.0)
+        require_finite(self, "timeout_s", minimum=0.0)
+        require(self, self.timeout_s is None or self.timeout_s <= MAX_CONTROL_TIMEOUT_S,
+                f"timeout_s {self.timeout_s!r} is over {MAX_CONTROL_TIMEOUT_S}")

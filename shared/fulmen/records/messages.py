@@ -6,7 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from fulmen.records.base import OFF_WIRE, Record
+from fulmen.records.base import (
+    OFF_WIRE,
+    Record,
+    require,
+    require_at_least,
+    require_finite,
+    require_id,
+    require_nonempty,
+)
 from fulmen.records.status import RolloutStatus
 
 
@@ -17,6 +25,9 @@ class QueueEntry(Record):
     KIND: ClassVar[str] = "queue"
 
     rollout_id: str
+
+    def check_wire(self) -> None:
+        require_id(self, "rollout_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +41,11 @@ class RolloutFinished(Record):
     status: RolloutStatus
     attempt_id: str | None = None  # None: cancelled before any attempt
     entry_id: str = field(default="", metadata=OFF_WIRE)  # the finished-stream entry id, set when read
+
+    def check_wire(self) -> None:
+        require_id(self, "rollout_id")
+        if self.attempt_id is not None:
+            require_nonempty(self, "attempt_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +76,17 @@ class ResourcesUpdate(Record):
     resources: dict[str, Any]
     create_time: float
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def check_wire(self) -> None:
+        require_id(self, "resources_id")
+        require_at_least(self, 1, "version")
+        require_finite(self, "create_time")
+        # The one entry every reader interprets (model followers, runners): its version is a name.
+        llm = self.resources.get("llm")
+        if isinstance(llm, dict):
+            version = llm.get("model_version")
+            require(self, version is None or (isinstance(version, str) and bool(version)),
+                    f"llm model_version {version!r} is not a name")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,3 +127,7 @@ class WeightsChunk(Record):
     sha256: str  # hex digest of the whole blob, not of this chunk
     size: int  # bytes in the whole blob
     data: bytes
+
+    def check_wire(self) -> None:
+        require_at_least(self, 0, "index", "size")
+        require(self, 0 <= self.index < self.total, f"chunk {self.index} of {self.total}")

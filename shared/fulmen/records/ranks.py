@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fulmen.errors import RecordError
-from fulmen.records.base import Record
+from fulmen.records.base import Record, require, require_at_least, require_nonempty
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,8 @@ class GradientChunk(Record):
     def check_wire(self) -> None:
         if not all(isinstance(x, int) and x >= 0 for x in self.shape):
             raise RecordError(f"grad_chunk record has a bad shape {self.shape!r}")
+        require_at_least(self, 0, "step", "rank", "index", "size")
+        require(self, 0 <= self.index < self.count, f"chunk {self.index} of {self.count}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,4 +89,16 @@ class RankPlan(Record):
     advantages: bytes
     rewards: list[float]
     group_keys: list[str]
+
+    def check_wire(self) -> None:
+        require_at_least(self, 1, "step", "rank", "epochs")
+        require_at_least(self, 0, "total_tokens")
+        require_nonempty(self, "model_version")
+        n = len(self.samples)
+        require(self, len(self.rewards) == n and len(self.group_keys) == n and len(self.advantages) == 4 * n,
+                f"{n} samples but {len(self.rewards)} rewards, {len(self.group_keys)} group keys, "
+                f"{len(self.advantages)} bytes of advantages")
+        require(self, all(type(s) is bytes for s in self.samples), "samples must be records (bytes)")
+        require(self, all(type(r) in (float, int) and math.isfinite(r) for r in self.rewards),
+                "rewards must be finite numbers")
 

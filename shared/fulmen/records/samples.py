@@ -9,9 +9,18 @@ from typing import Any, ClassVar, NamedTuple
 from fulmen import tokens
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, pack_record
 from fulmen.errors import RecordError
-from fulmen.records.base import Record, wire_codec
+from fulmen.records.base import (
+    Record,
+    require,
+    require_at_least,
+    require_finite,
+    require_nonempty,
+    wire_codec,
+)
 from fulmen.records.spans import SpanView
 from fulmen.records.status import RolloutStatus
+
+SHAPES = ("triplet", "trajectory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,18 +57,23 @@ class Sample(Record):
     response_json: str = ""
 
     def check_wire(self) -> None:
-        # Values the trainer cannot learn from are refused here, so its group dead-letters them: a
-        # NaN reward makes a NaN advantage for the whole group, an empty response has no token to train.
-        for name in ("reward", "final_reward"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise RecordError(f"sample record's {name!r} is not finite: {value!r}")
-        if not self.response_token_ids or len(self.response_mask) != len(self.response_token_ids):
-            raise RecordError("sample record has no response tokens, or a mask of another length")
-        if any(t < 0 for t in self.prompt_token_ids) or any(t < 0 for t in self.response_token_ids):
-            raise RecordError("sample record has a negative token id")
-        if self.group_size is not None and self.group_size < 1:
-            raise RecordError(f"sample record's group_size must be at least 1, got {self.group_size}")
+        """Values a trainer can use: ids, a known shape, tokens to train on, finite numbers. Token ids
+        are checked against the vocabulary by the trainer, the one reader that knows it."""
+        require_nonempty(self, "sample_id", "rollout_id", "attempt_id", "group_key")
+        require(self, self.shape in SHAPES, f"shape {self.shape!r} is none of {SHAPES}")
+        require_at_least(self, 0, "turn_index")
+        require_at_least(self, 1, "num_turns", "group_size")
+        require_finite(self, "reward", "final_reward")
+        prompt, response = self.prompt_token_ids, self.response_token_ids
+        require(self, bool(prompt) and bool(response), "a sample needs prompt and response token ids")
+        require(self, min(prompt) >= 0 and min(response) >= 0, "token ids must not be negative")
+        n = len(response)
+        require(self, len(self.response_logprobs) == n and len(self.response_mask) == n,
+                f"{n} response tokens, {len(self.response_logprobs)} log-probabilities, "
+                f"{len(self.response_mask)} mask values")
+        # a sum is finite only if every term is (NaN and ±inf propagate), at C speed
+        require(self, math.isfinite(sum(self.response_logprobs)), "a log-probability is not finite")
+        require(self, min(self.response_mask) >= 0 and max(self.response_mask) <= 1, "mask values must be 0 or 1")
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -132,6 +146,10 @@ class SampleSkip(Record):
     reason: str  # e.g. "failed", "no LLM call", "no reward", "malformed span: ..."
     mode: str | None = None
     group_size: int | None = None
+
+    def check_wire(self) -> None:
+        require_nonempty(self, "rollout_id", "group_key")
+        require_at_least(self, 1, "group_size")
 
 
 class RolloutForSamples(NamedTuple):

@@ -74,6 +74,12 @@ class Finished:
     async def ack_finished(self, group: str, entry_ids: Sequence[str]) -> int:
         return await self.group(group).ack(entry_ids)
 
+    async def dead_letter_finished(self, group: str, entry_id: str, reason: str) -> None:
+        """Set aside a finished entry that decoded but cannot be acted on (its rollout is not terminal,
+        or adapting it failed), with the reason and its raw fields, and acknowledge it for ``group``."""
+        entries = await self.ctx.redis.xrange(self.ctx.keys.finished, entry_id, entry_id)
+        await self.group(group).dead_letter(entry_id, reason, entries[0][1] if entries else {})
+
     async def reclaim_finished(
         self, group: str, consumer: str, min_idle_ms: int, count: int = DEFAULT_READ_COUNT
     ) -> list[RolloutFinished]:

@@ -88,6 +88,7 @@ class RedisStore:
         self.read_finished = finished.read_finished
         self.ack_finished = finished.ack_finished
         self.reclaim_finished = finished.reclaim_finished
+        self.dead_letter_finished = finished.dead_letter_finished
 
         self.resources = resources = Resources(ctx)
         self.add_resources = resources.add_resources
@@ -104,6 +105,7 @@ class RedisStore:
         self.ensure_samples_group = samples.ensure_samples_group
         self.read_samples = samples.read_samples
         self.ack_samples = samples.ack_samples
+        self.dead_letter_samples = samples.dead_letter_samples
 
         self.registry = registry = Registry(ctx)
         self.update_worker = registry.update_worker

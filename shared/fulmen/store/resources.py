@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -9,10 +10,14 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from fulmen import keys as k
-from fulmen.errors import InvalidInput, NotFound
+from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.records import ResourcesUpdate
 from fulmen.store.context import StoreContext
-from fulmen.store.stream import Fields, Stream
+from fulmen.store.stream import Fields, Stream, entry_id_text
+
+log = logging.getLogger(__name__)
+
+LATEST_PAGE = 16  # log entries read per round trip while looking back past unreadable ones
 
 
 class Resources:
@@ -26,7 +31,7 @@ class Resources:
         self.log: Stream[ResourcesUpdate] = ctx.stream(ctx.keys.resources_log, self._decode)
 
     def _decode(self, entry_id: str, fields: Fields) -> ResourcesUpdate:
-        return ResourcesUpdate.from_wire(fields[b"m"], self.max_record_bytes)
+        return ResourcesUpdate.from_wire(fields.get(b"m"), self.max_record_bytes)
 
     async def add_resources(
         self,
@@ -86,14 +91,33 @@ class Resources:
         return ResourcesUpdate.from_wire(record, self.max_record_bytes)
 
     async def get_latest_resources(self) -> ResourcesUpdate | None:
-        last = await self.log.last()
-        return self._decode(*last) if last else None
+        """The newest readable snapshot on the log. Entries that do not decode (garbage written to
+        the log by hand or by a foreign writer) are passed over with a log line: a poisoned tail must
+        not stop every rollout that runs with the latest resources."""
+        before = "+"
+        while True:
+            page = await self.redis.xrevrange(self.keys.resources_log, max=before, count=LATEST_PAGE)
+            for raw_id, fields in page:
+                update = self._decode_or_skip(raw_id, fields)
+                if update is not None:
+                    return update
+            if len(page) < LATEST_PAGE:
+                return None
+            before = "(" + entry_id_text(page[-1][0])
+
+    def _decode_or_skip(self, raw_id: bytes | str, fields: Fields) -> ResourcesUpdate | None:
+        try:
+            return self._decode(entry_id_text(raw_id), fields)
+        except RecordError as e:
+            log.warning("skipping %s entry %s: %s", self.keys.resources_log, entry_id_text(raw_id), e)
+            return None
 
     async def query_resources(
         self, *, limit: int | None = None, offset: int = 0, descending: bool = False
     ) -> list[ResourcesUpdate]:
+        """The readable snapshots on the log, oldest first (unreadable entries are left out)."""
         entries = await self.redis.xrange(self.keys.resources_log)
-        updates = [ResourcesUpdate.from_wire(f[b"m"], self.max_record_bytes) for _, f in entries]
+        updates = [u for raw_id, f in entries if (u := self._decode_or_skip(raw_id, f)) is not None]
         if descending:
             updates.reverse()
         return updates[offset : None if limit is None else offset + limit]

@@ -132,6 +132,12 @@ class Samples:
     async def ack_samples(self, group: str, entry_ids: Sequence[str]) -> int:
         return await self.group(group).ack(entry_ids)
 
+    async def dead_letter_samples(self, group: str, entry_id: str, reason: str) -> None:
+        """Set aside a sample entry that decoded but cannot be used (a token id outside the trainer's
+        vocabulary, an error while grouping it), with the reason and its raw fields, and acknowledge it."""
+        entries = await self.redis.xrange(self.keys.samples, entry_id, entry_id)
+        await self.group(group).dead_letter(entry_id, reason, entries[0][1] if entries else {})
+
 
 def decode_sample(data: bytes | None, max_bytes: int) -> Sample | SampleSkip:
     """A samples-stream entry: a `Sample` or a `SampleSkip`, told apart by the record kind."""

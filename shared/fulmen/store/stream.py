@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from fulmen.errors import RecordError
+from fulmen.errors import RecordError, RecordTooLarge
 from fulmen.records import DeadLetter
 
 log = logging.getLogger(__name__)
@@ -37,11 +37,10 @@ DEFAULT_READ_COUNT = 100  # entries per read when the caller names no count
 # a long block for a dead connection, and a follower must notice a dead connection within seconds.
 MAX_BLOCK_S = 0.5
 DEAD_LETTER_PAYLOAD_BYTES = 65536  # of each raw field kept in a dead letter, enough to diagnose it
-# The whole copy kept in a dead letter stays far below the record size limit, however large or many
-# the poison entry's fields: setting it aside must never fail in turn.
-DEAD_LETTER_TOTAL_BYTES = 1 << 20
-DEAD_LETTER_NAME_CHARS = 256
-DEAD_LETTER_REASON_CHARS = 4096
+DEAD_LETTER_REASON_CHARS = 4096  # a reason quoting the bad value could be as large as the value
+# A dead letter whose fields would exceed the record size limit keeps this much of them in all.
+DEAD_LETTER_TRUNCATED_BYTES = DeadLetter.MAX_BYTES // 4
+DEAD_LETTER_NAME_CHARS = 256  # of each field's name, in a truncated dead letter
 
 
 def block_ms(block_s: float | None) -> int | None:
@@ -171,14 +170,17 @@ class Stream(Generic[T]):
         acknowledge it (in the same MULTI) so the group moves on."""
         if self.dead_letters is None:
             raise TypeError(f"{self!r} has no dead-letter stream")
-        payload, kept = _dead_letter_copy(fields)
-        if kept < len(fields):
-            reason = f"{reason} (copy truncated: {kept} of {len(fields)} fields kept)"
         reason = reason[:DEAD_LETTER_REASON_CHARS]
         log.error("dead-lettered %s entry %s: %s", self.key, entry_id, reason)
-        letter = DeadLetter(self.key, entry_id, reason, payload, time.time())
+        payload = {_field_name(name): value[:DEAD_LETTER_PAYLOAD_BYTES] for name, value in fields.items()}
+        try:
+            record = DeadLetter(self.key, entry_id, reason, payload, time.time()).to_wire()
+        except RecordTooLarge:
+            # Many large fields: keep what fits of them, and say so, rather than fail here (the
+            # consumer would die on the entry, and again after each restart).
+            record = _truncated_letter(self.key, entry_id, reason, payload).to_wire()
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.dead_letters, {"m": letter.to_wire()})
+        pipe.xadd(self.dead_letters, {"m": record})
         if self.group is not None:
             pipe.xack(self.key, self.group, entry_id)
         await pipe.execute()
@@ -210,19 +212,25 @@ class Stream(Generic[T]):
                 yield item
 
 
-def _dead_letter_copy(fields: Fields) -> tuple[dict[str, bytes], int]:
-    """What a dead letter keeps of an entry's raw fields (each cut to `DEAD_LETTER_PAYLOAD_BYTES`,
-    all within `DEAD_LETTER_TOTAL_BYTES`), and how many fields it kept."""
-    payload: dict[str, bytes] = {}
-    budget = DEAD_LETTER_TOTAL_BYTES
-    for name, value in fields.items():
-        text = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-        data = (value if isinstance(value, bytes) else str(value).encode())[:min(DEAD_LETTER_PAYLOAD_BYTES, budget)]
-        if budget <= 0:
+def _field_name(name: bytes | str) -> str:
+    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+
+
+def _truncated_letter(source: str, entry_id: str, reason: str, payload: Mapping[str, bytes]) -> DeadLetter:
+    """A dead letter that fits the size limit: the first fields, each cut to an equal share of
+    `DEAD_LETTER_TRUNCATED_BYTES`, as many as fit, and the reason saying what was left out."""
+    share = max(DEAD_LETTER_NAME_CHARS, DEAD_LETTER_TRUNCATED_BYTES // max(1, len(payload)))
+    kept: dict[str, bytes] = {}
+    used = 0
+    for name, value in payload.items():
+        if used + share > DEAD_LETTER_TRUNCATED_BYTES:
             break
-        payload[text[:DEAD_LETTER_NAME_CHARS]] = data
-        budget -= len(data) + len(text)
-    return payload, len(payload)
+        kept[name[:DEAD_LETTER_NAME_CHARS]] = value[:share]
+        used += share
+    total = sum(len(n) + len(v) for n, v in payload.items())
+    note = (f" [dead letter truncated: kept {len(kept)} of {len(payload)} fields, "
+            f"at most {share} bytes each, of {total} bytes]")
+    return DeadLetter(source, entry_id, reason + note, kept, time.time())
 
 
 class Cursor(Generic[T]):
