@@ -7,7 +7,8 @@
 A rollout that failed, or yields no sample, gets a `SampleSkip` record on the samples stream instead
 (the trainer counts it towards its GRPO group) and a counter per reason. Nothing here can crash the
 loop on bad data: a malformed entry is dead-lettered by the store, a malformed span skips its
-rollout with the reason. Delivery is at-least-once and the marker makes a redelivery a no-op.
+rollout with the reason, an entry whose rollout is not terminal (forged: the store appends one only
+as a rollout ends) or whose adapting fails is dead-lettered with the reason. Delivery is at-least-once and the marker makes a redelivery a no-op.
 Entries left pending by an adapter that died are taken over after ``reclaim_idle_s``.
 """
 

@@ -7,6 +7,9 @@ a field the class does not have, and a value of the wrong type. Types come from 
 ``str``, ``int``, ``float`` (ints accepted, stored as float), ``bool``, ``bytes``, ``dict``,
 ``list``, ``tuple`` (a msgpack array), ``Any``, ``X | None``, and `enum.StrEnum` types (from their
 value). Containers are checked at the top level only: their items are the reader's business.
+Values are checked by the class's `Record.check_wire`, run after decoding, with the helpers below it
+(`require`, `require_nonempty`, `require_id`, `require_finite`, `require_at_least`): ids non-empty,
+counts in range, numbers finite. A consumer group dead-letters a record that fails either check.
 
 Two kinds of field need more than their annotation (both go in the field's metadata):
 - ``field(default="", metadata=OFF_WIRE)``: a field the record does not carry, such as the stream
