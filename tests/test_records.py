@@ -279,11 +279,11 @@ def test_unsupported_annotation_fails_on_first_use() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"reward": float("nan")}, "'reward' is not finite"),
-        ({"final_reward": float("inf")}, "'final_reward' is not finite"),
-        ({"response_token_ids": [], "response_logprobs": [], "response_mask": []}, "no response tokens"),
-        ({"prompt_token_ids": [1, -2]}, "negative token id"),
-        ({"group_size": 0}, "group_size must be at least 1"),
+        ({"reward": float("nan")}, "'reward' is nan, expected a finite number"),
+        ({"final_reward": float("inf")}, "'final_reward' is inf, expected a finite number"),
+        ({"response_token_ids": [], "response_logprobs": [], "response_mask": []}, "needs prompt and response token ids"),
+        ({"prompt_token_ids": [1, -2]}, "token ids must not be negative"),
+        ({"group_size": 0}, "'group_size' is 0, expected >= 1"),
     ],
 )
 def test_a_sample_the_trainer_cannot_learn_from_is_refused(change: dict, message: str) -> None:
