@@ -55,18 +55,20 @@ ADAPTER_GROUP = "adapter"  # consumer group on FINISHED
 TRAINERS_GROUP = "trainers"  # consumer group on SAMPLES
 ALGORITHM_GROUP = "algorithm"  # consumer group on FINISHED
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+# Matched with fullmatch: ``$`` also matches before a trailing newline, which let "r1\n" through
+# (and into log lines).
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 
 
 def check_experiment(name: str) -> str:
-    if not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidInput(f"experiment name {name!r} is invalid: use 1-64 letters, digits, '_', '.' or '-'")
     return name
 
 
 def check_id(kind: str, value: str) -> str:
-    if not isinstance(value, str) or not _ID.match(value):
+    if not isinstance(value, str) or not _ID.fullmatch(value):
         raise InvalidInput(f"{kind} {value!r} is invalid: use 1-128 letters, digits, '_', '.', ':' or '-'")
     return value
 
