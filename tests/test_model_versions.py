@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,18 @@ async def test_the_steps_stream_gives_progress_and_one_point_per_step(real_store
     assert await latest_step(real_store.redis, real_store.keys) == 4
     curve = await read_curve(real_store.redis, real_store.keys)
     assert [(s.step, s.reward_mean) for s in curve] == [(1, 0.1), (2, 0.2), (3, 0.35), (4, 0.4)]
+
+
+async def test_weights_path_naming_a_fifo_is_refused(store: RedisStore, tmp_path: Path) -> None:
+    """A weights path that names a FIFO (or any non-regular file) is refused at once, not read."""
+    import os
+
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    try:
+        with pytest.raises(RecordError, match="not a regular file"):
+            await asyncio.wait_for(fetch_model_version(store, "v9", resource={"path": str(fifo)}), 30)
+    finally:
+        # Without the fix a thread is blocked opening the FIFO: a writer's open releases it.
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
