@@ -207,3 +207,56 @@ def test_redis_command_idles_when_redis_url_is_set(tmp_path: Path, redis_url: st
     assert proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
+
+
+def test_push_survives_hostile_lines(env: dict[str, str], tmp_path: Path) -> None:
+    """Invalid UTF-8, 200,000-deep nesting, a 5,000-digit integer, a lone surrogate, an integer
+    beyond 64 bits: each one bad line with its number; the lines around them are queued."""
+    lines = [
+        b'{"id": "a"}',
+        b'{"id": "x", "q": "\xff\xfe"}',
+        b"[" * 200_000 + b"]" * 200_000,
+        b'{"id": "y", "n": ' + b"7" * 5000 + b"}",
+        b'{"id": "z", "q": "\\ud800"}',
+        b'{"id": "w", "n": ' + str(2**70).encode() + b"}",
+        b'{"id": "b"}',
+    ]
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    result = runner.invoke(app, ["push", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "line 2: not valid UTF-8" in result.stderr
+    assert "line 3: not valid JSON (nested too deeply)" in result.stderr
+    assert "line 4: not valid JSON" in result.stderr and "digits" in result.stderr
+    for number in (5, 6):
+        assert f"line {number}:" in result.stderr
+    assert "queued 2 rollout(s)" in result.stdout and "skipped 5 bad line(s)" in result.stdout
+    strict = runner.invoke(app, ["push", "--strict", str(path)])
+    assert strict.exit_code == 1 and not isinstance(strict.exception, Exception)  # SystemExit only
+    assert "nothing was queued" in strict.stderr
+
+
+def test_push_reports_duplicate_ids(env: dict[str, str], tmp_path: Path) -> None:
+    """An id given twice in one file is reported with both lines; --strict refuses the file."""
+    path = _tasks(tmp_path, ['{"id": "a", "q": 1}', '{"id": "b"}', '{"id": "a", "q": 2}'])
+    strict = runner.invoke(app, ["push", "--strict", str(path)])
+    assert strict.exit_code == 1
+    assert "line 3: duplicate id 'a' (first on line 1)" in strict.stderr
+    assert _status(env)["total_rollouts"] == 0
+    result = runner.invoke(app, ["push", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "line 3: duplicate id 'a' (first on line 1)" in result.stderr
+    assert "queued 2 rollout(s)" in result.stdout and "skipped 1 bad line(s)" in result.stdout
+
+
+def test_push_non_finite_numbers(env: dict[str, str], tmp_path: Path) -> None:
+    """NaN and Infinity are refused with --strict and reported (the task queued) otherwise."""
+    path = _tasks(tmp_path, ['{"id": "a", "x": NaN}', '{"id": "b", "x": 1e999}', '{"id": "c", "x": 1}'])
+    strict = runner.invoke(app, ["push", "--strict", str(path)])
+    assert strict.exit_code == 1
+    assert "line 1: holds NaN or Infinity" in strict.stderr and "line 2: holds NaN" in strict.stderr
+    assert _status(env)["total_rollouts"] == 0
+    result = runner.invoke(app, ["push", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "line 1: holds NaN or Infinity" in result.stderr and "line 2:" in result.stderr
+    assert "queued 3 rollout(s)" in result.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,18 @@ async def test_non_finite_versions_are_refused(store: RedisStore, tmp_path: Path
     path.write_bytes(blob)
     with pytest.raises(RecordError, match="NaN or infinite"):
         await fetch_model_version(store, "v9", resource={"weights": {"path": str(path)}})
+
+
+async def test_weights_path_naming_a_fifo_is_refused(store: RedisStore, tmp_path: Path) -> None:
+    """A weights path that names a FIFO (or any non-regular file) is refused at once, not read."""
+    import os
+
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    try:
+        with pytest.raises(RecordError, match="not a regular file"):
+            await asyncio.wait_for(fetch_model_version(store, "v9", resource={"path": str(fifo)}), 30)
+    finally:
+        # Without the fix a thread is blocked opening the FIFO: a writer's open releases it.
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))

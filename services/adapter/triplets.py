@@ -6,7 +6,9 @@
 - An LLM call is a span the proxy recorded (``fulmen.span_kind == "llm_call"``) or, with
   ``llm_call_match``, any span whose name matches. A call nested under another call is the same
   response seen twice (a client library's span around the proxy's) and is left out, as is a second
-  span with the same ``gen_ai.response.id``.
+  span with the same ``gen_ai.response.id``. Calls that share a ``fulmen.call_key`` (the client's
+  idempotency key) are one logical call retried: only the last one, whose response the agent went
+  on with, is kept.
 - Rewards, in time order, go to the most recent earlier call that has none yet (a reward before any
   call has no call to go to). The attempt's final reward, kept on every sample for trajectory-level
   credit, is the one its runner stored with the rollout (`AttemptInfo.reward`); only for an attempt
@@ -151,6 +153,7 @@ def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], co
     responses: set[str] = set()
     if len(call_spans) > 1:
         call_spans.sort(key=lambda s: (_time(s.start_time), s.sequence_id))
+        call_spans = _last_per_call_key(call_spans)
     # A call has a call among its ancestors only if some call is some span's parent: the usual trace
     # (every call under the agent's or the root span) needs no walk up the tree at all.
     nested = not call_ids.isdisjoint(parents.values())
@@ -180,6 +183,24 @@ def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], co
         calls.append(LlmCall(s, prompt, response, logprobs, None, request if type(request) is str else "",
                              answer if type(answer) is str else ""))
     return calls
+
+
+def _last_per_call_key(call_spans: list[SpanLike]) -> list[SpanLike]:
+    """The spans in order, less those whose call key (a client's retries of one call) a later span
+    carries too: the proxy stores a retry once, but spans written otherwise may repeat a call."""
+    last: dict[str, int] = {}
+    for i, s in enumerate(call_spans):
+        key = s.attributes.get(semconv.CALL_KEY)
+        if type(key) is str and key:
+            last[key] = i
+    if len(last) == 0:
+        return call_spans
+    kept = []
+    for i, s in enumerate(call_spans):
+        key = s.attributes.get(semconv.CALL_KEY)
+        if type(key) is not str or not key or last[key] == i:
+            kept.append(s)
+    return kept
 
 
 def _finite_number(value: Any) -> bool:

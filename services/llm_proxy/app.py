@@ -35,6 +35,7 @@ from fulmen_llm_proxy.errors import ProxyError
 from fulmen_llm_proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fulmen_llm_proxy.parsing import parse_call
 from fulmen_llm_proxy.recording import build_span
+from fulmen_llm_proxy.replay import body_of, call_key, chunks_of, keyed_span_id, may_be_retry
 from fulmen_llm_proxy.service import ProxyService
 
 log = logging.getLogger(__name__)
@@ -173,8 +174,11 @@ class ProxyApp:
                 param="model", code="model_not_found",
             )  # fmt: skip
         call.rollout_id, call.attempt_id = target.rollout_id, target.attempt_id
+        call.call_key = call_key(headers)
         if not call.rollout_id:
             service.metrics.unattributed.inc()
+        elif call.call_key and may_be_retry(headers) and await self._replay(send, call):
+            return 200
         await service.gate.enter()
         service.metrics.in_flight.inc()
         try:
@@ -238,6 +242,36 @@ class ProxyApp:
         await self._record(call, result, raw, headers, start_time)
         await send({"type": "http.response.body", "body": (pending or b"") + _DONE, "more_body": False})
 
+    async def _replay(self, send: Send, call: Call) -> bool:
+        """Answer a retried call from its recorded span (`fulmen_llm_proxy.replay`); False when the
+        call was not recorded (then it is served as a new one)."""
+        span_id = keyed_span_id(call.attempt_id, call.call_key)
+        store = self.service.store
+        assert store is not None
+        try:
+            spans = await store.query_spans(call.rollout_id, call.attempt_id)
+        except NotFound:
+            return False  # no such rollout: served (unrecorded), as any call for an unknown attempt
+        except (RedisError, OSError) as e:
+            raise ProxyError(
+                503,
+                f"could not look up the call's record ({type(e).__name__}); retry",
+                code="store_unavailable",
+            ) from None
+        span = next((s for s in spans if s.span_id == span_id), None)
+        if span is None:
+            return False
+        log.info("call %s of attempt %s answered from its record (a client retry)", span_id, call.attempt_id)
+        version = span.attributes.get(semconv.MODEL_VERSION, "")
+        if not call.stream:
+            await _send_body(send, 200, json.dumps(body_of(call, span)).encode(), version=str(version))
+            return True
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*_SSE, (_VERSION_HEADER, str(version).encode())]})  # fmt: skip
+        events = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks_of(call, span))
+        await send({"type": "http.response.body", "body": events + _DONE, "more_body": False})
+        return True
+
     async def _record(
         self, call: Call, result: Result, raw: bytes, headers: dict[bytes, bytes], start_time: float
     ) -> None:
@@ -247,7 +281,8 @@ class ProxyApp:
             return
         trace_id, parent_id = trace_context(headers.get(b"traceparent"), call.rollout_id)
         span = build_span(
-            call, result, system=self.service.backend.system, raw_request=raw, span_id=new_span_id(),
+            call, result, system=self.service.backend.system, raw_request=raw,
+            span_id=keyed_span_id(call.attempt_id, call.call_key) if call.call_key else new_span_id(),
             trace_id=trace_id, parent_id=parent_id, start_time=start_time, end_time=time.time(),
         )  # fmt: skip
         if self.service.otlp is not None:

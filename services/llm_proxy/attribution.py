@@ -21,7 +21,7 @@ from fulmen import semconv
 from fulmen.tracing import rollout_trace_id
 from fulmen_llm_proxy.errors import bad_request
 
-_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")  # fulmen.keys.check_id's alphabet
+_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")  # fulmen.keys.check_id's alphabet; always fullmatch
 _HEX = frozenset("0123456789abcdef")
 _ROLLOUT_HEADER = semconv.HEADER_ROLLOUT_ID.encode()
 _ATTEMPT_HEADER = semconv.HEADER_ATTEMPT_ID.encode()
@@ -44,7 +44,7 @@ def split_path(path: str) -> Target:
     if len(parts) < 5 or parts[3] != "attempt":
         return Target(path)  # not the prefix: the router answers 404
     rollout_id, attempt_id = parts[2], parts[4]
-    if not _ID.match(rollout_id) or not _ID.match(attempt_id):
+    if not _ID.fullmatch(rollout_id) or not _ID.fullmatch(attempt_id):
         raise bad_request("rollout and attempt ids in the path must be 1-128 of [A-Za-z0-9_.:-]")
     return Target("/" + parts[5] if len(parts) > 5 else "/", rollout_id, attempt_id)
 
@@ -61,8 +61,9 @@ def from_headers(target: Target, headers: dict[bytes, bytes]) -> None:
         raise bad_request(
             f"send both {semconv.HEADER_ROLLOUT_ID} and {semconv.HEADER_ATTEMPT_ID}, or neither"
         )
-    target.rollout_id, target.attempt_id = rollout_id.decode(), attempt_id.decode()
-    if not _ID.match(target.rollout_id) or not _ID.match(target.attempt_id):
+    # latin-1 decodes any bytes; the alphabet check below then refuses whatever is not an id.
+    target.rollout_id, target.attempt_id = rollout_id.decode("latin-1"), attempt_id.decode("latin-1")
+    if not _ID.fullmatch(target.rollout_id) or not _ID.fullmatch(target.attempt_id):
         raise bad_request("rollout and attempt id headers must be 1-128 of [A-Za-z0-9_.:-]")
 
 

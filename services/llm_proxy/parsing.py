@@ -1,4 +1,11 @@
-"""Turn a request body into a validated `Call`, or a 400 that names the bad parameter."""
+"""Turn a request body into a validated `Call`, or a 400 that names the bad parameter.
+
+Everything a client can send that would later fail (a 500) or cost the event loop time out of
+proportion is refused here, before any work: nesting deeper than `MAX_JSON_DEPTH`, strings holding
+lone surrogates (no tokenizer, UTF-8 encoder or msgpack accepts them), integers beyond 64 bits (the
+span's msgpack cannot hold them), and more or longer stop strings than the per-token stop check
+can afford (it runs on the event loop).
+"""
 
 from __future__ import annotations
 
@@ -18,13 +25,61 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     return float(value)
 
 
+# Nesting a real request needs (messages, tool schemas) stays far below this; json's own limit
+# (~1,000) would leave later json.dumps calls, deeper in the stack, to fail instead.
+MAX_JSON_DEPTH = 64
+MAX_STOP_STRINGS = 16  # OpenAI accepts 4; each one is checked against the text after every token
+MAX_STOP_CHARS = 256
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what the span's msgpack encoding holds
+
+
 def _positive_int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise bad_request(f"{name} must be a positive integer, got {value!r}", name)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT64_MAX:
+        raise bad_request(f"{name} must be an integer in [1, {INT64_MAX}], got {_short(value)}", name)
     return value
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: a 5,000-digit integer or a 1 MB string is not echoed whole."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a larger integer"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_shape(body: Any) -> None:
+    """Refuse nesting deeper than `MAX_JSON_DEPTH` and strings (values or keys) that are not valid
+    Unicode (a lone surrogate from a ``\\udXXX`` escape). One pass, no recursion."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ProxyError(400, f"request JSON is nested deeper than {MAX_JSON_DEPTH}", code="invalid_json")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key)
+                if isinstance(item, dict | list):
+                    stack.append((item, depth + 1))
+                elif isinstance(item, str):
+                    _check_text(item)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, dict | list):
+                    stack.append((item, depth + 1))
+                elif isinstance(item, str):
+                    _check_text(item)
+
+
+def _check_text(text: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ProxyError(
+                400, "request JSON holds a lone surrogate (\\ud800-\\udfff), which is not text",
+                code="invalid_json",
+            ) from None  # fmt: skip
 
 
 def parse_call(raw: bytes, operation: Operation, default_model: str | None) -> Call:
@@ -33,11 +88,18 @@ def parse_call(raw: bytes, operation: Operation, default_model: str | None) -> C
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProxyError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ProxyError(
+            400, f"request JSON is nested deeper than {MAX_JSON_DEPTH}", code="invalid_json"
+        ) from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
-    model = body.get("model") or default_model
+    check_shape(body)
+    # Absent: the proxy's default model. Present but empty or not a string: the client's mistake,
+    # never silently replaced by the default.
+    model = body.get("model", default_model)
     if not isinstance(model, str) or not model:
-        raise bad_request("model is required", "model")
+        raise bad_request(f"model must be a non-empty string, got {_short(model)}", "model")
     if operation == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -50,16 +112,12 @@ def parse_call(raw: bytes, operation: Operation, default_model: str | None) -> C
     n = body.get("n")
     if n not in (None, 1):
         raise bad_request("only n=1 is supported (run n rollouts instead)", "n")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise bad_request("stop must be a string or a list of strings", "stop")
+    stop = _stop_strings(body.get("stop"))
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad_request(f"seed must be an integer, got {seed!r}", "seed")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not INT64_MIN <= seed <= INT64_MAX
+    ):
+        raise bad_request(f"seed must be a 64-bit integer, got {_short(seed)}", "seed")
     stream = body.get("stream") or False
     options = body.get("stream_options") or {}
     return Call(
@@ -75,6 +133,20 @@ def parse_call(raw: bytes, operation: Operation, default_model: str | None) -> C
         tokens_as_ids=bool(body.get("return_tokens_as_token_ids")),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
     )
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad_request("stop must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad_request(
+            f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters", "stop"
+        )
+    return stop
 
 
 def check_prompt(prompt: Any) -> None:

@@ -65,6 +65,8 @@ def build_span(
     }
     if result.response_id:
         attributes[semconv.GEN_AI_RESPONSE_ID] = result.response_id
+    if call.call_key:
+        attributes[semconv.CALL_KEY] = call.call_key
     if call.max_tokens is not None:
         attributes[semconv.GEN_AI_MAX_TOKENS] = call.max_tokens
     if call.seed is not None:

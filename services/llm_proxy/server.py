@@ -2,15 +2,22 @@
 
 The socket is bound here, before uvicorn starts, so ``--proxy-port 0`` works (the OS picks a port)
 and the registered base URL names the port actually bound.
+
+uvicorn has no read timeout of its own: a connection that sends nothing, half its headers or part of
+its body would be held forever (each one a socket and, once the headers are in, a task). `_Protocol`
+gives each request `REQUEST_READ_TIMEOUT_S` from its first byte (or the connection's opening) to
+its last; an idle keep-alive connection between requests is uvicorn's ``timeout_keep_alive``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from types import FrameType
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from fulmen.settings import ProxySettings
 from fulmen_llm_proxy.app import ProxyApp
@@ -24,6 +31,8 @@ DEFAULT_PORT = 8000
 LISTEN_BACKLOG = 2048
 KEEP_ALIVE_S = 75  # agents keep connections open between turns
 GRACEFUL_SHUTDOWN_S = 4  # honcho sends SIGKILL after 5 s
+# From a request's first byte to its last (agents send a whole body at once, over loopback or a LAN).
+REQUEST_READ_TIMEOUT_S = 30.0
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -34,6 +43,43 @@ def bind(host: str, port: int) -> socket.socket:
     sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
+
+
+class _Protocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline for reading each request: when it passes, the
+    connection is closed (the request's handler, if started, sees a disconnect)."""
+
+    _read_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_read_timer()  # a connection that never sends a byte is half-open too
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._read_timer is None:
+            self._arm_read_timer()
+
+    def on_message_complete(self) -> None:
+        self._cancel_read_timer()
+        super().on_message_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_read_timer()
+        super().connection_lost(exc)
+
+    def _arm_read_timer(self) -> None:
+        self._read_timer = self.loop.call_later(REQUEST_READ_TIMEOUT_S, self._read_timed_out)
+
+    def _cancel_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _read_timed_out(self) -> None:
+        self._read_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 def loop_name() -> str:
@@ -53,7 +99,7 @@ def build(
     app = ProxyApp(ProxyService(settings, base_url.rstrip("/"), backend))
     config = uvicorn.Config(
         app,
-        http="httptools",
+        http=_Protocol,
         loop=loop_name(),
         lifespan="on",
         access_log=False,  # one log line per request would cost more CPU than the request

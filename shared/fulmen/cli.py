@@ -20,7 +20,7 @@ from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore, run_watchdog
 from fulmen.store.experiments import delete_experiment, list_experiments
 from fulmen.store.retention import RetentionPolicy, trim
-from fulmen.tasks_file import BadLine, parse_tasks
+from fulmen.tasks_file import BadLine, LineNote, parse_tasks
 
 app = typer.Typer(
     help="Fulmen: train any agent with RL, prompt optimisation and SFT over Redis Streams.\n\n"
@@ -80,7 +80,9 @@ def push(
         str,
         typer.Option(help="Task field used as rollout id (pushing twice then adds nothing). '' for none."),
     ] = "id",
-    strict: Annotated[bool, typer.Option(help="Refuse the whole file if any line is bad.")] = False,
+    strict: Annotated[
+        bool, typer.Option(help="Refuse the whole file if any line is bad (a duplicate id, NaN or Infinity too).")
+    ] = False,
     resources_id: Annotated[str | None, typer.Option(help="Resources the rollouts run with.")] = None,
     max_attempts: Annotated[int, typer.Option(min=1, help="Attempts per rollout, the first included.")] = 1,
     retry_on: Annotated[
@@ -96,8 +98,10 @@ def push(
 ) -> None:
     """Queue every task of a JSON-lines file as a rollout.
 
-    Each line is a JSON object: the task the agent receives. Bad lines are reported with their line
-    number and skipped (or, with --strict, nothing is queued). Ends with a summary."""
+    Each line is a JSON object: the task the agent receives. Bad lines (not UTF-8, not a JSON object,
+    an id given twice, ...) are reported with their line number and skipped (or, with --strict,
+    nothing is queued). Ends with a summary. Exit code: 0 when something was queued or already
+    present, 1 when lines were refused and nothing was, 2 when the file cannot be read."""
     settings = settings_from_flags(experiment=experiment)
     defaults: dict[str, Any] = {
         "mode": mode,
@@ -109,21 +113,24 @@ def push(
             "unresponsive_seconds": unresponsive_seconds,
         },
     }
+    # Bytes, decoded line by line (`fulmen.tasks.parse_task_lines`): a line that is not UTF-8 is one
+    # bad line, where a text stream would raise on it and end the whole push.
+    stdin = getattr(sys.stdin, "buffer", sys.stdin)
     try:
-        stream = sys.stdin if file == "-" else open(file, encoding="utf-8")  # noqa: SIM115 - closed below
+        stream = stdin if file == "-" else open(file, "rb")  # noqa: SIM115 - closed below
+        total = None
+        if stream is not stdin:
+            total = sum(1 for line in stream if line.strip())  # for the progress bar
+            stream.seek(0)
     except OSError as e:
         err.print(f"[red]error:[/red] cannot read {file}: {e.strerror}")
         raise typer.Exit(2) from None
-    total = None
-    if stream is not sys.stdin:
-        total = sum(1 for line in stream if line.strip())  # for the progress bar
-        stream.seek(0)
 
     async def work(store: RedisStore) -> tuple[int, int, list[BadLine]]:
         await store.ensure()
         bad: list[BadLine] = []
         created = existed = 0
-        items = parse_tasks(stream, store, id_field=id_field or None, defaults=defaults)
+        items = parse_tasks(stream, store, id_field=id_field or None, defaults=defaults, strict=strict)
         if strict:
             items = list(items)  # validate everything before queuing anything
             bad = [x for x in items if isinstance(x, BadLine)]
@@ -134,6 +141,9 @@ def push(
             task = progress.add_task("push", total=total)
             batch = []
             for item in [*items, None]:
+                if isinstance(item, LineNote):
+                    err.print(f"[yellow]line {item.line_number}:[/yellow] {item.reason} (queued)")
+                    continue
                 if isinstance(item, BadLine):
                     bad.append(item)
                     err.print(f"[yellow]line {item.line_number}:[/yellow] {item.reason} (skipped)")
@@ -152,7 +162,7 @@ def push(
     try:
         created, existed, bad = run_on_store(settings, work)
     finally:
-        if stream is not sys.stdin:
+        if stream is not stdin:
             stream.close()
     if strict and bad:
         for b in bad:

@@ -55,12 +55,14 @@ ADAPTER_GROUP = "adapter"  # consumer group on FINISHED
 TRAINERS_GROUP = "trainers"  # consumer group on SAMPLES
 ALGORITHM_GROUP = "algorithm"  # consumer group on FINISHED
 
+# Matched with fullmatch: ``$`` also matches before a trailing newline, which let "r1\n" through
+# (and into log lines).
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 
 
 def check_experiment(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):  # fullmatch: "$" lets a final newline in
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidInput(f"experiment name {name!r} is invalid: use 1-64 letters, digits, '_', '.' or '-'")
     return name
 

@@ -43,6 +43,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -363,10 +364,17 @@ async def _read_stream(store: RedisStore, version: str) -> tuple[bytes, str] | N
 
 
 def _read_file(path: Path) -> bytes:
+    """The bytes of a regular file. Opened without blocking and checked before reading: a path that
+    names a FIFO would block the reading thread (and the follower awaiting it) until a writer came,
+    a device such as /dev/zero would never end."""
     try:
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise NotFound(f"model weights file {path} does not exist") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RecordError(f"model weights path {path} is not a regular file")
+        return f.read()
 
 
 def _deserialize(version: str, blob: bytes, sha256: str | None) -> dict[str, torch.Tensor]:

@@ -38,6 +38,9 @@ REQUEST_JSON = "fulmen.request"  # the request body (messages or prompt, tools),
 RESPONSE_JSON = "fulmen.response"  # the response message / text, JSON text
 LATENCY_MS = "fulmen.latency_ms"
 STREAM = "fulmen.stream"  # bool
+# The client's idempotency key: one per logical call, the same on the client's retries of it. The
+# proxy derives the span id from it (a retry is stored once) and the adapter keeps one call per key.
+CALL_KEY = "fulmen.call_key"
 
 # --- what agents emit (fulmen.emit_*) -------------------------------------------------------------
 KIND_REWARD = "reward"
@@ -67,6 +70,9 @@ ROLLOUT_SPAN = "fulmen.rollout"  # the root span of an attempt, opened by the ru
 HEADER_ROLLOUT_ID = "x-fulmen-rollout-id"
 HEADER_ATTEMPT_ID = "x-fulmen-attempt-id"
 HEADER_MODEL_VERSION = "x-fulmen-model-version"  # on every proxy response: the version that served it
+# One value per logical LLM call, repeated on its retries (the openai client generates one per call
+# and sends it when its ``_idempotency_header`` names a header: the SDK's `LLM` clients do).
+HEADER_IDEMPOTENCY_KEY = "idempotency-key"
 # W3C trace context travels in the standard `traceparent` header.
 
 

@@ -1,4 +1,9 @@
-"""Reading a JSON-lines task file into rollout requests, with a clear reason for every bad line."""
+"""Reading a JSON-lines task file into rollout requests, with a clear reason for every bad line.
+
+No line can end the read: bytes that are not UTF-8, nesting or integers Python's json refuses,
+values msgpack cannot hold are each one `BadLine` with its number, and the next line is read.
+An id given twice in the file is a bad line (the first one stands); NaN or Infinity is a bad line
+with ``strict`` and a `LineNote` (the task is queued) otherwise."""
 
 from __future__ import annotations
 
@@ -10,7 +15,11 @@ from typing import IO, Any
 from fulmen.errors import FulmenError
 from fulmen.records import Rollout
 from fulmen.store import RedisStore
-from fulmen.tasks import own_id, parse_task_lines, task_id
+from fulmen.tasks import is_finite, own_id, parse_task_lines, task_id
+
+# What building or sizing a rollout from a decoded task may raise on hostile values (a lone
+# surrogate, an integer beyond 64 bits, nesting past the encoder's limit), besides FulmenError.
+_ENCODING_ERRORS = (FulmenError, ValueError, TypeError, OverflowError, RecursionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,15 +28,28 @@ class BadLine:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class LineNote:
+    """Something to report about a line whose task is queued all the same."""
+
+    line_number: int
+    reason: str
+
+
+NON_FINITE = "holds NaN or Infinity, which JSON does not allow"
+
+
 def parse_tasks(
-    stream: IO[str], store: RedisStore, *, id_field: str | None, defaults: dict[str, Any]
-) -> Iterator[Rollout | BadLine]:
+    stream: IO[str] | IO[bytes], store: RedisStore, *, id_field: str | None, defaults: dict[str, Any],
+    strict: bool = False,
+) -> Iterator[Rollout | BadLine | LineNote]:
     """One result per non-blank line: a validated rollout request, or why the line cannot be one.
 
     A line is a JSON object, the task given to the agent as the rollout's input. Its rollout id is
     its `task_id` (the value of ``id_field`` if the task has one, else a hash of its content; the n-th
     copy of the same content gets its own): either way, pushing the same file twice enqueues nothing new."""
     seen: Counter[str] = Counter()
+    first_line: dict[str, int] = {}  # own id -> the line that gave it first
     for number, task in parse_task_lines(stream):
         if isinstance(task, str):
             yield BadLine(number, task)
@@ -36,14 +58,31 @@ def parse_tasks(
         if not isinstance(value, str | int) or isinstance(value, bool):
             yield BadLine(number, f"field {id_field!r} must be a string or an integer to serve as rollout id")
             continue
-        rollout_id = task_id(task, id_field)
-        if own_id(task, id_field) is None:  # named by its content: the n-th copy gets its own id
-            seen[rollout_id] += 1
-            rollout_id += f"-{seen[rollout_id]}" if seen[rollout_id] > 1 else ""
+        finite = is_finite(task)
+        if not finite and strict:
+            yield BadLine(number, NON_FINITE)
+            continue
         try:
+            rollout_id = task_id(task, id_field)
+            if own_id(task, id_field) is None:  # named by its content: the n-th copy gets its own id
+                seen[rollout_id] += 1
+                rollout_id += f"-{seen[rollout_id]}" if seen[rollout_id] > 1 else ""
+            elif rollout_id in first_line:
+                yield BadLine(number, f"duplicate id {rollout_id!r} (first on line {first_line[rollout_id]})")
+                continue
             rollout = store.new_rollout(task, rollout_id=rollout_id, **defaults)
             rollout.to_hash(store.max_record_bytes)  # size check now, not halfway through the push
-        except FulmenError as e:
-            yield BadLine(number, str(e))
+        except _ENCODING_ERRORS as e:
+            yield BadLine(number, _reason(e))
             continue
+        first_line.setdefault(rollout_id, number)
+        if not finite:
+            yield LineNote(number, NON_FINITE)
         yield rollout
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    if isinstance(error, RecursionError):
+        text = "nested too deeply"
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -199,3 +199,15 @@ def test_text_only_calls_are_skipped_with_the_backend_named() -> None:
                  semconv.TOKEN_FIDELITY: "text_only"})
     with pytest.raises(Skip, match="text_only"):
         spans_to_samples([root(), span, reward("w", 3, 1.0)], INFO)
+
+
+def test_a_retried_call_is_one_sample() -> None:
+    """Two spans of one logical call (same call key, different span ids): one triplet, the retry's."""
+    first = llm("c1", 1, 2, [1, 2], [3], answer="lost")
+    retry = llm("c2", 3, 4, [1, 2], [4], answer="seen")
+    other = llm("c3", 5, 6, [7], [8], answer="next")
+    for span, key in ((first, "k1"), (retry, "k1"), (other, "k2")):
+        span.attributes[semconv.CALL_KEY] = key
+    spans = [root(), first, retry, other, reward("r", 7, 1.0)]
+    samples = spans_to_samples(spans, INFO)
+    assert [(s.sample_id, s.response_token_ids) for s in samples] == [("r1.1/t0", [4]), ("r1.1/t1", [8])]

@@ -46,7 +46,7 @@ class LLM:
             self._client = openai.OpenAI(
                 base_url=self.base_url, api_key=self.api_key, default_headers=self.headers, http_client=_sync_http()
             )
-        return self._client
+        return _idempotent(self._client)
 
     @property
     def async_client(self) -> Any:
@@ -57,13 +57,21 @@ class LLM:
             self._async_client = openai.AsyncOpenAI(
                 base_url=self.base_url, api_key=self.api_key, default_headers=self.headers, http_client=_async_http()
             )
-        return self._async_client
+        return _idempotent(self._async_client)
 
     def close(self) -> None:
         """Nothing to release: the HTTP pools are shared by every attempt of the process."""
 
     async def aclose(self) -> None:
         self.close()
+
+
+def _idempotent(client: Any) -> Any:
+    """Have the openai client send its per-call idempotency key (generated once per call, the same on
+    each of its retries) so the proxy stores a retried call once and answers it from the store.
+    The openai client keeps the header name in ``_idempotency_header`` (None by default)."""
+    client._idempotency_header = semconv.HEADER_IDEMPOTENCY_KEY
+    return client
 
 
 # One HTTP pool per process (sync) and per event loop (async), shared by every attempt: building an

@@ -1,0 +1,132 @@
+"""A client's retry of a call the proxy already recorded is the same call, answered from its span.
+
+The openai client retries a call whose response it did not get (a proxy killed after storing the
+span, a dropped connection, a 5xx) up to ``max_retries`` times. Served again, the retry would be a
+second call in the store, and the adapter would train both with the attempt's reward. So a call
+that carries an idempotency key (the ``Idempotency-Key`` header, one value per logical call, the
+same on its retries; the SDK's clients send it) gets a span id derived from that key and its
+attempt: the store keeps one span per id, whichever proxy records it. A retry (the openai client's
+``x-stainless-retry-count`` above 0, or no such header) first looks for that span and, when it is
+there, answers with the recorded response, so the agent goes on with what will be trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from typing import Any
+
+from fulmen import semconv, tokens
+from fulmen.records import Span
+from fulmen_llm_proxy.backend_base import Call
+from fulmen_llm_proxy.errors import bad_request
+
+_KEY_HEADER = semconv.HEADER_IDEMPOTENCY_KEY.encode()
+_RETRY_COUNT_HEADER = b"x-stainless-retry-count"
+_KEY = re.compile(rb"[\x21-\x7e]{1,255}")  # visible ASCII: it goes into the span and log lines
+
+
+def call_key(headers: dict[bytes, bytes]) -> str:
+    """The request's idempotency key ("" without one); 400 when it is not 1-255 visible ASCII."""
+    value = headers.get(_KEY_HEADER)
+    if value is None:
+        return ""
+    if not _KEY.fullmatch(value):
+        raise bad_request(f"{semconv.HEADER_IDEMPOTENCY_KEY} must be 1-255 visible ASCII characters")
+    return value.decode("ascii")
+
+
+def keyed_span_id(attempt_id: str, key: str) -> str:
+    """The span id of the call ``key`` names in ``attempt_id``: 16 hex digits, as random ones are."""
+    return hashlib.blake2b(f"{attempt_id}\0{key}".encode(), digest_size=8).hexdigest()
+
+
+def may_be_retry(headers: dict[bytes, bytes]) -> bool:
+    """False only for an openai client's first try (retry count 0): nothing can be recorded yet."""
+    return headers.get(_RETRY_COUNT_HEADER) != b"0"
+
+
+def body_of(call: Call, span: Span) -> dict[str, Any]:
+    """The recorded response as a non-streaming OpenAI body (with the proxy's token-id fields)."""
+    attributes = span.attributes
+    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(attributes), "logprobs": None}
+    answer = _answer(attributes)
+    if call.operation == "chat":
+        choice["message"] = {"role": "assistant", **answer}
+    else:
+        choice["text"] = answer.get("text", "")
+    body = _envelope(call, span, "chat.completion" if call.operation == "chat" else "text_completion")
+    body["choices"] = [choice]
+    _add_tokens(body, choice, attributes)
+    return body
+
+
+def chunks_of(call: Call, span: Span) -> list[dict[str, Any]]:
+    """The recorded response as streaming chunks: all of it in one chunk, then usage if asked for."""
+    attributes = span.attributes
+    answer = _answer(attributes)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(attributes), "logprobs": None}
+    if call.operation == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": answer.get("content") or ""}
+        if answer.get("tool_calls"):
+            # a streamed tool call carries its position, which the client's accumulator keys on
+            delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(answer["tool_calls"])]
+        choice["delta"] = delta
+    else:
+        choice["text"] = answer.get("text", "")
+    name = "chat.completion.chunk" if call.operation == "chat" else "text_completion"
+    first = _envelope(call, span, name)
+    first["choices"] = [choice]
+    usage = _add_tokens(first, choice, attributes)
+    chunks = [first]
+    if call.include_usage and usage is not None:
+        last = _envelope(call, span, name)
+        last.update(choices=[], usage=usage)
+        chunks.append(last)
+    first.pop("usage", None)  # usage travels in its own last chunk, as OpenAI streams it
+    return chunks
+
+
+def _envelope(call: Call, span: Span, obj: str) -> dict[str, Any]:
+    attributes = span.attributes
+    response_id = attributes.get(semconv.GEN_AI_RESPONSE_ID)
+    model = attributes.get(semconv.GEN_AI_RESPONSE_MODEL)
+    return {
+        "id": response_id if isinstance(response_id, str) and response_id else f"replay-{span.span_id}",
+        "object": obj,
+        "created": int(span.start_time or time.time()),
+        "model": model if isinstance(model, str) and model else call.model,
+        "model_version": str(attributes.get(semconv.MODEL_VERSION, "")),
+    }
+
+
+def _answer(attributes: dict[str, Any]) -> dict[str, Any]:
+    try:
+        answer = json.loads(attributes.get(semconv.RESPONSE_JSON) or "{}")
+    except ValueError:
+        answer = {}
+    return answer if isinstance(answer, dict) else {}
+
+
+def _finish_reason(attributes: dict[str, Any]) -> str:
+    reasons = attributes.get(semconv.GEN_AI_FINISH_REASONS)
+    return str(reasons[0]) if isinstance(reasons, list | tuple) and reasons else "stop"
+
+
+def _add_tokens(
+    body: dict[str, Any], choice: dict[str, Any], attributes: dict[str, Any]
+) -> dict[str, int] | None:
+    """Token ids as the backends send them, and usage; returns the usage (None when unknown)."""
+    prompt, response = attributes.get(semconv.PROMPT_TOKEN_IDS), attributes.get(semconv.RESPONSE_TOKEN_IDS)
+    if prompt is not None:
+        body["prompt_token_ids"] = tokens.ids(prompt)
+    if response is not None:
+        choice["token_ids"] = tokens.ids(response)
+    n_in, n_out = attributes.get(semconv.GEN_AI_INPUT_TOKENS), attributes.get(semconv.GEN_AI_OUTPUT_TOKENS)
+    if not isinstance(n_in, int) or not isinstance(n_out, int):
+        return None
+    usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+    body["usage"] = usage
+    return usage
