@@ -84,8 +84,8 @@ class RankTrainer(Protocol):
         """One optimizer update from ``.grad``; returns the gradient norm before clipping."""
         ...
 
-    async def publish(self) -> ModelVersion:
-        """Publish the current weights as a new model version (and hold it as ``version``)."""
+    async def publish_next(self) -> None:
+        """Publish the current weights as a new model version (checkpointed first, held as ``version``)."""
         ...
 
     async def load_version(self, version: ModelVersion, step: int) -> None:
@@ -145,7 +145,7 @@ class RankGroup:
         if ranks != self._last_live and len(ranks) > 1:
             # someone (re)joined, or was left out of the last step: publish our weights so a rank that
             # is behind can catch up (the plan names this version)
-            await trainer.publish()
+            await trainer.publish_next()
         step = trainer.step + 1
         epochs = trainer.ppo_epochs
         total_tokens = trainer.batch_tokens(plan)

@@ -1,5 +1,10 @@
-"""The trainer's loop, top to bottom: samples → complete groups → advantages → loss → step → publish
-→ checkpoint → acknowledge.
+"""The trainer's loop, top to bottom: samples → complete groups → advantages → loss → step →
+checkpoint → acknowledge → publish.
+
+Lineage: a step that publishes a model version takes the version's name first (`next_model_version`)
+and checkpoints under it, then publishes. A trainer killed in between publishes the checkpoint's
+weights under that name when it restarts, so every version a proxy serves is one the trainer's
+history contains.
 
 Exactly-once consumption: a sample-stream entry is acknowledged only after a checkpoint that
 includes the step that consumed it; the checkpoint lists the entries consumed since the previous
@@ -25,7 +30,14 @@ from typing import Any
 import torch
 
 from fulmen import keys as k
-from fulmen.model_versions import BASE_VERSION, ModelVersion, fetch_model_version, publish_model_version
+from fulmen.model_versions import (
+    BASE_VERSION,
+    ModelVersion,
+    fetch_model_version,
+    is_published,
+    next_model_version,
+    publish_model_version,
+)
 from fulmen.records import Sample, SampleSkip
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
@@ -68,6 +80,7 @@ class Trainer:
         self.step = 0
         self.version: ModelVersion = BASE_VERSION
         self.consumed_since_checkpoint: list[str] = []
+        self.checkpointed_step: int | None = None  # the step of the newest checkpoint on disk
         self.unlogged: list[dict[str, Any]] = []
         self.mirror = MetricsMirror(settings.metrics_file)
         self.model: Any = None
@@ -107,8 +120,13 @@ class Trainer:
             if self.ranks is not None and codec_state:
                 self.ranks.codec.load_state_dict(codec_state)  # error feedback carries over the restart
             self.step, self.version = checkpoint.step, ModelVersion.parse(checkpoint.model_version)
+            self.checkpointed_step = self.step
             already_done = set(checkpoint.consumed_entry_ids)
             log.info("resumed from %s: step %d, model version %s", path, self.step, self.version)
+            if self.rank == 0 and self.version.number > 0 and not await is_published(self.store, self.version.name):
+                # killed between the checkpoint and the publish: these weights are that version
+                log.info("model version %s was checkpointed but not published: publishing it now", self.version)
+                await self.publish(resumed=True)
             if self.rank == 0:
                 # a trainer that died after its checkpoint but before the metrics write (SIGKILL, or
                 # Redis gone at the acknowledgement) logs those steps now, or the file misses them
@@ -198,18 +216,23 @@ class Trainer:
             return self.skip_step(plan)
         metrics["perf/step_s"] = time.perf_counter() - started
         metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["perf/step_s"], 1e-9)
-        # publish a model version for the proxies
-        if self.rank == 0 and self.step % self.s.publish_every == 0:
-            await self.publish()
+        # a model version for the proxies: its name is taken now and checkpointed before it is published
+        publishing = self.rank == 0 and self.step % self.s.publish_every == 0
+        if publishing:
+            self.version = await next_model_version(self.store, shared_dir=self.s.weights_dir)
         metrics.update({"step": self.step, "model_version": self.version.name, "time": time.time(),
                         "sample_ids": [s.sample_id for s in plan.samples]})
         self.consumed_since_checkpoint += plan.entry_ids
         self.unlogged.append(metrics)
         if self.metrics is not None:
             self.metrics.record(self.step, metrics)
-        # checkpoint, then acknowledge what it covers, then log it
-        if self.step % self.s.checkpoint_every == 0:
+        # checkpoint, then acknowledge what it covers, then publish, then log it. A publishing step always
+        # checkpoints first: a trainer killed in between publishes the same weights under the same name
+        # when it restarts, so no proxy ever serves a version the trainer's lineage does not contain.
+        if publishing or self.step % self.s.checkpoint_every == 0:
             await self.checkpoint()
+        if publishing:
+            await self.publish()
         log.info(
             "step %d  loss %.4f  reward %.3f±%.3f  kl %.4f  entropy %.3f  %d samples  %.0f tok/s  version %s",
             self.step, metrics["loss/total"], metrics["rollout/reward_mean"], metrics["rollout/reward_std"],
@@ -356,13 +379,22 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    async def publish(self) -> ModelVersion:
-        """Publish the current weights as the next model version; the proxies load it."""
-        update = await publish_model_version(
-            self.store, self.model.state_dict(), model=self.model_name, shared_dir=self.s.weights_dir
+    async def publish(self, *, resumed: bool = False) -> None:
+        """Publish the current weights as ``self.version`` (a name taken by `next_model_version` and
+        checkpointed); the proxies load it. ``resumed``: weights a killed publish left half-written
+        under that name are replaced."""
+        await publish_model_version(
+            self.store, self.model.state_dict(), model=self.model_name, model_version=self.version.name,
+            shared_dir=self.s.weights_dir, replace_unpublished=resumed,
         )
-        self.version = ModelVersion.of(update)
-        return self.version
+
+    async def publish_next(self) -> None:
+        """The next model version outside a step (ranks that rejoin catch up from it): its name is
+        taken and checkpointed before it is published, as in `train_step`."""
+        self.version = await next_model_version(self.store, shared_dir=self.s.weights_dir)
+        if self.checkpointed_step != self.step:  # else the newest checkpoint holds these very weights
+            await self.checkpoint()
+        await self.publish()
 
     async def load_version(self, version: ModelVersion, step: int) -> None:
         """Take the weights of a published version (a rank catching up with its leader's ``step``)."""
@@ -392,6 +424,7 @@ class Trainer:
         await asyncio.to_thread(ckpt.save, directory, checkpoint, self.model, self.optimizer, codec_state)
         await self.store.ack_samples(k.TRAINERS_GROUP, self.consumed_since_checkpoint)
         self.consumed_since_checkpoint = []
+        self.checkpointed_step = self.step
         if self.rank == 0:
             self.mirror.append(self.unlogged)
         self.unlogged = []

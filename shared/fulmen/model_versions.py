@@ -67,7 +67,9 @@ __all__ = [
     "POLICY_RESOURCES_ID",
     "ModelVersion",
     "fetch_model_version",
+    "is_published",
     "llm_resource",
+    "next_model_version",
     "non_finite_tensors",
     "publish_model_version",
     "wait_until_served",
@@ -139,11 +141,17 @@ async def publish_model_version(
     extra_resources: Mapping[str, Any] | None = None,
     shared_dir: str | Path | None = None,
     inherit: bool = True,
+    replace_unpublished: bool = False,
 ) -> ResourcesUpdate:
-    """Store the weights, then publish a resources version naming them (see the module docstring)."""
+    """Store the weights, then publish a resources version naming them (see the module docstring).
+
+    ``replace_unpublished`` (with ``model_version``): weights stored under that name that no resources
+    version names (a publish killed half-way) are deleted and written again, instead of refused."""
     k.check_id("resources_id", resources_id)
     if model_version is not None:
         k.check_id("model_version", model_version)
+        if replace_unpublished and not await is_published(store, model_version):
+            await _delete_weights(store, model_version, shared_dir)
     if extra_resources and "llm" in extra_resources:
         raise InvalidInput("extra_resources cannot set 'llm': publish_model_version writes it")
     limit = store.max_record_bytes - CHUNK_HEADER_BYTES
@@ -183,6 +191,30 @@ async def publish_model_version(
         with contextlib.suppress(InvalidInput):  # created meanwhile: fall through to a new version
             return await store.add_resources(resources, resources_id, metadata)
     return await store.update_resources(resources_id, resources, metadata)
+
+
+async def next_model_version(
+    store: RedisStore, resources_id: str = POLICY_RESOURCES_ID, shared_dir: str | Path | None = None
+) -> ModelVersion:
+    """The version a default publish to ``resources_id`` would take now: ``v<n+1>`` after its current
+    version, past names whose weights exist already. A caller that must record the name before the
+    weights exist (the trainer's checkpoint) reserves it this way and publishes it by name."""
+    try:
+        previous: ResourcesUpdate | None = await store.get_resources(resources_id)
+    except NotFound:
+        previous = None
+    for name in _default_versions(previous):
+        taken = await store.redis.exists(store.keys.weights(name)) or (
+            shared_dir is not None and (Path(shared_dir) / name).exists()
+        )
+        if not taken:
+            return ModelVersion.parse(name)
+    raise InvalidInput("no free default model version name; pass model_version")  # pragma: no cover
+
+
+async def is_published(store: RedisStore, model_version: str) -> bool:
+    """Whether a resources version names ``model_version`` (its weights are then complete)."""
+    return await _find_weights(store, model_version) is not None
 
 
 async def fetch_model_version(
@@ -283,6 +315,13 @@ async def _write_stream(store: RedisStore, version: str, blob: bytes, sha256: st
             await store.redis.delete(key)
         raise
     return {"stream": key, "chunks": total, "sha256": sha256, "bytes": len(blob)}
+
+
+async def _delete_weights(store: RedisStore, version: str, shared_dir: str | Path | None) -> None:
+    """Free a name whose weights were never published (a publisher killed half-way through)."""
+    await store.redis.delete(store.keys.weights(version))
+    if shared_dir is not None:
+        await asyncio.to_thread(shutil.rmtree, Path(shared_dir) / version, True)
 
 
 def _write_file(shared_dir: Path, version: str, blob: bytes, sha256: str) -> dict:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fulmen import keys as k
 from fulmen.model_versions import ModelVersion
@@ -179,3 +180,57 @@ async def test_restart_recovers_every_pending_sample_past_the_first_page(real_st
     complete = trainer.collector.take_complete(0)
     assert len(complete) == 10  # the groups whose third sample arrived
     assert sum(len(g.entry_ids) for g in complete) + trainer.collector.pending_samples() == 1210
+
+
+class _Killed(Exception):
+    """Stands for a SIGKILL at one point of the step: nothing after it runs."""
+
+
+async def _one_step_then_killed(store: RedisStore, settings: TrainerSettings, monkeypatch: pytest.MonkeyPatch,
+                                after_publishing: bool) -> None:
+    import fulmen_trainer.trainer as trainer_module
+
+    real = trainer_module.publish_model_version
+
+    async def publish_then_die(store_: RedisStore, *args: object, **kwargs: object) -> object:
+        if after_publishing:
+            await real(store_, *args, **kwargs)
+        else:  # killed half-way through writing the chunks: the name is claimed, no resource names it
+            await store_.redis.xadd(store_.keys.weights(str(kwargs["model_version"])), {"m": b"half"}, id="0-1")
+        raise _Killed
+
+    monkeypatch.setattr(trainer_module, "publish_model_version", publish_then_die)
+    trainer = Trainer(store, settings)
+    await trainer.setup()
+    with pytest.raises(_Killed):
+        await asyncio.wait_for(trainer.run(asyncio.Event()), 60)
+    monkeypatch.setattr(trainer_module, "publish_model_version", real)
+
+
+@pytest.mark.parametrize("after_publishing", [False, True], ids=["before-publishing", "after-publishing"])
+async def test_every_served_version_is_in_the_lineage_a_restart_resumes_from(
+    real_store: RedisStore, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, after_publishing: bool
+) -> None:
+    """A trainer killed just before or just after publishing a version: after the restart, v1 is
+    published with exactly the weights the trainer resumed from (step 1), and the next step is v2."""
+    from fulmen.model_versions import fetch_model_version
+
+    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    await _push(real_store, _group("a", [1.0, 0.0, 1.0, 0.0]) + _group("b", [1.0, 1.0, 0.0, 1.0]))
+    settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=1, checkpoint_dir=tmp_path / "ck",
+                             metrics_file=tmp_path / "m.jsonl", max_steps=2, experiment=real_store.experiment,
+                             learning_rate=1e-3)
+    await _one_step_then_killed(real_store, settings, monkeypatch, after_publishing)
+
+    restarted = Trainer(real_store, settings)
+    await restarted.setup()
+    assert restarted.step == 1 and restarted.version == ModelVersion(1, "v1")
+    latest = await real_store.get_latest_resources()
+    assert latest is not None and latest.resources["llm"]["model_version"] == "v1"
+    served = await fetch_model_version(real_store, "v1")
+    for name, param in restarted.model.state_dict().items():
+        assert torch.equal(served[name], param), name
+    await asyncio.wait_for(restarted.run(asyncio.Event()), 60)
+    assert restarted.step == 2 and restarted.version == ModelVersion(2, "v2")
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["model_version"]) for line in lines] == [(1, "v1"), (2, "v2")]

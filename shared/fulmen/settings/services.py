@@ -136,7 +136,9 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings):
     micro_batch: int = Field(64, ge=1, description="Sequences per forward/backward pass (memory bound).")
     sft_min_reward: float | None = Field(None, description="sft: train only on samples with reward >= this.")
     publish_every: int = Field(1, ge=1, description="Publish a model version every K steps.")
-    checkpoint_every: int = Field(1, ge=1, description="Checkpoint every K steps.")
+    checkpoint_every: int = Field(
+        1, ge=1, description="Checkpoint every K steps (a step that publishes a version always checkpoints first)."
+    )
     checkpoint_dir: Path = Field(Path(".fulmen/checkpoints"), description="Where the trainer checkpoints.")
     weights_dir: Path | None = Field(None, description="Shared folder for model versions (unset: via Redis).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: run until stopped).")
