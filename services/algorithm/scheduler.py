@@ -12,9 +12,11 @@ Pacing, in rounds of ``groups_per_step`` groups (what the trainer needs for one 
   generated with weights more than S steps behind the ones that train on it (S = 0 is synchronous,
   on-policy training). The trainer's progress is read from its steps stream (`fulmen.train_steps`),
   never parsed out of a model version's name;
-- a trainer that dropped a group (fewer than two usable rollouts) needs one more than the rounds
-  allowed for: when nothing is in flight and the trainer's step has not moved for ``stall_s``, one
-  extra group is enqueued, so the run cannot stall.
+- a group the trainer took without a step (dropped for fewer than two usable rollouts, or part of a
+  step skipped for a NaN) is replaced at once: the trainer lists such groups in the store
+  (`fulmen.train_steps.UntrainedGroups`) and each one allows one more group;
+- a safety net: when nothing is in flight and the trainer's step has not moved for ``stall_s``, one
+  extra group is enqueued, so the run cannot stall whatever the cause.
 
 Train rollouts carry a heartbeat deadline and a retry policy (`recoverable_rollout_config`): the attempts
 of a runner that dies are ended by the watchdog and run again elsewhere, so their groups complete.
@@ -34,7 +36,7 @@ from fulmen.model_versions import POLICY_RESOURCES_ID
 from fulmen.records import RolloutConfig
 from fulmen.records.status import RolloutMode
 from fulmen.store import RedisStore
-from fulmen.train_steps import latest_step
+from fulmen.train_steps import UntrainedGroups, latest_step
 from fulmen_algorithm.dataset import Task, task_id
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ class Scheduler:
         self._order_epoch = -1
         self._last_step = -1
         self._step_changed_at = time.monotonic()
+        self.untrained = UntrainedGroups(store.redis, store.keys, f"{run}-e")
 
     # --- state in the store ---------------------------------------------------------------------
 
@@ -158,19 +161,20 @@ class Scheduler:
     def exhausted(self) -> bool:
         return self.epochs is not None and self.state.epoch >= self.epochs
 
-    def _allowed_groups(self, trainer_step: int) -> int:
-        return (trainer_step + self.staleness + 1) * self.groups_per_step
+    def _allowed_groups(self, trainer_step: int, untrained: int) -> int:
+        return (trainer_step + self.staleness + 1) * self.groups_per_step + untrained
 
     async def fill(self) -> int:
         """Enqueue every group pacing allows now. Returns how many groups were enqueued."""
         await self.count_finished()
         trainer_step = await self.trainer_step()
+        untrained = await self.untrained.count()
         added = 0
         while not self.exhausted:
             inflight = await self.inflight()
             if inflight + self.n > self.max_inflight:
                 break
-            gated = self.state.groups >= self._allowed_groups(trainer_step)
+            gated = self.state.groups >= self._allowed_groups(trainer_step, untrained)
             stalled = inflight == 0 and time.monotonic() - self._step_changed_at > self.stall_s
             if gated and not stalled:
                 break
@@ -178,7 +182,8 @@ class Scheduler:
             added += 1
             if gated:  # a top-up: one group, then wait for the trainer again
                 self._step_changed_at = time.monotonic()
-                log.info("trainer waiting on a dropped group: enqueued one extra group")
+                log.info("the trainer has not moved for %.0f s with nothing in flight: enqueued one extra group",
+                         self.stall_s)
                 break
         return added
 

@@ -41,6 +41,7 @@ from fulmen.model_versions import (
 from fulmen.records import Sample, SampleSkip
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
+from fulmen.train_steps import record_untrained_groups
 from fulmen_trainer import checkpoint as ckpt
 from fulmen_trainer.batch import TokenBatch, make_batch, token_logprobs
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
@@ -161,7 +162,10 @@ class Trainer:
             entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=READ_COUNT,
                                                     block_s=READ_BLOCK_S)
             await self.take(entries)
-            self.ready += self.collector.take_complete(self.version.number)
+            complete = self.collector.take_complete(self.version.number)
+            # the algorithm enqueues a group for each dropped one now, not once the trainer stalls
+            await record_untrained_groups(self.store.redis, self.store.keys, [g.key for g in complete if not g.samples])
+            self.ready += complete
             usable = [g for g in self.ready if g.samples]
             if len(usable) < self.s.groups_per_step:
                 continue
@@ -201,7 +205,7 @@ class Trainer:
         started = time.perf_counter()
         self.nonfinite = _nonfinite_plan(plan)
         if self.nonfinite is not None:  # nothing was sent to the ranks yet: not even counted as a step
-            return self.skip_step(plan)
+            return await self.skip_step(plan)
         if self.ranks is None:
             # loss, backward, update (in a thread: the event loop keeps reading and answering signals)
             metrics = await asyncio.to_thread(self.train_passes, plan)
@@ -213,7 +217,7 @@ class Trainer:
             metrics = shared
         self.step += 1
         if self.nonfinite is not None:  # the ranks counted the step too, and all skipped its update
-            return self.skip_step(plan)
+            return await self.skip_step(plan)
         metrics["perf/step_s"] = time.perf_counter() - started
         metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["perf/step_s"], 1e-9)
         # a model version for the proxies: its name is taken now and checkpointed before it is published
@@ -241,7 +245,7 @@ class Trainer:
         )
         return metrics
 
-    def skip_step(self, plan: StepPlan) -> dict[str, Any]:
+    async def skip_step(self, plan: StepPlan) -> dict[str, Any]:
         """A step with a NaN or infinite reward, advantage, loss or gradient: its update was not made
         and no version is published; its entries count as consumed (they would do the same again) and
         are acknowledged with the next checkpoint."""
@@ -249,6 +253,7 @@ class Trainer:
                     self.nonfinite, len(plan.samples))
         self.collector.counts["steps/skipped_nonfinite"] += 1
         self.consumed_since_checkpoint += plan.entry_ids
+        await record_untrained_groups(self.store.redis, self.store.keys, sorted(set(plan.group_keys)))
         return {}
 
     def train_passes(self, plan: StepPlan) -> dict[str, Any]:

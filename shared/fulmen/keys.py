@@ -48,6 +48,7 @@ TRAINER_PLANS = "trainer:plans"  # stream: the leader's step plans, one entry pe
 TRAINER_GRADS = "trainer:grads"  # stream: each rank's encoded gradient chunks, per step
 TRAINER_AGGREGATES = "trainer:aggregates"  # stream: the summed gradient the leader sends back, per step
 TRAINER_STEPS = "trainer:steps"  # stream, capped: the leader's per-step summary (reward, loss), for `fulmen top`
+TRAINER_UNTRAINED = "trainer:untrained"  # set: group keys the trainer took without a step (dropped, skipped)
 SERVICES = "services"  # hash: process id -> service heartbeat record (every long-running service)
 
 RUNNERS_GROUP = "runners"  # consumer group on QUEUE
@@ -106,6 +107,7 @@ class Keys:
         "trainer_grads",
         "trainer_plans",
         "trainer_steps",
+        "trainer_untrained",
         "validations",
         "watch_deadline",
         "watch_heartbeat",
@@ -137,6 +139,7 @@ class Keys:
         self.trainer_grads = p + TRAINER_GRADS
         self.trainer_aggregates = p + TRAINER_AGGREGATES
         self.trainer_steps = p + TRAINER_STEPS
+        self.trainer_untrained = p + TRAINER_UNTRAINED
         self.services = p + SERVICES
 
     def rollout(self, rollout_id: str) -> str:

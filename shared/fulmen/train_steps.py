@@ -9,11 +9,16 @@ trim whole nodes cheaply) so a long run cannot grow it.
 
 A trainer restarted from a checkpoint trains the steps after it again, so a step number may appear
 twice; the later entry is the one that counts.
+
+Groups the trainer takes without a step — dropped (fewer than two usable rollouts) or part of a step
+skipped for a non-finite number — are added to a set (`record_untrained_groups`); the algorithm
+enqueues one more group for each (`UntrainedGroups`) at once, rather than waiting for the
+trainer to stall. A set, so a trainer that drops a group again after a restart counts it once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -26,6 +31,30 @@ from fulmen.records import TrainStep
 MAX_STEPS = 10_000
 TAIL_STEPS = 60  # what `fulmen top` draws
 CURVE_PAGE = 1000  # entries per XRANGE page when reading the whole curve
+
+
+async def record_untrained_groups(client: aioredis.Redis, keys: Keys, group_keys: Sequence[str]) -> None:
+    """Say that these groups were taken without training on them (see the module docstring)."""
+    if group_keys:
+        await client.sadd(keys.trainer_untrained, *group_keys)
+
+
+class UntrainedGroups:
+    """The number of untrained groups whose key starts with ``prefix`` (one run's), read again only
+    when the set's size changes."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, prefix: str) -> None:
+        self.client, self.keys, self.prefix = client, keys, prefix
+        self._size = 0
+        self._count = 0
+
+    async def count(self) -> int:
+        size = int(await self.client.scard(self.keys.trainer_untrained))
+        if size != self._size:
+            members = await self.client.smembers(self.keys.trainer_untrained)
+            self._count = sum(1 for m in members if (m.decode() if isinstance(m, bytes) else m).startswith(self.prefix))
+            self._size = size
+        return self._count
 
 
 def _number(value: Any) -> float | None:

@@ -103,8 +103,8 @@ async def test_epochs_wrap_and_end(real_store: RedisStore) -> None:
     assert sorted(inputs) == sorted([t["id"] for t in TASKS] * 2)
 
 
-async def test_a_dropped_group_gets_topped_up(real_store: RedisStore) -> None:
-    """Nothing in flight and no new trainer step for stall_s: one extra group, so the trainer can step."""
+async def test_a_stalled_trainer_gets_one_more_group(real_store: RedisStore) -> None:
+    """The safety net: nothing in flight and no new trainer step for stall_s: one extra group."""
     s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, stall_s=0.1)
     await s.load()
     assert await s.fill() == 1
@@ -112,6 +112,22 @@ async def test_a_dropped_group_gets_topped_up(real_store: RedisStore) -> None:
     assert await s.fill() == 0  # the trainer may still step on it
     await asyncio.sleep(0.2)
     assert await s.fill() == 1
+
+
+async def test_groups_the_trainer_did_not_train_on_are_replaced_at_once(real_store: RedisStore) -> None:
+    """The trainer lists the groups it took without a step: one more group each, with rollouts still
+    in flight and no stall; another run's groups and a group listed twice do not count."""
+    from fulmen.train_steps import record_untrained_groups
+
+    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, stall_s=3600)
+    await s.load()
+    assert await s.fill() == 2
+    first, second = [f"run-{g}" for g in ("e0-" + task_id(TASKS[s.order(0)[i]]) for i in range(2))]
+    await record_untrained_groups(real_store.redis, real_store.keys, [first, "other-e0-q1"])
+    assert await s.fill() == 1
+    await record_untrained_groups(real_store.redis, real_store.keys, [first, second])
+    assert await s.fill() == 1
+    assert await s.fill() == 0 and s.state.groups == 4
 
 
 def test_dataset_errors_name_the_line(tmp_path: Path) -> None:

@@ -123,6 +123,21 @@ async def test_a_step_trains_publishes_checkpoints_and_acknowledges(real_store: 
     assert 'fulmen_trainer_rollout_reward_mean{rank="0"} 0.625' in scraped
 
 
+async def test_a_dropped_group_is_listed_for_the_algorithm(real_store: RedisStore, tiny: Path, tmp_path: Path) -> None:
+    """A complete group with one usable rollout is dropped and listed in the store (the algorithm
+    replaces it); the trained group is not listed."""
+    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    failed = SampleSkip("d-r1", "d-r1.1", "d", "failed", "rollout failed", group_size=2)
+    await _push(real_store, [_sample("d-r0", "d", 1.0, size=2), failed, *_group("t", [1.0, 0.0])])
+    settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=1, checkpoint_dir=tmp_path / "ck",
+                             max_steps=1, experiment=real_store.experiment)
+    trainer = Trainer(real_store, settings)
+    await trainer.setup()
+    await asyncio.wait_for(trainer.run(asyncio.Event()), 60)
+    assert trainer.step == 1 and trainer.collector.counts["groups/dropped_too_few"] == 1
+    assert await real_store.redis.smembers(real_store.keys.trainer_untrained) == {b"d"}
+
+
 async def test_restart_after_a_kill_consumes_every_sample_exactly_once(
     real_store: RedisStore, redis_url: str, tiny: Path, tmp_path: Path
 ) -> None:

@@ -91,6 +91,8 @@ async def test_a_step_with_a_non_finite_reward_is_skipped_and_publishes_nothing(
     assert trainer.step == 0 and trainer.collector.counts["steps/skipped_nonfinite"] == 1
     assert trainer.consumed_since_checkpoint == ["1-0", "1-1"]
     assert await real_store.get_latest_resources() is None
+    # the algorithm replaces the group at once
+    assert await real_store.redis.smembers(real_store.keys.trainer_untrained) == {b"a"}
     assert all((p.detach() == before[n]).all() for n, p in trainer.model.named_parameters())
 
 
