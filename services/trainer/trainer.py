@@ -41,7 +41,7 @@ from fulmen.model_versions import (
 from fulmen.records import Sample, SampleSkip
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
-from fulmen.train_steps import record_untrained_groups
+from fulmen.train_steps import latest_step, record_untrained_groups
 from fulmen_trainer import checkpoint as ckpt
 from fulmen_trainer.batch import TokenBatch, make_batch, token_logprobs
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
@@ -132,6 +132,12 @@ class Trainer:
                 # a trainer that died after its checkpoint but before the metrics write (SIGKILL, or
                 # Redis gone at the acknowledgement) logs those steps now, or the file misses them
                 self.mirror.append(checkpoint.extra.get("metrics", []))
+                # likewise the steps stream, which the algorithm paces on: a step it never sees would
+                # leave it waiting for the trainer, and the trainer for its rollouts
+                logged = await latest_step(self.store.redis, self.store.keys)
+                for line in checkpoint.extra.get("metrics", []):
+                    if line["step"] > logged:
+                        self.metrics.record(line["step"], line)
         await self._recover_pending(already_done)
 
     async def _recover_pending(self, already_done: set[str]) -> None:
@@ -228,8 +234,6 @@ class Trainer:
                         "sample_ids": [s.sample_id for s in plan.samples]})
         self.consumed_since_checkpoint += plan.entry_ids
         self.unlogged.append(metrics)
-        if self.metrics is not None:
-            self.metrics.record(self.step, metrics)
         # checkpoint, then acknowledge what it covers, then publish, then log it. A publishing step always
         # checkpoints first: a trainer killed in between publishes the same weights under the same name
         # when it restarts, so no proxy ever serves a version the trainer's lineage does not contain.
@@ -237,6 +241,8 @@ class Trainer:
             await self.checkpoint()
         if publishing:
             await self.publish()
+        if self.metrics is not None:  # after the publish: the algorithm paces rollouts on this record
+            self.metrics.record(self.step, metrics)
         log.info(
             "step %d  loss %.4f  reward %.3f±%.3f  kl %.4f  entropy %.3f  %d samples  %.0f tok/s  version %s",
             self.step, metrics["loss/total"], metrics["rollout/reward_mean"], metrics["rollout/reward_std"],

@@ -229,6 +229,7 @@ async def test_every_served_version_is_in_the_lineage_a_restart_resumes_from(
     """A trainer killed just before or just after publishing a version: after the restart, v1 is
     published with exactly the weights the trainer resumed from (step 1), and the next step is v2."""
     from fulmen.model_versions import fetch_model_version
+    from fulmen.train_steps import read_curve
 
     await real_store.ensure_samples_group(k.TRAINERS_GROUP)
     await _push(real_store, _group("a", [1.0, 0.0, 1.0, 0.0]) + _group("b", [1.0, 1.0, 0.0, 1.0]))
@@ -242,6 +243,9 @@ async def test_every_served_version_is_in_the_lineage_a_restart_resumes_from(
     assert restarted.step == 1 and restarted.version == ModelVersion(1, "v1")
     latest = await real_store.get_latest_resources()
     assert latest is not None and latest.resources["llm"]["model_version"] == "v1"
+    await restarted.metrics.flush()
+    (logged,) = await read_curve(real_store.redis, real_store.keys)  # the algorithm paces on it
+    assert (logged.step, logged.model_version) == (1, "v1")
     served = await fetch_model_version(real_store, "v1")
     for name, param in restarted.model.state_dict().items():
         assert torch.equal(served[name], param), name
