@@ -18,7 +18,15 @@ What `check_store` verifies after the run (`Verdict`):
   algorithm's done set, has one adapter write (samples or a skip) and no sample id twice;
 - the trainer trained on each sample at most once (its metrics lines list the sample ids of each
   step, written only after the checkpoint that covers them), its steps are 1..N each once, and the
-  run reached its final model version.
+  run reached its final model version;
+- no rollout succeeded twice (one succeeded attempt at most), no trained sample came from a retried
+  LLM call recorded twice (samples per attempt ≤ its distinct logical calls), none was more versions
+  behind the trainer's weights than the staleness bound, and every live proxy serves the newest
+  version.
+
+`random_fault_case` is the random version: seeded, time-bounded, it SIGKILLs or SIGTERMs random
+services (Redis included) at random moments, starts each again after 0.5–3 s, and measures how long
+the pipeline takes to make progress again after each fault.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -38,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from fulmen import arithmetic
 from fulmen.embedded import free_port, wait_for_port
@@ -69,6 +79,7 @@ class ChaosConfig:
     val_tasks: int = 0  # 0: no validation passes and no evaluator
     val_every: int = 2
     runner_concurrency: int = 8
+    max_staleness: int = 1  # the trainer's bound (drop beyond): the pacing's 0 plus a proxy's loading lag
     # short, so a killed runner's attempts come back within seconds; still well above the runner's
     # heartbeat interval (a third of it), so a busy machine does not end live attempts
     unresponsive_s: float = 6.0
@@ -87,6 +98,7 @@ class Service:
     starts: int = 0
     killed: int = 0
     unexpected_exits: list[int] = field(default_factory=list)
+    down: bool = False  # stopped on purpose: the supervisor leaves it down until the fault is over
 
     def start(self) -> None:
         self.starts += 1
@@ -96,12 +108,24 @@ class Service:
         with out, err:
             self.process = subprocess.Popen(self.argv, env=self.env, cwd=REPO, stdout=out, stderr=err)
 
-    def kill(self) -> None:
-        """SIGKILL: no handler runs, nothing is flushed, sockets close mid-request."""
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """SIGKILL: no handler runs, nothing is flushed, sockets close mid-request. SIGTERM: the
+        service's own shutdown, which must end within 30 s (else SIGKILL, as systemd would)."""
         assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=30)
+        self.process.send_signal(sig)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
         self.killed += 1
+
+    def summary(self) -> dict[str, Any] | None:
+        """The last stdout line as JSON (the algorithm's summary), or None."""
+        lines = self.stdout.strip().splitlines()
+        with contextlib.suppress(ValueError):
+            return json.loads(lines[-1]) if lines else None
+        return None
 
     @property
     def stdout(self) -> str:
@@ -125,6 +149,18 @@ class Service:
 
 
 @dataclass
+class Fault:
+    """One fault of a random run: when (run time, s), which service, which signal, how long it stayed
+    down, and how long after its restart the pipeline made progress again (None: not within the wait)."""
+
+    at_s: float
+    service: str
+    signal: str
+    down_s: float
+    resume_s: float | None = None
+
+
+@dataclass
 class Verdict:
     """What the store says after the run. ``problems`` empty means: nothing lost, nothing twice."""
 
@@ -140,7 +176,11 @@ class Verdict:
     retried: int = 0
     trained_samples: int = 0
     trained_twice: int = 0
+    succeeded_twice: int = 0
+    from_retried_calls: int = 0
+    max_staleness: int = 0
     dead_letters: int = 0
+    resume_s: float | None = None  # after the kill, until the pipeline made progress again
     restarts: dict[str, int] = field(default_factory=dict)
     unexpected_exits: dict[str, list[int]] = field(default_factory=dict)
     wall_s: float = 0.0
@@ -155,7 +195,11 @@ class Verdict:
         text = (f"{self.service:<10} {state:<4} steps {self.steps}  rollouts {self.rollouts}/{self.expected}  "
                 f"lost {self.lost}  duplicated {self.duplicated}  not terminal {self.not_terminal}  "
                 f"failed {self.failed}  retried {self.retried}  trained {self.trained_samples} "
-                f"(twice {self.trained_twice})  dead letters {self.dead_letters}  {self.wall_s:.0f} s")
+                f"(twice {self.trained_twice})  succeeded twice {self.succeeded_twice}  "
+                f"from retried calls {self.from_retried_calls}  max staleness {self.max_staleness}  "
+                f"dead letters {self.dead_letters}  {self.wall_s:.0f} s")
+        if self.resume_s is not None:
+            text += f"  resumed {self.resume_s:.2f} s after the restart"
         if self.unexpected_exits:  # restarted by the supervisor, as systemd would: worth a look
             text += f"  exited on their own (restarted): {self.unexpected_exits}"
         return text + "".join(f"\n    - {p}" for p in self.problems)
@@ -181,6 +225,7 @@ class ChaosRun:
         self._supervising = False
         self.client: aioredis.Redis | None = None
         self.store: RedisStore | None = None
+        self._samples_of = Counter[str]()  # train attempt -> its samples (filled by check_store)
 
     # --- setup ------------------------------------------------------------------------------------
 
@@ -197,6 +242,7 @@ class ChaosRun:
             FULMEN_TORCH_THREADS="1", FULMEN_DATA_DIR=str(w / "data"), FULMEN_MODEL_DIR=str(w / "tiny"),
             FULMEN_SEED=str(c.seed), FULMEN_ROLLOUT_UNRESPONSIVE_S=str(c.unresponsive_s),
             FULMEN_REDIS_WAIT_S="120", COLUMNS="200", PYTHONFAULTHANDLER="1",
+            FULMEN_MAX_STALENESS=str(c.max_staleness),
         )
         if self.redis_url is not None:
             env["REDIS_URL"] = self.redis_url
@@ -288,19 +334,92 @@ class ChaosRun:
             return
         for name, service in self.services.items():
             code = service.process.poll() if service.process is not None else None
-            if code is None or (name == "algorithm" and code == 0):
+            if code is None or service.down or (name == "algorithm" and self._run_ended(service)):
                 continue
             service.unexpected_exits.append(code)
             service.start()
 
+    @staticmethod
+    def _run_ended(algorithm: Service) -> bool:
+        """The algorithm exited 0 with a summary of a finished run (a SIGTERMed one says "stopped")."""
+        if algorithm.process is None or algorithm.process.poll() != 0:
+            return False
+        summary = algorithm.summary()
+        return summary is not None and not summary.get("stopped")
+
+    @property
+    def ended(self) -> bool:
+        return "algorithm" in self.services and self._run_ended(self.services["algorithm"])
+
     async def wait_for(self, what: str, condition: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
         """Supervise until ``condition`` holds; fail with the services' state if it never does."""
         deadline = time.monotonic() + timeout_s
-        while not await condition():
+        while not await self._holds(condition):
             self.supervise()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what}: not within {timeout_s:.0f} s\n{self.describe()}")
             await asyncio.sleep(0.05)  # some moments last a second or two (a trainer holding samples)
+
+    @staticmethod
+    async def _holds(condition: Callable[[], Awaitable[bool]]) -> bool:
+        """A condition read from Redis is false while Redis is down (a fault can restart it)."""
+        try:
+            return await condition()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+            return False
+        except redis.exceptions.ResponseError as e:  # LOADING: the restarted server reads its AOF
+            if "LOADING" in str(e):
+                return False
+            raise
+
+    async def pause(self, seconds: float) -> None:
+        """Sleep, supervising."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.supervise()
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    async def progress(self) -> tuple[int, int, int]:
+        """What grows while the pipeline works: completions, samples, trainer steps."""
+        assert self.store is not None
+        keys = self.store.keys
+        pipe = self.store.redis.pipeline(transaction=False)
+        for key in (keys.finished, keys.samples, keys.trainer_steps):
+            pipe.xlen(key)
+        finished, samples, steps = await pipe.execute()
+        return int(finished), int(samples), int(steps)
+
+    async def fault(self, name: str, sig: int, down_s: float, resume_timeout_s: float = 60.0) -> Fault:
+        """Stop ``name`` with ``sig``, keep it down ``down_s``, start it again; then wait (at most
+        ``resume_timeout_s``) until the pipeline makes progress. Returns what happened."""
+        service = self.services[name]
+        at = time.monotonic() - self.started
+        service.down = True
+        try:
+            await asyncio.to_thread(service.kill, sig)
+            if name == "redis":  # clients see their connection drop; the server comes back from its AOF
+                assert self.client is not None
+                await self.client.connection_pool.disconnect()
+            await self.pause(down_s)
+            service.start()
+            if name == "redis":
+                assert self.redis_port is not None
+                await asyncio.to_thread(wait_for_port, self.redis_port, 30.0)
+        finally:
+            service.down = False
+        back = time.monotonic()
+        fault = Fault(round(at, 2), name, signal.Signals(sig).name, round(down_s, 2))
+        before: tuple[int, int, int] | None = None
+        while time.monotonic() - back < resume_timeout_s and not self.ended:
+            with contextlib.suppress(redis.exceptions.RedisError, OSError):
+                now = await self.progress()
+                if before is None:
+                    before = now
+                elif any(b > a for a, b in zip(before, now, strict=True)):
+                    fault.resume_s = round(time.monotonic() - back, 2)
+                    break
+            await self.pause(0.05)
+        return fault
 
     async def version(self) -> int:
         assert self.store is not None
@@ -322,31 +441,22 @@ class ChaosRun:
             return int((await self.store.redis.xpending(self.store.keys.samples, k.TRAINERS_GROUP))["pending"])
         return 0
 
-    async def chaos(self, name: str, moment: Callable[[ChaosRun], Awaitable[bool]], timeout_s: float = 180.0) -> float:
-        """Wait for ``moment``, SIGKILL ``name``, start it again with the same command. Returns the
-        run time (s) at the kill."""
+    async def chaos(self, name: str, moment: Callable[[ChaosRun], Awaitable[bool]], timeout_s: float = 180.0) -> Fault:
+        """Wait for ``moment``, SIGKILL ``name``, start it again with the same command at once; then
+        wait for the pipeline to make progress. Returns the fault, with the time it took to resume."""
         await self.wait_for(f"the moment to kill {name}", lambda: moment(self), timeout_s)
-        service = self.services[name]
-        await asyncio.to_thread(service.kill)
-        at = time.monotonic() - self.started
-        if name == "redis":  # clients see their connection drop; the server comes back from its AOF
-            assert self.client is not None
-            await self.client.connection_pool.disconnect()
-        service.start()
-        if name == "redis":
-            assert self.redis_port is not None
-            await asyncio.to_thread(wait_for_port, self.redis_port, 30.0)
-        return at
+        return await self.fault(name, signal.SIGKILL, 0.0)
 
     async def finish(self, timeout_s: float = 300.0) -> dict[str, Any]:
         """Wait for the algorithm to end the run (exit 0), supervising; returns its summary."""
         algorithm = self.services["algorithm"]
 
         async def ended() -> bool:
-            return algorithm.process is not None and algorithm.process.poll() == 0
+            return self._run_ended(algorithm)
 
         await self.wait_for("the run's end", ended, timeout_s)
-        self.summary = json.loads(algorithm.stdout.strip().splitlines()[-1])
+        self.summary = algorithm.summary()
+        assert self.summary is not None
         return self.summary
 
     async def settle(self, timeout_s: float = 120.0) -> None:
@@ -482,12 +592,18 @@ class ChaosRun:
 
         # samples: one adapter write per rollout (HSETNX 'sampled'); no sample id twice on the stream
         sample_ids = Counter[str]()
+        sample_versions: dict[str, int] = {}  # sample id -> the version that generated it
+        samples_of = Counter[str]()  # train attempt -> its samples
+        self._samples_of = samples_of
         entries_of = Counter[str]()  # train rollout -> samples-stream entries (samples or a skip)
         attempts_of: dict[str, set[str | None]] = {}  # train rollout -> the attempts they came from
         for _, fields in await store.redis.xrange(store.keys.samples):
             item: Sample | SampleSkip = decode_sample(fields[b"m"], store.max_record_bytes)
             if isinstance(item, Sample):
                 sample_ids[item.sample_id] += 1
+                sample_versions[item.sample_id] = ModelVersion.parse(item.model_version).number
+                if item.rollout_id.startswith(f"{RUN}-e"):
+                    samples_of[item.attempt_id] += 1
             if item.rollout_id.startswith(f"{RUN}-e"):
                 entries_of[item.rollout_id] += 1
                 attempts_of.setdefault(item.rollout_id, set()).add(item.attempt_id)
@@ -513,6 +629,8 @@ class ChaosRun:
         if v.trained_twice:
             v.problems.append(f"{v.trained_twice} samples trained on twice, e.g. "
                               f"{[s for s, n in trained.items() if n > 1][:3]}")
+        await self._check_attempts_and_calls(v, rollouts)
+        self._check_staleness(v, lines, sample_versions)
         unknown = set(trained) - set(sample_ids)
         if unknown:
             v.problems.append(f"{len(unknown)} trained sample ids are not on the samples stream")
@@ -525,10 +643,65 @@ class ChaosRun:
                               f"(adapter pending {pending}), e.g. {sorted(unsampled)[:3]}")
         if c.val_tasks:
             await self._check_validations(v)
+        if "llm-proxy" in self.services:  # not when only the store is checked (the checker's own tests)
+            await self._check_proxies_serve_newest(v)
         v.dead_letters = len(await store.redis.xrange(store.keys.dead_letters))
         if v.dead_letters:
             v.problems.append(f"{v.dead_letters} dead letters")
         return v
+
+    async def _check_attempts_and_calls(self, v: Verdict, rollouts: list[Any]) -> None:
+        """One succeeded attempt per rollout at most; an attempt's samples come from distinct logical
+        LLM calls (a client's retry of a call is recorded once, so it is not a second sample)."""
+        from fulmen.records.status import AttemptStatus
+        from fulmen.semconv import CALL_KEY, KIND_LLM_CALL, SPAN_KIND
+
+        assert self.store is not None
+        for r in rollouts:
+            attempts = await self.store.query_attempts(r.rollout_id)
+            if sum(a.status is AttemptStatus.SUCCEEDED for a in attempts) > 1:
+                v.succeeded_twice += 1
+        for attempt_id, samples in self._samples_of.items():
+            rollout_id = attempt_id.rsplit(".", 1)[0]
+            spans = await self.store.query_spans(rollout_id, attempt_id)
+            calls = [sp for sp in spans if sp.attributes.get(SPAN_KIND) == KIND_LLM_CALL]
+            keyed = Counter(sp.attributes[CALL_KEY] for sp in calls if sp.attributes.get(CALL_KEY))
+            logical = len(keyed) + sum(1 for sp in calls if not sp.attributes.get(CALL_KEY))
+            if samples > logical or any(n > 1 for n in keyed.values()):
+                v.from_retried_calls += 1
+        if v.succeeded_twice:
+            v.problems.append(f"{v.succeeded_twice} rollouts with more than one succeeded attempt")
+        if v.from_retried_calls:
+            v.problems.append(f"{v.from_retried_calls} attempts with a retried LLM call recorded or sampled twice")
+
+    def _check_staleness(self, v: Verdict, lines: list[dict[str, Any]], sample_versions: dict[str, int]) -> None:
+        """Step s trains the weights the step before published (base at step 1): no sample it trains
+        on may be more versions behind them than the trainer's bound."""
+        held = 0
+        for line in lines:
+            for sid in line["sample_ids"]:
+                if sid in sample_versions:
+                    v.max_staleness = max(v.max_staleness, held - sample_versions[sid])
+            held = ModelVersion.parse(line.get("model_version")).number
+        if v.max_staleness > self.config.max_staleness:
+            v.problems.append(f"a sample {v.max_staleness} versions behind the weights that trained on it "
+                              f"(bound {self.config.max_staleness})")
+
+    async def _check_proxies_serve_newest(self, v: Verdict, timeout_s: float = 30.0) -> None:
+        """Every live proxy serves the newest version (a restarted one catches up within seconds)."""
+        newest = ModelVersion.numbered(await self.version()).name
+
+        async def all_newest() -> bool:
+            assert self.store is not None
+            proxies = await self.store.query_proxies()
+            return bool(proxies) and all(p.model_version == newest for p in proxies)
+
+        try:
+            await self.wait_for(f"every proxy serving {newest}", all_newest, timeout_s)
+        except TimeoutError:
+            assert self.store is not None
+            served = {p.proxy_id: p.model_version for p in await self.store.query_proxies()}
+            v.problems.append(f"proxies do not all serve the newest version {newest}: {served}")
 
     async def _check_validations(self, v: Verdict) -> None:
         """Every validation job the algorithm queued ran to the end and its pass was recorded."""
@@ -615,15 +788,61 @@ async def chaos_case(service: str, workdir: Path, experiment: str, config: Chaos
     run = ChaosRun(workdir, experiment, config, redis_url)
     try:
         await run.start()
+        fault = None
         if service != "none":
-            await run.chaos(service, MOMENTS[service], timeout_s=timeout_s)
+            fault = await run.chaos(service, MOMENTS[service], timeout_s=timeout_s)
         await run.finish(timeout_s=timeout_s)
         await run.settle()
         verdict = await run.check_store(service)
+        verdict.resume_s = fault.resume_s if fault is not None else None
         verdict.wall_s = time.monotonic() - run.started
         return verdict
     except TimeoutError as e:
         verdict = Verdict(service, wall_s=time.monotonic() - run.started, problems=[str(e)[:4000]])
         return verdict
+    finally:
+        await run.close()
+
+
+# --- random faults ---------------------------------------------------------------------------------------
+
+SIGNALS = (signal.SIGKILL, signal.SIGTERM)
+
+
+async def random_faults(run: ChaosRun, seed: int, faults_s: float, *, services: tuple[str, ...] | None = None,
+                        gap_s: tuple[float, float] = (1.0, 4.0),
+                        down_s: tuple[float, float] = (0.5, 3.0)) -> list[Fault]:
+    """Until ``faults_s`` of run time have passed or the run ends: wait a random gap, stop a random
+    service with a random signal, start it again after a random pause, wait for progress. Every
+    choice comes from ``random.Random(seed)``, so a seed names one sequence of faults."""
+    rng = random.Random(seed)
+    names = services or tuple(run.services)
+    faults: list[Fault] = []
+    while time.monotonic() - run.started < faults_s and not run.ended:
+        await run.pause(rng.uniform(*gap_s))
+        name, sig, down = rng.choice(names), rng.choice(SIGNALS), rng.uniform(*down_s)
+        if run.ended:
+            break
+        faults.append(await run.fault(name, sig, down))
+    return faults
+
+
+async def random_fault_case(seed: int, workdir: Path, experiment: str, config: ChaosConfig | None = None,
+                            faults_s: float = 45.0, timeout_s: float = 400.0,
+                            services: tuple[str, ...] | None = None) -> tuple[Verdict, list[Fault]]:
+    """A whole random-fault run on its own embedded Redis (killed too): start, faults for
+    ``faults_s``, let the run finish, check the store. Returns the verdict and the faults."""
+    run = ChaosRun(workdir, experiment, config, redis_url=None)
+    faults: list[Fault] = []
+    try:
+        await run.start()
+        faults = await random_faults(run, seed, faults_s, services=services)
+        await run.finish(timeout_s=timeout_s)
+        await run.settle()
+        verdict = await run.check_store(f"seed {seed}")
+        verdict.wall_s = time.monotonic() - run.started
+        return verdict, faults
+    except TimeoutError as e:
+        return Verdict(f"seed {seed}", wall_s=time.monotonic() - run.started, problems=[str(e)[:4000]]), faults
     finally:
         await run.close()

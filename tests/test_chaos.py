@@ -68,3 +68,51 @@ async def test_the_store_check_sees_a_lost_and_a_doubled_rollout(real_store: Red
     await real_store.redis.xadd(real_store.keys.finished, entry)
     broken = await run.check_store("none")
     assert broken.lost == 1 and broken.duplicated >= 1 and not broken.ok
+
+
+async def test_the_store_check_sees_a_double_success_a_retried_call_and_stale_samples(
+    real_store: RedisStore, tmp_path: Path
+) -> None:
+    """The random-fault checks can fail: a rollout with two succeeded attempts, an attempt whose
+    retried call was recorded twice, a sample two versions behind the weights that trained on it."""
+    from chaos_harness import Verdict
+
+    from fulmen import keys as k
+    from fulmen import semconv
+    from fulmen.records import Span
+    from fulmen_algorithm.scheduler import Scheduler
+
+    run = ChaosRun(tmp_path, real_store.experiment, ChaosConfig(max_staleness=1), redis_url="unused")
+    run.store = real_store
+    scheduler = Scheduler(real_store, [{"id": "t", "question": "1+1=", "answer": "2"}], n_samples=1, run=RUN,
+                          rollout_config=RolloutConfig(max_attempts=2))
+    await scheduler.load()
+    (rid,) = await scheduler.enqueue_group()
+    (claimed,) = await real_store.dequeue_rollouts("w", 1)
+    attempt = claimed.attempt.attempt_id
+    await real_store.update_attempt(rid, attempt, status="succeeded")
+    rollouts = await real_store.get_rollouts([rid])
+    call = {semconv.SPAN_KIND: semconv.KIND_LLM_CALL, semconv.CALL_KEY: "key-1"}
+    await real_store.add_spans([Span(rid, attempt, "s1", "chat", attributes=call)])
+    run._samples_of[attempt] = 1
+
+    clean = Verdict("none")
+    await run._check_attempts_and_calls(clean, rollouts)
+    run._check_staleness(clean, [{"step": 1, "model_version": "v1", "sample_ids": ["a"]},
+                                 {"step": 2, "model_version": "v2", "sample_ids": ["b"]}], {"a": 0, "b": 0})
+    assert clean.problems == [] and clean.max_staleness == 1
+
+    # a second succeeded attempt, the call's retry stored as a span of its own, a sample two behind
+    second = k.attempt_id(rid, 2)
+    await real_store.redis.hset(real_store.keys.attempt(second),
+                                mapping={**await real_store.redis.hgetall(real_store.keys.attempt(attempt)),
+                                         b"attempt_id": second, b"sequence_id": 2})
+    await real_store.redis.hset(real_store.keys.rollout(rid), "attempt_n", 2)
+    await real_store.add_spans([Span(rid, attempt, "s2", "chat", attributes=call)])
+    broken = Verdict("none")
+    await run._check_attempts_and_calls(broken, rollouts)
+    run._check_staleness(broken, [{"step": 1, "model_version": "v1", "sample_ids": []},
+                                  {"step": 2, "model_version": "v2", "sample_ids": []},
+                                  {"step": 3, "model_version": "v3", "sample_ids": ["c"]}], {"c": 0})
+    assert broken.succeeded_twice == 1 and broken.from_retried_calls == 1 and broken.max_staleness == 2
+    assert len(broken.problems) == 3
