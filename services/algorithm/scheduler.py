@@ -14,7 +14,9 @@ Pacing, in rounds of ``groups_per_step`` groups (what the trainer needs for one 
   never parsed out of a model version's name;
 - a group the trainer took without a step (dropped for fewer than two usable rollouts, or part of a
   step skipped for a NaN) is replaced at once: the trainer lists such groups in the store
-  (`fulmen.train_steps.UntrainedGroups`) and each one allows one more group;
+  (`fulmen.train_steps.UntrainedGroups`) and each one allows one more group — up to as many as
+  the trainer has trained on plus one round, so a cause that drops every group (every sample too
+  stale, every rollout failing) does not turn into rollouts at full speed; it is logged instead;
 - a safety net: when nothing is in flight and the trainer's step has not moved for ``stall_s``, one
   extra group is enqueued, so the run cannot stall whatever the cause.
 
@@ -103,6 +105,7 @@ class Scheduler:
         self._last_step = -1
         self._step_changed_at = time.monotonic()
         self.untrained = UntrainedGroups(store.redis, store.keys, f"{run}-e")
+        self._capped_at = -1  # the trainer step at which replacing untrained groups last hit its cap
 
     # --- state in the store ---------------------------------------------------------------------
 
@@ -157,6 +160,17 @@ class Scheduler:
 
     # --- enqueuing ----------------------------------------------------------------------------------
 
+    async def replaceable(self, trainer_step: int) -> int:
+        """The untrained groups to replace: all of them, up to (trainer_step + 1) rounds."""
+        untrained = await self.untrained.count()
+        cap = (trainer_step + 1) * self.groups_per_step
+        if untrained > cap and self._capped_at != trainer_step:
+            self._capped_at = trainer_step
+            log.warning("the trainer took %d groups without training on them, more than it trained on: no "
+                        "more are replaced until it steps (its log and `fulmen top` say why: rollouts "
+                        "failing, samples too stale)", untrained)
+        return min(untrained, cap)
+
     @property
     def exhausted(self) -> bool:
         return self.epochs is not None and self.state.epoch >= self.epochs
@@ -168,7 +182,7 @@ class Scheduler:
         """Enqueue every group pacing allows now. Returns how many groups were enqueued."""
         await self.count_finished()
         trainer_step = await self.trainer_step()
-        untrained = await self.untrained.count()
+        untrained = await self.replaceable(trainer_step)
         added = 0
         while not self.exhausted:
             inflight = await self.inflight()

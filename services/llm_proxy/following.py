@@ -29,12 +29,19 @@ class ModelFollower:
         self.on_loaded = on_loaded  # (model_version, outcome: loaded | failed)
 
     async def catch_up(self) -> int | None:
-        """Load the version the latest resources name (before the proxy serves: a restarted proxy
-        must not answer with the base weights); the resources version it read, None if none."""
+        """Load the newest model version the resources name (before the proxy serves: a restarted
+        proxy must not answer with the base weights); the latest resources version, None if none.
+
+        The newest entry may name no version (the algorithm's validation resources, published after
+        the policy's): then the newest one that does counts."""
         latest = await self.store.get_latest_resources()
         if latest is None:
             return None
-        await self.consider(latest)
+        named = latest if _model_version(latest) else next(
+            (u for u in await self.store.query_resources(descending=True) if _model_version(u)), None
+        )
+        if named is not None:
+            await self.consider(named)
         return latest.version
 
     async def run(self) -> None:
@@ -49,7 +56,7 @@ class ModelFollower:
         llm = llm_resource(update)
         if not llm:
             return
-        version = llm.get("model_version")
+        version = _model_version(update)
         if not version or version == self.backend.model_version:
             return
         try:
@@ -67,3 +74,11 @@ class ModelFollower:
                 update.version,
             )
             self.on_loaded(version, "loaded")
+
+
+def _model_version(update: ResourcesUpdate) -> str | None:
+    """The model version an update's ``llm`` entry names, or None."""
+    from fulmen.model_versions import llm_resource
+
+    version = (llm_resource(update) or {}).get("model_version")
+    return version if isinstance(version, str) and version else None

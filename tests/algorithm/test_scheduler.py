@@ -130,6 +130,23 @@ async def test_groups_the_trainer_did_not_train_on_are_replaced_at_once(real_sto
     assert await s.fill() == 0 and s.state.groups == 4
 
 
+async def test_replacing_untrained_groups_is_capped_by_what_the_trainer_trained(real_store: RedisStore) -> None:
+    """Every group dropped (say, every sample too stale): at most one round of replacements per round
+    trained, not rollouts at full speed."""
+    from fulmen.train_steps import record_untrained_groups
+
+    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, stall_s=3600,
+                  epochs=None)
+    await s.load()
+    assert await s.fill() == 1
+    await record_untrained_groups(real_store.redis, real_store.keys, [f"run-e{i}-x" for i in range(10)])
+    assert await s.fill() == 1  # one round's worth before the trainer's first step
+    assert await s.fill() == 0
+    await _trainer_step(real_store, 1)
+    assert await s.fill() == 2  # the next round, and one more replacement
+    assert await s.fill() == 0
+
+
 def test_dataset_errors_name_the_line(tmp_path: Path) -> None:
     """A bad dataset line or a duplicate id is refused with the file, line and reason."""
     bad = tmp_path / "bad.jsonl"

@@ -102,13 +102,19 @@ async def test_restarted_proxy_serves_the_latest_version(
         proxy.stop()
 
 
+@pytest.mark.parametrize("then", ["nothing", "validation resources"])
 async def test_a_restarted_proxy_answers_its_first_call_with_the_latest_version(
-    redis_server: EmbeddedRedis, real_store: RedisStore, experiment: str, tiny_model: Path, tmp_path: Path
+    redis_server: EmbeddedRedis, real_store: RedisStore, experiment: str, tiny_model: Path, tmp_path: Path,
+    then: str,
 ) -> None:
     """No call is served by the base weights once a version is published: the proxy loads it before it
-    starts serving and registers (issue 20, item 2)."""
+    starts serving and registers (issue 20, item 2) — also when the newest resources entry names no
+    version (the algorithm's validation resources, published after the policy's)."""
     new_model, _ = load_tiny_model(build_tiny_model(tmp_path / "other", seed=7))
     await publish_model_version(real_store, new_model.state_dict(), model="tiny", model_version="trained-2")
+    if then == "validation resources":
+        await real_store.add_resources({"llm": {"kind": "llm", "model": "tiny", "sampling_parameters": {}}},
+                                       resources_id="validation")
     proxy = RunningProxy(
         redis_url=redis_server.url, experiment=experiment, proxy_backend="torch", model_dir=tiny_model
     )
