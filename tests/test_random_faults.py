@@ -25,7 +25,7 @@ SEED = int(os.environ.get("FULMEN_CHAOS_SEED", "1"))
 @pytest.mark.timeout(900)
 async def test_random_faults_lose_nothing_and_corrupt_nothing(tmp_path: Path) -> None:
     print(f"random faults: seed {SEED} (FULMEN_CHAOS_SEED={SEED} replays this sequence)")
-    config = ChaosConfig(total_steps=30, train_tasks=80)
+    config = ChaosConfig(total_steps=30, train_tasks=80, val_tasks=4, val_every=10)
     verdict, faults = await random_fault_case(SEED, tmp_path, f"rf-{uuid.uuid4().hex[:8]}", config, faults_s=60.0)
     report = "\n".join([f"seed {SEED}", verdict.line(), *(str(f) for f in faults)])
     print(report)

@@ -39,6 +39,7 @@ class ReadyGroup:
     samples: list[Sample]  # the samples to train on, every rollout's
     weights: list[float]  # per sample: 1, or less for a stale one
     entry_ids: list[str]  # every stream entry of the group, trained on or not
+    weighed_at: int = 0  # the trainer's model version when the weights were computed
 
 
 @dataclass
@@ -95,11 +96,30 @@ class GroupCollector:
             samples, weights = self._select(g, current_version)
             if len({s.rollout_id for s in samples}) < 2:
                 self.counts["groups/dropped_too_few"] += 1
-                ready.append(ReadyGroup(g.key, [], [], g.entry_ids()))
+                ready.append(ReadyGroup(g.key, [], [], g.entry_ids(), current_version))
                 continue
             self.counts["groups/complete"] += 1
-            ready.append(ReadyGroup(g.key, samples, weights, g.entry_ids()))
+            ready.append(ReadyGroup(g.key, samples, weights, g.entry_ids(), current_version))
         return ready
+
+    def reweigh(self, group: ReadyGroup, current_version: int) -> ReadyGroup:
+        """A complete group that waited for a step while the trainer's version moved on: its samples'
+        staleness again, against the version that will train on them (dropped, down-weighted, or the
+        whole group dropped as in `take_complete`)."""
+        if group.weighed_at == current_version or not group.samples:
+            return group
+        samples, weights = [], []
+        for s in group.samples:
+            weight = self._weight(current_version - ModelVersion.parse(s.model_version).number)
+            if weight == 0.0:
+                self.counts["samples/dropped_stale"] += 1
+                continue
+            samples.append(s)
+            weights.append(weight)
+        if len({s.rollout_id for s in samples}) < 2:
+            self.counts["groups/dropped_too_few"] += 1
+            samples, weights = [], []
+        return ReadyGroup(group.key, samples, weights, group.entry_ids, current_version)
 
     def _select(self, group: Group, current_version: int) -> tuple[list[Sample], list[float]]:
         samples, weights = [], []

@@ -168,10 +168,14 @@ class Trainer:
             entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=READ_COUNT,
                                                     block_s=READ_BLOCK_S)
             await self.take(entries)
+            # staleness counts against the version that trains: groups still waiting are weighed again
+            waiting = [self.collector.reweigh(g, self.version.number) for g in self.ready]
             complete = self.collector.take_complete(self.version.number)
             # the algorithm enqueues a group for each dropped one now, not once the trainer stalls
-            await record_untrained_groups(self.store.redis, self.store.keys, [g.key for g in complete if not g.samples])
-            self.ready += complete
+            dropped = [new.key for old, new in zip(self.ready, waiting, strict=True) if old.samples and not new.samples]
+            await record_untrained_groups(self.store.redis, self.store.keys,
+                                          dropped + [g.key for g in complete if not g.samples])
+            self.ready = waiting + complete
             usable = [g for g in self.ready if g.samples]
             if len(usable) < self.s.groups_per_step:
                 continue

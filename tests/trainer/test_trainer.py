@@ -138,6 +138,34 @@ async def test_a_dropped_group_is_listed_for_the_algorithm(real_store: RedisStor
     assert await real_store.redis.smembers(real_store.keys.trainer_untrained) == {b"d"}
 
 
+async def test_a_group_that_waits_for_a_later_step_is_weighed_against_that_step(
+    real_store: RedisStore, tiny: Path, tmp_path: Path
+) -> None:
+    """Three groups of base-version samples complete at once and a step takes two: the third waits,
+    and once v1 is out it is one version behind, past a bound of 0, so it is dropped (and listed for
+    the algorithm), never trained on by the weights after v1."""
+    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    await _push(real_store, _group("a", [1.0, 0.0]) + _group("b", [1.0, 0.0]) + _group("c", [1.0, 0.0]))
+    fresh = [_sample(f"{g}-r{i}", g, float(i), size=2, version="v1") for g in "de" for i in range(2)]
+    settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=2, checkpoint_dir=tmp_path / "ck",
+                             metrics_file=tmp_path / "m.jsonl", max_steps=2, max_staleness=0,
+                             experiment=real_store.experiment)
+    trainer = Trainer(real_store, settings)
+    await trainer.setup()
+    run = asyncio.create_task(trainer.run(asyncio.Event()))
+    for _ in range(600):
+        if trainer.step == 1:
+            break
+        await asyncio.sleep(0.05)
+    await _push(real_store, fresh)
+    await asyncio.wait_for(run, 60)
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    trained = [{sid.split("-")[0] for sid in line["sample_ids"]} for line in lines]
+    assert trained == [{"a", "b"}, {"d", "e"}]
+    assert await real_store.redis.smembers(real_store.keys.trainer_untrained) == {b"c"}
+    assert trainer.collector.counts["samples/dropped_stale"] == 2
+
+
 async def test_restart_after_a_kill_consumes_every_sample_exactly_once(
     real_store: RedisStore, redis_url: str, tiny: Path, tmp_path: Path
 ) -> None:
