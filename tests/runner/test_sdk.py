@@ -150,3 +150,25 @@ def test_proxy_choice_is_stable_and_spreads() -> None:
     fewer = proxies[1:]
     moved = [r for r, p in picks.items() if p != "p0" and pick_proxy(fewer, r).proxy_id != p]
     assert moved == []
+
+
+def test_each_event_loop_gets_its_own_http_pool() -> None:
+    """A pool is bound to the loop that made it: a later loop (which may reuse the first one's id())
+    gets a new pool, never one bound to a closed loop."""
+    import asyncio
+    import gc
+
+    from fulmen.sdk import resources
+
+    async def pool() -> int:
+        return id(resources._async_http())
+
+    pools = []
+    for _ in range(5):
+        loop = asyncio.new_event_loop()
+        pools.append((loop.run_until_complete(pool()), loop.run_until_complete(pool())))
+        loop.close()
+        del loop
+        gc.collect()
+    assert all(first == second for first, second in pools)  # one pool per loop, shared by its calls
+    assert len(resources._async_pools) == 0  # a closed, collected loop takes its pool with it

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import string
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +78,9 @@ def _idempotent(client: Any) -> Any:
 # One HTTP pool per process (sync) and per event loop (async), shared by every attempt: building an
 # httpx client costs milliseconds (an SSL context), a thousand times what a call to a local proxy does.
 _sync_pool: Any = None
-_async_pools: dict[int, Any] = {}
+# keyed by the loop itself, weakly: an id() could be reused by a later loop, which would then get a
+# pool bound to a closed one
+_async_pools: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _POOL_LIMITS = {"max_connections": 1024, "max_keepalive_connections": 256}
 
 
@@ -94,7 +97,7 @@ def _sync_http() -> Any:
 def _async_http() -> Any:
     import asyncio
 
-    loop = id(asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
     pool = _async_pools.get(loop)
     if pool is None:
         pool = _async_pools[loop] = _new_async_pool()
