@@ -59,6 +59,9 @@ async def random_seeds(seeds: list[int], faults_s: float, tmp: Path) -> tuple[li
         verdicts.append(verdict)
         faults += made
         print(verdict.line(), flush=True)
+        for name, tails in verdict.exit_logs.items():
+            for tail in tails:
+                print(f"    --- {name} exited on its own; the end of its log:\n{tail}", flush=True)
         for fault in made:
             print(f"    {fault.at_s:6.1f} s  {fault.service:<10} {fault.signal:<8} down {fault.down_s:.1f} s  "
                   f"resumed {'-' if fault.resume_s is None else f'{fault.resume_s:.2f} s'}", flush=True)

@@ -99,6 +99,7 @@ class Service:
     killed: int = 0
     unexpected_exits: list[int] = field(default_factory=list)
     down: bool = False  # stopped on purpose: the supervisor leaves it down until the fault is over
+    exit_logs: list[str] = field(default_factory=list)  # the stderr tail of each unexpected exit
 
     def start(self) -> None:
         self.starts += 1
@@ -183,6 +184,7 @@ class Verdict:
     resume_s: float | None = None  # after the kill, until the pipeline made progress again
     restarts: dict[str, int] = field(default_factory=dict)
     unexpected_exits: dict[str, list[int]] = field(default_factory=dict)
+    exit_logs: dict[str, list[str]] = field(default_factory=dict)  # what each one wrote before it exited
     wall_s: float = 0.0
     problems: list[str] = field(default_factory=list)
 
@@ -337,6 +339,7 @@ class ChaosRun:
             if code is None or service.down or (name == "algorithm" and self._run_ended(service)):
                 continue
             service.unexpected_exits.append(code)
+            service.exit_logs.append(service.stderr_tail(3000))
             service.start()
 
     @staticmethod
@@ -518,6 +521,7 @@ class ChaosRun:
         v = Verdict(killed, wall_s=time.monotonic() - self.started)
         v.restarts = {n: s.starts - 1 for n, s in self.services.items() if s.starts > 1}
         v.unexpected_exits = {n: s.unexpected_exits for n, s in self.services.items() if s.unexpected_exits}
+        v.exit_logs = {n: s.exit_logs for n, s in self.services.items() if s.exit_logs}
         v.finished = self.summary is not None
         v.steps = await self.version()
         if v.steps < c.total_steps:
