@@ -291,3 +291,19 @@ def test_a_sample_the_trainer_cannot_learn_from_is_refused(change: dict, message
     _, sample = next((d, r) for d, r in OLD_WIRE if isinstance(r, Sample))
     with pytest.raises(RecordError, match=message):
         Sample.from_wire(dataclasses.replace(sample, **change).to_wire())
+
+
+def test_a_sample_whose_mask_is_a_map_is_refused_with_a_reason() -> None:
+    """Found by the stream fuzz: a mask sent as a map decoded into its keys and crashed the value
+    checks with a TypeError; it is a RecordError now, so the consumer dead-letters it."""
+    import msgpack
+
+    from fulmen.errors import RecordError
+    from fulmen.records import Sample
+
+    good = Sample("r.1/t0", "triplet", "r", "r.1", "g", 0, [1, 2], [3, 4], [-0.5, -0.25], [1, 1], 1.0, 1.0, "base",
+                  mode="train", group_size=2)
+    record = msgpack.unpackb(good.to_wire(), raw=False)
+    record["response_mask"] = {"": 0, "0": 0}
+    with pytest.raises(RecordError, match="mask"):
+        Sample.from_wire(msgpack.packb(record))

@@ -85,4 +85,7 @@ def floats(value: Any) -> list[float]:
 def mask(value: Any) -> list[int]:
     if isinstance(value, bytes | bytearray):
         return _unpacked("b", bytes(value))
-    return list(value)
+    if isinstance(value, list | tuple):
+        _packed("b", value)  # checks every element in C
+        return list(value)
+    raise RecordError(f"a mask must be packed bytes or a list of ints, not {type(value).__name__}")

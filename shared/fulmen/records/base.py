@@ -124,7 +124,10 @@ class Record:
             values.update(off_wire)
         record = cls(**values)
         if schema.checks:
-            record.check_wire()
+            try:
+                record.check_wire()
+            except (TypeError, ValueError) as e:  # a value of a type the checks did not expect
+                raise RecordError(f"{kind} record has unusable values: {type(e).__name__}: {e}") from None
         return record
 
     def check_wire(self) -> None:
