@@ -12,7 +12,7 @@ This module imports no backend: the backends, `formatting` and `parsing` import 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -111,6 +111,9 @@ class Backend(Protocol):
         iterator ends. The first chunk carries the prompt token ids when the backend knows them."""
         ...
 
-    async def load_weights(self, state_dict: dict[str, Any], model_version: str) -> bool:
-        """Swap in new weights between batches; False when this backend cannot (upstreams)."""
+    async def load_weights(
+        self, state_dict: dict[str, Any], model_version: str, weights_format: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Swap in new weights between batches; False when this backend cannot (upstreams).
+        ``weights_format``: the version's ``weights`` entry (``format: lora``: an adapter, `fulmen.lora`)."""
         ...

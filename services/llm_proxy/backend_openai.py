@@ -9,7 +9,7 @@ signal for RL (use the torch or vllm backend for that).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fulmen_llm_proxy.backend_base import BASE_MODEL_VERSION, Call, Fidelity, Result
@@ -43,7 +43,9 @@ class OpenAIBackend:
     def ready(self) -> bool:
         return True
 
-    async def load_weights(self, state_dict: dict[str, Any], model_version: str) -> bool:
+    async def load_weights(
+        self, state_dict: dict[str, Any], model_version: str, weights_format: Mapping[str, Any] | None = None
+    ) -> bool:
         return False
 
     def payload(self, call: Call) -> dict[str, Any]:

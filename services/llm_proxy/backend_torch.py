@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,15 @@ class TorchBackend:
     system = "torch"
 
     def __init__(
-        self, model_dir: str | Path, *, model_name: str | None = None, max_batch: int = DEFAULT_MAX_BATCH
+        self, model_dir: str | Path, *, model_name: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+        device: str = "cpu", dtype: str = "float32",
     ) -> None:
+        from fulmen.devices import resolve_device, resolve_dtype
+
+        self.device = str(resolve_device(device))  # a bad setting fails at start, with what to use
+        resolve_dtype(dtype)
+        # bf16 on a GPU; a CPU computes in fp32 whatever the setting (bf16 products are slow there)
+        self.dtype = dtype if self.device.startswith("cuda") else "float32"
         self.model_dir = Path(model_dir)
         self.name = model_name or self.model_dir.resolve().name
         self.max_batch = max_batch
@@ -53,7 +60,8 @@ class TorchBackend:
 
     async def start(self) -> None:
         # Loading runs in a thread so the event loop (and the lifespan) stays responsive.
-        self.engine = await asyncio.to_thread(TorchEngine, self.model_dir, max_batch=self.max_batch)
+        self.engine = await asyncio.to_thread(TorchEngine, self.model_dir, max_batch=self.max_batch,
+                                              device=self.device, dtype=self.dtype)
         await self.engine.start()
 
     async def close(self) -> None:
@@ -63,8 +71,16 @@ class TorchBackend:
     def ready(self) -> bool:
         return self.engine is not None
 
-    async def load_weights(self, state_dict: dict[str, Any], model_version: str) -> bool:
-        await self.engine.load_weights(state_dict, model_version)
+    async def load_weights(
+        self, state_dict: dict[str, Any], model_version: str, weights_format: Mapping[str, Any] | None = None
+    ) -> bool:
+        from fulmen.lora import LORA_FORMAT
+
+        fmt = (weights_format or {}).get("format")
+        if fmt not in (None, "full", LORA_FORMAT):
+            raise InvalidInput(f"model version {model_version}: weights format {fmt!r} is not one this backend loads")
+        lora = weights_format.get("lora") if weights_format and fmt == LORA_FORMAT else None
+        await self.engine.load_weights(state_dict, model_version, lora=lora or ({} if fmt == LORA_FORMAT else None))
         return True
 
     # --- prompts ------------------------------------------------------------------------------------

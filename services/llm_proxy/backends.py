@@ -42,7 +42,8 @@ def make_backend(settings: ProxySettings) -> Backend:
     if kind in LOCAL_BACKENDS:
         if settings.model_dir is None:
             raise ValueError(f"the {kind} backend needs --model-dir (FULMEN_MODEL_DIR)")
-        return cls(settings.model_dir, model_name=settings.model_name, max_batch=settings.max_batch)
+        return cls(settings.model_dir, model_name=settings.model_name, max_batch=settings.max_batch,
+                   device=settings.device, dtype=settings.dtype)
     urls = [u.strip() for u in (settings.upstream_urls or "").split(",") if u.strip()]
     if not urls:
         raise ValueError(f"the {kind} backend needs --upstream-urls (FULMEN_UPSTREAM_URLS)")

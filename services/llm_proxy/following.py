@@ -61,7 +61,7 @@ class ModelFollower:
             return
         try:
             state_dict = await fetch_model_version(self.store, version, resource=llm)
-            loaded = await self.backend.load_weights(state_dict, version)
+            loaded = await self.backend.load_weights(state_dict, version, llm.get("weights"))
         except Exception:  # a bad version must not take the proxy down: keep serving the old one
             log.exception("could not load model version %s", version)
             self.on_loaded(version, "failed")

@@ -132,6 +132,8 @@ class TorchEngine:
         # barrier, which costs far more than the extra core gains.
         self.num_threads = num_threads or max(1, torch.get_num_threads() - 1)
         self.model_version = model_version
+        self.model_dir = Path(model_dir)
+        self._base_weights: dict[str, torch.Tensor] = {}  # LoRA versions merge onto these (see `fulmen.lora`)
         self.device = torch.device(device)
         # float32 on CPU: bf16 matmuls are slow there, and exact logprobs matter more than memory.
         torch_dtype: Any = getattr(torch, dtype) if dtype else (torch.float32 if device == "cpu" else "auto")
@@ -226,13 +228,25 @@ class TorchEngine:
 
     # --- hot swap -----------------------------------------------------------------------------------
 
-    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], model_version: str) -> None:
+    async def load_weights(
+        self, state_dict: Mapping[str, torch.Tensor], model_version: str, *, lora: Mapping[str, Any] | None = None
+    ) -> None:
         """Swap in new weights once the running requests finish; returns when the swap is done.
 
         Requests submitted after this returns use the new weights. The tensors are copied into the
-        model at swap time, so the caller must not modify them in place until then.
+        model at swap time, so the caller must not modify them in place until then. With ``lora``
+        (the version's LoRA description), ``state_dict`` is an adapter, merged onto the base weights
+        of the model folder; the modules it does not adapt get their base weights back.
         """
-        weights = self._check_state_dict(state_dict)
+        if lora is not None:
+            from fulmen.lora import merge_lora
+
+            merged = await asyncio.to_thread(merge_lora, state_dict, lora, self._base_weight)
+            # a module an earlier version adapted and this one does not goes back to its base weight
+            state_dict = {**{n: w for n, w in self._base_weights.items() if n not in merged}, **merged}
+            weights = self._check_state_dict(state_dict, partial=True)
+        else:
+            weights = self._check_state_dict(state_dict)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         with self._cond:
             running = self._thread is not None and not self._stopping
@@ -244,8 +258,24 @@ class TorchEngine:
             return
         await future
 
-    def _check_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Refuse weights that do not fit the model, before the engine drains for them."""
+    def _base_weight(self, name: str) -> torch.Tensor:
+        """A weight of the model folder (the base every LoRA version is merged onto), read once."""
+        if name not in self._base_weights:
+            from safetensors import safe_open
+
+            for path in sorted(self.model_dir.glob("*.safetensors")):
+                with safe_open(str(path), framework="pt") as f:
+                    if name in f.keys():  # noqa: SIM118 - safe_open has keys(), not __contains__
+                        own = self.model.state_dict()[name]
+                        self._base_weights[name] = f.get_tensor(name).to(own.dtype)
+                        break
+            else:
+                raise InvalidInput(f"the adapter changes {name!r}, which the base model in {self.model_dir} lacks")
+        return self._base_weights[name]
+
+    def _check_state_dict(self, state_dict: Mapping[str, torch.Tensor], partial: bool = False) -> dict[str, torch.Tensor]:
+        """Refuse weights that do not fit the model, before the engine drains for them. ``partial``:
+        the weights of some modules only (a merged adapter)."""
         own = self.model.state_dict()
         unexpected = sorted(set(state_dict) - set(own))
         if unexpected:
@@ -256,7 +286,7 @@ class TorchEngine:
         # A missing key is fine only when it names a tensor tied to a provided one (lm_head = embeddings).
         given = {own[n].data_ptr() for n in state_dict}
         missing = sorted(n for n in set(own) - set(state_dict) if own[n].data_ptr() not in given)
-        if missing:
+        if missing and not partial:
             raise InvalidInput(f"weights lack keys {missing[:5]}")
         broken = non_finite_tensors(state_dict)
         if broken:  # a NaN weight answers garbage to every call: keep serving the weights we have

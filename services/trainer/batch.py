@@ -1,4 +1,4 @@
-"""Samples → padded token tensors, and the model's log-probabilities of them.
+"""Samples → padded token tensors, and their micro-batches.
 
 A sequence is the sample's prompt followed by its response, right-padded. Position t of every
 per-token tensor is about token t+1 (the one the logits at t predict), so the response token j of a
@@ -39,6 +39,43 @@ class TokenBatch:
             self.input_ids[lo:hi], self.attention_mask[lo:hi], self.mask[lo:hi], self.behaviour_logp[lo:hi],
             self.rewards[lo:hi], self.group_index[lo:hi], self.staleness[lo:hi], self.sample_ids[lo:hi],
         )
+
+    def to(self, device: torch.device) -> TokenBatch:
+        """The tensors a forward pass reads, on ``device`` (a no-op on the CPU)."""
+        if self.input_ids.device == device:
+            return self
+        return TokenBatch(
+            self.input_ids.to(device), self.attention_mask.to(device), self.mask.to(device),
+            self.behaviour_logp.to(device), self.rewards, self.group_index, self.staleness, self.sample_ids,
+        )
+
+    def trimmed(self) -> TokenBatch:
+        """The same sequences without the padding columns that none of them reaches (a micro-batch of
+        short sequences cut from a batch padded for a long one)."""
+        length = max(int(self.attention_mask.sum(-1).max()) if len(self) else 1, 2)
+        if length >= self.input_ids.shape[1]:
+            return self
+        return TokenBatch(
+            self.input_ids[:, :length], self.attention_mask[:, :length], self.mask[:, : length - 1],
+            self.behaviour_logp[:, : length - 1], self.rewards, self.group_index, self.staleness, self.sample_ids,
+        )
+
+    def micro_batches(self, max_sequences: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
+        """Consecutive ranges [lo, hi) of at most ``max_sequences`` sequences whose padded size
+        (sequences × the longest one's length) stays within ``max_tokens``; a sequence longer than the
+        budget is a micro-batch of its own. The order of the sequences is kept."""
+        lengths = [int(n) for n in self.attention_mask.sum(-1)]
+        ranges, lo, longest = [], 0, 0
+        for i, length in enumerate(lengths):
+            size = i - lo
+            grown = max(longest, length)
+            if size and (size >= max_sequences or (max_tokens is not None and grown * (size + 1) > max_tokens)):
+                ranges.append((lo, i))
+                lo, grown = i, length
+            longest = grown
+        if lo < len(lengths):
+            ranges.append((lo, len(lengths)))
+        return ranges
 
     def split(self, parts: int, index: int) -> TokenBatch:
         """This rank's share: a contiguous slice (ranks agree on the order, so the shares are disjoint)."""
@@ -88,9 +125,3 @@ def make_batch(
         sample_ids=[s.sample_id for s in samples],
     )
 
-
-def token_logprobs(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π(token t+1 | tokens ≤ t) for every position [B, T-1], and the logits [B, T-1, V]."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    return logp, logits

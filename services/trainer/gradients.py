@@ -49,19 +49,25 @@ class RankCodec:
         self.state.load_state_dict(state)
 
 
+def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters that train (all of them, or a LoRA adapter's), in ``model.parameters()`` order."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def flat_gradient(model: torch.nn.Module) -> torch.Tensor:
-    """Every parameter's gradient (zeros where there is none), in parameter order, as one vector."""
+    """Every trained parameter's gradient (zeros where there is none), in parameter order, as one
+    fp32 vector."""
     return torch.cat([
-        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()
+        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in trained(model)
     ])
 
 
 def set_gradient(model: torch.nn.Module, flat: torch.Tensor) -> None:
     """The inverse of `flat_gradient`: each parameter's ``.grad`` becomes its slice of ``flat``."""
     offset = 0
-    for p in model.parameters():
+    for p in trained(model):
         n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.device, p.dtype, copy=True)
         offset += n
 
 

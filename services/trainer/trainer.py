@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from fulmen import keys as k
+from fulmen.devices import resolve_device, resolve_dtype
 from fulmen.model_versions import (
     BASE_VERSION,
     ModelVersion,
@@ -43,11 +44,13 @@ from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 from fulmen.train_steps import latest_step, record_untrained_groups
 from fulmen_trainer import checkpoint as ckpt
-from fulmen_trainer.batch import TokenBatch, make_batch, token_logprobs
+from fulmen_trainer.batch import TokenBatch, make_batch
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
+from fulmen_trainer.logprobs import token_logprobs
 from fulmen_trainer.metrics import MetricsMirror, StepMetrics
-from fulmen_trainer.objectives import Baseline, entropy_from_logits, kl_to_reference, objective
+from fulmen_trainer.objectives import Baseline, kl_to_reference, objective
 from fulmen_trainer.plan import StepPlan, merge_passes, plan_step
+from fulmen_trainer.policy import Policy, load_policy
 from fulmen_trainer.rank_group import RankGroup
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,9 @@ class Trainer:
         if settings.model_dir is None:
             raise ValueError("the trainer needs --model-dir (a Hugging Face model folder)")
         objective(settings.algorithm)  # unknown names fail here, at start
+        resolve_device(settings.device)  # likewise a device this machine does not have, or a bad dtype
+        resolve_dtype(settings.dtype)
+        resolve_dtype(settings.reference_dtype)
         self.store = store
         self.s = settings
         self.rank = rank
@@ -84,19 +90,28 @@ class Trainer:
         self.checkpointed_step: int | None = None  # the step of the newest checkpoint on disk
         self.unlogged: list[dict[str, Any]] = []
         self.mirror = MetricsMirror(settings.metrics_file)
-        self.model: Any = None
-        self.reference: Any = None
+        self.policy: Policy | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.metrics: StepMetrics | None = None
         self.vocab_size: int | None = None  # token ids at or above it are refused (set by `setup`)
         self.nonfinite: str | None = None  # why the step under way makes no update (a NaN or inf)
 
+    @property
+    def model(self) -> Any:
+        """The model that trains (a PEFT model with LoRA; a DDP wrapper under torch.distributed)."""
+        return self.policy.model if self.policy is not None else None
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        if self.policy is None:
+            self.policy = Policy(model, self.s, torch.device("cpu"))
+        else:
+            self.policy.model = model
+
     # --- setup and resume ----------------------------------------------------------------------------
 
     async def setup(self) -> None:
-        transformers = await asyncio.to_thread(__import__, "transformers")  # a slow import, off the loop
-        AutoModelForCausalLM = transformers.AutoModelForCausalLM
-
+        await asyncio.to_thread(__import__, "transformers")  # a slow import, off the loop
         torch.manual_seed(self.s.seed)
         self.metrics = StepMetrics(self.rank, self.s.metrics_port)
         if self.rank == 0:
@@ -105,15 +120,10 @@ class Trainer:
             torch.set_num_threads(self.s.torch_threads)
         directory = self.s.checkpoint_dir / f"rank-{self.rank}"
         path = ckpt.latest(directory)
-        source = path / "model" if path else self.s.model_dir
         # in a thread: loading takes seconds, and the rank's heartbeat must keep beating meanwhile
-        self.model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, source, dtype=torch.float32)
-        self.model.train()
+        self.policy = await asyncio.to_thread(load_policy, self.s, path / "model" if path else None)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.s.learning_rate)
-        if self.s.kl_coef > 0:
-            base = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, self.s.model_dir, dtype=torch.float32)
-            self.reference = base.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=self.s.learning_rate)
         await self.store.ensure_samples_group(k.TRAINERS_GROUP)
         already_done: set[str] = set()
         if path is not None:
@@ -295,7 +305,8 @@ class Trainer:
         start of the step) in ``plan.prox_logp``; later passes clip the ratio π_θ/π_prox around them,
         while the importance weight π_prox/π_behaviour keeps using the proxy's recorded log-probs, so
         w · ratio = π_θ/π_behaviour (until truncated) in every pass."""
-        model = self.model
+        assert self.policy is not None
+        policy = self.policy
         batch = self._batch(plan)
         advantages = plan.advantages
         loss_fn = objective(self.s.algorithm)
@@ -304,10 +315,13 @@ class Trainer:
         prox_logps: list[torch.Tensor] = [] if plan.prox_logp is None else plan.prox_logp
         sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0, "mismatch": 0.0,
                 "clip_frac": 0.0}
-        for index, lo in enumerate(range(0, len(batch), self.s.micro_batch)):
-            micro = batch.slice(lo, lo + self.s.micro_batch)
-            adv = advantages[lo : lo + self.s.micro_batch]
-            logp, logits = token_logprobs(model, micro)
+        with_entropy = self.s.ent_coef > 0 or self.s.entropy_metric
+        for index, (lo, hi) in enumerate(batch.micro_batches(self.s.micro_batch, self.s.micro_batch_tokens)):
+            micro = batch.slice(lo, hi).trimmed().to(policy.device)
+            adv = advantages[lo:hi].to(policy.device)
+            with policy.compute():
+                logp, token_entropy = token_logprobs(policy.model, micro, chunk_tokens=self.s.logprob_chunk_tokens,
+                                                     entropy=with_entropy)
             if first_pass:
                 prox_logps.append(logp.detach())
             prox = prox_logps[index]
@@ -319,11 +333,13 @@ class Trainer:
                 pg = loss_fn(logp, micro.behaviour_logp, adv, micro.mask, prox_logp=prox, clip_eps=self._clip(),
                              tis_cap=self.s.tis_cap, aggregation=self.s.loss_aggregation)
             mask = micro.mask
-            entropy = (entropy_from_logits(logits) * mask).sum() / mask.sum().clamp(min=1)
-            kl = torch.zeros(())
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logp, _ = token_logprobs(self.reference, micro)
+            entropy = torch.zeros((), device=policy.device)
+            if token_entropy is not None:
+                entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
+            kl = torch.zeros((), device=policy.device)
+            if policy.has_reference:
+                with torch.no_grad(), policy.as_reference() as reference, policy.compute():
+                    ref_logp, _ = token_logprobs(reference, micro, chunk_tokens=self.s.logprob_chunk_tokens)
                 kl = (kl_to_reference(logp, ref_logp) * mask).sum() / mask.sum().clamp(min=1)
             loss = pg - self.s.ent_coef * entropy + self.s.kl_coef * kl
             (loss * weight).backward()
@@ -379,7 +395,8 @@ class Trainer:
     def update(self) -> float:
         """One optimizer update from the gradients in ``.grad`` (clipped); the caller counts the step
         once all of its PPO epochs are done. Returns the gradient norm before clipping."""
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.max_grad_norm))
+        assert self.policy is not None
+        norm = float(torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.s.max_grad_norm))
         assert self.optimizer is not None
         if not math.isfinite(norm) or self.nonfinite is not None:
             # a NaN or inf gradient (or loss) would poison every weight: no update this step. Every
@@ -398,9 +415,10 @@ class Trainer:
         """Publish the current weights as ``self.version`` (a name taken by `next_model_version` and
         checkpointed); the proxies load it. ``resumed``: weights a killed publish left half-written
         under that name are replaced."""
+        assert self.policy is not None
         await publish_model_version(
-            self.store, self.model.state_dict(), model=self.model_name, model_version=self.version.name,
-            shared_dir=self.s.weights_dir, replace_unpublished=resumed,
+            self.store, self.policy.published_state(), model=self.model_name, model_version=self.version.name,
+            shared_dir=self.s.weights_dir, replace_unpublished=resumed, weights_format=self.policy.published_format(),
         )
 
     async def publish_next(self) -> None:
@@ -413,8 +431,9 @@ class Trainer:
 
     async def load_version(self, version: ModelVersion, step: int) -> None:
         """Take the weights of a published version (a rank catching up with its leader's ``step``)."""
+        assert self.policy is not None
         state = await fetch_model_version(self.store, version.name)
-        self.model.load_state_dict(state, strict=False)
+        self.policy.load_published(state)
         self.step = step
 
     async def finish_step(self, step: int, version: ModelVersion) -> None:

@@ -142,8 +142,12 @@ async def publish_model_version(
     shared_dir: str | Path | None = None,
     inherit: bool = True,
     replace_unpublished: bool = False,
+    weights_format: Mapping[str, Any] | None = None,
 ) -> ResourcesUpdate:
     """Store the weights, then publish a resources version naming them (see the module docstring).
+
+    ``weights_format``: how a backend applies these tensors, added to the ``weights`` entry (a LoRA
+    adapter: ``{"format": "lora", "lora": {...}}``, see `fulmen.lora`); unset, they are full weights.
 
     ``replace_unpublished`` (with ``model_version``): weights stored under that name that no resources
     version names (a publish killed half-way) are deleted and written again, instead of refused."""
@@ -182,6 +186,8 @@ async def publish_model_version(
                 ) from None
     else:  # pragma: no cover - MAX_NAME_TRIES taken names in a row
         raise InvalidInput("no free default model version name; pass model_version")
+    if weights_format:
+        weights = {**weights_format, **weights}
 
     old = previous.resources if previous is not None and inherit else {}
     old_llm = llm_resource(previous) if previous is not None and inherit else None

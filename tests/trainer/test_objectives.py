@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fulmen.records import Sample
-from fulmen_trainer.batch import make_batch, token_logprobs
+from fulmen_trainer.batch import make_batch
+from fulmen_trainer.logprobs import token_logprobs
 from fulmen_trainer.objectives import (
     Baseline,
     aggregate,

@@ -11,7 +11,8 @@ import torch
 from fulmen.records import Sample
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.tiny_model import build_tiny_model
-from fulmen_trainer.batch import make_batch, token_logprobs
+from fulmen_trainer.batch import make_batch
+from fulmen_trainer.logprobs import token_logprobs
 from fulmen_trainer.objectives import policy_gradient
 from fulmen_trainer.plan import StepPlan
 from fulmen_trainer.trainer import Trainer

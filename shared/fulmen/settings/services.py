@@ -90,7 +90,18 @@ class RunnerSettings(ProxyKeysSettings):
         return None
 
 
-class ProxySettings(ServedModelSettings, ProxyKeysSettings):
+class ComputeSettings(CommonSettings):
+    """Where a model computes (the trainer, the proxy's torch backend): one pair of settings for both."""
+
+    device: str = Field("auto", description="auto (a GPU if there is one, else cpu), cpu, cuda or cuda:N.")
+    dtype: str = Field(
+        "float32",
+        description="float32, or bfloat16: bf16 weights and compute on a GPU (fp32 compute on a CPU); "
+        "the trainer keeps fp32 master weights.",
+    )
+
+
+class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
     proxy_host: str = Field("127.0.0.1", description="Address the LLM proxy listens on.")
     proxy_port: int | None = Field(
         None, ge=0, le=65535, description="Port of the LLM proxy (unset: $PORT from honcho, else 8000)."
@@ -115,7 +126,7 @@ class AdapterSettings(CommonSettings):
     trajectories: bool = Field(True, description="Also join multi-turn calls into trajectory samples.")
 
 
-class TrainerSettings(ServedModelSettings, TrainingRunSettings):
+class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings):
     algorithm: str = Field("grpo", description="grpo, ppo, reinforce or sft.")
     learning_rate: float = Field(1e-4, ge=0, description="AdamW learning rate (0: a no-training baseline).")
     lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up.")
@@ -133,7 +144,23 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings):
     ent_coef: float = Field(0.0, ge=0, description="Entropy bonus.")
     loss_aggregation: str = Field("token", description="token or sequence mean of the per-token loss.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    micro_batch: int = Field(64, ge=1, description="Sequences per forward/backward pass (memory bound).")
+    micro_batch: int = Field(64, ge=1, description="Most sequences per forward/backward pass.")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="Padded tokens per forward/backward pass (unset: micro_batch alone decides)."
+    )
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="Trained tokens per chunk of the output layer (bounds the fp32 logits in memory)."
+    )
+    entropy_metric: bool = Field(True, description="Compute the policy's entropy as a metric even with ent_coef 0.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass (less memory).")
+    lora_rank: int | None = Field(None, ge=1, description="Train a LoRA adapter of this rank (unset: full fine-tuning).")
+    lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha (the adapter is scaled by alpha / rank).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA adapter's input.")
+    lora_target_modules: str = Field(
+        "all-linear", description="Modules that get an adapter: all-linear, or names such as q_proj,v_proj."
+    )
+    reference_dtype: str = Field("bfloat16", description="The KL reference copy's dtype (not used with LoRA).")
+    reference_device: str = Field("same", description="The KL reference copy's device: same, or cpu to offload it.")
     sft_min_reward: float | None = Field(None, description="sft: train only on samples with reward >= this.")
     publish_every: int = Field(1, ge=1, description="Publish a model version every K steps.")
     checkpoint_every: int = Field(

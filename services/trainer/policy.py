@@ -1,0 +1,168 @@
+"""The model the trainer trains: its device and precision, LoRA or full fine-tuning, the reference
+for the KL term, and what a model version publishes.
+
+Precision (``dtype``): ``float32`` keeps everything in fp32. ``bfloat16`` stores what is not trained
+(the base under a LoRA adapter, the KL reference) in bf16 and keeps the trained parameters and
+their optimizer state in fp32 (master weights). The forward then computes in bf16 under autocast
+where the device has bf16 arithmetic (CUDA), and in fp32 on a CPU: frozen bf16 weights are upcast
+layer by layer as they are used (`_compute_in_fp32`), because CPUs without native bf16 run bf16
+matrix products several times slower than fp32 (bench/RESULTS.md).
+
+LoRA (``lora_rank``): PEFT adapters on ``lora_target_modules``; only their parameters train. A model
+version is the adapter alone, in PEFT's layout (``base_model.model.<module>.lora_A.weight``), with
+``weights_format`` telling the proxies how to apply it (`fulmen.lora`). The KL reference is then the
+base itself, with the adapter switched off: no second copy. Without LoRA the reference is a frozen
+copy in ``reference_dtype`` on ``reference_device`` (``cpu``: offloaded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fulmen.devices import resolve_device, resolve_dtype
+from fulmen.lora import LORA_FORMAT, lora_description
+from fulmen.settings import TrainerSettings
+from fulmen_trainer.gradients import trained
+
+
+class Policy:
+    """The trained model and everything that depends on how it is held."""
+
+    def __init__(self, model: Any, settings: TrainerSettings, device: torch.device, reference: Any = None) -> None:
+        self.model = model
+        self.s = settings
+        self.device = device
+        self.lora = settings.lora_rank is not None
+        self.reference = reference
+        self.autocast_dtype = resolve_dtype(settings.dtype) if device.type == "cuda" else None
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or (self.lora and self.s.kl_coef > 0)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return trained(self.model)
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """The forward's precision: bf16 autocast on CUDA with ``dtype=bfloat16``, else as stored."""
+        if self.autocast_dtype is None or self.autocast_dtype == torch.float32:
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            yield
+
+    @contextlib.contextmanager
+    def as_reference(self) -> Iterator[Any]:
+        """The KL reference model: the base with the adapter off (LoRA), else the frozen copy."""
+        if self.lora:
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            yield self.reference
+
+    def published_state(self) -> dict[str, torch.Tensor]:
+        """What a model version holds: the adapter (LoRA), else every weight."""
+        if self.lora:
+            from peft import get_peft_model_state_dict
+
+            return {k: v.detach().float() for k, v in get_peft_model_state_dict(self.model).items()}
+        return self.model.state_dict()
+
+    def published_format(self) -> dict[str, Any] | None:
+        """How the proxies apply a published state (None: full weights, loaded as they are)."""
+        if not self.lora:
+            return None
+        config = self.model.peft_config["default"]
+        return {"format": LORA_FORMAT, "lora": lora_description(config.r, config.lora_alpha, config.use_rslora)}
+
+    def load_published(self, state: dict[str, torch.Tensor]) -> None:
+        """Take the weights of a published version (a rank catching up with its leader)."""
+        if self.lora:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, state)
+        else:
+            self.model.load_state_dict(state, strict=False)
+
+
+def load_policy(settings: TrainerSettings, checkpoint: Path | None) -> Policy:
+    """The model from ``checkpoint`` (a folder `Policy` saved: full weights or an adapter) or, at the
+    start of a run, from ``settings.model_dir``; on its device, in its precision, ready to train."""
+    from transformers import AutoModelForCausalLM
+
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype)
+    lora = settings.lora_rank is not None
+    # trained weights stay fp32 (master weights); only frozen ones are stored in bf16
+    stored = dtype if lora else torch.float32
+    source = settings.model_dir if lora or checkpoint is None else checkpoint
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=stored).to(device)
+    if settings.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 renamed it
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if lora:
+        model = _with_adapter(model, settings, checkpoint)
+    reference = None
+    if settings.kl_coef > 0 and not lora:
+        reference = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=resolve_dtype(settings.reference_dtype))
+        reference = reference.to(device if settings.reference_device == "same" else settings.reference_device)
+        reference.eval().requires_grad_(False)
+        if reference.dtype != torch.float32:
+            _compute_in_fp32(reference)
+    if device.type != "cuda" and stored != torch.float32:
+        _compute_in_fp32(model)
+    model.train()
+    return Policy(model, settings, device, reference)
+
+
+def _with_adapter(model: Any, settings: TrainerSettings, checkpoint: Path | None) -> Any:
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if checkpoint is not None:
+        model = PeftModel.from_pretrained(model, checkpoint, is_trainable=True)
+    else:
+        targets = settings.lora_target_modules
+        config = LoraConfig(
+            r=settings.lora_rank, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
+            target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()],
+            bias="none", task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, config)
+    for p in model.parameters():  # master weights: the adapter trains in fp32 whatever the base's dtype
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return model
+
+
+class _Upcast(torch.nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.float()
+
+
+def _compute_in_fp32(model: Any) -> None:
+    """Frozen low-precision weights are read as fp32 by the layers that use them (a parametrization:
+    the stored tensor stays bf16; the fp32 copy lives only while its layer computes)."""
+    from torch.nn.utils import parametrize
+
+    seen: set[int] = set()
+    for module in list(model.modules()):
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is None or weight.requires_grad or weight.dtype == torch.float32:
+            continue
+        key = id(module)
+        if key in seen or parametrize.is_parametrized(module, "weight"):
+            continue
+        seen.add(key)
+        parametrize.register_parametrization(module, "weight", _Upcast(), unsafe=True)
+        bias = module._parameters.get("bias")
+        if bias is not None and not bias.requires_grad and bias.dtype != torch.float32:
+            parametrize.register_parametrization(module, "bias", _Upcast(), unsafe=True)
