@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from typing import Any
 
@@ -17,6 +18,7 @@ from fulmen.store import RedisStore
 log = logging.getLogger("fulmen.trainer")
 
 ON_RANK_LOSS = ("continue", "wait")
+PARALLEL = ("redis", "ddp")
 
 
 @settings_command(TrainerSettings)
@@ -25,21 +27,43 @@ def command(settings: TrainerSettings) -> None:
 
     Steps whenever it holds enough complete task groups (all n rollouts of a task terminal). Every
     option is also an environment variable (FULMEN_<NAME>). Killed at any point, it resumes from its
-    last checkpoint without losing or repeating a sample."""
+    last checkpoint without losing or repeating a sample.
+
+    Several ranks: `honcho start -c trainer=R` with --world-size R (ranks over Redis), or
+    `torchrun --no-python --nproc-per-node N fulmen trainer --parallel ddp` (DDP on gloo or NCCL;
+    rank r serves its metrics on the metrics port + its local rank)."""
     if settings.model_dir is not None:
         from fulmen.model_versions import wait_for_model_dir
 
         wait_for_model_dir(settings.model_dir)  # the demo writes its model after the warm start
-    from fulmen.ops_http import start_ops
+    from fulmen.ops_http import ops_port, start_ops
     from fulmen_trainer.gradients import RankCodec
     from fulmen_trainer.membership import Membership
     from fulmen_trainer.rank_group import RankGroup
     from fulmen_trainer.ranks import Exchange
+    from fulmen_trainer.torch_ranks import TorchRanks, under_torchrun
     from fulmen_trainer.trainer import Trainer
 
     if settings.on_rank_loss not in ON_RANK_LOSS:
         typer.echo(f"error: on_rank_loss {settings.on_rank_loss!r} unknown; use continue or wait", err=True)
         raise typer.Exit(2)
+    if settings.parallel not in PARALLEL:
+        typer.echo(f"error: parallel {settings.parallel!r} unknown; use redis or ddp", err=True)
+        raise typer.Exit(2)
+    if settings.parallel == "redis" and under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        typer.echo("error: started by torchrun with several processes but --parallel is redis: "
+                   "add --parallel ddp (or start the ranks with honcho -c trainer=R)", err=True)
+        raise typer.Exit(2)
+    torch_ranks = None
+    if settings.parallel == "ddp":
+        try:
+            torch_ranks = TorchRanks(settings)
+        except ValueError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        port = settings.metrics_port if settings.metrics_port is not None else ops_port(settings)
+        settings = torch_ranks.settings_for_rank(settings).model_copy(
+            update={"metrics_port": port + torch_ranks.local_rank if port else port})
 
     async def work(store: RedisStore) -> None:
         with start_ops(settings, "trainer", groups=[("samples", k.TRAINERS_GROUP)]) as ops:
@@ -51,7 +75,9 @@ def command(settings: TrainerSettings) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         rank, ranks, membership, beating = 0, None, None, None
-        if settings.world_size > 1:
+        if torch_ranks is not None:
+            rank, ranks = torch_ranks.rank, torch_ranks
+        elif settings.world_size > 1:
             membership = Membership(store, settings.world_size, settings.rank_timeout_s)
             rank = await membership.claim()
             beating = asyncio.create_task(membership.heartbeat())
@@ -76,14 +102,20 @@ def command(settings: TrainerSettings) -> None:
                 ops.add(trainer.metrics.registry)
             if membership is not None:
                 await membership.mark_ready()
+            if torch_ranks is not None:
+                await torch_ranks.hello(trainer)
             if rank == 0:
                 await trainer.run(stop)
+                if torch_ranks is not None:
+                    await torch_ranks.finish()
             else:
                 assert ranks is not None
                 await ranks.follow(trainer, stop)
-            if trainer.unlogged:  # steps since the last checkpoint: keep them
+            if trainer.unlogged and (rank == 0 or torch_ranks is None):  # steps since the last checkpoint
                 await trainer.checkpoint()
         finally:
+            if torch_ranks is not None:
+                torch_ranks.close()
             if beating is not None:
                 beating.cancel()
             if membership is not None:

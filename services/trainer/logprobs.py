@@ -44,7 +44,9 @@ def token_logprobs(
         hidden = hidden[:, :-1][where]
     finish = _finisher(model)
     logps, entropies = [], []
-    for lo in range(0, len(targets), chunk_tokens):
+    # at least one chunk, even empty: the result stays in the graph of every weight (a backward of a
+    # micro-batch with no trained token gives zero gradients, and a DDP rank still all-reduces)
+    for lo in range(0, max(len(targets), 1), chunk_tokens):
         h, t = hidden[lo : lo + chunk_tokens], targets[lo : lo + chunk_tokens]
         if torch.is_grad_enabled() and h.requires_grad:
             lp, ent = checkpoint(_chunk, head, finish, h, t, entropy, use_reentrant=False)
@@ -53,6 +55,18 @@ def token_logprobs(
         logps.append(lp)
         entropies.append(ent)
     return _scatter(logps, where), _scatter(entropies, where) if entropy else None
+
+
+class TokenScorer(torch.nn.Module):
+    """`token_logprobs` as a module's forward, for wrappers that must see the forward (DDP)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: TokenBatch, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_logprobs(self.model, batch, chunk_tokens=chunk_tokens, entropy=entropy)
 
 
 def _chunk(head: Any, finish: Any, hidden: torch.Tensor, targets: torch.Tensor,

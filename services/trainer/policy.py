@@ -27,7 +27,9 @@ import torch
 from fulmen.devices import resolve_device, resolve_dtype
 from fulmen.lora import LORA_FORMAT, lora_description
 from fulmen.settings import TrainerSettings
+from fulmen_trainer.batch import TokenBatch
 from fulmen_trainer.gradients import trained
+from fulmen_trainer.logprobs import token_logprobs
 
 
 class Policy:
@@ -39,6 +41,7 @@ class Policy:
         self.device = device
         self.lora = settings.lora_rank is not None
         self.reference = reference
+        self.scorer: Any = None  # the forward that takes part in gradient exchange (a DDP wrapper), if any
         self.autocast_dtype = resolve_dtype(settings.dtype) if device.type == "cuda" else None
 
     @property
@@ -47,6 +50,20 @@ class Policy:
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return trained(self.model)
+
+    def logprobs(self, batch: TokenBatch, chunk_tokens: int, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The trained tokens' log-probabilities (and entropy) under the policy, through the scorer
+        when there is one (see `fulmen_trainer.logprobs`)."""
+        with self.compute():
+            if self.scorer is not None:
+                return self.scorer(batch, chunk_tokens, entropy)
+            return token_logprobs(self.model, batch, chunk_tokens=chunk_tokens, entropy=entropy)
+
+    def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Under DDP, only the last micro-batch of a pass all-reduces (the others accumulate locally)."""
+        if self.scorer is not None and not last and hasattr(self.scorer, "no_sync"):
+            return self.scorer.no_sync()
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:

@@ -104,6 +104,8 @@ class RankTrainer(Protocol):
 class RankGroup:
     """What a trainer process needs to train with others: its membership, the streams, the codec."""
 
+    shares_checkpoint = False  # every rank checkpoints its own folder (its consumer, its codec state)
+
     def __init__(self, store: RedisStore, membership: Membership, exchange: Exchange, codec: RankCodec,
                  *, wait_for_full_world: bool = False) -> None:
         self.store = store
@@ -118,6 +120,12 @@ class RankGroup:
     def rank(self) -> int:
         assert self.members.rank is not None
         return self.members.rank
+
+    def wrap(self, policy: Any) -> None:
+        """Nothing to wrap: gradients travel through the streams, not through the model's backward."""
+
+    async def idle(self) -> None:
+        """Nothing to do while rank 0 waits for samples: the other ranks wait on a stream."""
 
     async def _live_ranks(self, trainer: RankTrainer, stop: asyncio.Event | None) -> list[int] | None:
         """The live ranks, leader first; with ``wait_for_full_world``, once all are back (None: stopped)."""

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from fulmen_trainer.objectives import Baseline, kl_to_reference, objective
 from fulmen_trainer.plan import StepPlan, merge_passes, plan_step
 from fulmen_trainer.policy import Policy, load_policy
 from fulmen_trainer.rank_group import RankGroup
+from fulmen_trainer.torch_ranks import TorchRanks
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class Trainer:
     """One trainer process: alone, or rank ``rank`` of a `RankGroup` (it is then a `RankTrainer`)."""
 
     def __init__(self, store: RedisStore, settings: TrainerSettings, *, rank: int = 0,
-                 ranks: RankGroup | None = None) -> None:
+                 ranks: RankGroup | TorchRanks | None = None) -> None:
         if settings.model_dir is None:
             raise ValueError("the trainer needs --model-dir (a Hugging Face model folder)")
         objective(settings.algorithm)  # unknown names fail here, at start
@@ -106,7 +108,13 @@ class Trainer:
         if self.policy is None:
             self.policy = Policy(model, self.s, torch.device("cpu"))
         else:
-            self.policy.model = model
+            self.policy.model, self.policy.scorer = model, None
+
+    @property
+    def checkpoint_folder(self) -> Path:
+        """This rank's checkpoints; rank 0's for every rank when the ranks share them (torch.distributed)."""
+        shared = self.ranks is not None and self.ranks.shares_checkpoint
+        return self.s.checkpoint_dir / f"rank-{0 if shared else self.rank}"
 
     # --- setup and resume ----------------------------------------------------------------------------
 
@@ -118,12 +126,13 @@ class Trainer:
             self.metrics.log_steps_to(self.store)  # the steps stream: pacing, reward curve, `fulmen top`
         if self.s.torch_threads:
             torch.set_num_threads(self.s.torch_threads)
-        directory = self.s.checkpoint_dir / f"rank-{self.rank}"
-        path = ckpt.latest(directory)
+        path = ckpt.latest(self.checkpoint_folder)
         # in a thread: loading takes seconds, and the rank's heartbeat must keep beating meanwhile
         self.policy = await asyncio.to_thread(load_policy, self.s, path / "model" if path else None)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=self.s.learning_rate)
+        if self.ranks is not None:
+            self.ranks.wrap(self.policy)  # DDP: after the checkpoint's weights, before any step
         await self.store.ensure_samples_group(k.TRAINERS_GROUP)
         already_done: set[str] = set()
         if path is not None:
@@ -175,6 +184,8 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         assert self.model is not None, "call setup() first"
         while not stop.is_set() and (self.s.max_steps is None or self.step < self.s.max_steps):
+            if self.ranks is not None:
+                await self.ranks.idle()
             entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=READ_COUNT,
                                                     block_s=READ_BLOCK_S)
             await self.take(entries)
@@ -309,40 +320,25 @@ class Trainer:
         policy = self.policy
         batch = self._batch(plan)
         advantages = plan.advantages
-        loss_fn = objective(self.s.algorithm)
         total_tokens = max(total_tokens if total_tokens is not None else batch.tokens, 1)
         first_pass = plan.prox_logp is None
         prox_logps: list[torch.Tensor] = [] if plan.prox_logp is None else plan.prox_logp
         sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0, "mismatch": 0.0,
                 "clip_frac": 0.0}
         with_entropy = self.s.ent_coef > 0 or self.s.entropy_metric
-        for index, (lo, hi) in enumerate(batch.micro_batches(self.s.micro_batch, self.s.micro_batch_tokens)):
+        ranges = batch.micro_batches(self.s.micro_batch, self.s.micro_batch_tokens)
+        for index, (lo, hi) in enumerate(ranges):
             micro = batch.slice(lo, hi).trimmed().to(policy.device)
             adv = advantages[lo:hi].to(policy.device)
-            with policy.compute():
-                logp, token_entropy = token_logprobs(policy.model, micro, chunk_tokens=self.s.logprob_chunk_tokens,
-                                                     entropy=with_entropy)
-            if first_pass:
-                prox_logps.append(logp.detach())
-            prox = prox_logps[index]
-            weight = micro.tokens / total_tokens  # micro-batches add up to the token mean of the batch
-            if self.s.algorithm == "sft":
-                pg = loss_fn(logp, micro.behaviour_logp, adv, micro.mask * adv[:, None],
-                             aggregation=self.s.loss_aggregation)
-            else:
-                pg = loss_fn(logp, micro.behaviour_logp, adv, micro.mask, prox_logp=prox, clip_eps=self._clip(),
-                             tis_cap=self.s.tis_cap, aggregation=self.s.loss_aggregation)
+            with policy.gradient_sync(last=index == len(ranges) - 1):
+                logp, token_entropy = policy.logprobs(micro, self.s.logprob_chunk_tokens, with_entropy)
+                if first_pass:
+                    prox_logps.append(logp.detach())
+                prox = prox_logps[index]
+                weight = micro.tokens / total_tokens  # micro-batches add up to the token mean of the batch
+                loss, pg, entropy, kl = self._loss(micro, adv, logp, token_entropy, prox)
+                (loss * weight).backward()
             mask = micro.mask
-            entropy = torch.zeros((), device=policy.device)
-            if token_entropy is not None:
-                entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
-            kl = torch.zeros((), device=policy.device)
-            if policy.has_reference:
-                with torch.no_grad(), policy.as_reference() as reference, policy.compute():
-                    ref_logp, _ = token_logprobs(reference, micro, chunk_tokens=self.s.logprob_chunk_tokens)
-                kl = (kl_to_reference(logp, ref_logp) * mask).sum() / mask.sum().clamp(min=1)
-            loss = pg - self.s.ent_coef * entropy + self.s.kl_coef * kl
-            (loss * weight).backward()
             with torch.no_grad():  # diagnostics: how far the proxy's log-probabilities are from ours
                 gap = (logp - micro.behaviour_logp) * mask
                 tokens = mask.sum().clamp(min=1)
@@ -370,6 +366,27 @@ class Trainer:
             "groups/dropped": plan.dropped_groups,
             **{f"count/{name}": n for name, n in self.collector.counts.items()},
         }
+
+    def _loss(self, micro: TokenBatch, adv: torch.Tensor, logp: torch.Tensor, token_entropy: torch.Tensor | None,
+              prox: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A micro-batch's loss (its token mean) and its parts: policy term, entropy, KL to the reference."""
+        assert self.policy is not None
+        policy, mask = self.policy, micro.mask
+        loss_fn = objective(self.s.algorithm)
+        if self.s.algorithm == "sft":
+            pg = loss_fn(logp, micro.behaviour_logp, adv, mask * adv[:, None], aggregation=self.s.loss_aggregation)
+        else:
+            pg = loss_fn(logp, micro.behaviour_logp, adv, mask, prox_logp=prox, clip_eps=self._clip(),
+                         tis_cap=self.s.tis_cap, aggregation=self.s.loss_aggregation)
+        entropy = torch.zeros((), device=policy.device)
+        if token_entropy is not None:
+            entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
+        kl = torch.zeros((), device=policy.device)
+        if policy.has_reference:
+            with torch.no_grad(), policy.as_reference() as reference, policy.compute():
+                ref_logp, _ = token_logprobs(reference, micro, chunk_tokens=self.s.logprob_chunk_tokens)
+            kl = (kl_to_reference(logp, ref_logp) * mask).sum() / mask.sum().clamp(min=1)
+        return pg - self.s.ent_coef * entropy + self.s.kl_coef * kl, pg, entropy, kl
 
     def _batch(self, plan: StepPlan) -> TokenBatch:
         pad_id = getattr(self.model.config, "pad_token_id", None) or 0
@@ -453,7 +470,7 @@ class Trainer:
         assert self.optimizer is not None
         checkpoint = ckpt.Checkpoint(self.step, self.version.name, self.consumed_since_checkpoint,
                                      {"metrics": self.unlogged} if self.rank == 0 else {})
-        directory = self.s.checkpoint_dir / f"rank-{self.rank}"
+        directory = self.checkpoint_folder
         codec_state = self.ranks.codec.state_dict() if self.ranks is not None else None
         await asyncio.to_thread(ckpt.save, directory, checkpoint, self.model, self.optimizer, codec_state)
         await self.store.ack_samples(k.TRAINERS_GROUP, self.consumed_since_checkpoint)

@@ -170,6 +170,11 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
     weights_dir: Path | None = Field(None, description="Shared folder for model versions (unset: via Redis).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: run until stopped).")
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads for the trainer.")
+    parallel: str = Field(
+        "redis", description="How trainer ranks share a step: redis (honcho -c trainer=R, with world_size) "
+        "or ddp (under torchrun --nproc-per-node N)."
+    )
+    ddp_bucket_mb: float = Field(25.0, gt=0, description="ddp: gradient bucket size (MB) of each all-reduce.")
     world_size: int = Field(1, ge=1, le=256, description="Data-parallel trainer ranks (honcho -c trainer=R).")
     codec: str = Field("none", description="Gradient codec between ranks: none, bf16, topk, dgc, qsgd8, qsgd4.")
     codec_density: float = Field(0.01, gt=0, le=1, description="Kept fraction for topk and dgc.")

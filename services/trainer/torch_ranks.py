@@ -1,0 +1,222 @@
+"""Data-parallel trainer ranks on torch.distributed, under torchrun: DDP carries the gradients (through
+Fulmen's codecs as its communication hook), broadcasts carry the work.
+
+    torchrun --no-python --nproc-per-node 2 fulmen trainer --parallel ddp ...
+
+    rank 0 (reads samples, plans, publishes)         every other rank
+    broadcast STEP: one RankPlan per other rank ────► take its own share
+    per PPO pass: backward on its share  ◄── DDP all-reduce (codec hook) ──►  backward on its share
+    update                                            update (the same averaged gradient: same weights)
+    checkpoint, acknowledge, publish
+    broadcast STOP as it stops ──────────────────────► return
+
+Only rank 0 talks to the samples stream and publishes; it checkpoints for all (every rank holds the
+same weights and optimizer state), and a restarted group (torchrun restarts every rank together)
+resumes from rank 0's checkpoint on every rank — the ranks check at start that they resume the same
+step. The other ranks' codec error feedback starts afresh after a restart.
+
+Each rank scales its gradient by ``world / total_tokens`` (its tokens over the step's, times the
+world size): DDP averages over the ranks, so the result is the token-mean gradient of the whole step,
+as one rank would compute it (the Redis rank path sums instead, with the same result). Within a pass
+only the last micro-batch synchronises (`Policy.gradient_sync`), so every rank all-reduces exactly
+once per pass whatever its number of micro-batches; a rank whose share is empty (fewer samples than
+ranks) trains on a copy of a sample with no trained token, which adds nothing to the gradient.
+
+Control messages go through a gloo group of their own (NCCL's collectives need GPU tensors): a
+header ``[kind, bytes]`` then the msgpack payload. An idle leader sends IDLE now and then, so the
+other ranks' blocking receive never reaches the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from fulmen import tokens
+from fulmen.model_versions import ModelVersion
+from fulmen.records import RankPlan, Sample
+from fulmen.settings import TrainerSettings
+from fulmen_trainer.codecs import DDPCodecState, codec_hook
+from fulmen_trainer.gradients import RankCodec
+from fulmen_trainer.plan import StepPlan, merge_passes
+
+if TYPE_CHECKING:
+    from fulmen_trainer.policy import Policy
+    from fulmen_trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+HELLO, IDLE, STEP, STOP = 0, 1, 2, 3
+IDLE_PING_S = 60.0
+TIMEOUT = timedelta(minutes=30)  # a collective waits this long (a slow step on a big model, a pause)
+MAX_MESSAGE_BYTES = 1 << 30
+PARALLEL = ("redis", "ddp")
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+class TorchRanks:
+    """This process's place in a torch.distributed group of trainer ranks (see the module docstring)."""
+
+    shares_checkpoint = True
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        if not under_torchrun():
+            raise ValueError("--parallel ddp runs under torchrun (torchrun --no-python --nproc-per-node N "
+                             "fulmen trainer --parallel ddp ...); without it use --parallel redis")
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = settings.device != "cpu" and torch.cuda.is_available()
+        self.device = f"cuda:{self.local_rank}" if cuda else "cpu"
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+        self.control = dist.new_group(backend="gloo", timeout=TIMEOUT)
+        # a bad codec name or density raises ValueError here, before any step
+        self.codec = DDPCodecState(RankCodec(settings.codec, density=settings.codec_density).state, start_iter=0)
+        self.bucket_mb = settings.ddp_bucket_mb
+        self._last_sent = time.monotonic()
+
+    def settings_for_rank(self, settings: TrainerSettings) -> TrainerSettings:
+        """One GPU per rank (its local rank); the CPU stays the CPU."""
+        return settings.model_copy(update={"device": self.device})
+
+    def wrap(self, policy: Policy) -> None:
+        """DDP around the policy's scoring forward, with the codec as its communication hook. Rank 0's
+        weights are broadcast to every rank here."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from fulmen_trainer.logprobs import TokenScorer
+
+        ddp = DistributedDataParallel(
+            TokenScorer(policy.model), device_ids=[self.local_rank] if self.device.startswith("cuda") else None,
+            bucket_cap_mb=self.bucket_mb, find_unused_parameters=True,
+        )
+        if self.codec.codec.name != "none":
+            ddp.register_comm_hook(self.codec, codec_hook)
+        policy.scorer = ddp
+
+    # --- control messages ------------------------------------------------------------------------------
+
+    def _send(self, kind: int, payload: bytes = b"") -> None:
+        dist.broadcast(torch.tensor([kind, len(payload)], dtype=torch.int64), src=0, group=self.control)
+        if payload:
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.control)
+        self._last_sent = time.monotonic()
+
+    def _receive(self) -> tuple[int, bytes]:
+        header = torch.zeros(2, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.control)
+        kind, size = int(header[0]), int(header[1])
+        if not 0 <= size <= MAX_MESSAGE_BYTES:
+            raise RuntimeError(f"rank {self.rank}: a control message of {size} bytes from rank 0 (corrupt)")
+        data = torch.empty(size, dtype=torch.uint8)
+        if size:
+            dist.broadcast(data, src=0, group=self.control)
+        return kind, data.numpy().tobytes()
+
+    async def hello(self, trainer: Trainer) -> None:
+        """Every rank resumes at the same step (they all load rank 0's checkpoint), or none starts."""
+        if self.rank == 0:
+            await asyncio.to_thread(self._send, HELLO, msgpack.packb(trainer.step))
+            return
+        kind, payload = await asyncio.to_thread(self._receive)
+        step = msgpack.unpackb(payload) if kind == HELLO else None
+        if step != trainer.step:
+            raise RuntimeError(f"rank {self.rank} resumed at step {trainer.step}, rank 0 at {step}: "
+                               "every rank must start from rank 0's checkpoint folder")
+
+    async def idle(self) -> None:
+        """Rank 0, waiting for samples: keep the other ranks' receive from timing out."""
+        if self.world > 1 and time.monotonic() - self._last_sent > IDLE_PING_S:
+            await asyncio.to_thread(self._send, IDLE)
+
+    async def finish(self) -> None:
+        """Rank 0 stops: so do the others."""
+        if self.world > 1:
+            await asyncio.to_thread(self._send, STOP)
+
+    # --- a step -------------------------------------------------------------------------------------------
+
+    async def lead_step(self, trainer: Trainer, plan: StepPlan, stop: asyncio.Event | None = None) -> dict[str, Any]:
+        """Rank 0: send every other rank its share, then the passes over our own; the caller counts the
+        step (and checkpoints and publishes)."""
+        step, epochs = trainer.step + 1, trainer.ppo_epochs
+        total_tokens = trainer.batch_tokens(plan)
+        size = len(plan.samples)
+        shares = [(size * i // self.world, size * (i + 1) // self.world) for i in range(self.world)]
+        plans = [self._plan(trainer, plan, lo, hi, step, rank, total_tokens, epochs)
+                 for rank, (lo, hi) in enumerate(shares) if rank > 0]
+        if plans:
+            await asyncio.to_thread(self._send, STEP, msgpack.packb([p.to_wire() for p in plans]))
+        own = plan.share(*shares[0]) if shares[0][1] > shares[0][0] else _no_tokens(plan)
+        passes = []
+        for _ in range(epochs):
+            metrics = await asyncio.to_thread(trainer.backward, own, total_tokens / self.world)
+            metrics["loss/grad_norm"] = trainer.update()
+            passes.append(metrics)
+        metrics = merge_passes(passes)
+        rewards = torch.tensor(plan.rewards) if plan.rewards else torch.zeros(1)
+        metrics.update({"perf/tokens": total_tokens, "perf/samples": size, "comm/ranks": self.world,
+                        "rollout/reward_mean": float(rewards.mean()),
+                        "rollout/reward_std": float(rewards.std(unbiased=False)),
+                        **self._comm_metrics()})
+        return metrics
+
+    def _comm_metrics(self) -> dict[str, float]:
+        """This step's wire figures from the hook (``none`` all-reduces fp32 and encodes nothing)."""
+        stats = self.codec.compression_stats(reset=True)
+        sent = stats.get("comm/wire_bytes", 0.0)
+        return {**stats, "comm/bytes": sent, "comm/ratio": stats["comm/compression_ratio"] if sent else 1.0}
+
+    def _plan(self, trainer: Trainer, plan: StepPlan, lo: int, hi: int, step: int, rank: int, total_tokens: int,
+              epochs: int) -> RankPlan:
+        share = plan.share(lo, hi) if hi > lo else _no_tokens(plan)
+        return RankPlan(
+            step=step, rank=rank, step_before=trainer.step, model_version=trainer.version.name,
+            total_tokens=total_tokens, epochs=epochs, samples=[s.to_wire() for s in share.samples],
+            advantages=tokens.pack_floats(share.advantages.tolist()), rewards=[float(r) for r in share.rewards],
+            group_keys=list(share.group_keys),
+        )
+
+    async def follow(self, trainer: Trainer, stop: asyncio.Event) -> None:
+        """Every rank but 0: train the shares rank 0 sends until it says STOP (a SIGTERM here waits for
+        rank 0's: torchrun sends it to every rank)."""
+        while True:
+            kind, payload = await asyncio.to_thread(self._receive)
+            if kind == STOP:
+                return
+            if kind != STEP:
+                continue
+            mine = RankPlan.from_wire(msgpack.unpackb(payload)[self.rank - 1])
+            samples = [Sample.from_wire(b) for b in mine.samples]
+            share = StepPlan(samples, list(mine.rewards), torch.tensor(tokens.floats(mine.advantages)),
+                             list(mine.group_keys), [])
+            for _ in range(mine.epochs):
+                await asyncio.to_thread(trainer.backward, share, mine.total_tokens / self.world)
+                trainer.update()
+            trainer.step, trainer.version, trainer.nonfinite = mine.step, ModelVersion.parse(mine.model_version), None
+            self.codec.compression_stats(reset=True)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _no_tokens(plan: StepPlan) -> StepPlan:
+    """A share for a rank with no samples: the step's first sample with nothing to train, so the rank
+    still takes part in every all-reduce and adds a zero gradient."""
+    first = plan.samples[0]
+    empty = dataclasses.replace(first, response_mask=[0] * len(first.response_mask))
+    return StepPlan([empty], plan.rewards[:1], torch.zeros(1), plan.group_keys[:1], plan.entry_ids)

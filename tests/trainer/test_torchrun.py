@@ -1,0 +1,183 @@
+"""The trainer under torchrun (DDP on gloo): two ranks reach one rank's weights, the codec hook gives the
+Redis rank path's weights, LoRA trains under DDP, and bad set-ups fail with what to do."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from procs import stop
+from safetensors.torch import load_file
+
+from fulmen import keys as k
+from fulmen.embedded import free_port
+from fulmen.records import Sample
+from fulmen.store import RedisStore
+from fulmen.tiny_model import build_tiny_model
+
+FULMEN = str(Path(sys.executable).with_name("fulmen"))
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def _samples(groups: int) -> list[Sample]:
+    """Groups of 4 with different lengths, so the two halves of a step hold different token counts."""
+    out = []
+    for g in range(groups):
+        for i in range(4):
+            prompt = [1, 5 + g % 9, 9 + i, 12][: 2 + (i + g) % 3]
+            response = [20 + (i + g) % 5, 21 + i, 22, 2][: 2 + i % 3]
+            reward = float((i + g) % 2)
+            out.append(Sample(f"g{g}-r{i}.1/t0", "triplet", f"g{g}-r{i}", f"g{g}-r{i}.1", f"g{g}", 0, prompt,
+                              response, [-1.0] * len(response), [1] * len(response), reward, reward, "base",
+                              group_size=4))
+    return out
+
+
+async def _push(store: RedisStore, samples: list[Sample]) -> None:
+    await store.ensure_samples_group(k.TRAINERS_GROUP)
+    for s in samples:
+        await store.redis.xadd(store.keys.samples, {"m": s.to_wire()})
+
+
+def _env(redis_url: str, experiment: str, tiny: Path, out: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "REDIS_URL": redis_url, "FULMEN_EXPERIMENT": experiment, "FULMEN_MODEL_DIR": str(tiny),
+            "FULMEN_GROUPS_PER_STEP": "2", "FULMEN_CHECKPOINT_DIR": str(out / "ck"),
+            "FULMEN_METRICS_FILE": str(out / "metrics.jsonl"), "FULMEN_TORCH_THREADS": "1",
+            "FULMEN_LEARNING_RATE": "0.001", "FULMEN_DEVICE": "cpu", "OMP_NUM_THREADS": "1", **extra}
+
+
+def _torchrun(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [TORCHRUN, "--no-python", "--nproc-per-node", "2", "--master-port", str(free_port()), FULMEN, "trainer",
+         "--parallel", "ddp", "--max-steps", str(STEPS), *args],
+        env=env, timeout=timeout, capture_output=True,
+    )
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "rank-0" / f"step-{STEPS}" / "model" / "model.safetensors"))
+
+
+async def _run_single(redis_url: str, tiny: Path, out: Path, experiment: str, **extra: str) -> None:
+    single = await asyncio.to_thread(subprocess.run, [FULMEN, "trainer", "--max-steps", str(STEPS)], timeout=120,
+                                     env=_env(redis_url, experiment, tiny, out, **extra))
+    assert single.returncode == 0
+
+
+@pytest.mark.slow
+async def test_two_ddp_ranks_reach_the_weights_of_one_rank(redis_url: str, tiny: Path, tmp_path: Path) -> None:
+    """fp32, codec none: 2 ranks under torchrun end with one rank's weights (atol 1e-5); only rank 0
+    reads samples and publishes; every sample is acknowledged once."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url)
+    one, two = (RedisStore(client, f"ddp-{name}-{tmp_path.name[-8:]}") for name in ("one", "two"))
+    samples = _samples(2 * STEPS)
+    await _push(one, samples)
+    await _push(two, samples)
+    await _run_single(redis_url, tiny, tmp_path / "one", one.experiment)
+    run = await asyncio.to_thread(_torchrun, _env(redis_url, two.experiment, tiny, tmp_path / "two"))
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    reference, got = _weights(tmp_path / "one" / "ck"), _weights(tmp_path / "two" / "ck")
+    assert reference.keys() == got.keys()
+    for name, tensor in reference.items():
+        assert torch.allclose(got[name], tensor, atol=1e-5), name
+    initial = load_file(str(tiny / "model.safetensors"))
+    assert any(not torch.equal(got[n], initial[n]) for n in initial)  # it did train
+    assert not (tmp_path / "two" / "ck" / "rank-1").exists()  # rank 0 checkpoints for all
+    lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["comm/ranks"] for line in lines] == [2] * STEPS
+    assert sorted(i for line in lines for i in line["sample_ids"]) == sorted(s.sample_id for s in samples)
+    assert (await client.xpending(two.keys.samples, k.TRAINERS_GROUP))["pending"] == 0
+    assert (await two.get_latest_resources()).resources["llm"]["model_version"] == f"v{STEPS}"
+    await client.aclose()
+
+
+@pytest.mark.slow
+async def test_the_ddp_codec_hook_gives_the_redis_rank_paths_weights(redis_url: str, tiny: Path,
+                                                                   tmp_path: Path) -> None:
+    """top-k 10% with error feedback: torchrun + DDP hook and two Redis ranks train the same batches to
+    the same weights (one gradient bucket, so both paths encode the same flat gradient)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url)
+    ddp, ranks = (RedisStore(client, f"hook-{name}-{tmp_path.name[-8:]}") for name in ("ddp", "redis"))
+    samples = _samples(2 * STEPS)
+    codec = {"FULMEN_CODEC": "topk", "FULMEN_CODEC_DENSITY": "0.1"}
+    await _push(ddp, samples)
+    run = await asyncio.to_thread(_torchrun, _env(redis_url, ddp.experiment, tiny, tmp_path / "ddp", **codec,
+                                                  FULMEN_DDP_BUCKET_MB="1000"))
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+
+    env = _env(redis_url, ranks.experiment, tiny, tmp_path / "redis", **codec, FULMEN_WORLD_SIZE="2")
+    leader = subprocess.Popen([FULMEN, "trainer", "--max-steps", str(STEPS)], env=env)
+    follower = None
+    try:
+        for _ in range(1200):
+            if (await client.get(ranks.keys.trainer_slot(0)) or b"").endswith(b":ready"):
+                break
+            await asyncio.sleep(0.05)
+        follower = subprocess.Popen([FULMEN, "trainer"], env=env)
+        for _ in range(1200):
+            if (await client.get(ranks.keys.trainer_slot(1)) or b"").endswith(b":ready"):
+                break
+            await asyncio.sleep(0.05)
+        await _push(ranks, samples)
+        assert await asyncio.to_thread(leader.wait, 120) == 0
+    finally:
+        stop([leader, *([follower] if follower is not None else [])])
+    lines = [json.loads(x) for x in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert all(line["comm/ratio"] > 3 for line in lines)  # the hook really compressed
+    reference, got = _weights(tmp_path / "redis" / "ck"), _weights(tmp_path / "ddp" / "ck")
+    for name, tensor in reference.items():
+        assert torch.allclose(got[name], tensor, atol=1e-6), name
+    await client.aclose()
+
+
+@pytest.mark.slow
+async def test_lora_trains_under_ddp_like_on_one_rank(redis_url: str, tiny: Path, tmp_path: Path) -> None:
+    """LoRA: only the adapter crosses DDP; 2 ranks publish the adapter one rank reaches (atol 1e-5)."""
+    import redis.asyncio as aioredis
+
+    from fulmen.model_versions import fetch_model_version
+
+    client = aioredis.from_url(redis_url)
+    one, two = (RedisStore(client, f"ddp-lora-{name}-{tmp_path.name[-8:]}") for name in ("one", "two"))
+    samples = _samples(2 * STEPS)
+    lora = {"FULMEN_LORA_RANK": "4"}
+    await _push(one, samples)
+    await _push(two, samples)
+    await _run_single(redis_url, tiny, tmp_path / "one", one.experiment, **lora)
+    run = await asyncio.to_thread(_torchrun, _env(redis_url, two.experiment, tiny, tmp_path / "two", **lora))
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    reference = await fetch_model_version(one, f"v{STEPS}")
+    got = await fetch_model_version(two, f"v{STEPS}")
+    assert reference.keys() == got.keys() and all(".lora_" in n for n in got)
+    gaps = {name: float((got[name] - tensor).abs().max()) for name, tensor in reference.items()}
+    assert max(gaps.values()) < 1e-5, sorted(gaps.items(), key=lambda x: -x[1])[:5]
+    assert any(bool(t.abs().max() > 0) for n, t in got.items() if ".lora_B." in n)
+    await client.aclose()
+
+
+def test_ddp_outside_torchrun_and_redis_inside_it_fail_with_what_to_do(tiny: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in _env("redis://127.0.0.1:1", "x", tiny, tmp_path).items()
+           if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    alone = subprocess.run([FULMEN, "trainer", "--parallel", "ddp"], env=env, capture_output=True, timeout=60)
+    assert alone.returncode == 2 and b"runs under torchrun" in alone.stderr
+    inside = subprocess.run([FULMEN, "trainer"], env={**env, "RANK": "0", "WORLD_SIZE": "2"}, capture_output=True,
+                            timeout=60)
+    assert inside.returncode == 2 and b"add --parallel ddp" in inside.stderr
+    unknown = subprocess.run([FULMEN, "trainer", "--parallel", "fsdp9"], env=env, capture_output=True, timeout=60)
+    assert unknown.returncode == 2 and b"parallel 'fsdp9' unknown" in unknown.stderr
