@@ -41,6 +41,7 @@ def command(settings: TrainerSettings) -> None:
     from fulmen_trainer.membership import Membership
     from fulmen_trainer.rank_group import RankGroup
     from fulmen_trainer.ranks import Exchange
+    from fulmen_trainer.sync_policy import SyncPolicy
     from fulmen_trainer.torch_ranks import TorchRanks, under_torchrun
     from fulmen_trainer.trainer import Trainer
 
@@ -84,7 +85,7 @@ def command(settings: TrainerSettings) -> None:
             exchange = Exchange(store, membership)
             await exchange.start_reading()
             try:
-                codec = RankCodec(settings.codec, density=settings.codec_density)
+                codec = RankCodec(settings.codec, SyncPolicy.from_settings(settings), density=settings.codec_density)
             except ValueError as e:
                 typer.echo(f"error: {e}", err=True)
                 raise typer.Exit(2) from None

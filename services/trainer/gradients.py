@@ -7,13 +7,15 @@ vector and reach the same weights (tests/trainer/test_ddp_parity.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from fulmen.errors import InvalidInput
 from fulmen_trainer import codecs
+from fulmen_trainer.sync_policy import SyncDecision, SyncPolicy
 
 GRADIENT_NAME = "grads"  # the codec's error-feedback key: one flat gradient per rank
 LOSSLESS = "none"  # the leader's aggregate: one per step, exact, so every rank applies the same bits
@@ -22,9 +24,10 @@ SPARSE_CODECS = ("topk", "dgc")  # the codecs that take a density
 
 class RankCodec:
     """A rank's gradient codec: its state (error feedback, DGC momentum) persists across steps and in
-    checkpoints. Decoding needs no state, so the leader decodes every rank's chunks alike."""
+    checkpoints. Decoding needs no state, so the leader decodes every rank's chunks alike. With a
+    `SyncPolicy`, each gradient goes compressed or not, at the density, that the policy decides."""
 
-    def __init__(self, name: str, **knobs: Any) -> None:
+    def __init__(self, name: str, policy: SyncPolicy | None = None, **knobs: Any) -> None:
         if name == "dgc":
             knobs.setdefault("momentum", 0.0)  # AdamW keeps the momentum; DGC's would count it twice
         if name not in SPARSE_CODECS:
@@ -34,19 +37,57 @@ class RankCodec:
         except (InvalidInput, ValueError, KeyError) as e:
             raise ValueError(str(e)) from None
         self.name = name
+        self.policy = policy
+        self.raw = codecs.make_codec(LOSSLESS)  # uncompressed sends (full syncs, anomalies)
+        self.last = SyncDecision(True)  # the decision of the last encode
 
     def encode(self, flat: torch.Tensor, step: int, rank: int) -> list[bytes]:
-        return self.state.encode(flat, name=GRADIENT_NAME, step=step, rank=rank)
+        if self.policy is None or self.name == LOSSLESS:
+            return self.state.encode(flat, name=GRADIENT_NAME, step=step, rank=rank)
+        self.last = decision = self.policy.decide(step, float(flat.norm()), getattr(self.state, "density", None))
+        if not decision.compress:
+            residual = self.state.flush(GRADIENT_NAME) if decision.flush else None
+            sent = flat if residual is None else flat + residual.to(flat.dtype)
+            return self.raw.encode(sent, name=GRADIENT_NAME, step=step, rank=rank)
+        with with_density(self.state, decision.density):
+            return self.state.encode(flat, name=GRADIENT_NAME, step=step, rank=rank)
+
+    def observe(self, norm: float, cosine: float) -> dict[str, float]:
+        """After a send: the policy learns the norm (and the cosine of a compressed send); returns the
+        ``comm/`` metrics of the decision."""
+        if self.policy is not None:
+            self.policy.observe(norm, cosine if self.last.compress else None)
+        return {"comm/uncompressed": 0.0 if self.last.compress else 1.0,
+                "comm/density_target": self.last.density or 0.0}
 
     @staticmethod
     def decode(chunks: Sequence[bytes]) -> torch.Tensor:
         return codecs.decode(chunks).reshape(-1)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.state.state_dict()
+        policy = {"sync_policy": self.policy.state_dict()} if self.policy is not None else {}
+        return {**self.state.state_dict(), **policy}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        policy = state.pop("sync_policy", None)
+        if policy is not None and self.policy is not None:
+            self.policy.load_state_dict(policy)
         self.state.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def with_density(state: Any, density: float | None) -> Iterator[None]:
+    """A sparse codec encodes at ``density`` for one call; its own knob (checkpointed) stays as set."""
+    own = getattr(state, "density", None)
+    if density is None or own is None:
+        yield
+        return
+    state.density = density
+    try:
+        yield
+    finally:
+        state.density = own
 
 
 def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:

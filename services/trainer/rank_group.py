@@ -204,6 +204,7 @@ class RankGroup:
             total = sum_decoded([own_chunks, *(gathered[r] for r in sorted(gathered))])
         decode_s = time.perf_counter() - started
         own_cos = cosine(RankCodec.decode(own_chunks), true)
+        sync = self.codec.observe(float(true.norm()), own_cos)
         aggregate = self.aggregate_codec.encode(total, step, 0)
         await self.exchange.send_aggregate(step, aggregate, epoch)
         set_gradient(trainer.model, total)
@@ -218,7 +219,7 @@ class RankGroup:
             "comm/encode_s": _mean([r["encode_s"] for r in reports if "encode_s" in r]),
             "comm/ranks": 1 + len(gathered),
             "comm/bytes_received": received, "comm/aggregate_bytes": sum(len(c) for c in aggregate),
-            "comm/decode_s": decode_s,
+            "comm/decode_s": decode_s, **sync,
         }
 
     async def _next_plan(self, stop: asyncio.Event) -> RankPlan | None:
@@ -263,6 +264,7 @@ class RankGroup:
             chunks = self.codec.encode(true, step, self.rank)
             encode_s = time.perf_counter() - started
             cos = cosine(self.codec.decode(chunks), true)  # what the leader will see, against the truth
+            self.codec.observe(float(true.norm()), cos)
             await self.exchange.send_gradient(step, self.rank, chunks, {"cos": cos, "encode_s": encode_s}, epoch)
             summed = await self.exchange.next_aggregate(step, epoch, self.rank)
             if summed is None:

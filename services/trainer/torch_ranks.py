@@ -48,6 +48,7 @@ from fulmen.settings import TrainerSettings
 from fulmen_trainer.codecs import DDPCodecState, codec_hook
 from fulmen_trainer.gradients import RankCodec
 from fulmen_trainer.plan import StepPlan, merge_passes
+from fulmen_trainer.sync_policy import SyncPolicy
 
 if TYPE_CHECKING:
     from fulmen_trainer.policy import Policy
@@ -84,7 +85,8 @@ class TorchRanks:
             dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
         self.control = dist.new_group(backend="gloo", timeout=TIMEOUT)
         # a bad codec name or density raises ValueError here, before any step
-        self.codec = DDPCodecState(RankCodec(settings.codec, density=settings.codec_density).state, start_iter=0)
+        self.codec = DDPCodecState(RankCodec(settings.codec, density=settings.codec_density).state, start_iter=0,
+                                   policy=SyncPolicy.from_settings(settings))
         self.bucket_mb = settings.ddp_bucket_mb
         self._last_sent = time.monotonic()
 
@@ -162,6 +164,7 @@ class TorchRanks:
             await asyncio.to_thread(self._send, STEP, msgpack.packb([p.to_wire() for p in plans]))
         own = plan.share(*shares[0]) if shares[0][1] > shares[0][0] else _no_tokens(plan)
         passes = []
+        self.codec.step = step
         for _ in range(epochs):
             metrics = await asyncio.to_thread(trainer.backward, own, total_tokens / self.world)
             metrics["loss/grad_norm"] = trainer.update()
@@ -203,6 +206,7 @@ class TorchRanks:
             samples = [Sample.from_wire(b) for b in mine.samples]
             share = StepPlan(samples, list(mine.rewards), torch.tensor(tokens.floats(mine.advantages)),
                              list(mine.group_keys), [])
+            self.codec.step = mine.step
             for _ in range(mine.epochs):
                 await asyncio.to_thread(trainer.backward, share, mine.total_tokens / self.world)
                 trainer.update()

@@ -146,6 +146,11 @@ class CodecState(ABC):
         """Forget the error-feedback state of ``name`` (all when None); codecs without any ignore it."""
         return None
 
+    def flush(self, name: str) -> torch.Tensor | None:
+        """What error feedback still holds back for ``name`` (an fp32 vector), cleared; None if nothing
+        (a full sync sends it with the gradient)."""
+        return None
+
     # -- statistics -----------------------------------------------------------------------------
 
     def compression_stats(self, reset: bool = False) -> dict[str, float]:

@@ -21,6 +21,11 @@ Contract of ``codec_hook(state, bucket) -> Future[Tensor]`` (see ``register_comm
   first iteration (then ``start_iter=0`` is safe too).
 - All-gather of variable-size payloads: each rank first all-gathers its payload length (a blocking
   all-gather of one int64), then the payloads padded to the longest (gloo all-gathers CPU tensors).
+- Sync policy (optional, `fulmen_trainer.sync_policy`): one per bucket, deciding per bucket whether
+  it goes compressed and at which density. An uncompressed decision (an anomaly on any rank, or the
+  periodic full sync) is agreed first — one all-reduce (MAX) of two flags — because every rank must
+  call the same collective; it then travels as a plain fp32 all-reduce (with the flushed residual on
+  a full sync). ``state.step`` is the trainer step, set by the caller before each pass.
 - State (`DDPCodecState`): the codec state (error feedback keyed by ``"bucket<index>"``), the
   iteration count (advanced after the last bucket, as ``PowerSGDState`` does) and ``start_iter``: the
   first ``start_iter`` iterations use a plain fp32 all-reduce, because DDP rebuilds its buckets after
@@ -30,6 +35,7 @@ Contract of ``codec_hook(state, bucket) -> Future[Tensor]`` (see ``register_comm
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime
 # (`bucket: dist.GradBucket`, `-> torch.futures.Future[torch.Tensor]`), so they must be real objects.
 
+import copy
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +56,8 @@ class DDPCodecState:
     State: ``iter`` and the codec's own state. Statistics: `compression_stats` (the codec's)."""
 
     def __init__(
-        self, codec: CodecState, process_group: dist.ProcessGroup | None = None, start_iter: int = 1
+        self, codec: CodecState, process_group: dist.ProcessGroup | None = None, start_iter: int = 1,
+        policy: Any = None,
     ) -> None:
         if not isinstance(codec, CodecState):
             raise InvalidInput(f"codec must be a CodecState, got {type(codec).__name__}")
@@ -60,17 +67,36 @@ class DDPCodecState:
         self.process_group = process_group
         self.start_iter = start_iter
         self.iter = 0
+        self.policy = policy  # a SyncPolicy: the template of each bucket's own
+        self.policies: dict[int, Any] = {}
+        self.step = 0
+        self.sent: list[tuple[bool, float]] = []  # (compressed, cosine) per bucket since the last stats
 
     def compression_stats(self, reset: bool = False) -> dict[str, float]:
-        return self.codec.compression_stats(reset)
+        stats = self.codec.compression_stats(reset)
+        if self.sent:
+            stats["comm/cosine"] = sum(c for _, c in self.sent) / len(self.sent)
+            stats["comm/uncompressed"] = sum(1.0 for compressed, _ in self.sent if not compressed) / len(self.sent)
+        if reset:
+            self.sent = []
+        return stats
+
+    def bucket_policy(self, index: int) -> Any:
+        if index not in self.policies:
+            self.policies[index] = copy.deepcopy(self.policy)
+        return self.policies[index]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"iter": self.iter, "start_iter": self.start_iter, "codec": self.codec.state_dict()}
+        return {"iter": self.iter, "start_iter": self.start_iter, "codec": self.codec.state_dict(),
+                "policies": {str(i): p.state_dict() for i, p in self.policies.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iter = int(state["iter"])
         self.start_iter = int(state["start_iter"])
         self.codec.load_state_dict(state["codec"])
+        if self.policy is not None:
+            for index, policy in state.get("policies", {}).items():
+                self.bucket_policy(int(index)).load_state_dict(policy)
 
     def _advance(self, bucket: dist.GradBucket) -> None:
         if bucket.is_last():
@@ -93,6 +119,8 @@ def codec_hook(state: DDPCodecState, bucket: dist.GradBucket) -> torch.futures.F
     name = state.codec.name
     if state.iter < state.start_iter or name == "none":
         future = _allreduce_mean(buffer, buffer, group, world_size)
+    elif state.policy is not None:
+        future = _with_policy(state, bucket, buffer, group, world_size)
     elif name == "bf16":
         future = _allreduce_mean(buffer, buffer.to(torch.bfloat16), group, world_size)
     else:
@@ -102,6 +130,36 @@ def codec_hook(state: DDPCodecState, bucket: dist.GradBucket) -> torch.futures.F
         future = _allgather_mean(buffer, chunks, group, world_size)
     state._advance(bucket)
     return future
+
+
+def _with_policy(
+    state: DDPCodecState, bucket: dist.GradBucket, buffer: torch.Tensor, group: Any, world_size: int
+) -> torch.futures.Future[torch.Tensor]:
+    """One bucket under its sync policy (see the module docstring)."""
+    from fulmen_trainer.codecs.aggregate import sum_decoded
+    from fulmen_trainer.gradients import with_density
+
+    policy = state.bucket_policy(bucket.index())
+    norm = float(buffer.norm())
+    decision = policy.decide(state.step, norm, getattr(state.codec, "density", None))
+    flags = torch.tensor([float(not decision.compress), float(decision.flush)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)  # every rank calls the same collective
+    name = f"bucket{bucket.index()}"
+    if flags[0] > 0:
+        residual = state.codec.flush(name) if flags[1] > 0 else None
+        if residual is not None:
+            buffer.add_(residual.view_as(buffer).to(buffer.dtype))
+        policy.observe(norm, None)
+        state.sent.append((False, 1.0))
+        return _allreduce_mean(buffer, buffer, group, world_size)
+    true = buffer.detach().clone()
+    with with_density(state.codec, decision.density):
+        chunks = state.codec.encode(buffer, name=name, step=state.iter, rank=dist.get_rank(group))
+    sent = sum_decoded([chunks]).view(-1)
+    cos = float(torch.nn.functional.cosine_similarity(sent, true.view(-1).float(), dim=0)) if true.any() else 1.0
+    policy.observe(norm, cos)
+    state.sent.append((True, cos))
+    return _allgather_mean(buffer, chunks, group, world_size)
 
 
 def _allreduce_mean(

@@ -137,6 +137,11 @@ class SparseCodec(CodecState):
             else:
                 store.pop(name, None)
 
+    def flush(self, name: str) -> torch.Tensor | None:
+        residual = self.residuals.get(name)
+        self.reset(name)
+        return None if residual is None else torch.from_numpy(residual)
+
     def _buffer(self, store: dict[str, np.ndarray], name: str, numel: int) -> np.ndarray:
         buf = store.get(name)
         if buf is None or buf.shape[0] != numel:

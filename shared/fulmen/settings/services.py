@@ -178,6 +178,17 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
     world_size: int = Field(1, ge=1, le=256, description="Data-parallel trainer ranks (honcho -c trainer=R).")
     codec: str = Field("none", description="Gradient codec between ranks: none, bf16, topk, dgc, qsgd8, qsgd4.")
     codec_density: float = Field(0.01, gt=0, le=1, description="Kept fraction for topk and dgc.")
+    full_sync_every: int | None = Field(
+        None, ge=1, description="Send the gradient uncompressed (with what error feedback held back) every K steps."
+    )
+    density_schedule: str | None = Field(
+        None, description="topk/dgc density by phase: 'until_step:density,...,density', e.g. 50:0.1,900:0.01,0.05."
+    )
+    adaptive_density: bool = Field(False, description="Scale the density (x1/4..x4) to keep comm/cosine near target_cosine.")
+    target_cosine: float = Field(0.8, gt=0, le=1, description="adaptive_density: the cosine to hold.")
+    anomaly_factor: float = Field(
+        10.0, gt=1, description="A gradient norm this many times the recent median is sent uncompressed (and logged)."
+    )
     rank_timeout_s: float = Field(10.0, gt=0, description="A rank silent this long is considered gone.")
     on_rank_loss: str = Field("continue", description="When a rank is gone: continue without it, or wait.")
 
