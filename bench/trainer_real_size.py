@@ -180,6 +180,19 @@ def compute_dtype_probe(model: Any) -> dict[str, str]:
     return seen
 
 
+def matmul_probe() -> float:
+    """fp32 GFLOP/s of a decoder-sized matrix product just before the steps: how fast the (shared) CPU
+    is at that moment."""
+    import torch
+
+    a, b = torch.randn(2048, 896), torch.randn(896, 4864)
+    a @ b
+    started, count = time.perf_counter(), 5
+    for _ in range(count):
+        a @ b
+    return round(2 * 2048 * 896 * 4864 * count / (time.perf_counter() - started) / 1e9, 1)
+
+
 def version_sizes(state: dict[str, Any]) -> tuple[float, float]:
     """MB of the published blob as it is (fp32) and if its tensors were bf16."""
     import torch
@@ -214,19 +227,21 @@ def run_fulmen(args: argparse.Namespace, mode: str, memory: Memory) -> dict[str,
     trainable = sum(p.numel() for p in trainer.policy.trainable_parameters())
     log("%s: loaded in %.1f s, %.1fM trained parameters, peak RSS so far %.2f GB", mode, load_s, trainable / 1e6,
         rss_loaded)
-    probe = compute_dtype_probe(trainer.model)
+    dtypes = compute_dtype_probe(trainer.model)
     samples = make_samples(args, trainer.model.config.vocab_size)
     advantages = advantages_of(samples)
-    steps, losses = [], []
+    steps, cpu, losses = [], [], []
+    probe = matmul_probe()
     for step in range(args.steps):
         plan = StepPlan(samples, [s.reward for s in samples], advantages, [s.group_key for s in samples], [])
         memory.mark(f"step{step + 1}")
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         metrics = trainer.train_passes(plan)  # what `train_step` runs for one rank: backward, update
         steps.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
         losses.append(metrics["loss/total"])
-        log("%s: step %d %.2f s, loss %.6f, grad norm %.4g, peak RSS %.2f GB", mode, step + 1, steps[-1],
-            losses[-1], metrics["loss/grad_norm"], memory.peak_gb())
+        log("%s: step %d %.2f s (%.2f s of CPU), loss %.6f, grad norm %.4g, peak RSS %.2f GB", mode, step + 1,
+            steps[-1], cpu[-1], losses[-1], metrics["loss/grad_norm"], memory.peak_gb())
     if trainer.nonfinite is not None:
         raise RuntimeError(f"a step was not finite: {trainer.nonfinite}")
     peak = memory.peak_gb()
@@ -235,9 +250,9 @@ def run_fulmen(args: argparse.Namespace, mode: str, memory: Memory) -> dict[str,
     mb, mb_bf16 = version_sizes(state)
     log("%s: published version %.2f MB (%.2f MB in bf16), %d tensors", mode, mb, mb_bf16, len(state))
     return {"mode": mode, "load_s": round(load_s, 2), "step_s": [round(s, 3) for s in steps],
-            "losses": losses, "peak_rss_gb": round(peak, 3), "peak_rss_gb_after_load": round(rss_loaded, 3),
-            "trained_parameters": trainable, "version_mb": mb, "version_mb_bf16": mb_bf16,
-            "version_tensors": len(state), "compute": probe}
+            "step_cpu_s": [round(s, 3) for s in cpu], "losses": losses, "peak_rss_gb": round(peak, 3),
+            "peak_rss_gb_after_load": round(rss_loaded, 3), "trained_parameters": trainable, "version_mb": mb,
+            "version_mb_bf16": mb_bf16, "version_tensors": len(state), "compute": dtypes, "probe_gflops": probe}
 
 
 def run_bare(args: argparse.Namespace, memory: Memory) -> dict[str, Any]:
@@ -272,22 +287,25 @@ def run_bare(args: argparse.Namespace, memory: Memory) -> dict[str, Any]:
     rss_loaded = memory.peak_gb()
     log("bare: loaded in %.1f s, %.1fM trained parameters, peak RSS so far %.2f GB", load_s,
         sum(p.numel() for p in trainable) / 1e6, rss_loaded)
-    probe = compute_dtype_probe(model)
+    dtypes = compute_dtype_probe(model)
 
     samples = make_samples(args, model.config.vocab_size)
     input_ids = torch.tensor([s.prompt_token_ids + s.response_token_ids for s in samples])
+    attention_mask = torch.ones_like(input_ids)
     targets = input_ids[:, args.prompt_tokens :]
     behaviour = torch.tensor([s.response_logprobs for s in samples])
     rewards = torch.tensor([s.reward for s in samples]).view(-1, 4)
     centred = rewards - rewards.mean(-1, keepdim=True)
     advantages = (centred / (centred.pow(2).mean(-1, keepdim=True).sqrt() + 1e-6)).view(-1, 1)
     clip, cap = 0.2, 2.0
-    steps, losses = [], []
+    steps, cpu, losses = [], [], []
+    probe = matmul_probe()
     for step in range(args.steps):
         memory.mark(f"step{step + 1}")
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         # the logits at the positions that predict the response tokens (the last R+1, minus the last)
-        logits = model(input_ids=input_ids, logits_to_keep=args.response_tokens + 1).logits[:, :-1].float()
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       logits_to_keep=args.response_tokens + 1).logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
         old = logp.detach()
         weight = torch.exp(old - behaviour).clamp(max=cap)
@@ -298,11 +316,13 @@ def run_bare(args: argparse.Namespace, memory: Memory) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         steps.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
         losses.append(float(loss))
-        log("bare: step %d %.2f s, loss %.6f, peak RSS %.2f GB", step + 1, steps[-1], losses[-1], memory.peak_gb())
-    return {"mode": "bare", "load_s": round(load_s, 2), "step_s": [round(s, 3) for s in steps], "losses": losses,
-            "peak_rss_gb": round(memory.peak_gb(), 3), "peak_rss_gb_after_load": round(rss_loaded, 3),
-            "compute": probe}
+        log("bare: step %d %.2f s (%.2f s of CPU), loss %.6f, peak RSS %.2f GB", step + 1, steps[-1], cpu[-1],
+            losses[-1], memory.peak_gb())
+    return {"mode": "bare", "load_s": round(load_s, 2), "step_s": [round(s, 3) for s in steps],
+            "step_cpu_s": [round(s, 3) for s in cpu], "losses": losses, "peak_rss_gb": round(memory.peak_gb(), 3),
+            "peak_rss_gb_after_load": round(rss_loaded, 3), "compute": dtypes, "probe_gflops": probe}
 
 
 def child(args: argparse.Namespace) -> None:

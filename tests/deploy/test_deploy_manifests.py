@@ -367,3 +367,63 @@ def test_dockerfile_installs_cpu_torch_first_within_the_package_range() -> None:
     pyproject = (REPO / "pyproject.toml").read_text()
     (torch_req,) = [Requirement(r) for r in re.findall(r'"(torch[^"]*)"', pyproject) if r.startswith("torch")]
     assert torch_req.specifier.contains(version.group(1))
+
+
+# --- the GPU variants -----------------------------------------------------------------------------
+
+
+def _after_fulmen(command: list[str]) -> list[str]:
+    """A torchrun line's `fulmen` arguments (what follows the executable torchrun starts)."""
+    return command[command.index("fulmen") + 1 :]
+
+
+def test_gpu_procfile_runs_the_trainer_under_torchrun_and_parses(fulmen_app: Any) -> None:
+    processes = {}
+    for line in (DEPLOY / "Procfile.gpu").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, command = line.split(":", 1)
+            processes[name.strip()] = shlex.split(interpolate(command, {}))
+    assert set(processes) == set(procfile())
+    trainer = processes["trainer"]
+    assert trainer[:2] == ["torchrun", "--no-python"] and "--nproc-per-node" in trainer
+    assert_parses(fulmen_app, _after_fulmen(trainer), "Procfile.gpu trainer")
+    assert trainer[trainer.index("--parallel") : trainer.index("--parallel") + 2] == ["--parallel", "ddp"]
+    for name, command in processes.items():
+        if name != "trainer":
+            assert command[0] == "fulmen", name
+            assert_parses(fulmen_app, command[1:], f"Procfile.gpu {name}")
+    assert "--device" in processes["proxy"]
+
+
+def test_gpu_compose_override_validates_and_asks_for_gpus(compose_validator: jsonschema.Validator,
+                                                          fulmen_app: Any) -> None:
+    override = yaml.safe_load(interpolate((DEPLOY / "docker-compose.gpu.yml").read_text(), {"TRAINER_GPUS": "2"}))
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in compose_validator.iter_errors(override)]
+    assert errors == []
+    assert set(override["services"]) <= set(compose()["services"])
+    trainer, proxy = override["services"]["trainer"], override["services"]["proxy"]
+    assert trainer["entrypoint"][-1] == "fulmen" and trainer["entrypoint"][0] == "torchrun"
+    assert_parses(fulmen_app, trainer["command"], "compose gpu trainer")
+    assert_parses(fulmen_app, proxy["command"], "compose gpu proxy")
+    for service, count in ((trainer, 2), (proxy, 1)):
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and int(device["count"]) == count
+
+
+@pytest.mark.parametrize("path", sorted((DEPLOY / "k8s-gpu").glob("*.yaml")), ids=lambda p: p.name)
+def test_gpu_k8s_manifests_validate_parse_and_request_gpus(path: Path, fulmen_app: Any) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    (doc,) = [d for d in docs if d["kind"] == "Deployment"]
+    cpu = k8s_objects("Deployment")[doc["metadata"]["name"]]  # it replaces the CPU Deployment of its name
+    assert doc["spec"]["selector"] == cpu["spec"]["selector"]
+    spec = container(doc)
+    assert_parses(fulmen_app, spec["args"], f"k8s-gpu {path.name}")
+    assert int(spec["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    if "command" in spec:  # the trainer: torchrun starts one `fulmen` per GPU
+        assert spec["command"][0] == "torchrun" and spec["command"][-1] == "fulmen"
+        gpus = spec["command"][spec["command"].index("--nproc-per-node") + 1]
+        assert int(gpus) == int(spec["resources"]["limits"]["nvidia.com/gpu"])
+    named = set(FULMEN_NAME.findall(path.read_text()))
+    assert named - settings_env_names() == set()
