@@ -18,7 +18,7 @@ from fulmen.store import RedisStore
 log = logging.getLogger("fulmen.trainer")
 
 ON_RANK_LOSS = ("continue", "wait")
-PARALLEL = ("redis", "ddp")
+PARALLEL = ("redis", "ddp", "fsdp")
 
 
 @settings_command(TrainerSettings)
@@ -49,14 +49,14 @@ def command(settings: TrainerSettings) -> None:
         typer.echo(f"error: on_rank_loss {settings.on_rank_loss!r} unknown; use continue or wait", err=True)
         raise typer.Exit(2)
     if settings.parallel not in PARALLEL:
-        typer.echo(f"error: parallel {settings.parallel!r} unknown; use redis or ddp", err=True)
+        typer.echo(f"error: parallel {settings.parallel!r} unknown; use redis, ddp or fsdp", err=True)
         raise typer.Exit(2)
     if settings.parallel == "redis" and under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         typer.echo("error: started by torchrun with several processes but --parallel is redis: "
                    "add --parallel ddp (or start the ranks with honcho -c trainer=R)", err=True)
         raise typer.Exit(2)
     torch_ranks = None
-    if settings.parallel == "ddp":
+    if settings.parallel in ("ddp", "fsdp"):
         try:
             torch_ranks = TorchRanks(settings)
         except ValueError as e:
@@ -107,13 +107,13 @@ def command(settings: TrainerSettings) -> None:
                 await torch_ranks.hello(trainer)
             if rank == 0:
                 await trainer.run(stop)
-                if torch_ranks is not None:
-                    await torch_ranks.finish()
             else:
                 assert ranks is not None
                 await ranks.follow(trainer, stop)
             if trainer.unlogged and (rank == 0 or torch_ranks is None):  # steps since the last checkpoint
                 await trainer.checkpoint()
+            if rank == 0 and torch_ranks is not None:
+                await torch_ranks.finish()  # after that checkpoint: FSDP ranks write their shards of it
         finally:
             if torch_ranks is not None:
                 torch_ranks.close()

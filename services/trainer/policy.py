@@ -42,6 +42,7 @@ class Policy:
         self.lora = settings.lora_rank is not None
         self.reference = reference
         self.scorer: Any = None  # the forward that takes part in gradient exchange (a DDP wrapper), if any
+        self.gather: Any = None  # FSDP: a collective that returns the whole state on rank 0
         self.autocast_dtype = resolve_dtype(settings.dtype) if device.type == "cuda" else None
 
     @property
@@ -61,7 +62,9 @@ class Policy:
 
     def gradient_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         """Under DDP, only the last micro-batch of a pass all-reduces (the others accumulate locally)."""
-        if self.scorer is not None and not last and hasattr(self.scorer, "no_sync"):
+        if self.scorer is not None and hasattr(self.scorer, "set_requires_gradient_sync"):  # FSDP2
+            self.scorer.set_requires_gradient_sync(last)
+        elif self.scorer is not None and not last and hasattr(self.scorer, "no_sync"):
             return self.scorer.no_sync()
         return contextlib.nullcontext()
 
@@ -84,12 +87,15 @@ class Policy:
             yield self.reference
 
     def published_state(self) -> dict[str, torch.Tensor]:
-        """What a model version holds: the adapter (LoRA), else every weight."""
+        """What a model version holds: the adapter (LoRA), else every weight. Under FSDP every rank
+        calls it (the shards are gathered) and only rank 0's answer holds the weights."""
+        full = self.gather() if self.gather is not None else None
         if self.lora:
             from peft import get_peft_model_state_dict
 
-            return {k: v.detach().float() for k, v in get_peft_model_state_dict(self.model).items()}
-        return self.model.state_dict()
+            adapter = get_peft_model_state_dict(self.model, state_dict=full)
+            return {k: v.detach().float() for k, v in adapter.items()}
+        return full if full is not None else self.model.state_dict()
 
     def published_format(self) -> dict[str, Any] | None:
         """How the proxies apply a published state (None: full weights, loaded as they are)."""

@@ -105,6 +105,7 @@ class RankGroup:
     """What a trainer process needs to train with others: its membership, the streams, the codec."""
 
     shares_checkpoint = False  # every rank checkpoints its own folder (its consumer, its codec state)
+    sharded = False
 
     def __init__(self, store: RedisStore, membership: Membership, exchange: Exchange, codec: RankCodec,
                  *, wait_for_full_world: bool = False) -> None:

@@ -56,11 +56,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HELLO, IDLE, STEP, STOP = 0, 1, 2, 3
+HELLO, IDLE, STEP, STOP, GATHER, CHECKPOINT = 0, 1, 2, 3, 4, 5
 IDLE_PING_S = 60.0
 TIMEOUT = timedelta(minutes=30)  # a collective waits this long (a slow step on a big model, a pause)
 MAX_MESSAGE_BYTES = 1 << 30
-PARALLEL = ("redis", "ddp")
 
 
 def under_torchrun() -> bool:
@@ -74,13 +73,20 @@ class TorchRanks:
 
     def __init__(self, settings: TrainerSettings) -> None:
         if not under_torchrun():
-            raise ValueError("--parallel ddp runs under torchrun (torchrun --no-python --nproc-per-node N "
-                             "fulmen trainer --parallel ddp ...); without it use --parallel redis")
+            raise ValueError(f"--parallel {settings.parallel} runs under torchrun (torchrun --no-python "
+                             f"--nproc-per-node N fulmen trainer --parallel {settings.parallel} ...); "
+                             "without it use --parallel redis")
+        self.sharded = settings.parallel == "fsdp"
+        if self.sharded and settings.codec != "none":
+            raise ValueError("--parallel fsdp reduces gradients itself (reduce-scatter): use --codec none, "
+                             "or --parallel ddp for the gradient codecs")
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         cuda = settings.device != "cpu" and torch.cuda.is_available()
         self.device = f"cuda:{self.local_rank}" if cuda else "cpu"
+        if self.sharded and not cuda and settings.dtype != "float32":
+            raise ValueError("--parallel fsdp on a CPU trains in fp32: use --dtype float32")
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
         self.control = dist.new_group(backend="gloo", timeout=TIMEOUT)
@@ -95,11 +101,17 @@ class TorchRanks:
         return settings.model_copy(update={"device": self.device})
 
     def wrap(self, policy: Policy) -> None:
-        """DDP around the policy's scoring forward, with the codec as its communication hook. Rank 0's
-        weights are broadcast to every rank here."""
+        """DDP around the policy's scoring forward, with the codec as its communication hook (rank 0's
+        weights are broadcast to every rank here); or FSDP2: every decoder layer and the rest sharded
+        over the ranks. Before the optimizer is made: FSDP replaces the parameters."""
         from torch.nn.parallel import DistributedDataParallel
 
         from fulmen_trainer.logprobs import TokenScorer
+
+        self.policy = policy
+        if self.sharded:
+            self._shard(policy)
+            return
 
         ddp = DistributedDataParallel(
             TokenScorer(policy.model), device_ids=[self.local_rank] if self.device.startswith("cuda") else None,
@@ -108,6 +120,63 @@ class TorchRanks:
         if self.codec.codec.name != "none":
             ddp.register_comm_hook(self.codec, codec_hook)
         policy.scorer = ddp
+
+    def _shard(self, policy: Policy) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from fulmen_trainer.logprobs import TokenScorer
+
+        mesh = init_device_mesh(self.device.split(":")[0], (self.world,))
+        knobs: dict[str, Any] = {"mesh": mesh}
+        if policy.autocast_dtype == torch.bfloat16:  # bf16 compute, fp32 gradient reduction
+            knobs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in _decoder_layers(policy.model):
+            fully_shard(layer, **knobs)
+        scorer = TokenScorer(policy.model)
+        fully_shard(scorer, **knobs)  # the root: embeddings, final norm, output layer
+        policy.scorer = scorer
+        policy.gather = self.gather_full_state
+
+    def gather_full_state(self) -> dict[str, torch.Tensor]:
+        """Rank 0: the whole model's state for a model version (every rank takes part; the others get {})."""
+        if self.rank == 0:
+            self._send(GATHER)
+        return self._gather()
+
+    def _gather(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.policy is not None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.policy.model, options=options)
+
+    def save_checkpoint(self, directory: Any, checkpoint: Any, trainer: Trainer) -> None:
+        """Rank 0: every rank writes its shard of the model and optimizer (`sharded_checkpoint`)."""
+        from fulmen_trainer import sharded_checkpoint
+
+        self._send(CHECKPOINT, msgpack.packb(checkpoint.step))
+        assert trainer.optimizer is not None
+        sharded_checkpoint.save(directory, checkpoint, trainer.model, trainer.optimizer, 0, self.world, self.control)
+
+    def load_checkpoint(self, path: Any, trainer: Trainer) -> Any:
+        from fulmen_trainer import sharded_checkpoint
+
+        assert trainer.optimizer is not None
+        return sharded_checkpoint.load(path, trainer.model, trainer.optimizer, self.rank, self.world)
+
+    def _serve(self, trainer: Trainer, kind: int, payload: bytes) -> None:
+        """A follower's part in what rank 0 does outside a step: gather a version, write a checkpoint."""
+        if kind == GATHER:
+            self._gather()
+        elif kind == CHECKPOINT:
+            from fulmen_trainer import checkpoint as ckpt
+            from fulmen_trainer import sharded_checkpoint
+
+            assert trainer.optimizer is not None
+            step = msgpack.unpackb(payload)
+            sharded_checkpoint.save(trainer.checkpoint_folder, ckpt.Checkpoint(step, "", []), trainer.model,
+                                    trainer.optimizer, self.rank, self.world, self.control)
 
     # --- control messages ------------------------------------------------------------------------------
 
@@ -134,6 +203,9 @@ class TorchRanks:
             await asyncio.to_thread(self._send, HELLO, msgpack.packb(trainer.step))
             return
         kind, payload = await asyncio.to_thread(self._receive)
+        while kind in (GATHER, CHECKPOINT):  # rank 0 published while starting (a resumed version)
+            await asyncio.to_thread(self._serve, trainer, kind, payload)
+            kind, payload = await asyncio.to_thread(self._receive)
         step = msgpack.unpackb(payload) if kind == HELLO else None
         if step != trainer.step:
             raise RuntimeError(f"rank {self.rank} resumed at step {trainer.step}, rank 0 at {step}: "
@@ -201,6 +273,7 @@ class TorchRanks:
             if kind == STOP:
                 return
             if kind != STEP:
+                await asyncio.to_thread(self._serve, trainer, kind, payload)
                 continue
             mine = RankPlan.from_wire(msgpack.unpackb(payload)[self.rank - 1])
             samples = [Sample.from_wire(b) for b in mine.samples]
@@ -216,6 +289,17 @@ class TorchRanks:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The model's repeated blocks (the classes Hugging Face never splits across devices)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in base.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(base).__name__} names no decoder layer class (_no_split_modules): "
+                         "FSDP would shard it as one block; use --parallel ddp")
+    return layers
 
 
 def _no_tokens(plan: StepPlan) -> StepPlan:

@@ -45,6 +45,7 @@ from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 from fulmen.train_steps import latest_step, record_untrained_groups
 from fulmen_trainer import checkpoint as ckpt
+from fulmen_trainer import sharded_checkpoint
 from fulmen_trainer.batch import TokenBatch, make_batch
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
 from fulmen_trainer.logprobs import token_logprobs
@@ -127,16 +128,23 @@ class Trainer:
         if self.s.torch_threads:
             torch.set_num_threads(self.s.torch_threads)
         path = ckpt.latest(self.checkpoint_folder)
+        sharded = path is not None and sharded_checkpoint.is_sharded(path)
+        if sharded and not (self.ranks is not None and self.ranks.sharded):
+            raise ValueError(f"{path} is a sharded (FSDP) checkpoint: resume it with --parallel fsdp under torchrun")
         # in a thread: loading takes seconds, and the rank's heartbeat must keep beating meanwhile
-        self.policy = await asyncio.to_thread(load_policy, self.s, path / "model" if path else None)
+        self.policy = await asyncio.to_thread(load_policy, self.s, path / "model" if path and not sharded else None)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=self.s.learning_rate)
         if self.ranks is not None:
-            self.ranks.wrap(self.policy)  # DDP: after the checkpoint's weights, before any step
+            self.ranks.wrap(self.policy)  # DDP or FSDP: before the optimizer (FSDP replaces the parameters)
+        self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=self.s.learning_rate)
         await self.store.ensure_samples_group(k.TRAINERS_GROUP)
         already_done: set[str] = set()
         if path is not None:
-            checkpoint, codec_state = ckpt.load(path, self.optimizer)
+            if sharded:
+                assert isinstance(self.ranks, TorchRanks)
+                checkpoint, codec_state = await asyncio.to_thread(self.ranks.load_checkpoint, path, self), {}
+            else:
+                checkpoint, codec_state = ckpt.load(path, self.optimizer)
             if self.ranks is not None and codec_state:
                 self.ranks.codec.load_state_dict(codec_state)  # error feedback carries over the restart
             self.step, self.version = checkpoint.step, ModelVersion.parse(checkpoint.model_version)
@@ -413,7 +421,8 @@ class Trainer:
         """One optimizer update from the gradients in ``.grad`` (clipped); the caller counts the step
         once all of its PPO epochs are done. Returns the gradient norm before clipping."""
         assert self.policy is not None
-        norm = float(torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.s.max_grad_norm))
+        total = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.s.max_grad_norm)
+        norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)  # FSDP: a DTensor
         assert self.optimizer is not None
         if not math.isfinite(norm) or self.nonfinite is not None:
             # a NaN or inf gradient (or loss) would poison every weight: no update this step. Every
@@ -433,8 +442,9 @@ class Trainer:
         checkpointed); the proxies load it. ``resumed``: weights a killed publish left half-written
         under that name are replaced."""
         assert self.policy is not None
+        state = await asyncio.to_thread(self.policy.published_state)  # FSDP: a collective with every rank
         await publish_model_version(
-            self.store, self.policy.published_state(), model=self.model_name, model_version=self.version.name,
+            self.store, state, model=self.model_name, model_version=self.version.name,
             shared_dir=self.s.weights_dir, replace_unpublished=resumed, weights_format=self.policy.published_format(),
         )
 
@@ -472,7 +482,10 @@ class Trainer:
                                      {"metrics": self.unlogged} if self.rank == 0 else {})
         directory = self.checkpoint_folder
         codec_state = self.ranks.codec.state_dict() if self.ranks is not None else None
-        await asyncio.to_thread(ckpt.save, directory, checkpoint, self.model, self.optimizer, codec_state)
+        if isinstance(self.ranks, TorchRanks) and self.ranks.sharded:
+            await asyncio.to_thread(self.ranks.save_checkpoint, directory, checkpoint, self)
+        else:
+            await asyncio.to_thread(ckpt.save, directory, checkpoint, self.model, self.optimizer, codec_state)
         await self.store.ack_samples(k.TRAINERS_GROUP, self.consumed_since_checkpoint)
         self.consumed_since_checkpoint = []
         self.checkpointed_step = self.step

@@ -181,3 +181,43 @@ def test_ddp_outside_torchrun_and_redis_inside_it_fail_with_what_to_do(tiny: Pat
     assert inside.returncode == 2 and b"add --parallel ddp" in inside.stderr
     unknown = subprocess.run([FULMEN, "trainer", "--parallel", "fsdp9"], env=env, capture_output=True, timeout=60)
     assert unknown.returncode == 2 and b"parallel 'fsdp9' unknown" in unknown.stderr
+
+
+@pytest.mark.slow
+async def test_two_fsdp_ranks_train_like_one_and_resume_from_their_shards(redis_url: str, tiny: Path,
+                                                                          tmp_path: Path) -> None:
+    """FSDP2 on CPU/gloo: 2 ranks stop after 2 steps (sharded checkpoint: a shard per rank), resume for
+    the third, and publish the weights one rank reaches in 3 steps (atol 1e-5)."""
+    import redis.asyncio as aioredis
+
+    from fulmen.model_versions import fetch_model_version
+
+    client = aioredis.from_url(redis_url)
+    one, two = (RedisStore(client, f"fsdp-{name}-{tmp_path.name[-8:]}") for name in ("one", "two"))
+    samples = _samples(2 * STEPS)
+    await _push(one, samples)
+    await _push(two, samples)
+    await _run_single(redis_url, tiny, tmp_path / "one", one.experiment)
+    env = _env(redis_url, two.experiment, tiny, tmp_path / "two")
+
+    def fsdp(steps: int) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [TORCHRUN, "--no-python", "--nproc-per-node", "2", "--master-port", str(free_port()), FULMEN, "trainer",
+             "--parallel", "fsdp", "--max-steps", str(steps)], env=env, timeout=180, capture_output=True)
+
+    first = await asyncio.to_thread(fsdp, STEPS - 1)
+    assert first.returncode == 0, first.stderr.decode()[-3000:]
+    saved = tmp_path / "two" / "ck" / "rank-0" / f"step-{STEPS - 1}"
+    assert sorted(p.name for p in saved.glob("shard-*")) == ["shard-0.safetensors", "shard-1.safetensors"]
+    again = await asyncio.to_thread(fsdp, STEPS)
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    assert b"resumed from" in again.stderr
+    reference = await fetch_model_version(one, f"v{STEPS}")
+    got = await fetch_model_version(two, f"v{STEPS}")
+    assert reference.keys() == got.keys()
+    gaps = {name: float((got[name] - tensor).abs().max()) for name, tensor in reference.items()}
+    assert max(gaps.values()) < 1e-5, sorted(gaps.items(), key=lambda x: -x[1])[:5]
+    lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
+    assert (await client.xpending(two.keys.samples, k.TRAINERS_GROUP))["pending"] == 0
+    await client.aclose()

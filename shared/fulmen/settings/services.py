@@ -171,8 +171,8 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: run until stopped).")
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads for the trainer.")
     parallel: str = Field(
-        "redis", description="How trainer ranks share a step: redis (honcho -c trainer=R, with world_size) "
-        "or ddp (under torchrun --nproc-per-node N)."
+        "redis", description="How trainer ranks share a step: redis (honcho -c trainer=R, with world_size), "
+        "or under torchrun --nproc-per-node N: ddp (a model per GPU) or fsdp (the model sharded over them)."
     )
     ddp_bucket_mb: float = Field(25.0, gt=0, description="ddp: gradient bucket size (MB) of each all-reduce.")
     world_size: int = Field(1, ge=1, le=256, description="Data-parallel trainer ranks (honcho -c trainer=R).")
