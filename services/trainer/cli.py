@@ -30,8 +30,9 @@ def command(settings: TrainerSettings) -> None:
     last checkpoint without losing or repeating a sample.
 
     Several ranks: `honcho start -c trainer=R` with --world-size R (ranks over Redis), or
-    `torchrun --no-python --nproc-per-node N fulmen trainer --parallel ddp` (DDP on gloo or NCCL;
-    rank r serves its metrics on the metrics port + its local rank)."""
+    `torchrun --no-python --nproc-per-node N fulmen trainer --parallel ddp` (DDP on gloo or NCCL),
+    or `--parallel fsdp` (the model sharded over the ranks); under torchrun rank r serves its metrics
+    on the metrics port + its local rank."""
     if settings.model_dir is not None:
         from fulmen.model_versions import wait_for_model_dir
 

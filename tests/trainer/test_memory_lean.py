@@ -151,3 +151,25 @@ def test_on_cuda_bf16_the_step_runs_under_autocast_with_fp32_master_weights(tiny
     metrics = trainer.backward(_plan(_samples()))
     assert torch.isfinite(torch.tensor(metrics["loss/total"]))
     assert all(p.grad is not None and p.grad.is_cuda for p in trainer.policy.trainable_parameters())
+
+
+@pytest.mark.parametrize("how", ["fp32 copy", "bf16 copy on the cpu", "lora: the base, adapter off"])
+def test_the_kl_reference_is_the_start_of_training(tiny: Path, how: str) -> None:
+    """Before any update the policy is its reference: KL 0 with an fp32 copy or with LoRA's base (no copy
+    at all), and within bf16 rounding of 0 with a bf16 copy (stored bf16, computed in fp32)."""
+    knobs = {"fp32 copy": {"reference_dtype": "float32"},
+             "bf16 copy on the cpu": {"reference_dtype": "bfloat16", "reference_device": "cpu"},
+             "lora: the base, adapter off": {"lora_rank": 4}}[how]
+    settings = load_settings(TrainerSettings, model_dir=tiny, algorithm="grpo", kl_coef=0.1, **knobs)
+    trainer = Trainer(None, settings)  # type: ignore[arg-type]  # no store: one backward pass only
+    trainer.policy = load_policy(settings, None)
+    assert trainer.policy.has_reference
+    kl = trainer.backward(_plan(_samples()))["loss/kl"]
+    if how.startswith("lora"):
+        assert trainer.policy.reference is None and kl == 0.0
+    elif how.startswith("fp32"):
+        assert kl == 0.0
+    else:
+        original = trainer.policy.reference.model.layers[0].mlp.up_proj.parametrizations.weight.original
+        assert original.dtype == torch.bfloat16
+        assert 0.0 < kl < 1e-2

@@ -166,10 +166,12 @@ async def test_a_group_that_waits_for_a_later_step_is_weighed_against_that_step(
     assert trainer.collector.counts["samples/dropped_stale"] == 2
 
 
+@pytest.mark.parametrize("every", [1, 3], ids=["checkpoint-every-step", "checkpoint-every-3"])
 async def test_restart_after_a_kill_consumes_every_sample_exactly_once(
-    real_store: RedisStore, redis_url: str, tiny: Path, tmp_path: Path
+    real_store: RedisStore, redis_url: str, tiny: Path, tmp_path: Path, every: int
 ) -> None:
-    """SIGKILL mid-run, restart: the sample ids trained on equal the ids produced, each once."""
+    """SIGKILL mid-run, restart: the sample ids trained on equal the ids produced, each once — also
+    when checkpoints (and versions) come every 3 steps and the steps since the last one are lost."""
     await real_store.ensure_samples_group(k.TRAINERS_GROUP)
     produced = []
     for g in range(8):
@@ -179,7 +181,8 @@ async def test_restart_after_a_kill_consumes_every_sample_exactly_once(
     metrics = tmp_path / "m.jsonl"
     env = {**os.environ, "REDIS_URL": redis_url, "FULMEN_EXPERIMENT": real_store.experiment,
            "FULMEN_MODEL_DIR": str(tiny), "FULMEN_GROUPS_PER_STEP": "1", "FULMEN_CHECKPOINT_DIR": str(tmp_path / "ck"),
-           "FULMEN_METRICS_FILE": str(metrics), "FULMEN_TORCH_THREADS": "1"}
+           "FULMEN_METRICS_FILE": str(metrics), "FULMEN_TORCH_THREADS": "1",
+           "FULMEN_CHECKPOINT_EVERY": str(every), "FULMEN_PUBLISH_EVERY": str(every)}
     fulmen = str(Path(sys.executable).with_name("fulmen"))
 
     def steps_logged() -> int:
@@ -196,6 +199,8 @@ async def test_restart_after_a_kill_consumes_every_sample_exactly_once(
     finally:
         first.kill()
     assert 3 <= steps_logged() < 8, "the kill should land mid-run"
+    checkpoints = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "ck" / "rank-0").glob("step-*"))
+    assert all(step % every == 0 for step in checkpoints)
     second = subprocess.Popen([fulmen, "trainer", "--max-steps", "8"], env=env)
     try:
         assert second.wait(timeout=120) == 0
