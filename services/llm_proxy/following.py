@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from fulmen.errors import NotFound
 from fulmen.records import ResourcesUpdate
 from fulmen.store import RedisStore
 from fulmen_llm_proxy.backend_base import Backend
@@ -62,6 +63,11 @@ class ModelFollower:
         try:
             state_dict = await fetch_model_version(self.store, version, resource=llm)
             loaded = await self.backend.load_weights(state_dict, version, llm.get("weights"))
+        except NotFound:
+            # its weights are deleted once newer versions exist (fulmen.version_retention): a newer
+            # announcement follows, or catch-up already named it
+            log.info("model version %s is no longer stored (a newer one replaced it): skipped", version)
+            return
         except Exception:  # a bad version must not take the proxy down: keep serving the old one
             log.exception("could not load model version %s", version)
             self.on_loaded(version, "failed")

@@ -7,14 +7,14 @@ vector and reach the same weights (tests/trainer/test_ddp_parity.py).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from fulmen.errors import InvalidInput
 from fulmen_trainer import codecs
+from fulmen_trainer.codecs import with_density
 from fulmen_trainer.sync_policy import SyncDecision, SyncPolicy
 
 GRADIENT_NAME = "grads"  # the codec's error-feedback key: one flat gradient per rank
@@ -74,20 +74,6 @@ class RankCodec:
         if policy is not None and self.policy is not None:
             self.policy.load_state_dict(policy)
         self.state.load_state_dict(state)
-
-
-@contextlib.contextmanager
-def with_density(state: Any, density: float | None) -> Iterator[None]:
-    """A sparse codec encodes at ``density`` for one call; its own knob (checkpointed) stays as set."""
-    own = getattr(state, "density", None)
-    if density is None or own is None:
-        yield
-        return
-    state.density = density
-    try:
-        yield
-    finally:
-        state.density = own
 
 
 def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -52,7 +52,8 @@ from fulmen_trainer.sync_policy import SyncPolicy
 
 if TYPE_CHECKING:
     from fulmen_trainer.policy import Policy
-    from fulmen_trainer.trainer import Trainer
+
+Trainer = Any  # fulmen_trainer.trainer.Trainer, which imports this module
 
 log = logging.getLogger(__name__)
 

@@ -44,6 +44,7 @@ from fulmen.records import Sample, SampleSkip
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 from fulmen.train_steps import latest_step, record_untrained_groups
+from fulmen.version_retention import retain_versions
 from fulmen_trainer import checkpoint as ckpt
 from fulmen_trainer import sharded_checkpoint
 from fulmen_trainer.batch import TokenBatch, make_batch
@@ -141,7 +142,7 @@ class Trainer:
         already_done: set[str] = set()
         if path is not None:
             if sharded:
-                assert isinstance(self.ranks, TorchRanks)
+                assert isinstance(self.ranks, TorchRanks)  # checked above: sharded ranks
                 checkpoint, codec_state = await asyncio.to_thread(self.ranks.load_checkpoint, path, self), {}
             else:
                 checkpoint, codec_state = ckpt.load(path, self.optimizer)
@@ -447,6 +448,7 @@ class Trainer:
             self.store, state, model=self.model_name, model_version=self.version.name,
             shared_dir=self.s.weights_dir, replace_unpublished=resumed, weights_format=self.policy.published_format(),
         )
+        await retain_versions(self.store, self.s.keep_versions, self.s.weights_dir)
 
     async def publish_next(self) -> None:
         """The next model version outside a step (ranks that rejoin catch up from it): its name is

@@ -36,6 +36,7 @@ WATCH_DEADLINE = "watch:deadline"  # zset: active attempt id -> time it times ou
 WORKERS = "workers"  # hash: worker id -> worker record
 PROXIES = "proxies"  # hash: proxy id -> proxy endpoint record (its heartbeat)
 WEIGHTS = "weights:"  # stream: one model version's weights, msgpack-framed safetensors chunks
+STORED_VERSIONS = "weights-stored"  # zset: model version -> resources version, for those whose weights are kept
 CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)
 SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
 ADAPTER_STATS = "stats:adapter"  # hash: rollouts adapted, samples written, skips per reason
@@ -103,6 +104,7 @@ class Keys:
         "rollout_index",
         "samples",
         "services",
+        "stored_versions",
         "trainer_aggregates",
         "trainer_grads",
         "trainer_plans",
@@ -141,6 +143,7 @@ class Keys:
         self.trainer_steps = p + TRAINER_STEPS
         self.trainer_untrained = p + TRAINER_UNTRAINED
         self.services = p + SERVICES
+        self.stored_versions = p + STORED_VERSIONS
 
     def rollout(self, rollout_id: str) -> str:
         return self.prefix + ROLLOUT + rollout_id

@@ -193,10 +193,16 @@ async def publish_model_version(
     old_llm = llm_resource(previous) if previous is not None and inherit else None
     llm = {**(old_llm or {}), "kind": "llm", "model": model, "model_version": version, "weights": weights}
     resources = {**old, **(extra_resources or {}), "llm": llm}
+    from fulmen.version_retention import record_stored
+
+    published: ResourcesUpdate | None = None
     if previous is None:
         with contextlib.suppress(InvalidInput):  # created meanwhile: fall through to a new version
-            return await store.add_resources(resources, resources_id, metadata)
-    return await store.update_resources(resources_id, resources, metadata)
+            published = await store.add_resources(resources, resources_id, metadata)
+    if published is None:
+        published = await store.update_resources(resources_id, resources, metadata)
+    await record_stored(store, version, published.version)  # retention may delete it once it is old
+    return published
 
 
 async def next_model_version(

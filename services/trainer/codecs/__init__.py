@@ -42,6 +42,7 @@ from fulmen_trainer.codecs.base import (
     available_codecs,
     make_codec,
     register_codec,
+    with_density,
 )
 from fulmen_trainer.codecs.ddp_hook import DDPCodecState, codec_hook, make_ddp_hook
 from fulmen_trainer.codecs.dense import Bf16Codec, NoneCodec
@@ -80,4 +81,5 @@ __all__ = [
     "sum_decoded",
     "unframe",
     "unpack_sparse",
+    "with_density",
 ]

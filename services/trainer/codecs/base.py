@@ -12,10 +12,11 @@ momenta, the generator state and the warm-up start step. Statistics do not (they
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -281,3 +282,17 @@ def check_section(payload: memoryview, offset: int, nbytes: int, what: str) -> m
 def check_end(payload: memoryview, offset: int) -> None:
     if offset != payload.nbytes:
         raise RecordError(f"payload is {payload.nbytes} bytes, expected {offset} from its header")
+
+
+@contextlib.contextmanager
+def with_density(state: Any, density: float | None) -> Iterator[None]:
+    """A sparse codec encodes at ``density`` for one call; its own knob (checkpointed) stays as set."""
+    own = getattr(state, "density", None)
+    if density is None or own is None:
+        yield
+        return
+    state.density = density
+    try:
+        yield
+    finally:
+        state.density = own

@@ -137,7 +137,7 @@ def _with_policy(
 ) -> torch.futures.Future[torch.Tensor]:
     """One bucket under its sync policy (see the module docstring)."""
     from fulmen_trainer.codecs.aggregate import sum_decoded
-    from fulmen_trainer.gradients import with_density
+    from fulmen_trainer.codecs.base import with_density
 
     policy = state.bucket_policy(bucket.index())
     norm = float(buffer.norm())

@@ -168,6 +168,9 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
     )
     checkpoint_dir: Path = Field(Path(".fulmen/checkpoints"), description="Where the trainer checkpoints.")
     weights_dir: Path | None = Field(None, description="Shared folder for model versions (unset: via Redis).")
+    keep_versions: int = Field(
+        3, ge=1, description="Model versions whose weights stay stored (the newest; a version a proxy serves stays too)."
+    )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: run until stopped).")
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads for the trainer.")
     parallel: str = Field(

@@ -1,0 +1,57 @@
+"""Which model versions keep their weights: the newest ``keep`` ones, and every one a live proxy serves.
+
+Every published version's weights stay in the store until this deletes them (Redis runs
+``noeviction``: a 0.5B model's versions would fill it in minutes). `publish_model_version` records
+each version in ``keys.stored_versions`` (a sorted set scored by the resources version that
+published it); `retain_versions` — which the trainer calls after each publish — deletes the weights
+of all but the newest ``keep`` versions, never one that a live proxy reports serving, and drops them
+from the set. The resources log keeps naming a deleted version (it is history); a proxy that asks
+for one finds it gone and moves on to a newer one (`fulmen_llm_proxy.following`).
+
+A version a proxy serves stays until no live proxy serves it: a proxy that is slow to follow keeps
+its weights (and could reload them after a restart). A shared-folder version's folder is deleted the
+same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from pathlib import Path
+
+from fulmen.store import RedisStore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["record_stored", "retain_versions", "stored_versions"]
+
+
+async def record_stored(store: RedisStore, model_version: str, resources_version: int) -> None:
+    await store.redis.zadd(store.keys.stored_versions, {model_version: resources_version})
+
+
+async def stored_versions(store: RedisStore) -> list[str]:
+    """Versions whose weights are kept, oldest first."""
+    return [m.decode() if isinstance(m, bytes) else m for m in await store.redis.zrange(store.keys.stored_versions, 0, -1)]
+
+
+async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path | None = None) -> list[str]:
+    """Delete the weights of every stored version but the newest ``keep`` and those live proxies
+    serve; returns the versions deleted, oldest first."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 (the newest version), got {keep}")
+    stored = await stored_versions(store)
+    served = {p.model_version for p in await store.query_proxies()}
+    doomed = [v for v in stored[: max(0, len(stored) - keep)] if v not in served]
+    for version in doomed:
+        async with store.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(store.keys.weights(version))
+            pipe.zrem(store.keys.stored_versions, version)
+            await pipe.execute()
+        if shared_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, Path(shared_dir) / version, True)
+    if doomed:
+        log.info("deleted the weights of %d old model version(s) (%s … %s); %d kept", len(doomed), doomed[0],
+                 doomed[-1], len(stored) - len(doomed))
+    return doomed
