@@ -352,6 +352,7 @@ def spawn(args: argparse.Namespace, role: str, folder: Path) -> dict[str, Any]:
         raise SystemExit(f"the {role} run failed (exit code {done.returncode})")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["process_s"] = round(time.perf_counter() - started, 1)
+    result["load_avg_1m_after"] = round(os.getloadavg()[0], 2)  # other tenants of the machine, roughly
     return result
 
 
@@ -428,6 +429,12 @@ def main() -> None:
         "step_s_lora_runs": [r["step_s"] for r in lora],
         "step_s_bare_runs": [r["step_s"] for r in bare],
         "step_s_full_runs": [r["step_s"] for r in full],
+        "step_cpu_s_lora_runs": [r["step_cpu_s"] for r in lora],
+        "step_cpu_s_bare_runs": [r["step_cpu_s"] for r in bare],
+        "overhead_vs_bare_torch_cpu_time": round(statistics.median(r["step_cpu_s"][-1] for r in lora)
+                                                 / statistics.median(r["step_cpu_s"][-1] for r in bare), 3),
+        "probe_gflops_runs": {role: [r["probe_gflops"] for r in runs[role]] for role in runs if runs[role]},
+        "load_avg_1m_after_runs": {role: [r["load_avg_1m_after"] for r in runs[role]] for role in runs if runs[role]},
         "tokens_per_step": tokens,
         "trained_tokens_per_s_lora": round(trained / step_s("lora"), 1),
         "tokens_per_s_full": round(tokens / full[0]["step_s"][-1], 1) if full else None,

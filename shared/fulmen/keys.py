@@ -36,6 +36,7 @@ WATCH_DEADLINE = "watch:deadline"  # zset: active attempt id -> time it times ou
 WORKERS = "workers"  # hash: worker id -> worker record
 PROXIES = "proxies"  # hash: proxy id -> proxy endpoint record (its heartbeat)
 WEIGHTS = "weights:"  # stream: one model version's weights, msgpack-framed safetensors chunks
+REPLICAS = "replicas"  # hash: inference server URL -> its replica state (served version, ready), from vllm-sync
 STORED_VERSIONS = "weights-stored"  # zset: model version -> resources version, for those whose weights are kept
 CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)
 SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
@@ -99,6 +100,7 @@ class Keys:
         "prefix",
         "proxies",
         "queue",
+        "replicas",
         "resources_log",
         "resources_version",
         "rollout_index",
@@ -144,6 +146,7 @@ class Keys:
         self.trainer_untrained = p + TRAINER_UNTRAINED
         self.services = p + SERVICES
         self.stored_versions = p + STORED_VERSIONS
+        self.replicas = p + REPLICAS
 
     def rollout(self, rollout_id: str) -> str:
         return self.prefix + ROLLOUT + rollout_id

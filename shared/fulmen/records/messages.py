@@ -116,6 +116,28 @@ class ProxyEndpoint(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaState(Record):
+    """An inference server (a vLLM replica) as its `fulmen vllm-sync` last left it: the model version
+    it serves, and whether requests may go to it (not while a new version is being loaded, nor after
+    a load that failed). ``generation`` grows with every load, so a reader can tell that the weights
+    changed while it was looking."""
+
+    KIND: ClassVar[str] = "replica"
+
+    url: str  # the server's base URL, as the proxies' upstream_urls name it
+    model_version: str
+    ready: bool
+    generation: int = 0
+    updated_time: float | None = None
+    reason: str = ""  # why not ready, for a person (and `fulmen status`)
+
+    def check_wire(self) -> None:
+        require_nonempty(self, "url")
+        require_nonempty(self, "model_version")
+        require_at_least(self, 0, "generation")
+
+
+@dataclass(frozen=True, slots=True)
 class WeightsChunk(Record):
     """One piece of a model version's safetensors blob: an entry of that version's weights stream."""
 

@@ -28,12 +28,13 @@ from fulmen.settings.services import (
     ProxySettings,
     RunnerSettings,
     TrainerSettings,
+    VllmSyncSettings,
 )
 
 __all__ = [
     "AdapterSettings", "AlgorithmSettings", "ApoSettings", "CommonSettings", "DemoSettings", "EvalSettings",
-    "EvaluatorSettings", "ProxySettings", "RunnerSettings", "TrainerSettings", "env_name", "known_env_names",
-    "load_settings",
+    "EvaluatorSettings", "ProxySettings", "RunnerSettings", "TrainerSettings", "VllmSyncSettings", "env_name",
+    "known_env_names", "load_settings",
 ]
 
 S = TypeVar("S", bound=CommonSettings)

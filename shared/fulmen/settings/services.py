@@ -223,6 +223,17 @@ class EvalSettings(ValidationSettings):
     pass
 
 
+class VllmSyncSettings(ServedModelSettings):
+    vllm_url: str | None = Field(None, description="The vLLM server to keep in step (its base URL, as in upstream_urls).")
+    vllm_api_key: SecretStr | None = Field(None, description="Bearer key of that server's routes (never logged).")
+    sync_dir: Path = Field(
+        Path(".fulmen/vllm-sync"), description="Where versions are written for the server to load (it must see this path)."
+    )
+    sync_timeout_s: float = Field(120.0, gt=0, description="Each admin route's timeout (pause, load, verify, resume).")
+    sync_retry_s: float = Field(5.0, gt=0, description="Wait before trying a failed sync again.")
+    pause_mode: str = Field("wait", description="How the server pauses for a load: wait (drain), abort, or keep.")
+
+
 class ApoSettings(TrainDataSettings):
     critic_base_url: str | None = Field(None, description="APO's critic: an OpenAI-compatible base URL.")
     critic_model: str | None = Field(None, description="APO's critic model name.")
@@ -232,5 +243,5 @@ class ApoSettings(TrainDataSettings):
 # Every process's class: a FULMEN_* variable is known if one of them has the field.
 SERVICE_SETTINGS: tuple[type[CommonSettings], ...] = (
     CommonSettings, RunnerSettings, ProxySettings, AdapterSettings, TrainerSettings, AlgorithmSettings,
-    DemoSettings, EvaluatorSettings, EvalSettings, ApoSettings,
+    DemoSettings, EvaluatorSettings, EvalSettings, ApoSettings, VllmSyncSettings,
 )

