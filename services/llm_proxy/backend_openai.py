@@ -9,7 +9,7 @@ signal for RL (use the torch or vllm backend for that).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fulmen_llm_proxy.backend_base import BASE_MODEL_VERSION, Call, Fidelity, Result
@@ -53,19 +53,26 @@ class OpenAIBackend:
         return call.body
 
     async def complete(self, call: Call, result: Result) -> dict[str, Any]:
+        return await self._complete(call, result)
+
+    async def _complete(self, call: Call, result: Result, on_send: Callable[[str], None] | None = None) -> dict[str, Any]:
         body = await self.upstreams.post_json(
-            _PATHS[call.operation], json.dumps(self.payload(call)).encode(), call.rollout_id
+            _PATHS[call.operation], json.dumps(self.payload(call)).encode(), call.rollout_id, on_send
         )
         self.read_response(call, body, result)
         return body
 
-    async def stream(self, call: Call, result: Result) -> AsyncIterator[dict[str, Any]]:
+    def stream(self, call: Call, result: Result) -> AsyncIterator[dict[str, Any]]:
+        return self._stream(call, result)
+
+    async def _stream(self, call: Call, result: Result,
+                      on_send: Callable[[str], None] | None = None) -> AsyncIterator[dict[str, Any]]:
         payload = json.dumps(self.payload(call)).encode()
         parts: list[str] = []
         tools: dict[int, dict[str, Any]] = {}
         result.fidelity = self.fidelity
         result.model_version = self.model_version
-        async for chunk in self.upstreams.post_sse(_PATHS[call.operation], payload, call.rollout_id):
+        async for chunk in self.upstreams.post_sse(_PATHS[call.operation], payload, call.rollout_id, on_send):
             self.read_header(chunk, result)
             for choice in chunk.get("choices") or ():
                 self.read_stream_choice(call, choice, result, parts, tools)

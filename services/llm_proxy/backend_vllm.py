@@ -12,20 +12,51 @@ response comes back in vLLM's own shape, which is the proxy's shape too:
 
 A vLLM too old to know ``return_token_ids`` leaves the ids out: the call is then recorded as
 ``text_only`` rather than with made-up ids.
+
+With `follow_replicas` (the proxy does it), calls go only to replicas their vllm-sync marks ready and
+carry the version the replica serves; a call during which the replica may have changed weights is
+sent again (non-streaming) or recorded as ``text_only`` (streaming) — see `fulmen_llm_proxy.replicas`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fulmen_llm_proxy.backend_base import Call, Fidelity, Result
 from fulmen_llm_proxy.backend_openai import OpenAIBackend
+from fulmen_llm_proxy.errors import ProxyError
+from fulmen_llm_proxy.replicas import ReplicaView, Stamp
+
+log = logging.getLogger(__name__)
+
+SENDS_PER_CALL = 2  # a call the replica's weights changed under is sent once more
 
 
 class VllmBackend(OpenAIBackend):
     system = "vllm"
     fidelity: Fidelity = "exact"
+    replicas: ReplicaView | None = None
+
+    def follow_replicas(self, view: ReplicaView) -> None:
+        self.replicas = view
+        self.upstreams.routable = view.routable
+
+    async def complete(self, call: Call, result: Result) -> dict[str, Any]:
+        view = self.replicas
+        if view is None:
+            return await self._complete(call, result)
+        for _ in range(SENDS_PER_CALL):
+            stamps: list[Stamp] = []
+            body = await self._complete(call, result, stamps_into(stamps, view))
+            version = await view.confirm(stamps[-1])
+            if version is not None:
+                result.model_version = version or result.model_version
+                return body
+            log.info("the replica %s changed weights during a call: sending it again", stamps[-1].url)
+        raise ProxyError(503, "the upstream replica changed weights during the call, twice: retry it",
+                         code="upstream_loading")
 
     def payload(self, call: Call) -> dict[str, Any]:
         body = dict(call.body)
@@ -77,11 +108,27 @@ class VllmBackend(OpenAIBackend):
         if body.get("prompt_token_ids") is not None:
             result.prompt_token_ids = list(body["prompt_token_ids"])
 
-    async def stream(self, call: Call, result: Result) -> AsyncIterator[dict[str, Any]]:
-        async for chunk in super().stream(call, result):
+    async def stream(self, call: Call, result: Result) -> AsyncIterator[dict[str, Any]]:  # type: ignore[override]
+        view = self.replicas
+        stamps: list[Stamp] = []
+        on_send = None if view is None else stamps_into(stamps, view)
+        async for chunk in self._stream(call, result, on_send):
             yield chunk
         if result.prompt_token_ids is None or result.token_ids is None:
             result.fidelity = "text_only"
+        if view is not None and stamps:
+            version = await view.confirm(stamps[-1])
+            if version is None:  # already answered: keep the text, never train on its token ids
+                log.info("the replica %s changed weights during a streamed call: recorded as text only",
+                         stamps[-1].url)
+                result.fidelity = "text_only"
+            elif version:
+                result.model_version = version
+
+
+def stamps_into(stamps: list[Stamp], view: ReplicaView) -> Callable[[str], None]:
+    """An ``on_send`` that keeps the replica's state as the call leaves for it."""
+    return lambda url: stamps.append(view.stamp(url))
 
 
 def _set(result: Result, name: str) -> list[Any]:

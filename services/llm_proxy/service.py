@@ -28,6 +28,7 @@ from fulmen_llm_proxy.gate import Gate
 from fulmen_llm_proxy.metrics import ProxyMetrics
 from fulmen_llm_proxy.recording import OtlpExport
 from fulmen_llm_proxy.registry import Registration, default_proxy_id
+from fulmen_llm_proxy.replicas import ReplicaView
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,12 @@ class ProxyService:
             follower = ModelFollower(self.store, self.backend, self._loaded)
             await follower.catch_up()  # before registering or serving: never answer with stale weights
             self._spawn(follower.run, "model versions")
+        follow_replicas = getattr(self.backend, "follow_replicas", None)
+        if follow_replicas is not None:  # vllm: vllm-sync records what each replica serves
+            replicas = ReplicaView(self.store)
+            await replicas.refresh()
+            follow_replicas(replicas)
+            self._spawn(replicas.run, "replica states")
         await self.registration.register()
         self._spawn(self.registration.run, "registry")
         self._spawn(self.control.run, "control")

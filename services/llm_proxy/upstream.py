@@ -34,6 +34,8 @@ class Upstreams:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.pools = [HttpPool(normalize(u), headers) for u in urls]
         self._round_robin = itertools.cycle(range(len(self.pools)))
+        # which replicas may take calls now (vllm: not while loading a version); None: all
+        self.routable: Callable[[str], bool] | None = None
 
     async def start(self) -> None:
         pass  # connections open on first use
@@ -43,7 +45,17 @@ class Upstreams:
             pool.close()
 
     def order(self, rollout_id: str) -> list[HttpPool]:
-        """Replicas in the order a rollout tries them: its sticky one first."""
+        """Replicas in the order a rollout tries them: its sticky one first; only the routable ones."""
+        pools = self._order(rollout_id)
+        if self.routable is None:
+            return pools
+        ready = [p for p in pools if self.routable(p.base_url)]
+        if not ready:
+            raise ProxyError(503, "no upstream replica is ready: a model version is loading; retry shortly",
+                             code="upstream_loading")
+        return ready
+
+    def _order(self, rollout_id: str) -> list[HttpPool]:
         if len(self.pools) == 1:
             return self.pools
         if not rollout_id:
@@ -72,9 +84,11 @@ class Upstreams:
                 last = e  # refused or unreachable: nothing was sent, the next replica may serve it
         raise _no_upstream(last)
 
-    async def post_json(self, path: str, payload: bytes, rollout_id: str) -> dict[str, Any]:
-        """POST and return the JSON reply; upstream errors become ProxyErrors (4xx kept, 5xx -> 502)."""
-        _, (status, data) = await self._first_reachable(rollout_id, lambda pool: pool.post(path, payload))
+    async def post_json(self, path: str, payload: bytes, rollout_id: str,
+                        on_send: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """POST and return the JSON reply; upstream errors become ProxyErrors (4xx kept, 5xx -> 502).
+        ``on_send`` is told the base URL of the replica the call goes to, just before it goes."""
+        _, (status, data) = await self._first_reachable(rollout_id, lambda pool: _sent(pool, on_send).post(path, payload))
         if status != 200:
             raise upstream_error(status, data)
         try:
@@ -82,9 +96,11 @@ class Upstreams:
         except ValueError:
             raise ProxyError(502, "upstream sent a body that is not JSON", code="upstream_error") from None
 
-    async def post_sse(self, path: str, payload: bytes, rollout_id: str) -> AsyncIterator[dict[str, Any]]:
+    async def post_sse(self, path: str, payload: bytes, rollout_id: str,
+                       on_send: Callable[[str], None] | None = None) -> AsyncIterator[dict[str, Any]]:
         """POST a streaming request and yield each ``data:`` event as JSON until ``[DONE]``."""
-        pool, (status, conn) = await self._first_reachable(rollout_id, lambda p: p.post_stream(path, payload))
+        pool, (status, conn) = await self._first_reachable(
+            rollout_id, lambda p: _sent(p, on_send).post_stream(path, payload))
         body = pool.stream_body(conn)
         if status != 200:
             raise upstream_error(status, b"".join([piece async for piece in body]))
@@ -112,6 +128,12 @@ class Upstreams:
             raise ProxyError(502, f"upstream failed mid-stream: {e}", code="upstream_error") from None
         finally:
             await body.aclose()
+
+
+def _sent(pool: HttpPool, on_send: Callable[[str], None] | None) -> HttpPool:
+    if on_send is not None:
+        on_send(pool.base_url)
+    return pool
 
 
 def _unreachable(error: BaseException) -> bool:
