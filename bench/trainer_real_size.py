@@ -28,8 +28,13 @@ ones are ``trained_tokens_per_s_lora``). Version sizes are the safetensors blobs
 publishes (`Policy.published_state` through `fulmen.model_versions`' serialiser, 1 MB = 1e6 B).
 
     python bench/trainer_real_size.py            # = --steps 2 --samples 8 --prompt-tokens 192
-                                                 #   --response-tokens 64 --repeats 2
+                                                 #   --response-tokens 64 --repeats 3
     python bench/trainer_real_size.py --quick    # 1 pair of lora/bare runs, shorter sequences
+
+The default run takes 20-30 minutes on a 2-vCPU machine (7 processes of ~2-5 minutes: a LoRA step
+of 2,048 tokens is ~50 s of fp32 matrix products there, a full fine-tuning step ~70 s); ``--quick``
+takes ~3 minutes and gives no figure for the issue. Each step also reports the seconds its threads
+waited for a CPU (/proc schedstat): on a shared machine that says which runs other tenants slowed.
 
 Progress goes to stderr; the figures are ONE JSON object on the last line of stdout.
 """
@@ -37,6 +42,7 @@ Progress goes to stderr; the figures are ONE JSON object on the last line of std
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -180,6 +186,16 @@ def compute_dtype_probe(model: Any) -> dict[str, str]:
     return seen
 
 
+def cpu_wait_s() -> float:
+    """Seconds this process's threads have spent runnable but waiting for a CPU (/proc schedstat):
+    other tenants of a shared machine taking the cores."""
+    total = 0
+    for task in Path("/proc/self/task").glob("*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a thread that just ended
+            total += int((task / "schedstat").read_text().split()[1])
+    return total / 1e9
+
+
 def matmul_probe() -> float:
     """fp32 GFLOP/s of a decoder-sized matrix product just before the steps: how fast the (shared) CPU
     is at that moment."""
@@ -230,18 +246,20 @@ def run_fulmen(args: argparse.Namespace, mode: str, memory: Memory) -> dict[str,
     dtypes = compute_dtype_probe(trainer.model)
     samples = make_samples(args, trainer.model.config.vocab_size)
     advantages = advantages_of(samples)
-    steps, cpu, losses = [], [], []
+    steps, cpu, waits, losses = [], [], [], []
     probe = matmul_probe()
     for step in range(args.steps):
         plan = StepPlan(samples, [s.reward for s in samples], advantages, [s.group_key for s in samples], [])
         memory.mark(f"step{step + 1}")
-        started, started_cpu = time.perf_counter(), time.process_time()
+        started, started_cpu, started_wait = time.perf_counter(), time.process_time(), cpu_wait_s()
         metrics = trainer.train_passes(plan)  # what `train_step` runs for one rank: backward, update
         steps.append(time.perf_counter() - started)
         cpu.append(time.process_time() - started_cpu)
+        waits.append(cpu_wait_s() - started_wait)
         losses.append(metrics["loss/total"])
-        log("%s: step %d %.2f s (%.2f s of CPU), loss %.6f, grad norm %.4g, peak RSS %.2f GB", mode, step + 1,
-            steps[-1], cpu[-1], losses[-1], metrics["loss/grad_norm"], memory.peak_gb())
+        log("%s: step %d %.2f s (%.2f s of CPU, threads waited %.2f s for a CPU), loss %.6f, grad norm %.4g, "
+            "peak RSS %.2f GB", mode, step + 1, steps[-1], cpu[-1], waits[-1], losses[-1], metrics["loss/grad_norm"],
+            memory.peak_gb())
     if trainer.nonfinite is not None:
         raise RuntimeError(f"a step was not finite: {trainer.nonfinite}")
     peak = memory.peak_gb()
@@ -250,7 +268,7 @@ def run_fulmen(args: argparse.Namespace, mode: str, memory: Memory) -> dict[str,
     mb, mb_bf16 = version_sizes(state)
     log("%s: published version %.2f MB (%.2f MB in bf16), %d tensors", mode, mb, mb_bf16, len(state))
     return {"mode": mode, "load_s": round(load_s, 2), "step_s": [round(s, 3) for s in steps],
-            "step_cpu_s": [round(s, 3) for s in cpu], "losses": losses, "peak_rss_gb": round(peak, 3),
+            "step_cpu_s": [round(s, 3) for s in cpu], "step_wait_s": [round(s, 3) for s in waits], "losses": losses, "peak_rss_gb": round(peak, 3),
             "peak_rss_gb_after_load": round(rss_loaded, 3), "trained_parameters": trainable, "version_mb": mb,
             "version_mb_bf16": mb_bf16, "version_tensors": len(state), "compute": dtypes, "probe_gflops": probe}
 
@@ -298,11 +316,11 @@ def run_bare(args: argparse.Namespace, memory: Memory) -> dict[str, Any]:
     centred = rewards - rewards.mean(-1, keepdim=True)
     advantages = (centred / (centred.pow(2).mean(-1, keepdim=True).sqrt() + 1e-6)).view(-1, 1)
     clip, cap = 0.2, 2.0
-    steps, cpu, losses = [], [], []
+    steps, cpu, waits, losses = [], [], [], []
     probe = matmul_probe()
     for step in range(args.steps):
         memory.mark(f"step{step + 1}")
-        started, started_cpu = time.perf_counter(), time.process_time()
+        started, started_cpu, started_wait = time.perf_counter(), time.process_time(), cpu_wait_s()
         # the logits at the positions that predict the response tokens (the last R+1, minus the last)
         logits = model(input_ids=input_ids, attention_mask=attention_mask,
                        logits_to_keep=args.response_tokens + 1).logits[:, :-1].float()
@@ -317,11 +335,12 @@ def run_bare(args: argparse.Namespace, memory: Memory) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         steps.append(time.perf_counter() - started)
         cpu.append(time.process_time() - started_cpu)
+        waits.append(cpu_wait_s() - started_wait)
         losses.append(float(loss))
-        log("bare: step %d %.2f s (%.2f s of CPU), loss %.6f, peak RSS %.2f GB", step + 1, steps[-1], cpu[-1],
-            losses[-1], memory.peak_gb())
+        log("bare: step %d %.2f s (%.2f s of CPU, threads waited %.2f s for a CPU), loss %.6f, peak RSS %.2f GB",
+            step + 1, steps[-1], cpu[-1], waits[-1], losses[-1], memory.peak_gb())
     return {"mode": "bare", "load_s": round(load_s, 2), "step_s": [round(s, 3) for s in steps],
-            "step_cpu_s": [round(s, 3) for s in cpu], "losses": losses, "peak_rss_gb": round(memory.peak_gb(), 3),
+            "step_cpu_s": [round(s, 3) for s in cpu], "step_wait_s": [round(s, 3) for s in waits], "losses": losses, "peak_rss_gb": round(memory.peak_gb(), 3),
             "peak_rss_gb_after_load": round(rss_loaded, 3), "compute": dtypes, "probe_gflops": probe}
 
 
@@ -363,7 +382,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="sequences per step (groups of 4)")
     parser.add_argument("--prompt-tokens", type=int, default=192, help="prompt tokens per sequence")
     parser.add_argument("--response-tokens", type=int, default=64, help="response (trained) tokens per sequence")
-    parser.add_argument("--repeats", type=int, default=2, help="pairs of Fulmen LoRA / bare runs, alternated")
+    parser.add_argument("--repeats", type=int, default=3, help="pairs of Fulmen LoRA / bare runs, alternated")
     parser.add_argument("--skip-full", action="store_true", help="leave out the full fine-tuning run")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: 1 pair of runs, 8 x (48 + 16) tokens (not the issue's figures)")
@@ -433,6 +452,9 @@ def main() -> None:
         "step_cpu_s_bare_runs": [r["step_cpu_s"] for r in bare],
         "overhead_vs_bare_torch_cpu_time": round(statistics.median(r["step_cpu_s"][-1] for r in lora)
                                                  / statistics.median(r["step_cpu_s"][-1] for r in bare), 3),
+        "step_wait_s_lora_runs": [r["step_wait_s"] for r in lora],
+        "step_wait_s_bare_runs": [r["step_wait_s"] for r in bare],
+        "overhead_vs_bare_torch_best": round(min(r["step_s"][-1] for r in lora) / min(r["step_s"][-1] for r in bare), 3),
         "probe_gflops_runs": {role: [r["probe_gflops"] for r in runs[role]] for role in runs if runs[role]},
         "load_avg_1m_after_runs": {role: [r["load_avg_1m_after"] for r in runs[role]] for role in runs if runs[role]},
         "tokens_per_step": tokens,

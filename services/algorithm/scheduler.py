@@ -8,10 +8,11 @@ lives in the store, never only in this process.
 Pacing, in rounds of ``groups_per_step`` groups (what the trainer needs for one step):
 
 - backpressure: at most ``max_inflight`` train rollouts enqueued and not yet terminal;
-- staleness bound S: round r is enqueued once the trainer has taken step r - S, so no rollout is
-  generated with weights more than S steps behind the ones that train on it (S = 0 is synchronous,
-  on-policy training). The trainer's progress is read from its steps stream (`fulmen.train_steps`),
-  never parsed out of a model version's name;
+- staleness bound S: round r is enqueued once the trainer has taken step r - S and every server
+  serves its weights, so no rollout is generated with weights more than S steps behind the ones
+  that train on it (S = 0 is synchronous, on-policy training). The trainer's progress is read from
+  its steps stream (`fulmen.train_steps`), never parsed out of a model version's name; what the
+  proxies and vLLM replicas serve, from the registry (`fulmen.serving`);
 - a group the trainer took without a step (dropped for fewer than two usable rollouts, or part of a
   step skipped for a NaN) is replaced at once: the trainer lists such groups in the store
   (`fulmen.train_steps.UntrainedGroups`) and each one allows one more group — up to as many as
@@ -37,6 +38,7 @@ from fulmen import keys as k
 from fulmen.model_versions import POLICY_RESOURCES_ID
 from fulmen.records import RolloutConfig
 from fulmen.records.status import RolloutMode
+from fulmen.serving import serving_lag
 from fulmen.store import RedisStore
 from fulmen.train_steps import UntrainedGroups, latest_step
 from fulmen_algorithm.dataset import Task, task_id
@@ -181,7 +183,8 @@ class Scheduler:
     async def fill(self) -> int:
         """Enqueue every group pacing allows now. Returns how many groups were enqueued."""
         await self.count_finished()
-        trainer_step = await self.trainer_step()
+        # what is served, not only what is trained: a round waits for the servers to load the weights
+        trainer_step = max(0, await self.trainer_step() - await serving_lag(self.store))
         untrained = await self.replaceable(trainer_step)
         added = 0
         while not self.exhausted:

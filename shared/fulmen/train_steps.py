@@ -95,8 +95,14 @@ def read_steps(client: redis.Redis, keys: Keys, count: int = TAIL_STEPS) -> list
 
 async def latest_step(client: aioredis.Redis, keys: Keys) -> int:
     """The trainer's progress: the step of its last summary (0 before its first step)."""
+    last = await latest_summary(client, keys)
+    return last.step if last is not None else 0
+
+
+async def latest_summary(client: aioredis.Redis, keys: Keys) -> TrainStep | None:
+    """The trainer's last step summary (its step and the model version it holds), None before any."""
     last = _decode(await client.xrevrange(keys.trainer_steps, count=1))
-    return last[0].step if last else 0
+    return last[0] if last else None
 
 
 async def read_curve(client: aioredis.Redis, keys: Keys) -> list[TrainStep]:

@@ -195,3 +195,31 @@ async def test_a_dead_runners_train_rollouts_are_retried(real_store: RedisStore)
     assert all(r is not None and r.status is RolloutStatus.REQUEUING for r in rollouts)
     retried = await real_store.dequeue_rollouts("another-runner", 2)
     assert sorted(c.attempt.attempt_id for c in retried) == sorted(f"{rid}.2" for rid in ids)
+
+
+async def test_staleness_zero_waits_for_every_server_to_serve_the_trainers_version(real_store: RedisStore) -> None:
+    """On-policy for real: after step 1 the next round waits until the torch proxy and the ready vLLM
+    replica serve v1 (a replica that is loading takes no calls and does not count)."""
+    from fulmen.records import ProxyEndpoint, ReplicaState
+
+    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, staleness=0)
+    await s.load()
+    proxy = ProxyEndpoint("p0", "http://127.0.0.1:1", "m", "base", time.time(), {"backend": "torch"})
+    await real_store.register_proxy(proxy)
+    await real_store.register_proxy(ProxyEndpoint("up", "http://127.0.0.1:2", "m", "base", time.time(),
+                                                  {"backend": "vllm"}))  # forwards: not counted itself
+    await real_store.set_replica(ReplicaState("http://127.0.0.1:3", "base", ready=True))
+    await real_store.set_replica(ReplicaState("http://127.0.0.1:4", "v0", ready=False, reason="loading v1"))
+    assert await s.fill() == 1
+    await _trainer_step(real_store, 1)
+    assert await s.fill() == 0  # trained, not yet served
+    await real_store.register_proxy(ProxyEndpoint(**{**_fields(proxy), "model_version": "v1"}))
+    assert await s.fill() == 0  # the replica still serves the base
+    await real_store.set_replica(ReplicaState("http://127.0.0.1:3", "v1", ready=True))
+    assert await s.fill() == 1
+
+
+def _fields(record: object) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}  # type: ignore[arg-type]
