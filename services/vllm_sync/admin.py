@@ -65,9 +65,20 @@ class VllmAdmin:
     async def reset_prefix_cache(self) -> None:
         await self._call("POST", "/reset_prefix_cache")
 
-    async def canary(self, model: str, prompt_ids: list[int]) -> list[float]:
+    async def model_name(self) -> str:
+        """The name the server serves its model under (``GET /v1/models``, the first)."""
+        listing = await self._call("GET", "/v1/models")
+        try:
+            return str(listing["data"][0]["id"])
+        except (KeyError, IndexError, TypeError):
+            raise AdminError(f"GET /v1/models answered without a model: {str(listing)[:200]}") from None
+
+    async def canary(self, model: str | None, prompt_ids: list[int]) -> list[float]:
         """The log-probabilities of a short greedy completion of fixed token ids: any change of the
-        weights changes them, so equal values before and after a load mean the load did nothing."""
+        weights changes them, so equal values before and after a load mean the load did nothing.
+        ``model`` None: the name the server lists."""
+        if model is None:
+            model = await self.model_name()
         body = {"model": model, "prompt": prompt_ids, "max_tokens": CANARY_TOKENS, "temperature": 0,
                 "logprobs": 0, "return_token_ids": True}
         answer = await self._call("POST", "/v1/completions", json=body)

@@ -44,7 +44,7 @@ class SyncFailed(Exception):
 
 
 class VllmSync:
-    def __init__(self, store: RedisStore, admin: VllmAdmin, *, url: str, model: str, model_dir: Path,
+    def __init__(self, store: RedisStore, admin: VllmAdmin, *, url: str, model: str | None, model_dir: Path,
                  sync_dir: Path, pause_mode: str = "wait", retry_s: float = 5.0, check_s: float = 5.0,
                  canary_prompt: list[int] | None = None) -> None:
         self.store = store

@@ -427,3 +427,23 @@ def test_gpu_k8s_manifests_validate_parse_and_request_gpus(path: Path, fulmen_ap
         assert int(gpus) == int(spec["resources"]["limits"]["nvidia.com/gpu"])
     named = set(FULMEN_NAME.findall(path.read_text()))
     assert named - settings_env_names() == set()
+
+
+def test_vllm_procfile_runs_vllm_sync_beside_the_server_and_parses(fulmen_app: Any) -> None:
+    processes = {}
+    for line in (DEPLOY / "Procfile.vllm").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, command = line.split(":", 1)
+            processes[name.strip()] = shlex.split(command)
+    assert set(processes) == set(procfile()) | {"vllm", "vllm-sync"}
+    server = processes["vllm"]
+    assert "VLLM_SERVER_DEV_MODE=1" in server and "vllm.entrypoints.openai.api_server" in server
+    port = server[server.index("--port") + 1]
+    for name, command in processes.items():
+        if name != "vllm":
+            assert command[0] == "fulmen", name
+            assert_parses(fulmen_app, command[1:], f"Procfile.vllm {name}")
+    assert processes["vllm-sync"][-1] == f"http://127.0.0.1:{port}"
+    assert processes["proxy"][processes["proxy"].index("--upstream-urls") + 1] == f"http://127.0.0.1:{port}"
+    named = set(FULMEN_NAME.findall((DEPLOY / "Procfile.vllm").read_text()))
+    assert named - settings_env_names() == set()

@@ -46,7 +46,7 @@ class FakeVllm:
             web.post("/pause", self.pause), web.post("/resume", self.resume),
             web.post("/collective_rpc", self.collective_rpc), web.post("/update_weight_version", self.set_version),
             web.get("/weight_info", self.weight_info), web.post("/reset_prefix_cache", self.reset_prefix_cache),
-            web.post("/v1/completions", self.completions),
+            web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
         ])
         self.runner = web.AppRunner(app)
         await self.runner.setup()
@@ -109,6 +109,9 @@ class FakeVllm:
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.calls.append("reset_prefix_cache")
         return web.json_response({})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": str(self.model_dir), "object": "model"}]})
 
     async def completions(self, request: web.Request) -> web.Response:
         body: dict[str, Any] = await request.json()

