@@ -48,7 +48,7 @@ def command(settings: VllmSyncSettings) -> None:
         key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
         admin = VllmAdmin(settings.vllm_url or "", settings.sync_timeout_s, key)
         assert settings.model_dir is not None
-        sync = VllmSync(store, admin, url=settings.vllm_url or "", model=settings.model_name,
+        sync = VllmSync(store, admin, url=settings.replica_url or settings.vllm_url or "", model=settings.model_name,
                         model_dir=settings.model_dir, sync_dir=settings.sync_dir, pause_mode=settings.pause_mode,
                         retry_s=settings.sync_retry_s)
         try:

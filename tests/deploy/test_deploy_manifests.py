@@ -410,7 +410,8 @@ def test_gpu_compose_override_validates_and_asks_for_gpus(compose_validator: jso
         assert device["capabilities"] == ["gpu"] and int(device["count"]) == count
 
 
-@pytest.mark.parametrize("path", sorted((DEPLOY / "k8s-gpu").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(p for p in (DEPLOY / "k8s-gpu").glob("*.yaml") if p.name != "vllm.yaml"),
+                         ids=lambda p: p.name)
 def test_gpu_k8s_manifests_validate_parse_and_request_gpus(path: Path, fulmen_app: Any) -> None:
     docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
     for d in docs:
@@ -446,4 +447,22 @@ def test_vllm_procfile_runs_vllm_sync_beside_the_server_and_parses(fulmen_app: A
     assert processes["vllm-sync"][-1] == f"http://127.0.0.1:{port}"
     assert processes["proxy"][processes["proxy"].index("--upstream-urls") + 1] == f"http://127.0.0.1:{port}"
     named = set(FULMEN_NAME.findall((DEPLOY / "Procfile.vllm").read_text()))
+    assert named - settings_env_names() == set()
+
+
+def test_vllm_statefulset_runs_vllm_sync_beside_each_server(fulmen_app: Any) -> None:
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s-gpu" / "vllm.yaml").read_text()) if d]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    (server_set,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    containers = {c["name"]: c for c in server_set["spec"]["template"]["spec"]["containers"]}
+    sync, server = containers["vllm-sync"], containers["vllm"]
+    assert_parses(fulmen_app, sync["args"], "k8s-gpu vllm-sync")
+    port = server["args"][server["args"].index("--port") + 1]
+    assert sync["args"][sync["args"].index("--vllm-url") + 1] == f"http://127.0.0.1:{port}"
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in server["env"]
+    sync_dir = sync["args"][sync["args"].index("--sync-dir") + 1]
+    mounts = {m["name"]: m["mountPath"] for m in server["volumeMounts"]}
+    assert mounts["sync"] == sync_dir == {m["name"]: m["mountPath"] for m in sync["volumeMounts"]}["sync"]
+    named = set(FULMEN_NAME.findall((DEPLOY / "k8s-gpu" / "vllm.yaml").read_text()))
     assert named - settings_env_names() == set()

@@ -226,6 +226,9 @@ class EvalSettings(ValidationSettings):
 class VllmSyncSettings(ServedModelSettings):
     vllm_url: str | None = Field(None, description="The vLLM server to keep in step (its base URL, as in upstream_urls).")
     vllm_api_key: SecretStr | None = Field(None, description="Bearer key of that server's routes (never logged).")
+    replica_url: str | None = Field(
+        None, description="The URL proxies reach that server at, as in their upstream_urls (unset: vllm_url)."
+    )
     sync_dir: Path = Field(
         Path(".fulmen/vllm-sync"), description="Where versions are written for the server to load (it must see this path)."
     )
