@@ -31,9 +31,9 @@ publishes (`Policy.published_state` through `fulmen.model_versions`' serialiser,
                                                  #   --response-tokens 64 --repeats 3
     python bench/trainer_real_size.py --quick    # 1 pair of lora/bare runs, shorter sequences
 
-The default run takes 20-30 minutes on a 2-vCPU machine (7 processes of ~2-5 minutes: a LoRA step
-of 2,048 tokens is ~50 s of fp32 matrix products there, a full fine-tuning step ~70 s); ``--quick``
-takes ~3 minutes and gives no figure for the issue. Each step also reports the seconds its threads
+The default run takes ~12 minutes on a quiet 2-vCPU machine and ~25 when other tenants share it
+(7 processes: there a LoRA step of 2,048 tokens is ~42 s of fp32 matrix products, a full fine-tuning
+step ~48 s); ``--quick`` takes ~3 minutes and gives no figure for the issue. Each step also reports the seconds its threads
 waited for a CPU (/proc schedstat): on a shared machine that says which runs other tenants slowed.
 
 Progress goes to stderr; the figures are ONE JSON object on the last line of stdout.
