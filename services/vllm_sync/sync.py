@@ -37,6 +37,7 @@ from fulmen_vllm_sync.materialize import materialize
 log = logging.getLogger(__name__)
 
 CANARY_PROMPT = [1, 5, 6, 7, 8, 9, 10, 11]  # token ids every vocabulary has
+POLL_S = 0.2  # how often a new resources version is looked for
 
 
 class SyncFailed(Exception):
@@ -117,16 +118,15 @@ class VllmSync:
         return seen, next((found for u in updates if (found := _named(u)) is not None), None)
 
     async def _wait_for_news(self, stop: asyncio.Event, after: int | None) -> None:
-        subscription = self.store.subscribe_resources(after_version=after)
-        waiting = asyncio.ensure_future(anext(subscription))
-        stopping = asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait({waiting, stopping}, timeout=self.check_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (waiting, stopping):
-                task.cancel()
-            await asyncio.gather(waiting, stopping, return_exceptions=True)
-            await subscription.aclose()
+        """Until a resources version newer than ``after`` exists, ``stop`` is set, or ``check_s`` passed.
+        Polled (one small read per ``POLL_S``): nothing to cancel mid-read when it returns."""
+        deadline = time.monotonic() + self.check_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            latest = await self.store.get_latest_resources()
+            if latest is not None and (after is None or latest.version > after):
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), POLL_S)
 
     # --- one sync --------------------------------------------------------------------------------
 
