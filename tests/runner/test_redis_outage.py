@@ -95,6 +95,12 @@ async def test_runner_adapter_and_watchdog_stay_up_through_a_redis_restart(tmp_p
                     await asyncio.sleep(0.1)
                 assert (await store.adapter_stats()).get("rollouts", 0) >= len(before) + len(after)
                 for process, name in ((runner, "runner"), (adapter, "adapter"), (watchdog, "watchdog")):
+                    # A process logs "is back" on its first command that succeeds after the restart:
+                    # the watchdog's next sweep may come after the work above is already done.
+                    for _ in range(200):
+                        if "is back after an outage" in process.stderr or process.process.returncode is not None:
+                            break
+                        await asyncio.sleep(0.1)
                     assert process.process.returncode is None, f"{name} exited: {process.stderr[-3000:]}"
                     assert "is back after an outage" in process.stderr, f"{name}: {process.stderr[-3000:]}"
         finally:
