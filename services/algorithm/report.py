@@ -3,23 +3,24 @@
 The curve plots the trainer's mean rollout reward per step (from the trainer's steps stream in
 Redis, `fulmen.train_steps.read_curve`, so the algorithm needs no access to the trainer's disk) and
 the validation accuracy of every pass. The final model is the latest published version, fetched from
-Redis and written as a Hugging Face folder next to the base model's config and tokenizer files.
+Redis and written as a Hugging Face folder next to the base model's config and tokenizer files
+(`fulmen.version_folder`: a LoRA version is merged onto the base).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import matplotlib
-from safetensors.torch import save_file
 
 from fulmen.model_versions import BASE_VERSION, POLICY_RESOURCES_ID, ModelVersion, fetch_model_version
 from fulmen.records import TrainStep
 from fulmen.store import RedisStore
+from fulmen.version_folder import full_weights, write_model_folder
 
 CURVE_SIZE_IN = (7, 4)
 CURVE_DPI = 120
@@ -61,9 +62,6 @@ async def export_final_model(store: RedisStore, base_model_dir: Path, out: Path,
     if version == BASE_VERSION.name:
         return None
     state = await fetch_model_version(store, version, resource=llm)
-    if out.exists():
-        shutil.rmtree(out)
-    shutil.copytree(base_model_dir, out, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "fulmen_version.json").write_text(json.dumps({"model_version": version}))
-    return out
+    full = await asyncio.to_thread(full_weights, state, llm.get("weights") or {}, base_model_dir)
+    extra = {"fulmen_version.json": json.dumps({"model_version": version})}
+    return await asyncio.to_thread(write_model_folder, full, base_model_dir, out, extra)

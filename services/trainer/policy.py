@@ -86,16 +86,33 @@ class Policy:
         else:
             yield self.reference
 
-    def published_state(self) -> dict[str, torch.Tensor]:
-        """What a model version holds: the adapter (LoRA), else every weight. Under FSDP every rank
-        calls it (the shards are gathered) and only rank 0's answer holds the weights."""
+    def published_state(self, *, exact: bool = False) -> dict[str, torch.Tensor]:
+        """What a model version holds: the adapter (LoRA), else every weight, in ``publish_dtype``
+        (``exact``: fp32) and without the second name of a tied weight (lm_head = embeddings; the
+        proxies and vLLM tie it again). Under FSDP every rank calls it (the shards are gathered) and
+        only rank 0's answer holds the weights."""
         full = self.gather() if self.gather is not None else None
         if self.lora:
             from peft import get_peft_model_state_dict
 
-            adapter = get_peft_model_state_dict(self.model, state_dict=full)
-            return {k: v.detach().float() for k, v in adapter.items()}
-        return full if full is not None else self.model.state_dict()
+            state = get_peft_model_state_dict(self.model, state_dict=full)
+        else:
+            state = full if full is not None else self.model.state_dict()
+        dtype = torch.float32 if exact else self.publish_dtype
+        published: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, int, tuple[int, ...]]] = set()
+        for name, tensor in state.items():
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            tensor = tensor.detach()
+            published[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        return published
+
+    @property
+    def publish_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.s.dtype if self.s.publish_dtype == "auto" else self.s.publish_dtype)
 
     def published_format(self) -> dict[str, Any] | None:
         """How the proxies apply a published state (None: full weights, loaded as they are)."""

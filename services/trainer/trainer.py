@@ -76,6 +76,7 @@ class Trainer:
         resolve_device(settings.device)  # likewise a device this machine does not have, or a bad dtype
         resolve_dtype(settings.dtype)
         resolve_dtype(settings.reference_dtype)
+        resolve_dtype(settings.dtype if settings.publish_dtype == "auto" else settings.publish_dtype)
         self.store = store
         self.s = settings
         self.rank = rank
@@ -438,12 +439,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    async def publish(self, *, resumed: bool = False) -> None:
+    async def publish(self, *, resumed: bool = False, exact: bool = False) -> None:
         """Publish the current weights as ``self.version`` (a name taken by `next_model_version` and
         checkpointed); the proxies load it. ``resumed``: weights a killed publish left half-written
-        under that name are replaced."""
+        under that name are replaced. ``exact``: in fp32 whatever ``publish_dtype`` says (ranks that
+        catch up from it must hold the leader's master weights bit for bit)."""
         assert self.policy is not None
-        state = await asyncio.to_thread(self.policy.published_state)  # FSDP: a collective with every rank
+        # FSDP: a collective with every rank
+        state = await asyncio.to_thread(self.policy.published_state, exact=exact)
         await publish_model_version(
             self.store, state, model=self.model_name, model_version=self.version.name,
             shared_dir=self.s.weights_dir, replace_unpublished=resumed, weights_format=self.policy.published_format(),
@@ -456,7 +459,7 @@ class Trainer:
         self.version = await next_model_version(self.store, shared_dir=self.s.weights_dir)
         if self.checkpointed_step != self.step:  # else the newest checkpoint holds these very weights
             await self.checkpoint()
-        await self.publish()
+        await self.publish(exact=True)
 
     async def load_version(self, version: ModelVersion, step: int) -> None:
         """Take the weights of a published version (a rank catching up with its leader's ``step``)."""

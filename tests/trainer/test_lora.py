@@ -102,6 +102,24 @@ async def test_the_proxy_serves_base_plus_adapter_with_the_trainers_greedy_ids(r
     await engine.close()
 
 
+async def test_the_final_model_of_a_lora_run_is_the_merged_model(real_store: RedisStore, tiny: Path,
+                                                                   tmp_path: Path) -> None:
+    """The run's final-model folder loads as a plain model that says what the trained adapter says."""
+    from transformers import AutoModelForCausalLM
+
+    from fulmen_algorithm.report import export_final_model
+
+    trainer = await _trained(real_store, tiny, tmp_path)
+    await asyncio.wait_for(trainer.run(asyncio.Event()), 60)
+    out = await export_final_model(real_store, tiny, tmp_path / "final-model")
+    assert out is not None and (out / "fulmen_version.json").read_text() == '{"model_version": "v1"}'
+    final = AutoModelForCausalLM.from_pretrained(out).eval()
+    trainer.model.eval()
+    prompt = [1, 5, 9, 12, 7]
+    assert _greedy(final, prompt) == _greedy(trainer.model, prompt)
+    assert _greedy(final, prompt) != _greedy(AutoModelForCausalLM.from_pretrained(tiny).eval(), prompt)
+
+
 async def test_a_restarted_lora_trainer_resumes_its_adapter_and_optimizer(real_store: RedisStore, tiny: Path,
                                                                          tmp_path: Path) -> None:
     trainer = await _trained(real_store, tiny, tmp_path)

@@ -126,6 +126,53 @@ def test_bf16_on_a_cpu_stores_frozen_weights_in_bf16_and_trains_the_adapter_in_f
     assert not torch.allclose(logp, want, atol=1e-6)  # it really is the bf16-rounded base
 
 
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_a_version_is_published_in_the_training_dtype_and_exactly_for_catching_up(tiny: Path, lora: bool) -> None:
+    """dtype bfloat16: a published version holds bf16 tensors (half the bytes), without the tied
+    lm_head's second copy; ``exact`` (what a rank that catches up loads) is the fp32 master weights."""
+    knobs = {"lora_rank": 4} if lora else {}
+    settings = load_settings(TrainerSettings, model_dir=tiny, dtype="bfloat16", device="cpu", **knobs)
+    policy = load_policy(settings, None)
+    small, exact = policy.published_state(), policy.published_state(exact=True)
+    assert small.keys() == exact.keys() and small
+    assert {t.dtype for t in small.values()} == {torch.bfloat16}
+    assert {t.dtype for t in exact.values()} == {torch.float32}
+    if lora:
+        assert all("lora_" in name for name in small)
+        trained = dict(policy.model.named_parameters())
+        for name, tensor in exact.items():  # the fp32 master weights, bit for bit
+            own = next(p for n, p in trained.items() if n.replace(".default", "") == name)
+            assert torch.equal(tensor, own.detach())
+    else:
+        assert "lm_head.weight" in small  # the tiny model's output layer is its own
+    fp32 = load_policy(load_settings(TrainerSettings, model_dir=tiny, device="cpu", **knobs), None)
+    assert {t.dtype for t in fp32.published_state().values()} == {torch.float32}  # auto follows dtype
+
+
+def test_a_tied_output_layer_is_published_once(tiny: Path, tmp_path: Path) -> None:
+    """lm_head shares the embeddings: the version holds the tensor once and a proxy ties it again."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    [weights] = tied.glob("*.safetensors")
+    state = load_file(weights)
+    del state["lm_head.weight"]  # a tied checkpoint stores the embeddings once
+    save_file(state, weights, metadata={"format": "pt"})
+    policy = load_policy(load_settings(TrainerSettings, model_dir=tied, device="cpu"), None)
+    state = policy.published_state()
+    assert "lm_head.weight" not in state and "model.embed_tokens.weight" in state
+    served = AutoModelForCausalLM.from_pretrained(tied)
+    served.load_state_dict(state, strict=False)
+    assert torch.equal(served.lm_head.weight, state["model.embed_tokens.weight"])
+
+
 def test_device_and_dtype_settings_fail_clearly() -> None:
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")

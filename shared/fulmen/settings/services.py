@@ -159,6 +159,9 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
     lora_target_modules: str = Field(
         "all-linear", description="Modules that get an adapter: all-linear, or names such as q_proj,v_proj."
     )
+    publish_dtype: str = Field(
+        "auto", description="dtype of published model versions: auto (the training dtype), float32 or bfloat16."
+    )
     reference_dtype: str = Field("bfloat16", description="The KL reference copy's dtype (not used with LoRA).")
     reference_device: str = Field("same", description="The KL reference copy's device: same, or cpu to offload it.")
     sft_min_reward: float | None = Field(None, description="sft: train only on samples with reward >= this.")

@@ -1,0 +1,59 @@
+"""A model version as a Hugging Face folder: what vLLM's ``reload_weights`` reads and what a run
+leaves as its final model.
+
+The folder is the base model's folder (config, tokenizer) with the version's full weights in
+``model.safetensors``. A LoRA version is merged onto the base weights first (`fulmen.lora`), so
+whatever loads the folder needs no LoRA support. It is written beside its final name and renamed
+into place: a reader sees a whole folder or none.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fulmen.lora import LORA_FORMAT, merge_lora
+
+if TYPE_CHECKING:
+    import torch
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def base_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors files."""
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def full_weights(state: Mapping[str, torch.Tensor], weights: Mapping[str, Any], model_dir: Path) -> dict[str, torch.Tensor]:
+    """The whole model's weights of a version: ``state`` itself, or a LoRA adapter merged onto the base."""
+    if weights.get("format") == LORA_FORMAT:
+        base = base_weights(model_dir)
+        return {**base, **merge_lora(state, weights.get("lora") or {}, base.__getitem__)}
+    return dict(state)
+
+
+def write_model_folder(full: Mapping[str, torch.Tensor], model_dir: Path, folder: Path,
+                       extra: Mapping[str, str] | None = None) -> Path:
+    """``folder`` = ``model_dir`` without its weights, plus ``full`` as ``model.safetensors`` and the
+    ``extra`` text files (name → content). Replaces a folder of that name."""
+    from safetensors.torch import save_file
+
+    tmp = folder.parent / f".{folder.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(model_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.safetensors.index.json"))
+    save_file({n: t.contiguous() for n, t in full.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    for name, text in (extra or {}).items():
+        (tmp / name).write_text(text)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
