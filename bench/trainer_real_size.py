@@ -214,9 +214,11 @@ def version_sizes(state: dict[str, Any]) -> tuple[float, float]:
     import torch
 
     from fulmen.model_versions import _serialize  # the trainer's publish path: tied tensors get copies
+    from fulmen.version_manifest import FULL, Manifest, describe_all
 
-    as_is = len(_serialize(state))
-    as_bf16 = len(_serialize({name: t.to(torch.bfloat16) for name, t in state.items()}))
+    as_is = len(_serialize(state, Manifest(FULL, None, describe_all(state))))
+    bf16 = {name: t.to(torch.bfloat16) for name, t in state.items()}
+    as_bf16 = len(_serialize(bf16, Manifest(FULL, None, describe_all(bf16))))
     return round(as_is / 1e6, 2), round(as_bf16 / 1e6, 2)
 
 

@@ -115,5 +115,10 @@ class Backend(Protocol):
         self, state_dict: dict[str, Any], model_version: str, weights_format: Mapping[str, Any] | None = None
     ) -> bool:
         """Swap in new weights between batches; False when this backend cannot (upstreams).
-        ``weights_format``: the version's ``weights`` entry (``format: lora``: an adapter, `fulmen.lora`)."""
+        ``weights_format``: the version's ``weights`` entry (``format: lora``: an adapter, `fulmen.lora`;
+        ``format: delta``: the tensors a delta changed, already rebuilt; the others stay)."""
         ...
+
+    def current_weights(self) -> Mapping[str, Any] | None:
+        """The tensors being served by name (a delta is applied onto them), None when not held here."""
+        return None

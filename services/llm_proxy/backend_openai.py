@@ -48,6 +48,9 @@ class OpenAIBackend:
     ) -> bool:
         return False
 
+    def current_weights(self) -> Mapping[str, Any] | None:
+        return None
+
     def payload(self, call: Call) -> dict[str, Any]:
         """The body sent upstream (the vllm backend asks for token ids here)."""
         return call.body

@@ -75,13 +75,18 @@ class TorchBackend:
         self, state_dict: dict[str, Any], model_version: str, weights_format: Mapping[str, Any] | None = None
     ) -> bool:
         from fulmen.lora import LORA_FORMAT
+        from fulmen.version_manifest import DELTA
 
         fmt = (weights_format or {}).get("format")
-        if fmt not in (None, "full", LORA_FORMAT):
+        if fmt not in (None, "full", LORA_FORMAT, DELTA):
             raise InvalidInput(f"model version {model_version}: weights format {fmt!r} is not one this backend loads")
         lora = weights_format.get("lora") if weights_format and fmt == LORA_FORMAT else None
-        await self.engine.load_weights(state_dict, model_version, lora=lora or ({} if fmt == LORA_FORMAT else None))
+        await self.engine.load_weights(state_dict, model_version, lora=lora or ({} if fmt == LORA_FORMAT else None),
+                                       partial=fmt == DELTA)
         return True
+
+    def current_weights(self) -> Mapping[str, Any] | None:
+        return self.engine.model.state_dict() if self.engine is not None else None
 
     # --- prompts ------------------------------------------------------------------------------------
 

@@ -7,6 +7,10 @@ then follows every new resources version. Loading goes through ``backend.load_we
 swaps between batches: calls in flight finish on the weights they started with and every
 response names the version that served it. A version that fails to load is logged and counted;
 the proxy keeps serving the one it has.
+
+A delta version (`fulmen.version_delta`) is applied onto the weights being served when they are its
+base; otherwise (a restart, a skipped version, a delta that does not check out) the whole version is
+rebuilt from its chain in the store.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fulmen.errors import NotFound
+from fulmen.errors import NotFound, RecordError
 from fulmen.records import ResourcesUpdate
 from fulmen.store import RedisStore
 from fulmen_llm_proxy.backend_base import Backend
@@ -52,7 +56,7 @@ class ModelFollower:
             await self.consider(update)
 
     async def consider(self, update: ResourcesUpdate) -> None:
-        from fulmen.model_versions import fetch_model_version, llm_resource
+        from fulmen.model_versions import llm_resource
 
         llm = llm_resource(update)
         if not llm:
@@ -61,8 +65,8 @@ class ModelFollower:
         if not version or version == self.backend.model_version:
             return
         try:
-            state_dict = await fetch_model_version(self.store, version, resource=llm)
-            loaded = await self.backend.load_weights(state_dict, version, llm.get("weights"))
+            state_dict, weights = await self._weights(version, llm)
+            loaded = await self.backend.load_weights(state_dict, version, weights)
         except NotFound:
             # its weights are deleted once newer versions exist (fulmen.version_retention): a newer
             # announcement follows, or catch-up already named it
@@ -80,6 +84,31 @@ class ModelFollower:
                 update.version,
             )
             self.on_loaded(version, "loaded")
+
+
+    async def _weights(self, version: str, llm: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The tensors to load and how: as published, or for a delta the tensors it changes (applied
+        onto the served weights) or the whole version rebuilt from its chain."""
+        import asyncio
+
+        from fulmen.model_versions import fetch_full_version, fetch_version
+        from fulmen.version_delta import apply_delta
+        from fulmen.version_manifest import DELTA
+
+        weights = llm.get("weights") if isinstance(llm.get("weights"), dict) else None
+        found = await fetch_version(self.store, version, resource=llm)
+        if found.manifest is None or found.manifest.format != DELTA:
+            return found.state, weights
+        current = self.backend.current_weights()
+        if current is not None and self.backend.model_version == found.manifest.base_version:
+            try:
+                changed = await asyncio.to_thread(apply_delta, found.state, found.manifest, current.__getitem__, version)
+                return changed, {**(weights or {}), "format": DELTA}
+            except (RecordError, KeyError) as e:
+                log.warning("model version %s does not apply onto the served %s (%s): loading it whole", version,
+                            found.manifest.base_version, e)
+        full = await fetch_full_version(self.store, version, resource=llm)
+        return full.state, {**(weights or {}), "format": "full"}
 
 
 def _model_version(update: ResourcesUpdate) -> str | None:

@@ -229,14 +229,16 @@ class TorchEngine:
     # --- hot swap -----------------------------------------------------------------------------------
 
     async def load_weights(
-        self, state_dict: Mapping[str, torch.Tensor], model_version: str, *, lora: Mapping[str, Any] | None = None
+        self, state_dict: Mapping[str, torch.Tensor], model_version: str, *, lora: Mapping[str, Any] | None = None,
+        partial: bool = False,
     ) -> None:
         """Swap in new weights once the running requests finish; returns when the swap is done.
 
         Requests submitted after this returns use the new weights. The tensors are copied into the
         model at swap time, so the caller must not modify them in place until then. With ``lora``
         (the version's LoRA description), ``state_dict`` is an adapter, merged onto the base weights
-        of the model folder; the modules it does not adapt get their base weights back.
+        of the model folder; the modules it does not adapt get their base weights back. ``partial``:
+        the tensors a delta changed (`fulmen.version_delta`); the others keep their values.
         """
         if lora is not None:
             from fulmen.lora import merge_lora
@@ -246,7 +248,7 @@ class TorchEngine:
             state_dict = {**{n: w for n, w in self._base_weights.items() if n not in merged}, **merged}
             weights = self._check_state_dict(state_dict, partial=True)
         else:
-            weights = self._check_state_dict(state_dict)
+            weights = self._check_state_dict(state_dict, partial=partial)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         with self._cond:
             running = self._thread is not None and not self._stopping

@@ -38,7 +38,6 @@ from fulmen.model_versions import (
     fetch_model_version,
     is_published,
     next_model_version,
-    publish_model_version,
 )
 from fulmen.records import Sample, SampleSkip
 from fulmen.settings import TrainerSettings
@@ -54,6 +53,7 @@ from fulmen_trainer.metrics import MetricsMirror, StepMetrics
 from fulmen_trainer.objectives import Baseline, kl_to_reference, objective
 from fulmen_trainer.plan import StepPlan, merge_passes, plan_step
 from fulmen_trainer.policy import Policy, load_policy
+from fulmen_trainer.publishing import VersionPublisher
 from fulmen_trainer.rank_group import RankGroup
 from fulmen_trainer.torch_ranks import TorchRanks
 
@@ -77,6 +77,8 @@ class Trainer:
         resolve_dtype(settings.dtype)
         resolve_dtype(settings.reference_dtype)
         resolve_dtype(settings.dtype if settings.publish_dtype == "auto" else settings.publish_dtype)
+        if settings.publish_format not in ("full", "delta"):
+            raise ValueError(f"publish_format is {settings.publish_format!r}; use full or delta")
         self.store = store
         self.s = settings
         self.rank = rank
@@ -98,6 +100,7 @@ class Trainer:
         self.policy: Policy | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.metrics: StepMetrics | None = None
+        self.publisher = VersionPublisher(settings, lora=settings.lora_rank is not None)
         self.vocab_size: int | None = None  # token ids at or above it are refused (set by `setup`)
         self.nonfinite: str | None = None  # why the step under way makes no update (a NaN or inf)
 
@@ -447,9 +450,9 @@ class Trainer:
         assert self.policy is not None
         # FSDP: a collective with every rank
         state = await asyncio.to_thread(self.policy.published_state, exact=exact)
-        await publish_model_version(
-            self.store, state, model=self.model_name, model_version=self.version.name,
-            shared_dir=self.s.weights_dir, replace_unpublished=resumed, weights_format=self.policy.published_format(),
+        await self.publisher.publish(
+            self.store, state, model=self.model_name, version=self.version.name, replace_unpublished=resumed,
+            weights_format=self.policy.published_format(), exact=exact,
         )
         await retain_versions(self.store, self.s.keep_versions, self.s.weights_dir)
 

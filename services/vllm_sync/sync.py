@@ -28,9 +28,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fulmen.model_versions import fetch_model_version, llm_resource
+from fulmen.model_versions import fetch_full_version, fetch_version, llm_resource
 from fulmen.records import ReplicaState, ResourcesUpdate
 from fulmen.store import RedisStore
+from fulmen.version_folder import apply_onto_folder
+from fulmen.version_manifest import DELTA
 from fulmen_vllm_sync.admin import AdminError, VllmAdmin
 from fulmen_vllm_sync.materialize import materialize
 
@@ -151,7 +153,14 @@ class VllmSync:
 
     async def _sync(self, version: str, llm: Mapping[str, Any]) -> None:
         weights = llm.get("weights") if isinstance(llm.get("weights"), Mapping) else {}
-        state = await fetch_model_version(self.store, version, resource=llm)
+        found = await fetch_version(self.store, version, resource=llm)
+        state = found.state
+        if found.manifest is not None and found.manifest.format == DELTA:
+            # onto the folder of its base when this server loaded it last, else rebuilt from the chain
+            base = self.sync_dir / str(found.manifest.base_version)
+            rebuilt = await asyncio.to_thread(apply_onto_folder, found, base, version)
+            state = rebuilt if rebuilt is not None else (await fetch_full_version(self.store, version, resource=llm)).state
+            weights = {**weights, "format": "full"}
         folder = await asyncio.to_thread(materialize, version, state, weights, self.model_dir, self.sync_dir)
         sha = weights.get("sha256")
         if not self.weights_known:  # a failed attempt may have left the server paused

@@ -38,6 +38,7 @@ PROXIES = "proxies"  # hash: proxy id -> proxy endpoint record (its heartbeat)
 WEIGHTS = "weights:"  # stream: one model version's weights, msgpack-framed safetensors chunks
 REPLICAS = "replicas"  # hash: inference server URL -> its replica state (served version, ready), from vllm-sync
 STORED_VERSIONS = "weights-stored"  # zset: model version -> resources version, for those whose weights are kept
+VERSION_BASES = "weights-bases"  # hash: delta model version -> the version it applies onto
 CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)
 SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
 ADAPTER_STATS = "stats:adapter"  # hash: rollouts adapted, samples written, skips per reason
@@ -113,6 +114,7 @@ class Keys:
         "trainer_steps",
         "trainer_untrained",
         "validations",
+        "version_bases",
         "watch_deadline",
         "watch_heartbeat",
         "workers",
@@ -146,6 +148,7 @@ class Keys:
         self.trainer_untrained = p + TRAINER_UNTRAINED
         self.services = p + SERVICES
         self.stored_versions = p + STORED_VERSIONS
+        self.version_bases = p + VERSION_BASES
         self.replicas = p + REPLICAS
 
     def rollout(self, rollout_id: str) -> str:

@@ -32,6 +32,11 @@ resources entry) is skipped for the next number. One publisher per resources id 
 entry, or its ``weights``) it goes straight there; without, it reads the weights stream and, if the
 version has none, looks the version up in the resources log (a shared-folder version).
 
+Formats: every blob carries a manifest (`fulmen.version_manifest`: format, base version, and per
+tensor dtype, shape and sha256). ``full`` and ``lora`` versions are whole; a ``delta`` version holds
+what changed since its base (`fulmen.version_delta`): `fetch_version` returns it as stored, with its
+manifest, and `fetch_full_version` rebuilds the whole weights from the chain.
+
 torch and safetensors are imported inside the functions: ``import fulmen`` never needs torch.
 """
 
@@ -54,6 +59,7 @@ from redis.exceptions import ResponseError
 from fulmen import keys as k
 from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.records import ResourcesUpdate, WeightsChunk
+from fulmen.version_manifest import DELTA, FULL, LORA, METADATA_KEY, Manifest, describe_all, read_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +72,9 @@ __all__ = [
     "BASE_VERSION",
     "POLICY_RESOURCES_ID",
     "ModelVersion",
+    "fetch_full_version",
     "fetch_model_version",
+    "fetch_version",
     "is_published",
     "llm_resource",
     "next_model_version",
@@ -119,6 +127,13 @@ class ModelVersion(NamedTuple):
 BASE_VERSION = ModelVersion(0, "base")
 
 
+class PublishedWeights(NamedTuple):
+    """A version's tensors as stored, and its manifest (None for a blob published before manifests)."""
+
+    state: dict[str, torch.Tensor]
+    manifest: Manifest | None
+
+
 class _VersionTaken(Exception):
     """Internal: the version name is in use; the caller tries the next one or refuses."""
 
@@ -143,11 +158,14 @@ async def publish_model_version(
     inherit: bool = True,
     replace_unpublished: bool = False,
     weights_format: Mapping[str, Any] | None = None,
+    manifest: Manifest | None = None,
 ) -> ResourcesUpdate:
     """Store the weights, then publish a resources version naming them (see the module docstring).
 
     ``weights_format``: how a backend applies these tensors, added to the ``weights`` entry (a LoRA
-    adapter: ``{"format": "lora", "lora": {...}}``, see `fulmen.lora`); unset, they are full weights.
+    adapter: ``{"format": "lora", "lora": {...}}``, see `fulmen.lora`; a delta: ``{"format": "delta",
+    "base_version": ...}`` with its ``manifest``); unset, they are full weights. The manifest of a full
+    or LoRA version is computed here.
 
     ``replace_unpublished`` (with ``model_version``): weights stored under that name that no resources
     version names (a publish killed half-way) are deleted and written again, instead of refused."""
@@ -168,7 +186,13 @@ async def publish_model_version(
         previous: ResourcesUpdate | None = await store.get_resources(resources_id)
     except NotFound:
         previous = None
-    blob = await asyncio.to_thread(_serialize, state_dict)
+    fmt = (weights_format or {}).get("format", FULL)
+    if fmt == DELTA and (manifest is None or manifest.format != DELTA
+                         or manifest.base_version != (weights_format or {}).get("base_version")):
+        raise InvalidInput("a delta version needs its manifest (fulmen.version_delta), naming the same base version")
+    if manifest is None:
+        manifest = Manifest(LORA if fmt == LORA else FULL, None, await asyncio.to_thread(describe_all, state_dict))
+    blob = await asyncio.to_thread(_serialize, state_dict, manifest)
     sha256 = hashlib.sha256(blob).hexdigest()
 
     names = [model_version] if model_version is not None else _default_versions(previous)
@@ -201,7 +225,8 @@ async def publish_model_version(
             published = await store.add_resources(resources, resources_id, metadata)
     if published is None:
         published = await store.update_resources(resources_id, resources, metadata)
-    await record_stored(store, version, published.version)  # retention may delete it once it is old
+    # retention may delete it once it is old, but not while a kept delta needs it as its base
+    await record_stored(store, version, published.version, base=manifest.base_version)
     return published
 
 
@@ -232,10 +257,45 @@ async def is_published(store: RedisStore, model_version: str) -> bool:
 async def fetch_model_version(
     store: RedisStore, model_version: str, *, resource: Mapping[str, Any] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The state dict of a published version, checked against its sha256 (see the module docstring).
+    """The tensors of a published version as stored (a delta's are a delta), checked against its
+    sha256 (see the module docstring).
 
     Raises NotFound if the version has no weights, RecordError if they are incomplete or corrupt.
     """
+    return (await fetch_version(store, model_version, resource=resource)).state
+
+
+async def fetch_full_version(
+    store: RedisStore, model_version: str, *, resource: Mapping[str, Any] | None = None, max_chain: int = 1000
+) -> PublishedWeights:
+    """A version's whole weights: as stored for a full or LoRA version; a delta applied onto its base,
+    rebuilt the same way (back to the nearest full version), each tensor checked against the manifest."""
+    from fulmen.version_delta import apply_delta
+
+    found = await fetch_version(store, model_version, resource=resource)
+    chain = [(model_version, found)]
+    while (last := chain[-1][1]).manifest is not None and last.manifest.format == DELTA:
+        if len(chain) > max_chain:
+            raise RecordError(f"model version {model_version}: a chain of more than {max_chain} deltas")
+        base = str(last.manifest.base_version)
+        try:
+            chain.append((base, await fetch_version(store, base)))
+        except NotFound:
+            raise NotFound(f"model version {chain[-1][0]} is a delta on {base}, whose weights are gone") from None
+    name, full = chain.pop()
+    state = full.state
+    for name, delta in reversed(chain):
+        assert delta.manifest is not None
+        state = {**state, **await asyncio.to_thread(apply_delta, delta.state, delta.manifest, state.__getitem__, name)}
+    if found.manifest is not None and found.manifest.format == DELTA:
+        return PublishedWeights(state, Manifest(FULL, None, found.manifest.tensors))
+    return PublishedWeights(state, found.manifest)
+
+
+async def fetch_version(
+    store: RedisStore, model_version: str, *, resource: Mapping[str, Any] | None = None
+) -> PublishedWeights:
+    """The tensors of a published version as stored and its manifest (see `fetch_model_version`)."""
     k.check_id("model_version", model_version)
     weights = _weights_entry(resource) if resource is not None else None
     found = await _read_stream(store, model_version) if weights is None else None
@@ -279,7 +339,7 @@ def _default_versions(previous: ResourcesUpdate | None) -> Iterator[str]:
     return (ModelVersion.numbered(i).name for i in range(n + 1, n + MAX_NAME_TRIES + 1))
 
 
-def _serialize(state_dict: Mapping[str, torch.Tensor]) -> bytes:
+def _serialize(state_dict: Mapping[str, torch.Tensor], manifest: Manifest) -> bytes:
     import torch
     from safetensors.torch import save
 
@@ -297,7 +357,7 @@ def _serialize(state_dict: Mapping[str, torch.Tensor]) -> bytes:
             tensor = tensor.clone()
         storages.add(storage)
         tensors[name] = tensor
-    return save(tensors, metadata={"format": "pt"})
+    return save(tensors, metadata={"format": "pt", METADATA_KEY: manifest.to_json()})
 
 
 async def _write_stream(store: RedisStore, version: str, blob: bytes, sha256: str, chunk_bytes: int) -> dict:
@@ -428,7 +488,7 @@ def _read_file(path: Path) -> bytes:
         return f.read()
 
 
-def _deserialize(version: str, blob: bytes, sha256: str | None) -> dict[str, torch.Tensor]:
+def _deserialize(version: str, blob: bytes, sha256: str | None) -> PublishedWeights:
     from safetensors.torch import load
 
     actual = hashlib.sha256(blob).hexdigest()
@@ -443,7 +503,7 @@ def _deserialize(version: str, blob: bytes, sha256: str | None) -> dict[str, tor
     broken = non_finite_tensors(state_dict)
     if broken:
         raise RecordError(f"model version {version} holds NaN or infinite values in {broken[:5]}: refused")
-    return state_dict
+    return PublishedWeights(state_dict, read_manifest(blob, version))
 
 
 def tensor_is_finite(tensor: torch.Tensor) -> bool:

@@ -9,15 +9,21 @@ into place: a reader sees a whole folder or none.
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fulmen.errors import RecordError
 from fulmen.lora import LORA_FORMAT, merge_lora
 
 if TYPE_CHECKING:
     import torch
+
+    from fulmen.model_versions import PublishedWeights
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -40,6 +46,22 @@ def full_weights(state: Mapping[str, torch.Tensor], weights: Mapping[str, Any], 
         base = base_weights(model_dir)
         return {**base, **merge_lora(state, weights.get("lora") or {}, base.__getitem__)}
     return dict(state)
+
+
+def apply_onto_folder(found: PublishedWeights, folder: Path, version: str) -> dict[str, torch.Tensor] | None:
+    """A delta version's whole weights, applied onto the folder of its base version (written by
+    `write_model_folder`); None when that folder is gone or does not check out against the manifest."""
+    from fulmen.version_delta import apply_delta
+
+    if found.manifest is None or not (folder / WEIGHTS_FILE).exists():
+        return None
+    full = base_weights(folder)
+    try:
+        full.update(apply_delta(found.state, found.manifest, full.__getitem__, version))
+    except (RecordError, KeyError) as e:
+        log.warning("model version %s does not apply onto %s (%s): rebuilding it from the store", version, folder, e)
+        return None
+    return full
 
 
 def write_model_folder(full: Mapping[str, torch.Tensor], model_dir: Path, folder: Path,

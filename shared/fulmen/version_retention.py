@@ -9,8 +9,9 @@ from the set. The resources log keeps naming a deleted version (it is history); 
 for one finds it gone and moves on to a newer one (`fulmen_llm_proxy.following`).
 
 A version a proxy serves stays until no live proxy serves it: a proxy that is slow to follow keeps
-its weights (and could reload them after a restart). A shared-folder version's folder is deleted the
-same way.
+its weights (and could reload them after a restart). A delta version (`fulmen.version_delta`) keeps
+its whole chain: every version it is rebuilt from back to the nearest full one (``keys.version_bases``
+names each delta's base). A shared-folder version's folder is deleted the same way.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ log = logging.getLogger(__name__)
 __all__ = ["record_stored", "retain_versions", "stored_versions"]
 
 
-async def record_stored(store: RedisStore, model_version: str, resources_version: int) -> None:
-    await store.redis.zadd(store.keys.stored_versions, {model_version: resources_version})
+async def record_stored(store: RedisStore, model_version: str, resources_version: int, base: str | None = None) -> None:
+    async with store.redis.pipeline(transaction=True) as pipe:
+        pipe.zadd(store.keys.stored_versions, {model_version: resources_version})
+        if base is not None:
+            pipe.hset(store.keys.version_bases, model_version, base)
+        await pipe.execute()
 
 
 async def stored_versions(store: RedisStore) -> list[str]:
@@ -42,12 +47,19 @@ async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path |
     if keep < 1:
         raise ValueError(f"keep must be at least 1 (the newest version), got {keep}")
     stored = await stored_versions(store)
-    served = {p.model_version for p in await store.query_proxies()}
-    doomed = [v for v in stored[: max(0, len(stored) - keep)] if v not in served]
+    served = {p.model_version for p in await store.query_proxies()} | {
+        r.model_version for r in (await store.query_replicas()).values() if r.model_version}
+    bases = {_text(k): _text(v) for k, v in (await store.redis.hgetall(store.keys.version_bases)).items()}
+    needed = set(stored[max(0, len(stored) - keep):]) | served
+    for version in list(needed):
+        while (version := bases.get(version)) is not None and version not in needed:  # type: ignore[assignment]
+            needed.add(version)
+    doomed = [v for v in stored if v not in needed]
     for version in doomed:
         async with store.redis.pipeline(transaction=True) as pipe:
             pipe.delete(store.keys.weights(version))
             pipe.zrem(store.keys.stored_versions, version)
+            pipe.hdel(store.keys.version_bases, version)
             await pipe.execute()
         if shared_dir is not None:
             await asyncio.to_thread(shutil.rmtree, Path(shared_dir) / version, True)
@@ -55,3 +67,7 @@ async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path |
         log.info("deleted the weights of %d old model version(s) (%s … %s); %d kept", len(doomed), doomed[0],
                  doomed[-1], len(stored) - len(doomed))
     return doomed
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -236,7 +236,7 @@ class _Killed(Exception):
 
 async def _one_step_then_killed(store: RedisStore, settings: TrainerSettings, monkeypatch: pytest.MonkeyPatch,
                                 after_publishing: bool) -> None:
-    import fulmen_trainer.trainer as trainer_module
+    import fulmen_trainer.publishing as trainer_module
 
     real = trainer_module.publish_model_version
 

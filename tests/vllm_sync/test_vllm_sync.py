@@ -5,6 +5,7 @@ a restart — leaves the replica out of routing until a later sync succeeds."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
 from pathlib import Path
 
@@ -170,6 +171,39 @@ async def test_a_lora_version_is_served_merged_onto_the_base(real_store: RedisSt
         want = (await engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))).token_ids
         await engine.close()
         assert await _served_ids(fake) == want
+    finally:
+        stop.set()
+        await task
+        await admin.close()
+        await fake.stop()
+
+
+async def test_delta_versions_are_applied_onto_the_last_folder_or_rebuilt_from_the_chain(
+        real_store: RedisStore, models, tmp_path):
+    from fulmen.version_delta import encode_delta
+    from fulmen.version_manifest import DELTA, Manifest, describe_all
+
+    base, trained = models
+    states = [load_file(str(trained / "model.safetensors"))]
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        states.append({n: t + 0.05 * torch.randn(t.shape, generator=g) if n.endswith("proj.weight") else t
+                       for n, t in states[-1].items()})
+    fake = FakeVllm(base)
+    await fake.start()
+    _, stop, task, admin = await _run(real_store, fake, base, tmp_path)
+    try:
+        await publish_model_version(real_store, states[0], model="tiny", model_version="v1")
+        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        for i in (1, 2):
+            if i == 2:  # the folder of v2 is gone (a new pod): v3 is rebuilt from v1 + v2 + v3
+                shutil.rmtree(tmp_path / "sync" / "v2")
+            delta = encode_delta(states[i - 1], states[i])
+            await publish_model_version(real_store, delta, model="tiny", model_version=f"v{i + 1}",
+                                        manifest=Manifest(DELTA, f"v{i}", describe_all(states[i])),
+                                        weights_format={"format": DELTA, "base_version": f"v{i}"})
+            await _until(lambda i=i: _ready(real_store, fake.url, f"v{i + 1}"))
+            assert await _served_ids(fake) == await _greedy_with(base, states[i])
     finally:
         stop.set()
         await task

@@ -162,6 +162,11 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
     publish_dtype: str = Field(
         "auto", description="dtype of published model versions: auto (the training dtype), float32 or bfloat16."
     )
+    publish_format: str = Field(
+        "full", description="Model versions: full, or delta (what changed since the previous version; "
+        "a full version every keyframe_every). A LoRA adapter is always published whole."
+    )
+    keyframe_every: int = Field(10, ge=1, description="delta: publish a full version every K versions.")
     reference_dtype: str = Field("bfloat16", description="The KL reference copy's dtype (not used with LoRA).")
     reference_device: str = Field("same", description="The KL reference copy's device: same, or cpu to offload it.")
     sft_min_reward: float | None = Field(None, description="sft: train only on samples with reward >= this.")

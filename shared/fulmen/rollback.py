@@ -1,0 +1,65 @@
+"""`fulmen rollback VERSION`: serve an older model version again.
+
+A rollback is one more resources version of the policy whose ``llm`` entry names the older version
+and its weights (as the resources version that published it named them), so every backend follows
+it the way it follows the trainer: the torch backend loads it between batches, `fulmen vllm-sync`
+loads it into its vLLM server, and each recorded call carries the version that served it. The
+entry says what happened: ``"rollback": {"from": "v12", "to": "v9", "at": <unix time>}``.
+
+Only a version whose weights are still stored can come back (`fulmen.version_retention` keeps the
+newest ``keep_versions`` ones and, from now on, the one the policy names). A running trainer goes on
+from its own weights: its next version replaces the rollback. Stop it first to keep the older
+version served (``honcho start`` without it, or scale it to 0); its next version is numbered after
+the newest one ever published, never reusing a name.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fulmen.errors import InvalidInput, NotFound
+from fulmen.model_versions import POLICY_RESOURCES_ID, ModelVersion, llm_resource
+from fulmen.records import ResourcesUpdate
+from fulmen.store import RedisStore
+from fulmen.version_retention import stored_versions
+
+
+async def rollback(store: RedisStore, version: str, resources_id: str = POLICY_RESOURCES_ID) -> ResourcesUpdate:
+    """Make ``version`` the served one (see the module docstring); InvalidInput says why it cannot."""
+    try:
+        current = await store.get_resources(resources_id)
+    except NotFound:
+        raise InvalidInput(f"nothing was published to {resources_id!r} yet: there is no version to go back to") from None
+    llm = llm_resource(current) or {}
+    serving = ModelVersion.parse(llm.get("model_version"))
+    if serving.name == version:
+        raise InvalidInput(f"{version} is the version {resources_id!r} serves already")
+    weights = await _published_weights(store, version, resources_id)
+    stored = await stored_versions(store)
+    if weights is None:
+        raise InvalidInput(f"{version} was never published to {resources_id!r}; stored versions: {_list(stored)}")
+    if version not in stored:
+        raise InvalidInput(f"the weights of {version} were deleted (only the newest keep_versions stay stored); "
+                           f"stored versions: {_list(stored)}")
+    newest = max(serving.number, ModelVersion.parse(llm.get("newest_version")).number)
+    entry = {**llm, "model_version": version, "weights": weights, "newest_version": ModelVersion.numbered(newest).name,
+             "rollback": {"from": serving.name, "to": version, "at": time.time()}}
+    return await store.update_resources(resources_id, {**current.resources, "llm": entry},
+                                        {"rollback": f"{serving.name} -> {version}"})
+
+
+async def _published_weights(store: RedisStore, version: str, resources_id: str) -> dict[str, Any] | None:
+    for update in await store.query_resources(descending=True):
+        llm = llm_resource(update) or {}
+        if update.resources_id != resources_id:
+            continue
+        if llm.get("model_version") == version and isinstance(llm.get("weights"), dict) and "rollback" not in llm:
+            return llm["weights"]
+    return None
+
+
+def _list(versions: list[str]) -> str:
+    if not versions:
+        return "none"
+    return ", ".join(versions) if len(versions) <= 8 else f"{', '.join(versions[:3])} … {', '.join(versions[-3:])}"
