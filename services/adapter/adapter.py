@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import os
 import socket
 import time
@@ -34,6 +35,7 @@ from fulmen.records import Rollout, RolloutFinished, RolloutForSamples, RolloutS
 from fulmen.records.status import TERMINAL_ROLLOUT
 from fulmen.store import RedisStore
 from fulmen.tasks import task_id
+from fulmen.version_rewards import version_reward_stats
 from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, sample_fields
 
 log = logging.getLogger(__name__)
@@ -185,8 +187,14 @@ class Adapter:
             if isinstance(spans, RecordError):
                 raise Skip("malformed_span", f"malformed span record: {spans}")
             max_bytes = self.store.max_record_bytes
-            records = [pack_sample(fields, max_bytes) for fields in sample_fields(spans, info, self.config)]
-            return _Result(rollout.rollout_id, records, {"rollouts": 1, "samples": len(records)})
+            fields = list(sample_fields(spans, info, self.config))
+            records = [pack_sample(f, max_bytes) for f in fields]
+            stats = {"rollouts": 1, "samples": len(records)}
+            last = next((f for f in reversed(fields) if f.get("model_version")), None)
+            reward = last.get("final_reward") if last is not None else None
+            if last is not None and isinstance(reward, int | float) and math.isfinite(reward):
+                stats.update(version_reward_stats(info.mode or "train", str(last["model_version"]), float(reward)))
+            return _Result(rollout.rollout_id, records, stats)
         except Skip as e:
             code, reason = e.code, str(e)
         except RecordError as e:  # a sample over the size limit: say so, keep going

@@ -252,6 +252,35 @@ def trim_command(
     run_on_store(settings, work)
 
 
+@app.command("rollback")
+def rollback_command(
+    version: Annotated[str, typer.Argument(help="The model version to serve again, e.g. v12 (`fulmen status` lists them).")],
+    experiment: ExperimentOpt = None,
+) -> None:
+    """Serve an older model version again: every proxy and vLLM server follows, as for a new version.
+
+    Only a version whose weights are still stored can come back (the newest --keep-versions). A running trainer goes on from its own weights and its next version replaces the rollback: stop it first to keep the older version served."""
+    settings = settings_from_flags(experiment=experiment)
+
+    async def work(store: RedisStore) -> None:
+        import time
+
+        from fulmen.ops_http import HEARTBEAT_S
+        from fulmen.records import ServiceBeat
+        from fulmen.rollback import rollback
+
+        update = await rollback(store, version)
+        moved = update.resources["llm"]["rollback"]
+        out.print(f"rolled back from {moved['from']} to {moved['to']} (resources {update.resources_id} v{update.version}); "
+                  "the proxies and vLLM servers load it now")
+        beats = [ServiceBeat.from_wire(raw) for raw in (await store.redis.hgetall(store.keys.services)).values()]
+        if any(b.service == "trainer" and time.time() - b.time <= 3 * HEARTBEAT_S for b in beats):
+            err.print("[yellow]warning:[/yellow] a trainer is running: its next version replaces this rollback "
+                      "(stop it to keep serving the older version)")
+
+    run_on_store(settings, work)
+
+
 def _add_service_commands() -> None:
     """`fulmen runner`, `fulmen llm-proxy`, ...: each service registers its command as an entry point."""
     from importlib.metadata import entry_points

@@ -12,6 +12,7 @@ from fulmen import semconv
 from fulmen.connection import redact
 from fulmen.records.status import RolloutMode, RolloutStatus
 from fulmen.service_cli import ExperimentOpt, JsonOpt, err, out, run_on_store, settings_from_flags
+from fulmen.store import RedisStore
 
 # Seconds a read-only view waits on Redis before it says Redis is unreachable.
 REDIS_TIMEOUT_S = 5.0
@@ -23,8 +24,14 @@ CELL_CHARS = 60
 
 def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
     """One screen: queue depth, rollouts per status, pending per consumer, dead letters, resources."""
+    from fulmen.version_rewards import version_report
+
     settings = settings_from_flags(experiment=experiment)
-    stats = run_on_store(settings, lambda store: store.statistics())
+
+    async def read(store: RedisStore) -> dict:
+        return {**await store.statistics(), "model_versions": await version_report(store)}
+
+    stats = run_on_store(settings, read)
     if as_json:
         out.print_json(json.dumps(stats))
         return
@@ -41,6 +48,16 @@ def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
     latest = stats["latest_resources"]
     table.add_row("latest resources", f"{latest['resources_id']} v{latest['version']}" if latest else "none")
     table.add_row("workers", str(stats["workers"]))
+    versions = stats["model_versions"]
+    rollback = versions["rollback"]
+    serving = versions["serving"] or "base"
+    table.add_row("model version", f"{serving} (rolled back from {rollback['from']})" if rollback else serving)
+    stored = versions["stored"]
+    table.add_row("stored versions", ", ".join(stored[-8:]) + (f" (+{len(stored) - 8} older)" if len(stored) > 8 else "")
+                  if stored else "none")
+    for mode, by in versions["reward_by_version"].items():
+        cells = ", ".join(f"{v} {r['mean_reward']:.3f} ({r['rollouts']})" for v, r in by.items())
+        table.add_row(f"{mode} reward by version", cells)
     out.print(table)
 
 

@@ -37,6 +37,7 @@ WORKERS = "workers"  # hash: worker id -> worker record
 PROXIES = "proxies"  # hash: proxy id -> proxy endpoint record (its heartbeat)
 WEIGHTS = "weights:"  # stream: one model version's weights, msgpack-framed safetensors chunks
 REPLICAS = "replicas"  # hash: inference server URL -> its replica state (served version, ready), from vllm-sync
+POLICY_RESOURCES_ID = "policy"  # the resources the trainer publishes model versions to and rollouts run with
 STORED_VERSIONS = "weights-stored"  # zset: model version -> resources version, for those whose weights are kept
 VERSION_BASES = "weights-bases"  # hash: delta model version -> the version it applies onto
 CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)

@@ -83,7 +83,7 @@ __all__ = [
     "wait_until_served",
 ]
 
-POLICY_RESOURCES_ID = "policy"  # the resources entry the trainer publishes to and rollouts are run with
+POLICY_RESOURCES_ID = k.POLICY_RESOURCES_ID
 
 WEIGHTS_FILE = "model.safetensors"
 CHUNK_HEADER_BYTES = 1024  # room for a chunk record's fields besides the data (version, sha256, ...)
@@ -215,7 +215,9 @@ async def publish_model_version(
 
     old = previous.resources if previous is not None and inherit else {}
     old_llm = llm_resource(previous) if previous is not None and inherit else None
-    llm = {**(old_llm or {}), "kind": "llm", "model": model, "model_version": version, "weights": weights}
+    # a new version ends a rollback (`fulmen.rollback`): its marks do not carry over
+    old_llm = {k: v for k, v in (old_llm or {}).items() if k not in ("rollback", "newest_version")}
+    llm = {**old_llm, "kind": "llm", "model": model, "model_version": version, "weights": weights}
     resources = {**old, **(extra_resources or {}), "llm": llm}
     from fulmen.version_retention import record_stored
 
@@ -335,7 +337,9 @@ async def wait_until_served(
 
 
 def _default_versions(previous: ResourcesUpdate | None) -> Iterator[str]:
-    n = ModelVersion.of(previous).number
+    # after a rollback the newest version ever published is further on than the served one
+    newest = (llm_resource(previous) or {}).get("newest_version") if previous is not None else None
+    n = max(ModelVersion.of(previous).number, ModelVersion.parse(newest if isinstance(newest, str) else None).number)
     return (ModelVersion.numbered(i).name for i in range(n + 1, n + MAX_NAME_TRIES + 1))
 
 

@@ -1,4 +1,5 @@
-"""Which model versions keep their weights: the newest ``keep`` ones, and every one a live proxy serves.
+"""Which model versions keep their weights: the newest ``keep`` ones, every one a live proxy or replica
+serves, and the one the policy names (after `fulmen rollback`, an old one).
 
 Every published version's weights stay in the store until this deletes them (Redis runs
 ``noeviction``: a 0.5B model's versions would fill it in minutes). `publish_model_version` records
@@ -21,6 +22,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from fulmen.keys import POLICY_RESOURCES_ID
 from fulmen.store import RedisStore
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,9 @@ async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path |
     stored = await stored_versions(store)
     served = {p.model_version for p in await store.query_proxies()} | {
         r.model_version for r in (await store.query_replicas()).values() if r.model_version}
+    named = await _policy_version(store)
+    if named:  # what proxies are about to load (after a rollback: an old version)
+        served.add(named)
     bases = {_text(k): _text(v) for k, v in (await store.redis.hgetall(store.keys.version_bases)).items()}
     needed = set(stored[max(0, len(stored) - keep):]) | served
     for version in list(needed):
@@ -67,6 +72,18 @@ async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path |
         log.info("deleted the weights of %d old model version(s) (%s … %s); %d kept", len(doomed), doomed[0],
                  doomed[-1], len(stored) - len(doomed))
     return doomed
+
+
+async def _policy_version(store: RedisStore) -> str | None:
+    from fulmen.errors import NotFound
+
+    try:
+        update = await store.get_resources(POLICY_RESOURCES_ID)
+    except NotFound:
+        return None
+    llm = update.resources.get("llm")
+    version = llm.get("model_version") if isinstance(llm, dict) else None
+    return version if isinstance(version, str) else None
 
 
 def _text(value: bytes | str) -> str:

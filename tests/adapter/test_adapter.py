@@ -16,6 +16,7 @@ from fulmen import keys as k
 from fulmen import semconv
 from fulmen.records import Sample, SampleSkip, Span
 from fulmen.store import RedisStore
+from fulmen.version_rewards import rewards_by_version
 from fulmen_adapter.adapter import Adapter, group_key
 
 
@@ -68,7 +69,9 @@ async def test_each_succeeded_rollout_yields_its_samples_once(real_store: RedisS
     await again.run(asyncio.Event(), until_idle=True)
     assert len(await _entries(real_store)) == 3
     assert again.counters.rollouts == 0
-    assert await real_store.adapter_stats() == {"rollouts": 1, "samples": 3}
+    stats = await real_store.adapter_stats()
+    assert stats == {"rollouts": 1, "samples": 3, "version:train:v3:rollouts": 1, "version:train:v3:reward_u": 1_000_000}
+    assert rewards_by_version(stats) == {"train": {"v3": {"rollouts": 1, "mean_reward": 1.0}}}
 
 
 async def test_the_final_reward_is_the_one_stored_with_the_rollout(real_store: RedisStore) -> None:

@@ -1,0 +1,55 @@
+"""Reward per model version: how each version does on the rollouts it served (rollback and A/B).
+
+The adapter counts, for each rollout it turns into samples, the version that served its last LLM call
+and the rollout's reward, in the adapter's counters hash, atomically with the samples (the counters
+are integers, so the reward is summed in millionths): ``version:<mode>:<version>:rollouts`` and
+``version:<mode>:<version>:reward_u``. `rewards_by_version` reads them back as means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+PREFIX = "version:"
+MICRO = 1_000_000
+
+
+def version_reward_stats(mode: str, version: str, reward: float) -> dict[str, int]:
+    """The counter increments for one rollout of ``mode`` served by ``version``."""
+    base = f"{PREFIX}{mode}:{version}:"
+    return {base + "rollouts": 1, base + "reward_u": round(reward * MICRO)}
+
+
+def rewards_by_version(stats: Mapping[str, int]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{mode: {version: {"rollouts": n, "mean_reward": r}}} from the adapter's counters."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for key, value in stats.items():
+        if not key.startswith(PREFIX) or not key.endswith(":rollouts") or value <= 0:
+            continue
+        mode, _, version = key[len(PREFIX) : -len(":rollouts")].partition(":")
+        total = stats.get(f"{PREFIX}{mode}:{version}:reward_u", 0) / MICRO
+        out.setdefault(mode, {})[version] = {"rollouts": value, "mean_reward": round(total / value, 4)}
+    return out
+
+
+def is_version_counter(key: str) -> bool:
+    return key.startswith(PREFIX)
+
+
+async def version_report(store: Any, last: int = 10) -> dict[str, Any]:
+    """What `fulmen status` shows of model versions: the one the policy names (and a rollback), the
+    ones whose weights are stored, and the mean reward of the newest ``last`` versions per mode."""
+    from fulmen.errors import NotFound
+    from fulmen.model_versions import POLICY_RESOURCES_ID, ModelVersion, llm_resource
+    from fulmen.version_retention import stored_versions
+
+    try:
+        llm = llm_resource(await store.get_resources(POLICY_RESOURCES_ID)) or {}
+    except NotFound:
+        llm = {}
+    rewards = rewards_by_version(await store.adapter_stats())
+    newest = {mode: dict(sorted(by.items(), key=lambda kv: ModelVersion.parse(kv[0]).number)[-last:])
+              for mode, by in rewards.items()}
+    return {"serving": llm.get("model_version"), "rollback": llm.get("rollback"),
+            "stored": await stored_versions(store), "reward_by_version": newest}
