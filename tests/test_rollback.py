@@ -103,3 +103,12 @@ def test_the_command_rolls_back_and_status_shows_it(tiny: Path, redis_url: str, 
     assert versions["serving"] == "v1" and versions["rollback"]["from"] == "v2" and versions["stored"] == ["v1", "v2"]
     bad = runner.invoke(app, ["rollback", "v7"])
     assert bad.exit_code == 1 and "v7 was never published" in bad.output
+    # fulmen ab: the same versions, served side by side
+    started = runner.invoke(app, ["ab", "v1", "v2", "--split", "0.25"])
+    assert started.exit_code == 0 and "v2 serves 25% of rollouts, v1 the rest" in started.stdout
+    status = runner.invoke(app, ["status", "--json"])
+    assert json.loads(status.stdout)["model_versions"]["ab"] == {"b": "v2", "split": 0.25}
+    assert "A/B test" in runner.invoke(app, ["status"]).stdout
+    assert runner.invoke(app, ["ab", "--off"]).exit_code == 0
+    assert json.loads(runner.invoke(app, ["status", "--json"]).stdout)["model_versions"]["ab"] is None
+    assert runner.invoke(app, ["ab", "v1"]).exit_code == 2

@@ -49,6 +49,8 @@ class TorchBackend:
         self.name = model_name or self.model_dir.resolve().name
         self.max_batch = max_batch
         self.engine: Any = None  # a TorchEngine once started (loading the model takes seconds)
+        self.b: Any = None  # a second engine, for B of an A/B test (`fulmen.ab`)
+        self.split = 0.0
 
     @property
     def model_names(self) -> list[str]:
@@ -67,6 +69,8 @@ class TorchBackend:
     async def close(self) -> None:
         if self.engine is not None:
             await self.engine.close()
+        if self.b is not None:
+            await self.b.close()
 
     def ready(self) -> bool:
         return self.engine is not None
@@ -84,6 +88,36 @@ class TorchBackend:
         await self.engine.load_weights(state_dict, model_version, lora=lora or ({} if fmt == LORA_FORMAT else None),
                                        partial=fmt == DELTA)
         return True
+
+    @property
+    def b_version(self) -> str:
+        return self.b.model_version if self.b is not None else ""
+
+    async def serve_b(self, state_dict: dict[str, Any] | None, model_version: str,
+                      weights_format: Mapping[str, Any] | None, split: float) -> None:
+        """Serve ``model_version`` to the ``split`` fraction of rollouts `fulmen.ab.arm_of` sends to B,
+        from a second engine; ``state_dict`` None ends the test (the engine and its memory go)."""
+        from fulmen.lora import LORA_FORMAT
+
+        if state_dict is None:
+            b, self.b, self.split = self.b, None, 0.0
+            if b is not None:
+                await b.close()
+            return
+        if self.b is None:
+            self.b = await asyncio.to_thread(TorchEngine, self.model_dir, max_batch=self.max_batch,
+                                             device=self.device, dtype=self.dtype)
+            await self.b.start()
+        fmt = (weights_format or {}).get("format")
+        lora = (weights_format or {}).get("lora") or {} if fmt == LORA_FORMAT else None
+        await self.b.load_weights(state_dict, model_version, lora=lora)
+        self.split = split
+
+    def _engine_for(self, call: Call) -> Any:
+        from fulmen.ab import arm_of
+
+        b = self.b
+        return b if b is not None and arm_of(call.rollout_id, self.split) == "b" else self.engine
 
     def current_weights(self) -> Mapping[str, Any] | None:
         return self.engine.model.state_dict() if self.engine is not None else None
@@ -116,7 +150,7 @@ class TorchBackend:
                 top_p=call.top_p if call.top_p > 0 else MIN_TOP_P, seed=call.seed,
                 stop_token_ids=tuple(stop_ids),
             )  # fmt: skip
-            return self.engine.stream(prompt, params), prompt
+            return self._engine_for(call).stream(prompt, params), prompt
         except InvalidInput as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise bad_request(str(e), "messages" if call.operation == "chat" else "prompt", code) from None

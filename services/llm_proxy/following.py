@@ -32,6 +32,7 @@ class ModelFollower:
         self.store = store
         self.backend = backend
         self.on_loaded = on_loaded  # (model_version, outcome: loaded | failed)
+        self.warned_ab = False
 
     async def catch_up(self) -> int | None:
         """Load the newest model version the resources name (before the proxy serves: a restarted
@@ -62,8 +63,11 @@ class ModelFollower:
         if not llm:
             return
         version = _model_version(update)
-        if not version or version == self.backend.model_version:
-            return
+        if version and version != self.backend.model_version:
+            await self._load(version, llm, update)
+        await self._follow_b(llm)
+
+    async def _load(self, version: str, llm: dict[str, Any], update: ResourcesUpdate) -> None:
         try:
             state_dict, weights = await self._weights(version, llm)
             loaded = await self.backend.load_weights(state_dict, version, weights)
@@ -85,6 +89,38 @@ class ModelFollower:
             )
             self.on_loaded(version, "loaded")
 
+    async def _follow_b(self, llm: dict[str, Any]) -> None:
+        """An A/B test's B version (`fulmen.ab`) on a backend that serves two; ended when not named."""
+        from fulmen.ab import ab_of
+        from fulmen.model_versions import fetch_full_version
+        from fulmen.version_manifest import DELTA
+
+        arm = ab_of(llm)
+        serve_b = getattr(self.backend, "serve_b", None)
+        if serve_b is None:
+            if arm is not None and not self.warned_ab:
+                log.warning("A/B test of %s: this backend serves one version (A); use torch proxies for A/B",
+                            arm[0])
+                self.warned_ab = True
+            return
+        if arm is None:
+            if self.backend.b_version:
+                await serve_b(None, "", None, 0.0)
+                log.info("A/B test over: serving %s alone", self.backend.model_version)
+            return
+        version, weights, split = arm
+        if version == self.backend.b_version:
+            self.backend.split = split
+            return
+        try:
+            found = await fetch_full_version(self.store, version, resource={"weights": weights})
+            fmt = {**weights, "format": "full"} if weights.get("format") == DELTA else weights
+            await serve_b(found.state, version, fmt, split)
+        except Exception:  # the test goes on without B rather than the proxy going down
+            log.exception("could not load model version %s for the A/B test", version)
+            return
+        log.info("A/B test: %s for %.0f%% of rollouts, %s for the rest", version, 100 * split,
+                 self.backend.model_version)
 
     async def _weights(self, version: str, llm: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The tensors to load and how: as published, or for a delta the tensors it changes (applied

@@ -281,6 +281,36 @@ def rollback_command(
     run_on_store(settings, work)
 
 
+@app.command("ab")
+def ab_command(
+    a: Annotated[str | None, typer.Argument(help="The version most rollouts keep (A), e.g. v9.")] = None,
+    b: Annotated[str | None, typer.Argument(help="The version under test (B), e.g. v12.")] = None,
+    split: Annotated[float, typer.Option(help="Fraction of rollouts B serves (by a stable hash of the rollout id).")] = 0.5,
+    off: Annotated[bool, typer.Option("--off", help="End the A/B test: A alone again.")] = False,
+    experiment: ExperimentOpt = None,
+) -> None:
+    """Serve two model versions at once and split rollouts between them; `fulmen status` shows the reward per version.
+
+    Torch proxies hold both versions (twice the model's memory); every call of a rollout goes to the same version. A new version from the trainer ends the test: run it with the trainer stopped."""
+    settings = settings_from_flags(experiment=experiment)
+    if not off and (a is None or b is None):
+        err.print("[red]error:[/red] give two versions (fulmen ab A B [--split F]) or --off")
+        raise typer.Exit(2)
+
+    async def work(store: RedisStore) -> None:
+        from fulmen.ab import start_ab, stop_ab
+
+        if off:
+            update = await stop_ab(store)
+            out.print(f"A/B test over: {update.resources['llm']['model_version']} serves every rollout")
+        else:
+            assert a is not None and b is not None
+            await start_ab(store, a, b, split)
+            out.print(f"A/B test: {b} serves {split:.0%} of rollouts, {a} the rest (fulmen status: reward by version)")
+
+    run_on_store(settings, work)
+
+
 def _add_service_commands() -> None:
     """`fulmen runner`, `fulmen llm-proxy`, ...: each service registers its command as an entry point."""
     from importlib.metadata import entry_points

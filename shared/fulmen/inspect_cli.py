@@ -52,6 +52,8 @@ def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
     rollback = versions["rollback"]
     serving = versions["serving"] or "base"
     table.add_row("model version", f"{serving} (rolled back from {rollback['from']})" if rollback else serving)
+    if versions["ab"]:
+        table.add_row("A/B test", f"{versions['ab']['b']} for {versions['ab']['split']:.0%} of rollouts")
     stored = versions["stored"]
     table.add_row("stored versions", ", ".join(stored[-8:]) + (f" (+{len(stored) - 8} older)" if len(stored) > 8 else "")
                   if stored else "none")

@@ -215,8 +215,8 @@ async def publish_model_version(
 
     old = previous.resources if previous is not None and inherit else {}
     old_llm = llm_resource(previous) if previous is not None and inherit else None
-    # a new version ends a rollback (`fulmen.rollback`): its marks do not carry over
-    old_llm = {k: v for k, v in (old_llm or {}).items() if k not in ("rollback", "newest_version")}
+    # a new version ends a rollback (`fulmen.rollback`) and an A/B test (`fulmen.ab`)
+    old_llm = {k: v for k, v in (old_llm or {}).items() if k not in ("rollback", "newest_version", "ab")}
     llm = {**old_llm, "kind": "llm", "model": model, "model_version": version, "weights": weights}
     resources = {**old, **(extra_resources or {}), "llm": llm}
     from fulmen.version_retention import record_stored

@@ -35,13 +35,7 @@ async def rollback(store: RedisStore, version: str, resources_id: str = POLICY_R
     serving = ModelVersion.parse(llm.get("model_version"))
     if serving.name == version:
         raise InvalidInput(f"{version} is the version {resources_id!r} serves already")
-    weights = await _published_weights(store, version, resources_id)
-    stored = await stored_versions(store)
-    if weights is None:
-        raise InvalidInput(f"{version} was never published to {resources_id!r}; stored versions: {_list(stored)}")
-    if version not in stored:
-        raise InvalidInput(f"the weights of {version} were deleted (only the newest keep_versions stay stored); "
-                           f"stored versions: {_list(stored)}")
+    weights = await stored_weights(store, version, resources_id)
     newest = max(serving.number, ModelVersion.parse(llm.get("newest_version")).number)
     entry = {**llm, "model_version": version, "weights": weights, "newest_version": ModelVersion.numbered(newest).name,
              "rollback": {"from": serving.name, "to": version, "at": time.time()}}
@@ -49,14 +43,24 @@ async def rollback(store: RedisStore, version: str, resources_id: str = POLICY_R
                                         {"rollback": f"{serving.name} -> {version}"})
 
 
-async def _published_weights(store: RedisStore, version: str, resources_id: str) -> dict[str, Any] | None:
+async def stored_weights(store: RedisStore, version: str, resources_id: str = POLICY_RESOURCES_ID) -> dict[str, Any]:
+    """The ``weights`` entry that published ``version``; InvalidInput when it never was or its
+    weights are no longer stored."""
+    weights = None
     for update in await store.query_resources(descending=True):
         llm = llm_resource(update) or {}
         if update.resources_id != resources_id:
             continue
         if llm.get("model_version") == version and isinstance(llm.get("weights"), dict) and "rollback" not in llm:
-            return llm["weights"]
-    return None
+            weights = llm["weights"]
+            break
+    stored = await stored_versions(store)
+    if weights is None:
+        raise InvalidInput(f"{version} was never published to {resources_id!r}; stored versions: {_list(stored)}")
+    if version not in stored:
+        raise InvalidInput(f"the weights of {version} were deleted (only the newest keep_versions stay stored); "
+                           f"stored versions: {_list(stored)}")
+    return weights
 
 
 def _list(versions: list[str]) -> str:

@@ -51,9 +51,7 @@ async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path |
     stored = await stored_versions(store)
     served = {p.model_version for p in await store.query_proxies()} | {
         r.model_version for r in (await store.query_replicas()).values() if r.model_version}
-    named = await _policy_version(store)
-    if named:  # what proxies are about to load (after a rollback: an old version)
-        served.add(named)
+    served |= await _policy_versions(store)  # what proxies are about to load: an old one after a rollback
     bases = {_text(k): _text(v) for k, v in (await store.redis.hgetall(store.keys.version_bases)).items()}
     needed = set(stored[max(0, len(stored) - keep):]) | served
     for version in list(needed):
@@ -74,16 +72,20 @@ async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path |
     return doomed
 
 
-async def _policy_version(store: RedisStore) -> str | None:
+async def _policy_versions(store: RedisStore) -> set[str]:
+    """The versions the policy names: the served one, and B of an A/B test."""
     from fulmen.errors import NotFound
 
     try:
         update = await store.get_resources(POLICY_RESOURCES_ID)
     except NotFound:
-        return None
+        return set()
     llm = update.resources.get("llm")
-    version = llm.get("model_version") if isinstance(llm, dict) else None
-    return version if isinstance(version, str) else None
+    if not isinstance(llm, dict):
+        return set()
+    b = (llm.get("ab") or {}).get("b") if isinstance(llm.get("ab"), dict) else None
+    named = [llm.get("model_version"), b.get("model_version") if isinstance(b, dict) else None]
+    return {v for v in named if isinstance(v, str)}
 
 
 def _text(value: bytes | str) -> str:

@@ -51,5 +51,9 @@ async def version_report(store: Any, last: int = 10) -> dict[str, Any]:
     rewards = rewards_by_version(await store.adapter_stats())
     newest = {mode: dict(sorted(by.items(), key=lambda kv: ModelVersion.parse(kv[0]).number)[-last:])
               for mode, by in rewards.items()}
+    from fulmen.ab import ab_of
+
+    arm = ab_of(llm)
     return {"serving": llm.get("model_version"), "rollback": llm.get("rollback"),
+            "ab": {"b": arm[0], "split": arm[2]} if arm else None,
             "stored": await stored_versions(store), "reward_by_version": newest}
