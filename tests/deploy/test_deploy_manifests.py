@@ -450,6 +450,29 @@ def test_vllm_procfile_runs_vllm_sync_beside_the_server_and_parses(fulmen_app: A
     assert named - settings_env_names() == set()
 
 
+def test_vllm_compose_override_runs_vllm_sync_beside_the_server(compose_validator: jsonschema.Validator,
+                                                                fulmen_app: Any) -> None:
+    override = yaml.safe_load(interpolate((DEPLOY / "docker-compose.vllm.yml").read_text(), {"REDIS_PASSWORD": "s3cret"}))
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in compose_validator.iter_errors(override)]
+    assert errors == []
+    services = override["services"]
+    assert set(services) - set(compose()["services"]) == {"vllm", "vllm-sync"}
+    server, sync, proxy = services["vllm"], services["vllm-sync"], services["proxy"]
+    assert server["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+    assert_parses(fulmen_app, sync["command"], "compose vllm-sync")
+    assert_parses(fulmen_app, proxy["command"], "compose vllm proxy")
+    port = server["command"][server["command"].index("--port") + 1]
+    url = f"http://vllm:{port}"
+    assert sync["command"][sync["command"].index("--vllm-url") + 1] == url
+    assert proxy["command"][proxy["command"].index("--upstream-urls") + 1] == url
+    served = server["command"][server["command"].index("--served-model-name") + 1]
+    assert sync["command"][sync["command"].index("--model-name") + 1] == served
+    assert proxy["command"][proxy["command"].index("--model-name") + 1] == served
+    sync_dir = sync["command"][sync["command"].index("--sync-dir") + 1]
+    assert f"vllm-sync:{sync_dir}" in server["volumes"] and f"vllm-sync:{sync_dir}" in sync["volumes"]
+    assert sync["environment"]["REDIS_URL"] == compose()["services"]["runner"]["environment"]["REDIS_URL"]
+
+
 def test_vllm_statefulset_runs_vllm_sync_beside_each_server(fulmen_app: Any) -> None:
     docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s-gpu" / "vllm.yaml").read_text()) if d]
     for doc in docs:
