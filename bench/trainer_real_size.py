@@ -213,7 +213,7 @@ def version_sizes(state: dict[str, Any]) -> tuple[float, float]:
     """MB of the published blob as it is (fp32) and if its tensors were bf16."""
     import torch
 
-    from fulmen.model_versions import _serialize  # the trainer's publish path: tied tensors get copies
+    from fulmen.version_blobs import serialize as _serialize
     from fulmen.version_manifest import FULL, Manifest, describe_all
 
     as_is = len(_serialize(state, Manifest(FULL, None, describe_all(state))))

@@ -146,10 +146,13 @@ class Replicas:
 
 
 async def timed(replicas: Replicas, version: str, publish: Callable[[], Awaitable[Any]]) -> tuple[float, int]:
+    from fulmen.version_retention import retain_versions
+
     started = time.perf_counter()
     update = await publish()
     await replicas.serving(version)
     took = time.perf_counter() - started
+    await retain_versions(replicas.store, 2)  # as the trainer does after each publish (not timed)
     weights = update.resources["llm"]["weights"]
     return took, int(weights["bytes"])
 

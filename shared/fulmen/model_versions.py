@@ -1,6 +1,7 @@
 """Model versions through the store: the trainer publishes weights, the proxies fetch them.
 
-A version's weights travel as one safetensors blob (`safetensors.torch.save`), in one of two ways:
+A version's weights travel as one safetensors blob (`safetensors.torch.save`; written and read by
+`fulmen.version_blobs`), in one of two ways:
 
 - **stream** (default): the blob is cut into `WeightsChunk` records of at most ``chunk_bytes`` on the
   stream ``keys.weights(<version>)``, with entry ids ``0-1``, ``0-2``, … (chunk index + 1). Writing
@@ -46,20 +47,18 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import os
 import shutil
-import stat
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from redis.exceptions import ResponseError
-
 from fulmen import keys as k
+from fulmen import version_blobs as blobs
 from fulmen.errors import InvalidInput, NotFound, RecordError
-from fulmen.records import ResourcesUpdate, WeightsChunk
-from fulmen.version_manifest import DELTA, FULL, LORA, METADATA_KEY, Manifest, describe_all, read_manifest
+from fulmen.records import ResourcesUpdate
+from fulmen.version_blobs import CHUNK_HEADER_BYTES, PublishedWeights, non_finite_tensors
+from fulmen.version_manifest import DELTA, FULL, LORA, Manifest, describe_all
 
 if TYPE_CHECKING:
     import torch
@@ -85,10 +84,6 @@ __all__ = [
 
 POLICY_RESOURCES_ID = k.POLICY_RESOURCES_ID
 
-WEIGHTS_FILE = "model.safetensors"
-CHUNK_HEADER_BYTES = 1024  # room for a chunk record's fields besides the data (version, sha256, ...)
-PIPELINE_BYTES = 32 << 20  # chunks per round trip: few round trips, bounded client buffers
-READ_PAGE_BYTES = 64 << 20  # chunks per XRANGE page, likewise
 SERVE_TIMEOUT_S = 60.0  # a proxy loads a version in seconds; a minute means none is coming
 SERVE_POLL_S = 0.1
 MAX_NAME_TRIES = 1000  # default names skipped as taken before giving up (each was a crashed publish)
@@ -125,17 +120,6 @@ class ModelVersion(NamedTuple):
 
 
 BASE_VERSION = ModelVersion(0, "base")
-
-
-class PublishedWeights(NamedTuple):
-    """A version's tensors as stored, and its manifest (None for a blob published before manifests)."""
-
-    state: dict[str, torch.Tensor]
-    manifest: Manifest | None
-
-
-class _VersionTaken(Exception):
-    """Internal: the version name is in use; the caller tries the next one or refuses."""
 
 
 def llm_resource(update: ResourcesUpdate) -> dict[str, Any] | None:
@@ -192,18 +176,18 @@ async def publish_model_version(
         raise InvalidInput("a delta version needs its manifest (fulmen.version_delta), naming the same base version")
     if manifest is None:
         manifest = Manifest(LORA if fmt == LORA else FULL, None, await asyncio.to_thread(describe_all, state_dict))
-    blob = await asyncio.to_thread(_serialize, state_dict, manifest)
+    blob = await asyncio.to_thread(blobs.serialize, state_dict, manifest)
     sha256 = hashlib.sha256(blob).hexdigest()
 
     names = [model_version] if model_version is not None else _default_versions(previous)
     for version in names:
         try:
             if shared_dir is None:
-                weights = await _write_stream(store, version, blob, sha256, chunk_bytes)
+                weights = await blobs.write_stream(store, version, blob, sha256, chunk_bytes)
             else:
-                weights = await asyncio.to_thread(_write_file, Path(shared_dir), version, blob, sha256)
+                weights = await asyncio.to_thread(blobs.write_file, Path(shared_dir), version, blob, sha256)
             break
-        except _VersionTaken:
+        except blobs.VersionTaken:
             if model_version is not None:
                 raise InvalidInput(
                     f"model version {version} exists already; versions are immutable"
@@ -300,22 +284,22 @@ async def fetch_version(
     """The tensors of a published version as stored and its manifest (see `fetch_model_version`)."""
     k.check_id("model_version", model_version)
     weights = _weights_entry(resource) if resource is not None else None
-    found = await _read_stream(store, model_version) if weights is None else None
+    found = await blobs.read_stream(store, model_version) if weights is None else None
     if found is None and weights is None:
         weights = await _find_weights(store, model_version)
     if found is None and weights is not None:
         if "path" in weights:
-            blob = await asyncio.to_thread(_read_file, Path(weights["path"]))
+            blob = await asyncio.to_thread(blobs.read_file, Path(weights["path"]))
             found = blob, weights.get("sha256")
         else:
-            found = await _read_stream(store, model_version)
+            found = await blobs.read_stream(store, model_version)
             if found is not None and weights.get("sha256") not in (None, found[1]):
                 raise RecordError(
                     f"model version {model_version}: its chunks' sha256 differs from the resource's"
                 )
     if found is None:
         raise NotFound(f"model version {model_version} has no weights in the store")
-    return await asyncio.to_thread(_deserialize, model_version, *found)
+    return await asyncio.to_thread(blobs.deserialize, model_version, *found)
 
 
 async def wait_until_served(
@@ -343,81 +327,11 @@ def _default_versions(previous: ResourcesUpdate | None) -> Iterator[str]:
     return (ModelVersion.numbered(i).name for i in range(n + 1, n + MAX_NAME_TRIES + 1))
 
 
-def _serialize(state_dict: Mapping[str, torch.Tensor], manifest: Manifest) -> bytes:
-    import torch
-    from safetensors.torch import save
-
-    tensors: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    for name, tensor in state_dict.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise InvalidInput(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor")
-        tensor = tensor.detach().to("cpu").contiguous()
-        if not tensor_is_finite(tensor):
-            raise InvalidInput(f"state_dict[{name!r}] holds NaN or infinite values: not publishing it")
-        # safetensors refuses tensors sharing memory (tied embeddings): each gets its own copy.
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in storages:
-            tensor = tensor.clone()
-        storages.add(storage)
-        tensors[name] = tensor
-    return save(tensors, metadata={"format": "pt", METADATA_KEY: manifest.to_json()})
-
-
-async def _write_stream(store: RedisStore, version: str, blob: bytes, sha256: str, chunk_bytes: int) -> dict:
-    key = store.keys.weights(version)
-    total = max(1, -(-len(blob) // chunk_bytes))
-
-    def record(index: int) -> bytes:
-        data = blob[index * chunk_bytes : (index + 1) * chunk_bytes]
-        return WeightsChunk(version, index, total, sha256, len(blob), data).to_wire(store.max_record_bytes)
-
-    try:
-        await store.redis.xadd(key, {"m": record(0)}, id="0-1")
-    except ResponseError:
-        if await store.redis.exists(key):
-            raise _VersionTaken from None
-        raise
-    try:
-        per_pipeline = max(1, PIPELINE_BYTES // chunk_bytes)
-        for first in range(1, total, per_pipeline):
-            async with store.redis.pipeline(transaction=False) as pipe:
-                for index in range(first, min(first + per_pipeline, total)):
-                    pipe.xadd(key, {"m": record(index)}, id=f"0-{index + 1}")
-                await pipe.execute()
-    except BaseException:
-        # A half-written version is never published; free its name for a later attempt.
-        with contextlib.suppress(Exception):
-            await store.redis.delete(key)
-        raise
-    return {"stream": key, "chunks": total, "sha256": sha256, "bytes": len(blob)}
-
-
 async def _delete_weights(store: RedisStore, version: str, shared_dir: str | Path | None) -> None:
     """Free a name whose weights were never published (a publisher killed half-way through)."""
     await store.redis.delete(store.keys.weights(version))
     if shared_dir is not None:
         await asyncio.to_thread(shutil.rmtree, Path(shared_dir) / version, True)
-
-
-def _write_file(shared_dir: Path, version: str, blob: bytes, sha256: str) -> dict:
-    folder = shared_dir / version
-    try:
-        folder.mkdir(parents=True, exist_ok=False)  # the claim: one publisher per name
-    except FileExistsError:
-        raise _VersionTaken from None
-    try:
-        path = folder / WEIGHTS_FILE
-        partial = folder / (WEIGHTS_FILE + ".partial")
-        with partial.open("wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        partial.replace(path)  # readers see the whole file or none
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
-    return {"path": str(path.resolve()), "sha256": sha256, "bytes": len(blob)}
 
 
 # --- reading ----------------------------------------------------------------------------------------
@@ -442,84 +356,6 @@ async def _find_weights(store: RedisStore, version: str) -> Mapping[str, Any] | 
         ):
             return llm["weights"]
     return None
-
-
-async def _read_stream(store: RedisStore, version: str) -> tuple[bytes, str] | None:
-    """The blob on the version's weights stream and its sha256 as the chunks state it; None if the
-    stream has no chunk; RecordError if chunks are missing or out of place."""
-    key = store.keys.weights(version)
-    parts: list[bytes] = []
-    first: WeightsChunk | None = None
-    page = 1  # until the first chunk shows the chunk size
-    while first is None or len(parts) < first.total:
-        entries = await store.redis.xrange(key, min=f"0-{len(parts) + 1}", max="+", count=page)
-        if not entries:
-            break
-        for _, fields in entries:
-            chunk = WeightsChunk.from_wire(fields.get(b"m"), store.max_record_bytes)
-            first = first or chunk
-            found = (chunk.model_version, chunk.index, chunk.total, chunk.sha256, chunk.size)
-            if found != (version, len(parts), first.total, first.sha256, first.size):
-                raise RecordError(
-                    f"model version {version}: expected chunk {len(parts)} of {first.total} on {key}, "
-                    f"found chunk {chunk.index} of {chunk.total}: a chunk is missing or foreign"
-                )
-            parts.append(chunk.data)
-        page = max(1, READ_PAGE_BYTES // max(1, len(first.data)))
-    if first is None:
-        return None
-    if len(parts) != first.total:
-        raise RecordError(
-            f"model version {version} is incomplete: {len(parts)} of {first.total} chunks on {key}"
-        )
-    blob = b"".join(parts)
-    if len(blob) != first.size:
-        raise RecordError(f"model version {version} is {len(blob):,} bytes, expected {first.size:,}")
-    return blob, first.sha256
-
-
-def _read_file(path: Path) -> bytes:
-    """The bytes of a regular file. Opened without blocking and checked before reading: a path that
-    names a FIFO would block the reading thread (and the follower awaiting it) until a writer came,
-    a device such as /dev/zero would never end."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise NotFound(f"model weights file {path} does not exist") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RecordError(f"model weights path {path} is not a regular file")
-        return f.read()
-
-
-def _deserialize(version: str, blob: bytes, sha256: str | None) -> PublishedWeights:
-    from safetensors.torch import load
-
-    actual = hashlib.sha256(blob).hexdigest()
-    if sha256 is not None and actual != sha256:
-        raise RecordError(
-            f"model version {version} is corrupt: sha256 {actual[:12]}… expected {sha256[:12]}…"
-        )
-    try:
-        state_dict = load(blob)
-    except Exception as e:  # safetensors raises its own error type for a malformed header
-        raise RecordError(f"model version {version} is not valid safetensors: {e}") from e
-    broken = non_finite_tensors(state_dict)
-    if broken:
-        raise RecordError(f"model version {version} holds NaN or infinite values in {broken[:5]}: refused")
-    return PublishedWeights(state_dict, read_manifest(blob, version))
-
-
-def tensor_is_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or infinity in a floating-point tensor (integer tensors always are)."""
-    import torch
-
-    return not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
-
-
-def non_finite_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the tensors holding a NaN or an infinity: weights no backend may serve."""
-    return [name for name, tensor in state_dict.items() if not tensor_is_finite(tensor)]
 
 
 def wait_for_model_dir(folder: Path, log_every_s: float = 10.0) -> None:
