@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import stat
+import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
@@ -33,33 +35,65 @@ PIPELINE_BYTES = 32 << 20  # chunks per round trip: few round trips, bounded cli
 READ_PAGE_BYTES = 64 << 20  # chunks per XRANGE page, likewise
 
 
-def serialize(state_dict: Mapping[str, torch.Tensor], manifest: Manifest) -> bytes:
+def _codes() -> dict[torch.dtype, str]:
     import torch
-    from safetensors.torch import save
 
-    tensors: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
+    return {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+            torch.bool: "BOOL"}
+
+
+def _raw(tensor: torch.Tensor) -> Any:
+    """The tensor's bytes as a buffer, without a copy (it is contiguous, on the CPU)."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def serialize(state_dict: Mapping[str, torch.Tensor], manifest: Manifest) -> bytearray:
+    """The tensors as a safetensors file in memory, written here rather than by `safetensors.torch.save`
+    so each tensor's bytes are copied once, straight into the blob: header (8-byte little-endian
+    length, JSON padded to 8 bytes, the manifest in its metadata), then the data, the widest dtypes
+    first so every tensor starts aligned to its element size."""
+    import torch
+
+    codes = _codes()
+    tensors: list[tuple[str, torch.Tensor]] = []
     for name, tensor in state_dict.items():
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInput(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor")
         tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.dtype not in codes:
+            raise InvalidInput(f"state_dict[{name!r}] is {tensor.dtype}: not a dtype a model version can hold")
         if not tensor_is_finite(tensor):
             raise InvalidInput(f"state_dict[{name!r}] holds NaN or infinite values: not publishing it")
-        # safetensors refuses tensors sharing memory (tied embeddings): each gets its own copy.
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in storages:
-            tensor = tensor.clone()
-        storages.add(storage)
-        tensors[name] = tensor
-    return save(tensors, metadata={"format": "pt", METADATA_KEY: manifest.to_json()})
+        tensors.append((name, tensor))
+    tensors.sort(key=lambda item: -item[1].element_size())
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", METADATA_KEY: manifest.to_json()}}
+    offset = 0
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": codes[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    start = 8 + len(head)
+    blob = bytearray(start + offset)
+    blob[:start] = struct.pack("<Q", len(head)) + head
+    for name, tensor in tensors:
+        begin, end = header[name]["data_offsets"]
+        if end > begin:
+            blob[start + begin : start + end] = memoryview(_raw(tensor))
+    return blob
 
 
-async def write_stream(store: RedisStore, version: str, blob: bytes, sha256: str, chunk_bytes: int) -> dict:
+async def write_stream(store: RedisStore, version: str, blob: bytes | bytearray, sha256: str, chunk_bytes: int) -> dict:
     key = store.keys.weights(version)
     total = max(1, -(-len(blob) // chunk_bytes))
+    view = memoryview(blob)
 
     def record(index: int) -> bytes:
-        data = blob[index * chunk_bytes : (index + 1) * chunk_bytes]
+        data = bytes(view[index * chunk_bytes : (index + 1) * chunk_bytes])
         return WeightsChunk(version, index, total, sha256, len(blob), data).to_wire(store.max_record_bytes)
 
     try:
@@ -83,7 +117,7 @@ async def write_stream(store: RedisStore, version: str, blob: bytes, sha256: str
     return {"stream": key, "chunks": total, "sha256": sha256, "bytes": len(blob)}
 
 
-def write_file(shared_dir: Path, version: str, blob: bytes, sha256: str) -> dict:
+def write_file(shared_dir: Path, version: str, blob: bytes | bytearray, sha256: str) -> dict:
     folder = shared_dir / version
     try:
         folder.mkdir(parents=True, exist_ok=False)  # the claim: one publisher per name
@@ -103,41 +137,47 @@ def write_file(shared_dir: Path, version: str, blob: bytes, sha256: str) -> dict
     return {"path": str(path.resolve()), "sha256": sha256, "bytes": len(blob)}
 
 
-async def read_stream(store: RedisStore, version: str) -> tuple[bytes, str] | None:
+async def read_stream(store: RedisStore, version: str) -> tuple[bytearray, str] | None:
     """The blob on the version's weights stream and its sha256 as the chunks state it; None if the
-    stream has no chunk; RecordError if chunks are missing or out of place."""
+    stream has no chunk; RecordError if chunks are missing or out of place. The chunks are copied into
+    one buffer as they arrive (tensors then view it, `deserialize`)."""
     key = store.keys.weights(version)
-    parts: list[bytes] = []
+    blob = bytearray()
+    read = filled = 0
     first: WeightsChunk | None = None
     page = 1  # until the first chunk shows the chunk size
-    while first is None or len(parts) < first.total:
-        entries = await store.redis.xrange(key, min=f"0-{len(parts) + 1}", max="+", count=page)
+    while first is None or read < first.total:
+        entries = await store.redis.xrange(key, min=f"0-{read + 1}", max="+", count=page)
         if not entries:
             break
         for _, fields in entries:
             chunk = WeightsChunk.from_wire(fields.get(b"m"), store.max_record_bytes)
-            first = first or chunk
+            if first is None:
+                first, blob = chunk, bytearray(chunk.size)
             found = (chunk.model_version, chunk.index, chunk.total, chunk.sha256, chunk.size)
-            if found != (version, len(parts), first.total, first.sha256, first.size):
+            if found != (version, read, first.total, first.sha256, first.size):
                 raise RecordError(
-                    f"model version {version}: expected chunk {len(parts)} of {first.total} on {key}, "
+                    f"model version {version}: expected chunk {read} of {first.total} on {key}, "
                     f"found chunk {chunk.index} of {chunk.total}: a chunk is missing or foreign"
                 )
-            parts.append(chunk.data)
+            if filled + len(chunk.data) > first.size:
+                raise RecordError(f"model version {version}: its chunks hold more than {first.size:,} bytes")
+            blob[filled : filled + len(chunk.data)] = chunk.data
+            filled += len(chunk.data)
+            read += 1
         page = max(1, READ_PAGE_BYTES // max(1, len(first.data)))
     if first is None:
         return None
-    if len(parts) != first.total:
+    if read != first.total:
         raise RecordError(
-            f"model version {version} is incomplete: {len(parts)} of {first.total} chunks on {key}"
+            f"model version {version} is incomplete: {read} of {first.total} chunks on {key}"
         )
-    blob = b"".join(parts)
-    if len(blob) != first.size:
-        raise RecordError(f"model version {version} is {len(blob):,} bytes, expected {first.size:,}")
+    if filled != first.size:
+        raise RecordError(f"model version {version} is {filled:,} bytes, expected {first.size:,}")
     return blob, first.sha256
 
 
-def read_file(path: Path) -> bytes:
+def read_file(path: Path) -> bytearray:
     """The bytes of a regular file. Opened without blocking and checked before reading: a path that
     names a FIFO would block the reading thread (and the follower awaiting it) until a writer came,
     a device such as /dev/zero would never end."""
@@ -146,34 +186,89 @@ def read_file(path: Path) -> bytes:
     except FileNotFoundError:
         raise NotFound(f"model weights file {path} does not exist") from None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise RecordError(f"model weights path {path} is not a regular file")
-        return f.read()
+        blob = bytearray(info.st_size)
+        if f.readinto(blob) != info.st_size:
+            raise RecordError(f"model weights file {path} changed while it was read")
+        return blob
 
 
-def deserialize(version: str, blob: bytes, sha256: str | None) -> PublishedWeights:
-    from safetensors.torch import load
-
+def deserialize(version: str, blob: bytes | bytearray, sha256: str | None) -> PublishedWeights:
+    """The tensors of a blob (checked against ``sha256``), as views of the blob: no copy."""
     actual = hashlib.sha256(blob).hexdigest()
     if sha256 is not None and actual != sha256:
         raise RecordError(
             f"model version {version} is corrupt: sha256 {actual[:12]}… expected {sha256[:12]}…"
         )
-    try:
-        state_dict = load(blob)
-    except Exception as e:  # safetensors raises its own error type for a malformed header
-        raise RecordError(f"model version {version} is not valid safetensors: {e}") from e
+    state_dict = _parse(version, blob)
     broken = non_finite_tensors(state_dict)
     if broken:
         raise RecordError(f"model version {version} holds NaN or infinite values in {broken[:5]}: refused")
-    return PublishedWeights(state_dict, read_manifest(blob, version))
+    return PublishedWeights(state_dict, read_manifest(bytes(blob[:8 + _header_size(version, blob)]), version))
+
+
+def _header_size(version: str, blob: bytes | bytearray) -> int:
+    if len(blob) < 8:
+        raise RecordError(f"model version {version} is not valid safetensors: {len(blob)} bytes")
+    (size,) = struct.unpack("<Q", blob[:8])
+    if size > len(blob) - 8:
+        raise RecordError(f"model version {version} is not valid safetensors: a header of {size:,} bytes")
+    return int(size)
+
+
+def _parse(version: str, blob: bytes | bytearray) -> dict[str, torch.Tensor]:
+    import torch
+
+    size = _header_size(version, blob)
+    try:
+        header = json.loads(bytes(blob[8 : 8 + size]))
+    except ValueError as e:
+        raise RecordError(f"model version {version} is not valid safetensors: {e}") from None
+    if not isinstance(header, dict):
+        raise RecordError(f"model version {version} is not valid safetensors: its header is not an object")
+    dtypes = {code: dtype for dtype, code in _codes().items()}
+    start, length = 8 + size, len(blob) - 8 - size
+    # a bytes blob is read-only: torch views a writable copy-free buffer only
+    buffer = blob if isinstance(blob, bytearray) else bytearray(blob)
+    state: dict[str, torch.Tensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = dtypes[entry["dtype"]], [int(d) for d in entry["shape"]]
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise RecordError(f"model version {version}: malformed entry for {name!r} ({e})") from None
+        count = 1
+        for d in shape:
+            count *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= length or end - begin != count * itemsize or min(shape, default=0) < 0:
+            raise RecordError(f"model version {version}: {name} has data_offsets [{begin}, {end}] that do not "
+                              f"fit {entry['dtype']}{shape} in {length:,} bytes")
+        if count == 0:
+            state[name] = torch.empty(shape, dtype=dtype)
+            continue
+        if (start + begin) % itemsize:
+            raise RecordError(f"model version {version}: {name} is not aligned to its {itemsize}-byte elements")
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=end - begin, offset=start + begin)
+        state[name] = raw.view(dtype).reshape(shape)
+    return state
 
 
 def tensor_is_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or infinity in a floating-point tensor (integer tensors always are)."""
+    """No NaN or infinity in a floating-point tensor (integer tensors always are). The sum first: one
+    pass, no temporary as large as the tensor, and NaN or infinity in any element makes it non-finite;
+    only then (or when finite values overflow the sum) the exact element-wise check."""
     import torch
 
-    return not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    # in the tensor's own dtype: torch accumulates in fp32 anyway, and bf16 sums asked for in fp32
+    # take a slow path
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def non_finite_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
