@@ -126,3 +126,39 @@ async def test_a_delta_whose_base_is_gone_says_so(real_store: RedisStore) -> Non
 async def test_a_delta_without_its_manifest_is_refused(real_store: RedisStore) -> None:
     with pytest.raises(InvalidInput, match="needs its manifest"):
         await publish_model_version(real_store, _weights(), model="m", weights_format={"format": DELTA, "base_version": "v1"})
+
+
+def test_a_blob_is_standard_safetensors_read_back_without_copies() -> None:
+    """The blob Fulmen writes loads with the safetensors library itself; read back, its tensors equal
+    the originals (every dtype, an empty and a 0-d tensor) and view the blob's buffer."""
+    from safetensors.torch import load
+
+    from fulmen.version_blobs import deserialize, serialize
+
+    state = {"w": torch.randn(3, 5).to(torch.bfloat16), "d": torch.randn(4, dtype=torch.float64),
+             "i": torch.arange(7, dtype=torch.int32), "b": torch.tensor([True, False]), "u": torch.arange(3, dtype=torch.uint8),
+             "h": torch.randn(2, 2).half(), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5)}
+    blob = serialize(state, Manifest(FULL, None, describe_all(state)))
+    assert {n: t.dtype for n, t in load(bytes(blob)).items()} == {n: t.dtype for n, t in state.items()}
+    found = deserialize("v1", blob, None)
+    assert found.manifest is not None and found.manifest.tensors == describe_all(state)
+    for name, tensor in state.items():
+        assert torch.equal(found.state[name], tensor), name
+    import ctypes
+
+    start = ctypes.addressof((ctypes.c_char * len(blob)).from_buffer(blob))
+    for name in ("w", "d", "i"):  # views of the blob's own buffer: no copy was made
+        assert start <= found.state[name].data_ptr() < start + len(blob), name
+
+
+@pytest.mark.parametrize("header", [b"[1]", b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 99]}}',
+                                    b'{"w": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 4]}}', b"{bad"])
+def test_a_malformed_blob_is_refused_with_the_reason(header: bytes) -> None:
+    import struct
+
+    from fulmen.version_blobs import deserialize
+
+    with pytest.raises(RecordError, match="v1"):
+        deserialize("v1", struct.pack("<Q", len(header)) + header + bytes(16), None)
+    with pytest.raises(RecordError, match="v1"):
+        deserialize("v1", struct.pack("<Q", 10**9) + header, None)
