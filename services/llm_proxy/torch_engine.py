@@ -43,6 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,6 +135,9 @@ class TorchEngine:
         self.model_version = model_version
         self.model_dir = Path(model_dir)
         self._base_weights: dict[str, torch.Tensor] = {}  # LoRA versions merge onto these (see `fulmen.lora`)
+        # LoRA applied beside the base weights: a forward hook per adapted linear layer (see `_set_lora`)
+        self._lora_hooks: dict[str, Any] = {}
+        self._weights_are_base = True  # no full or delta version loaded since start: LoRA can be applied
         self.device = torch.device(device)
         # float32 on CPU: bf16 matmuls are slow there, and exact logprobs matter more than memory.
         torch_dtype: Any = getattr(torch, dtype) if dtype else (torch.float32 if device == "cpu" else "auto")
@@ -236,11 +240,18 @@ class TorchEngine:
 
         Requests submitted after this returns use the new weights. The tensors are copied into the
         model at swap time, so the caller must not modify them in place until then. With ``lora``
-        (the version's LoRA description), ``state_dict`` is an adapter, merged onto the base weights
-        of the model folder; the modules it does not adapt get their base weights back. ``partial``:
+        (the version's LoRA description), ``state_dict`` is an adapter: served beside the base weights
+        (each adapted layer adds ``scaling · B(A x)``, `_set_lora`) while the model holds the base, else
+        merged onto the base weights of the model folder, the modules it does not adapt getting their
+        base weights back. ``partial``:
         the tensors a delta changed (`fulmen.version_delta`); the others keep their values.
         """
-        if lora is not None:
+        weights: Any
+        if lora is not None and self._weights_are_base and not partial:
+            # the served weights are the base: the adapter runs beside them, and a new version swaps
+            # only its small tensors (no merge, no copy of the adapted layers)
+            weights = await asyncio.to_thread(self._prepare_lora, state_dict, lora)
+        elif lora is not None:
             from fulmen.lora import merge_lora
 
             merged = await asyncio.to_thread(merge_lora, state_dict, lora, self._base_weight)
@@ -295,12 +306,53 @@ class TorchEngine:
             raise InvalidInput(f"weights hold NaN or infinite values in {broken[:5]}")
         return dict(state_dict)
 
-    def _swap(self, weights: dict[str, torch.Tensor], model_version: str) -> None:
+    def _prepare_lora(self, adapter: Mapping[str, torch.Tensor], lora: Mapping[str, Any]) -> LoraSwap:
+        """An adapter checked against the model, in the engine's dtype and device, ready to swap in."""
+        import math
+
+        from fulmen.lora import adapter_targets
+
+        scaling = float(lora.get("scaling", math.nan))
+        if not math.isfinite(scaling):
+            raise InvalidInput(f"LoRA version without a finite scaling: {dict(lora)!r}")
+        broken = non_finite_tensors(adapter)
+        if broken:
+            raise InvalidInput(f"adapter holds NaN or infinite values in {broken[:5]}")
+        own = self.model.state_dict()
+        layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, (a_key, b_key) in adapter_targets(adapter).items():
+            weight = own.get(name)
+            if weight is None:
+                raise InvalidInput(f"the adapter changes {name!r}, which the base model in {self.model_dir} lacks")
+            a, b = adapter[a_key], adapter[b_key]
+            if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(weight.shape):
+                raise InvalidInput(
+                    f"adapter for {name}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the weight {tuple(weight.shape)}"
+                )
+            layers[name.removesuffix(".weight")] = (a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype))
+        return LoraSwap(layers, scaling)
+
+    def _set_lora(self, layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
+        """Serve base + adapter: each adapted linear layer adds ``scaling · B(A x)`` to its output."""
+        for name in set(self._lora_hooks) - set(layers):
+            self.model.get_submodule(name).fulmen_lora = None
+        for name, (a, b) in layers.items():
+            module = self.model.get_submodule(name)
+            if name not in self._lora_hooks:
+                self._lora_hooks[name] = module.register_forward_hook(_lora_forward)
+            module.fulmen_lora = (a, b, scaling)
+
+    def _swap(self, weights: dict[str, torch.Tensor] | LoraSwap, model_version: str) -> None:
         import torch
 
         started = time.perf_counter()
-        with torch.no_grad():
-            self.model.load_state_dict(weights, strict=False)
+        if isinstance(weights, LoraSwap):
+            self._set_lora(weights.layers, weights.scaling)
+        else:
+            self._set_lora({}, 0.0)
+            with torch.no_grad():
+                self.model.load_state_dict(weights, strict=False)
+            self._weights_are_base = False
         self.model_version = model_version
         self.stats["swaps"] += 1
         log.info("loaded weights %s in %.3f s", model_version, time.perf_counter() - started)
@@ -407,3 +459,22 @@ def _set_result(future: asyncio.Future[None]) -> None:
 def _set_exception(future: asyncio.Future[None], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
+
+
+@dataclass(frozen=True)
+class LoraSwap:
+    """A LoRA version to serve beside the base weights: per adapted layer (A, B), and the scaling."""
+
+    layers: dict[str, tuple[Any, Any]]
+    scaling: float
+
+
+def _lora_forward(module: Any, inputs: tuple[Any, ...], output: Any) -> Any:
+    """A linear layer's output plus its LoRA adapter's, when one is set (`TorchEngine._set_lora`)."""
+    import torch.nn.functional as F
+
+    lora = getattr(module, "fulmen_lora", None)
+    if lora is None:
+        return output
+    a, b, scaling = lora
+    return output + scaling * F.linear(F.linear(inputs[0], a), b)

@@ -147,3 +147,40 @@ def test_a_malformed_adapter_is_refused_with_the_reason() -> None:
         merge_lora({a: torch.zeros(2, 3), b: torch.zeros(4, 2)}, {}, base.__getitem__)
     merged = merge_lora({a: torch.ones(2, 3), b: torch.ones(4, 2)}, {"scaling": 0.5}, base.__getitem__)
     assert torch.equal(merged["model.layers.0.q.weight"], torch.ones(4, 3))
+
+
+async def test_a_lora_version_runs_beside_the_base_weights_like_the_merged_model(tiny: Path) -> None:
+    """While the proxy holds the base, a LoRA version changes no weight (only small tensors swap) and
+    serves what the merged model serves; after a full version it is merged instead."""
+    from safetensors.torch import load_file
+
+    from fulmen.lora import lora_description
+
+    base = load_file(str(tiny / "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    adapter = {}
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        out_f, in_f = base[name + ".weight"].shape
+        adapter[f"base_model.model.{name}.lora_A.weight"] = torch.randn(RANK, in_f, generator=g)
+        adapter[f"base_model.model.{name}.lora_B.weight"] = torch.randn(out_f, RANK, generator=g)
+    lora = lora_description(RANK, 8.0)
+    prompt, params = [1, 5, 9, 12, 7], SamplingParams(max_tokens=10, temperature=0)
+    engine = TorchEngine(tiny)
+    before = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    await engine.load_weights(adapter, "v1", lora=lora)
+    assert all(torch.equal(t, before[n]) for n, t in engine.model.state_dict().items())
+    applied = await engine.generate(prompt, params)
+    merged = TorchEngine(tiny)
+    await merged.load_weights({**base, **merge_lora(adapter, lora, base.__getitem__)}, "m")
+    want = await merged.generate(prompt, params)
+    assert applied.token_ids == want.token_ids and applied.model_version == "v1"
+    assert applied.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert applied.token_ids != (await TorchEngine(tiny).generate(prompt, params)).token_ids
+    # a full version, then a LoRA one: merged onto the base weights (the model no longer holds them)
+    await engine.load_weights(base, "full")
+    await engine.load_weights(adapter, "v2", lora=lora)
+    assert (await engine.generate(prompt, params)).token_ids == want.token_ids
+    assert not torch.equal(engine.model.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                           before["model.layers.0.self_attn.q_proj.weight"])
+    for e in (engine, merged):
+        await e.close()
