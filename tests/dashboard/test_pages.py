@@ -9,6 +9,7 @@ import re
 
 import httpx
 import pytest
+from conftest import Client
 from seed import ANSWER, QUESTION, seed
 
 from fulmen.store import RedisStore
@@ -111,7 +112,7 @@ async def test_admin_actions_are_refused_unless_enabled(real_store: RedisStore, 
     assert len(await real_store.query_dead_letters()) == 1
 
 
-async def test_admin_actions_when_enabled(real_store: RedisStore, dashboard) -> None:  # noqa: ANN001
+async def test_admin_actions_when_enabled(real_store: RedisStore, dashboard: Client) -> None:
     """With admin on: cancel a rollout, requeue a dead letter onto its stream; cross-site POSTs refused."""
     await seed(real_store, succeeded=1, queued=1)
     e = real_store.experiment
@@ -131,7 +132,7 @@ async def test_admin_actions_when_enabled(real_store: RedisStore, dashboard) -> 
         assert (await client.post(f"/e/{e}/dead-letters/junk/requeue")).status_code == 400
 
 
-async def test_auth_from_the_environment(real_store: RedisStore, dashboard, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+async def test_auth_from_the_environment(real_store: RedisStore, dashboard: Client, caplog: pytest.LogCaptureFixture) -> None:
     """With a token: 401 without it, bearer and basic auth both work, /healthz stays open, never logged."""
     secret = "s3cret-token-value"
     caplog.set_level(logging.DEBUG)
