@@ -15,8 +15,6 @@ from fulmen_dashboard.app import DashboardApp
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-Client = Callable[..., httpx.AsyncClient]
-
 
 @pytest.fixture
 def dashboard(real_store: RedisStore) -> Callable[..., httpx.AsyncClient]:
@@ -31,6 +29,6 @@ def dashboard(real_store: RedisStore) -> Callable[..., httpx.AsyncClient]:
 
 
 @pytest.fixture
-async def client(dashboard: Client) -> AsyncIterator[httpx.AsyncClient]:
+async def client(dashboard: Callable[..., httpx.AsyncClient]) -> AsyncIterator[httpx.AsyncClient]:
     async with dashboard() as c:
         yield c

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+
+import httpx
 
 from fulmen import semconv, tokens
 from fulmen.records import Span
 from fulmen.store import RedisStore
 from fulmen.train_steps import append_step, summarize
 
+Client = Callable[..., httpx.AsyncClient]  # the `dashboard` fixture: an httpx client on a dashboard app
 QUESTION = "What is 17 + 25?"
 ANSWER = "42"
 

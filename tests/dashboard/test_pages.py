@@ -9,8 +9,7 @@ import re
 
 import httpx
 import pytest
-from conftest import Client
-from seed import ANSWER, QUESTION, seed
+from seed import ANSWER, QUESTION, Client, seed
 
 from fulmen.store import RedisStore
 
