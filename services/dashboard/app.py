@@ -25,6 +25,7 @@ from fulmen.settings import DashboardSettings
 from fulmen.store import RedisStore
 from fulmen.store.browse import browse_rollouts
 from fulmen.store.experiments import list_experiments
+from fulmen.train_steps import MAX_STEPS
 from fulmen_dashboard import params, queries
 from fulmen_dashboard.http import (
     Auth,
@@ -220,7 +221,8 @@ class DashboardApp:
 
     async def curves_json(self, request: Request) -> Response:
         store = await self._existing(request)
-        return Response.json(await queries.curves(store))
+        last = params.integer(request, "steps", queries.CURVE_STEPS, 1, MAX_STEPS)
+        return Response.json(await queries.curves(store, last))
 
     async def dead_letters(self, request: Request) -> Response:
         store = await self._existing(request)

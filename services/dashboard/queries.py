@@ -15,7 +15,7 @@ from fulmen.errors import NotFound, RecordError
 from fulmen.llm_calls import LlmCall, describe, is_llm_call
 from fulmen.records import Attempt, DeadLetter, Rollout, RolloutFinished, Span
 from fulmen.store import RedisStore
-from fulmen.train_steps import read_curve
+from fulmen.train_steps import decode_steps
 
 # The curves the curves page draws: (label, TrainStep metric keys, the first present wins).
 CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -26,6 +26,7 @@ CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokens/s", ("perf/tokens_per_s",)),
     ("compression ratio", ("comm/ratio", "comm/compression_ratio")),
 )
+CURVE_STEPS = 2000  # the newest steps the curves show unless asked for more (the stream keeps 10,000)
 VALIDATIONS_READ = 1000  # validation passes a page reads (newest)
 MAX_SPANS = 5000  # of one rollout shown: a runaway agent's millions would not fit a page anyway
 RECENT_FINISHED = 10
@@ -119,10 +120,12 @@ def _version_number(result: dict[str, Any]) -> int | None:
     return int(label[1:]) if label[:1] == "v" and label[1:].isdigit() else None
 
 
-async def curves(store: RedisStore) -> dict[str, Any]:
-    """The curves as columns for the charts: x (steps) and one y list per curve (None: no value),
-    and the validation accuracy per model version."""
-    steps = await read_curve(store.redis, store.keys)
+async def curves(store: RedisStore, last: int = CURVE_STEPS) -> dict[str, Any]:
+    """The curves of the newest ``last`` steps as columns for the charts: x (steps) and one y list
+    per curve (None: no value), and the validation accuracy per model version."""
+    by_step = {s.step: s for s in decode_steps(list(reversed(await store.redis.xrevrange(store.keys.trainer_steps,
+                                                                                       count=last))))}
+    steps = [by_step[n] for n in sorted(by_step)]  # a restarted trainer repeats steps: the later entry counts
     series: dict[str, list[float | None]] = {}
     for label, names in CURVES:
         values = []
