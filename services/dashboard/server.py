@@ -59,12 +59,9 @@ def serve(settings: DashboardSettings) -> None:
 
 
 async def serve_until(settings: DashboardSettings, stop: asyncio.Event) -> None:
-    """Serve in the running loop until ``stop`` is set (no signal handlers of its own)."""
+    """Serve in the running loop until ``stop`` is set (`fulmen dev`, which owns the signals)."""
+    from fulmen.dev import serve_http
+
     sock = bind(settings.dashboard_host, port_of(settings))
     _announce(settings, sock)
-    the_server = server(settings, sock)
-    the_server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the caller owns signals
-    serving = asyncio.create_task(the_server.serve(sockets=[sock]))
-    await stop.wait()
-    the_server.should_exit = True
-    await serving
+    await serve_http(server(settings, sock), sock, stop)

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -41,6 +42,10 @@ SHORT_NAMES = {"experiment": "-e"}
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    # transformers draws a progress bar for every model it writes or loads ("Writing model shards" on
+    # each trainer step): noise in a service's log. Read when transformers is first imported; a
+    # user who wants the bars sets the variable to 0.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for chatty in CHATTY_LOGGERS:
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
 
