@@ -43,7 +43,8 @@ from fulmen_dashboard.render import render
 
 log = logging.getLogger(__name__)
 
-STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8", ".LICENSE": "text/plain"}
+STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8", ".LICENSE": "text/plain",
+                ".svg": "image/svg+xml"}
 DEAD_LETTERS_PAGE = 100
 MAX_EXPERIMENTS = 200  # listed on the first page
 
@@ -75,6 +76,7 @@ class DashboardApp:
         r = self.routes
         r.add("GET", "/healthz", self.healthz)
         r.add("GET", "/static/{name}", self.static_file)
+        r.add("GET", "/favicon.ico", self.favicon)
         r.add("GET", "/", self.experiments)
         r.add("GET", "/e/{experiment}", self.run)
         r.add("GET", "/e/{experiment}/rollouts", self.rollouts)
@@ -115,7 +117,7 @@ class DashboardApp:
         try:
             request = Request.from_scope(scope)
             handler, request.params = self.routes.find(request.method, request.path)
-            if request.path != "/healthz":
+            if request.path not in ("/healthz", "/favicon.ico"):
                 self.auth.check(request)
             if request.method == "POST":
                 same_origin(request)
@@ -161,6 +163,10 @@ class DashboardApp:
         if found is None:
             raise HttpError(404, "no such file")
         return Response(found[0], content_type=found[1], headers={"cache-control": "max-age=3600"})
+
+    async def favicon(self, request: Request) -> Response:
+        body, kind = self.static["favicon.svg"]
+        return Response(body, content_type=kind, headers={"cache-control": "max-age=86400"})
 
     async def experiments(self, request: Request) -> Response:
         assert self.client is not None

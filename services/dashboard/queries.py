@@ -26,6 +26,7 @@ CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokens/s", ("perf/tokens_per_s",)),
     ("compression ratio", ("comm/ratio", "comm/compression_ratio")),
 )
+STEP_FIELDS = {"rollout/reward_mean": "reward_mean", "loss/total": "loss"}  # metrics a TrainStep also holds
 CURVE_STEPS = 2000  # the newest steps the curves show unless asked for more (the stream keeps 10,000)
 VALIDATIONS_READ = 1000  # validation passes a page reads (newest)
 MAX_SPANS = 5000  # of one rollout shown: a runaway agent's millions would not fit a page anyway
@@ -130,9 +131,9 @@ async def curves(store: RedisStore, last: int = CURVE_STEPS) -> dict[str, Any]:
     for label, names in CURVES:
         values = []
         for s in steps:
-            value = s.reward_mean if names[0] == "rollout/reward_mean" else None
-            if value is None:
-                value = next((s.metrics[n] for n in names if n in s.metrics), None)
+            value = next((s.metrics[n] for n in names if n in s.metrics), None)
+            if value is None and names[0] in STEP_FIELDS:  # the record's own fields, for older steps
+                value = getattr(s, STEP_FIELDS[names[0]])
             values.append(value)
         series[label] = values
     points = sorted(
