@@ -102,6 +102,8 @@ def _help(cls: type[CommonSettings], field: str) -> str:
     info = cls.model_fields[field]
     default = info.default
     shown = f"; default {default}" if default is not None and not isinstance(default, bool) else ""
+    if isinstance(default, str):  # quoted: an empty default, or one named "default", reads as one
+        shown = f"; default {default!r}"
     if isinstance(default, bool):
         shown = f"; default {'on' if default else 'off'}"
     # parentheses, not brackets: typer renders help as rich markup, where [...] is a style tag
