@@ -290,8 +290,13 @@ def dev(
 
             log.info("embedded Redis on 127.0.0.1:%d, data in %s", settings.redis_port, settings.data_dir / "redis")
             stack.enter_context(EmbeddedRedis(settings.data_dir / "redis", port=settings.redis_port))
-        code = asyncio.run(dev_mode.run_all(services, ends_run="algorithm" if tasks is not None else "demo"))
-    raise typer.Exit(code)
+        loop = asyncio.new_event_loop()
+        try:
+            code = loop.run_until_complete(
+                dev_mode.run_all(services, ends_run="algorithm" if tasks is not None else "demo"))
+        finally:
+            loop.close()  # not asyncio.run: it would wait for worker threads still in a job (a validation pass)
+    dev_mode.exit_leaving_threads(code)
 
 
 def _add_service_commands() -> None:

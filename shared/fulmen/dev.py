@@ -158,3 +158,19 @@ async def watchdog(stop: asyncio.Event) -> None:
             await run_watchdog(store, INTERVAL_S, stop)
     finally:
         await store.redis.aclose()
+
+
+def exit_leaving_threads(code: int) -> None:
+    """Exit now, even with a thread still inside a blocking call (the evaluator's validation pass, a
+    sync agent): honcho would SIGKILL that process; its work is in the store and is taken up again."""
+    import sys
+    import threading
+
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if others:
+        log.info("leaving %d thread(s) behind", len(others))
+        logging.shutdown()
+        os._exit(code)
+    raise SystemExit(code)
