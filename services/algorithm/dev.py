@@ -37,8 +37,8 @@ async def _drive(settings: AlgorithmSettings, tasks: list[Any], val_tasks: list[
         await store.redis.aclose()
     print(json.dumps(summary), flush=True)
     if not summary.get("stopped"):
-        log.info("run finished: curve %s, metrics %s, final model %s",
-                 summary.get("curve"), summary.get("metrics"), summary.get("final_model"))
+        log.info("run finished: curve %s, metrics %s, final model %s (version %s)", summary.get("curve"),
+                 summary.get("metrics"), summary.get("final_model"), summary.get("final_model_version"))
     return summary
 
 
