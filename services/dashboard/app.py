@@ -75,6 +75,7 @@ class DashboardApp:
         self.routes = Routes()
         r = self.routes
         r.add("GET", "/healthz", self.healthz)
+        r.add("GET", "/readyz", self.readyz)
         r.add("GET", "/static/{name}", self.static_file)
         r.add("GET", "/favicon.ico", self.favicon)
         r.add("GET", "/", self.experiments)
@@ -117,7 +118,7 @@ class DashboardApp:
         try:
             request = Request.from_scope(scope)
             handler, request.params = self.routes.find(request.method, request.path)
-            if request.path not in ("/healthz", "/favicon.ico"):
+            if request.path not in ("/healthz", "/readyz", "/favicon.ico"):  # probes send no secret
                 self.auth.check(request)
             if request.method == "POST":
                 same_origin(request)
@@ -157,6 +158,12 @@ class DashboardApp:
 
     async def healthz(self, request: Request) -> Response:
         return Response.json({"ok": True})
+
+    async def readyz(self, request: Request) -> Response:
+        """200 when Redis answers; 503 with the reason otherwise (the handler turns errors into 503)."""
+        assert self.client is not None
+        await self.client.ping()
+        return Response.json({"ready": True})
 
     async def static_file(self, request: Request) -> Response:
         found = self.static.get(request.params["name"])

@@ -145,4 +145,5 @@ async def test_auth_from_the_environment(real_store: RedisStore, dashboard: Clie
         assert (await client.get("/", headers={"authorization": f"Basic {basic}"})).status_code == 200
         assert (await client.get("/", headers={"authorization": "Basic !!!"})).status_code == 401
         assert (await client.get("/healthz")).status_code == 200
+        assert (await client.get("/readyz")).json() == {"ready": True}  # probes send no secret
     assert secret not in caplog.text
