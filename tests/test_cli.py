@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -168,6 +169,20 @@ def test_a_service_help_shows_only_its_own_options() -> None:
     trainer_help = help_text("trainer")
     assert "--learning-rate" in trainer_help and "default 0.0001" in trainer_help
     assert "--concurrency" not in trainer_help and "--proxy-api-keys" not in trainer_help
+
+
+def test_no_option_help_has_a_dangling_default() -> None:
+    """Every command's help: no option text ends in " ." or shows an empty default unquoted."""
+    cli._add_service_commands()
+    import typer.main
+
+    for name in typer.main.get_command(app).commands:  # type: ignore[attr-defined]
+        result = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": "300"})
+        assert result.exit_code == 0, (name, result.output)
+        text = " ".join(result.stdout.replace("│", " ").split())
+        assert not re.search(r" \.(\s|\)|$)|default \)|default ;", text), (name, text)  # a dot left alone
+    assert "(env FULMEN_EXPERIMENT; default 'default')" in " ".join(
+        CliRunner().invoke(app, ["status", "--help"], env={"COLUMNS": "300"}).stdout.replace("│", " ").split())
 
 
 def test_redis_command_runs_embedded_server_with_aof(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fulmen import keys as k
+from fulmen import semconv
 from fulmen.codec import unpack
 from fulmen.errors import RecordError, RedisUnavailable
 from fulmen.records import Rollout, RolloutFinished, RolloutForSamples, RolloutStatus, SampleSkip, pack_sample
@@ -83,6 +84,7 @@ class _Result:
     rollout_id: str
     records: list[bytes]
     stats: dict[str, int]
+    model_version: str = ""  # that served the last LLM call: stored with the rollout (dashboard filter)
 
 
 class Adapter:
@@ -172,6 +174,12 @@ class Adapter:
         await self._append(results, [f.entry_id for f in finished if f.rollout_id not in early])
 
     def _adapt(self, rollout: RolloutForSamples) -> _Result:
+        result = self._samples(rollout)
+        if not isinstance(rollout.spans, RecordError):
+            result.model_version = _served_version(rollout.spans, rollout.attempt_id)
+        return result
+
+    def _samples(self, rollout: RolloutForSamples) -> _Result:
         spans = rollout.spans
         info = AttemptInfo(
             rollout.rollout_id,
@@ -208,7 +216,7 @@ class Adapter:
     async def _append(self, results: Sequence[_Result], entry_ids: list[str]) -> None:
         """Write the batch's samples and acknowledge their finished entries, in one atomic step."""
         appended = await self.store.append_samples(
-            [(r.rollout_id, r.records, r.stats) for r in results], ack_group=k.ADAPTER_GROUP, ack_entry_ids=entry_ids
+            [(r.rollout_id, r.records, r.stats, r.model_version) for r in results], ack_group=k.ADAPTER_GROUP, ack_entry_ids=entry_ids
         )
         for result, n in zip(results, appended, strict=True):
             if n <= 0:
@@ -230,6 +238,15 @@ def tune_gc_for_batches() -> None:
     are frozen out of its way; cycles are still collected, only in larger steps."""
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD_0, 20, 20)
+
+
+def _served_version(spans: Sequence[Any], attempt_id: str | None) -> str:
+    """The model version of the latest attempt's last LLM call ('' without one)."""
+    for span in reversed(spans):
+        if span.attempt_id == attempt_id and span.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL:
+            version = span.attributes.get(semconv.MODEL_VERSION)
+            return version if isinstance(version, str) else ""
+    return ""
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -95,8 +95,8 @@ def _run(settings: AlgorithmSettings, tasks: list[dict[str, object]], val_tasks:
             log.info("run stopped at step %s: started again it goes on from the store; no report written",
                      summary.get("steps"))
         else:
-            log.info("run finished: curve %s, metrics %s, final model %s",
-                     summary.get("curve"), summary.get("metrics"), summary.get("final_model"))
+            log.info("run finished: curve %s, metrics %s, final model %s (version %s)", summary.get("curve"),
+                     summary.get("metrics"), summary.get("final_model"), summary.get("final_model_version"))
 
     with start_ops(settings, "algorithm", groups=[("finished", k.ALGORITHM_GROUP)]):
         run_on_store(settings, work)

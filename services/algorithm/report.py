@@ -2,9 +2,10 @@
 
 The curve plots the trainer's mean rollout reward per step (from the trainer's steps stream in
 Redis, `fulmen.train_steps.read_curve`, so the algorithm needs no access to the trainer's disk) and
-the validation accuracy of every pass. The final model is the latest published version, fetched from
-Redis and written as a Hugging Face folder next to the base model's config and tokenizer files
-(`fulmen.version_folder`: a LoRA version is merged onto the base).
+the validation accuracy of every pass. The final model is the best validated version (`best_pass`:
+the highest accuracy, the later pass on a tie, so the latest version unless an earlier one did
+better), fetched from Redis and written as a Hugging Face folder next to the base model's config and
+tokenizer files (`fulmen.version_folder`: a LoRA version is merged onto the base).
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from typing import Any
 
 import matplotlib
 
-from fulmen.model_versions import BASE_VERSION, POLICY_RESOURCES_ID, ModelVersion, fetch_model_version
+from fulmen.errors import FulmenError
+from fulmen.model_versions import (
+    BASE_VERSION,
+    POLICY_RESOURCES_ID,
+    ModelVersion,
+    fetch_model_version,
+    find_weights,
+)
 from fulmen.records import TrainStep
 from fulmen.store import RedisStore
 from fulmen.version_folder import full_weights, write_model_folder
@@ -63,5 +71,37 @@ async def export_final_model(store: RedisStore, base_model_dir: Path, out: Path,
         return None
     state = await fetch_model_version(store, version, resource=llm)
     full = await asyncio.to_thread(full_weights, state, llm.get("weights") or {}, base_model_dir)
+    extra = {"fulmen_version.json": json.dumps({"model_version": version})}
+    return await asyncio.to_thread(write_model_folder, full, base_model_dir, out, extra)
+
+
+def served_version(result: dict[str, Any]) -> str | None:
+    """The model version that answered most of a validation pass's tasks (None: none recorded)."""
+    served = {v: n for v, n in (result.get("served_by") or {}).items() if v != "none" and isinstance(n, int)}
+    return max(served, key=lambda v: served[v]) if served else None
+
+
+def best_pass(passes: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The pass with the highest accuracy whose serving version is known; the later one on a tie."""
+    best = None
+    for result in passes:
+        if served_version(result) is None or not isinstance(result.get("accuracy"), int | float):
+            continue
+        if best is None or result["accuracy"] >= best["accuracy"]:
+            best = result
+    return best
+
+
+async def export_version(store: RedisStore, version: str, base_model_dir: Path, out: Path) -> Path | None:
+    """One published version as a Hugging Face folder; None when its weights are no longer stored
+    (retention keeps the newest few) or were never published."""
+    entry = await find_weights(store, version)
+    if version == BASE_VERSION.name or entry is None:
+        return None
+    try:
+        state = await fetch_model_version(store, version, resource={"weights": entry})
+    except FulmenError:
+        return None
+    full = await asyncio.to_thread(full_weights, state, entry, base_model_dir)
     extra = {"fulmen_version.json": json.dumps({"model_version": version})}
     return await asyncio.to_thread(write_model_folder, full, base_model_dir, out, extra)

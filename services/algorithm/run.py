@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from fulmen.settings import AlgorithmSettings
@@ -31,6 +32,8 @@ PROGRESS_EVERY_S = 2.0
 # Where in the data folder the run writes its curve, summary and final model.
 RUN_DIR = "run"
 VALIDATION_FIELDS = ("label", "step", "accuracy", "mean_reward")
+FINAL_DIR = "final-model"
+BEST_DIR = "best-model"  # the best validated version so far, written while its weights are stored
 
 
 class Run:
@@ -51,6 +54,7 @@ class Run:
         self._last_line = 0.0
         self._done_at_start = 0
         self._next_validation = 0
+        self._best_saved: str | None = None  # the best validated version, written to BEST_DIR while stored
 
     def stop(self) -> None:
         """End the loop at the next tick (SIGTERM): no final validation, the state stays for a restart."""
@@ -102,10 +106,26 @@ class Run:
         s = self.settings
         if s.total_steps is not None and step >= s.total_steps:
             return True
+        await self.keep_best()
         if s.target_accuracy is not None and reached_target(await recorded(self.store), s.target_accuracy):
             log.info("validation reached %.2f twice in a row: ending the run at step %d", s.target_accuracy, step)
             return True
         return self.scheduler.exhausted and inflight == 0
+
+    async def keep_best(self) -> None:
+        """Write the best validated version so far as a folder while its weights are still stored
+        (retention keeps only the newest few): the run's final model, unless a later pass does better."""
+        from fulmen_algorithm.report import best_pass, export_version, served_version
+
+        best = best_pass(await recorded(self.store))
+        version = served_version(best) if best is not None else None
+        if version is None or version == self._best_saved or self.settings.model_dir is None:
+            return
+        out = self.settings.data_dir / RUN_DIR / BEST_DIR
+        if await export_version(self.store, version, self.settings.model_dir, out) is not None:
+            self._best_saved = version
+            log.info("best validated version so far: %s (accuracy %.3f, pass %s), kept in %s",
+                     version, best["accuracy"], best.get("label"), out)
 
     async def log_progress(self, step: int, inflight: int) -> None:
         done = await self.progress.rollouts_done() - self._done_at_start
@@ -135,10 +155,42 @@ class Run:
         summary.update(await self.write_report(summary))
         return summary
 
+    async def final_model(self, out: Path) -> tuple[Path | None, dict[str, Any]]:
+        """The best validated version as the final model (the latest if no pass says otherwise, or if
+        the best one's weights are gone), and which version that is."""
+        from fulmen_algorithm.report import best_pass, export_final_model, export_version, served_version
+
+        s = self.settings
+        assert s.model_dir is not None
+        final_dir = out / FINAL_DIR
+        best = best_pass(await recorded(self.store))
+        version = served_version(best) if best is not None else None
+        folder = None
+        if best is not None and version is not None:
+            kept = out / BEST_DIR
+            if version == self._best_saved and kept.is_dir():
+                await asyncio.to_thread(_replace_folder, kept, final_dir)
+                folder = final_dir
+            else:
+                folder = await export_version(self.store, version, s.model_dir, final_dir)
+            if folder is None:
+                log.warning("the best validated version %s is no longer stored: the final model is the latest", version)
+        if folder is None:
+            folder = await export_final_model(self.store, s.model_dir, final_dir)
+            version = _folder_version(folder)
+            best = None
+        chosen: dict[str, Any] = {"final_model_version": version}
+        if best is not None:
+            chosen["final_model_pass"] = best.get("label")
+            chosen["final_model_accuracy"] = best.get("accuracy")
+            log.info("final model: version %s, the best validated (accuracy %.3f in pass %s)",
+                     version, best["accuracy"], best.get("label"))
+        return folder, chosen
+
     async def write_report(self, summary: dict[str, Any]) -> dict[str, Any]:
         """The curve (PNG), the summary (JSON) and the final model, in the data folder's run/."""
         from fulmen.train_steps import read_curve
-        from fulmen_algorithm.report import export_final_model, plot_curve
+        from fulmen_algorithm.report import plot_curve
 
         s = self.settings
         out = s.data_dir / RUN_DIR
@@ -146,8 +198,23 @@ class Run:
         paths: dict[str, Any] = {"metrics": str(s.metrics_file)}
         paths["curve"] = str(plot_curve(out / "reward-curve.png", steps, await recorded(self.store)))
         if s.model_dir is not None:
-            final = await export_final_model(self.store, s.model_dir, out / "final-model")
+            final, chosen = await self.final_model(out)
             paths["final_model"] = str(final) if final else None
+            paths.update(chosen)
         (out / "summary.json").write_text(json.dumps({**summary, **paths}, indent=2))
         paths["summary"] = str(out / "summary.json")
         return paths
+
+
+def _replace_folder(source: Path, target: Path) -> None:
+    import shutil
+
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(source, target)
+
+
+def _folder_version(folder: Path | None) -> str | None:
+    if folder is None or not (folder / "fulmen_version.json").exists():
+        return None
+    return json.loads((folder / "fulmen_version.json").read_text()).get("model_version")

@@ -30,6 +30,7 @@ HookOpt = Annotated[
 ]
 # How much of a message span `run-once` prints.
 MESSAGE_CHARS = 100
+TEXT_CHARS = 300  # of a call's prompt or response
 SHORT_NAMES = {"agent": ("--agent", "-a"), "concurrency": ("--concurrency", "-c")}
 
 
@@ -67,6 +68,7 @@ def command(settings: RunnerSettings, hook: HookOpt = None) -> None:
     the_agent, hooks = _load(settings.agent, hook)
     from fulmen.ops_http import start_ops
     from fulmen.ops_metrics import CountersCollector
+    from fulmen.sdk.resources import close_async_pool
     from fulmen.tracing import setup_tracing
     from fulmen_runner.runner import Runner
 
@@ -90,6 +92,7 @@ def command(settings: RunnerSettings, hook: HookOpt = None) -> None:
             ops.add(CountersCollector(lambda: _runner_counters(runner)))
             ops.add(AgentThreadGauges(runner))
             await runner.run()
+        await close_async_pool()
         log.info("runner %s stopped after %d rollout(s)", runner.worker_id, runner.finished)
         provider.shutdown()  # export what OTLP still holds: leaving early below would skip its exit hook
         # here, not after asyncio.run(): that waits for the agent threads first (longer than honcho's 5 s)
@@ -174,6 +177,7 @@ def run_once(
     records its LLM calls) but skips the queue; exit code 0 if it succeeded, 1 otherwise."""
     the_agent, hooks = _load(settings.agent, hook)
     the_task = _parse_task(task)
+    from fulmen.sdk.resources import close_async_pool
     from fulmen.tracing import setup_tracing
     from fulmen_runner.execute import AttemptContext, execute
     from fulmen_runner.heartbeats import Heartbeats
@@ -203,6 +207,7 @@ def run_once(
             outcome = await execute(ctx, claimed)
         finally:
             beating.cancel()
+            await close_async_pool()
         spans = await store.query_spans(claimed.rollout.rollout_id)
         _print_run(claimed.rollout.rollout_id, outcome, spans, as_json)
         return outcome.status is not None and outcome.status.value == "succeeded"
@@ -211,8 +216,15 @@ def run_once(
     raise typer.Exit(0 if ok else 1)
 
 
+def _clip(text: str) -> str:
+    """One line of at most TEXT_CHARS: a call's text as `run-once` prints it."""
+    line = " ".join(text.split())
+    return line if len(line) <= TEXT_CHARS else line[: TEXT_CHARS - 1] + "…"
+
+
 def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -> None:
-    from fulmen import semconv, tokens
+    from fulmen import semconv
+    from fulmen.llm_calls import describe
 
     if as_json:
         out.print_json(
@@ -237,9 +249,15 @@ def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -
         kind = s.attributes.get(semconv.SPAN_KIND, "")
         detail = ""
         if kind == semconv.KIND_LLM_CALL:
-            prompt = tokens.ids(s.attributes.get(semconv.PROMPT_TOKEN_IDS) or [])
-            response = tokens.ids(s.attributes.get(semconv.RESPONSE_TOKEN_IDS) or [])
-            detail = f"{len(prompt)} prompt + {len(response)} response tokens"
+            call = describe(s.attributes)
+            detail = (f"{call.prompt_tokens} prompt + {call.response_tokens} response tokens, "
+                      f"model version {call.model_version or '?'}")
+            out.print(f"  {s.sequence_id:>3}  {escape(s.name):<28} {escape(detail)}")
+            out.print(f"       [dim]prompt:[/dim]   {escape(_clip(call.prompt_text))}")
+            out.print(f"       [dim]response:[/dim] {escape(_clip(call.response_text))}")
+            for tool_call in call.tool_calls:
+                out.print(f"       [dim]tool call:[/dim] {escape(_clip(json.dumps(tool_call, default=str)))}")
+            continue
         elif kind == semconv.KIND_REWARD:
             detail = f"reward {s.attributes.get(semconv.REWARD)}"
         elif kind == semconv.KIND_EXCEPTION:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -20,6 +22,7 @@ from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore, run_watchdog
 from fulmen.store.experiments import delete_experiment, list_experiments
 from fulmen.store.retention import RetentionPolicy, trim
+from fulmen.store.watchdog import INTERVAL_S as WATCHDOG_INTERVAL_S
 from fulmen.tasks_file import BadLine, LineNote, parse_tasks
 
 app = typer.Typer(
@@ -34,8 +37,6 @@ log = logging.getLogger("fulmen")
 # Rollouts `fulmen push` sends per round trip: large enough to amortise the round trip, small
 # enough that the progress bar moves.
 PUSH_BATCH = 500
-# The seconds between the watchdog's sweeps: an attempt is ended at most this long after its deadline.
-WATCHDOG_INTERVAL_S = 1.0
 
 RedisPortOpt = flag(CommonSettings, "redis_port", ["--port"])
 DataDirOpt = flag(CommonSettings, "data_dir")
@@ -309,6 +310,51 @@ def ab_command(
             out.print(f"A/B test: {b} serves {split:.0%} of rollouts, {a} the rest (fulmen status: reward by version)")
 
     run_on_store(settings, work)
+
+@app.command()
+def dev(
+    agent: Annotated[str, typer.Option("--agent", "-a", help="The agent to run, as module:function or module:Class.")],
+    tasks: Annotated[
+        Path | None,
+        typer.Option(help="Training tasks (JSON lines) for `fulmen algorithm`; unset: the demo's arithmetic tasks."),
+    ] = None,
+    env_file: Annotated[Path, typer.Option(help="Settings file read as honcho reads it (the environment wins).")] = Path(".env"),
+    dashboard: Annotated[bool, typer.Option(help="Serve the dashboard too.")] = True,
+) -> None:
+    """Every service of the Procfile in this one process, as asyncio tasks on the embedded Redis.
+
+    Behaves like `honcho start` (same settings, same end: when the run is over, everything stops),
+    but a debugger can stop in your agent, the adapter or the loss and step through one rollout.
+    Without --tasks it runs the demo (`fulmen demo`)."""
+    from fulmen import dev as dev_mode
+
+    dev_mode.apply_dotenv(env_file)
+    os.environ["FULMEN_AGENT"] = agent
+    if tasks is not None:
+        os.environ["FULMEN_TRAIN_DATA"] = str(tasks)
+    os.environ.pop("PORT", None)  # one process: no service may take honcho's per-process port
+    settings = settings_from_flags()
+    try:
+        services = dev_mode.load_services()
+    except Exception as e:
+        err.print(f"[red]error:[/red] cannot load the services: {type(e).__name__}: {e}")
+        raise typer.Exit(2) from None
+    services.pop("demo" if tasks is not None else "algorithm", None)
+    if not dashboard:
+        services.pop("dashboard", None)
+    with contextlib.ExitStack() as stack:
+        if settings.embedded:
+            from fulmen.embedded import EmbeddedRedis
+
+            log.info("embedded Redis on 127.0.0.1:%d, data in %s", settings.redis_port, settings.data_dir / "redis")
+            stack.enter_context(EmbeddedRedis(settings.data_dir / "redis", port=settings.redis_port))
+        loop = asyncio.new_event_loop()
+        try:
+            code = loop.run_until_complete(
+                dev_mode.run_all(services, ends_run="algorithm" if tasks is not None else "demo"))
+        finally:
+            loop.close()  # not asyncio.run: it would wait for worker threads still in a job (a validation pass)
+    dev_mode.exit_leaving_threads(code)
 
 
 def _add_service_commands() -> None:

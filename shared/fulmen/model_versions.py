@@ -345,6 +345,11 @@ def _weights_entry(resource: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return weights
 
 
+async def find_weights(store: RedisStore, version: str) -> Mapping[str, Any] | None:
+    """The weights entry (``llm["weights"]``) that publishes ``version``; None if none does."""
+    return await _find_weights(store, version)
+
+
 async def _find_weights(store: RedisStore, version: str) -> Mapping[str, Any] | None:
     """The weights entry of the latest resources version that publishes ``version``."""
     for update in await store.query_resources(descending=True):

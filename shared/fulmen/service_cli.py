@@ -12,6 +12,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -41,6 +42,10 @@ SHORT_NAMES = {"experiment": "-e"}
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    # transformers draws a progress bar for every model it writes or loads ("Writing model shards" on
+    # each trainer step): noise in a service's log. Read when transformers is first imported; a
+    # user who wants the bars sets the variable to 0.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for chatty in CHATTY_LOGGERS:
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
 
@@ -97,6 +102,8 @@ def _help(cls: type[CommonSettings], field: str) -> str:
     info = cls.model_fields[field]
     default = info.default
     shown = f"; default {default}" if default is not None and not isinstance(default, bool) else ""
+    if isinstance(default, str):  # quoted: an empty default, or one named "default", reads as one
+        shown = f"; default {default!r}"
     if isinstance(default, bool):
         shown = f"; default {'on' if default else 'off'}"
     # parentheses, not brackets: typer renders help as rich markup, where [...] is a style tag

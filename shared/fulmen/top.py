@@ -1,8 +1,9 @@
 """`fulmen top`: a live terminal view of one experiment's whole pipeline, refreshed in place.
 
-Everything comes from Redis, so it runs from any machine that reaches it: the pipeline snapshot
-(`fulmen.store.statistics`), the services' heartbeats (`fulmen.ops_http`), the runners' worker
-records, the proxies' registry, the adapter's counters and the trainer's step log (the reward curve).
+Everything comes from Redis, so it runs from any machine that reaches it, read through
+`fulmen.pipeline_view` (the dashboard's live page reads the same frame): the pipeline snapshot, the
+services' heartbeats, the runners' worker records, the proxies' registry, the adapter's counters and
+the trainer's step log (the reward curve).
 Rates are deltas between two refreshes, so the first frame (and ``--once``) has none.
 """
 
@@ -10,9 +11,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -21,14 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 from fulmen import keys as k
-from fulmen.errors import RecordError
-from fulmen.ops_http import HEARTBEAT_S
-from fulmen.records import ProxyEndpoint, ServiceBeat, TrainStep, Worker
-from fulmen.store.registry import PROXY_TTL_S
-from fulmen.store.statistics import Snapshot, read_snapshot
-from fulmen.train_steps import read_steps
+from fulmen.pipeline_view import COUNTERS, Frame, rate, read_frame, service_rows
 
-LIVE_S = 3 * HEARTBEAT_S  # a heartbeat older than this: the process is gone (or stuck)
 BARS = "▁▂▃▄▅▆▇█"
 SPARK_POINTS = 60
 
@@ -42,80 +35,15 @@ def sparkline(values: Sequence[float]) -> str:
     return "".join(BARS[0 if span == 0 else min(len(BARS) - 1, int((v - low) / span * len(BARS)))] for v in values)
 
 
-@dataclass
-class Frame:
-    """What one refresh read from Redis."""
-
-    time: float
-    snap: Snapshot
-    services: list[ServiceBeat]
-    workers: list[Worker]
-    proxies: list[ProxyEndpoint]
-    adapter: dict[str, int]
-    algorithm: dict[str, str]
-    steps: list[TrainStep]
-
-
-def _records(raw: dict[bytes, bytes], decode: Any) -> list[Any]:
-    out = []
-    for value in raw.values():
-        try:
-            out.append(decode(value))
-        except RecordError:
-            continue  # one bad entry must not blank the screen
-    return out
-
-
-def read_frame(client: redis.Redis, keys: k.Keys) -> Frame:
-    snap = read_snapshot(client, keys)
-    pipe = client.pipeline(transaction=False)
-    pipe.hgetall(keys.services)
-    pipe.hgetall(keys.workers)
-    pipe.hgetall(keys.proxies)
-    pipe.hgetall(keys.adapter_stats)
-    pipe.hgetall(keys.algorithm_state)
-    services, workers, proxies, adapter, algorithm = pipe.execute()
-    return Frame(
-        snap.server_time,
-        snap,
-        _records(services, ServiceBeat.from_wire),
-        _records(workers, Worker.from_wire),
-        _records(proxies, ProxyEndpoint.from_wire),
-        {key.decode(): int(v) for key, v in adapter.items() if v.isdigit()},
-        {key.decode(): v.decode(errors="replace") for key, v in algorithm.items()},
-        read_steps(client, keys, SPARK_POINTS),
-    )
-
-
 def _rate(now: Frame, before: Frame | None, value: Any) -> str:
-    if before is None or now.time <= before.time:
-        return "-"
-    delta = value(now) - value(before)
-    return f"{max(delta, 0) / (now.time - before.time):.1f}/s"  # streams may be trimmed: never negative
+    per_s = rate(now, before, value)
+    return "-" if per_s is None else f"{per_s:.1f}/s"
 
 
 def _services_table(frame: Frame) -> Table:
-    now = frame.time
     table = Table("service", "live", "detail", title="services", title_justify="left")
-    beats = [b for b in frame.services if now - b.time <= LIVE_S]
-    live = Counter(b.service for b in beats)
-    runners = [w for w in frame.workers if w.status != "stopped" and now - (w.last_heartbeat_time or 0) <= LIVE_S]
-    proxies = [p for p in frame.proxies if now - (p.last_heartbeat_time or 0) <= PROXY_TTL_S]
-    running = sum(int(w.metadata.get("running", 0)) for w in runners)
-    slots = sum(int(w.metadata.get("concurrency", 0)) for w in runners)
-    details = {
-        "runner": f"{len(runners)} worker(s), {running}/{slots} slots busy",
-        "llm-proxy": ", ".join(sorted({str(p.model_version or "?") for p in proxies})) or "",
-    }
-    rows = dict(live)
-    rows["runner"] = max(rows.get("runner", 0), len(runners))  # runners also beat as workers
-    rows["llm-proxy"] = len(proxies)  # proxies beat in their own registry
-    for name in ("runner", "llm-proxy", "adapter", "trainer", "algorithm", "evaluator", "watchdog"):
-        rows.setdefault(name, 0)
-    for name, n in sorted(rows.items()):
-        ports = sorted(b.port for b in beats if b.service == name and b.port)
-        detail = details.get(name, "") or (f"ports {', '.join(map(str, ports))}" if ports else "")
-        table.add_row(name, str(n), detail, style=None if n else "dim")
+    for row in service_rows(frame):
+        table.add_row(row.name, str(row.live), row.detail, style=None if row.live else "dim")
     return table
 
 
@@ -127,13 +55,11 @@ def _pipeline_table(frame: Frame, before: Frame | None) -> Table:
     table.add_column("rate", justify="right")
     table.add_row("queue depth", str(snap.queue_depth), "")
     table.add_row("active attempts", str(snap.active_attempts), "")
-    for status in ("succeeded", "failed", "cancelled"):
-        table.add_row(f"  {status}", str(snap.rollouts[status]), _rate(frame, before, lambda f, s=status: f.snap.rollouts[s]))
-    table.add_row("finished", str(snap.stream_lengths["finished"]),
-                  _rate(frame, before, lambda f: f.snap.stream_lengths["finished"]))
-    table.add_row("samples", str(frame.adapter.get("samples", 0)), _rate(frame, before, lambda f: f.adapter.get("samples", 0)))
-    table.add_row("dead letters", str(snap.stream_lengths["dead_letters"]),
-                  _rate(frame, before, lambda f: f.snap.stream_lengths["dead_letters"]))
+    for label, value in COUNTERS:
+        if label == "trainer steps":
+            continue  # on the reward line
+        indent = "  " if label in ("succeeded", "failed", "cancelled") else ""
+        table.add_row(f"{indent}{label}", str(int(value(frame))), _rate(frame, before, value))
     for (stream, group), info in sorted(snap.groups.items()):
         lag = f"lag {info.lag_s:.1f}s" if info.lag_s else ""
         table.add_row(f"pending {group} ({stream})", str(info.pending), lag)
@@ -177,7 +103,7 @@ def run(client: redis.Redis, experiment: str, interval_s: float, once: bool, con
     """Draw once, or until interrupted; returns the exit code."""
     keys = k.Keys(experiment)
     if once:
-        console.print(render(read_frame(client, keys), None, experiment))
+        console.print(render(read_frame(client, keys, SPARK_POINTS), None, experiment))
         return 0
     from rich.live import Live
 
@@ -189,7 +115,7 @@ def run(client: redis.Redis, experiment: str, interval_s: float, once: bool, con
             while True:
                 error = None
                 try:
-                    before, frame = frame, read_frame(client, keys)
+                    before, frame = frame, read_frame(client, keys, SPARK_POINTS)
                 except (redis.RedisError, OSError) as e:
                     error = f"redis unreachable: {type(e).__name__}"
                 live.update(render(frame, before, experiment, error), refresh=True)

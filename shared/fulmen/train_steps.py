@@ -78,7 +78,8 @@ async def append_step(client: aioredis.Redis, keys: Keys, summary: TrainStep) ->
     await client.xadd(keys.trainer_steps, {"m": summary.to_wire()}, maxlen=MAX_STEPS, approximate=True)
 
 
-def _decode(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[TrainStep]:
+def decode_steps(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[TrainStep]:
+    """Step records from stream entries, in their order; unreadable entries are left out."""
     steps = []
     for _, fields in entries:
         try:
@@ -90,7 +91,7 @@ def _decode(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[TrainStep]:
 
 def read_steps(client: redis.Redis, keys: Keys, count: int = TAIL_STEPS) -> list[TrainStep]:
     """The last ``count`` entries, oldest first; unreadable entries are left out."""
-    return _decode(list(reversed(client.xrevrange(keys.trainer_steps, count=count))))
+    return decode_steps(list(reversed(client.xrevrange(keys.trainer_steps, count=count))))
 
 
 async def latest_step(client: aioredis.Redis, keys: Keys) -> int:
@@ -101,7 +102,7 @@ async def latest_step(client: aioredis.Redis, keys: Keys) -> int:
 
 async def latest_summary(client: aioredis.Redis, keys: Keys) -> TrainStep | None:
     """The trainer's last step summary (its step and the model version it holds), None before any."""
-    last = _decode(await client.xrevrange(keys.trainer_steps, count=1))
+    last = decode_steps(await client.xrevrange(keys.trainer_steps, count=1))
     return last[0] if last else None
 
 
@@ -110,7 +111,7 @@ async def read_curve(client: aioredis.Redis, keys: Keys) -> list[TrainStep]:
     by_step: dict[int, TrainStep] = {}
     start = "-"
     while entries := await client.xrange(keys.trainer_steps, min=start, count=CURVE_PAGE):
-        for summary in _decode(entries):
+        for summary in decode_steps(entries):
             by_step[summary.step] = summary
         start = "(" + entries[-1][0].decode()
     return [by_step[step] for step in sorted(by_step)]

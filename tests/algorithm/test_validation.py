@@ -76,3 +76,20 @@ async def test_a_pass_recorded_twice_counts_once(real_store: RedisStore) -> None
     for label, accuracy in (("v0", 0.1), ("v2", 0.2), ("v0", 0.3)):
         await real_store.redis.xadd(real_store.keys.validations, {"m": json.dumps({"label": label, "accuracy": accuracy})})
     assert [(r["label"], r["accuracy"]) for r in await recorded(real_store)] == [("v0", 0.1), ("v2", 0.2)]
+
+
+def test_the_best_validated_pass_is_the_final_models_choice() -> None:
+    """best_pass: highest accuracy, the later pass on a tie, only passes whose serving version is known."""
+    from fulmen_algorithm.report import best_pass, served_version
+
+    passes = [
+        {"label": "v0", "accuracy": 0.45, "served_by": {"v0": 300}},
+        {"label": "v240", "accuracy": 0.93, "served_by": {"v240": 299, "none": 1}},
+        {"label": "v260", "accuracy": 0.93, "served_by": {"v259": 2, "v260": 298}},
+        {"label": "final", "accuracy": 0.89, "served_by": {"v300": 300}},
+        {"label": "broken", "accuracy": 0.99, "served_by": {"none": 300}},
+    ]
+    best = best_pass(passes)
+    assert best is not None and best["label"] == "v260" and served_version(best) == "v260"
+    assert best_pass(passes[:2] + passes[3:4])["label"] == "v240"  # an earlier, better pass beats the last
+    assert best_pass([]) is None

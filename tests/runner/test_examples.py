@@ -78,6 +78,7 @@ async def test_single_turn_example_scores_a_right_answer(real_store, procs, fake
     done, rollout = await _run_example(real_store, procs, fake, "single_turn_agent")
     assert done.process.returncode == 0, done.stderr
     assert "status: succeeded  reward: 1.0" in done.stdout
+    assert "Unclosed" not in done.stderr  # the loop's HTTP pool is closed before the loop ends
     assert rollout.status is RolloutStatus.SUCCEEDED
     _assert_attributed(fake, rollout)
     (request,) = fake.requests

@@ -200,3 +200,4 @@ async def test_stop_lets_short_work_finish_and_hands_back_the_rest(real_store, s
     assert (await real_store.statistics())["queue_depth"] == 1
     worker = (await real_store.query_workers())[0]
     assert worker.status == "stopped"
+

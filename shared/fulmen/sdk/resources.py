@@ -104,6 +104,16 @@ def _async_http() -> Any:
     return pool
 
 
+async def close_async_pool() -> None:
+    """Close this event loop's HTTP pool (before the loop ends: aiohttp warns about an unclosed
+    session and connector otherwise). The next attempt on this loop opens a new one."""
+    import asyncio
+
+    pool = _async_pools.pop(asyncio.get_running_loop(), None)
+    if pool is not None:
+        await pool.aclose()
+
+
 def _new_async_pool() -> Any:
     """aiohttp under the OpenAI client when it is installed: httpx's pool rescans every connection on
     each request, which at 64 concurrent calls made it half the runner's CPU (bench/RESULTS.md)."""

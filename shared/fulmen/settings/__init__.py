@@ -22,6 +22,7 @@ from fulmen.settings.services import (
     AdapterSettings,
     AlgorithmSettings,
     ApoSettings,
+    DashboardSettings,
     DemoSettings,
     EvalSettings,
     EvaluatorSettings,
@@ -32,7 +33,7 @@ from fulmen.settings.services import (
 )
 
 __all__ = [
-    "AdapterSettings", "AlgorithmSettings", "ApoSettings", "CommonSettings", "DemoSettings", "EvalSettings",
+    "AdapterSettings", "AlgorithmSettings", "ApoSettings", "CommonSettings", "DashboardSettings", "DemoSettings", "EvalSettings",
     "EvaluatorSettings", "ProxySettings", "RunnerSettings", "TrainerSettings", "VllmSyncSettings", "env_name",
     "known_env_names", "load_settings",
 ]

@@ -251,8 +251,23 @@ class ApoSettings(TrainDataSettings):
     critic_api_key: SecretStr | None = Field(None, description="Bearer key for the critic (never logged).")
 
 
+class DashboardSettings(CommonSettings):
+    dashboard_host: str = Field("127.0.0.1", description="Address the dashboard listens on.")
+    dashboard_port: int | None = Field(
+        None, ge=0, le=65535, description="Port of the dashboard (unset: $PORT from honcho, else 8300; 0: any free port)."
+    )
+    dashboard_admin: bool = Field(
+        False, description="Allow admin actions (cancel a rollout, requeue a dead letter); off: read-only."
+    )
+    dashboard_token: SecretStr | None = Field(
+        None,
+        description="Require this secret: as a bearer token, or as the password of HTTP basic auth (any user name). "
+        "Unset: no auth.",
+    )
+
+
 # Every process's class: a FULMEN_* variable is known if one of them has the field.
 SERVICE_SETTINGS: tuple[type[CommonSettings], ...] = (
     CommonSettings, RunnerSettings, ProxySettings, AdapterSettings, TrainerSettings, AlgorithmSettings,
-    DemoSettings, EvaluatorSettings, EvalSettings, ApoSettings, VllmSyncSettings,
+    DemoSettings, EvaluatorSettings, EvalSettings, ApoSettings, VllmSyncSettings, DashboardSettings,
 )

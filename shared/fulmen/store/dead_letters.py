@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from fulmen.errors import InvalidInput, NotFound
 from fulmen.records import DeadLetter
 from fulmen.store.context import StoreContext
 
@@ -31,3 +32,19 @@ class DeadLetters:
         """The newest dead letters first."""
         entries = await self.ctx.redis.xrevrange(self.ctx.keys.dead_letters, count=limit)
         return [DeadLetter.from_wire(f[b"m"], dead_letter_id=eid.decode()) for eid, f in entries]
+
+    async def requeue_dead_letter(self, dead_letter_id: str) -> str:
+        """Put a dead letter's entry back on the stream it came from (a new entry, as it was, for the
+        consumers to try again once the cause is fixed) and remove it from the dead letters, in one
+        MULTI. Returns the new entry's id. Only streams of this experiment are written to."""
+        entries = await self.ctx.redis.xrange(self.ctx.keys.dead_letters, dead_letter_id, dead_letter_id)
+        if not entries:
+            raise NotFound(f"dead letter {dead_letter_id} does not exist in experiment {self.ctx.experiment}")
+        letter = DeadLetter.from_wire(entries[0][1].get(b"m"), dead_letter_id=dead_letter_id)
+        if not letter.source.startswith(self.ctx.keys.prefix) or not letter.payload:
+            raise InvalidInput(f"dead letter {dead_letter_id} cannot be requeued (source {letter.source!r})")
+        pipe = self.ctx.redis.pipeline(transaction=True)
+        pipe.xadd(letter.source, dict(letter.payload))
+        pipe.xdel(self.ctx.keys.dead_letters, dead_letter_id)
+        new_id, _ = await pipe.execute()
+        return new_id.decode() if isinstance(new_id, bytes) else str(new_id)

@@ -119,6 +119,7 @@ class RedisStore:
         self.dead_letters = dead_letters = DeadLetters(ctx)
         self.dead_letter = dead_letters.dead_letter
         self.query_dead_letters = dead_letters.query_dead_letters
+        self.requeue_dead_letter = dead_letters.requeue_dead_letter
 
     def __repr__(self) -> str:
         return f"RedisStore(experiment={self.experiment!r})"

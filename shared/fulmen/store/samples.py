@@ -91,7 +91,7 @@ class Samples:
 
     async def append_samples(
         self,
-        batch: Sequence[tuple[str, Sequence[bytes], Mapping[str, int]]],
+        batch: Sequence[tuple[str, Sequence[bytes], Mapping[str, int]] | tuple[str, Sequence[bytes], Mapping[str, int], str]],
         *,
         ack_group: str | None = None,
         ack_entry_ids: Sequence[str] = (),
@@ -100,13 +100,15 @@ class Samples:
         adapter's counters, unless the rollout was sampled before — the whole batch in one step, which
         also acknowledges ``ack_entry_ids`` on the finished stream for ``ack_group`` (so they are
         acknowledged exactly when their effect is stored). Returns, per rollout, how many were
-        appended: 0 if sampled before, -1 if the rollout is gone."""
+        appended: 0 if sampled before, -1 if the rollout is gone. An optional fourth item is the model
+        version that served the rollout's last LLM call: stored with the rollout (``model_version``) in
+        the same step, for the dashboard's filter."""
         if not batch and not ack_entry_ids:
             return []
         # use_bin_type=False: the records go as msgpack raw strings, the type Redis's cmsgpack reads
         # (it refuses the bin types); Lua strings are bytes either way
         payload = msgpack.packb(
-            [[rid, dict(stats), list(records)] for rid, records, stats in batch], use_bin_type=False
+            [[item[0], dict(item[2]), list(item[1]), *item[3:]] for item in batch], use_bin_type=False
         )
         ack = [ack_group, *ack_entry_ids] if ack_group and ack_entry_ids else [""]
         replies = await self._append_samples(args=[self.keys.prefix, payload, *ack])

@@ -381,7 +381,7 @@ return 1
 
 # The adapter's write, for a whole batch of rollouts, and the acknowledgement of the finished-stream
 # entries it came from. ARGV[2] = msgpack array, per rollout [rollout id, {stat counter: increment},
-# [sample records]]; ARGV[3] = consumer group on the finished stream ('' = acknowledge nothing),
+# [sample records], optional model version that served its last LLM call]; ARGV[3] = consumer group on the finished stream ('' = acknowledge nothing),
 # ARGV[4..] = finished entry ids to acknowledge once the samples are written.
 # Once per rollout: the rollout's 'sampled' field is the marker, set in the same step as its samples,
 # so a redelivered entry (or a second adapter racing) appends nothing; the acknowledgement is in the
@@ -404,6 +404,7 @@ for i, item in ipairs(batch) do
   else
     for name, increment in pairs(item[2]) do totals[name] = (totals[name] or 0) + increment end
     for j = 1, #records do redis.call('XADD', samples, '*', 'm', records[j]) end
+    if item[4] and item[4] ~= '' then redis.call('HSET', rk, 'model_version', item[4]) end
     out[i] = #records
   end
 end

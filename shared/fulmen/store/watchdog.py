@@ -41,7 +41,10 @@ async def sweep(store: RedisStore, limit: int = SWEEP_LIMIT) -> Counter[str]:
     return outcomes
 
 
-async def run_watchdog(store: RedisStore, interval_s: float = 1.0, stop: asyncio.Event | None = None) -> None:
+INTERVAL_S = 1.0  # between sweeps: an attempt is ended at most this long after its deadline
+
+
+async def run_watchdog(store: RedisStore, interval_s: float = INTERVAL_S, stop: asyncio.Event | None = None) -> None:
     """Sweep every ``interval_s`` until ``stop`` is set."""
     stop = stop or asyncio.Event()
     while not stop.is_set():

@@ -1,0 +1,23 @@
+"""The adapter as a task of `fulmen dev` (see `fulmen.dev`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fulmen import keys as k
+from fulmen.dev import open_store
+from fulmen.ops_http import start_ops
+from fulmen.settings import AdapterSettings, load_settings
+from fulmen_adapter.adapter import Adapter
+from fulmen_adapter.triplets import AdapterConfig
+
+
+async def main(stop: asyncio.Event) -> None:
+    settings = load_settings(AdapterSettings)
+    config = AdapterConfig(settings.llm_call_match, settings.agent_match, settings.trajectories)
+    store = await open_store(settings)
+    try:
+        with start_ops(settings, "adapter", groups=[("finished", k.ADAPTER_GROUP)]):
+            await Adapter(store, config).run(stop)
+    finally:
+        await store.redis.aclose()

@@ -1,0 +1,89 @@
+"""The algorithm (or the demo's driver) and the evaluator as tasks of `fulmen dev` (see `fulmen.dev`).
+
+The evaluator's rq worker is synchronous: it works the eval queue in a thread, in bursts, with rq's
+thread-safe job timeout (its default is SIGALRM, which only the main thread may use)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fulmen import keys as k
+from fulmen.dev import open_store, when_stopped
+from fulmen.ops_http import start_ops
+from fulmen.settings import AlgorithmSettings, DemoSettings, EvaluatorSettings, load_settings
+from fulmen.store import RedisStore
+
+log = logging.getLogger("fulmen.algorithm")
+EVAL_POLL_S = 1.0  # between two bursts of the evaluator when the queue was empty
+
+
+async def _drive(settings: AlgorithmSettings, tasks: list[Any], val_tasks: list[Any], stop: asyncio.Event,
+                 setup: Callable[[RedisStore], Awaitable[None]] | None = None) -> dict[str, Any]:
+    from fulmen_algorithm.run import Run
+
+    run = Run(settings, tasks, val_tasks, setup=setup)
+    stopping = when_stopped(stop, run.stop)
+    store = await open_store(settings)
+    try:
+        with start_ops(settings, "algorithm", groups=[("finished", k.ALGORITHM_GROUP)]):
+            summary = await run.run(store)
+    finally:
+        stopping.cancel()
+        await store.redis.aclose()
+    print(json.dumps(summary), flush=True)
+    if not summary.get("stopped"):
+        log.info("run finished: curve %s, metrics %s, final model %s (version %s)", summary.get("curve"),
+                 summary.get("metrics"), summary.get("final_model"), summary.get("final_model_version"))
+    return summary
+
+
+async def algorithm(stop: asyncio.Event) -> dict[str, Any]:
+    from fulmen_algorithm.dataset import load_tasks
+
+    settings = load_settings(AlgorithmSettings)
+    if settings.train_data is None or (settings.total_steps is None and settings.epochs is None):
+        raise ValueError("the algorithm needs --tasks (train data) and an end (FULMEN_TOTAL_STEPS or FULMEN_EPOCHS)")
+    val = load_tasks(settings.val_data) if settings.val_data is not None else []
+    return await _drive(settings, load_tasks(settings.train_data), val, stop)
+
+
+async def demo(stop: asyncio.Event) -> dict[str, Any]:
+    from fulmen_algorithm.dataset import load_tasks
+    from fulmen_algorithm.demo import prepare_demo, publish_base_policy
+
+    settings = load_settings(DemoSettings)
+    folder = settings.model_dir.parent if settings.model_dir is not None else settings.data_dir / "demo"
+    paths = await asyncio.to_thread(prepare_demo, folder, seed=settings.seed)  # the SFT warm start: minutes
+    settings = settings.model_copy(update={"train_data": paths.train, "val_data": paths.val, "model_dir": paths.model})
+
+    async def setup(store: RedisStore) -> None:
+        await publish_base_policy(store, paths.model.name)
+
+    return await _drive(settings, load_tasks(paths.train), load_tasks(paths.val), stop, setup)
+
+
+async def evaluator(stop: asyncio.Event) -> None:
+    from rq.timeouts import TimerDeathPenalty
+
+    from fulmen_algorithm.jobs import evaluator_worker, validation_queue
+    from fulmen_algorithm.validation import requeue_abandoned
+
+    settings = load_settings(EvaluatorSettings)
+    store = await open_store(settings)  # waits for Redis, as the command does
+    await store.redis.aclose()
+    queue = validation_queue(settings)
+    requeue_abandoned(queue)
+    worker = evaluator_worker(queue)
+    worker.death_penalty_class = TimerDeathPenalty
+    worker._install_signal_handlers = lambda: None  # type: ignore[method-assign]  # `fulmen dev` owns the signals
+    logging.getLogger("rq.worker").setLevel(logging.WARNING)  # a burst a second: its lines would flood the log
+    with start_ops(settings, "evaluator"):
+        while not stop.is_set():
+            await asyncio.to_thread(worker.work, burst=True, with_scheduler=False)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), EVAL_POLL_S)

@@ -1,0 +1,172 @@
+"""What the dashboard's pages read beyond the live frame (`fulmen.pipeline_view`) and the rollout
+pages (`fulmen.store.browse`): one rollout with its attempts and span tree, the curves, the
+validations, dead letters, the newest finished rollouts. Every read names its keys; none scans the
+keyspace, none writes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fulmen import keys as k
+from fulmen import semconv
+from fulmen.errors import NotFound, RecordError
+from fulmen.llm_calls import LlmCall, describe, is_llm_call
+from fulmen.records import Attempt, DeadLetter, Rollout, RolloutFinished, Span
+from fulmen.store import RedisStore
+from fulmen.train_steps import decode_steps
+
+# The curves the curves page draws: (label, TrainStep metric keys, the first present wins).
+CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("train reward", ("rollout/reward_mean",)),
+    ("loss", ("loss/total",)),
+    ("KL", ("loss/kl",)),
+    ("entropy", ("loss/entropy",)),
+    ("tokens/s", ("perf/tokens_per_s",)),
+    ("compression ratio", ("comm/ratio", "comm/compression_ratio")),
+)
+STEP_FIELDS = {"rollout/reward_mean": "reward_mean", "loss/total": "loss"}  # metrics a TrainStep also holds
+CURVE_STEPS = 2000  # the newest steps the curves show unless asked for more (the stream keeps 10,000)
+VALIDATIONS_READ = 1000  # validation passes a page reads (newest)
+MAX_SPANS = 5000  # of one rollout shown: a runaway agent's millions would not fit a page anyway
+RECENT_FINISHED = 10
+
+
+@dataclass
+class SpanNode:
+    span: Span
+    children: list[SpanNode] = field(default_factory=list)
+    call: LlmCall | None = None  # set for an LLM call
+
+    @property
+    def kind(self) -> str:
+        return str(self.span.attributes.get(semconv.SPAN_KIND, ""))
+
+    @property
+    def duration_ms(self) -> float | None:
+        s = self.span
+        return None if s.start_time is None or s.end_time is None else (s.end_time - s.start_time) * 1000
+
+
+@dataclass
+class AttemptView:
+    attempt: Attempt
+    roots: list[SpanNode]
+    llm_calls: int
+    spans: int
+
+
+@dataclass
+class RolloutView:
+    rollout: Rollout
+    model_version: str | None
+    attempts: list[AttemptView]
+    truncated: bool  # more spans than MAX_SPANS
+
+
+def span_tree(spans: list[Span]) -> list[SpanNode]:
+    """Spans as a forest: children under their parent, in sequence order; a span whose parent was
+    not recorded is a root."""
+    nodes = {s.span_id: SpanNode(s, call=describe(s.attributes) if is_llm_call(s.attributes) else None) for s in spans}
+    roots = []
+    for s in spans:
+        parent = nodes.get(s.parent_id) if s.parent_id else None
+        if parent is None or parent is nodes[s.span_id]:
+            roots.append(nodes[s.span_id])
+        else:
+            parent.children.append(nodes[s.span_id])
+    return roots
+
+
+async def rollout_view(store: RedisStore, rollout_id: str) -> RolloutView:
+    """NotFound if the rollout is not in the experiment."""
+    rollout = await store.get_rollout(rollout_id)
+    attempts = await store.query_attempts(rollout_id)
+    spans = await store.query_spans(rollout_id, limit=MAX_SPANS + 1)
+    truncated = len(spans) > MAX_SPANS
+    spans = spans[:MAX_SPANS]
+    raw = await store.redis.hget(store.keys.rollout(rollout_id), "model_version")
+    views = []
+    for attempt in attempts:
+        own = [s for s in spans if s.attempt_id == attempt.attempt_id]
+        views.append(AttemptView(attempt, span_tree(own), sum(1 for s in own if is_llm_call(s.attributes)), len(own)))
+    return RolloutView(rollout, raw.decode() if raw else None, views, truncated)
+
+
+async def experiment_exists(store: RedisStore) -> bool:
+    return bool(await store.redis.sismember(k.EXPERIMENTS, store.experiment))
+
+
+async def validations(store: RedisStore) -> list[dict[str, Any]]:
+    """The validation passes, oldest first, one per label (a pass run twice counts once)."""
+    entries = await store.redis.xrevrange(store.keys.validations, count=VALIDATIONS_READ)
+    by_label: dict[str, dict[str, Any]] = {}
+    for _, fields in reversed(entries):
+        try:
+            result = json.loads(fields[b"m"])
+        except (KeyError, ValueError):
+            continue
+        if isinstance(result, dict):
+            by_label.setdefault(str(result.get("label")), result)
+    return list(by_label.values())
+
+
+def _version_number(result: dict[str, Any]) -> int | None:
+    for name in ("step", "version"):
+        value = result.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    label = str(result.get("label", ""))
+    return int(label[1:]) if label[:1] == "v" and label[1:].isdigit() else None
+
+
+async def curves(store: RedisStore, last: int = CURVE_STEPS) -> dict[str, Any]:
+    """The curves of the newest ``last`` steps as columns for the charts: x (steps) and one y list
+    per curve (None: no value), and the validation accuracy per model version."""
+    by_step = {s.step: s for s in decode_steps(list(reversed(await store.redis.xrevrange(store.keys.trainer_steps,
+                                                                                       count=last))))}
+    steps = [by_step[n] for n in sorted(by_step)]  # a restarted trainer repeats steps: the later entry counts
+    series: dict[str, list[float | None]] = {}
+    for label, names in CURVES:
+        values = []
+        for s in steps:
+            value = next((s.metrics[n] for n in names if n in s.metrics), None)
+            if value is None and names[0] in STEP_FIELDS:  # the record's own fields, for older steps
+                value = getattr(s, STEP_FIELDS[names[0]])
+            values.append(value)
+        series[label] = values
+    points = sorted(
+        (v, float(r["accuracy"])) for r in await validations(store)
+        if (v := _version_number(r)) is not None and isinstance(r.get("accuracy"), int | float)
+    )
+    return {
+        "steps": [s.step for s in steps],
+        "series": series,
+        "validation": {"version": [p[0] for p in points], "accuracy": [p[1] for p in points]},
+    }
+
+
+async def dead_letters(store: RedisStore, limit: int) -> list[DeadLetter]:
+    letters = []
+    for entry_id, fields in await store.redis.xrevrange(store.keys.dead_letters, count=limit):
+        try:
+            letters.append(DeadLetter.from_wire(fields.get(b"m"), dead_letter_id=entry_id.decode()))
+        except RecordError:
+            continue
+    return letters
+
+
+async def recent_finished(store: RedisStore) -> list[RolloutFinished]:
+    out = []
+    for entry_id, fields in await store.redis.xrevrange(store.keys.finished, count=RECENT_FINISHED):
+        try:
+            out.append(RolloutFinished.from_wire(fields.get(b"m"), entry_id=entry_id.decode()))
+        except RecordError:
+            continue
+    return out
+
+
+async def must_exist(store: RedisStore) -> None:
+    if not await experiment_exists(store):
+        raise NotFound(f"experiment {store.experiment} does not exist")

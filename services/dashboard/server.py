@@ -1,0 +1,67 @@
+"""Serve the dashboard under uvicorn, on a socket bound here (so port 0 works and the log names the
+port actually bound). `serve_until` runs it inside a running event loop (`fulmen dev`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+import uvicorn
+
+from fulmen.settings import DashboardSettings
+from fulmen_dashboard.app import DashboardApp
+
+log = logging.getLogger("fulmen.dashboard")
+
+DEFAULT_PORT = 8300
+GRACEFUL_SHUTDOWN_S = 3  # honcho sends SIGKILL after 5 s
+
+
+def port_of(settings: DashboardSettings) -> int:
+    if settings.dashboard_port is not None:
+        return settings.dashboard_port
+    port = os.environ.get("PORT", "").strip()
+    return int(port) if port.isdigit() else DEFAULT_PORT
+
+
+def bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def server(settings: DashboardSettings, sock: socket.socket) -> uvicorn.Server:
+    config = uvicorn.Config(
+        DashboardApp(settings), lifespan="on", access_log=False, proxy_headers=False,
+        log_level=settings.log_level.lower(), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    return uvicorn.Server(config)
+
+
+def _announce(settings: DashboardSettings, sock: socket.socket) -> None:
+    host, port = sock.getsockname()[:2]
+    log.info("dashboard on http://%s:%d/ (%s, %s)", host, port,
+             "admin actions on" if settings.dashboard_admin else "read-only",
+             "auth required" if settings.dashboard_token is not None else "no auth")
+
+
+def serve(settings: DashboardSettings) -> None:
+    """Serve until SIGTERM/SIGINT (blocking)."""
+    sock = bind(settings.dashboard_host, port_of(settings))
+    _announce(settings, sock)
+    the_server = server(settings, sock)
+    the_server.run(sockets=[sock])
+
+
+async def serve_until(settings: DashboardSettings, stop: asyncio.Event) -> None:
+    """Serve in the running loop until ``stop`` is set (`fulmen dev`, which owns the signals)."""
+    from fulmen.dev import serve_http
+
+    sock = bind(settings.dashboard_host, port_of(settings))
+    _announce(settings, sock)
+    await serve_http(server(settings, sock), sock, stop)

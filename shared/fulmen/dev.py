@@ -1,0 +1,176 @@
+"""`fulmen dev`: every service of the Procfile as an asyncio task in this one process, on the embedded
+Redis, so a debugger can stop in the agent, the adapter or the loss and step through one rollout.
+
+Each service registers its task as an entry point (group ``fulmen.dev``: an ``async def main(stop)``
+that reads its own settings from the environment, as its command does, and returns once ``stop`` is
+set); `fulmen` imports no service. Behaviour follows `honcho start`: the same settings (``.env`` is
+read the same way: its values fill in what the environment does not set), the services start
+together and wait for what they need, and when one ends — the algorithm, when the run is over — or
+fails, the others are stopped. The evaluator's rq worker runs in a thread of this process (rq is
+synchronous); torch work runs in threads as it does in the services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from fulmen.connection import connect
+from fulmen.model_versions import wait_for_model_dir
+from fulmen.settings import CommonSettings
+from fulmen.store import RedisStore
+
+log = logging.getLogger("fulmen.dev")
+
+GROUP = "fulmen.dev"
+# The order tasks start in; the algorithm's end ends the whole run, as under honcho.
+ORDER = ("watchdog", "llm-proxy", "runner", "adapter", "trainer", "evaluator", "dashboard", "algorithm")
+STOP_GRACE_S = 10.0  # after stop, how long the services may take before they are cancelled
+MODEL_POLL_S = 0.5
+
+ServiceMain = Callable[[asyncio.Event], Awaitable[object]]
+
+
+def read_dotenv(path: Path) -> dict[str, str]:
+    """``KEY=VALUE`` lines of a .env file (comments and blank lines skipped), as honcho reads them."""
+    values = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        name, _, value = line.partition("=")
+        values[name.strip()] = value.strip().strip("'\"")
+    return values
+
+
+def apply_dotenv(path: Path) -> None:
+    """Fill the environment from ``path``; what the environment already sets wins (as with honcho)."""
+    if path.is_file():
+        for name, value in read_dotenv(path).items():
+            os.environ.setdefault(name, value)
+
+
+async def open_store(settings: CommonSettings) -> RedisStore:
+    """The experiment's store on a client of its own (the services each have theirs)."""
+    client = await connect(settings)
+    return RedisStore(client, settings.experiment, max_record_bytes=settings.max_record_bytes)
+
+
+async def wait_for_model(folder: Path | None, stop: asyncio.Event) -> bool:
+    """Wait for the demo's model folder without blocking the loop; False if stopped first."""
+    if folder is None:
+        return True
+    while not (Path(folder) / "config.json").exists():
+        if stop.is_set():
+            return False
+        await asyncio.sleep(MODEL_POLL_S)
+    wait_for_model_dir(folder)  # there now: returns at once (kept for its single code path)
+    return True
+
+
+def when_stopped(stop: asyncio.Event, action: Callable[[], object]) -> asyncio.Task[None]:
+    """Call ``action`` once ``stop`` is set (for services stopped by a method, not an event)."""
+
+    async def wait() -> None:
+        await stop.wait()
+        action()
+
+    return asyncio.create_task(wait())
+
+
+async def serve_http(server: Any, sock: Any, stop: asyncio.Event) -> None:
+    """Run a uvicorn server on ``sock`` until ``stop`` is set, leaving the signals to `fulmen dev`
+    (uvicorn's ``serve`` would take SIGINT and SIGTERM over and raise them again when it ends)."""
+    server.capture_signals = contextlib.nullcontext
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    server.should_exit = True
+    await serving
+
+
+def load_services() -> dict[str, ServiceMain]:
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep.load() for ep in entry_points(group=GROUP)}
+    return {name: found[name] for name in ORDER if name in found} | {
+        name: main for name, main in found.items() if name not in ORDER
+    }
+
+
+async def run_all(services: dict[str, ServiceMain], ends_run: str = "algorithm") -> int:
+    """Run every service until ``ends_run`` returns or one fails; 0 if the run ended normally."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = {asyncio.create_task(main(stop), name=name): name for name, main in services.items()}
+    code = 0
+    pending = set(tasks)
+    while pending and not stop.is_set():
+        stopping = asyncio.create_task(stop.wait())
+        done, pending = await asyncio.wait(pending | {stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        pending.discard(stopping)
+        for task in done - {stopping}:
+            name = tasks[task]
+            error = task.exception() if not task.cancelled() else None
+            if error is not None:
+                log.error("%s failed: %s: %s; stopping every service", name, type(error).__name__, error,
+                          exc_info=error)
+                code = 1
+            else:
+                log.info("%s ended; stopping every service", name)
+                if name != ends_run:
+                    code = 1  # a service that ends on its own, unasked, is a failure (honcho says so too)
+            stop.set()
+    if pending:
+        done, late = await asyncio.wait(pending, timeout=STOP_GRACE_S)
+        for task in late:
+            log.warning("%s did not stop within %.0f s: cancelled", tasks[task], STOP_GRACE_S)
+            task.cancel()
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("%s failed while stopping: %r", tasks[task], task.exception())
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*late, return_exceptions=True)
+    return code
+
+
+async def watchdog(stop: asyncio.Event) -> None:
+    """The watchdog's task (it lives in `fulmen`, as its command does)."""
+    from fulmen.ops_http import start_ops
+    from fulmen.settings import load_settings
+    from fulmen.store import run_watchdog
+    from fulmen.store.watchdog import INTERVAL_S
+
+    settings = load_settings(CommonSettings)
+    store = await open_store(settings)
+    try:
+        with start_ops(settings, "watchdog"):
+            await run_watchdog(store, INTERVAL_S, stop)
+    finally:
+        await store.redis.aclose()
+
+
+def exit_leaving_threads(code: int) -> None:
+    """Exit now, even with a thread still inside a blocking call (the evaluator's validation pass, a
+    sync agent): honcho would SIGKILL that process; its work is in the store and is taken up again."""
+    import sys
+    import threading
+
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if others:
+        log.info("leaving %d thread(s) behind", len(others))
+        logging.shutdown()
+        os._exit(code)
+    raise SystemExit(code)

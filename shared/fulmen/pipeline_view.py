@@ -1,0 +1,160 @@
+"""The live pipeline as data: what `fulmen top` draws in a terminal and the dashboard shows in a browser.
+
+One read of an experiment (a `Frame`): the pipeline snapshot (`fulmen.store.statistics`), the
+services' heartbeats, the runners' worker records, the proxies' registry, the inference replicas,
+the adapter's counters, the run's position and the tail of the trainer's step log. Then what both
+views derive from it: the services and their live replicas (`service_rows`) and rates between two
+frames (`rate`). Sync (`read_frame`, for `fulmen top`) and async (`aread_frame`, for the dashboard)
+queue the same commands on a pipeline; only ``execute`` differs, so the queries live here once.
+
+Every read is a fixed number of commands on known keys: no scan of the keyspace.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from fulmen import keys as k
+from fulmen.errors import RecordError
+from fulmen.ops_http import HEARTBEAT_S
+from fulmen.records import ProxyEndpoint, ReplicaState, ServiceBeat, TrainStep, Worker
+from fulmen.store.registry import PROXY_TTL_S
+from fulmen.store.statistics import Snapshot, aread_snapshot, read_snapshot
+from fulmen.train_steps import TAIL_STEPS, decode_steps
+
+LIVE_S = 3 * HEARTBEAT_S  # a heartbeat older than this: the process is gone (or stuck)
+# The services a pipeline has, listed even when none is up (a missing one is what a person looks for).
+EXPECTED_SERVICES = ("runner", "llm-proxy", "adapter", "trainer", "algorithm", "evaluator", "watchdog")
+
+
+@dataclass
+class Frame:
+    """What one refresh read from Redis."""
+
+    time: float  # the Redis server's clock, which every heartbeat is compared with
+    snap: Snapshot
+    services: list[ServiceBeat]
+    workers: list[Worker]
+    proxies: list[ProxyEndpoint]
+    replicas: list[ReplicaState]
+    adapter: dict[str, int]
+    algorithm: dict[str, str]
+    steps: list[TrainStep]  # the tail of the trainer's step log, oldest first
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceRow:
+    """One service as the views list it: how many replicas are live, and a line of detail."""
+
+    name: str
+    live: int
+    detail: str
+
+
+def _records(raw: dict[bytes, bytes], decode: Callable[[bytes], Any]) -> list[Any]:
+    out = []
+    for value in raw.values():
+        try:
+            out.append(decode(value))
+        except RecordError:
+            continue  # one bad entry must not blank the view
+    return out
+
+
+def _queue_rest(pipe: Any, keys: k.Keys, steps: int) -> None:
+    pipe.hgetall(keys.services)
+    pipe.hgetall(keys.workers)
+    pipe.hgetall(keys.proxies)
+    pipe.hgetall(keys.replicas)
+    pipe.hgetall(keys.adapter_stats)
+    pipe.hgetall(keys.algorithm_state)
+    pipe.xrevrange(keys.trainer_steps, count=steps)
+
+
+def _frame(snap: Snapshot, replies: list[Any]) -> Frame:
+    services, workers, proxies, replicas, adapter, algorithm, steps = replies
+    return Frame(
+        snap.server_time,
+        snap,
+        _records(services, ServiceBeat.from_wire),
+        _records(workers, Worker.from_wire),
+        _records(proxies, ProxyEndpoint.from_wire),
+        _records(replicas, ReplicaState.from_wire),
+        {key.decode(): int(v) for key, v in adapter.items() if v.isdigit()},
+        {key.decode(): v.decode(errors="replace") for key, v in algorithm.items()},
+        decode_steps(list(reversed(steps))),
+    )
+
+
+def read_frame(client: redis.Redis, keys: k.Keys, steps: int = TAIL_STEPS) -> Frame:
+    """One frame with a sync client (`fulmen top`)."""
+    snap = read_snapshot(client, keys)
+    pipe = client.pipeline(transaction=False)
+    _queue_rest(pipe, keys, steps)
+    return _frame(snap, pipe.execute())
+
+
+async def aread_frame(client: aioredis.Redis, keys: k.Keys, steps: int = TAIL_STEPS) -> Frame:
+    """One frame with an async client (the dashboard); the same commands as `read_frame`."""
+    snap = await aread_snapshot(client, keys)
+    pipe = client.pipeline(transaction=False)
+    _queue_rest(pipe, keys, steps)
+    return _frame(snap, await pipe.execute())
+
+
+def live_workers(frame: Frame) -> list[Worker]:
+    return [w for w in frame.workers
+            if w.status != "stopped" and frame.time - (w.last_heartbeat_time or 0) <= LIVE_S]
+
+
+def live_proxies(frame: Frame) -> list[ProxyEndpoint]:
+    return [p for p in frame.proxies if frame.time - (p.last_heartbeat_time or 0) <= PROXY_TTL_S]
+
+
+def service_rows(frame: Frame) -> list[ServiceRow]:
+    """Every service with its live replicas (from heartbeats), sorted by name."""
+    beats = [b for b in frame.services if frame.time - b.time <= LIVE_S]
+    runners, proxies = live_workers(frame), live_proxies(frame)
+    running = sum(int(w.metadata.get("running", 0)) for w in runners)
+    slots = sum(int(w.metadata.get("concurrency", 0)) for w in runners)
+    details = {
+        "runner": f"{len(runners)} worker(s), {running}/{slots} slots busy",
+        "llm-proxy": ", ".join(sorted({str(p.model_version or "?") for p in proxies})),
+    }
+    rows = dict(Counter(b.service for b in beats))
+    rows["runner"] = max(rows.get("runner", 0), len(runners))  # runners also beat as workers
+    rows["llm-proxy"] = len(proxies)  # proxies beat in their own registry
+    for name in EXPECTED_SERVICES:
+        rows.setdefault(name, 0)
+    out = []
+    for name, n in sorted(rows.items()):
+        ports = sorted(b.port for b in beats if b.service == name and b.port)
+        detail = details.get(name, "") or (f"ports {', '.join(map(str, ports))}" if ports else "")
+        out.append(ServiceRow(name, n, detail))
+    return out
+
+
+def rate(now: Frame, before: Frame | None, value: Callable[[Frame], float]) -> float | None:
+    """Per second between two frames; None without an earlier frame. Never negative: streams may be
+    trimmed between the two reads."""
+    if before is None or now.time <= before.time:
+        return None
+    return max(value(now) - value(before), 0) / (now.time - before.time)
+
+
+# The counters both views show with a rate: (label, how to read it from a frame).
+COUNTERS: tuple[tuple[str, Callable[[Frame], float]], ...] = (
+    ("succeeded", lambda f: f.snap.rollouts["succeeded"]),
+    ("failed", lambda f: f.snap.rollouts["failed"]),
+    ("cancelled", lambda f: f.snap.rollouts["cancelled"]),
+    ("finished", lambda f: f.snap.stream_lengths["finished"]),
+    ("samples", lambda f: f.adapter.get("samples", 0)),
+    ("dead letters", lambda f: f.snap.stream_lengths["dead_letters"]),
+    ("trainer steps", lambda f: f.steps[-1].step if f.steps else 0),
+)
