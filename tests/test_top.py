@@ -129,12 +129,17 @@ async def test_top_once_prints_one_frame(real_store: RedisStore, redis_url: str,
         await real_store.enqueue_rollout({"q": i}, rollout_id=f"r{i}")
     await _steps(real_store)
     await real_store.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "v3"}}, resources_id="policy")
+    # the adapter's counters of reward per served version (rollback, A/B): a mean below 0 included
+    await real_store.redis.hset(real_store.keys.adapter_stats, mapping={
+        "version:train:v2:rollouts": 2, "version:train:v2:reward_u": -1_000_000,
+        "version:train:v3:rollouts": 4, "version:train:v3:reward_u": 3_000_000})
     env = service_env(redis_url, real_store.experiment, tmp_path)
     done = subprocess.run([FULMEN, "top", "--once"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"queue depth\W+4\W", done.stdout), done.stdout
     assert "model version v3" in done.stdout
     assert "▁▅█" in done.stdout
+    assert re.search(r"train reward by version\W+v2 -0\.50, v3 0\.75", done.stdout), done.stdout
 
 
 def test_top_says_when_redis_is_unreachable(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ def _frame(snap: Snapshot, replies: list[Any]) -> Frame:
         _records(workers, Worker.from_wire),
         _records(proxies, ProxyEndpoint.from_wire),
         _records(replicas, ReplicaState.from_wire),
-        {key.decode(): int(v) for key, v in adapter.items() if v.isdigit()},
+        {key.decode(): int(v) for key, v in adapter.items() if v.lstrip(b"-").isdigit()},  # reward sums go below 0
         {key.decode(): v.decode(errors="replace") for key, v in algorithm.items()},
         decode_steps(list(reversed(steps))),
     )

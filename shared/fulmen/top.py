@@ -20,7 +20,11 @@ from rich.table import Table
 from rich.text import Text
 
 from fulmen import keys as k
+from fulmen.model_versions import ModelVersion
 from fulmen.pipeline_view import COUNTERS, Frame, rate, read_frame, service_rows
+from fulmen.version_rewards import rewards_by_version
+
+VERSIONS_SHOWN = 4  # newest versions on the reward-by-version line
 
 BARS = "▁▂▃▄▅▆▇█"
 SPARK_POINTS = 60
@@ -63,6 +67,10 @@ def _pipeline_table(frame: Frame, before: Frame | None) -> Table:
     for (stream, group), info in sorted(snap.groups.items()):
         lag = f"lag {info.lag_s:.1f}s" if info.lag_s else ""
         table.add_row(f"pending {group} ({stream})", str(info.pending), lag)
+    for mode, by in rewards_by_version(frame.adapter).items():  # rollback and A/B: how each version does
+        newest = sorted(by.items(), key=lambda kv: ModelVersion.parse(kv[0]).number)[-VERSIONS_SHOWN:]
+        cells = ", ".join(f"{v} {r['mean_reward']:.2f}" for v, r in newest)
+        table.add_row(f"{mode} reward by version", cells, "")
     return table
 
 
