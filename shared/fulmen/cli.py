@@ -311,6 +311,7 @@ def ab_command(
 
     run_on_store(settings, work)
 
+
 @app.command()
 def dev(
     agent: Annotated[str, typer.Option("--agent", "-a", help="The agent to run, as module:function or module:Class.")],
@@ -340,6 +341,12 @@ def dev(
         err.print(f"[red]error:[/red] cannot load the services: {type(e).__name__}: {e}")
         raise typer.Exit(2) from None
     services.pop("demo" if tasks is not None else "algorithm", None)
+    with contextlib.suppress(ImportError):  # transformers' lazy imports are not thread-safe: the
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - services load models in threads at once
+    if ("algorithm" if tasks is not None else "demo") not in services:
+        err.print("[red]error:[/red] the services are not installed in this environment: run pip install -e . (or "
+                  "pip install fulmen) in it first")
+        raise typer.Exit(2)
     if not dashboard:
         services.pop("dashboard", None)
     with contextlib.ExitStack() as stack:
