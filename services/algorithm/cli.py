@@ -57,7 +57,16 @@ def command(settings: AlgorithmSettings) -> None:
         raise _error("the run needs an end: --total-steps or --epochs")
     tasks = _tasks_or_exit(settings.train_data)
     val_tasks = _tasks_or_exit(settings.val_data) if settings.val_data is not None else []
-    _run(settings, tasks, val_tasks)
+    if settings.model_dir is None:
+        raise _error("the run needs the policy's model folder: --model-dir (or FULMEN_MODEL_DIR), as the trainer's")
+    from fulmen_algorithm.demo import publish_base_policy
+
+    model_name = settings.model_name or settings.model_dir.resolve().name
+
+    async def setup(store: RedisStore) -> None:  # what the proxies serve is named after the folder
+        await publish_base_policy(store, model_name, sampling=None)
+
+    _run(settings, tasks, val_tasks, setup=setup)
 
 
 @settings_command(DemoSettings, fields=("experiment", *(f for f in own_fields(DemoSettings) if f not in DEMO_WRITES)))

@@ -14,6 +14,7 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fulmen import arithmetic
 from fulmen.errors import NotFound
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 ANSWER_TOKENS = 5
 # The policy samples at temperature 1 during training (GRPO needs different answers within a group).
 TRAIN_TEMPERATURE = 1.0
+DEMO_SAMPLING = {"temperature": TRAIN_TEMPERATURE, "max_tokens": ANSWER_TOKENS}
 N_TRAIN, N_VAL = 4000, 300
 # The warm start: batches of demonstrations until greedy accuracy on the first CHECK_TASKS training
 # tasks reaches UNTIL (checked every CHECK_EVERY steps: it is the slow part), at most MAX_SFT_STEPS.
@@ -127,13 +129,15 @@ def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: 
     return paths
 
 
-async def publish_base_policy(store: RedisStore, model_name: str) -> None:
-    """The policy's first resources (the warm-started model, version "base"), unless a run published
-    some before: a restarted demo continues with the trainer's latest version."""
+async def publish_base_policy(store: RedisStore, model_name: str,
+                              sampling: dict[str, Any] | None = DEMO_SAMPLING) -> None:
+    """The policy's first resources (the model as it starts, version "base"), unless a run published
+    some before: a restarted run continues with the trainer's latest version. Rollouts name these
+    resources; without them every rollout fails."""
     try:
         await store.get_resources(POLICY_RESOURCES_ID)
     except NotFound:
-        await store.add_resources({"llm": {
-            "kind": "llm", "model": model_name, "model_version": BASE_VERSION.name,
-            "sampling_parameters": {"temperature": TRAIN_TEMPERATURE, "max_tokens": ANSWER_TOKENS},
-        }}, resources_id=POLICY_RESOURCES_ID)
+        llm: dict[str, Any] = {"kind": "llm", "model": model_name, "model_version": BASE_VERSION.name}
+        if sampling:
+            llm["sampling_parameters"] = dict(sampling)
+        await store.add_resources({"llm": llm}, resources_id=POLICY_RESOURCES_ID)

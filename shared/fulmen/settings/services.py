@@ -204,7 +204,7 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
     on_rank_loss: str = Field("continue", description="When a rank is gone: continue without it, or wait.")
 
 
-class AlgorithmSettings(ModelDirSettings, TrainingRunSettings, ValidationSettings, TrainDataSettings):
+class AlgorithmSettings(ServedModelSettings, TrainingRunSettings, ValidationSettings, TrainDataSettings):
     n_samples: int = Field(8, ge=1, description="Rollouts per task (the GRPO group).")
     max_inflight: int = Field(256, ge=1, description="Most train rollouts enqueued and unfinished.")
     staleness: int = Field(0, ge=0, description="Model versions a rollout may lag (0: synchronous).")
