@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,3 +58,29 @@ def test_shortened_demo_through_fulmen_dev_beats_the_warm_start(tmp_path: Path) 
     assert warm <= 0.5, f"the warm start should leave room to learn: {accuracy}"
     assert final >= warm + MARGIN, f"GRPO did not beat the warm start by {MARGIN}: {accuracy}"
     assert Path(tmp_path / summary["final_model"] / "model.safetensors").exists()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_fulmen_dev_runs_ones_own_tasks_and_model(tmp_path: Path) -> None:
+    """`fulmen dev --tasks FILE` with a model folder of one's own: the run names the policy, rollouts
+    succeed, the trainer's versions are served, and the run ends by itself."""
+    from fulmen import arithmetic
+    from fulmen.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "my-model")
+    tasks = arithmetic.write_jsonl(tmp_path / "tasks.jsonl", arithmetic.make_tasks("train", 40, seed=3))
+    val = arithmetic.write_jsonl(tmp_path / "val.jsonl", arithmetic.make_tasks("val", 8, seed=3))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FULMEN_") and k not in ("REDIS_URL", "PORT")}
+    env.update(PYTHONPATH=str(ROOT), FULMEN_MODEL_DIR=str(model), FULMEN_VAL_DATA=str(val), FULMEN_TOTAL_STEPS="2",
+               FULMEN_GROUPS_PER_STEP="2", FULMEN_N_SAMPLES="4", FULMEN_REDIS_PORT=str(free_port()),
+               FULMEN_PROXY_PORT=str(free_port()), FULMEN_TORCH_THREADS="1")
+    done = subprocess.run([FULMEN, "dev", "--agent", "examples.arithmetic_agent:agent", "--tasks", str(tasks),
+                           "--no-dashboard"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S - 60)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-6000:]
+    assert "run finished: curve" in log and "now serving model version v2" in log, log[-6000:]
+    summary = json.loads((tmp_path / ".fulmen" / "run" / "summary.json").read_text())
+    assert summary["steps"] >= 2
+    # samples come only from succeeded rollouts: the rollouts found the policy the run named
+    assert re.search(r"trainer: step 1 .* [1-9]\d* samples", log), log[-6000:]

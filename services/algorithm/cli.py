@@ -51,22 +51,14 @@ def command(settings: AlgorithmSettings) -> None:
     The run's position lives in the store: killed and started again, it continues where it was and
     never enqueues a task twice. Ends (and, under honcho, ends the run) after --total-steps trainer
     versions or --epochs passes, printing a summary."""
-    if settings.train_data is None:
-        raise _error("no training data: pass --train-data tasks.jsonl (or FULMEN_TRAIN_DATA)")
-    if settings.total_steps is None and settings.epochs is None:
-        raise _error("the run needs an end: --total-steps or --epochs")
-    tasks = _tasks_or_exit(settings.train_data)
-    val_tasks = _tasks_or_exit(settings.val_data) if settings.val_data is not None else []
-    if settings.model_dir is None:
-        raise _error("the run needs the policy's model folder: --model-dir (or FULMEN_MODEL_DIR), as the trainer's")
-    from fulmen_algorithm.demo import publish_base_policy
+    from fulmen.errors import FulmenError
+    from fulmen_algorithm.start import algorithm_inputs
 
-    model_name = settings.model_name or settings.model_dir.resolve().name
-
-    async def setup(store: RedisStore) -> None:  # what the proxies serve is named after the folder
-        await publish_base_policy(store, model_name, sampling=None)
-
-    _run(settings, tasks, val_tasks, setup=setup)
+    try:
+        inputs = algorithm_inputs(settings)
+    except FulmenError as e:
+        raise _error(str(e)) from None
+    _run(inputs.settings, inputs.tasks, inputs.val_tasks, setup=inputs.setup)
 
 
 @settings_command(DemoSettings, fields=("experiment", *(f for f in own_fields(DemoSettings) if f not in DEMO_WRITES)))
@@ -75,16 +67,14 @@ def demo(settings: DemoSettings) -> None:
     only), publish it, then run the training like `fulmen algorithm`, validating as it goes.
 
     The proxy and the trainer in the demo's Procfile wait for the model folder this writes."""
-    from fulmen_algorithm.demo import prepare_demo, publish_base_policy
+    from fulmen.errors import FulmenError
+    from fulmen_algorithm.start import demo_inputs
 
-    folder = settings.model_dir.parent if settings.model_dir is not None else settings.data_dir / "demo"
-    paths = prepare_demo(folder, seed=settings.seed)
-    settings = settings.model_copy(update={"train_data": paths.train, "val_data": paths.val, "model_dir": paths.model})
-
-    async def setup(store: RedisStore) -> None:
-        await publish_base_policy(store, paths.model.name)
-
-    _run(settings, _tasks_or_exit(paths.train), _tasks_or_exit(paths.val), setup=setup)
+    try:
+        inputs = demo_inputs(settings)
+    except FulmenError as e:
+        raise _error(str(e)) from None
+    _run(inputs.settings, inputs.tasks, inputs.val_tasks, setup=inputs.setup)
 
 
 def _run(settings: AlgorithmSettings, tasks: list[dict[str, object]], val_tasks: list[dict[str, object]],

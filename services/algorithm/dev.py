@@ -43,28 +43,17 @@ async def _drive(settings: AlgorithmSettings, tasks: list[Any], val_tasks: list[
 
 
 async def algorithm(stop: asyncio.Event) -> dict[str, Any]:
-    from fulmen_algorithm.dataset import load_tasks
+    from fulmen_algorithm.start import algorithm_inputs
 
-    settings = load_settings(AlgorithmSettings)
-    if settings.train_data is None or (settings.total_steps is None and settings.epochs is None):
-        raise ValueError("the algorithm needs --tasks (train data) and an end (FULMEN_TOTAL_STEPS or FULMEN_EPOCHS)")
-    val = load_tasks(settings.val_data) if settings.val_data is not None else []
-    return await _drive(settings, load_tasks(settings.train_data), val, stop)
+    inputs = algorithm_inputs(load_settings(AlgorithmSettings))
+    return await _drive(inputs.settings, inputs.tasks, inputs.val_tasks, stop, inputs.setup)
 
 
 async def demo(stop: asyncio.Event) -> dict[str, Any]:
-    from fulmen_algorithm.dataset import load_tasks
-    from fulmen_algorithm.demo import prepare_demo, publish_base_policy
+    from fulmen_algorithm.start import demo_inputs
 
-    settings = load_settings(DemoSettings)
-    folder = settings.model_dir.parent if settings.model_dir is not None else settings.data_dir / "demo"
-    paths = await asyncio.to_thread(prepare_demo, folder, seed=settings.seed)  # the SFT warm start: minutes
-    settings = settings.model_copy(update={"train_data": paths.train, "val_data": paths.val, "model_dir": paths.model})
-
-    async def setup(store: RedisStore) -> None:
-        await publish_base_policy(store, paths.model.name)
-
-    return await _drive(settings, load_tasks(paths.train), load_tasks(paths.val), stop, setup)
+    inputs = await asyncio.to_thread(demo_inputs, load_settings(DemoSettings))  # the SFT warm start: minutes
+    return await _drive(inputs.settings, inputs.tasks, inputs.val_tasks, stop, inputs.setup)
 
 
 async def evaluator(stop: asyncio.Event) -> None:
