@@ -14,7 +14,9 @@ Formats and transports, each in the trained dtype (bf16):
 - ``full_folder``: the whole model as one file in a shared folder (``weights_dir``);
 - ``delta_redis``: a delta against the version before (`fulmen.version_delta`) after an update of
   an RL-sized learning rate (every weight moved by 1e-5 x a standard normal in fp32, then rounded);
-- ``lora``: a LoRA adapter of rank 16 on every linear layer (PEFT layout), merged by the backend.
+- ``lora``: a LoRA adapter of rank 16 on every linear layer (PEFT layout), on fresh replicas of an
+  experiment of its own, as in a LoRA run (only adapters are published: the backend runs each beside
+  the base weights; after a full version it would merge it instead).
 
 Each is timed ``--repeats`` times (median; the first LoRA load, which reads the base weights once,
 is reported apart). ``memcpy_s`` copies the full version's bytes once in memory on this machine (the
@@ -198,25 +200,33 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
             runs["full_folder"].append(took)
             sizes["full_folder"] = size
             log("%s full via a shared folder: %.2f s for %.1f MB", tag, took, size / 1e6)
+    # A LoRA run publishes only adapters: fresh replicas on an experiment of their own serve the base,
+    # then adapters (the torch backend runs an adapter beside the base weights; once a full version
+    # replaced them it would merge instead, which following the versions above would have caused)
+    from fulmen.store import RedisStore
+
+    lora_store = RedisStore(store.redis, f"{store.experiment}-lora")
+    await lora_store.ensure()
+    async with Replicas(lora_store, model_dir, replicas_count) as replicas:
+        for repeat in range(repeats):
             adapter = lora_adapter(state, layers, seed=300 + repeat)
             fmt = {"format": "lora", "lora": lora_description(LORA_RANK, LORA_ALPHA)}
             for first in ((True, False) if repeat == 0 else (False,)):
                 v = name()
                 took, size = await timed(replicas, v, lambda v=v, a=adapter, fmt=fmt: publish_model_version(
-                    store, a, model="m", model_version=v, weights_format=fmt))
+                    lora_store, a, model="m", model_version=v, weights_format=fmt))
                 if first:
                     lora_first = took
                 else:
                     runs["lora"].append(took)
                 sizes["lora"] = size
-                log("%s LoRA r=%d%s: %.2f s for %.1f MB", tag, LORA_RANK, " (first: reads the base)" if first else "",
-                    took, size / 1e6)
-        for fmt_name, values in runs.items():
-            out[f"{fmt_name}_publish_to_serving_s"] = round(statistics.median(values), 3)
-            out[f"{fmt_name}_runs_s"] = [round(x, 3) for x in values]
-            out[f"{fmt_name}_mb"] = round(sizes[fmt_name] / 1e6, 2)
-        out["lora_first_load_s"] = round(lora_first or 0.0, 3)
-        out["replicas"] = replicas_count
+                log("%s LoRA r=%d%s: %.2f s for %.1f MB", tag, LORA_RANK, " (first)" if first else "", took, size / 1e6)
+    for fmt_name, values in runs.items():
+        out[f"{fmt_name}_publish_to_serving_s"] = round(statistics.median(values), 3)
+        out[f"{fmt_name}_runs_s"] = [round(x, 3) for x in values]
+        out[f"{fmt_name}_mb"] = round(sizes[fmt_name] / 1e6, 2)
+    out["lora_first_load_s"] = round(lora_first or 0.0, 3)
+    out["replicas"] = replicas_count
     out["memcpy_s"] = round(memcpy_s(sizes["full_redis"]), 3)
     return out
 
