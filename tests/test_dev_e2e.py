@@ -19,8 +19,9 @@ from fulmen.embedded import free_port
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 FULMEN = str(Path(sys.executable).with_name("fulmen"))
-STEPS = 20
-# Warm start 0.44 (seed 0); the full demo reads 0.62 at step 20 (bench/RESULTS.md, "Demo run").
+# 20 steps were too few for the margin: one CI run read 0.39 -> 0.45 (asynchronous RL is not
+# deterministic); the demo reads ~0.6 at step 40 (bench/RESULTS.md, "Demo end to end").
+STEPS = 40
 MARGIN = 0.1
 TIMEOUT_S = 900  # ~2 min on a quiet 2-core machine; the slack is for a busy one
 
