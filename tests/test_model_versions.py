@@ -143,19 +143,21 @@ async def test_missing_chunk_is_a_record_error(store: RedisStore) -> None:
         await fetch_model_version(store, "v1")
 
 
-async def test_corrupt_chunk_is_a_record_error(store: RedisStore) -> None:
-    """A chunk whose bytes changed fails the sha256 check, never loads silently."""
+@pytest.mark.parametrize("where", ["header", "tensors"])
+async def test_corrupt_chunk_is_a_record_error(store: RedisStore, where: str) -> None:
+    """A chunk whose bytes changed fails the sha256 check, never loads silently: in the header (its
+    sha256 is the one published) or in a tensor's bytes (its sha256 in the manifest)."""
     update = await publish_model_version(store, _state_dict(), model="tiny", chunk_bytes=400)
     key = llm_resource(update)["weights"]["stream"]  # type: ignore[index]
     entries = await store.redis.xrange(key)
     await store.redis.delete(key)
     for n, (_, fields) in enumerate(entries, start=1):
         chunk = WeightsChunk.from_wire(fields[b"m"])
-        if n == 2:
+        if n == (2 if where == "header" else len(entries)):
             chunk = WeightsChunk(chunk.model_version, chunk.index, chunk.total, chunk.sha256, chunk.size,
                                  bytes([chunk.data[0] ^ 1]) + chunk.data[1:])  # fmt: skip
         await store.redis.xadd(key, {"m": chunk.to_wire()}, id=f"0-{n}")
-    with pytest.raises(RecordError, match="corrupt: sha256"):
+    with pytest.raises(RecordError, match="corrupt: sha256" if where == "header" else "corrupt: .* manifest's sha256"):
         await fetch_model_version(store, "v1")
     await store.redis.xadd(key, {"m": b"not msgpack"}, id=f"0-{len(entries) + 1}")
     await store.redis.xdel(key, f"0-{len(entries)}")

@@ -138,7 +138,9 @@ def test_a_blob_is_standard_safetensors_read_back_without_copies() -> None:
     state = {"w": torch.randn(3, 5).to(torch.bfloat16), "d": torch.randn(4, dtype=torch.float64),
              "i": torch.arange(7, dtype=torch.int32), "b": torch.tensor([True, False]), "u": torch.arange(3, dtype=torch.uint8),
              "h": torch.randn(2, 2).half(), "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5)}
-    blob = serialize(state, Manifest(FULL, None, describe_all(state)))
+    parts = serialize(state, Manifest(FULL, None, describe_all(state)))
+    blob = parts.joined()
+    assert b"".join(parts.chunks(7)) == blob and {len(c) for c in list(parts.chunks(7))[:-1]} == {7}
     assert {n: t.dtype for n, t in load(bytes(blob)).items()} == {n: t.dtype for n, t in state.items()}
     found = deserialize("v1", blob, None)
     assert found.manifest is not None and found.manifest.tensors == describe_all(state)
@@ -149,6 +151,16 @@ def test_a_blob_is_standard_safetensors_read_back_without_copies() -> None:
     start = ctypes.addressof((ctypes.c_char * len(blob)).from_buffer(blob))
     for name in ("w", "d", "i"):  # views of the blob's own buffer: no copy was made
         assert start <= found.state[name].data_ptr() < start + len(blob), name
+
+
+def test_a_blob_is_written_from_the_tensors_own_memory() -> None:
+    """Serialising copies nothing: every part after the header is a view of a tensor's storage."""
+    from fulmen.version_blobs import serialize
+
+    state = {"a": torch.randn(64, 32), "b": torch.randn(16).to(torch.bfloat16)}
+    blob = serialize(state, Manifest(FULL, None, describe_all(state)))
+    addresses = sorted(int(torch.frombuffer(part, dtype=torch.uint8).data_ptr()) for part in blob.parts[1:])
+    assert addresses == sorted(t.data_ptr() for t in state.values())
 
 
 @pytest.mark.parametrize("header", [b"[1]", b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 99]}}',

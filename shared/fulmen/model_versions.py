@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import shutil
 import time
@@ -177,7 +176,7 @@ async def publish_model_version(
     if manifest is None:
         manifest = Manifest(LORA if fmt == LORA else FULL, None, await asyncio.to_thread(describe_all, state_dict))
     blob = await asyncio.to_thread(blobs.serialize, state_dict, manifest)
-    sha256 = hashlib.sha256(blob).hexdigest()
+    sha256 = await asyncio.to_thread(blobs.blob_sha256, blob, manifest)
 
     names = [model_version] if model_version is not None else _default_versions(previous)
     for version in names:
@@ -289,8 +288,8 @@ async def fetch_version(
         weights = await _find_weights(store, model_version)
     if found is None and weights is not None:
         if "path" in weights:
-            blob = await asyncio.to_thread(blobs.read_file, Path(weights["path"]))
-            found = blob, weights.get("sha256")
+            mapped = await asyncio.to_thread(blobs.read_file, Path(weights["path"]))
+            found = mapped, weights.get("sha256")
         else:
             found = await blobs.read_stream(store, model_version)
             if found is not None and weights.get("sha256") not in (None, found[1]):

@@ -2,6 +2,14 @@
 from a Redis stream of chunks or a file in a shared folder, each checked on the way back (sha256,
 chunk order, finite values). `fulmen.model_versions` decides names and resources; this moves bytes.
 
+The sha256 a blob travels with (`blob_sha256`) is that of its header when the header's manifest
+describes the blob's own tensors (full and LoRA versions): the header holds every tensor's sha256, so
+checking the header and then each tensor against it (in parallel threads) proves every byte that
+matters with one hash pass on each side instead of two. A delta's blob, or one without a manifest, is
+hashed whole. A file in the shared folder is written without fsync (a torn file after a power loss
+fails that check and is refused; the trainer's checkpoint is the durable copy) and read through a
+memory map, so the weights are not copied on the way in.
+
 torch and safetensors are imported inside the functions: ``import fulmen`` never needs torch.
 """
 
@@ -10,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -50,11 +59,49 @@ def _raw(tensor: torch.Tensor) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-def serialize(state_dict: Mapping[str, torch.Tensor], manifest: Manifest) -> bytearray:
-    """The tensors as a safetensors file in memory, written here rather than by `safetensors.torch.save`
-    so each tensor's bytes are copied once, straight into the blob: header (8-byte little-endian
-    length, JSON padded to 8 bytes, the manifest in its metadata), then the data, the widest dtypes
-    first so every tensor starts aligned to its element size."""
+class Blob:
+    """A safetensors file as its parts, never joined into one buffer: the header (8-byte little-endian
+    length, JSON padded to 8 bytes, the manifest in its metadata), then each tensor's bytes as a view
+    of the tensor. Writing it copies each byte once, into the file or into a chunk."""
+
+    def __init__(self, header: bytes, parts: list[memoryview]) -> None:
+        self.header = header
+        self.parts = [memoryview(header), *parts]
+        self.size = sum(len(part) for part in self.parts)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def chunks(self, chunk_bytes: int) -> Iterator[bytes]:
+        """Consecutive pieces of ``chunk_bytes`` (the last one shorter)."""
+        pending: list[memoryview] = []
+        filled = 0
+        for part in self.parts:
+            while len(part):
+                take = part[: chunk_bytes - filled]
+                pending.append(take)
+                filled += len(take)
+                part = part[len(take):]
+                if filled == chunk_bytes:
+                    yield b"".join(pending)
+                    pending, filled = [], 0
+        if pending or not self.size:
+            yield b"".join(pending)
+
+    def joined(self) -> bytearray:
+        return bytearray(b"".join(self.parts))
+
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        for part in self.parts:
+            digest.update(part)
+        return digest.hexdigest()
+
+
+def serialize(state_dict: Mapping[str, torch.Tensor], manifest: Manifest) -> Blob:
+    """The tensors as a safetensors file, written here rather than by `safetensors.torch.save` so no
+    byte is copied before it is written: the widest dtypes first, so every tensor starts aligned to
+    its element size."""
     import torch
 
     codes = _codes()
@@ -77,24 +124,23 @@ def serialize(state_dict: Mapping[str, torch.Tensor], manifest: Manifest) -> byt
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    start = 8 + len(head)
-    blob = bytearray(start + offset)
-    blob[:start] = struct.pack("<Q", len(head)) + head
-    for name, tensor in tensors:
-        begin, end = header[name]["data_offsets"]
-        if end > begin:
-            blob[start + begin : start + end] = memoryview(_raw(tensor))
-    return blob
+    parts = [memoryview(_raw(tensor)).cast("B") for _, tensor in tensors if tensor.numel()]
+    return Blob(struct.pack("<Q", len(head)) + head, parts)
 
 
-async def write_stream(store: RedisStore, version: str, blob: bytes | bytearray, sha256: str, chunk_bytes: int) -> dict:
+def blob_sha256(blob: Blob, manifest: Manifest) -> str:
+    """The sha256 a blob is published with: its header's when the manifest covers its tensors, else
+    the whole blob's (see the module docstring)."""
+    return hashlib.sha256(blob.header).hexdigest() if manifest.covers_blob() else blob.sha256()
+
+
+async def write_stream(store: RedisStore, version: str, blob: Blob, sha256: str, chunk_bytes: int) -> dict:
     key = store.keys.weights(version)
     total = max(1, -(-len(blob) // chunk_bytes))
-    view = memoryview(blob)
+    pieces = blob.chunks(chunk_bytes)
 
     def record(index: int) -> bytes:
-        data = bytes(view[index * chunk_bytes : (index + 1) * chunk_bytes])
-        return WeightsChunk(version, index, total, sha256, len(blob), data).to_wire(store.max_record_bytes)
+        return WeightsChunk(version, index, total, sha256, len(blob), next(pieces)).to_wire(store.max_record_bytes)
 
     try:
         await store.redis.xadd(key, {"m": record(0)}, id="0-1")
@@ -117,7 +163,7 @@ async def write_stream(store: RedisStore, version: str, blob: bytes | bytearray,
     return {"stream": key, "chunks": total, "sha256": sha256, "bytes": len(blob)}
 
 
-def write_file(shared_dir: Path, version: str, blob: bytes | bytearray, sha256: str) -> dict:
+def write_file(shared_dir: Path, version: str, blob: Blob, sha256: str) -> dict:
     folder = shared_dir / version
     try:
         folder.mkdir(parents=True, exist_ok=False)  # the claim: one publisher per name
@@ -126,10 +172,10 @@ def write_file(shared_dir: Path, version: str, blob: bytes | bytearray, sha256: 
     try:
         path = folder / WEIGHTS_FILE
         partial = folder / (WEIGHTS_FILE + ".partial")
-        with partial.open("wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
+        with partial.open("wb", buffering=0) as f:
+            for part in blob.parts:
+                while len(part):
+                    part = part[f.write(part):]
         partial.replace(path)  # readers see the whole file or none
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
@@ -177,39 +223,50 @@ async def read_stream(store: RedisStore, version: str) -> tuple[bytearray, str] 
     return blob, first.sha256
 
 
-def read_file(path: Path) -> bytearray:
-    """The bytes of a regular file. Opened without blocking and checked before reading: a path that
-    names a FIFO would block the reading thread (and the follower awaiting it) until a writer came,
-    a device such as /dev/zero would never end."""
+def read_file(path: Path) -> bytearray | mmap.mmap:
+    """The bytes of a regular file, memory-mapped (private: the tensors that view it may be written
+    without touching the file). Opened without blocking and checked before reading: a path that names
+    a FIFO would block the reading thread (and the follower awaiting it) until a writer came, a device
+    such as /dev/zero would never end."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise NotFound(f"model weights file {path} does not exist") from None
-    with os.fdopen(fd, "rb") as f:
+    with os.fdopen(fd, "rb"):
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise RecordError(f"model weights path {path} is not a regular file")
-        blob = bytearray(info.st_size)
-        if f.readinto(blob) != info.st_size:
-            raise RecordError(f"model weights file {path} changed while it was read")
-        return blob
+        if info.st_size == 0:
+            return bytearray()
+        return mmap.mmap(fd, info.st_size, access=mmap.ACCESS_COPY)
 
 
-def deserialize(version: str, blob: bytes | bytearray, sha256: str | None) -> PublishedWeights:
-    """The tensors of a blob (checked against ``sha256``), as views of the blob: no copy."""
-    actual = hashlib.sha256(blob).hexdigest()
-    if sha256 is not None and actual != sha256:
-        raise RecordError(
-            f"model version {version} is corrupt: sha256 {actual[:12]}… expected {sha256[:12]}…"
-        )
+def deserialize(version: str, blob: Blob | bytes | bytearray | mmap.mmap, sha256: str | None) -> PublishedWeights:
+    """The tensors of a blob (checked against ``sha256``, see `blob_sha256`), as views of the blob:
+    no copy."""
+    if isinstance(blob, Blob):
+        blob = blob.joined()
+    header = bytes(blob[: 8 + _header_size(version, blob)])
+    manifest = read_manifest(header, version)
+    by_manifest = (manifest is not None and manifest.covers_blob()
+                   and sha256 is not None and hashlib.sha256(header).hexdigest() == sha256)
+    if not by_manifest:  # a delta, a blob without a manifest (or from before `blob_sha256`), or corrupt
+        actual = hashlib.sha256(blob).hexdigest()
+        if sha256 is not None and actual != sha256:
+            raise RecordError(
+                f"model version {version} is corrupt: sha256 {actual[:12]}… expected {sha256[:12]}…"
+            )
     state_dict = _parse(version, blob)
+    if by_manifest:
+        assert manifest is not None
+        manifest.check_all(state_dict, version)
     broken = non_finite_tensors(state_dict)
     if broken:
         raise RecordError(f"model version {version} holds NaN or infinite values in {broken[:5]}: refused")
-    return PublishedWeights(state_dict, read_manifest(bytes(blob[:8 + _header_size(version, blob)]), version))
+    return PublishedWeights(state_dict, manifest)
 
 
-def _header_size(version: str, blob: bytes | bytearray) -> int:
+def _header_size(version: str, blob: bytes | bytearray | mmap.mmap) -> int:
     if len(blob) < 8:
         raise RecordError(f"model version {version} is not valid safetensors: {len(blob)} bytes")
     (size,) = struct.unpack("<Q", blob[:8])
@@ -218,7 +275,7 @@ def _header_size(version: str, blob: bytes | bytearray) -> int:
     return int(size)
 
 
-def _parse(version: str, blob: bytes | bytearray) -> dict[str, torch.Tensor]:
+def _parse(version: str, blob: bytes | bytearray | mmap.mmap) -> dict[str, torch.Tensor]:
     import torch
 
     size = _header_size(version, blob)
@@ -231,7 +288,7 @@ def _parse(version: str, blob: bytes | bytearray) -> dict[str, torch.Tensor]:
     dtypes = {code: dtype for dtype, code in _codes().items()}
     start, length = 8 + size, len(blob) - 8 - size
     # a bytes blob is read-only: torch views a writable copy-free buffer only
-    buffer = blob if isinstance(blob, bytearray) else bytearray(blob)
+    buffer = blob if isinstance(blob, bytearray | mmap.mmap) else bytearray(blob)
     state: dict[str, torch.Tensor] = {}
     for name, entry in header.items():
         if name == "__metadata__":

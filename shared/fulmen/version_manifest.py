@@ -12,8 +12,10 @@ included), so whoever applies a delta checks each tensor it rebuilt against the 
 (`fulmen.version_delta`) — a delta applied onto the wrong weights is refused, never served. The
 sha256 is over the tensor's raw bytes (C order, its own dtype).
 
-The blob's own sha256 (in the ``weights`` entry of the resources) still guards the transport; the
-manifest says what the bytes mean.
+The manifest also guards the transport (`fulmen.version_blobs`): where it describes the blob's own
+tensors (``full``, ``lora``) the sha256 a version is published with is that of the blob's header, and
+a reader checks every tensor against the manifest — one hash pass over the weights on each side, in
+parallel. A delta's bytes are not what its manifest describes, so its blob is hashed whole.
 """
 
 from __future__ import annotations
@@ -84,6 +86,23 @@ class Manifest:
                               f"(applied onto the wrong weights?)")
 
 
+    def check_all(self, state: Mapping[str, torch.Tensor], version: str) -> None:
+        """Raise RecordError unless ``state`` holds exactly the manifest's tensors, each with its bytes."""
+        if set(state) != set(self.tensors):
+            extra, missing = sorted(set(state) - set(self.tensors)), sorted(set(self.tensors) - set(state))
+            raise RecordError(f"model version {version}: its tensors are not its manifest's "
+                              f"(not in the manifest: {extra[:3]}, missing: {missing[:3]})")
+        for name, got in describe_all(state).items():
+            entry = self.tensors[name]
+            if got != entry:
+                what = "sha256" if (got.dtype, got.shape) == (entry.dtype, entry.shape) else "dtype or shape"
+                raise RecordError(f"model version {version} is corrupt: {name} does not match its manifest's {what}")
+
+    def covers_blob(self) -> bool:
+        """Whether the manifest describes the blob's own tensors (not a delta's rebuilt ones)."""
+        return self.format in (FULL, LORA)
+
+
 def dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
@@ -101,9 +120,11 @@ def describe(tensor: torch.Tensor) -> TensorEntry:
 
 
 def describe_all(state: Mapping[str, torch.Tensor]) -> dict[str, TensorEntry]:
-    names = list(state)
+    # the largest first, so the pool's threads finish together
+    names = sorted(state, key=lambda n: -state[n].numel() * state[n].element_size())
     with ThreadPoolExecutor(HASH_THREADS) as pool:
-        return dict(zip(names, pool.map(lambda n: describe(state[n]), names), strict=True))
+        found = dict(zip(names, pool.map(lambda n: describe(state[n]), names), strict=True))
+    return {name: found[name] for name in state}
 
 
 def read_manifest(blob: bytes, version: str) -> Manifest | None:
@@ -115,5 +136,7 @@ def read_manifest(blob: bytes, version: str) -> Manifest | None:
         header: dict[str, Any] = json.loads(blob[8 : 8 + size])
     except ValueError as e:
         raise RecordError(f"model version {version} is not valid safetensors: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__") or {}, dict):
+        raise RecordError(f"model version {version} is not valid safetensors: its header is not an object")
     text = (header.get("__metadata__") or {}).get(METADATA_KEY)
     return Manifest.from_json(text, version) if text is not None else None
