@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fulmen_llm_proxy.backend_base import BASE_MODEL_VERSION, Call, Fidelity, Result
-from fulmen_llm_proxy.upstream import Upstreams
+from fulmen_llm_proxy.upstream import Payload, Upstreams
 
 _PATHS = {"chat": "/v1/chat/completions", "text_completion": "/v1/completions"}
 
@@ -55,13 +55,15 @@ class OpenAIBackend:
         """The body sent upstream (the vllm backend asks for token ids here)."""
         return call.body
 
+    def encode(self, call: Call) -> Payload:
+        """The bytes sent upstream, or a function of the replica's base URL giving them."""
+        return json.dumps(self.payload(call)).encode()
+
     async def complete(self, call: Call, result: Result) -> dict[str, Any]:
         return await self._complete(call, result)
 
     async def _complete(self, call: Call, result: Result, on_send: Callable[[str], None] | None = None) -> dict[str, Any]:
-        body = await self.upstreams.post_json(
-            _PATHS[call.operation], json.dumps(self.payload(call)).encode(), call.rollout_id, on_send
-        )
+        body = await self.upstreams.post_json(_PATHS[call.operation], self.encode(call), call.rollout_id, on_send)
         self.read_response(call, body, result)
         return body
 
@@ -70,7 +72,7 @@ class OpenAIBackend:
 
     async def _stream(self, call: Call, result: Result,
                       on_send: Callable[[str], None] | None = None) -> AsyncIterator[dict[str, Any]]:
-        payload = json.dumps(self.payload(call)).encode()
+        payload = self.encode(call)
         parts: list[str] = []
         tools: dict[int, dict[str, Any]] = {}
         result.fidelity = self.fidelity

@@ -14,12 +14,14 @@ A vLLM too old to know ``return_token_ids`` leaves the ids out: the call is then
 ``text_only`` rather than with made-up ids.
 
 With `follow_replicas` (the proxy does it), calls go only to replicas their vllm-sync marks ready and
-carry the version the replica serves; a call during which the replica may have changed weights is
+carry the version the replica serves; a replica serving a LoRA version as an adapter gets the
+adapter's name as the request's ``model`` (the body is made for the replica it goes to); a call during which the replica may have changed weights is
 sent again (non-streaming) or recorded as ``text_only`` (streaming) — see `fulmen_llm_proxy.replicas`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -28,6 +30,7 @@ from fulmen_llm_proxy.backend_base import Call, Fidelity, Result
 from fulmen_llm_proxy.backend_openai import OpenAIBackend
 from fulmen_llm_proxy.errors import ProxyError
 from fulmen_llm_proxy.replicas import ReplicaView, Stamp
+from fulmen_llm_proxy.upstream import Payload
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,20 @@ class VllmBackend(OpenAIBackend):
             # which OpenAI clients accept (choices = []).
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         return body
+
+    def encode(self, call: Call) -> Payload:
+        view = self.replicas
+        plain = json.dumps(self.payload(call)).encode()
+        if view is None:
+            return plain
+
+        def for_replica(url: str) -> bytes:
+            state = view.states.get(url)
+            if state is None or not state.served_model:
+                return plain
+            return json.dumps({**self.payload(call), "model": state.served_model}).encode()
+
+        return for_replica
 
     def read_response(self, call: Call, body: dict[str, Any], result: Result) -> None:
         super().read_response(call, body, result)

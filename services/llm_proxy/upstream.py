@@ -27,6 +27,9 @@ def normalize(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
+Payload = bytes | Callable[[str], bytes]  # a body, or the body for a replica's base URL
+
+
 class Upstreams:
     def __init__(self, urls: list[str], api_key: str | None = None) -> None:
         if not urls:
@@ -84,11 +87,13 @@ class Upstreams:
                 last = e  # refused or unreachable: nothing was sent, the next replica may serve it
         raise _no_upstream(last)
 
-    async def post_json(self, path: str, payload: bytes, rollout_id: str,
+    async def post_json(self, path: str, payload: Payload, rollout_id: str,
                         on_send: Callable[[str], None] | None = None) -> dict[str, Any]:
         """POST and return the JSON reply; upstream errors become ProxyErrors (4xx kept, 5xx -> 502).
-        ``on_send`` is told the base URL of the replica the call goes to, just before it goes."""
-        _, (status, data) = await self._first_reachable(rollout_id, lambda pool: _sent(pool, on_send).post(path, payload))
+        ``on_send`` is told the base URL of the replica the call goes to, just before it goes;
+        ``payload`` may depend on that replica (a function of its base URL)."""
+        _, (status, data) = await self._first_reachable(
+            rollout_id, lambda pool: _sent(pool, on_send).post(path, _body(payload, pool)))
         if status != 200:
             raise upstream_error(status, data)
         try:
@@ -96,11 +101,11 @@ class Upstreams:
         except ValueError:
             raise ProxyError(502, "upstream sent a body that is not JSON", code="upstream_error") from None
 
-    async def post_sse(self, path: str, payload: bytes, rollout_id: str,
+    async def post_sse(self, path: str, payload: Payload, rollout_id: str,
                        on_send: Callable[[str], None] | None = None) -> AsyncIterator[dict[str, Any]]:
         """POST a streaming request and yield each ``data:`` event as JSON until ``[DONE]``."""
         pool, (status, conn) = await self._first_reachable(
-            rollout_id, lambda p: _sent(p, on_send).post_stream(path, payload))
+            rollout_id, lambda p: _sent(p, on_send).post_stream(path, _body(payload, p)))
         body = pool.stream_body(conn)
         if status != 200:
             raise upstream_error(status, b"".join([piece async for piece in body]))
@@ -128,6 +133,10 @@ class Upstreams:
             raise ProxyError(502, f"upstream failed mid-stream: {e}", code="upstream_error") from None
         finally:
             await body.aclose()
+
+
+def _body(payload: Payload, pool: HttpPool) -> bytes:
+    return payload if isinstance(payload, bytes) else payload(pool.base_url)
 
 
 def _sent(pool: HttpPool, on_send: Callable[[str], None] | None) -> HttpPool:

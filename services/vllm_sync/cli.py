@@ -23,8 +23,11 @@ def command(settings: VllmSyncSettings) -> None:
     weights, set and check the served version, compare a canary completion before and after, reset
     the prefix cache, resume. Only then is the replica marked ready with that version in the store,
     and proxies route to it; a failed or hung load leaves it out of routing, logs what to do, and is
-    tried again. The server must run in dev mode: VLLM_SERVER_DEV_MODE=1."""
+    tried again. The server must run in dev mode: VLLM_SERVER_DEV_MODE=1. LoRA versions load as
+    adapters at run time, without a pause, when the server runs with --enable-lora and
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (--lora-loading)."""
     from fulmen_vllm_sync.admin import PAUSE_MODES
+    from fulmen_vllm_sync.sync import LORA_LOADINGS
 
     if not settings.vllm_url:
         typer.echo("error: vllm-sync needs --vllm-url (FULMEN_VLLM_URL): the server it keeps in step", err=True)
@@ -34,6 +37,9 @@ def command(settings: VllmSyncSettings) -> None:
         raise typer.Exit(2)
     if settings.pause_mode not in PAUSE_MODES:
         typer.echo(f"error: pause_mode {settings.pause_mode!r} unknown; use {', '.join(PAUSE_MODES)}", err=True)
+        raise typer.Exit(2)
+    if settings.lora_loading not in LORA_LOADINGS:
+        typer.echo(f"error: lora_loading {settings.lora_loading!r} unknown; use {', '.join(LORA_LOADINGS)}", err=True)
         raise typer.Exit(2)
 
     async def work(store: RedisStore) -> None:
@@ -50,7 +56,7 @@ def command(settings: VllmSyncSettings) -> None:
         assert settings.model_dir is not None
         sync = VllmSync(store, admin, url=settings.replica_url or settings.vllm_url or "", model=settings.model_name,
                         model_dir=settings.model_dir, sync_dir=settings.sync_dir, pause_mode=settings.pause_mode,
-                        retry_s=settings.sync_retry_s)
+                        retry_s=settings.sync_retry_s, lora_loading=settings.lora_loading)
         try:
             with start_ops(settings, "vllm-sync"):
                 await sync.run(stop)

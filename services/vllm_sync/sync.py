@@ -7,6 +7,14 @@ while it waits is skipped):
     pause (mode) → reload_weights(folder) → update_weight_version → reset_prefix_cache → resume →
     verify → mark READY serving the version
 
+A LoRA version (with ``lora_loading`` dynamic or auto, while the server's own weights are the base
+model's) is loaded instead as an adapter named after the version, without a pause: requests name the
+adapter they want, so a call in flight keeps the adapter it named and none mixes two versions. The
+replica stays ready on its previous version until the adapter is loaded and verified (listed by
+``/v1/models``, its canary differs from the base model's unless the adapter is zero), then serves the
+new one under ``served_model``; the previous adapter stays loaded for the calls still using it, older
+ones are unloaded. A server that cannot load adapters (``lora_loading`` auto) gets the merged weights.
+
 Verification: the server reports the new version (``/weight_info``), and the canary — the
 log-probabilities of a short greedy completion of fixed token ids — differs from the one taken
 before the load (a load that silently does nothing leaves it equal; versions with the same weights'
@@ -28,17 +36,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fulmen.lora import LORA_FORMAT
 from fulmen.model_versions import fetch_full_version, fetch_version, llm_resource
 from fulmen.records import ReplicaState, ResourcesUpdate
 from fulmen.store import RedisStore
 from fulmen.version_folder import apply_onto_folder
 from fulmen.version_manifest import DELTA
-from fulmen_vllm_sync.admin import AdminError, VllmAdmin
-from fulmen_vllm_sync.materialize import materialize
+from fulmen_vllm_sync.admin import AdminError, LoraNotEnabled, VllmAdmin
+from fulmen_vllm_sync.materialize import materialize, materialize_adapter
 
 log = logging.getLogger(__name__)
 
 CANARY_PROMPT = [1, 5, 6, 7, 8, 9, 10, 11]  # token ids every vocabulary has
+LORA_LOADINGS = ("auto", "dynamic", "merge")
+ADAPTERS_KEPT = 2  # the served adapter and the one before it, for calls that named it and still run
 POLL_S = 0.2  # how often a new resources version is looked for
 
 
@@ -49,7 +60,7 @@ class SyncFailed(Exception):
 class VllmSync:
     def __init__(self, store: RedisStore, admin: VllmAdmin, *, url: str, model: str | None, model_dir: Path,
                  sync_dir: Path, pause_mode: str = "wait", retry_s: float = 5.0, check_s: float = 5.0,
-                 canary_prompt: list[int] | None = None) -> None:
+                 canary_prompt: list[int] | None = None, lora_loading: str = "auto") -> None:
         self.store = store
         self.admin = admin
         self.url = url
@@ -63,6 +74,9 @@ class VllmSync:
         self.state = ReplicaState(url, "base", ready=False, reason="starting")
         self.served_sha: str | None = None
         self.weights_known = True  # False from a failed load until a sync succeeds: what it serves is unknown
+        self.lora_loading = lora_loading
+        self.base_loaded = True  # the server's own weights are the base model's (adapters apply onto them)
+        self.adapters: list[str] = []  # loaded adapters, oldest first
         self.syncs = {"ok": 0, "failed": 0}
 
     async def _mark(self, **changes: Any) -> None:
@@ -90,6 +104,7 @@ class VllmSync:
             await self._mark(ready=False, reason=f"server not answering: {e}")
             return
         # a version we did not load (an earlier vllm-sync's) is loaded again: its weights are unknown here
+        self.base_loaded = served in (None, "base")
         await self._mark(model_version="base", ready=served in (None, "base"),
                          reason="" if served in (None, "base") else f"serves {served!r}: loading again")
 
@@ -107,10 +122,22 @@ class VllmSync:
             if self.weights_known and self.state.model_version == "base" and served in (None, "base"):
                 await self._mark(ready=True, reason="")
             return
-        if (served or "base") != self.state.model_version:
+        own = "base" if self.state.served_model else self.state.model_version
+        if (served or "base") != own:
             log.warning("%s serves %r, not %s (restarted?): out of routing until it is loaded again", self.url,
-                        served, self.state.model_version)
+                        served, own)
             await self._mark(ready=False, reason=f"serves {served!r} after a restart")
+        elif self.state.served_model:
+            try:
+                listed = await self.admin.models()
+            except AdminError as e:
+                await self._mark(ready=False, reason=f"server not answering: {e}")
+                return
+            if self.state.served_model not in listed:
+                log.warning("%s lost the adapter %s (restarted?): out of routing until it is loaded again",
+                            self.url, self.state.served_model)
+                self.adapters = [a for a in self.adapters if a in listed]
+                await self._mark(ready=False, reason=f"adapter {self.state.served_model} is gone after a restart")
 
     async def _newest(self) -> tuple[int | None, tuple[str, Mapping[str, Any]] | None]:
         """The latest resources version, and the newest model version any entry names with its
@@ -155,6 +182,19 @@ class VllmSync:
         weights = llm.get("weights") if isinstance(llm.get("weights"), Mapping) else {}
         found = await fetch_version(self.store, version, resource=llm)
         state = found.state
+        if weights.get("format") == LORA_FORMAT and self.lora_loading != "merge" and self.base_loaded:
+            try:
+                await self._sync_adapter(version, state, weights.get("lora") or {})
+                return
+            except LoraNotEnabled as e:
+                if self.lora_loading == "dynamic":
+                    raise SyncFailed(f"the server cannot load LoRA adapters ({e}): start it with --enable-lora "
+                                     "--max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or use "
+                                     "--lora-loading merge") from None
+                log.warning("%s cannot load LoRA adapters at run time (%s): merging each onto the base weights "
+                            "instead (start it with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True to "
+                            "load adapters without a reload)", self.url, e)
+                self.lora_loading = "merge"
         if found.manifest is not None and found.manifest.format == DELTA:
             # onto the folder of its base when this server loaded it last, else rebuilt from the chain
             base = self.sync_dir / str(found.manifest.base_version)
@@ -180,7 +220,35 @@ class VllmSync:
             raise SyncFailed("the canary's log-probabilities did not change: the weights were not applied")
         self.served_sha = sha
         self.weights_known = True
-        await self._mark(model_version=version, ready=True, reason="")
+        self.base_loaded = False
+        await self._mark(model_version=version, ready=True, reason="", served_model="")
+
+    async def _sync_adapter(self, version: str, adapter: Mapping[str, Any], lora: Mapping[str, Any]) -> None:
+        """Load a LoRA version as an adapter named ``version``; the replica serves it once verified."""
+        folder = await asyncio.to_thread(materialize_adapter, version, adapter, lora, self.model_dir, self.sync_dir)
+        if not self.weights_known:
+            await self.admin.resume()
+        base = await self.admin.canary(self.model, self.canary_prompt)
+        if version in self.adapters:  # loaded before a failed verification: load it afresh
+            with contextlib.suppress(AdminError):
+                await self.admin.unload_lora(version)
+            self.adapters.remove(version)
+        await self.admin.load_lora(version, str(folder.resolve()))
+        self.adapters.append(version)
+        if version not in await self.admin.models():
+            raise SyncFailed(f"the server does not list the adapter {version} after loading it")
+        zero = all(float(t.abs().max()) == 0 for n, t in adapter.items() if ".lora_B." in n) or not lora.get("scaling")
+        if await self.admin.canary(version, self.canary_prompt) == base and not zero:
+            raise SyncFailed(f"the adapter {version} does not change the canary: it was not applied")
+        self.weights_known = True
+        await self._mark(model_version=version, ready=True, reason="", served_model=version)
+        for old in self.adapters[:-ADAPTERS_KEPT]:
+            try:
+                await self.admin.unload_lora(old)
+            except AdminError as e:
+                log.warning("%s: unloading the adapter %s failed (%s); it stays loaded", self.url, old, e)
+                continue
+            self.adapters.remove(old)
 
 
 def _named(update: ResourcesUpdate) -> tuple[str, Mapping[str, Any]] | None:

@@ -9,13 +9,20 @@ uses (dev mode) and ``/v1/completions`` with token ids and log-probabilities, wi
 
 Faults (``fault``, consumed by the next ``reload_weights``): ``"hang"`` (never answers), ``"500"``
 (loads half of the tensors, then answers 500: the weights are now a mix), ``"noop"`` (answers 200,
-loads nothing). ``restart()`` stands for a server restart: the base weights again, no version.
-While paused, completions wait for the resume, as vLLM's do.
+loads nothing). ``restart()`` stands for a server restart: the base weights again, no version, no
+adapter. While paused, completions wait for the resume, as vLLM's do.
+
+With ``lora_enabled`` (vLLM's ``--enable-lora`` with runtime updating) it loads PEFT adapter folders
+under a name (``/v1/load_lora_adapter``; a server without it answers 404, as vLLM does), lists them
+in ``/v1/models``, and serves a completion whose ``model`` names one with the base model's weights
+plus that adapter (an engine of its own per adapter). ``requested_models`` records each
+completion's ``model``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +46,9 @@ class FakeVllm:
         self.runner: web.AppRunner | None = None
         self.stopping = asyncio.Event()  # ends a hanging route
         self.url = ""
+        self.lora_enabled = False
+        self.adapters: dict[str, TorchEngine] = {}
+        self.requested_models: list[str] = []
 
     async def start(self) -> str:
         app = web.Application()
@@ -48,6 +58,9 @@ class FakeVllm:
             web.get("/weight_info", self.weight_info), web.post("/reset_prefix_cache", self.reset_prefix_cache),
             web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
         ])
+        if self.lora_enabled:
+            app.add_routes([web.post("/v1/load_lora_adapter", self.load_lora),
+                            web.post("/v1/unload_lora_adapter", self.unload_lora)])
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         port = free_port()
@@ -61,11 +74,16 @@ class FakeVllm:
         if self.runner is not None:
             await self.runner.cleanup()
         await self.engine.close()
+        for engine in self.adapters.values():
+            await engine.close()
 
     async def restart(self) -> None:
-        """As a restarted server: its model folder's weights, no version set, not paused."""
+        """As a restarted server: its model folder's weights, no version set, no adapter, not paused."""
         await self.engine.load_weights(load_file(str(self.model_dir / "model.safetensors")), "base")
         self.version = None
+        for engine in self.adapters.values():
+            await engine.close()
+        self.adapters.clear()
         self.resumed.set()
 
     # --- routes -------------------------------------------------------------------------------------
@@ -104,21 +122,48 @@ class FakeVllm:
         return web.json_response({})
 
     async def weight_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.version})
+        return web.json_response({"weight_version": self.version or "default"})  # vLLM's before any is set
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.calls.append("reset_prefix_cache")
         return web.json_response({})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": str(self.model_dir), "object": "model"}]})
+        names = [str(self.model_dir), *self.adapters]
+        return web.json_response({"object": "list", "data": [{"id": n, "object": "model"} for n in names]})
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name, folder = body["lora_name"], Path(body["lora_path"])
+        self.calls.append(f"load_lora:{name}")
+        config = json.loads((folder / "adapter_config.json").read_text())
+        engine = TorchEngine(self.model_dir, max_batch=4)
+        await engine.start()
+        lora = {"r": config["r"], "alpha": config["lora_alpha"], "scaling": config["lora_alpha"] / config["r"]}
+        await engine.load_weights(load_file(str(folder / "adapter_model.safetensors")), name, lora=lora)
+        self.adapters[name] = engine
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        name = (await request.json())["lora_name"]
+        self.calls.append(f"unload_lora:{name}")
+        engine = self.adapters.pop(name, None)
+        if engine is None:
+            return web.json_response({"error": {"message": f"The lora adapter '{name}' cannot be found."}}, status=404)
+        await engine.close()
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def completions(self, request: web.Request) -> web.Response:
         body: dict[str, Any] = await request.json()
         await self.resumed.wait()
+        model = str(body.get("model"))
+        self.requested_models.append(model)
+        engine = self.adapters.get(model, self.engine)
+        if engine is self.engine and model != str(self.model_dir) and model != "tiny":
+            return web.json_response({"error": {"message": f"The model `{model}` does not exist."}}, status=404)
         prompt = body["prompt"]
         params = SamplingParams(max_tokens=int(body.get("max_tokens", 16)), temperature=float(body.get("temperature", 1)))
-        g = await self.engine.generate(list(prompt), params)
+        g = await engine.generate(list(prompt), params)
         choice = {"index": 0, "text": "", "token_ids": g.token_ids, "finish_reason": g.finish_reason,
                   "logprobs": {"token_logprobs": g.logprobs}}
         return web.json_response({"choices": [choice], "prompt_token_ids": g.prompt_token_ids})

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from fulmen.model_versions import publish_model_version
@@ -112,3 +113,52 @@ async def test_no_call_mixes_two_versions_while_versions_load(real_store: RedisS
     assert {"v1", "v2", "v3"} <= seen, seen
     wrong = [(r.model_version, r.token_ids) for r in calls if r.token_ids != expected[r.model_version or "base"]]
     assert wrong == []  # every call's tokens are those of the version it is recorded with
+
+
+async def test_a_replica_serving_an_adapter_gets_calls_under_the_adapters_name(real_store: RedisStore,
+                                                                              models: list[Path]) -> None:
+    """A replica whose vllm-sync loaded the version as a LoRA adapter is asked for that adapter by
+    name, and the call is recorded with its version; a replica serving its own weights is asked for
+    the model the agent named."""
+    from safetensors.torch import save_file
+
+    from fulmen.lora import lora_description
+
+    base = models[0]
+    fake = FakeVllm(base)
+    fake.lora_enabled = True
+    url = await fake.start()
+    folder = base.parent / "adapter-v4"
+    folder.mkdir(exist_ok=True)
+    weights = load_file(str(base / "model.safetensors"))
+    out_f, in_f = weights["model.layers.0.self_attn.q_proj.weight"].shape
+    g = torch.Generator().manual_seed(0)
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, in_f, generator=g),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(out_f, 4, generator=g)}
+    save_file(adapter, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8.0}')
+    admin = VllmAdmin(url, 10.0)
+    await admin.load_lora("v4", str(folder))
+    backend = VllmBackend([url])
+    view = ReplicaView(real_store)
+    backend.follow_replicas(view)
+    try:
+        await real_store.set_replica(ReplicaState(url, "v4", ready=True, served_model="v4"))
+        await view.refresh()
+        adapted = Result()
+        await backend.complete(_call("r1"), adapted)
+        await real_store.set_replica(ReplicaState(url, "v3", ready=True))
+        await view.refresh()
+        plain = Result()
+        await backend.complete(_call("r2"), plain)
+    finally:
+        await backend.close()
+        await admin.close()
+        await fake.stop()
+    assert fake.requested_models == ["v4", "tiny"]
+    assert (adapted.model_version, plain.model_version) == ("v4", "v3")
+    engine = TorchEngine(base)
+    await engine.load_weights(adapter, "v4", lora=lora_description(4, 8.0))
+    want = (await engine.generate(PROMPT, SamplingParams(max_tokens=TOKENS, temperature=0))).token_ids
+    await engine.close()
+    assert adapted.token_ids == want != plain.token_ids

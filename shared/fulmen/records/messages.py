@@ -130,6 +130,9 @@ class ReplicaState(Record):
     generation: int = 0
     updated_time: float | None = None
     reason: str = ""  # why not ready, for a person (and `fulmen status`)
+    # the model name a request must carry to be served model_version: a LoRA adapter's name when the
+    # version was loaded as one, empty for the server's own model
+    served_model: str = ""
 
     def check_wire(self) -> None:
         require_nonempty(self, "url")
@@ -146,7 +149,7 @@ class WeightsChunk(Record):
     model_version: str
     index: int  # 0-based; entry id "0-<index + 1>", so the chunks are in order on the stream
     total: int  # chunks in the whole blob
-    sha256: str  # hex digest of the whole blob, not of this chunk
+    sha256: str  # the blob's, as published (`fulmen.version_blobs.blob_sha256`), not this chunk's
     size: int  # bytes in the whole blob
     data: bytes
 

@@ -243,6 +243,12 @@ class VllmSyncSettings(ServedModelSettings):
     sync_timeout_s: float = Field(120.0, gt=0, description="Each admin route's timeout (pause, load, verify, resume).")
     sync_retry_s: float = Field(5.0, gt=0, description="Wait before trying a failed sync again.")
     pause_mode: str = Field("wait", description="How the server pauses for a load: wait (drain), abort, or keep.")
+    lora_loading: str = Field(
+        "auto",
+        description="LoRA versions: dynamic (load each adapter at run time, no pause; the server runs with --enable-lora "
+        "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), merge (merge it onto the base and reload the weights), or auto "
+        "(dynamic, else merge when the server cannot load adapters).",
+    )
 
 
 class ApoSettings(TrainDataSettings):
