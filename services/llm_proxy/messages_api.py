@@ -4,9 +4,12 @@ Supported: ``system`` (a string or text blocks), ``messages`` whose content is a
 ``text``, ``tool_use`` (assistant) and ``tool_result`` (user) blocks (``thinking`` blocks a client
 sends back are dropped), ``tools`` (custom tools: name, description, input_schema),
 ``tool_choice`` (auto, any, tool, none; ``disable_parallel_tool_use``), ``max_tokens`` (required, as
-in that API), ``stop_sequences``, ``temperature`` (0-1), ``top_p``, ``stream``. Accepted without
-effect: ``metadata``, ``service_tier``, ``thinking: {"type": "disabled"}``. Anything else (images,
-documents, server tools, ``top_k``, extended thinking) is a 400 in Anthropic's error shape.
+in that API), ``stop_sequences``, ``temperature`` (0-1) and ``top_p`` (which recent clients send
+only through ``extra_body``), ``stream``. Accepted without effect: ``metadata``, ``service_tier``,
+``cache_control`` (here and on blocks), ``inference_geo``, ``speed``, ``user_profile_id``,
+``workspace_id``, ``diagnostics``, ``output_config.effort``, ``thinking: {"type": "disabled"}``.
+Anything else (images, documents, server tools, ``top_k``, extended thinking, structured output,
+containers) is a 400 in Anthropic's error shape.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from fulmen_llm_proxy.messages_events import MessagesEncoder, message_body
 from fulmen_llm_proxy.parsing import call_from_body, load_body
 
 _HANDLED = frozenset({"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
-                      "stream", "tools", "tool_choice", "metadata", "service_tier", "thinking"})  # fmt: skip
+                      "stream", "tools", "tool_choice", "thinking", "output_config"})  # fmt: skip
+_IGNORED = frozenset({"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id",
+                      "workspace_id", "diagnostics"})  # fmt: skip
 # Anthropic's error type for each status the proxy answers with
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -35,8 +40,11 @@ def unsupported(name: str, why: str = "is not supported by this proxy") -> Proxy
 def translate(body: dict[str, Any]) -> dict[str, Any]:
     """The chat request a Messages request asks for; a 400 for what the proxy cannot serve."""
     for name in body:
-        if name not in _HANDLED:
+        if name not in _HANDLED and name not in _IGNORED:
             raise unsupported(name)
+    config = body.get("output_config")
+    if config is not None and (not isinstance(config, dict) or set(config) - {"effort"}):
+        raise unsupported("output_config", "only effort is accepted (it has no effect here)")
     thinking = body.get("thinking")
     if thinking is not None and thinking != {"type": "disabled"}:
         raise unsupported("thinking", "extended thinking is not supported")
