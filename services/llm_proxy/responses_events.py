@@ -101,7 +101,7 @@ def response_body(chat: dict[str, Any], call: Call, request: dict[str, Any]) -> 
     calls = ToolCalls()
     calls.add_message(message.get("tool_calls"))
     logprobs = _logprobs(logprob_tokens(choice)) if _wants_logprobs(request) else None
-    response = envelope(request, call, _id("resp_"), int(chat.get("created") or time.time()), "completed")
+    response = envelope(request, call, _id("resp_"), int(time.time()), "completed")
     output: list[dict[str, Any]] = []
     if text or not calls.all():
         output.append(_message(_id("msg_"), "completed", [_text_part(text, logprobs)]))
