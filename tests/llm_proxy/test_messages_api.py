@@ -209,3 +209,42 @@ def test_other_errors_take_anthropics_shape(torch_proxy: RunningProxy) -> None:
         client.messages.create(model="nope", max_tokens=4, messages=USER)
     assert raised.value.body["error"]["type"] == "not_found_error"
     assert httpx.get(f"{torch_proxy.url}/v1/messages").json()["type"] == "error"  # 405, same shape
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+async def test_a_retry_is_answered_from_the_record(
+    torch_proxy: RunningProxy, proxy_store: RedisStore, attempt: tuple[str, str], stream: bool
+) -> None:
+    """Same idempotency key, retry count 1: one span, and the recorded answer as a Messages answer."""
+    url = f"{torch_proxy.base(*attempt)}/messages"
+    body = {"model": "tiny", "max_tokens": 8, "messages": USER, "stream": stream}
+    texts = []
+    for retry in ("0", "1"):
+        headers = {"Idempotency-Key": f"key-{stream}", "x-stainless-retry-count": retry}
+        reply = httpx.post(url, json=body, headers=headers)
+        assert reply.status_code == 200
+        if stream:
+            data = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+            assert data[-1]["type"] == "message_stop"
+            texts.append("".join(d["delta"]["text"] for d in data if d["type"] == "content_block_delta"))
+        else:
+            assert reply.json()["type"] == "message"
+            texts.append(reply.json()["content"][0]["text"])
+    assert texts[0] == texts[1]
+    (span,) = await llm_spans(proxy_store, attempt[0])
+    assert json.loads(span.attributes[semconv.RESPONSE_JSON])["content"] == texts[0]
+
+
+def test_the_api_key_is_read_from_x_api_key(redis_server: Any, experiment: str, chat_upstream: FakeOpenAI) -> None:
+    """With proxy keys set, the anthropic client's x-api-key is checked; a wrong one is a 401 it raises."""
+    proxy = RunningProxy(redis_url=redis_server.url, experiment=experiment, proxy_backend="openai",
+                         upstream_urls=chat_upstream.base_url, proxy_api_keys="key-one")  # fmt: skip
+    try:
+        kwargs = {"model": "fake-model", "max_tokens": 4, "messages": USER}
+        message = anthropic.Anthropic(base_url=proxy.url, api_key="key-one").messages.create(**kwargs)
+        assert message.content[0].text == chat_upstream.default_reply
+        with pytest.raises(anthropic.AuthenticationError) as raised:
+            anthropic.Anthropic(base_url=proxy.url, api_key="wrong", max_retries=0).messages.create(**kwargs)
+        assert raised.value.body["error"]["type"] == "authentication_error"
+    finally:
+        proxy.stop()

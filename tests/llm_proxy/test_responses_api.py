@@ -195,3 +195,18 @@ async def test_a_retry_is_answered_from_the_record(
     assert texts[0] == texts[1]
     (span,) = await llm_spans(proxy_store, attempt[0])
     assert json.loads(span.attributes[semconv.RESPONSE_JSON])["content"] == texts[0]
+
+
+async def test_the_clients_stream_helper_accumulates_the_events(
+    upstream_proxy: RunningProxy, chat_upstream: FakeOpenAI, attempt: tuple[str, str]
+) -> None:
+    """``responses.stream``: its accumulator takes the events in order and ends with the response
+    (it needs ``response.completed``: an upstream that ends with "stop", unlike the tiny model
+    cut at its token limit, which ends ``incomplete``, as OpenAI does)."""
+    chat_upstream.script("Hello there!")
+    client = openai.AsyncOpenAI(base_url=upstream_proxy.base(*attempt), api_key="unused")
+    async with client, client.responses.stream(model="fake-model", input="hi") as stream:
+        text = "".join([e.delta async for e in stream if e.type == "response.output_text.delta"])
+        final = await stream.get_final_response()
+    assert final.output_text == text == "Hello there!" and final.status == "completed"
+    assert final.usage.output_tokens > 0  # from the usage chunk the proxy asked the upstream for
