@@ -203,7 +203,12 @@ class MessagesDialect:
     def parse(self, raw: bytes, default_model: str | None) -> Parsed:
         body = load_body(raw)
         chat = translate(body)
-        call = call_from_body(chat, "chat", default_model)
+        try:
+            call = call_from_body(chat, "chat", default_model)
+        except ProxyError as e:
+            if e.param == "stop":  # the chat name of what this API calls stop_sequences
+                e.param, e.message = "stop_sequences", e.message.replace("stop", "stop_sequences", 1)
+            raise
         return Parsed(call, record_of(chat), body)
 
     def body(self, chat: dict[str, Any], parsed: Parsed) -> dict[str, Any]:

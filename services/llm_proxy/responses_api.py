@@ -6,7 +6,8 @@ none to read), ``instructions`` (a system message), function ``tools``, ``tool_c
 ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``, ``stream`` and
 ``include: ["message.output_text.logprobs"]``. Accepted without effect: ``store`` (nothing is
 stored: ``previous_response_id`` is refused), ``metadata`` (echoed), ``user``, ``safety_identifier``,
-``prompt_cache_key``, ``service_tier``, ``stream_options``, ``truncation: "disabled"``.
+``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options``, ``service_tier``,
+``stream_options``, ``truncation: "disabled"``, ``text.verbosity``.
 Anything else (images, built-in tools, structured output, reasoning, background) is a 400 in
 OpenAI's error shape that names the parameter, never silently ignored.
 """
@@ -22,12 +23,13 @@ from fulmen_llm_proxy.parsing import call_from_body, load_body
 from fulmen_llm_proxy.responses_events import LOGPROBS_INCLUDE, ResponsesEncoder, response_body
 
 _IGNORED = frozenset({"store", "metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier",
-                      "stream_options"})  # fmt: skip
+                      "stream_options", "prompt_cache_retention", "prompt_cache_options"})  # fmt: skip
 # Parameters that are fine at their "off" value and refused otherwise.
 _OFF: dict[str, tuple[Any, ...]] = {
     "previous_response_id": (None,), "conversation": (None,), "prompt": (None,), "background": (None, False),
     "reasoning": (None, {}), "top_logprobs": (None, 0), "max_tool_calls": (None,),
-    "truncation": (None, "disabled"),
+    "truncation": (None, "disabled"), "context_management": (None,), "moderation": (None,), "image": (None,),
+    "background_options": (None,), "access_programs": (None,),
 }  # fmt: skip
 _HANDLED = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                       "max_output_tokens", "temperature", "top_p", "stream", "include", "text"})  # fmt: skip

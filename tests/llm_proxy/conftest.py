@@ -78,3 +78,16 @@ def upstream_proxy(
     )  # fmt: skip
     yield proxy
     proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_api_proxy(redis_server: EmbeddedRedis, module_experiment: str) -> Iterator[tuple[RunningProxy, FakeOpenAI]]:
+    """A proxy on the vllm backend in front of a fake vLLM server (token ids and log-probabilities)."""
+    fake = FakeOpenAI(vllm=True, default_reply="four")
+    fake.start_in_thread()
+    proxy = RunningProxy(
+        redis_url=redis_server.url, experiment=module_experiment, proxy_backend="vllm", upstream_urls=fake.base_url
+    )
+    yield proxy, fake
+    proxy.stop()
+    fake.stop()

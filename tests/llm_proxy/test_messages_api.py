@@ -13,7 +13,7 @@ import anthropic
 import httpx
 import pytest
 from api_helpers import check_torch_span, llm_spans
-from fakes.fake_openai import FakeOpenAI
+from fakes.fake_openai import FakeOpenAI, fake_logprobs, token_ids
 from proxy_helpers import RunningProxy
 
 from fulmen import semconv, tokens
@@ -188,6 +188,7 @@ async def test_tool_calls_become_tool_use_blocks(
         {"max_tokens": 8, "messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
         {"max_tokens": 8, "messages": [{"role": "system", "content": "x"}]},
         {"max_tokens": 8, "messages": []},
+        {"max_tokens": 8, "messages": USER, "stop_sequences": ["x"] * 17},
     ],
 )
 def test_unsupported_fields_are_a_400_in_anthropic_shape(torch_proxy: RunningProxy, body: dict[str, Any]) -> None:
@@ -248,3 +249,22 @@ def test_the_api_key_is_read_from_x_api_key(redis_server: Any, experiment: str, 
         assert raised.value.body["error"]["type"] == "authentication_error"
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+async def test_on_the_vllm_backend_the_upstreams_ids_are_recorded(
+    vllm_api_proxy: tuple[RunningProxy, FakeOpenAI], proxy_store: RedisStore, attempt: tuple[str, str], stream: bool
+) -> None:
+    """vllm backend: the upstream's token ids and log-probabilities, in the answer and the span."""
+    proxy, _ = vllm_api_proxy
+    kwargs = {"model": "m", "max_tokens": 8, "system": "Be brief.", "messages": [{"role": "user", "content": "2+2?"}]}
+    base = _base(proxy, attempt)
+    message = (await _stream(base, True, **kwargs))[1] if stream else await _create(base, False, **kwargs)
+    assert message.content[0].text == "four" and message.stop_reason == "end_turn"
+    assert message.usage.output_tokens == 4
+    (span,) = await llm_spans(proxy_store, attempt[0])
+    a = span.attributes
+    assert a[semconv.GEN_AI_SYSTEM] == "vllm" and a[semconv.TOKEN_FIDELITY] == "exact"
+    assert tokens.ids(a[semconv.PROMPT_TOKEN_IDS]) == token_ids("Be brief.2+2?")
+    assert tokens.ids(a[semconv.RESPONSE_TOKEN_IDS]) == token_ids("four")
+    assert tokens.floats(a[semconv.RESPONSE_LOGPROBS]) == pytest.approx(fake_logprobs(4), abs=1e-6)

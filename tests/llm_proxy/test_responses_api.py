@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from api_helpers import check_torch_span, llm_spans
-from fakes.fake_openai import FakeOpenAI
+from fakes.fake_openai import FakeOpenAI, fake_logprobs, token_ids
 from proxy_helpers import RunningProxy
 
 from fulmen import semconv, tokens
@@ -50,7 +50,8 @@ async def test_create_on_torch_is_a_recorded_chat_call(
 ) -> None:
     """Not streaming: output_text is the model's text, its ids are in the body and the span."""
     response = await _create(torch_proxy.base(*attempt), sync, model="tiny", instructions="Be brief.",
-                             input="12+7=", max_output_tokens=12, temperature=0)  # fmt: skip
+                             input="12+7=", max_output_tokens=12, temperature=0,
+                             include=["message.output_text.logprobs"], store=False)  # fmt: skip
     assert response.object == "response" and response.model == "tiny"
     assert response.status in ("completed", "incomplete")
     assert [item.type for item in response.output] == ["message"]
@@ -61,6 +62,8 @@ async def test_create_on_torch_is_a_recorded_chat_call(
     assert messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "12+7="}]
     assert tokens.ids(span.attributes[semconv.RESPONSE_TOKEN_IDS]) == response.model_extra["token_ids"]
     assert span.attributes[semconv.GEN_AI_MAX_TOKENS] == 12
+    logprobs = [lp.logprob for lp in response.output[0].content[0].logprobs]
+    assert logprobs == pytest.approx(tokens.floats(span.attributes[semconv.RESPONSE_LOGPROBS]), abs=1e-6)
     if response.status == "incomplete":
         assert response.incomplete_details.reason == "max_output_tokens"
 
@@ -210,3 +213,23 @@ async def test_the_clients_stream_helper_accumulates_the_events(
         final = await stream.get_final_response()
     assert final.output_text == text == "Hello there!" and final.status == "completed"
     assert final.usage.output_tokens > 0  # from the usage chunk the proxy asked the upstream for
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+async def test_on_the_vllm_backend_the_upstreams_ids_are_recorded(
+    vllm_api_proxy: tuple[RunningProxy, FakeOpenAI], proxy_store: RedisStore, attempt: tuple[str, str], stream: bool
+) -> None:
+    """vllm backend: the upstream's token ids and log-probabilities, in the answer and the span."""
+    proxy, _ = vllm_api_proxy
+    kwargs = {"model": "m", "instructions": "Be brief.", "input": "2+2?"}
+    if stream:
+        final = (await _events(proxy.base(*attempt), False, **kwargs))[-1].response
+    else:
+        final = await _create(proxy.base(*attempt), True, **kwargs)
+    assert final.output_text == "four" and final.model_extra["token_ids"] == token_ids("four")
+    (span,) = await llm_spans(proxy_store, attempt[0])
+    a = span.attributes
+    assert a[semconv.GEN_AI_SYSTEM] == "vllm" and a[semconv.TOKEN_FIDELITY] == "exact"
+    assert tokens.ids(a[semconv.PROMPT_TOKEN_IDS]) == token_ids("Be brief.2+2?")
+    assert tokens.ids(a[semconv.RESPONSE_TOKEN_IDS]) == token_ids("four")
+    assert tokens.floats(a[semconv.RESPONSE_LOGPROBS]) == pytest.approx(fake_logprobs(4), abs=1e-6)
