@@ -19,6 +19,7 @@ from proxy_helpers import RunningProxy
 from fulmen import semconv, tokens
 from fulmen.store import RedisStore
 from fulmen.tiny_model import load_tiny_model
+from fulmen_adapter.triplets import AttemptInfo, spans_to_samples
 
 USER = [{"role": "user", "content": "12+7="}]
 TOOL = {"name": "add", "description": "Add two numbers",
@@ -268,3 +269,24 @@ async def test_on_the_vllm_backend_the_upstreams_ids_are_recorded(
     assert tokens.ids(a[semconv.PROMPT_TOKEN_IDS]) == token_ids("Be brief.2+2?")
     assert tokens.ids(a[semconv.RESPONSE_TOKEN_IDS]) == token_ids("four")
     assert tokens.floats(a[semconv.RESPONSE_LOGPROBS]) == pytest.approx(fake_logprobs(4), abs=1e-6)
+
+
+async def test_the_adapter_turns_the_calls_into_samples(
+    torch_proxy: RunningProxy, proxy_store: RedisStore, attempt: tuple[str, str]
+) -> None:
+    """Two turns of one Messages conversation: a triplet each with the proxy's ids, and one
+    trajectory sample whose mask covers exactly the model's tokens of both turns, as for chat calls."""
+    base, kwargs = _base(torch_proxy, attempt), {"model": "tiny", "max_tokens": 6, "extra_body": GREEDY}
+    first = await _create(base, True, messages=USER, **kwargs)
+    history = [*USER, {"role": "assistant", "content": first.content}, {"role": "user", "content": "And 3+3?"}]
+    second = await _create(base, False, messages=history, **kwargs)
+    spans = await proxy_store.query_spans(*attempt)
+    info = AttemptInfo(attempt[0], attempt[1], "g", mode="train", group_size=1, reward=1.0)
+    samples = spans_to_samples(spans, info)
+    turns = [first.model_extra["token_ids"], second.model_extra["token_ids"]]
+    assert [(s.shape, tokens.ids(s.response_token_ids)) for s in samples[:2]] == [("triplet", t) for t in turns]
+    trajectory = samples[2]  # turn 2's prompt extends turn 1's: one trajectory over both
+    assert trajectory.shape == "trajectory" and trajectory.num_turns == 2 and trajectory.model_version == "base"
+    ids, mask = tokens.ids(trajectory.response_token_ids), tokens.mask(trajectory.response_mask)
+    assert [t for t, m in zip(ids, mask, strict=True) if m] == turns[0] + turns[1]
+    assert tokens.ids(trajectory.prompt_token_ids) + ids == second.model_extra["prompt_token_ids"] + turns[1]
