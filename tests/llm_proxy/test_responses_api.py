@@ -233,3 +233,22 @@ async def test_on_the_vllm_backend_the_upstreams_ids_are_recorded(
     assert tokens.ids(a[semconv.PROMPT_TOKEN_IDS]) == token_ids("Be brief.2+2?")
     assert tokens.ids(a[semconv.RESPONSE_TOKEN_IDS]) == token_ids("four")
     assert tokens.floats(a[semconv.RESPONSE_LOGPROBS]) == pytest.approx(fake_logprobs(4), abs=1e-6)
+
+
+async def test_attributed_by_headers_and_the_version_in_a_header(
+    torch_proxy: RunningProxy, proxy_store: RedisStore, attempt: tuple[str, str]
+) -> None:
+    """The x-fulmen-* headers attribute a call as the path prefix does; the served version comes back
+    in x-fulmen-model-version, for both APIs."""
+    ids = {semconv.HEADER_ROLLOUT_ID: attempt[0], semconv.HEADER_ATTEMPT_ID: attempt[1]}
+    responses = httpx.post(f"{torch_proxy.base()}/responses", headers=ids,
+                           json={"model": "tiny", "input": "1+1=", "max_output_tokens": 4})  # fmt: skip
+    messages = httpx.post(f"{torch_proxy.url}/v1/messages", headers=ids,
+                          json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "1+1="}]})  # fmt: skip
+    for reply in (responses, messages):
+        assert reply.status_code == 200 and reply.headers[semconv.HEADER_MODEL_VERSION] == "base"
+    spans = await llm_spans(proxy_store, attempt[0])
+    assert [(s.attempt_id, s.attributes["fulmen.api"]) for s in spans] == [
+        (attempt[1], "openai.responses"), (attempt[1], "anthropic.messages")]  # fmt: skip
+    assert [tokens.ids(s.attributes[semconv.RESPONSE_TOKEN_IDS]) for s in spans] == [
+        responses.json()["token_ids"], messages.json()["token_ids"]]  # fmt: skip
