@@ -9,7 +9,7 @@ only through ``extra_body``), ``stream``. Accepted without effect: ``metadata``,
 ``cache_control`` (here and on blocks), ``inference_geo``, ``speed``, ``user_profile_id``,
 ``workspace_id``, ``diagnostics``, ``output_config.effort``, ``thinking: {"type": "disabled"}``.
 Anything else (images, documents, server tools, ``top_k``, extended thinking, structured output,
-containers) is a 400 in Anthropic's error shape.
+containers, an assistant prefill as the last message) is a 400 in Anthropic's error shape.
 """
 
 from __future__ import annotations
@@ -91,6 +91,10 @@ def messages(system: Any, given: Any) -> list[dict[str, Any]]:
             out.extend(_assistant(content, where) if role == "assistant" else _user(content, where))
         else:
             raise bad_request(f"{where}.content: must be a string or a list of content blocks", "messages")
+    if given[-1]["role"] == "assistant":
+        # Anthropic continues a final assistant message; a chat template would close it and start a
+        # new turn instead, so the answer would not be what the agent asked for.
+        raise unsupported("messages", "a final assistant message (prefill) is not supported; end with a user turn")
     return out
 
 

@@ -190,6 +190,7 @@ async def test_tool_calls_become_tool_use_blocks(
         {"max_tokens": 8, "messages": [{"role": "system", "content": "x"}]},
         {"max_tokens": 8, "messages": []},
         {"max_tokens": 8, "messages": USER, "stop_sequences": ["x"] * 17},
+        {"max_tokens": 8, "messages": [*USER, {"role": "assistant", "content": "The answer is"}]},
     ],
 )
 def test_unsupported_fields_are_a_400_in_anthropic_shape(torch_proxy: RunningProxy, body: dict[str, Any]) -> None:
