@@ -10,6 +10,10 @@ so it is not what is measured).
 
 Phases, each after a warm-up: direct and through the proxy at concurrency 1 (sequential calls on one
 connection), then at concurrency 64 (64 connections, each attributed to its own rollout attempt).
+The same question as an Anthropic Messages call (``/v1/messages``) and as an OpenAI Responses call
+(``/v1/responses``) is also sent through the proxy at concurrency 1: the proxy translates each into
+the same chat call upstream, so ``added_p50_ms_messages`` and ``added_p50_ms_responses`` are their
+p50 less the direct chat call's, as ``added_p50_ms_c1`` is.
 The proxy's CPU time per request comes from /proc/<pid>/stat (user + system, every thread) over the
 proxied phases; ``other_processes_cores_c64`` says how many cores other processes on the machine kept
 busy during the proxied c64 phase (throughput figures are only comparable when it is near 0).
@@ -42,16 +46,23 @@ from fulmen.store import RedisStore
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = "bench-proxy"
+SYSTEM = "You are a helpful agent. Answer briefly."
+QUESTION = "What is 12 + 7? Think step by step, then answer."
 BODY = json.dumps(
     {
         "model": "fake-model",
-        "messages": [
-            {"role": "system", "content": "You are a helpful agent. Answer briefly."},
-            {"role": "user", "content": "What is 12 + 7? Think step by step, then answer."},
-        ],
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
         "max_tokens": 32,
         "temperature": 1.0,
     }
+).encode()
+# the same call in the other APIs the proxy speaks (the upstream gets the chat body above)
+MESSAGES_BODY = json.dumps(
+    {"model": "fake-model", "system": SYSTEM, "messages": [{"role": "user", "content": QUESTION}],
+     "max_tokens": 32, "temperature": 1.0}
+).encode()  # fmt: skip
+RESPONSES_BODY = json.dumps(
+    {"model": "fake-model", "instructions": SYSTEM, "input": QUESTION, "max_output_tokens": 32, "temperature": 1.0}
 ).encode()
 TICKS_S = os.sysconf("SC_CLK_TCK")
 
@@ -73,9 +84,9 @@ def machine_busy_s() -> float:
     return (sum(fields[:8]) - idle) / TICKS_S
 
 
-def request_bytes(path: str) -> bytes:
-    head = f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {len(BODY)}\r\n\r\n"
-    return head.encode() + BODY
+def request_bytes(path: str, body: bytes = BODY) -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    return head.encode() + body
 
 
 class Connection(asyncio.Protocol):
@@ -252,6 +263,13 @@ def main() -> None:
                     results["direct_p50_ms_c1"],
                     results["proxy_p50_ms_c1"],
                 )
+                rollout, attempt = attempts[0]
+                for api, body in (("messages", MESSAGES_BODY), ("responses", RESPONSES_BODY)):
+                    payload = request_bytes(f"/rollout/{rollout}/attempt/{attempt}/v1/{api}", body)
+                    await run_c1(proxy_port, payload, 300)
+                    lat = await run_c1(proxy_port, payload, args.n_c1)
+                    results[f"proxy_p50_ms_c1_{api}"] = pct(lat, 0.5)
+                    log("c1 /v1/%s: proxy p50 %.3f ms", api, results[f"proxy_p50_ms_c1_{api}"])
 
                 lat, elapsed = await run_concurrent(
                     upstream_port, [direct] * args.concurrency, args.seconds_c64
@@ -301,6 +319,8 @@ def main() -> None:
     added = {
         "added_p50_ms_c1": results["proxy_p50_ms_c1"] - results["direct_p50_ms_c1"],
         "added_p99_ms_c1": results["proxy_p99_ms_c1"] - results["direct_p99_ms_c1"],
+        "added_p50_ms_messages": results["proxy_p50_ms_c1_messages"] - results["direct_p50_ms_c1"],
+        "added_p50_ms_responses": results["proxy_p50_ms_c1_responses"] - results["direct_p50_ms_c1"],
         "added_p50_ms_c64": results["proxy_p50_ms_c64"] - results["direct_p50_ms_c64"],
         "added_p99_ms_c64": results["proxy_p99_ms_c64"] - results["direct_p99_ms_c64"],
     }

@@ -3,13 +3,17 @@
 Routes (each ``/v1`` route also under the attribution prefix ``/rollout/{r}/attempt/{a}``):
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /v1/responses (OpenAI Responses API)   POST /v1/messages (Anthropic Messages API)
     GET /healthz   GET /readyz   GET /metrics
+
+Each completion route has its `Dialect` (`fulmen_llm_proxy.dialects`): the Responses and Messages
+APIs are translated into the one chat call every backend serves, and recorded as it is.
 
 A framework's routing, request objects and middleware would cost more CPU per request than the
 proxy's whole overhead budget (bench/RESULTS.md, "Proxy overhead"); here a request is a few dict
 lookups, one JSON parse, the backend call, one span write (auto-pipelined) and one JSON dump.
-Every error is an OpenAI-style body with its status (`fulmen_llm_proxy.errors`), and no error
-stops the server.
+Every error is a body in the route's API's shape with its status (`fulmen_llm_proxy.errors`),
+and no error stops the server.
 
 Each completion carries the model version that served it, in the ``x-fulmen-model-version``
 header and a ``model_version`` body field (in every chunk when streaming). Its span is stored
@@ -30,12 +34,14 @@ from redis.exceptions import RedisError
 from fulmen import semconv
 from fulmen.errors import NotFound, RecordTooLarge
 from fulmen_llm_proxy.attribution import Target, from_headers, new_span_id, split_path, trace_context
-from fulmen_llm_proxy.backend_base import Call, Operation, Result
+from fulmen_llm_proxy.backend_base import Call, Result
+from fulmen_llm_proxy.dialects import OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect, Parsed
 from fulmen_llm_proxy.errors import ProxyError
+from fulmen_llm_proxy.messages_api import MESSAGES
 from fulmen_llm_proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from fulmen_llm_proxy.parsing import parse_call
 from fulmen_llm_proxy.recording import build_span
 from fulmen_llm_proxy.replay import body_of, call_key, chunks_of, keyed_span_id, may_be_retry
+from fulmen_llm_proxy.responses_api import RESPONSES
 from fulmen_llm_proxy.service import ProxyService
 
 log = logging.getLogger(__name__)
@@ -46,8 +52,10 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _VERSION_HEADER = semconv.HEADER_MODEL_VERSION.encode()
-_OPERATIONS: dict[str, Operation] = {"/chat/completions": "chat", "/completions": "text_completion"}
-_DONE = b"data: [DONE]\n\n"
+_DIALECTS: dict[str, Dialect] = {
+    "/chat/completions": OPENAI_CHAT, "/completions": OPENAI_COMPLETIONS,
+    "/responses": RESPONSES, "/messages": MESSAGES,
+}  # fmt: skip
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status logged when nothing was answered
 
 
@@ -93,18 +101,19 @@ class ProxyApp:
         started = time.perf_counter()
         endpoint = "other"
         status = 500
+        dialect: Dialect = OPENAI_CHAT  # whose error shape an error takes
         try:
             target = split_path(scope["path"])
             route = target.path[3:] if target.path.startswith("/v1/") else target.path
-            operation = _OPERATIONS.get(route)
-            if operation is not None:
-                endpoint = route
+            found = _DIALECTS.get(route)
+            if found is not None:
+                endpoint, dialect = route, found
                 if scope["method"] != "POST":
                     raise ProxyError(405, f"use POST for {route}")
                 headers = dict(scope["headers"])
                 self._authorize(headers)
                 from_headers(target, headers)
-                status = await self._completion(receive, send, target, headers, operation)
+                status = await self._completion(receive, send, target, headers, dialect)
             elif route == "/models":
                 endpoint = route
                 self._authorize(dict(scope["headers"]))
@@ -124,13 +133,13 @@ class ProxyApp:
                 raise ProxyError(404, f"no route {scope['method']} {scope['path']}", code="unknown_route")
         except ProxyError as e:
             status = e.status
-            await _send_body(send, e.status, e.body())
+            await _send_body(send, e.status, dialect.error_body(e))
         except ClientGone:
             status = CLIENT_CLOSED
         except Exception as e:  # a bug must cost one request, never the server
             log.exception("unexpected error on %s %s", scope["method"], scope["path"])
             status = 500
-            await _send_body(send, 500, ProxyError(500, f"internal error: {type(e).__name__}").body())
+            await _send_body(send, 500, dialect.error_body(ProxyError(500, f"internal error: {type(e).__name__}")))
         self.service.metrics.observe(endpoint, status, time.perf_counter() - started)
 
     def _authorize(self, headers: dict[bytes, bytes]) -> None:
@@ -138,14 +147,15 @@ class ProxyApp:
         if not keys:
             return
         given = headers.get(b"authorization", b"")
-        token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
+        # the anthropic client sends its key as x-api-key
+        token = given[7:].strip() if given[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
         # Compare with every key, in constant time each, so timing says nothing about which matched.
         matched = False
         for key in keys:
             matched |= hmac.compare_digest(token, key)
         if not matched:
             raise ProxyError(
-                401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
+                401, "missing or invalid API key (Authorization: Bearer <key>, or x-api-key)", code="invalid_api_key"
             )
 
     async def _models(self, send: Send) -> int:
@@ -158,15 +168,16 @@ class ProxyApp:
         await _send_body(send, 200, json.dumps({"object": "list", "data": data}).encode())
         return 200
 
-    # --- /v1/chat/completions and /v1/completions (the OpenAI API) -----------------------------------
+    # --- the completion routes (every dialect) -------------------------------------------------------
 
     async def _completion(
-        self, receive: Receive, send: Send, target: Target, headers: dict[bytes, bytes], operation: Operation
+        self, receive: Receive, send: Send, target: Target, headers: dict[bytes, bytes], dialect: Dialect
     ) -> int:
         service = self.service
         start_time = time.time()
-        raw = await self._read_body(receive, headers)
-        call = parse_call(raw, operation, service.default_model)
+        parsed = dialect.parse(await self._read_body(receive, headers), service.default_model)
+        call, raw = parsed.call, parsed.record
+        call.api = dialect.api
         names = service.backend.model_names
         if names and call.model not in names:
             raise ProxyError(
@@ -177,18 +188,18 @@ class ProxyApp:
         call.call_key = call_key(headers)
         if not call.rollout_id:
             service.metrics.unattributed.inc()
-        elif call.call_key and may_be_retry(headers) and await self._replay(send, call):
+        elif call.call_key and may_be_retry(headers) and await self._replay(send, parsed, dialect):
             return 200
         await service.gate.enter()
         service.metrics.in_flight.inc()
         try:
             result = Result()
             if call.stream:
-                await self._stream(send, call, result, raw, headers, start_time)
+                await self._stream(send, parsed, dialect, result, headers, start_time)
             else:
                 body = await service.backend.complete(call, result)
                 body["model_version"] = result.model_version
-                payload = json.dumps(body).encode()
+                payload = json.dumps(dialect.body(body, parsed)).encode()
                 await self._record(call, result, raw, headers, start_time)
                 await _send_body(send, 200, payload, version=result.model_version)
         finally:
@@ -203,13 +214,15 @@ class ProxyApp:
     async def _stream(
         self,
         send: Send,
-        call: Call,
+        parsed: Parsed,
+        dialect: Dialect,
         result: Result,
-        raw: bytes,
         headers: dict[bytes, bytes],
         start_time: float,
     ) -> None:
         """Send each chunk when the next one exists, so the last one can wait for the span write."""
+        call = parsed.call
+        encoder = dialect.encoder(parsed)
         pending: bytes | None = None
         started = False
         try:
@@ -225,26 +238,25 @@ class ProxyApp:
                             "headers": [*_SSE, (_VERSION_HEADER, version)],
                         }
                     )
-                elif pending is not None:
+                elif pending:
                     await send({"type": "http.response.body", "body": pending, "more_body": True})
-                pending = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                pending = encoder.chunk(chunk)
         except ProxyError as e:
             if not started:
                 raise
             # Headers are gone: the error travels as an SSE event (the openai client raises it).
             log.warning("stream of %s failed after its start: %s", call.model, e.message)
-            await send(
-                {"type": "http.response.body", "body": b"data: " + e.body() + b"\n\n", "more_body": False}
-            )
+            await send({"type": "http.response.body", "body": encoder.error(e), "more_body": False})
             return
         if not started:
             raise ProxyError(502, "the backend produced no output", code="empty_stream")
-        await self._record(call, result, raw, headers, start_time)
-        await send({"type": "http.response.body", "body": (pending or b"") + _DONE, "more_body": False})
+        await self._record(call, result, parsed.record, headers, start_time)
+        await send({"type": "http.response.body", "body": (pending or b"") + encoder.end(result), "more_body": False})
 
-    async def _replay(self, send: Send, call: Call) -> bool:
+    async def _replay(self, send: Send, parsed: Parsed, dialect: Dialect) -> bool:
         """Answer a retried call from its recorded span (`fulmen_llm_proxy.replay`); False when the
         call was not recorded (then it is served as a new one)."""
+        call = parsed.call
         span_id = keyed_span_id(call.attempt_id, call.call_key)
         store = self.service.store
         assert store is not None
@@ -264,12 +276,14 @@ class ProxyApp:
         log.info("call %s of attempt %s answered from its record (a client retry)", span_id, call.attempt_id)
         version = span.attributes.get(semconv.MODEL_VERSION, "")
         if not call.stream:
-            await _send_body(send, 200, json.dumps(body_of(call, span)).encode(), version=str(version))
+            body = dialect.body(body_of(call, span), parsed)
+            await _send_body(send, 200, json.dumps(body).encode(), version=str(version))
             return True
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*_SSE, (_VERSION_HEADER, str(version).encode())]})  # fmt: skip
-        events = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks_of(call, span))
-        await send({"type": "http.response.body", "body": events + _DONE, "more_body": False})
+        encoder = dialect.encoder(parsed)
+        events = b"".join(encoder.chunk(c) for c in chunks_of(call, span))
+        await send({"type": "http.response.body", "body": events + encoder.end(Result()), "more_body": False})
         return True
 
     async def _record(

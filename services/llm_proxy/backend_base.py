@@ -43,6 +43,7 @@ class Call:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     call_key: str = ""  # the client's idempotency key ("" without one): a retry is the same call
+    api: str = ""  # the API the agent called, when not OpenAI's: "openai.responses", "anthropic.messages"
 
     @property
     def messages(self) -> list[dict[str, Any]]:

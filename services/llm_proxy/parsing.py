@@ -84,6 +84,11 @@ def _check_text(text: str) -> None:
 
 def parse_call(raw: bytes, operation: Operation, default_model: str | None) -> Call:
     """Validate the fields the proxy reads; the rest of the body is left for the backend."""
+    return call_from_body(load_body(raw), operation, default_model)
+
+
+def load_body(raw: bytes) -> dict[str, Any]:
+    """The request JSON object, checked by `check_shape`; a 400 when it is not one."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -95,6 +100,11 @@ def parse_call(raw: bytes, operation: Operation, default_model: str | None) -> C
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     check_shape(body)
+    return body
+
+
+def call_from_body(body: dict[str, Any], operation: Operation, default_model: str | None) -> Call:
+    """The `Call` of a loaded chat or completions body (the other APIs translate into one first)."""
     # Absent: the proxy's default model. Present but empty or not a string: the client's mistake,
     # never silently replaced by the default.
     model = body.get("model", default_model)

@@ -29,6 +29,9 @@ from fulmen_llm_proxy.backend_base import Call, Result
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "fulmen-llm-proxy"
+# The API the agent called when it was not OpenAI's chat or completions (the span's request is the
+# chat request it was translated into, so every reader handles it as a chat call).
+API_ATTRIBUTE = "fulmen.api"
 
 
 def build_span(
@@ -67,6 +70,8 @@ def build_span(
         attributes[semconv.GEN_AI_RESPONSE_ID] = result.response_id
     if call.call_key:
         attributes[semconv.CALL_KEY] = call.call_key
+    if call.api:
+        attributes[API_ATTRIBUTE] = call.api
     if call.max_tokens is not None:
         attributes[semconv.GEN_AI_MAX_TOKENS] = call.max_tokens
     if call.seed is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from fakes.fake_openai import FakeOpenAI
 from proxy_helpers import RunningProxy
 
 from fulmen.embedded import EmbeddedRedis
@@ -55,3 +56,38 @@ async def attempt(proxy_store: RedisStore) -> tuple[str, str]:
     """A running attempt to attribute calls to: (rollout id, attempt id)."""
     started = await proxy_store.start_rollout({"task": "test"}, "test-worker")
     return started.rollout.rollout_id, started.attempt.attempt_id
+
+
+@pytest.fixture(scope="module")
+def chat_upstream() -> Iterator[FakeOpenAI]:
+    """A fake OpenAI-compatible upstream on loopback (scripted replies, tool calls included)."""
+    fake = FakeOpenAI()
+    fake.start_in_thread()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture(scope="module")
+def upstream_proxy(
+    redis_server: EmbeddedRedis, module_experiment: str, chat_upstream: FakeOpenAI
+) -> Iterator[RunningProxy]:
+    """A proxy on the openai backend in front of `chat_upstream`."""
+    proxy = RunningProxy(
+        redis_url=redis_server.url, experiment=module_experiment, proxy_backend="openai",
+        upstream_urls=chat_upstream.base_url, model_name="fake-model",
+    )  # fmt: skip
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_api_proxy(redis_server: EmbeddedRedis, module_experiment: str) -> Iterator[tuple[RunningProxy, FakeOpenAI]]:
+    """A proxy on the vllm backend in front of a fake vLLM server (token ids and log-probabilities)."""
+    fake = FakeOpenAI(vllm=True, default_reply="four")
+    fake.start_in_thread()
+    proxy = RunningProxy(
+        redis_url=redis_server.url, experiment=module_experiment, proxy_backend="vllm", upstream_urls=fake.base_url
+    )
+    yield proxy, fake
+    proxy.stop()
+    fake.stop()
