@@ -20,6 +20,7 @@ from chaos_harness import ChaosConfig, random_fault_case
 pytestmark = pytest.mark.slow
 
 SEED = int(os.environ.get("FULMEN_CHAOS_SEED", "1"))
+REDIS_ERRORS = ("ConnectionError", "RedisUnavailable", "BusyLoadingError", "Connection refused")
 
 
 @pytest.mark.timeout(900)
@@ -34,3 +35,7 @@ async def test_random_faults_lose_nothing_and_corrupt_nothing(tmp_path: Path) ->
     assert verdict.lost == verdict.duplicated == verdict.not_terminal == 0, report
     assert verdict.succeeded_twice == verdict.from_retried_calls == verdict.trained_twice == 0, report
     assert verdict.max_staleness <= config.max_staleness, report
+    # a service may be killed, never brought down by Redis going away (it rides out the outage)
+    crashed = {name: tail for name, tails in verdict.exit_logs.items() for tail in tails
+               if "Traceback" in tail and any(error in tail[tail.rfind("Traceback"):] for error in REDIS_ERRORS)}
+    assert not crashed, f"exited on a Redis outage instead of riding it out: {crashed}"
