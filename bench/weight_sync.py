@@ -14,6 +14,9 @@ Formats and transports, each in the trained dtype (bf16):
 - ``full_folder``: the whole model as one file in a shared folder (``weights_dir``);
 - ``delta_redis``: a delta against the version before (`fulmen.version_delta`) after an update of
   an RL-sized learning rate (every weight moved by 1e-5 x a standard normal in fp32, then rounded);
+- ``full_redis_no_aof``: ``full_redis`` again with the server's AOF switched off (``CONFIG SET
+  appendonly no``): with ``appendfsync everysec`` Redis holds its replies while the last second's
+  writes are fsynced, so the AOF paces the transport by the disk (``disk_fsync_mb_per_s``);
 - ``lora``: a LoRA adapter of rank 16 on every linear layer (PEFT layout), on fresh replicas of an
   experiment of its own, as in a LoRA run (only adapters are published: the backend runs each beside
   the base weights; after a full version it would merge it instead).
@@ -147,6 +150,20 @@ class Replicas:
             await asyncio.sleep(POLL_S)
 
 
+def fsync_mb_per_s(path: Path, megabytes: int = 256) -> float:
+    """How fast this disk takes data that must reach it (written and fsynced): what paces Redis's AOF."""
+    block = os.urandom(4 << 20)
+    started = time.perf_counter()
+    with path.open("wb") as f:
+        for _ in range(megabytes // 4):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    took = time.perf_counter() - started
+    path.unlink()
+    return megabytes * 1.048576 / took
+
+
 async def timed(replicas: Replicas, version: str, publish: Callable[[], Awaitable[Any]]) -> tuple[float, int]:
     from fulmen.version_retention import retain_versions
 
@@ -159,8 +176,10 @@ async def timed(replicas: Replicas, version: str, publish: Callable[[], Awaitabl
     return took, int(weights["bytes"])
 
 
-async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int, shared: Path, tag: str) -> dict[str, Any]:
-    """Publish → serving for each format on one model; {figure: value}."""
+async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int, shared: Path, tag: str,
+                  without_aof: bool = False) -> dict[str, Any]:
+    """Publish → serving for each format on one model; {figure: value}. ``without_aof``: the full
+    version via Redis once more with the server's AOF switched off (``full_redis_no_aof``)."""
     from fulmen.lora import lora_description
     from fulmen.model_versions import publish_model_version
     from fulmen.version_delta import encode_delta
@@ -200,6 +219,18 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
             runs["full_folder"].append(took)
             sizes["full_folder"] = size
             log("%s full via a shared folder: %.2f s for %.1f MB", tag, took, size / 1e6)
+        if without_aof:
+            # the transport itself, where the AOF's fsync does not pace the server by the disk
+            await store.redis.config_set("appendonly", "no")
+            runs["full_redis_no_aof"] = []
+            for repeat in range(repeats):
+                v, current = name(), updated(state, 1e-3, seed=400 + repeat)
+                took, size = await timed(replicas, v, lambda v=v, s=current: publish_model_version(
+                    store, s, model="m", model_version=v))
+                runs["full_redis_no_aof"].append(took)
+                sizes["full_redis_no_aof"] = size
+                log("%s full via Redis, AOF off: %.2f s for %.1f MB", tag, took, size / 1e6)
+            await store.redis.config_set("appendonly", "yes")
     # A LoRA run publishes only adapters: fresh replicas on an experiment of their own serve the base,
     # then adapters (the torch backend runs an adapter beside the base weights; once a full version
     # replaced them it would merge instead, which following the versions above would have caused)
@@ -278,7 +309,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 if not args.quick:
                     log("building a Qwen2.5-0.5B-shaped model (random weights, bf16)")
                     qwen = build_qwen(tmp / "qwen")
-                    figures.update(await formats(store, qwen, 1, args.repeats, tmp / "shared", "q"))
+                    figures.update(await formats(store, qwen, 1, args.repeats, tmp / "shared", "q", without_aof=True))
+                    figures["disk_fsync_mb_per_s"] = round(fsync_mb_per_s(tmp / "disk-probe"), 1)
                     figures["model_parameters"] = sum(t.numel() for t in folder_state(qwen).values())
                 figures.update(await retention(RedisStore(client, "bench-retention"), tiny, args.versions))
             finally:

@@ -72,8 +72,9 @@ class Blob:
     def __len__(self) -> int:
         return self.size
 
-    def chunks(self, chunk_bytes: int) -> Iterator[bytes]:
-        """Consecutive pieces of ``chunk_bytes`` (the last one shorter)."""
+    def chunks(self, chunk_bytes: int) -> Iterator[bytes | memoryview]:
+        """Consecutive pieces of ``chunk_bytes`` (the last one shorter): a view of the tensor when the
+        piece lies in one, joined bytes when it spans several."""
         pending: list[memoryview] = []
         filled = 0
         for part in self.parts:
@@ -83,10 +84,10 @@ class Blob:
                 filled += len(take)
                 part = part[len(take):]
                 if filled == chunk_bytes:
-                    yield b"".join(pending)
+                    yield pending[0] if len(pending) == 1 else b"".join(pending)
                     pending, filled = [], 0
         if pending or not self.size:
-            yield b"".join(pending)
+            yield pending[0] if len(pending) == 1 else b"".join(pending)
 
     def joined(self) -> bytearray:
         return bytearray(b"".join(self.parts))
