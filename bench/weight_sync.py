@@ -231,6 +231,10 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
                 sizes["full_redis_no_aof"] = size
                 log("%s full via Redis, AOF off: %.2f s for %.1f MB", tag, took, size / 1e6)
             await store.redis.config_set("appendonly", "yes")
+            # switching it on rewrites the whole AOF; the writes made meanwhile are buffered in Redis's
+            # memory and would count in the retention figure below
+            while (await store.redis.info("persistence"))["aof_rewrite_in_progress"]:
+                await asyncio.sleep(0.5)
     # A LoRA run publishes only adapters: fresh replicas on an experiment of their own serve the base,
     # then adapters (the torch backend runs an adapter beside the base weights; once a full version
     # replaced them it would merge instead, which following the versions above would have caused)
