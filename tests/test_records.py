@@ -105,8 +105,9 @@ def test_old_bytes_decode_to_the_same_record(data: bytes, record: Record) -> Non
     assert type(record).from_wire(data) == record
 
 
-# TrainStep gained its ``metrics`` map after ce35140: its old bytes still decode (above), new ones carry it.
-SAME_WIRE = [(data, record) for data, record in OLD_WIRE if not isinstance(record, TrainStep)]
+# TrainStep gained its ``metrics`` map after ce35140, Sample its ``retokenized`` flag (distillation): their
+# old bytes still decode (above), new ones carry the new field.
+SAME_WIRE = [(data, record) for data, record in OLD_WIRE if not isinstance(record, TrainStep | Sample)]
 
 
 @pytest.mark.parametrize(("data", "record"), SAME_WIRE, ids=[type(r).__name__ for _, r in SAME_WIRE])
@@ -126,9 +127,11 @@ def test_a_train_step_carries_every_numeric_metric_of_its_step() -> None:
 
 def test_pack_sample_writes_the_bytes_of_sample_to_wire() -> None:
     """The adapter's object-free `pack_sample` and `Sample.to_wire` agree byte for byte."""
-    data, sample = next((d, r) for d, r in OLD_WIRE if isinstance(r, Sample))
-    fields = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)}
-    assert pack_sample(fields) == sample.to_wire() == data
+    _, sample = next((d, r) for d, r in OLD_WIRE if isinstance(r, Sample))
+    for flagged in (sample, dataclasses.replace(sample, retokenized=True)):
+        fields = {f.name: getattr(flagged, f.name) for f in dataclasses.fields(flagged)}
+        assert pack_sample(fields) == flagged.to_wire()
+        assert Sample.from_wire(flagged.to_wire()) == flagged
 
 
 # --- refusals, for every record kind ----------------------------------------------------------------

@@ -39,11 +39,11 @@ def command(
     from fulmen.ops_http import start_ops
     from fulmen.ops_metrics import CountersCollector
     from fulmen_adapter.adapter import Adapter, tune_gc_for_batches
-    from fulmen_adapter.triplets import AdapterConfig
+    from fulmen_adapter.triplets import adapter_config
 
     try:
-        config = AdapterConfig(settings.llm_call_match, settings.agent_match, settings.trajectories)
-    except ValueError as e:
+        config = adapter_config(settings)
+    except (ValueError, OSError) as e:  # OSError: no tokenizer in --tokenizer-dir
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
 

@@ -9,12 +9,12 @@ from fulmen.dev import open_store
 from fulmen.ops_http import start_ops
 from fulmen.settings import AdapterSettings, load_settings
 from fulmen_adapter.adapter import Adapter
-from fulmen_adapter.triplets import AdapterConfig
+from fulmen_adapter.triplets import adapter_config
 
 
 async def main(stop: asyncio.Event) -> None:
     settings = load_settings(AdapterSettings)
-    config = AdapterConfig(settings.llm_call_match, settings.agent_match, settings.trajectories)
+    config = adapter_config(settings)
     store = await open_store(settings)
     try:
         with start_ops(settings, "adapter", groups=[("finished", k.ADAPTER_GROUP)]):

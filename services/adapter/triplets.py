@@ -16,6 +16,9 @@
   how the runner computes it too.
 - Turns whose prompt extends the previous turn's prompt and response (token-prefix match) are joined
   into one trajectory sample, with a mask over the model's own tokens.
+- A call recorded without token ids (a text-only upstream: a teacher) is skipped, or, with
+  ``retokenize`` (`fulmen_adapter.retokenize`), tokenised with the policy's tokenizer into a sample
+  marked ``retokenized``, without log-probabilities: for SFT only.
 
 Everything here is pure: spans in, samples out, or `Skip` with the reason. The samples' token ids,
 log-probabilities and mask are the packed bytes (`fulmen.tokens`); `Sample.from_wire` gives lists.
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
@@ -51,6 +54,8 @@ class AdapterConfig:
     llm_call_match: str | None = None  # regex on span names; None: the proxy's llm_call spans
     agent_match: str | None = None  # regex: keep only calls under a span whose name matches
     trajectories: bool = True  # also emit joined multi-turn samples
+    # (request JSON, response JSON) -> (prompt ids, response ids) for calls recorded without ids
+    retokenize: Callable[[str, str], tuple[list[int], list[int]]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("llm_call_match", "agent_match"):
@@ -60,6 +65,16 @@ class AdapterConfig:
                     re.compile(pattern)
                 except re.error as e:
                     raise ValueError(f"{name} {pattern!r} is not a regular expression: {e}") from None
+
+
+def adapter_config(settings: Any) -> AdapterConfig:
+    """The configuration an `AdapterSettings` asks for (ValueError with the reason if it cannot be)."""
+    retokenize = None
+    if settings.tokenizer_dir is not None:
+        from fulmen_adapter.retokenize import Retokenizer
+
+        retokenize = Retokenizer(settings.tokenizer_dir)
+    return AdapterConfig(settings.llm_call_match, settings.agent_match, settings.trajectories, retokenize)
 
 
 class AttemptInfo(NamedTuple):  # a tuple: one is made per rollout, cheaper than a frozen dataclass
@@ -83,6 +98,7 @@ class LlmCall:
     reward: float | None = None
     request_json: str = ""
     response_json: str = ""
+    retokenized: bool = False  # ids made by the adapter from the call's text (no log-probabilities)
 
 
 def _time(value: float | None) -> float:
@@ -170,18 +186,25 @@ def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], co
             if response_id in responses:
                 continue
             responses.add(response_id)
+        request, answer = attributes.get(semconv.REQUEST_JSON), attributes.get(semconv.RESPONSE_JSON)
+        request, answer = request if type(request) is str else "", answer if type(answer) is str else ""
         if semconv.PROMPT_TOKEN_IDS not in attributes or semconv.RESPONSE_TOKEN_IDS not in attributes:
-            fidelity = attributes.get(semconv.TOKEN_FIDELITY, "unknown")
-            raise Skip("no_token_ids", f"LLM call {s.name!r} has no token ids (token fidelity {fidelity})")
+            if config.retokenize is None:
+                fidelity = attributes.get(semconv.TOKEN_FIDELITY, "unknown")
+                raise Skip("no_token_ids", f"LLM call {s.name!r} has no token ids (token fidelity {fidelity}; "
+                                           "for SFT on such calls give the adapter the policy's --tokenizer-dir)")
+            prompt_ids, response_ids = config.retokenize(request, answer)
+            response = tokens.pack_ids(response_ids)
+            calls.append(LlmCall(s, tokens.pack_ids(prompt_ids), response, bytes(len(response)), None, request,
+                                 answer, retokenized=True))
+            continue
         prompt = _packed(attributes[semconv.PROMPT_TOKEN_IDS], "prompt token ids", tokens.pack_ids)
         response = _packed(attributes[semconv.RESPONSE_TOKEN_IDS], "response token ids", tokens.pack_ids)
         logprobs = _packed(attributes.get(semconv.RESPONSE_LOGPROBS) or b"", "logprobs", tokens.pack_floats)
         if len(logprobs) != len(response):  # 4 bytes each
             raise Skip("malformed_span",
                        f"malformed span: {len(logprobs) // 4} logprobs for {len(response) // 4} response tokens")
-        request, answer = attributes.get(semconv.REQUEST_JSON), attributes.get(semconv.RESPONSE_JSON)
-        calls.append(LlmCall(s, prompt, response, logprobs, None, request if type(request) is str else "",
-                             answer if type(answer) is str else ""))
+        calls.append(LlmCall(s, prompt, response, logprobs, None, request, answer))
     return calls
 
 
@@ -272,7 +295,7 @@ def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterC
 
     def sample(sample_id: str, shape: str, first: int, prompt: bytes, response: bytes,
                logprobs: bytes, mask: bytes, reward: float | None, last: LlmCall,
-               turns: int) -> dict[str, Any]:
+               turns: int, retokenized: bool) -> dict[str, Any]:
         # a dict literal in `Sample`'s field order: the wire bytes are those `Sample.to_wire` writes
         return {
             "sample_id": sample_id, "shape": shape, "rollout_id": rollout_id, "attempt_id": attempt_id,
@@ -283,11 +306,12 @@ def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterC
             "model_version": last.span.attributes.get(semconv.MODEL_VERSION), "mode": mode,
             "group_size": group_size, "num_turns": turns,
             "request_json": last.request_json, "response_json": last.response_json,
+            "retokenized": retokenized,
         }
 
     samples = [
         sample(f"{attempt_id}/t{i}", "triplet", i, c.prompt, c.response, c.logprobs,
-               b"\x01" * (len(c.response) // 4), c.reward, c, 1)
+               b"\x01" * (len(c.response) // 4), c.reward, c, 1, c.retokenized)
         for i, c in enumerate(calls)
     ]
     if config.trajectories and len(calls) > 1:
@@ -305,7 +329,8 @@ def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterC
                 sequence_len = len(c.prompt) + len(c.response)
             samples.append(
                 sample(f"{attempt_id}/traj{chain[0]}", "trajectory", chain[0], first.prompt,
-                       response, logprobs, mask, final, calls[chain[-1]], len(chain))
+                       response, logprobs, mask, final, calls[chain[-1]], len(chain),
+                       any(calls[j].retokenized for j in chain))
             )
     return samples
 

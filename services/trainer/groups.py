@@ -8,6 +8,7 @@ dropped or down-weighted, as configured, and counted.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 
 from fulmen.model_versions import ModelVersion
 from fulmen.records import Sample, SampleSkip
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +58,8 @@ class GroupCollector:
     max_staleness: int | None = None
     stale_policy: str = "drop"  # drop | downweight
     idle_s: float = 120.0
+    # an RL objective: samples re-tokenised from a text-only call (no log-probabilities) are refused
+    rl: bool = True
     groups: dict[str, Group] = field(default_factory=dict)
     counts: Counter[str] = field(default_factory=Counter)
 
@@ -110,7 +115,7 @@ class GroupCollector:
             return group
         samples, weights = [], []
         for s in group.samples:
-            weight = self._weight(current_version - ModelVersion.parse(s.model_version).number)
+            weight = 1.0 if s.retokenized else self._weight(current_version - ModelVersion.parse(s.model_version).number)
             if weight == 0.0:
                 self.counts["samples/dropped_stale"] += 1
                 continue
@@ -130,6 +135,13 @@ class GroupCollector:
                 s for s in rollout_samples if s.shape == "triplet"
             ]
             for s in chosen:
+                if s.retokenized:
+                    if self.rl:
+                        self._refuse_retokenized(s)
+                        continue
+                    samples.append(s)  # a teacher's answer: no staleness, the policy did not write it
+                    weights.append(1.0)
+                    continue
                 weight = self._weight(current_version - ModelVersion.parse(s.model_version).number)
                 if weight == 0.0:
                     self.counts["samples/dropped_stale"] += 1
@@ -139,6 +151,13 @@ class GroupCollector:
                 samples.append(s)
                 weights.append(weight)
         return samples, weights
+
+    def _refuse_retokenized(self, sample: Sample) -> None:
+        if not self.counts["samples/refused_retokenized"]:
+            log.warning("sample %s was re-tokenised from a text-only call (a teacher's answer): an RL objective "
+                        "needs the serving model's own token ids and log-probabilities, so such samples are "
+                        "refused; train on them with --algorithm sft", sample.sample_id)
+        self.counts["samples/refused_retokenized"] += 1
 
     def _weight(self, staleness: int) -> float:
         if self.max_staleness is None or staleness <= self.max_staleness:

@@ -87,7 +87,7 @@ class Trainer:
         self.model_name = settings.model_name or settings.model_dir.resolve().name
         self.collector = GroupCollector(
             group_size=settings.group_size, shape=settings.sample_shape, max_staleness=settings.max_staleness,
-            stale_policy=settings.stale_policy,
+            stale_policy=settings.stale_policy, rl=settings.algorithm != "sft",
         )
         self.baseline = Baseline()
         self.ready: list[ReadyGroup] = []

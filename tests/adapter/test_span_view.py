@@ -89,7 +89,7 @@ def test_pack_sample_writes_the_bytes_of_sample_to_wire() -> None:
     fields = dict(sample_id="a/t0", shape="triplet", rollout_id="r", attempt_id="a", group_key="g", turn_index=0,
                   prompt_token_ids=[1, 2], response_token_ids=[3], response_logprobs=[-0.5], response_mask=[1],
                   reward=1.0, final_reward=1.0, model_version="v1", mode="train", group_size=4, num_turns=1,
-                  request_json="{}", response_json="null")
+                  request_json="{}", response_json="null", retokenized=False)
     sample = Sample(**fields)  # type: ignore[arg-type]
     assert pack_sample(dict(fields)) == sample.to_wire()
     assert Sample.from_wire(pack_sample(dict(fields))) == sample

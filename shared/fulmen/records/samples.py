@@ -55,6 +55,9 @@ class Sample(Record):
     # as text: the adapter need not parse them; `messages`, `prompt_text`, `response_text` do, on demand)
     request_json: str = ""
     response_json: str = ""
+    # token ids the adapter made from a text-only call's text with the policy's tokenizer (a teacher's
+    # answer): no log-probabilities (zeros), for SFT only (`fulmen_adapter.retokenize`)
+    retokenized: bool = False
 
     def check_wire(self) -> None:
         """Values a trainer can use: ids, a known shape, tokens to train on, finite numbers. Token ids

@@ -124,6 +124,11 @@ class AdapterSettings(CommonSettings):
     )
     agent_match: str | None = Field(None, description="Regex: only LLM calls under a span whose name matches.")
     trajectories: bool = Field(True, description="Also join multi-turn calls into trajectory samples.")
+    tokenizer_dir: Path | None = Field(
+        None,
+        description="The policy's model folder: LLM calls answered without token ids (a text-only teacher upstream) "
+        "are tokenised with its tokenizer and chat template into samples marked retokenized, for SFT (unset: skipped).",
+    )
 
 
 class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings):
