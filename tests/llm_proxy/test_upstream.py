@@ -190,3 +190,31 @@ def test_unreachable_upstream_is_502_and_a_dead_replica_is_skipped(
             assert httpx.post(url, json=body).status_code == 200
     finally:
         proxy.stop()
+
+
+async def test_a_teachers_text_only_answers_become_retokenized_samples(
+    openai_proxy: RunningProxy, openai_fake: FakeOpenAI, proxy_store: RedisStore, attempt: tuple[str, str],
+    tiny_model,  # type: ignore[no-untyped-def]
+) -> None:
+    """Distillation through the proxy: an agent's two-turn conversation answered by a text-only upstream
+    (the teacher) is recorded without token ids; the adapter, given the policy's tokenizer, turns it
+    into samples tokenised with the policy's chat template, one trajectory masked to the answers."""
+    from fulmen.records import Sample
+    from fulmen_adapter.retokenize import Retokenizer
+    from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, spans_to_samples
+
+    openai_fake.script("four", "five")
+    client = openai.OpenAI(base_url=openai_proxy.base(*attempt), api_key="unused")
+    first = client.chat.completions.create(model="fake-model", messages=MESSAGES).choices[0].message.content
+    follow_up = [*MESSAGES, {"role": "assistant", "content": first}, {"role": "user", "content": "and 2+3?"}]
+    client.chat.completions.create(model="fake-model", messages=follow_up)
+    spans = await proxy_store.query_spans(attempt[0])
+    retokenize = Retokenizer(tiny_model)
+    info = AttemptInfo(attempt[0], attempt[1], "task", mode="train", reward=1.0)
+    samples = [Sample.from_wire(s.to_wire()) for s in spans_to_samples(spans, info, AdapterConfig(retokenize=retokenize))]
+    assert {s.shape for s in samples} == {"triplet", "trajectory"} and all(s.retokenized for s in samples)
+    (trajectory,) = [s for s in samples if s.shape == "trajectory"]
+    tok = retokenize.tokenizer
+    answers = [t for t, m in zip(trajectory.response_token_ids, trajectory.response_mask, strict=True) if m]
+    assert tok.decode(answers) == f"four{tok.eos_token}five{tok.eos_token}"
+    assert trajectory.prompt_token_ids == retokenize._render(MESSAGES, None, add_generation_prompt=True)
