@@ -39,7 +39,7 @@ def command(
     from fulmen.ops_http import start_ops
     from fulmen.ops_metrics import CountersCollector
     from fulmen_adapter.adapter import Adapter, tune_gc_for_batches
-    from fulmen_adapter.triplets import adapter_config
+    from fulmen_adapter.config import adapter_config
 
     try:
         config = adapter_config(settings)

@@ -9,7 +9,7 @@ from fulmen.dev import open_store
 from fulmen.ops_http import start_ops
 from fulmen.settings import AdapterSettings, load_settings
 from fulmen_adapter.adapter import Adapter
-from fulmen_adapter.triplets import adapter_config
+from fulmen_adapter.config import adapter_config
 
 
 async def main(stop: asyncio.Event) -> None:

@@ -67,16 +67,6 @@ class AdapterConfig:
                     raise ValueError(f"{name} {pattern!r} is not a regular expression: {e}") from None
 
 
-def adapter_config(settings: Any) -> AdapterConfig:
-    """The configuration an `AdapterSettings` asks for (ValueError with the reason if it cannot be)."""
-    retokenize = None
-    if settings.tokenizer_dir is not None:
-        from fulmen_adapter.retokenize import Retokenizer
-
-        retokenize = Retokenizer(settings.tokenizer_dir)
-    return AdapterConfig(settings.llm_call_match, settings.agent_match, settings.trajectories, retokenize)
-
-
 class AttemptInfo(NamedTuple):  # a tuple: one is made per rollout, cheaper than a frozen dataclass
     rollout_id: str
     attempt_id: str

@@ -3,6 +3,7 @@ and the stream entries it consumes. Pure data and arithmetic: the trainer loop a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,3 +90,12 @@ def plan_step(groups: list[ReadyGroup], algorithm: str, reward_source: str, base
         plan.stats["sft_weights"] = float(sum(weights))
         plan.advantages = torch.tensor(weights, dtype=torch.float)  # sft reads them as sample weights
     return plan
+
+
+def nonfinite_plan(plan: StepPlan) -> str | None:
+    """Why a step's rewards or advantages make it untrainable (a NaN or an infinity), or None."""
+    if not all(math.isfinite(r) for r in plan.rewards):
+        return "a reward is not finite"
+    if plan.advantages.numel() and not bool(torch.isfinite(plan.advantages).all()):
+        return "an advantage is not finite"
+    return None

@@ -36,30 +36,29 @@ from fulmen.model_versions import (
     BASE_VERSION,
     ModelVersion,
     fetch_model_version,
-    is_published,
     next_model_version,
 )
 from fulmen.records import Sample, SampleSkip
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
-from fulmen.train_steps import latest_step, record_untrained_groups
+from fulmen.train_steps import record_untrained_groups
 from fulmen.version_retention import retain_versions
 from fulmen_trainer import checkpoint as ckpt
 from fulmen_trainer import sharded_checkpoint
 from fulmen_trainer.batch import TokenBatch, make_batch
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
-from fulmen_trainer.logprobs import token_logprobs
+from fulmen_trainer.loss import clip_range, learning_rate, micro_loss
 from fulmen_trainer.metrics import MetricsMirror, StepMetrics
-from fulmen_trainer.objectives import Baseline, kl_to_reference, objective
-from fulmen_trainer.plan import StepPlan, merge_passes, plan_step
+from fulmen_trainer.objectives import Baseline, objective
+from fulmen_trainer.plan import StepPlan, merge_passes, nonfinite_plan, plan_step
 from fulmen_trainer.policy import Policy, load_policy
 from fulmen_trainer.publishing import VersionPublisher
 from fulmen_trainer.rank_group import RankGroup
+from fulmen_trainer.resume import recover_pending, resume_from
 from fulmen_trainer.torch_ranks import TorchRanks
 
 log = logging.getLogger(__name__)
 
-RECOVER_READ_COUNT = 1000  # pending entries per read when recovering after a restart
 READ_COUNT = 512  # sample entries per read: a few steps' worth, so a read rarely waits on the next
 READ_BLOCK_S = 1.0  # also how often the loop looks at the stop event
 
@@ -143,54 +142,8 @@ class Trainer:
             self.ranks.wrap(self.policy)  # DDP or FSDP: before the optimizer (FSDP replaces the parameters)
         self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=self.s.learning_rate)
         await self.store.ensure_samples_group(k.TRAINERS_GROUP)
-        already_done: set[str] = set()
-        if path is not None:
-            if sharded:
-                assert isinstance(self.ranks, TorchRanks)  # checked above: sharded ranks
-                checkpoint, codec_state = await asyncio.to_thread(self.ranks.load_checkpoint, path, self), {}
-            else:
-                checkpoint, codec_state = ckpt.load(path, self.optimizer)
-            if self.ranks is not None and codec_state:
-                self.ranks.codec.load_state_dict(codec_state)  # error feedback carries over the restart
-            self.step, self.version = checkpoint.step, ModelVersion.parse(checkpoint.model_version)
-            self.checkpointed_step = self.step
-            already_done = set(checkpoint.consumed_entry_ids)
-            log.info("resumed from %s: step %d, model version %s", path, self.step, self.version)
-            if self.rank == 0 and self.version.number > 0 and not await is_published(self.store, self.version.name):
-                # killed between the checkpoint and the publish: these weights are that version
-                log.info("model version %s was checkpointed but not published: publishing it now", self.version)
-                await self.publish(resumed=True)
-            if self.rank == 0:
-                # a trainer that died after its checkpoint but before the metrics write (SIGKILL, or
-                # Redis gone at the acknowledgement) logs those steps now, or the file misses them
-                self.mirror.append(checkpoint.extra.get("metrics", []))
-                # likewise the steps stream, which the algorithm paces on: a step it never sees would
-                # leave it waiting for the trainer, and the trainer for its rollouts
-                logged = await latest_step(self.store.redis, self.store.keys)
-                for line in checkpoint.extra.get("metrics", []):
-                    if line["step"] > logged:
-                        self.metrics.record(line["step"], line)
-        await self._recover_pending(already_done)
-
-    async def _recover_pending(self, already_done: set[str]) -> None:
-        """Entries read before a restart: those the last checkpoint consumed are acknowledged now; the
-        rest go back into the groups."""
-        acked = requeued = 0
-        after = "0"
-        while True:
-            entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=RECOVER_READ_COUNT,
-                                                    pending=True, after=after)
-            if not entries:
-                break
-            after = entries[-1][0]
-            done = [e for e, _ in entries if e in already_done]
-            await self.store.ack_samples(k.TRAINERS_GROUP, done)
-            acked += len(done)
-            rest = [(entry_id, item) for entry_id, item in entries if entry_id not in already_done]
-            await self.take(rest)
-            requeued += len(rest)
-        if acked or requeued:
-            log.info("after restart: %d entries were already trained on, %d back in their groups", acked, requeued)
+        already_done = await resume_from(self, path, sharded) if path is not None else set()
+        await recover_pending(self, already_done)
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -247,7 +200,7 @@ class Trainer:
         # advantages
         plan = plan_step(groups, self.s.algorithm, self.s.reward_source, self.baseline, self.s.sft_min_reward)
         started = time.perf_counter()
-        self.nonfinite = _nonfinite_plan(plan)
+        self.nonfinite = nonfinite_plan(plan)
         if self.nonfinite is not None:  # nothing was sent to the ranks yet: not even counted as a step
             return await self.skip_step(plan)
         if self.ranks is None:
@@ -349,7 +302,7 @@ class Trainer:
                     prox_logps.append(logp.detach())
                 prox = prox_logps[index]
                 weight = micro.tokens / total_tokens  # micro-batches add up to the token mean of the batch
-                loss, pg, entropy, kl = self._loss(micro, adv, logp, token_entropy, prox)
+                loss, pg, entropy, kl = micro_loss(self.s, self.policy, micro, adv, logp, token_entropy, prox)
                 (loss * weight).backward()
             mask = micro.mask
             with torch.no_grad():  # diagnostics: how far the proxy's log-probabilities are from ours
@@ -357,7 +310,7 @@ class Trainer:
                 tokens = mask.sum().clamp(min=1)
                 is_weight = (torch.exp(gap).clamp(max=self.s.tis_cap) * mask).sum() / tokens
                 # tokens whose ratio to the step's start left the clip range (0 in a first pass)
-                outside = ((logp - prox).exp() - 1).abs() > self._clip()
+                outside = ((logp - prox).exp() - 1).abs() > clip_range(self.s)
                 sums["clip_frac"] += float((outside * mask).sum() / tokens) * weight
                 sums["loss"] += float(loss) * weight
                 sums["pg"] += float(pg) * weight
@@ -380,27 +333,6 @@ class Trainer:
             **{f"count/{name}": n for name, n in self.collector.counts.items()},
         }
 
-    def _loss(self, micro: TokenBatch, adv: torch.Tensor, logp: torch.Tensor, token_entropy: torch.Tensor | None,
-              prox: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A micro-batch's loss (its token mean) and its parts: policy term, entropy, KL to the reference."""
-        assert self.policy is not None
-        policy, mask = self.policy, micro.mask
-        loss_fn = objective(self.s.algorithm)
-        if self.s.algorithm == "sft":
-            pg = loss_fn(logp, micro.behaviour_logp, adv, mask * adv[:, None], aggregation=self.s.loss_aggregation)
-        else:
-            pg = loss_fn(logp, micro.behaviour_logp, adv, mask, prox_logp=prox, clip_eps=self._clip(),
-                         tis_cap=self.s.tis_cap, aggregation=self.s.loss_aggregation)
-        entropy = torch.zeros((), device=policy.device)
-        if token_entropy is not None:
-            entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
-        kl = torch.zeros((), device=policy.device)
-        if policy.has_reference:
-            with torch.no_grad(), policy.as_reference() as reference, policy.compute():
-                ref_logp, _ = token_logprobs(reference, micro, chunk_tokens=self.s.logprob_chunk_tokens)
-            kl = (kl_to_reference(logp, ref_logp) * mask).sum() / mask.sum().clamp(min=1)
-        return pg - self.s.ent_coef * entropy + self.s.kl_coef * kl, pg, entropy, kl
-
     def _batch(self, plan: StepPlan) -> TokenBatch:
         pad_id = getattr(self.model.config, "pad_token_id", None) or 0
         now = self.version.number
@@ -409,18 +341,8 @@ class Trainer:
             staleness=[now - ModelVersion.parse(s.model_version).number for s in plan.samples],
         )
 
-    def _clip(self) -> float:
-        return math.inf if self.s.algorithm == "reinforce" else self.s.clip_eps
-
     def learning_rate(self, step: int) -> float:
-        """Linear warm-up over lr_warmup_steps, then linear decay to lr_final over lr_decay_steps."""
-        s = self.s
-        if s.lr_warmup_steps and step < s.lr_warmup_steps:
-            return s.learning_rate * (step + 1) / s.lr_warmup_steps
-        if s.lr_decay_steps and s.lr_final is not None:
-            done = min(1.0, (step - s.lr_warmup_steps) / s.lr_decay_steps)
-            return s.learning_rate + (s.lr_final - s.learning_rate) * done
-        return s.learning_rate
+        return learning_rate(self.s, step)
 
     def update(self) -> float:
         """One optimizer update from the gradients in ``.grad`` (clipped); the caller counts the step
@@ -500,12 +422,3 @@ class Trainer:
         if self.rank == 0:
             self.mirror.append(self.unlogged)
         self.unlogged = []
-
-
-def _nonfinite_plan(plan: StepPlan) -> str | None:
-    """Why a step's rewards or advantages make it untrainable (a NaN or an infinity), or None."""
-    if not all(math.isfinite(r) for r in plan.rewards):
-        return "a reward is not finite"
-    if plan.advantages.numel() and not bool(torch.isfinite(plan.advantages).all()):
-        return "an advantage is not finite"
-    return None

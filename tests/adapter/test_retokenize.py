@@ -18,8 +18,9 @@ from fulmen.settings import AdapterSettings, TrainerSettings, load_settings
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
 from fulmen_adapter import triplets
+from fulmen_adapter.config import adapter_config
 from fulmen_adapter.retokenize import Retokenizer
-from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, adapter_config
+from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip
 from fulmen_trainer.groups import GroupCollector
 
 INFO = AttemptInfo("r1", "r1.1", "task-a", mode="train", group_size=2, reward=1.0)

@@ -20,6 +20,7 @@ from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
 from fulmen_trainer.groups import GroupCollector
+from fulmen_trainer.resume import recover_pending
 from fulmen_trainer.trainer import Trainer
 
 
@@ -224,7 +225,7 @@ async def test_restart_recovers_every_pending_sample_past_the_first_page(real_st
     assert len(read) == 1210
     settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=1000)
     trainer = Trainer(real_store, settings)
-    await trainer._recover_pending(set())
+    await recover_pending(trainer, set())
     complete = trainer.collector.take_complete(0)
     assert len(complete) == 10  # the groups whose third sample arrived
     assert sum(len(g.entry_ids) for g in complete) + trainer.collector.pending_samples() == 1210
