@@ -160,3 +160,39 @@ def usage_of(body: dict[str, Any], result: Result | None) -> tuple[int, int]:
         n_in, n_out = usage.get("prompt_tokens"), usage.get("completion_tokens")
         return (n_in if isinstance(n_in, int) else 0), (n_out if isinstance(n_out, int) else 0)
     return 0, 0
+
+
+class StreamedChat:
+    """What a streaming call's chat chunks have said so far, read the same way for every API the
+    proxy translates (`fulmen_llm_proxy.messages_events`, `fulmen_llm_proxy.responses_events`)."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.calls = ToolCalls()
+        self.prompt_ids: list[int] | None = None
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] = {}
+        self.version = ""
+
+    def read(self, chunk: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """Take a chunk in; its first choice and the text it adds ("" when none)."""
+        self.version = str(chunk.get("model_version") or self.version)
+        if isinstance(chunk.get("prompt_token_ids"), list):
+            self.prompt_ids = chunk["prompt_token_ids"]
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        choice = first_choice(chunk)
+        if isinstance(choice.get("token_ids"), list):
+            self.token_ids.extend(choice["token_ids"])
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        for tool_delta in delta.get("tool_calls") or ():
+            if isinstance(tool_delta, dict):
+                self.calls.add_delta(tool_delta)
+        text = delta.get("content")
+        if not isinstance(text, str) or not text:
+            return choice, ""
+        self.texts.append(text)
+        return choice, text
+

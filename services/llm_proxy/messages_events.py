@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fulmen_llm_proxy.backend_base import Call, Result
-from fulmen_llm_proxy.dialects import ToolCalls, first_choice, logprob_tokens, usage_of
+from fulmen_llm_proxy.dialects import StreamedChat, ToolCalls, first_choice, logprob_tokens, usage_of
 from fulmen_llm_proxy.errors import ProxyError
 
 
@@ -93,20 +93,15 @@ def message_body(chat: dict[str, Any], call: Call) -> dict[str, Any]:
     return body
 
 
-class MessagesEncoder:
+class MessagesEncoder(StreamedChat):
     """One streaming call's chat chunks as Messages events (`fulmen_llm_proxy.dialects.Encoder`)."""
 
     def __init__(self, call: Call, error_body: Callable[[ProxyError], bytes]) -> None:
+        super().__init__()
         self.call, self.error_body = call, error_body
         self.started = False
         self.opened = False  # the text block
-        self.texts: list[str] = []
         self.tokens: list[str] = []
-        self.calls = ToolCalls()
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] = {}
-        self.version = ""
 
     @staticmethod
     def _event(kind: str, **fields: Any) -> bytes:
@@ -114,10 +109,10 @@ class MessagesEncoder:
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
         out = []
-        self.version = str(chunk.get("model_version") or self.version)
+        choice, text = self.read(chunk)
         if not self.started:
             self.started = True
-            prompt_ids = chunk.get("prompt_token_ids")
+            prompt_ids = self.prompt_ids
             message: dict[str, Any] = {
                 "id": _id(), "type": "message", "role": "assistant", "model": self.call.model, "content": [],
                 "stop_reason": None, "stop_sequence": None,
@@ -127,23 +122,11 @@ class MessagesEncoder:
             if isinstance(prompt_ids, list):
                 message["prompt_token_ids"] = prompt_ids
             out.append(self._event("message_start", message=message))
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        choice = first_choice(chunk)
-        if isinstance(choice.get("token_ids"), list):
-            self.token_ids.extend(choice["token_ids"])
         self.tokens.extend(str(t.get("token", "")) for t in logprob_tokens(choice))
-        self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-        for tool_delta in delta.get("tool_calls") or ():
-            if isinstance(tool_delta, dict):
-                self.calls.add_delta(tool_delta)
-        text = delta.get("content")
-        if isinstance(text, str) and text:
+        if text:
             if not self.opened:
                 self.opened = True
                 out.append(self._event("content_block_start", index=0, content_block={"type": "text", "text": ""}))
-            self.texts.append(text)
             out.append(self._event("content_block_delta", index=0, delta={"type": "text_delta", "text": text}))
         return b"".join(out)
 

@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from fulmen_llm_proxy.backend_base import Call, Result
-from fulmen_llm_proxy.dialects import ToolCalls, first_choice, logprob_tokens, usage_of
+from fulmen_llm_proxy.dialects import StreamedChat, ToolCalls, first_choice, logprob_tokens, usage_of
 from fulmen_llm_proxy.errors import ProxyError
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -114,23 +114,17 @@ def response_body(chat: dict[str, Any], call: Call, request: dict[str, Any]) -> 
     return response
 
 
-class ResponsesEncoder:
+class ResponsesEncoder(StreamedChat):
     """One streaming call's chat chunks as Responses events (`fulmen_llm_proxy.dialects.Encoder`)."""
 
     def __init__(self, call: Call, request: dict[str, Any]) -> None:
+        super().__init__()
         self.call, self.request = call, request
         self.response = envelope(request, call, _id("resp_"), int(time.time()), "in_progress")
         self.sequence = 0
         self.message_id = _id("msg_")
         self.opened = False
-        self.texts: list[str] = []
         self.logprobs: list[dict[str, Any]] | None = [] if _wants_logprobs(request) else None
-        self.calls = ToolCalls()
-        self.prompt_ids: list[int] | None = None
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] = {}
-        self.version = ""
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -142,24 +136,10 @@ class ResponsesEncoder:
         if self.sequence == 0:
             out.append(self._event("response.created", response=self.response))
             out.append(self._event("response.in_progress", response=self.response))
-        self.version = str(chunk.get("model_version") or self.version)
-        if isinstance(chunk.get("prompt_token_ids"), list):
-            self.prompt_ids = chunk["prompt_token_ids"]
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        choice = first_choice(chunk)
-        if isinstance(choice.get("token_ids"), list):
-            self.token_ids.extend(choice["token_ids"])
-        self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-        for tool_delta in delta.get("tool_calls") or ():
-            if isinstance(tool_delta, dict):
-                self.calls.add_delta(tool_delta)
-        text = delta.get("content")
-        if isinstance(text, str) and text:
+        choice, text = self.read(chunk)
+        if text:
             if not self.opened:
                 out.append(self._open())
-            self.texts.append(text)
             logprobs = None
             if self.logprobs is not None:
                 logprobs = _logprobs(logprob_tokens(choice))
