@@ -43,7 +43,7 @@ def command(
 
     try:
         config = adapter_config(settings)
-    except (ValueError, OSError) as e:  # OSError: no tokenizer in --tokenizer-dir
+    except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
 

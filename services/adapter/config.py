@@ -7,8 +7,8 @@ from fulmen_adapter.triplets import AdapterConfig
 
 
 def adapter_config(settings: AdapterSettings) -> AdapterConfig:
-    """The configuration an `AdapterSettings` asks for (ValueError or OSError with the reason if it
-    cannot be: a bad regular expression, no tokenizer in ``tokenizer_dir``)."""
+    """The configuration an `AdapterSettings` asks for (ValueError with the reason if it cannot be: a
+    bad regular expression, no tokenizer in ``tokenizer_dir``)."""
     retokenize = None
     if settings.tokenizer_dir is not None:
         from fulmen_adapter.retokenize import Retokenizer

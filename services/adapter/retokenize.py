@@ -24,7 +24,15 @@ class Retokenizer:
     def __init__(self, tokenizer_dir: Path) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        if not Path(tokenizer_dir).is_dir():
+            raise ValueError(f"tokenizer_dir {tokenizer_dir} is not a folder: give the policy's model folder "
+                             "(its tokenizer files and chat template)")
+        # a local folder only: nothing is downloaded at run time
+        try:
+            self.tokenizer: Any = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"no tokenizer could be loaded from {tokenizer_dir} ({first})") from None
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer in {tokenizer_dir} has no chat template: chat calls cannot be re-tokenised")
 

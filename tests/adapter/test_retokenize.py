@@ -101,8 +101,10 @@ def test_a_call_that_cannot_be_retokenized_is_skipped_with_the_reason(
 def test_the_adapter_setting_names_the_tokenizer(tiny: Path, tmp_path: Path) -> None:
     assert adapter_config(load_settings(AdapterSettings)).retokenize is None
     assert isinstance(adapter_config(load_settings(AdapterSettings, tokenizer_dir=tiny)).retokenize, Retokenizer)
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="is not a folder"):
         adapter_config(load_settings(AdapterSettings, tokenizer_dir=tmp_path / "nothing"))
+    with pytest.raises(ValueError, match="no tokenizer could be loaded"):
+        adapter_config(load_settings(AdapterSettings, tokenizer_dir=tmp_path))
 
 
 def _retokenized(rollout: str, version: str | None = "teacher") -> Sample:
