@@ -43,6 +43,7 @@ class Call:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     call_key: str = ""  # the client's idempotency key ("" without one): a retry is the same call
+    n: int = 1  # choices asked for: one sample each (torch backend; see `Result.more`)
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -70,6 +71,9 @@ class Result:
     input_tokens: int | None = None
     output_tokens: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # choices 1..n-1 of an ``n > 1`` call, each a sample of its own (its span is its own too); this
+    # Result is choice 0
+    more: list[Result] = field(default_factory=list)
 
     def message(self) -> dict[str, Any]:
         """The assistant message (chat) as recorded in the span."""
