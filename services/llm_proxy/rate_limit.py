@@ -1,9 +1,11 @@
 """A per-upstream rate limit: requests and tokens per minute, each a token bucket.
 
-A bucket holds up to a minute's allowance and refills continuously (``per_minute / 60`` a second),
-so a burst of a minute's worth goes at once and then calls are spaced. A call reserves what it
-needs at once (the bucket may go below zero) and waits until its reservation is covered: calls are
-served in the order they asked, and none starves. Tokens are not known before the upstream answers,
+A bucket refills continuously (``per_minute / 60`` a second) and holds up to a tenth of a minute's
+allowance (`BURST_FRACTION`): a burst that large goes at once, then calls are spaced (providers
+enforce a per-minute limit over shorter windows too). A call reserves what it needs at once (the
+bucket may go below zero, so a call larger than the burst goes too, and the calls after it wait for
+it) and waits until its reservation is covered: calls are served in the order they asked, and none
+starves. Tokens are not known before the upstream answers,
 so a call reserves an estimate (`estimate_tokens`) and `RateLimiter.settle` corrects the bucket by
 the usage the upstream reports. A wait longer than the call's budget is not waited: the call is a
 429 (retryable, and the openai client retries it), its reservation given back.
@@ -18,13 +20,14 @@ from typing import Any
 
 from fulmen_llm_proxy.errors import ProxyError
 
+BURST_FRACTION = 0.1  # of the per-minute allowance
 BYTES_PER_TOKEN = 4  # a usual estimate for English text and JSON
 DEFAULT_COMPLETION_TOKENS = 256  # what a call without max_tokens is assumed to generate
 
 
 class TokenBucket:
     def __init__(self, per_minute: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.capacity = float(per_minute)
+        self.capacity = max(1.0, per_minute * BURST_FRACTION)
         self.rate = per_minute / 60.0
         self.level = self.capacity
         self.clock = clock
@@ -36,9 +39,9 @@ class TokenBucket:
         self.updated = now
 
     def reserve(self, amount: float) -> float:
-        """Take ``amount`` (at most the capacity, so any call can go some time); seconds to wait."""
+        """Take ``amount``; the seconds to wait until it is covered."""
         self._refill()
-        self.level -= min(amount, self.capacity)
+        self.level -= amount
         return 0.0 if self.level >= 0 else -self.level / self.rate
 
     def give_back(self, amount: float) -> None:
