@@ -78,7 +78,8 @@ class OpenAIBackend:
         self._check(call)
         payload = json.dumps(self.payload(call)).encode()
         path = _PATHS[call.operation]
-        key = request_key(path, call.body) if self.fidelity == "text_only" else None
+        caching = self.fidelity == "text_only" and self.upstreams.cache is not None
+        key = request_key(path, call.body) if caching else None
         body = await self.upstreams.post_json(
             path, payload, call.rollout_id, on_send, cost=estimate_tokens(payload, call.max_tokens, call.n),
             cache_key=key,

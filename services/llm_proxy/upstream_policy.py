@@ -108,7 +108,9 @@ async def with_retries(
         remaining = deadline - clock()
         reply: R | None = None
         try:
-            reply = await asyncio.wait_for(attempt(deadline), max(0.0, min(policy.timeout_s, remaining)))
+            # asyncio.timeout, not wait_for: no task per attempt on the proxy's hot path
+            async with asyncio.timeout(max(0.0, min(policy.timeout_s, remaining))):
+                reply = await attempt(deadline)
         except TimeoutError:
             reply = None
         if reply is not None and not retryable(reply.status):
