@@ -87,3 +87,31 @@ def test_n_outside_1_to_16_is_a_400(torch_proxy: RunningProxy, n: object) -> Non
     client = openai.OpenAI(base_url=torch_proxy.base(), api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="n must be an integer"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, n=n)  # type: ignore[arg-type]
+
+
+async def test_text_completions_take_n_too(
+    torch_proxy: RunningProxy, proxy_store: RedisStore, attempt: tuple[str, str]
+) -> None:
+    client = openai.OpenAI(base_url=torch_proxy.base(*attempt), api_key="unused", max_retries=0)
+    response = client.completions.create(model="tiny", prompt="12+", n=2, temperature=1.0, seed=1, max_tokens=6)
+    assert [c.index for c in response.choices] == [0, 1]
+    tokenizer = torch_proxy.app.service.backend.engine.tokenizer
+    spans = by_choice(await proxy_store.query_spans(attempt[0]))
+    for choice, span in zip(response.choices, spans, strict=True):
+        ids = tokens.ids(span.attributes[semconv.RESPONSE_TOKEN_IDS])
+        assert choice.model_extra["token_ids"] == ids
+        assert tokenizer.decode(ids, skip_special_tokens=True) == choice.text
+
+
+async def test_the_vllm_backend_refuses_n_rather_than_record_one_choice_of_n() -> None:
+    from fulmen_llm_proxy.backend_base import Call, Result
+    from fulmen_llm_proxy.backend_vllm import VllmBackend
+    from fulmen_llm_proxy.errors import ProxyError
+
+    backend = VllmBackend(["http://127.0.0.1:1"])  # never reached: refused before sending
+    call = Call(operation="chat", body={"messages": MESSAGES, "n": 2}, model="m", stream=False, max_tokens=4,
+                temperature=1.0, top_p=1.0, seed=None, stop=[], n=2)  # fmt: skip
+    with pytest.raises(ProxyError) as caught:
+        await backend.complete(call, Result())
+    assert caught.value.status == 400 and caught.value.param == "n"
+    await backend.close()
