@@ -8,7 +8,7 @@ idempotency key, the attempt's prefix or headers, the client's retry count): the
 another rollout is a hit. Only non-streaming calls that ask for ``temperature: 0`` are cached, and
 only 200 answers.
 
-In the proxy's memory, LRU, bounded by entries: a hit costs no round trip, a miss nothing, and the
+In the proxy's memory, LRU, bounded by entries and by `MAX_BYTES` of answers in all: a hit costs no round trip, a miss nothing, and the
 pipeline's Redis (sized for its streams) holds no cache; proxies do not share it, which costs a
 miss per proxy and question. A hit answers a copy with a fresh ``id``, so two calls in one
 attempt stay two calls for the adapter (it keeps one call per response id).
@@ -29,6 +29,7 @@ OPENAI_DEFAULTS: Mapping[str, Any] = {
     "n": 1, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
     "parallel_tool_calls": True,
 }  # fmt: skip
+MAX_BYTES = 64 << 20  # answers held in all, whatever the entry bound: long answers do not fill the memory
 IGNORED = frozenset({"stream", "stream_options", "user", "metadata", "store", "service_tier"})
 
 
@@ -45,8 +46,10 @@ def request_key(path: str, body: Mapping[str, Any], defaults: Mapping[str, Any] 
 
 
 class ResponseCache:
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, max_bytes: int = MAX_BYTES) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._entries: OrderedDict[str, bytes] = OrderedDict()
         self.hits = 0
         self.misses = 0
@@ -68,7 +71,11 @@ class ResponseCache:
         return body
 
     def put(self, key: str, raw: bytes) -> None:
+        if len(raw) > self.max_bytes:
+            return
+        old = self._entries.pop(key, None)
+        self.bytes += len(raw) - (len(old) if old is not None else 0)
         self._entries[key] = raw
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.bytes -= len(dropped)

@@ -9,7 +9,8 @@ order, so its rollouts fail over in a stable way. Unattributed calls go round ro
 Every call goes through the `UpstreamPolicy` (`fulmen_llm_proxy.upstream_policy`): retries on 429,
 5xx and timeouts with backoff, a rate limit per upstream URL (`fulmen_llm_proxy.rate_limit`), and,
 for a call that passes a cache key, the response cache (`fulmen_llm_proxy.response_cache`). A
-streaming call is retried only until its reply's head arrives: once chunks went to the agent, a
+non-streaming call whose connection breaks mid-reply is retried as a 502 would be. A streaming call
+is retried only until its reply's head arrives: once chunks went to the agent, a
 failure ends the stream. Nothing here is OpenAI-specific but the error body it reads: another API's
 backend (Anthropic) gives its paths, its headers (``headers``) and its cache keys.
 """
@@ -147,7 +148,14 @@ class Upstreams:
                 await self._limit(pool, tokens, deadline)
                 return await _sent(pool, on_send).post_reply(path, payload)
 
-            pool, (status, data, after) = await self._first_reachable(rollout_id, send)
+            try:
+                pool, (status, data, after) = await self._first_reachable(rollout_id, send)
+            except ProxyError as e:
+                if e.code != "upstream_error":
+                    raise
+                # the connection broke after the request went (the upstream crashed or restarted):
+                # as a 502 from it, retried
+                return Sent(502, data=e.body())
             return Sent(status, retry_after(after), pool=pool, data=data)
 
         reply = await with_retries(attempt, self.policy, on_retry=self._retrying)

@@ -5,7 +5,7 @@ thread can call it). Each request takes the next scripted reply (then a 200 chat
 is recorded with its arrival time::
 
     up = FlakyUpstream().start()
-    up.script({"status": 429, "headers": {"retry-after": "1"}}, {"status": 500}, {"delay_s": 5})
+    up.script({"status": 429, "headers": {"retry-after": "1"}}, {"status": 500}, {"delay_s": 5}, {"break": True})
     ... up.requests  # [(monotonic time, path, body), ...]
     up.stop()
 """
@@ -33,6 +33,7 @@ class FlakyUpstream:
     def __init__(self) -> None:
         self.replies: deque[dict[str, Any]] = deque()
         self.requests: list[tuple[float, str, dict[str, Any]]] = []
+        self.headers: list[dict[str, str]] = []  # each request's headers, lowercase names
         self.loop: asyncio.AbstractEventLoop | None = None
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -46,6 +47,7 @@ class FlakyUpstream:
         self.replies.clear()
         self.replies.extend(replies)
         self.requests.clear()
+        self.headers.clear()
 
     def start(self) -> FlakyUpstream:
         ready = threading.Event()
@@ -89,9 +91,14 @@ class FlakyUpstream:
                 headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
                 body = json.loads(await reader.readexactly(int(headers.get("content-length", "0"))) or b"{}")
                 self.requests.append((time.monotonic(), path, body))
+                self.headers.append(headers)
                 reply = self.replies.popleft() if self.replies else {}
                 if reply.get("delay_s"):
                     await asyncio.sleep(reply["delay_s"])
+                if reply.get("break"):  # half a reply, then the connection drops (a crash)
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{")
+                    await writer.drain()
+                    return
                 status = reply.get("status", 200)
                 if status == 200 and body.get("stream"):
                     await self._stream(writer, reply)

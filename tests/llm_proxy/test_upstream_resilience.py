@@ -75,6 +75,16 @@ async def test_attempts_are_bounded_and_the_last_error_is_returned(upstream: Fla
     assert caught.value.status == 400 and len(upstream.requests) == 1  # a 4xx other than 429: not retried
 
 
+async def test_a_connection_broken_mid_reply_is_retried(upstream: FlakyUpstream) -> None:
+    upstream.script({"break": True})
+    body = await post(upstream, backoff_s=0.01)
+    assert body["choices"][0]["message"]["content"] == "ok" and len(upstream.requests) == 2
+    upstream.script(*[{"break": True}] * 3)
+    with pytest.raises(ProxyError) as caught:
+        await post(upstream, backoff_s=0.01)
+    assert caught.value.status == 502 and "mid-reply" in caught.value.message and len(upstream.requests) == 3
+
+
 async def test_a_slow_answer_times_out_and_is_retried(upstream: FlakyUpstream) -> None:
     upstream.script({"delay_s": 3.0})
     started = time.monotonic()
@@ -107,6 +117,19 @@ async def test_streaming_is_retried_until_its_head_arrives(upstream: FlakyUpstre
         await upstreams.close()
     assert events[0]["choices"][0]["delta"]["content"] == "ok"
     assert len(upstream.requests) == 2 and 0.15 <= gaps(upstream)[0] < 2.0
+
+
+async def test_another_api_sends_its_own_headers_through_the_same_policy(upstream: FlakyUpstream) -> None:
+    """An Anthropic-style backend: its key header instead of a bearer one, the same retries."""
+    upstream.script({"status": 529})  # Anthropic's "overloaded"
+    upstreams = Upstreams([upstream.url], "ignored", headers={"x-api-key": "k1", "anthropic-version": "2023-06-01"},
+                          policy=UpstreamPolicy(backoff_s=0.01))  # fmt: skip
+    try:
+        await upstreams.post_json("/v1/messages", PAYLOAD, "")
+    finally:
+        await upstreams.close()
+    assert len(upstream.requests) == 2 and upstream.requests[0][1] == "/v1/messages"
+    assert upstream.headers[0]["x-api-key"] == "k1" and "authorization" not in upstream.headers[0]
 
 
 def test_retry_after_reads_seconds_and_http_dates() -> None:
@@ -186,6 +209,12 @@ def test_cache_is_an_lru_bounded_by_entries() -> None:
     assert hit is not None and hit["id"].startswith("b-cached-")
     cache.put("d", b"{}")
     assert cache.get("c") is None and cache.get("b") is not None  # b was used last: c went
+    small = ResponseCache(10, max_bytes=20)
+    small.put("a", b'{"id": "a"}')
+    small.put("b", b'{"id": "b"}')  # 22 bytes in all: a goes
+    small.put("huge", b"x" * 21)  # larger than the whole bound: never held
+    assert small.get("a") is None and small.get("b") is not None and small.get("huge") is None
+    assert small.bytes == 11
 
 
 @pytest.fixture(scope="module")
