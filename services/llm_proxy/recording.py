@@ -113,10 +113,9 @@ def build_spans(call: Call, result: Result, *, span_id: str, **fields: Any) -> l
     spans = [build_span(call, result, span_id=span_id, **fields)]
     for index, more in enumerate(result.more, 1):
         key = choice_key(call.call_key, index)
-        one = replace(call, call_key=key)
-        more.response_id = choice_key(more.response_id, index)
         sid = keyed_span_id(call.attempt_id, key) if key else new_span_id()
-        span = build_span(one, more, span_id=sid, **fields)
+        span = build_span(replace(call, call_key=key), replace(more, response_id=choice_key(more.response_id, index)),
+                          span_id=sid, **fields)  # fmt: skip
         span.attributes[semconv.CHOICE_INDEX] = index
         spans.append(span)
     if result.more:
