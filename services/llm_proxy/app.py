@@ -39,8 +39,15 @@ from fulmen_llm_proxy.dialects import OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect, 
 from fulmen_llm_proxy.errors import ProxyError
 from fulmen_llm_proxy.messages_api import MESSAGES
 from fulmen_llm_proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from fulmen_llm_proxy.recording import build_span
-from fulmen_llm_proxy.replay import body_of, call_key, chunks_of, keyed_span_id, may_be_retry
+from fulmen_llm_proxy.recording import build_spans
+from fulmen_llm_proxy.replay import (
+    body_of,
+    call_key,
+    chunks_of,
+    keyed_span_id,
+    may_be_retry,
+    recorded_choices,
+)
 from fulmen_llm_proxy.responses_api import RESPONSES
 from fulmen_llm_proxy.service import ProxyService
 
@@ -270,19 +277,20 @@ class ProxyApp:
                 f"could not look up the call's record ({type(e).__name__}); retry",
                 code="store_unavailable",
             ) from None
-        span = next((s for s in spans if s.span_id == span_id), None)
-        if span is None:
+        choices = recorded_choices(call, spans)  # one span per choice of an n > 1 call
+        if choices is None:
             return False
+        span, more = choices[0], choices[1:]
         log.info("call %s of attempt %s answered from its record (a client retry)", span_id, call.attempt_id)
         version = span.attributes.get(semconv.MODEL_VERSION, "")
         if not call.stream:
-            body = dialect.body(body_of(call, span), parsed)
+            body = dialect.body(body_of(call, span, more), parsed)
             await _send_body(send, 200, json.dumps(body).encode(), version=str(version))
             return True
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*_SSE, (_VERSION_HEADER, str(version).encode())]})  # fmt: skip
         encoder = dialect.encoder(parsed)
-        events = b"".join(encoder.chunk(c) for c in chunks_of(call, span))
+        events = b"".join(encoder.chunk(c) for c in chunks_of(call, span, more))
         await send({"type": "http.response.body", "body": events + encoder.end(Result()), "more_body": False})
         return True
 
@@ -294,17 +302,18 @@ class ProxyApp:
         if not call.rollout_id:
             return
         trace_id, parent_id = trace_context(headers.get(b"traceparent"), call.rollout_id)
-        span = build_span(
+        spans = build_spans(
             call, result, system=self.service.backend.system, raw_request=raw,
             span_id=keyed_span_id(call.attempt_id, call.call_key) if call.call_key else new_span_id(),
             trace_id=trace_id, parent_id=parent_id, start_time=start_time, end_time=time.time(),
         )  # fmt: skip
         if self.service.otlp is not None:
-            self.service.otlp.export(span)
+            for span in spans:
+                self.service.otlp.export(span)
         store = self.service.store
         assert store is not None
         try:
-            await store.add_spans([span])
+            await store.add_spans(spans)
         except NotFound:
             # No such attempt: nothing can succeed without this span, so the call is served anyway.
             self.service.metrics.span_failures.labels("unknown_attempt").inc()

@@ -44,6 +44,7 @@ class Call:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     call_key: str = ""  # the client's idempotency key ("" without one): a retry is the same call
     api: str = ""  # the API the agent called, when not OpenAI's: "openai.responses", "anthropic.messages"
+    n: int = 1  # choices asked for: one sample each (torch backend; see `Result.more`)
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -71,6 +72,9 @@ class Result:
     input_tokens: int | None = None
     output_tokens: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # choices 1..n-1 of an ``n > 1`` call, each a sample of its own (its span is its own too); this
+    # Result is choice 0
+    more: list[Result] = field(default_factory=list)
 
     def message(self) -> dict[str, Any]:
         """The assistant message (chat) as recorded in the span."""

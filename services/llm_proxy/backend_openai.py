@@ -4,6 +4,10 @@ The request goes upstream as the agent sent it and the response comes back as th
 (tool calls included). Such servers return no token ids, so spans are marked
 ``fulmen.token_fidelity = "text_only"``: fine for prompt optimisation and SFT, not a training
 signal for RL (use the torch or vllm backend for that).
+
+Upstream calls are retried, rate limited and (temperature 0, when ``upstream_cache_entries`` is set)
+cached as `fulmen_llm_proxy.upstream_policy` says. Only this text-only backend caches: a vllm
+upstream serves a model that training changes, so its answers must not outlive a version.
 """
 
 from __future__ import annotations
@@ -13,7 +17,11 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fulmen_llm_proxy.backend_base import BASE_MODEL_VERSION, Call, Fidelity, Result
+from fulmen_llm_proxy.errors import bad_request
+from fulmen_llm_proxy.rate_limit import estimate_tokens
+from fulmen_llm_proxy.response_cache import request_key
 from fulmen_llm_proxy.upstream import Payload, Upstreams
+from fulmen_llm_proxy.upstream_policy import UpstreamPolicy
 
 _PATHS = {"chat": "/v1/chat/completions", "text_completion": "/v1/completions"}
 
@@ -22,8 +30,11 @@ class OpenAIBackend:
     system = "openai"
     fidelity: Fidelity = "text_only"
 
-    def __init__(self, urls: list[str], *, model_name: str | None = None, api_key: str | None = None) -> None:
-        self.upstreams = Upstreams(urls, api_key)
+    def __init__(
+        self, urls: list[str], *, model_name: str | None = None, api_key: str | None = None,
+        policy: UpstreamPolicy | None = None,
+    ) -> None:  # fmt: skip
+        self.upstreams = Upstreams(urls, api_key, policy=policy)
         self._names = [model_name] if model_name else []
 
     @property
@@ -62,8 +73,21 @@ class OpenAIBackend:
     async def complete(self, call: Call, result: Result) -> dict[str, Any]:
         return await self._complete(call, result)
 
+    def _check(self, call: Call) -> None:
+        if call.n > 1 and self.fidelity == "exact":
+            # one span holds one choice's token ids: the others would be served and never trained on
+            raise bad_request("n > 1 is served by the torch backend only; send n calls", "n")
+
     async def _complete(self, call: Call, result: Result, on_send: Callable[[str], None] | None = None) -> dict[str, Any]:
-        body = await self.upstreams.post_json(_PATHS[call.operation], self.encode(call), call.rollout_id, on_send)
+        self._check(call)
+        payload = self.encode(call)
+        path = _PATHS[call.operation]
+        caching = self.fidelity == "text_only" and self.upstreams.cache is not None
+        key = request_key(path, call.body) if caching else None
+        body = await self.upstreams.post_json(
+            path, payload, call.rollout_id, on_send, cost=estimate_tokens(_sized(payload), call.max_tokens, call.n),
+            cache_key=key,
+        )  # fmt: skip
         self.read_response(call, body, result)
         return body
 
@@ -72,12 +96,14 @@ class OpenAIBackend:
 
     async def _stream(self, call: Call, result: Result,
                       on_send: Callable[[str], None] | None = None) -> AsyncIterator[dict[str, Any]]:
+        self._check(call)
         payload = self.encode(call)
         parts: list[str] = []
         tools: dict[int, dict[str, Any]] = {}
         result.fidelity = self.fidelity
         result.model_version = self.model_version
-        async for chunk in self.upstreams.post_sse(_PATHS[call.operation], payload, call.rollout_id, on_send):
+        cost = estimate_tokens(_sized(payload), call.max_tokens, call.n)
+        async for chunk in self.upstreams.post_sse(_PATHS[call.operation], payload, call.rollout_id, on_send, cost=cost):
             self.read_header(chunk, result)
             for choice in chunk.get("choices") or ():
                 self.read_stream_choice(call, choice, result, parts, tools)
@@ -136,3 +162,9 @@ class OpenAIBackend:
             function = tool_delta.get("function") or {}
             tool["function"]["name"] += function.get("name") or ""
             tool["function"]["arguments"] += function.get("arguments") or ""
+
+
+def _sized(payload: Payload) -> bytes:
+    """The body whose size estimates a call's tokens (any replica's: they differ in the model name)."""
+    return payload if isinstance(payload, bytes) else payload("")
+

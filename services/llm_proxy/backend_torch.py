@@ -4,7 +4,9 @@ Chat prompts are rendered with the tokenizer's chat template (``tools`` are pass
 template that ignores them ignores them) and tokenized without adding special tokens again;
 completion prompts are a string (tokenized as vLLM does, special tokens added) or token ids.
 The engine returns the exact token ids and their raw log-probabilities; the text is decoded from
-them (special tokens, such as the final eos, left out). Tool calls are not parsed out of the text.
+them (special tokens, such as the final eos, left out). With ``tools``, tool calls are parsed out of
+the text by `fulmen_llm_proxy.tool_calls` (the format, the rules and what ``tool_choice`` enforces are
+there); ``n > 1`` is `fulmen_llm_proxy.torch_choices`.
 
 Stop strings are applied on the decoded text: generation ends at the token that completes one,
 the text is cut before it, and ``token_ids`` keep every generated token (as vLLM does). While
@@ -20,10 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from fulmen.errors import InvalidInput, RetryableError
-from fulmen_llm_proxy import formatting
+from fulmen_llm_proxy import formatting, tool_calls
 from fulmen_llm_proxy.backend_base import Call, Result
 from fulmen_llm_proxy.errors import ProxyError, bad_request
 from fulmen_llm_proxy.parsing import single_prompt
+from fulmen_llm_proxy.tool_calls import ContentGate, ToolPlan
+from fulmen_llm_proxy.torch_choices import (
+    apply_tools,
+    as_choice,
+    choice_seed,
+    final_chunks,
+    full_body,
+    merged,
+)
 from fulmen_llm_proxy.torch_engine import DEFAULT_MAX_BATCH, GenerationStream, SamplingParams, TorchEngine
 
 DEFAULT_MAX_TOKENS = 256
@@ -124,13 +135,14 @@ class TorchBackend:
 
     # --- prompts ------------------------------------------------------------------------------------
 
-    def prompt_ids(self, call: Call) -> list[int]:
+    def prompt_ids(self, call: Call, tools: ToolPlan | None = None) -> list[int]:
         tokenizer = self.engine.tokenizer
         if call.operation == "chat":
             try:
                 text = tokenizer.apply_chat_template(
-                    call.messages, tools=call.tools, add_generation_prompt=True, tokenize=False
-                )
+                    call.messages, tools=tools.rendered if tools else None, add_generation_prompt=True,
+                    tokenize=False,
+                )  # fmt: skip
             except Exception as e:  # jinja's TemplateError, a missing key in a message, ...
                 raise bad_request(f"messages do not fit the chat template: {e}", "messages") from None
             return list(tokenizer.encode(text, add_special_tokens=False))
@@ -139,18 +151,17 @@ class TorchBackend:
             return list(tokenizer.encode(prompt))
         return list(prompt)
 
-    def _open(self, call: Call) -> tuple[GenerationStream, list[int]]:
-        prompt = self.prompt_ids(call)
+    def _open(self, call: Call, prompt: list[int], index: int) -> GenerationStream:
         stop_ids = call.body.get("stop_token_ids") or ()
         if not isinstance(stop_ids, list | tuple) or not all(isinstance(t, int) for t in stop_ids):
             raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
         try:
             params = SamplingParams(
                 max_tokens=call.max_tokens or DEFAULT_MAX_TOKENS, temperature=call.temperature,
-                top_p=call.top_p if call.top_p > 0 else MIN_TOP_P, seed=call.seed,
+                top_p=call.top_p if call.top_p > 0 else MIN_TOP_P, seed=choice_seed(call.seed, index),
                 stop_token_ids=tuple(stop_ids),
             )  # fmt: skip
-            return self._engine_for(call).stream(prompt, params), prompt
+            return self._engine_for(call).stream(prompt, params)
         except InvalidInput as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise bad_request(str(e), "messages" if call.operation == "chat" else "prompt", code) from None
@@ -162,51 +173,86 @@ class TorchBackend:
             return [f"token_id:{t}" for t in token_ids]
         return self.engine.tokenizer.batch_decode([[t] for t in token_ids])
 
+    def _prepare(self, call: Call, result: Result) -> tuple[ToolPlan | None, list[int], list[Result]]:
+        """The call's tool plan, prompt ids and one Result per choice (``result`` first)."""
+        tools = tool_calls.plan(call.body) if call.operation == "chat" else None
+        prompt = self.prompt_ids(call, tools)
+        result.response_id = formatting.response_id(call)
+        result.more = [Result() for _ in range(call.n - 1)]
+        choices = [result, *result.more]
+        for r in choices:
+            r.response_id, r.response_model, r.prompt_token_ids, r.fidelity = result.response_id, call.model, prompt, "exact"
+        return tools, prompt, choices
+
     # --- serving ------------------------------------------------------------------------------------
 
     async def complete(self, call: Call, result: Result) -> dict[str, Any]:
-        async for _ in self._generate(call, result):
-            pass
-        text = result.text
-        ids = result.token_ids or []
-        body = formatting.full_body(
-            call, result.response_id, prompt_ids=result.prompt_token_ids or [], token_ids=ids,
-            tokens=self.token_strings(call, ids), logprobs=result.logprobs or [], text=text,
-            finish_reason=result.finish_reason or "length",
-        )  # fmt: skip
-        return body
+        tools, prompt, choices = self._prepare(call, result)
+
+        async def collect(index: int) -> None:
+            async for _ in self._generate(call, choices[index], prompt, index):
+                pass
+            if tools is not None:
+                choices[index].extra["tool_error"] = apply_tools(choices[index], tools)
+
+        if len(choices) == 1:
+            await collect(0)
+        else:
+            async with asyncio.TaskGroup() as group:  # one failing choice cancels the others
+                for i in range(len(choices)):
+                    group.create_task(collect(i))
+        return full_body(self, call, choices)
 
     async def stream(self, call: Call, result: Result) -> AsyncIterator[dict[str, Any]]:
+        tools, prompt, choices = self._prepare(call, result)
         created = int(time.time())
-        offset = 0
+        offsets = [0] * len(choices)
+        texts = [""] * len(choices)
+        gates = [ContentGate() for _ in choices] if tools is not None else None
         first = True
-        async for text, token_id, logprob in self._generate(call, result):
+        started = [False] * len(choices)
+        async for index, (text, token_id, logprob) in merged(self._generate, call, choices, prompt):
             tokens = self.token_strings(call, [token_id])
-            yield formatting.chunk(
+            # the app reads the version for the response's head at the first chunk, whichever choice
+            result.model_version = result.model_version or choices[index].model_version
+            if gates is not None:
+                texts[index] += text
+                text = gates[index].feed(texts[index])
+            body = formatting.chunk(
                 call, result.response_id, created, text=text, token_ids=[token_id], tokens=tokens,
-                logprobs=[logprob], finish_reason=None, prompt_ids=result.prompt_token_ids if first else None,
-                text_offset=offset,
+                logprobs=[logprob], finish_reason=None, prompt_ids=prompt if first else None,
+                text_offset=offsets[index],
             )  # fmt: skip
-            first = False
-            offset += len(tokens[0])
-        # The finish reason travels in a chunk of its own, as OpenAI sends it.
-        yield formatting.chunk(
-            call, result.response_id, created, text="", token_ids=[], tokens=[], logprobs=[],
-            finish_reason=result.finish_reason, text_offset=offset,
-        )  # fmt: skip
+            yield as_choice(body, index, not started[index])
+            first, started[index] = False, True
+            offsets[index] += len(tokens[0])
+        for index, choice in enumerate(choices):
+            delta: dict[str, Any] = {}
+            if tools is not None and gates is not None:
+                choice.extra["tool_error"] = apply_tools(choice, tools)
+                rest = gates[index].rest(choice.text)
+                if rest:
+                    delta["content"] = rest
+                if choice.tool_calls:
+                    delta["tool_calls"] = tool_calls.stream_deltas(choice.tool_calls)
+            # The finish reason travels in a chunk of its own, as OpenAI sends it.
+            body = formatting.chunk(
+                call, result.response_id, created, text="", token_ids=[], tokens=[], logprobs=[],
+                finish_reason=choice.finish_reason, text_offset=offsets[index],
+            )  # fmt: skip
+            for piece in final_chunks(as_choice(body, index, not started[index]), delta, choice):
+                yield piece
         if call.include_usage:
             yield formatting.usage_chunk(
-                call, result.response_id, created, result.input_tokens or 0, result.output_tokens or 0
+                call, result.response_id, created, len(prompt), sum(c.output_tokens or 0 for c in choices)
             )
 
-    async def _generate(self, call: Call, result: Result) -> AsyncIterator[tuple[str, int, float]]:
-        """Each generated token as (new text, token id, logprob); fills ``result`` as it goes."""
-        stream, prompt = self._open(call)
+    async def _generate(
+        self, call: Call, result: Result, prompt: list[int], index: int = 0
+    ) -> AsyncIterator[tuple[str, int, float]]:
+        """Each generated token of choice ``index`` as (new text, token id, logprob); fills ``result``."""
+        stream = self._open(call, prompt, index)
         tokenizer = self.engine.tokenizer
-        result.fidelity = "exact"
-        result.response_id = formatting.response_id(call)
-        result.response_model = call.model
-        result.prompt_token_ids = prompt
         token_ids: list[int] = []
         logprobs: list[float] = []
         result.token_ids, result.logprobs = token_ids, logprobs

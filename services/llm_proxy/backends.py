@@ -47,8 +47,10 @@ def make_backend(settings: ProxySettings) -> Backend:
     urls = [u.strip() for u in (settings.upstream_urls or "").split(",") if u.strip()]
     if not urls:
         raise ValueError(f"the {kind} backend needs --upstream-urls (FULMEN_UPSTREAM_URLS)")
+    from fulmen_llm_proxy.upstream_policy import UpstreamPolicy
+
     key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
-    return cls(urls, model_name=settings.model_name, api_key=key)
+    return cls(urls, model_name=settings.model_name, api_key=key, policy=UpstreamPolicy.from_settings(settings))
 
 
 def _choices() -> str:

@@ -40,6 +40,7 @@ class _Connection(asyncio.Protocol):
         "closed",
         "keep_alive",
         "parser",
+        "retry_after",
         "status",
         "transport",
     )
@@ -50,6 +51,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.keep_alive = True
         self.status = 0
+        self.retry_after: bytes | None = None  # the reply's Retry-After header, when it has one
         self._body: list[bytes] = []
         self._done: asyncio.Future[None] | None = None
         self._pieces: asyncio.Queue[bytes | BaseException | None] | None = None  # streaming mode
@@ -76,6 +78,11 @@ class _Connection(asyncio.Protocol):
             self._fail(StaleConnection("the upstream closed the connection"))
 
     # --- httptools callbacks ------------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # one length check per header: the only one read is Retry-After (a 429's or 503's)
+        if len(name) == 11 and name.lower() == b"retry-after":
+            self.retry_after = value
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -113,6 +120,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._body = []
         self._got_bytes = False
+        self.retry_after = None
         self._pieces = asyncio.Queue() if stream else None
         self._done = asyncio.get_running_loop().create_future()
         self.transport.write(data)
@@ -187,6 +195,9 @@ class HttpPool:
                 return conn
             except StaleConnection:
                 pass  # closed by the server while idle: the request never reached it
+            except BaseException:
+                conn.abort()  # cancelled (a timeout) or failed mid-reply: the connection is unusable
+                raise
         conn = await self._connect()
         try:
             await conn.send(data, stream)
@@ -197,10 +208,15 @@ class HttpPool:
 
     async def post(self, path: str, payload: bytes) -> tuple[int, bytes]:
         """POST and read the whole reply: (status, body)."""
-        conn = await self._send(self._request(path, payload), stream=False)
-        status, body = conn.status, conn.body()
-        self._release(conn)
+        status, body, _ = await self.post_reply(path, payload)
         return status, body
+
+    async def post_reply(self, path: str, payload: bytes) -> tuple[int, bytes, bytes | None]:
+        """POST and read the whole reply: (status, body, its Retry-After header or None)."""
+        conn = await self._send(self._request(path, payload), stream=False)
+        status, body, after = conn.status, conn.body(), conn.retry_after
+        self._release(conn)
+        return status, body, after
 
     async def post_stream(self, path: str, payload: bytes) -> tuple[int, _Connection]:
         """POST and return (status, connection) once the reply's head is in; read the body with

@@ -30,6 +30,7 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
 MAX_JSON_DEPTH = 64
 MAX_STOP_STRINGS = 16  # OpenAI accepts 4; each one is checked against the text after every token
 MAX_STOP_CHARS = 256
+MAX_N = 16  # choices per call: each one is a request in the engine's batch
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what the span's msgpack encoding holds
 
 
@@ -119,9 +120,11 @@ def call_from_body(body: dict[str, Any], operation: Operation, default_model: st
             raise bad_request("tools must be a list", "tools")
     else:
         check_prompt(body.get("prompt"))
-    n = body.get("n")
-    if n not in (None, 1):
-        raise bad_request("only n=1 is supported (run n rollouts instead)", "n")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be an integer in [1, {MAX_N}], got {_short(n)}", "n")
     stop = _stop_strings(body.get("stop"))
     seed = body.get("seed")
     if seed is not None and (
@@ -142,6 +145,7 @@ def call_from_body(body: dict[str, Any], operation: Operation, default_model: st
         stop=stop,
         tokens_as_ids=bool(body.get("return_tokens_as_token_ids")),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        n=n,
     )
 
 

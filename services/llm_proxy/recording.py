@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 from opentelemetry import trace
@@ -25,7 +26,9 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from fulmen import semconv, tokens
 from fulmen.records import Span
 from fulmen.tracing import otlp_exporter_from_env
+from fulmen_llm_proxy.attribution import new_span_id
 from fulmen_llm_proxy.backend_base import Call, Result
+from fulmen_llm_proxy.replay import choice_key, keyed_span_id
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "fulmen-llm-proxy"
@@ -105,6 +108,24 @@ def build_span(
         attributes=attributes,
         resource={"service.name": SERVICE_NAME},
     )
+
+
+def build_spans(call: Call, result: Result, *, span_id: str, **fields: Any) -> list[Span]:
+    """The call's spans: `build_span` of choice 0 (``result``), then one per further choice of an
+    ``n > 1`` call (``result.more``), each with its own token ids, so the adapter gets every sample.
+    A further choice's span id is keyed on its call key like choice 0's (a retry finds them all),
+    else random."""
+    spans = [build_span(call, result, span_id=span_id, **fields)]
+    for index, more in enumerate(result.more, 1):
+        key = choice_key(call.call_key, index)
+        sid = keyed_span_id(call.attempt_id, key) if key else new_span_id()
+        span = build_span(replace(call, call_key=key), replace(more, response_id=choice_key(more.response_id, index)),
+                          span_id=sid, **fields)  # fmt: skip
+        span.attributes[semconv.CHOICE_INDEX] = index
+        spans.append(span)
+    if result.more:
+        spans[0].attributes[semconv.CHOICE_INDEX] = 0
+    return spans
 
 
 _STATUS = {"OK": trace.StatusCode.OK, "ERROR": trace.StatusCode.ERROR}

@@ -43,49 +43,83 @@ def keyed_span_id(attempt_id: str, key: str) -> str:
     return hashlib.blake2b(f"{attempt_id}\0{key}".encode(), digest_size=8).hexdigest()
 
 
+def choice_key(key: str, index: int) -> str:
+    """The call key (or response id) of choice ``index`` of an ``n > 1`` call; choice 0 keeps it."""
+    return f"{key}#{index}" if key and index else key
+
+
+def recorded_choices(call: Call, spans: list[Span]) -> list[Span] | None:
+    """The recorded spans of the keyed ``call``'s choices, in order; None unless all are there."""
+    by_id = {s.span_id: s for s in spans}
+    found = [by_id.get(keyed_span_id(call.attempt_id, choice_key(call.call_key, i))) for i in range(call.n)]
+    return None if any(s is None for s in found) else found  # type: ignore[return-value]
+
+
 def may_be_retry(headers: dict[bytes, bytes]) -> bool:
     """False only for an openai client's first try (retry count 0): nothing can be recorded yet."""
     return headers.get(_RETRY_COUNT_HEADER) != b"0"
 
 
-def body_of(call: Call, span: Span) -> dict[str, Any]:
-    """The recorded response as a non-streaming OpenAI body (with the proxy's token-id fields)."""
-    attributes = span.attributes
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(attributes), "logprobs": None}
-    answer = _answer(attributes)
-    if call.operation == "chat":
-        choice["message"] = {"role": "assistant", **answer}
-    else:
-        choice["text"] = answer.get("text", "")
+def body_of(call: Call, span: Span, more: list[Span] | None = None) -> dict[str, Any]:
+    """The recorded response as a non-streaming OpenAI body (with the proxy's token-id fields);
+    ``more``: the spans of choices 1.. of an ``n > 1`` call."""
     body = _envelope(call, span, "chat.completion" if call.operation == "chat" else "text_completion")
-    body["choices"] = [choice]
-    _add_tokens(body, choice, attributes)
+    body["choices"] = []
+    usage = None
+    for index, one in enumerate([span, *(more or [])]):
+        attributes = one.attributes
+        choice: dict[str, Any] = {"index": index, "finish_reason": _finish_reason(attributes), "logprobs": None}
+        answer = _answer(attributes)
+        if call.operation == "chat":
+            choice["message"] = {"role": "assistant", **answer}
+        else:
+            choice["text"] = answer.get("text", "")
+        body["choices"].append(choice)
+        got = _add_tokens(body, choice, attributes)
+        if usage is not None and got is not None:
+            usage["completion_tokens"] += got["completion_tokens"]
+            usage["total_tokens"] += got["completion_tokens"]
+        else:
+            usage = got
+    if usage is not None:
+        body["usage"] = usage
     return body
 
 
-def chunks_of(call: Call, span: Span) -> list[dict[str, Any]]:
-    """The recorded response as streaming chunks: all of it in one chunk, then usage if asked for."""
-    attributes = span.attributes
-    answer = _answer(attributes)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(attributes), "logprobs": None}
-    if call.operation == "chat":
-        delta: dict[str, Any] = {"role": "assistant", "content": answer.get("content") or ""}
-        if answer.get("tool_calls"):
-            # a streamed tool call carries its position, which the client's accumulator keys on
-            delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(answer["tool_calls"])]
-        choice["delta"] = delta
-    else:
-        choice["text"] = answer.get("text", "")
+def chunks_of(call: Call, span: Span, more: list[Span] | None = None) -> list[dict[str, Any]]:
+    """The recorded response as streaming chunks: each choice whole in one chunk (``more``: the
+    spans of choices 1.. of an ``n > 1`` call), then usage if asked for."""
     name = "chat.completion.chunk" if call.operation == "chat" else "text_completion"
-    first = _envelope(call, span, name)
-    first["choices"] = [choice]
-    usage = _add_tokens(first, choice, attributes)
-    chunks = [first]
+    chunks = []
+    usage = None
+    for index, one in enumerate([span, *(more or [])]):
+        attributes = one.attributes
+        answer = _answer(attributes)
+        choice: dict[str, Any] = {"index": index, "finish_reason": _finish_reason(attributes), "logprobs": None}
+        if call.operation == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": answer.get("content") or ""}
+            if answer.get("tool_calls"):
+                # a streamed tool call carries its position, which the client's accumulator keys on
+                delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(answer["tool_calls"])]
+            choice["delta"] = delta
+        else:
+            choice["text"] = answer.get("text", "")
+        chunk = _envelope(call, span, name)
+        chunk["choices"] = [choice]
+        got = _add_tokens(chunk, choice, attributes)
+        chunk.pop("usage", None)  # usage travels in its own last chunk, as OpenAI streams it
+        if index:
+            chunk.pop("prompt_token_ids", None)
+        if usage is not None and got is not None:
+            usage["completion_tokens"] += got["completion_tokens"]
+            usage["total_tokens"] += got["completion_tokens"]
+        else:
+            usage = got
+        chunks.append(chunk)
     if call.include_usage and usage is not None:
         last = _envelope(call, span, name)
         last.update(choices=[], usage=usage)
         chunks.append(last)
-    first.pop("usage", None)  # usage travels in its own last chunk, as OpenAI streams it
     return chunks
 
 

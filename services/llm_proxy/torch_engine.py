@@ -43,7 +43,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +50,7 @@ from fulmen.errors import InvalidInput, RetryableError
 from fulmen.model_versions import non_finite_tensors
 from fulmen_llm_proxy.backend_base import BASE_MODEL_VERSION
 from fulmen_llm_proxy.engine_batch import Batch, sample_rows
+from fulmen_llm_proxy.engine_lora import LoraSwap, prepare_lora, set_lora
 from fulmen_llm_proxy.engine_request import Generation, Request, SamplingParams, TokenStep
 
 if TYPE_CHECKING:
@@ -307,40 +307,10 @@ class TorchEngine:
         return dict(state_dict)
 
     def _prepare_lora(self, adapter: Mapping[str, torch.Tensor], lora: Mapping[str, Any]) -> LoraSwap:
-        """An adapter checked against the model, in the engine's dtype and device, ready to swap in."""
-        import math
-
-        from fulmen.lora import adapter_targets
-
-        scaling = float(lora.get("scaling", math.nan))
-        if not math.isfinite(scaling):
-            raise InvalidInput(f"LoRA version without a finite scaling: {dict(lora)!r}")
-        broken = non_finite_tensors(adapter)
-        if broken:
-            raise InvalidInput(f"adapter holds NaN or infinite values in {broken[:5]}")
-        own = self.model.state_dict()
-        layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for name, (a_key, b_key) in adapter_targets(adapter).items():
-            weight = own.get(name)
-            if weight is None:
-                raise InvalidInput(f"the adapter changes {name!r}, which the base model in {self.model_dir} lacks")
-            a, b = adapter[a_key], adapter[b_key]
-            if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(weight.shape):
-                raise InvalidInput(
-                    f"adapter for {name}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the weight {tuple(weight.shape)}"
-                )
-            layers[name.removesuffix(".weight")] = (a.to(weight.device, weight.dtype), b.to(weight.device, weight.dtype))
-        return LoraSwap(layers, scaling)
+        return prepare_lora(self.model, self.model_dir, adapter, lora)
 
     def _set_lora(self, layers: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
-        """Serve base + adapter: each adapted linear layer adds ``scaling · B(A x)`` to its output."""
-        for name in set(self._lora_hooks) - set(layers):
-            self.model.get_submodule(name).fulmen_lora = None
-        for name, (a, b) in layers.items():
-            module = self.model.get_submodule(name)
-            if name not in self._lora_hooks:
-                self._lora_hooks[name] = module.register_forward_hook(_lora_forward)
-            module.fulmen_lora = (a, b, scaling)
+        set_lora(self.model, self._lora_hooks, layers, scaling)
 
     def _swap(self, weights: dict[str, torch.Tensor] | LoraSwap, model_version: str) -> None:
         import torch
@@ -459,22 +429,3 @@ def _set_result(future: asyncio.Future[None]) -> None:
 def _set_exception(future: asyncio.Future[None], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
-
-
-@dataclass(frozen=True)
-class LoraSwap:
-    """A LoRA version to serve beside the base weights: per adapted layer (A, B), and the scaling."""
-
-    layers: dict[str, tuple[Any, Any]]
-    scaling: float
-
-
-def _lora_forward(module: Any, inputs: tuple[Any, ...], output: Any) -> Any:
-    """A linear layer's output plus its LoRA adapter's, when one is set (`TorchEngine._set_lora`)."""
-    import torch.nn.functional as F
-
-    lora = getattr(module, "fulmen_lora", None)
-    if lora is None:
-        return output
-    a, b, scaling = lora
-    return output + scaling * F.linear(F.linear(inputs[0], a), b)

@@ -5,6 +5,14 @@ across the turns of a multi-turn agent), chosen by rendezvous hashing of the rol
 `fulmen.store.registry.pick_proxy` chooses proxies: when a replica is added or removed only the
 rollouts on it move. A replica that refuses the connection is skipped for the next one in the same
 order, so its rollouts fail over in a stable way. Unattributed calls go round robin.
+
+Every call goes through the `UpstreamPolicy` (`fulmen_llm_proxy.upstream_policy`): retries on 429,
+5xx and timeouts with backoff, a rate limit per upstream URL (`fulmen_llm_proxy.rate_limit`), and,
+for a call that passes a cache key, the response cache (`fulmen_llm_proxy.response_cache`). A
+non-streaming call whose connection breaks mid-reply is retried as a 502 would be. A streaming call
+is retried only until its reply's head arrives: once chunks went to the agent, a
+failure ends the stream. Nothing here is OpenAI-specific but the error body it reads: another API's
+backend (Anthropic) gives its paths, its headers (``headers``) and its cache keys.
 """
 
 from __future__ import annotations
@@ -12,11 +20,18 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fulmen_llm_proxy.errors import ProxyError
 from fulmen_llm_proxy.http_client import HttpPool
+from fulmen_llm_proxy.rate_limit import RateLimiter, estimate_tokens, used_tokens
+from fulmen_llm_proxy.response_cache import ResponseCache
+from fulmen_llm_proxy.upstream_policy import Reply, UpstreamPolicy, retry_after, retryable, with_retries
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -30,12 +45,32 @@ def normalize(url: str) -> str:
 Payload = bytes | Callable[[str], bytes]  # a body, or the body for a replica's base URL
 
 
+@dataclass
+class Sent(Reply):
+    """An attempt's answer: the replica that took it and what it sent back (a body, or for a stream
+    the connection its body comes on)."""
+
+    pool: HttpPool | None = None
+    data: bytes = b""
+
+
 class Upstreams:
-    def __init__(self, urls: list[str], api_key: str | None = None) -> None:
+    def __init__(
+        self, urls: list[str], api_key: str | None = None, *, policy: UpstreamPolicy | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         if not urls:
             raise ValueError("no upstream URL")
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        # ``headers`` (an API's own, e.g. Anthropic's x-api-key) replace the bearer key
+        headers = headers if headers is not None else {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.pools = [HttpPool(normalize(u), headers) for u in urls]
+        self.policy = policy or UpstreamPolicy()
+        limited = self.policy.requests_per_minute or self.policy.tokens_per_minute
+        self.limits = {
+            p.base_url: RateLimiter(self.policy.requests_per_minute, self.policy.tokens_per_minute) for p in self.pools
+        } if limited else {}  # fmt: skip
+        self.cache = ResponseCache(self.policy.cache_entries) if self.policy.cache_entries else None
+        self.retries = 0  # sends after a call's first, for metrics and tests
         self._round_robin = itertools.cycle(range(len(self.pools)))
         # which replicas may take calls now (vllm: not while loading a version); None: all
         self.routable: Callable[[str], bool] | None = None
@@ -87,28 +122,85 @@ class Upstreams:
                 last = e  # refused or unreachable: nothing was sent, the next replica may serve it
         raise _no_upstream(last)
 
-    async def post_json(self, path: str, payload: Payload, rollout_id: str,
-                        on_send: Callable[[str], None] | None = None) -> dict[str, Any]:
+    async def _limit(self, pool: HttpPool, cost: int, deadline: float) -> None:
+        limiter = self.limits.get(pool.base_url)
+        if limiter is not None:
+            await limiter.acquire(cost, deadline)
+
+    def _retrying(self, reply: Sent | None, wait: float) -> None:
+        self.retries += 1
+        what = f"answered {reply.status}" if reply is not None else "timed out"
+        log.info("upstream %s; retrying in %.2f s", what, wait)
+
+    async def post_json(
+        self, path: str, payload: Payload, rollout_id: str, on_send: Callable[[str], None] | None = None, *,
+        cost: int | None = None, cache_key: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """POST and return the JSON reply; upstream errors become ProxyErrors (4xx kept, 5xx -> 502).
         ``on_send`` is told the base URL of the replica the call goes to, just before it goes;
-        ``payload`` may depend on that replica (a function of its base URL)."""
-        _, (status, data) = await self._first_reachable(
-            rollout_id, lambda pool: _sent(pool, on_send).post(path, _body(payload, pool)))
-        if status != 200:
-            raise upstream_error(status, data)
+        ``payload`` may depend on that replica (a function of its base URL). ``cost``: the call's estimated tokens for the rate limit; ``cache_key``: answer from (and
+        store in) the response cache under this key (`response_cache.request_key`)."""
+        if cache_key is not None and self.cache is not None:
+            cached = self.cache.get(cache_key)
+            if cached is not None:
+                return cached
+        tokens = cost if cost is not None else estimate_tokens(_body(payload, None), None)
+
+        async def attempt(deadline: float) -> Sent:
+            async def send(pool: HttpPool) -> tuple[int, bytes, bytes | None]:
+                await self._limit(pool, tokens, deadline)
+                return await _sent(pool, on_send).post_reply(path, _body(payload, pool))
+
+            try:
+                pool, (status, data, after) = await self._first_reachable(rollout_id, send)
+            except ProxyError as e:
+                if e.code != "upstream_error":
+                    raise
+                # the connection broke after the request went (the upstream crashed or restarted):
+                # as a 502 from it, retried
+                return Sent(502, data=e.body())
+            return Sent(status, retry_after(after), pool=pool, data=data)
+
+        reply = await with_retries(attempt, self.policy, on_retry=self._retrying)
+        if reply.status != 200:
+            raise upstream_error(reply.status, reply.data)
         try:
-            return json.loads(data)
+            body: dict[str, Any] = json.loads(reply.data)
         except ValueError:
             raise ProxyError(502, "upstream sent a body that is not JSON", code="upstream_error") from None
+        limiter = self.limits.get(reply.pool.base_url) if reply.pool is not None else None
+        if limiter is not None:
+            limiter.settle(tokens, used_tokens(body))
+        if cache_key is not None and self.cache is not None:
+            self.cache.put(cache_key, reply.data)
+        return body
 
-    async def post_sse(self, path: str, payload: Payload, rollout_id: str,
-                       on_send: Callable[[str], None] | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def post_sse(
+        self, path: str, payload: Payload, rollout_id: str, on_send: Callable[[str], None] | None = None, *,
+        cost: int | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         """POST a streaming request and yield each ``data:`` event as JSON until ``[DONE]``."""
-        pool, (status, conn) = await self._first_reachable(
-            rollout_id, lambda p: _sent(p, on_send).post_stream(path, _body(payload, p)))
-        body = pool.stream_body(conn)
-        if status != 200:
-            raise upstream_error(status, b"".join([piece async for piece in body]))
+        tokens = cost if cost is not None else estimate_tokens(_body(payload, None), None)
+
+        async def attempt(deadline: float) -> Sent:
+            async def send(pool: HttpPool) -> tuple[int, Any]:
+                await self._limit(pool, tokens, deadline)
+                return await _sent(pool, on_send).post_stream(path, _body(payload, pool))
+
+            pool, (status, conn) = await self._first_reachable(rollout_id, send)
+            if retryable(status):
+                after = retry_after(conn.retry_after)
+                conn.abort()  # its body is not wanted: another attempt follows, or the error below
+                return Sent(status, after, pool=pool)
+            return Sent(status, pool=pool, value=conn)
+
+        reply = await with_retries(attempt, self.policy, on_retry=self._retrying)
+        if reply.value is None:
+            raise upstream_error(reply.status, b"")
+        assert reply.pool is not None
+        body = reply.pool.stream_body(reply.value)
+        if reply.status != 200:
+            raise upstream_error(reply.status, b"".join([piece async for piece in body]))
         buffer = b""
         try:
             async for piece in body:
@@ -135,8 +227,9 @@ class Upstreams:
             await body.aclose()
 
 
-def _body(payload: Payload, pool: HttpPool) -> bytes:
-    return payload if isinstance(payload, bytes) else payload(pool.base_url)
+def _body(payload: Payload, pool: HttpPool | None) -> bytes:
+    """The body for ``pool``'s replica (any replica's when None: for sizing)."""
+    return payload if isinstance(payload, bytes) else payload(pool.base_url if pool is not None else "")
 
 
 def _sent(pool: HttpPool, on_send: Callable[[str], None] | None) -> HttpPool:

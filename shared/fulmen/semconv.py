@@ -41,6 +41,9 @@ STREAM = "fulmen.stream"  # bool
 # The client's idempotency key: one per logical call, the same on the client's retries of it. The
 # proxy derives the span id from it (a retry is stored once) and the adapter keeps one call per key.
 CALL_KEY = "fulmen.call_key"
+# Choice i > 0 of an n > 1 call is a span of its own (its own sample): it carries its index, and its
+# response id and call key are the call's with "#<i>" added (the adapter keeps one call per each).
+CHOICE_INDEX = "fulmen.choice_index"
 
 # --- what agents emit (fulmen.emit_*) -------------------------------------------------------------
 KIND_REWARD = "reward"

@@ -42,10 +42,30 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *(f"<|{role}|>" for role in ROLES))
 
 # Content may be a string or a list of OpenAI-style parts ({"type": "text", "text": ...}); a missing
-# content (an assistant turn that only calls tools) renders as nothing.
+# content (an assistant turn that only calls tools) renders as nothing. With ``tools``, a system turn
+# listing them (one JSON object a line, Hermes/Qwen style) comes first, and an assistant turn's
+# ``tool_calls`` render as the model is asked to write them: ``<tool_call>{"name": ..., "arguments":
+# {...}}</tool_call>``, which `fulmen_llm_proxy.tool_calls` parses. Without tools and tool calls the
+# rendering is what it always was.
+TOOLS_PREAMBLE = (
+    "{% if tools %}<|system|>You may call these tools:\n<tools>\n"
+    "{% for tool in tools %}{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}\n{% endfor %}"
+    '</tools>\nTo call one, write <tool_call>{"name": <name>, "arguments": <object>}</tool_call>'
+    "{{ eos_token }}{% endif %}"
+)
+TOOL_CALLS = (
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    '<tool_call>{"name": {{ function[\'name\'] | tojson }}, "arguments": '
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}"
+    "{% else %}{{ function['arguments'] | tojson }}{% endif %}}</tool_call>"
+    "{% endfor %}{% endif %}"
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
+    + TOOLS_PREAMBLE
+    + "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('unknown role: ' + message['role']) }}"
     "{% endif %}"
@@ -53,7 +73,8 @@ CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% elif message['content'] %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}"
     "{% endif %}"
-    "{{ eos_token }}"
+    + TOOL_CALLS
+    + "{{ eos_token }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

@@ -56,6 +56,7 @@ def openai_proxy(
     proxy = RunningProxy(
         redis_url=redis_server.url, experiment=module_experiment, proxy_backend="openai",
         upstream_urls=openai_fake.base_url, upstream_api_key="upstream-key", model_name="fake-model",
+        upstream_backoff_s=0.01,
     )  # fmt: skip
     yield proxy
     proxy.stop()
@@ -152,10 +153,11 @@ async def test_openai_backend_is_text_only_and_passes_tool_calls(
 
 
 def test_upstream_errors_map_to_statuses(openai_proxy: RunningProxy, openai_fake: FakeOpenAI) -> None:
-    """Upstream 4xx keeps its status and message; upstream 5xx is 502; the proxy keeps serving."""
+    """Upstream 4xx keeps its status and message; upstream 5xx (each of the 3 attempts) is 502; the
+    proxy keeps serving."""
     url = f"{openai_proxy.base()}/chat/completions"
     body = {"model": "fake-model", "messages": MESSAGES}
-    openai_fake.script({"status": 400, "error": "bad thing"}, {"status": 500, "error": "boom"})
+    openai_fake.script({"status": 400, "error": "bad thing"}, *[{"status": 500, "error": "boom"}] * 3)
     first = httpx.post(url, json=body)
     assert first.status_code == 400 and first.json()["error"]["message"] == "bad thing"
     second = httpx.post(url, json=body)

@@ -114,6 +114,27 @@ class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
         None, description="Comma-separated base URLs of upstream vllm/openai servers (sticky by rollout)."
     )
     upstream_api_key: SecretStr | None = Field(None, description="Bearer key for the upstream server.")
+    # Calls to upstreams (vllm, openai): retries, rate limit, cache (`fulmen_llm_proxy.upstream_policy`).
+    upstream_max_attempts: int = Field(
+        3, ge=1, le=20, description="Sends of one upstream call at most, on 429, 5xx and timeouts (1: no retry)."
+    )
+    upstream_backoff_s: float = Field(
+        0.5, ge=0, description="First retry's backoff; doubled per retry, jittered, capped by upstream_backoff_max_s."
+    )
+    upstream_backoff_max_s: float = Field(20.0, ge=0, description="Longest backoff between two retries.")
+    upstream_budget_s: float = Field(
+        120.0, gt=0, description="Most time one call spends on attempts, backoffs and rate-limit waits together."
+    )
+    upstream_timeout_s: float = Field(
+        300.0, gt=0, description="One attempt's wait for the upstream's reply (streaming: for its first bytes)."
+    )
+    upstream_rpm: int | None = Field(None, ge=1, description="Requests per minute to each upstream URL (unset: no limit).")
+    upstream_tpm: int | None = Field(
+        None, ge=1, description="Tokens per minute to each upstream URL, estimated then settled by usage (unset: no limit)."
+    )
+    upstream_cache_entries: int = Field(
+        0, ge=0, description="Temperature-0 responses of the openai backend cached in the proxy, LRU (0: no cache)."
+    )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the proxy accepts.")
     max_batch: int = Field(16, ge=1, le=1024, description="Most requests the torch backend decodes together.")
 
