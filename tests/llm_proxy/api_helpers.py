@@ -27,7 +27,10 @@ def check_torch_span(span: Span, tokenizer: Any, text: str, api: str, *, stream:
     assert a[semconv.MODEL_VERSION] == "base" and a[semconv.TOKEN_FIDELITY] == "exact"
     assert a[semconv.STREAM] is stream and a[semconv.GEN_AI_INPUT_TOKENS] == len(prompt_ids)
     request = json.loads(a[semconv.REQUEST_JSON])
-    rendered = tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=False)
+    # the torch backend renders the tools into the prompt unless tool_choice is "none"
+    tools = request.get("tools") if request.get("tool_choice") != "none" else None
+    rendered = tokenizer.apply_chat_template(request["messages"], tools=tools, add_generation_prompt=True,
+                                             tokenize=False)
     assert prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
     assert json.loads(a[semconv.RESPONSE_JSON])["content"] == text
     return request["messages"]
