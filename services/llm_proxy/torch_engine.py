@@ -257,9 +257,10 @@ class TorchEngine:
             merged = await asyncio.to_thread(merge_lora, state_dict, lora, self._base_weight)
             # a module an earlier version adapted and this one does not goes back to its base weight
             state_dict = {**{n: w for n, w in self._base_weights.items() if n not in merged}, **merged}
-            weights = self._check_state_dict(state_dict, partial=True)
+            weights = await asyncio.to_thread(self._check_state_dict, state_dict, True)
         else:
-            weights = self._check_state_dict(state_dict, partial=partial)
+            # reads every weight (its finiteness): off the event loop, which keeps serving meanwhile
+            weights = await asyncio.to_thread(self._check_state_dict, state_dict, partial)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         with self._cond:
             running = self._thread is not None and not self._stopping
