@@ -109,11 +109,19 @@ class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
     proxy_public_url: str | None = Field(
         None, description="Base URL the proxy registers for runners (unset: http://<host>:<port>)."
     )
-    proxy_backend: str = Field("torch", description="torch (in-process HF model), vllm, or openai (upstream).")
+    proxy_backend: str = Field(
+        "torch", description="torch (in-process HF model), vllm, openai (an OpenAI-compatible upstream) or "
+        "anthropic (an Anthropic Messages upstream).",
+    )  # fmt: skip
     upstream_urls: str | None = Field(
-        None, description="Comma-separated base URLs of upstream vllm/openai servers (sticky by rollout)."
+        None, description="Comma-separated base URLs of upstream vllm/openai/anthropic servers (sticky by rollout)."
     )
-    upstream_api_key: SecretStr | None = Field(None, description="Bearer key for the upstream server.")
+    upstream_api_key: SecretStr | None = Field(
+        None, description="Key for the upstream server: a bearer token (vllm, openai), x-api-key (anthropic)."
+    )
+    upstream_max_tokens: int = Field(
+        4096, ge=1, description="max_tokens sent to an anthropic upstream when a call sets none (Anthropic requires it).",
+    )
     # Calls to upstreams (vllm, openai): retries, rate limit, cache (`fulmen_llm_proxy.upstream_policy`).
     upstream_max_attempts: int = Field(
         3, ge=1, le=20, description="Sends of one upstream call at most, on 429, 5xx and timeouts (1: no retry)."
