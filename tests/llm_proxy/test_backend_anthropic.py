@@ -225,3 +225,33 @@ def test_an_error_event_mid_stream_reaches_the_client(proxy: RunningProxy, fake:
     client = openai.OpenAI(base_url=proxy.base(), api_key="unused")
     with pytest.raises(openai.APIError, match="Overloaded"):
         list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True))
+
+
+def test_the_builder_gives_the_key_as_x_api_key_and_the_default_max_tokens() -> None:
+    from fulmen.settings import ProxySettings
+    from fulmen_llm_proxy.backends import make_backend
+
+    settings = ProxySettings(proxy_backend="anthropic", upstream_urls="https://api.example/v1", upstream_api_key=KEY,
+                             upstream_max_tokens=99)  # fmt: skip
+    backend = make_backend(settings)
+    assert backend.system == "anthropic" and backend.default_max_tokens == 99  # type: ignore[attr-defined]
+    head = backend.upstreams.pools[0]._head.decode()  # type: ignore[attr-defined]
+    assert f"x-api-key: {KEY}\r\n" in head and "anthropic-version: 2023-06-01\r\n" in head
+    assert "authorization" not in head.lower()
+
+
+def test_a_temperature_0_call_is_served_from_the_cache(
+    redis_server: EmbeddedRedis, module_experiment: str, fake: FakeAnthropic
+) -> None:
+    """With upstream_cache_entries, the same temperature-0 call again costs no upstream request."""
+    cached = RunningProxy(redis_url=redis_server.url, experiment=module_experiment, proxy_backend="anthropic",
+                          upstream_urls=fake.base_url, upstream_api_key=KEY, upstream_cache_entries=4)  # fmt: skip
+    try:
+        fake.script("cached answer", "a second answer")
+        body = {"model": "m", "messages": [{"role": "user", "content": "critic?"}], "temperature": 0}
+        before = len(fake.requests)
+        texts = [httpx.post(f"{cached.base()}/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+                 for _ in range(2)]  # fmt: skip
+        assert texts == ["cached answer"] * 2 and len(fake.requests) == before + 1
+    finally:
+        cached.stop()
