@@ -255,3 +255,13 @@ def test_a_temperature_0_call_is_served_from_the_cache(
         assert texts == ["cached answer"] * 2 and len(fake.requests) == before + 1
     finally:
         cached.stop()
+
+
+def test_the_responses_api_and_thinking_blocks(proxy: RunningProxy, fake: FakeAnthropic) -> None:
+    """A Responses call goes up as Messages (instructions as system); a thinking block is dropped."""
+    fake.script({"blocks": [{"type": "thinking", "thinking": "hmm", "signature": "s"}, {"type": "text", "text": "42"}]})
+    client = openai.OpenAI(base_url=proxy.base(), api_key="unused")
+    response = client.responses.create(model="claude-x", input="6*7?", instructions="Answer only.")
+    assert response.output_text == "42"
+    assert _sent(fake) == {"model": "claude-x", "max_tokens": 777, "system": "Answer only.",
+                           "messages": [{"role": "user", "content": "6*7?"}]}  # fmt: skip

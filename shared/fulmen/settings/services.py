@@ -122,7 +122,7 @@ class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
     upstream_max_tokens: int = Field(
         4096, ge=1, description="max_tokens sent to an anthropic upstream when a call sets none (Anthropic requires it).",
     )
-    # Calls to upstreams (vllm, openai): retries, rate limit, cache (`fulmen_llm_proxy.upstream_policy`).
+    # Calls to upstreams (vllm, openai, anthropic): retries, rate limit, cache (`fulmen_llm_proxy.upstream_policy`).
     upstream_max_attempts: int = Field(
         3, ge=1, le=20, description="Sends of one upstream call at most, on 429, 5xx and timeouts (1: no retry)."
     )
@@ -141,7 +141,7 @@ class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
         None, ge=1, description="Tokens per minute to each upstream URL, estimated then settled by usage (unset: no limit)."
     )
     upstream_cache_entries: int = Field(
-        0, ge=0, description="Temperature-0 responses of the openai backend cached in the proxy, LRU (0: no cache)."
+        0, ge=0, description="Temperature-0 responses of the openai and anthropic backends cached in the proxy, LRU (0: no cache)."
     )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the proxy accepts.")
     max_batch: int = Field(16, ge=1, le=1024, description="Most requests the torch backend decodes together.")
