@@ -247,7 +247,7 @@ def test_a_temperature_0_call_is_served_from_the_cache(
     cached = RunningProxy(redis_url=redis_server.url, experiment=module_experiment, proxy_backend="anthropic",
                           upstream_urls=fake.base_url, upstream_api_key=KEY, upstream_cache_entries=4)  # fmt: skip
     try:
-        fake.script("cached answer", "a second answer")
+        fake.script("cached answer")
         body = {"model": "m", "messages": [{"role": "user", "content": "critic?"}], "temperature": 0}
         before = len(fake.requests)
         texts = [httpx.post(f"{cached.base()}/chat/completions", json=body).json()["choices"][0]["message"]["content"]
