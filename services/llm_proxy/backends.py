@@ -20,6 +20,7 @@ BACKENDS: dict[str, str] = {
     "torch": "fulmen_llm_proxy.backend_torch:TorchBackend",
     "vllm": "fulmen_llm_proxy.backend_vllm:VllmBackend",
     "openai": "fulmen_llm_proxy.backend_openai:OpenAIBackend",
+    "anthropic": "fulmen_llm_proxy.backend_anthropic:AnthropicBackend",
 }
 LOCAL_BACKENDS = frozenset({"torch"})  # serve a model folder in this process; the others an upstream
 
@@ -50,7 +51,10 @@ def make_backend(settings: ProxySettings) -> Backend:
     from fulmen_llm_proxy.upstream_policy import UpstreamPolicy
 
     key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
-    return cls(urls, model_name=settings.model_name, api_key=key, policy=UpstreamPolicy.from_settings(settings))
+    # Anthropic requires max_tokens on every call; a chat call may leave it out
+    extra = {"default_max_tokens": settings.upstream_max_tokens} if kind == "anthropic" else {}
+    return cls(urls, model_name=settings.model_name, api_key=key, policy=UpstreamPolicy.from_settings(settings),
+               **extra)  # fmt: skip
 
 
 def _choices() -> str:

@@ -21,7 +21,7 @@ def test_every_registered_name_resolves_to_a_backend_class() -> None:
 
 def test_unknown_backend_names_the_choices() -> None:
     """An unknown name is a ValueError that lists every registered backend."""
-    with pytest.raises(ValueError, match="use torch, vllm or openai"):
+    with pytest.raises(ValueError, match="use torch, vllm, openai or anthropic"):
         backend_class("tgi")
 
 

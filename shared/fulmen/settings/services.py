@@ -109,12 +109,20 @@ class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
     proxy_public_url: str | None = Field(
         None, description="Base URL the proxy registers for runners (unset: http://<host>:<port>)."
     )
-    proxy_backend: str = Field("torch", description="torch (in-process HF model), vllm, or openai (upstream).")
+    proxy_backend: str = Field(
+        "torch", description="torch (in-process HF model), vllm, openai (an OpenAI-compatible upstream) or "
+        "anthropic (an Anthropic Messages upstream).",
+    )  # fmt: skip
     upstream_urls: str | None = Field(
-        None, description="Comma-separated base URLs of upstream vllm/openai servers (sticky by rollout)."
+        None, description="Comma-separated base URLs of upstream vllm/openai/anthropic servers (sticky by rollout)."
     )
-    upstream_api_key: SecretStr | None = Field(None, description="Bearer key for the upstream server.")
-    # Calls to upstreams (vllm, openai): retries, rate limit, cache (`fulmen_llm_proxy.upstream_policy`).
+    upstream_api_key: SecretStr | None = Field(
+        None, description="Key for the upstream server: a bearer token (vllm, openai), x-api-key (anthropic)."
+    )
+    upstream_max_tokens: int = Field(
+        4096, ge=1, description="max_tokens sent to an anthropic upstream when a call sets none (Anthropic requires it).",
+    )
+    # Calls to upstreams (vllm, openai, anthropic): retries, rate limit, cache (`fulmen_llm_proxy.upstream_policy`).
     upstream_max_attempts: int = Field(
         3, ge=1, le=20, description="Sends of one upstream call at most, on 429, 5xx and timeouts (1: no retry)."
     )
@@ -133,7 +141,7 @@ class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
         None, ge=1, description="Tokens per minute to each upstream URL, estimated then settled by usage (unset: no limit)."
     )
     upstream_cache_entries: int = Field(
-        0, ge=0, description="Temperature-0 responses of the openai backend cached in the proxy, LRU (0: no cache)."
+        0, ge=0, description="Temperature-0 responses of the openai and anthropic backends cached in the proxy, LRU (0: no cache)."
     )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the proxy accepts.")
     max_batch: int = Field(16, ge=1, le=1024, description="Most requests the torch backend decodes together.")
