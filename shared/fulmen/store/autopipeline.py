@@ -27,7 +27,8 @@ class AutoPipeline:
         self._in_flight: set[asyncio.Task[None]] = set()  # strong references until sent
 
     def submit(self, script: AsyncScript, args: list[Any]) -> asyncio.Future[Any]:
-        """Queue one EVALSHA; the future resolves to its reply (or raises its error)."""
+        """Queue one EVALSHA of a lifecycle script: ``args[0]`` is its one key (KEYS[1], the experiment
+        prefix), the rest its ARGV. The future resolves to its reply (or raises its error)."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # used from a new loop: what was queued on the old one died with it
             self._loop, self._queued = loop, []
@@ -72,6 +73,7 @@ class AutoPipeline:
 
 async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, list[Any]]]) -> list[Any]:
     """Run each (script, args) in one round trip; the replies in order, an error reply as its exception.
+    ``args[0]`` is the script's one key (on a cluster, what routes the call), the rest its ARGV.
 
     Not ``script(client=pipeline)``: redis-py then sends SCRIPT EXISTS before every pipeline, a
     second round trip on the hot path. A NOSCRIPT reply (server restarted or flushed its script
@@ -80,12 +82,12 @@ async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, li
     if len(calls) == 1:
         script, args = calls[0]
         try:
-            return [await script(args=args)]  # no pipeline object for a call made alone
+            return [await script(keys=args[:1], args=args[1:])]  # no pipeline object for a call made alone
         except ResponseError as e:
             return [e]
     pipe = redis.pipeline(transaction=False)
     for script, args in calls:
-        pipe.evalsha(script.sha, 0, *args)
+        pipe.evalsha(script.sha, 1, *args)
     replies = await pipe.execute(raise_on_error=False)
     missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
     if missing:
@@ -93,7 +95,7 @@ async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, li
             script.sha = await redis.script_load(script.script)
         pipe = redis.pipeline(transaction=False)
         for i in missing:
-            pipe.evalsha(calls[i][0].sha, 0, *calls[i][1])
+            pipe.evalsha(calls[i][0].sha, 1, *calls[i][1])
         for i, reply in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
             replies[i] = reply
     return replies

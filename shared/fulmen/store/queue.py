@@ -128,7 +128,7 @@ class Queue:
         for entry_id, (rollout_id, fields) in entries:
             fields_by_id[entry_id] = fields
             args += [entry_id, rollout_id]
-        results = await self._begin(args=args)
+        results = await self._begin(keys=args[:1], args=args[1:])
         claimed = []
         for i, result in enumerate(results):
             entry_id, rollout_id = args[2 + 2 * i], args[3 + 2 * i]

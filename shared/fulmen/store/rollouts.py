@@ -136,14 +136,14 @@ class Rollouts:
         await self._ensure_queue()
         rollout = self.new_rollout(input, **kwargs)
         flat = _flat(rollout, self.ctx.max_record_bytes)
-        result = await self._start_rollout(args=[self.ctx.keys.prefix, worker_id, rollout.rollout_id, *flat])
+        result = await self._start_rollout(keys=[self.ctx.keys.prefix], args=[worker_id, rollout.rollout_id, *flat])
         if result[0] == b"exists":
             raise InvalidInput(f"rollout {rollout.rollout_id} already exists; use start_attempt to retry it")
         return attempted(result)
 
     async def start_attempt(self, rollout_id: str, worker_id: str = "") -> AttemptedRollout:
         """Begin a new attempt of an existing rollout now (a manual retry); any active one ends."""
-        result = await self._begin(args=[self.ctx.keys.prefix, worker_id, "", rollout_id])
+        result = await self._begin(keys=[self.ctx.keys.prefix], args=[worker_id, "", rollout_id])
         code = result[0][0].decode()
         if code == "missing":
             raise NotFound(f"rollout {rollout_id} does not exist in experiment {self.ctx.experiment}")
@@ -261,7 +261,7 @@ class Rollouts:
             RolloutFinished(rollout_id, status, None).to_wire(),
             only_attempt_id or "",
         ]
-        code = (await self._set_rollout_status(args=args)).decode()
+        code = (await self._set_rollout_status(keys=args[:1], args=args[1:])).decode()
         if code == "missing":
             raise NotFound(f"rollout {rollout_id} does not exist")
         return None if code == "already" else RolloutStatus(code)

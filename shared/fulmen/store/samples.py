@@ -76,7 +76,7 @@ class Samples:
         """[READ_FOR_SAMPLES's rows, XREAD's reply over the span streams], atomically (one MULTI)."""
         for attempt in (1, 2):
             pipe = self.redis.pipeline(transaction=True)
-            pipe.evalsha(self._read_for_samples.sha, 0, self.keys.prefix, *rollout_ids)
+            pipe.evalsha(self._read_for_samples.sha, 1, self.keys.prefix, *rollout_ids)
             # The command name as bytes: redis-py looks its response callbacks up by the str name, so
             # this reply stays hiredis's nested lists; its XREAD callback would build a dict per span
             # entry in Python. No COUNT: every span of every stream.
@@ -111,7 +111,7 @@ class Samples:
             [[item[0], dict(item[2]), list(item[1]), *item[3:]] for item in batch], use_bin_type=False
         )
         ack = [ack_group, *ack_entry_ids] if ack_group and ack_entry_ids else [""]
-        replies = await self._append_samples(args=[self.keys.prefix, payload, *ack])
+        replies = await self._append_samples(keys=[self.keys.prefix], args=[payload, *ack])
         return [int(n) for n in replies or []]
 
     async def adapter_stats(self) -> dict[str, int]:
