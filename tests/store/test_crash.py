@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 
 from fulmen import keys as k
+from fulmen.connection import async_client
 from fulmen.records import RolloutConfig, RolloutFinished
 from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore, run_watchdog
@@ -129,7 +129,7 @@ async def test_entries_of_a_dead_consumer_are_taken_over_once(
     # The dead consumer read every entry (so they are pending to it) and never ran the claim script.
     read = await real_store.redis.xreadgroup(k.RUNNERS_GROUP, "dead", {real_store.keys.queue: ">"}, count=100)
     assert len(read[0][1]) == len(ids)
-    clients = [aioredis.from_url(redis_url) for _ in range(2)]
+    clients = [async_client(redis_url) for _ in range(2)]
     takers = [RedisStore(c, experiment, reclaim_idle_s=0.2) for c in clients]
     try:
         # Not idle long enough yet: nothing is taken over, and nothing new is on the queue.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -20,8 +21,10 @@ class AutoPipeline:
     hot scripts themselves cost the server) is paid once.
     """
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, prepare: Callable[[], Awaitable[None]] | None = None) -> None:
+        """``prepare``: awaited before each round trip (a cluster's script loading; None on one node)."""
         self.redis = redis
+        self.prepare = prepare
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queued: list[tuple[AsyncScript, list[Any], asyncio.Future[Any]]] = []
         self._in_flight: set[asyncio.Task[None]] = set()  # strong references until sent
@@ -50,6 +53,8 @@ class AutoPipeline:
 
     async def _send(self, batch: list[tuple[AsyncScript, list[Any], asyncio.Future[Any]]]) -> None:
         try:
+            if self.prepare is not None:
+                await self.prepare()
             replies = await evalsha_batch(self.redis, [(script, args) for script, args, _ in batch])
         except BaseException as e:  # the connection failed: every call of the batch failed with it
             for _, _, future in batch:
@@ -87,7 +92,7 @@ async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, li
             return [e]
     pipe = redis.pipeline(transaction=False)
     for script, args in calls:
-        pipe.evalsha(script.sha, 1, *args)
+        pipe.execute_command("EVALSHA", script.sha, 1, *args)  # cluster pipelines refuse .evalsha
     replies = await pipe.execute(raise_on_error=False)
     missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
     if missing:
@@ -95,7 +100,7 @@ async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, li
             script.sha = await redis.script_load(script.script)
         pipe = redis.pipeline(transaction=False)
         for i in missing:
-            pipe.evalsha(calls[i][0].sha, 1, *calls[i][1])
+            pipe.execute_command("EVALSHA", calls[i][0].sha, 1, *calls[i][1])
         for i, reply in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
             replies[i] = reply
     return replies

@@ -74,9 +74,10 @@ class Samples:
 
     async def _read_rollouts_and_spans(self, rollout_ids: Sequence[str], span_keys: list[str]) -> list[Any]:
         """[READ_FOR_SAMPLES's rows, XREAD's reply over the span streams], atomically (one MULTI)."""
+        await self.ctx.load_scripts()
         for attempt in (1, 2):
             pipe = self.redis.pipeline(transaction=True)
-            pipe.evalsha(self._read_for_samples.sha, 1, self.keys.prefix, *rollout_ids)
+            pipe.execute_command("EVALSHA", self._read_for_samples.sha, 1, self.keys.prefix, *rollout_ids)
             # The command name as bytes: redis-py looks its response callbacks up by the str name, so
             # this reply stays hiredis's nested lists; its XREAD callback would build a dict per span
             # entry in Python. No COUNT: every span of every stream.

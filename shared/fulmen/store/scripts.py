@@ -442,3 +442,18 @@ end
 return out
 """
 )
+
+# Publish resources version ARGV[2] of id ARGV[1] (record ARGV[3]) if the version counter is still
+# ARGV[2] - 1; ARGV[4] = '1' if the id must be new. Returns 'ok', 'exists', or 'stale' (another
+# publisher took the version: read the counter and build the record again).
+PUBLISH_RESOURCES = f"""
+local P = KEYS[1]
+local counter, res = P .. '{k.RESOURCES_VERSION}', P .. '{k.RESOURCES}' .. ARGV[1]
+local version = tonumber(ARGV[2])
+if (tonumber(redis.call('GET', counter)) or 0) ~= version - 1 then return 'stale' end
+if ARGV[4] == '1' and redis.call('EXISTS', res) == 1 then return 'exists' end
+redis.call('SET', counter, version)
+redis.call('HSET', res, ARGV[2], ARGV[3], 'latest', version)
+redis.call('XADD', P .. '{k.RESOURCES_LOG}', '*', 'm', ARGV[3])
+return 'ok'
+"""

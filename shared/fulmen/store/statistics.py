@@ -84,7 +84,7 @@ def _queue_first(pipe: Any, keys: k.Keys) -> int:
     pipe.zcard(keys.watch_heartbeat)
     pipe.hlen(keys.workers)
     pipe.xrevrange(keys.resources_log, count=1)
-    pipe.time()
+    pipe.execute_command("TIME")  # cluster pipelines refuse .time(); this goes to any node
     return len(RolloutStatus) + len(STREAMS) + len(streams) + 4
 
 
