@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from fulmen import keys as k
@@ -73,17 +74,24 @@ class Samples:
         return out
 
     async def _read_rollouts_and_spans(self, rollout_ids: Sequence[str], span_keys: list[str]) -> list[Any]:
-        """[READ_FOR_SAMPLES's rows, XREAD's reply over the span streams], atomically (one MULTI)."""
+        """[READ_FOR_SAMPLES's rows, XREAD's reply over the span streams], atomically (one MULTI) on
+        one node. On a cluster the two go in one plain pipeline to the experiment's node (redis-py
+        8.1's async cluster transactions fail with "attached to a different loop"): a span stored
+        between the two is then read too, as it would have been a moment later; a rollout read as
+        succeeded has all the spans its runner sent before it ended."""
         await self.ctx.load_scripts()
         for attempt in (1, 2):
-            pipe = self.redis.pipeline(transaction=True)
+            pipe = self.redis.pipeline(transaction=not isinstance(self.redis, RedisCluster))
             pipe.execute_command("EVALSHA", self._read_for_samples.sha, 1, self.keys.prefix, *rollout_ids)
             # The command name as bytes: redis-py looks its response callbacks up by the str name, so
             # this reply stays hiredis's nested lists; its XREAD callback would build a dict per span
             # entry in Python. No COUNT: every span of every stream.
-            pipe.execute_command(b"XREAD", b"STREAMS", *span_keys, *([b"0"] * len(span_keys)))
+            # (A cluster client refuses a bytes command name: there the parsed reply is turned back.)
+            cluster = isinstance(self.redis, RedisCluster)
+            pipe.execute_command("XREAD" if cluster else b"XREAD", b"STREAMS", *span_keys, *([b"0"] * len(span_keys)))
             try:
-                return list(await pipe.execute())
+                rows, streams = await pipe.execute()
+                return [rows, _raw_streams(streams) if cluster else streams]
             except NoScriptError:  # the server restarted or flushed its scripts: load it, go again
                 if attempt == 2:
                     raise
@@ -157,3 +165,14 @@ def _span_views(entries: Any, max_bytes: int) -> list[SpanView] | RecordError:
         return SpanView.from_entries(entries, max_bytes)
     except RecordError as e:
         return e
+
+
+def _raw_streams(reply: Any) -> list[Any]:
+    """redis-py's parsed XREAD reply (entries as (id, {field: value})) in the raw shape of hiredis's
+    (``[key, [[id, [field, value, ...]], ...]]``), which `SpanView.from_entries` reads."""
+    items = reply.items() if isinstance(reply, dict) else (reply or ())
+    return [
+        [key, [[entry_id, [x for kv in fields.items() for x in kv] if isinstance(fields, dict) else fields]
+               for entry_id, fields in entries]]
+        for key, entries in items
+    ]
