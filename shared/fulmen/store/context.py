@@ -23,6 +23,7 @@ class StoreContext:
     redis: aioredis.Redis
     experiment: str
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    shards: int | None = None  # lifecycle shards (None: FULMEN_STORE_SHARDS, default 1)
     keys: k.Keys = field(init=False)
     pipeline: AutoPipeline = field(init=False)  # the hot-path scripts go through it
 
@@ -32,7 +33,7 @@ class StoreContext:
     _loading: asyncio.Lock | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.keys = k.Keys(self.experiment)
+        self.keys = k.Keys(self.experiment, self.shards)
         cluster = isinstance(self.redis, RedisCluster)
         self._scripts_loaded = not cluster  # one node: redis-py's own NOSCRIPT handling is sound
         self.pipeline = AutoPipeline(self.redis, self.load_scripts if cluster else None)

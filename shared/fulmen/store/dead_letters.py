@@ -41,7 +41,8 @@ class DeadLetters:
         if not entries:
             raise NotFound(f"dead letter {dead_letter_id} does not exist in experiment {self.ctx.experiment}")
         letter = DeadLetter.from_wire(entries[0][1].get(b"m"), dead_letter_id=dead_letter_id)
-        if not letter.source.startswith(self.ctx.keys.prefix) or not letter.payload:
+        own = any(letter.source.startswith(shard.prefix) for shard in self.ctx.keys.shards)
+        if not own or not letter.payload:
             raise InvalidInput(f"dead letter {dead_letter_id} cannot be requeued (source {letter.source!r})")
         pipe = self.ctx.redis.pipeline(transaction=True)
         pipe.xadd(letter.source, dict(letter.payload))

@@ -138,7 +138,8 @@ async def _delete_rollout_data(store: RedisStore, rollout_ids: list[str], delete
                 continue
             attempts = [keys.attempt(k.attempt_id(rid, n)) for n in range(1, rollout.attempt_count + 1)]
             pipe.execute_command("UNLINK", keys.rollout(rid), *attempts)
-            pipe.zrem(keys.rollout_index, rid)
-            pipe.srem(keys.status(rollout.status), rid)
+            shard = keys.shard(rid)
+            pipe.zrem(shard.rollout_index, rid)
+            pipe.srem(shard.status(rollout.status), rid)
         await pipe.execute()
     return deleted_streams

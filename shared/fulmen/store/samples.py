@@ -15,6 +15,7 @@ from fulmen.errors import RecordError
 from fulmen.records import RolloutForSamples, RolloutStatus, Sample, SampleSkip, SpanView
 from fulmen.store import scripts
 from fulmen.store.context import StoreContext
+from fulmen.store.finished import split_entry_id
 from fulmen.store.stream import Fields, Stream
 
 SampleEntry = tuple[str, Sample | SampleSkip]
@@ -32,6 +33,7 @@ class Samples:
         self.max_record_bytes = ctx.max_record_bytes
         self._append_samples = ctx.script(scripts.APPEND_SAMPLES)
         self._read_for_samples = ctx.script(scripts.READ_FOR_SAMPLES)
+        self._append_marked = ctx.script(scripts.APPEND_SAMPLES_MARKED)
         self._groups: dict[str, Stream[Sample | SampleSkip]] = {}
 
     def _decode(self, entry_id: str, fields: Fields) -> Sample | SampleSkip:
@@ -51,8 +53,23 @@ class Samples:
         if not rollout_ids:
             return []
         span_keys = [self.keys.spans(rid) for rid in rollout_ids]
-        rows, streams = await self._read_rollouts_and_spans(rollout_ids, span_keys)
-        entries_by_key: dict[bytes, Any] = dict(streams or ())
+        if len(self.keys.shards) == 1:
+            rows, streams = await self._read_rollouts_and_spans(self.keys.prefix, rollout_ids, span_keys)
+            entries_by_key: dict[bytes, Any] = dict(streams or ())
+        else:  # one read per shard, each in its shard's slot
+            by_shard: dict[int, list[int]] = {}
+            for i, rid in enumerate(rollout_ids):
+                by_shard.setdefault(self.keys.shard(rid).index, []).append(i)
+            rows = [None] * len(rollout_ids)
+            entries_by_key = {}
+            for shard, positions in by_shard.items():
+                part_rows, part_streams = await self._read_rollouts_and_spans(
+                    self.keys.shards[shard].prefix, [rollout_ids[i] for i in positions],
+                    [span_keys[i] for i in positions],
+                )
+                for i, row in zip(positions, part_rows, strict=True):
+                    rows[i] = row
+                entries_by_key.update(dict(part_streams or ()))
         max_bytes = self.max_record_bytes
         out: list[RolloutForSamples | None] = []
         for rid, key, row in zip(rollout_ids, span_keys, rows, strict=True):
@@ -73,7 +90,7 @@ class Samples:
             ))
         return out
 
-    async def _read_rollouts_and_spans(self, rollout_ids: Sequence[str], span_keys: list[str]) -> list[Any]:
+    async def _read_rollouts_and_spans(self, prefix: str, rollout_ids: Sequence[str], span_keys: list[str]) -> list[Any]:
         """[READ_FOR_SAMPLES's rows, XREAD's reply over the span streams], atomically (one MULTI) on
         one node. On a cluster the two go in one plain pipeline to the experiment's node (redis-py
         8.1's async cluster transactions fail with "attached to a different loop"): a span stored
@@ -82,7 +99,7 @@ class Samples:
         await self.ctx.load_scripts()
         for attempt in (1, 2):
             pipe = self.redis.pipeline(transaction=not isinstance(self.redis, RedisCluster))
-            pipe.execute_command("EVALSHA", self._read_for_samples.sha, 1, self.keys.prefix, *rollout_ids)
+            pipe.execute_command("EVALSHA", self._read_for_samples.sha, 1, prefix, *rollout_ids)
             # The command name as bytes: redis-py looks its response callbacks up by the str name, so
             # this reply stays hiredis's nested lists; its XREAD callback would build a dict per span
             # entry in Python. No COUNT: every span of every stream.
@@ -119,9 +136,49 @@ class Samples:
         payload = msgpack.packb(
             [[item[0], dict(item[2]), list(item[1]), *item[3:]] for item in batch], use_bin_type=False
         )
+        if len(self.keys.shards) > 1:
+            return await self._append_sharded(batch, payload, ack_group, ack_entry_ids)
         ack = [ack_group, *ack_entry_ids] if ack_group and ack_entry_ids else [""]
         replies = await self._append_samples(keys=[self.keys.prefix], args=[payload, *ack])
         return [int(n) for n in replies or []]
+
+    async def _append_sharded(
+        self, batch: Sequence[Any], payload: bytes, ack_group: str | None, ack_entry_ids: Sequence[str]
+    ) -> list[int]:
+        """`append_samples` with several shards: the rollouts live in their shards' slots, the
+        samples stream in shard 0's, so no one script can do all of it. The once-per-rollout marker
+        moves to a set beside the samples stream (appended in the same script as the samples); the
+        acknowledgement follows, per shard: a crash in between redelivers entries whose samples the
+        marker then skips, so nothing is appended twice or lost. A rollout is checked to exist first
+        (a finished entry not yet acknowledged is never trimmed with its rollout)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for item in batch:
+            pipe.exists(self.keys.rollout(item[0]))
+        exists = await pipe.execute() if batch else []
+        present = [bool(e) for e in exists]
+        if any(present):
+            kept = msgpack.packb(
+                [[item[0], dict(item[2]), list(item[1])] for item, ok in zip(batch, present, strict=True) if ok],
+                use_bin_type=False,
+            )
+            counts = iter(await self._append_marked(keys=[self.keys.prefix], args=[kept]))
+        else:
+            counts = iter(())
+        out = [int(next(counts)) if ok else -1 for ok in present]
+        pipe = self.redis.pipeline(transaction=False)
+        for item, n in zip(batch, out, strict=True):
+            if n > 0:
+                fields = {"sampled": 1, **({"model_version": item[3]} if len(item) > 3 and item[3] else {})}
+                pipe.hset(self.keys.rollout(item[0]), mapping=fields)
+        if ack_group and ack_entry_ids:
+            by_shard: dict[int, list[str]] = {}
+            for entry_id in ack_entry_ids:
+                shard, raw = split_entry_id(entry_id)
+                by_shard.setdefault(shard, []).append(raw)
+            for shard, ids in by_shard.items():
+                pipe.xack(self.keys.shards[shard].finished, ack_group, *ids)
+        await pipe.execute()
+        return out
 
     async def adapter_stats(self) -> dict[str, int]:
         raw = await self.redis.hgetall(self.keys.adapter_stats)

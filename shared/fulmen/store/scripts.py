@@ -457,3 +457,25 @@ redis.call('HSET', res, ARGV[2], ARGV[3], 'latest', version)
 redis.call('XADD', P .. '{k.RESOURCES_LOG}', '*', 'm', ARGV[3])
 return 'ok'
 """
+
+# APPEND_SAMPLES for an experiment with several shards (`fulmen.store.samples`): KEYS[1] = shard 0's
+# prefix, ARGV[1] = msgpack array, per rollout [rollout id, {stat counter: increment}, [records]].
+# The once-per-rollout marker is the set `sampled` in this slot; the caller checked the rollouts exist
+# and acknowledges the finished entries after. Returns, per rollout, the records appended (0: before).
+APPEND_SAMPLES_MARKED = f"""
+local P = KEYS[1]
+local stats, samples, marked = P .. '{k.ADAPTER_STATS}', P .. '{k.SAMPLES}', P .. '{k.SAMPLED}'
+local batch = cmsgpack.unpack(ARGV[1])
+local out, totals = {{}}, {{}}
+for i, item in ipairs(batch) do
+  if redis.call('SADD', marked, item[1]) == 0 then
+    out[i] = 0
+  else
+    for name, increment in pairs(item[2]) do totals[name] = (totals[name] or 0) + increment end
+    for j = 1, #item[3] do redis.call('XADD', samples, '*', 'm', item[3][j]) end
+    out[i] = #item[3]
+  end
+end
+for name, total in pairs(totals) do redis.call('HINCRBY', stats, name, total) end
+return out
+"""
