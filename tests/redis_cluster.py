@@ -11,6 +11,9 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
+from fulmen import keys as k
 from fulmen.embedded import redis_server_binary, server_args, wait_for_port
 
 BUS_OFFSET = 10000  # Redis Cluster's bus port is the client port + 10000
@@ -140,3 +143,14 @@ class EmbeddedCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def store_url(request: pytest.FixtureRequest, variant: str) -> str:
+    """The server of a store test variant: ``single`` (one node), ``cluster`` (a real 3-master Redis
+    Cluster), ``cluster-3-shards`` (that cluster, the experiment split into 3 store shards: the
+    variable is set for the test, and the worker processes it starts inherit it)."""
+    if variant == "single":
+        return str(request.getfixturevalue("redis_server").url)
+    if variant == "cluster-3-shards":
+        request.getfixturevalue("monkeypatch").setenv(k.SHARDS_ENV, "3")
+    return str(request.getfixturevalue("redis_cluster").url)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis_cluster import store_url
 
 Spawn = Callable[..., Awaitable[Any]]
 
@@ -39,10 +40,9 @@ async def spawn(tmp_path: Path) -> AsyncIterator[Spawn]:
 
 @pytest.fixture(params=["single", "cluster"])
 def redis_url(request: pytest.FixtureRequest) -> str:
-    """Every store test runs twice: on one node, and on a real 3-master Redis Cluster."""
-    if request.param == "single":
-        return str(request.getfixturevalue("redis_server").url)
-    return str(request.getfixturevalue("redis_cluster").url)
+    """Every store test runs twice: on one node, and on a real 3-master Redis Cluster (the core ones,
+    test_crash and test_stress, a third time with 3 store shards)."""
+    return store_url(request, request.param)
 
 
 async def _client_lists(redis: Any) -> list[dict[str, Any]]:

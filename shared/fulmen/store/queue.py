@@ -119,18 +119,21 @@ class Queue:
         self._next_shard = (start + 1) % shards
         while True:
             progressed = False
-            for step in range(shards):
+            claimed: list[AttemptedRollout] = []
+            for step in range(shards):  # fill up to count from the shards in turn
                 i = (start + step) % shards
-                claimed = await self._claim_entries(i, worker_id, await self._reclaim(i, worker_id, count))
-                if claimed:
+                claimed += await self._claim_entries(i, worker_id, await self._reclaim(i, worker_id, count - len(claimed)))
+                if len(claimed) >= count:
                     return claimed
-                read = await self._claim_next(i, worker_id, count)
+                read = await self._claim_next(i, worker_id, count - len(claimed))
                 if read is None:
                     continue
-                claimed, n_read = read
-                if claimed:
+                claimed += read[0]
+                if len(claimed) >= count:
                     return claimed
-                progressed = progressed or n_read > 0
+                progressed = progressed or read[1] > 0
+            if claimed:
+                return claimed
             if progressed:
                 continue  # stale or poison entries were skipped: look again before waiting
             if deadline is None or time.monotonic() >= deadline:
