@@ -15,6 +15,7 @@ from fulmen.connection import async_client
 from fulmen.errors import InvalidInput
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
+from fulmen.store.browse import RolloutFilter, browse_rollouts
 
 SHARDS = 3
 
@@ -114,3 +115,27 @@ def test_a_bad_shard_setting_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(k.SHARDS_ENV, "zero")
     with pytest.raises(InvalidInput, match=k.SHARDS_ENV):
         k.Keys("exp")
+
+
+@pytest.mark.parametrize("statuses", [(), ("queuing",)], ids=["index", "status-sets"])
+async def test_the_rollout_browser_pages_over_every_shard(sharded: RedisStore, statuses: tuple[str, ...]) -> None:
+    """The dashboard's pages, newest first, hold every shard's rollouts once each (small pages, so the
+    cursor crosses shards and equal enqueue times)."""
+    store = sharded
+    ids = _ids_per_shard(store, 5)
+    for i in range(0, len(ids), 4):  # several rollouts per enqueue: some share an enqueue time
+        await store.enqueue_rollouts([store.new_rollout(rid, rollout_id=rid) for rid in ids[i:i + 4]])
+    seen: list[str] = []
+    times: list[float] = []
+    cursor = None
+    while True:
+        page = await browse_rollouts(store.redis, store.keys, RolloutFilter(statuses=frozenset(statuses)),
+                                     limit=4, cursor=cursor)
+        assert page.total == len(ids)
+        seen += [row.rollout_id for row in page.rows]
+        times += [row.enqueue_time for row in page.rows]
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    assert sorted(seen) == sorted(ids)
+    assert times == sorted(times, reverse=True)

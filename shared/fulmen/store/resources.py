@@ -10,7 +10,7 @@ from typing import Any
 from fulmen import keys as k
 from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.records import ResourcesUpdate
-from fulmen.store import scripts
+from fulmen.store import data_scripts
 from fulmen.store.context import StoreContext
 from fulmen.store.stream import Fields, Stream, entry_id_text
 
@@ -28,7 +28,7 @@ class Resources:
         self.keys = ctx.keys
         self.max_record_bytes = ctx.max_record_bytes
         self.log: Stream[ResourcesUpdate] = ctx.stream(ctx.keys.resources_log, self._decode)
-        self._publish = ctx.script(scripts.PUBLISH_RESOURCES)
+        self._publish = ctx.script(data_scripts.PUBLISH_RESOURCES)
 
     def _decode(self, entry_id: str, fields: Fields) -> ResourcesUpdate:
         return ResourcesUpdate.from_wire(fields.get(b"m"), self.max_record_bytes)

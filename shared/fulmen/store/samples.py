@@ -13,7 +13,7 @@ from fulmen import keys as k
 from fulmen.codec import unpack
 from fulmen.errors import RecordError
 from fulmen.records import RolloutForSamples, RolloutStatus, Sample, SampleSkip, SpanView
-from fulmen.store import scripts
+from fulmen.store import data_scripts
 from fulmen.store.context import StoreContext
 from fulmen.store.finished import split_entry_id
 from fulmen.store.stream import Fields, Stream
@@ -31,9 +31,9 @@ class Samples:
         self.redis = ctx.redis
         self.keys = ctx.keys
         self.max_record_bytes = ctx.max_record_bytes
-        self._append_samples = ctx.script(scripts.APPEND_SAMPLES)
-        self._read_for_samples = ctx.script(scripts.READ_FOR_SAMPLES)
-        self._append_marked = ctx.script(scripts.APPEND_SAMPLES_MARKED)
+        self._append_samples = ctx.script(data_scripts.APPEND_SAMPLES)
+        self._read_for_samples = ctx.script(data_scripts.READ_FOR_SAMPLES)
+        self._append_marked = ctx.script(data_scripts.APPEND_SAMPLES_MARKED)
         self._groups: dict[str, Stream[Sample | SampleSkip]] = {}
 
     def _decode(self, entry_id: str, fields: Fields) -> Sample | SampleSkip:
