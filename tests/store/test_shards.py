@@ -4,6 +4,7 @@ groups that span shards see all of them. One shard keeps every key exactly as be
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,11 +12,12 @@ import pytest
 from redis_cluster import EmbeddedCluster
 
 from fulmen import keys as k
-from fulmen.connection import async_client
+from fulmen.connection import async_client, sync_client
 from fulmen.errors import InvalidInput
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
 from fulmen.store.browse import RolloutFilter, browse_rollouts
+from fulmen.store.statistics import read_snapshot
 
 SHARDS = 3
 
@@ -139,3 +141,21 @@ async def test_the_rollout_browser_pages_over_every_shard(sharded: RedisStore, s
         cursor = page.next_cursor
     assert sorted(seen) == sorted(ids)
     assert times == sorted(times, reverse=True)
+
+
+async def test_the_sync_snapshot_of_top_and_metrics_sums_the_shards(
+    sharded: RedisStore, redis_cluster: EmbeddedCluster
+) -> None:
+    """`fulmen top` and the metrics read with a sync client: on the cluster, over every shard."""
+    store = sharded
+    ids = _ids_per_shard(store, 2)
+    await store.enqueue_rollouts([store.new_rollout(i, rollout_id=i) for i in ids])
+    claimed = await store.dequeue_rollouts("w", 2)
+    client = sync_client(redis_cluster.url)
+    try:
+        snap = await asyncio.to_thread(read_snapshot, client, store.keys)
+    finally:
+        client.close()
+    assert (snap.queue_depth, snap.active_attempts) == (len(ids) - len(claimed), len(claimed))
+    assert snap.stream_lengths["queue"] == len(ids)
+    assert snap.groups[("queue", k.RUNNERS_GROUP)].pending == 0
