@@ -159,3 +159,18 @@ async def test_the_sync_snapshot_of_top_and_metrics_sums_the_shards(
     assert (snap.queue_depth, snap.active_attempts) == (len(ids) - len(claimed), len(claimed))
     assert snap.stream_lengths["queue"] == len(ids)
     assert snap.groups[("queue", k.RUNNERS_GROUP)].pending == 0
+
+
+async def test_poison_on_another_shard_is_dead_lettered_and_requeued(sharded: RedisStore) -> None:
+    """A bad entry on a shard's queue goes to the experiment's dead letters (another slot) and back."""
+    store = sharded
+    await store.ensure()
+    shard = store.keys.shards[2]
+    await store.redis.xadd(shard.queue, {"m": b"not msgpack"})
+    assert await store.dequeue_rollouts("w", 5) == []
+    [letter] = await store.query_dead_letters()
+    assert letter.source == shard.queue
+    assert (await store.redis.xpending(shard.queue, k.RUNNERS_GROUP))["pending"] == 0
+    await store.requeue_dead_letter(letter.dead_letter_id)
+    assert await store.query_dead_letters() == []
+    assert await store.redis.xlen(shard.queue) == 2

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from redis.crc import key_slot
+
 from fulmen.errors import InvalidInput, NotFound
 from fulmen.records import DeadLetter
 from fulmen.store.context import StoreContext
@@ -44,7 +46,10 @@ class DeadLetters:
         own = any(letter.source.startswith(shard.prefix) for shard in self.ctx.keys.shards)
         if not own or not letter.payload:
             raise InvalidInput(f"dead letter {dead_letter_id} cannot be requeued (source {letter.source!r})")
-        pipe = self.ctx.redis.pipeline(transaction=True)
+        # One MULTI when the source shares the dead letters' slot (shard 0); a stream of another
+        # shard on a cluster cannot join it: the entry goes back first, then the letter goes.
+        same_slot = key_slot(letter.source.encode()) == key_slot(self.ctx.keys.dead_letters.encode())
+        pipe = self.ctx.redis.pipeline(transaction=same_slot)
         pipe.xadd(letter.source, dict(letter.payload))
         pipe.xdel(self.ctx.keys.dead_letters, dead_letter_id)
         new_id, _ = await pipe.execute()
