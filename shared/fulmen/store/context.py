@@ -85,7 +85,8 @@ class _ClusterScript(AsyncScript):
     """A script on a cluster: loaded into every master before its first call (`load_scripts`)."""
 
     def __init__(self, ctx: StoreContext, script: AsyncScript) -> None:
-        self.registered_client, self.script, self.sha, self._ctx = script.registered_client, script.script, script.sha, ctx
+        self.registered_client, self.script, self.sha = script.registered_client, script.script, script.sha
+        self._ctx = ctx
 
     async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
         await self._ctx.load_scripts()
