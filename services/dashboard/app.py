@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fulmen import keys as k
+from fulmen.connection import async_client
 from fulmen.errors import FulmenError, InvalidInput, InvalidTransition, NotFound
 from fulmen.pipeline_view import COUNTERS, Frame, aread_frame, live_proxies, live_workers, rate, service_rows
 from fulmen.settings import DashboardSettings
@@ -105,7 +106,7 @@ class DashboardApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 if self.client is None:
-                    self.client = aioredis.from_url(self.settings.redis_url_value(), socket_timeout=10)
+                    self.client = async_client(self.settings.redis_url_value(), socket_timeout=10)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self._own_client and self.client is not None:

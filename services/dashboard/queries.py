@@ -158,8 +158,13 @@ async def dead_letters(store: RedisStore, limit: int) -> list[DeadLetter]:
 
 
 async def recent_finished(store: RedisStore) -> list[RolloutFinished]:
+    """The newest finished rollouts, newest first, of every store shard."""
+    entries = []
+    for shard in store.keys.shards:
+        entries += await store.redis.xrevrange(shard.finished, count=RECENT_FINISHED)
+    entries.sort(key=lambda e: tuple(int(x) for x in e[0].split(b"-")), reverse=True)
     out = []
-    for entry_id, fields in await store.redis.xrevrange(store.keys.finished, count=RECENT_FINISHED):
+    for entry_id, fields in entries[:RECENT_FINISHED]:
         try:
             out.append(RolloutFinished.from_wire(fields.get(b"m"), entry_id=entry_id.decode()))
         except RecordError:

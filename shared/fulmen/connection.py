@@ -9,6 +9,12 @@ client, no retry) says 503 meanwhile. Retrying is safe for what the services sen
 scripts are idempotent on a repeat (a finished attempt reports ``already``, a stored span is ignored,
 samples are written once per rollout) — except a claim whose reply was lost, which leaves its attempt
 to the watchdog (rollouts with ``unresponsive_seconds``, as the algorithm's are, are recovered).
+
+Redis Cluster: a URL ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster``
+for TLS) names some of the cluster's nodes (any one answering is enough; the client learns the rest),
+and a plain ``redis://`` URL of a node whose ``INFO cluster`` says ``cluster_enabled:1`` is taken as
+that cluster too. Either way the client is redis-py's `RedisCluster` (`OutageCluster` for services:
+its single commands ride out an outage as above; its pipelines retry as redis-py does, a few times).
 """
 
 from __future__ import annotations
@@ -19,11 +25,23 @@ import random
 import re
 import time
 from typing import Any
+from urllib.parse import unquote
 
+import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    ConnectionError,
+    RedisError,
+    SlotNotCoveredError,
+    TimeoutError,
+    TryAgainError,
+)
 
 from fulmen.errors import RedisUnavailable
 from fulmen.settings import CommonSettings
@@ -74,14 +92,103 @@ def redact(url: str) -> str:
     return "".join(out) + url[pos:]
 
 
+CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
+# What makes a cluster command fail for a while: a node down (its slots uncovered), a failover.
+CLUSTER_OUTAGE_ERRORS = (ConnectionError, TimeoutError, ClusterDownError, SlotNotCoveredError, TryAgainError)
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.partition("://")[0].lower() in CLUSTER_SCHEMES
+
+
+def cluster_options(url: str) -> dict[str, Any]:
+    """redis-py `RedisCluster` arguments from a ``redis+cluster://[user:password@]h:p[,h:p]`` URL."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in CLUSTER_SCHEMES:
+        raise ValueError(f"{redact(url)} is no cluster URL: use redis+cluster://host:port[,host:port]")
+    userinfo, at, hosts = rest.rpartition("@")
+    hosts = hosts.split("/", 1)[0].split("?", 1)[0]  # a cluster has one database: no path, no query
+    options: dict[str, Any] = {"ssl": CLUSTER_SCHEMES[scheme.lower()]}
+    if at:
+        user, colon, password = userinfo.partition(":")
+        options["username"] = unquote(user) or None
+        options["password"] = unquote(password) if colon else None
+    nodes = []
+    for node in filter(None, (h.strip() for h in hosts.split(","))):
+        host, colon, port = node.rpartition(":")
+        if not colon or not port.isdigit() or not host:
+            raise ValueError(f"cluster node {node!r} in {redact(url)} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    if not nodes:
+        raise ValueError(f"{redact(url)} names no cluster node")
+    options["nodes"] = nodes
+    return options
+
+
+class OutageCluster(AsyncRedisCluster):
+    """redis-py's async cluster client whose commands ride out an outage as `OutageRetry` does for a
+    single node (the cluster's own retry is a count, a few tries in well under a second)."""
+
+    outage: OutageRetry | None = None
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self.outage is None:
+            return await super().execute_command(*args, **kwargs)
+        return await self.outage.call_with_retry(
+            lambda: super(OutageCluster, self).execute_command(*args, **kwargs), _nothing
+        )
+
+
+async def _nothing(error: BaseException) -> None:
+    return None
+
+
+def async_client(url: str, **kwargs: Any) -> aioredis.Redis:
+    """An async client for ``url``: `OutageCluster` for a cluster URL, else a plain client.
+    (Typed as the plain client: the cluster client has the same command methods.)"""
+    if is_cluster_url(url):
+        options = cluster_options(url)
+        nodes = [ClusterNode(host, port) for host, port in options.pop("nodes")]
+        return OutageCluster(startup_nodes=nodes, **options, **kwargs)  # type: ignore[return-value]
+    return aioredis.from_url(url, **kwargs)
+
+
+def sync_client(url: str, **kwargs: Any) -> redis.Redis:
+    """A sync client for ``url`` (the metrics thread, `fulmen top`): a cluster URL, or a plain URL of
+    a node in cluster mode, gives redis-py's `RedisCluster`."""
+    if is_cluster_url(url):
+        options = cluster_options(url)
+        nodes = [redis.cluster.ClusterNode(host, port) for host, port in options.pop("nodes")]
+        return redis.RedisCluster(startup_nodes=nodes, **options, **kwargs)  # type: ignore[return-value]
+    client = redis.Redis.from_url(url, **kwargs)
+    try:
+        enabled = client.info("cluster").get("cluster_enabled") == 1
+    except (RedisError, OSError):
+        return client  # not reachable now: the caller's first command says so
+    if not enabled:
+        return client
+    client.close()
+    return redis.RedisCluster.from_url(url, **kwargs)  # type: ignore[return-value]
+
+
+async def _cluster_mode(client: aioredis.Redis) -> bool:
+    """Whether the node behind a plain URL runs in cluster mode (some managed Redis refuse INFO:
+    then not)."""
+    try:
+        return (await client.info("cluster")).get("cluster_enabled") == 1
+    except RedisError:
+        return False
+
+
 async def connect(settings: CommonSettings, *, wait_s: float | None = None) -> aioredis.Redis:
     """A client for the configured Redis, once it answers PING. Waits with jittered exponential
     backoff (services start in any order), up to ``wait_s`` (default: settings.redis_wait_s)."""
     url = settings.redis_url_value()
     # No socket timeout: blocking reads (claim, wait_for_rollouts, subscriptions) may wait longer
     # than any fixed value; a dead connection is caught by the health check instead.
-    client = aioredis.from_url(url, health_check_interval=HEALTH_CHECK_S, socket_timeout=None,
-                              socket_connect_timeout=CONNECT_TIMEOUT_S)
+    options: dict[str, Any] = {"health_check_interval": HEALTH_CHECK_S, "socket_timeout": None,
+                               "socket_connect_timeout": CONNECT_TIMEOUT_S}
+    client = async_client(url, **options)
     wait_s = settings.redis_wait_s if wait_s is None else wait_s
     deadline = time.monotonic() + wait_s
     delay = FIRST_DELAY_S
@@ -92,10 +199,17 @@ async def connect(settings: CommonSettings, *, wait_s: float | None = None) -> a
             await client.ping()
             if attempt > 1:
                 log.info("Redis at %s is up after %d attempts", redact(url), attempt)
+            if not isinstance(client, OutageCluster) and await _cluster_mode(client):
+                await client.aclose()
+                client = OutageCluster.from_url(url, **options)
+                await client.ping()
             # From now on a lost connection is an outage to ride out, not the end of the process.
-            client.set_retry(OutageRetry(url, settings.redis_outage_s))
+            if isinstance(client, OutageCluster):
+                client.outage = OutageRetry(url, settings.redis_outage_s, CLUSTER_OUTAGE_ERRORS)
+            else:
+                client.set_retry(OutageRetry(url, settings.redis_outage_s))
             return client
-        except (ConnectionError, TimeoutError, BusyLoadingError, OSError) as e:
+        except (*CLUSTER_OUTAGE_ERRORS, BusyLoadingError, OSError) as e:
             if time.monotonic() + delay > deadline:
                 await client.aclose()
                 hint = "start it with `fulmen redis`" if settings.embedded else "check REDIS_URL"
@@ -113,9 +227,10 @@ class OutageRetry(Retry):
     when Redis went away and once when it is back (with how long it was gone). One per client: its
     coroutines share the outage, so they share the log lines too."""
 
-    def __init__(self, url: str, outage_s: float) -> None:
-        super().__init__(ExponentialWithJitterBackoff(OUTAGE_MAX_DELAY_S, OUTAGE_FIRST_DELAY_S), -1,
-                         (ConnectionError, TimeoutError))  # BusyLoadingError is a ConnectionError
+    def __init__(self, url: str, outage_s: float,
+                 errors: tuple[type[Exception], ...] = (ConnectionError, TimeoutError)) -> None:
+        # BusyLoadingError is a ConnectionError
+        super().__init__(ExponentialWithJitterBackoff(OUTAGE_MAX_DELAY_S, OUTAGE_FIRST_DELAY_S), -1, errors)
         self.url, self.outage_s = url, outage_s
         self.down_since: float | None = None
 

@@ -77,9 +77,10 @@ def top(
     settings = settings_from_flags(experiment=experiment)
     import redis as redis_sync
 
+    from fulmen.connection import sync_client
     from fulmen.top import run
 
-    client = redis_sync.Redis.from_url(settings.redis_url_value(), socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+    client = sync_client(settings.redis_url_value(), socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     try:
         code = run(client, settings.experiment, interval, once, out)
     except (redis_sync.RedisError, OSError) as e:

@@ -7,11 +7,26 @@ the queue and the finished stream in one atomic step are legal on a cluster too.
 Lua scripts receive the experiment prefix and append the suffixes below (as BullMQ's scripts do):
 the suffix constants are interpolated into the Lua source by ``fulmen.store.scripts``, so this module
 stays the only place where a key's shape is written.
+
+Shards: with S > 1 (``FULMEN_STORE_SHARDS``; 1 by default) the rollout lifecycle is split into S
+shards, each with a hash tag of its own, so one experiment spreads over the masters of a Redis
+Cluster. A rollout belongs to shard ``crc32(rollout id) % S``; its hash, attempts, spans, status
+indexes, queue, finished stream, index and watchdog sets carry that shard's tag (`ShardKeys`), so a
+lifecycle script still touches one slot. Shard 0 is the experiment's own tag ``{<experiment>}``, so
+with S = 1 every key is exactly what it always was; shard i > 0 is ``{<experiment>:shard<i>.<n>}``,
+with the smallest n whose slot falls in a part of the 16384 slots no other shard has taken (a
+cluster made by ``redis-cli --cluster create`` gives each master one such part, so the shards land on
+distinct masters). Everything else (samples, resources, registry, trainer) stays in shard 0's slot.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import zlib
+from functools import lru_cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from fulmen.errors import InvalidInput
 
@@ -42,6 +57,7 @@ STORED_VERSIONS = "weights-stored"  # zset: model version -> resources version, 
 VERSION_BASES = "weights-bases"  # hash: delta model version -> the version it applies onto
 CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)
 SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
+SAMPLED = "sampled"  # set: rollouts sampled (the once-per-rollout marker when there are several shards)
 ADAPTER_STATS = "stats:adapter"  # hash: rollouts adapted, samples written, skips per reason
 ALGORITHM_STATE = "algorithm:state"  # hash: the run's position (epoch, cursor, groups and rollouts enqueued)
 ALGORITHM_DONE = "algorithm:done"  # set: train rollouts of the run seen terminal (counted once each)
@@ -87,6 +103,62 @@ def experiment_prefix(experiment: str) -> str:
     return f"{NAMESPACE}:{{{check_experiment(experiment)}}}:"
 
 
+SHARDS_ENV = "FULMEN_STORE_SHARDS"
+MAX_SHARDS = 64
+SHARDS = "shards"  # string in shard 0: the experiment's shard count, written once (a check, see the store)
+
+
+def shards_from_env() -> int:
+    raw = os.environ.get(SHARDS_ENV, "1").strip() or "1"
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_SHARDS:
+        raise InvalidInput(f"{SHARDS_ENV}={raw!r} is invalid: use a whole number from 1 to {MAX_SHARDS}")
+    return int(raw)
+
+
+@lru_cache(maxsize=256)
+def shard_prefixes(experiment: str, shards: int) -> tuple[str, ...]:
+    """The key prefix of each shard (see the module's docstring)."""
+    base = experiment_prefix(experiment)
+    if shards == 1:
+        return (base,)
+    part = REDIS_CLUSTER_HASH_SLOTS // shards
+    taken = {min(key_slot(base.encode()) // part, shards - 1)}
+    prefixes = [base]
+    for i in range(1, shards):
+        n = 0
+        while True:
+            prefix = f"{NAMESPACE}:{{{experiment}:shard{i}.{n}}}:"
+            region = min(key_slot(prefix.encode()) // part, shards - 1)
+            if region not in taken:
+                taken.add(region)
+                prefixes.append(prefix)
+                break
+            n += 1
+    return tuple(prefixes)
+
+
+def shard_of(rollout_id: str, shards: int) -> int:
+    """A rollout's shard: a stable hash of its id (the same in every process and release)."""
+    return 0 if shards == 1 else zlib.crc32(rollout_id.encode()) % shards
+
+
+class ShardKeys:
+    """The keys of one shard of an experiment's rollout lifecycle."""
+
+    __slots__ = ("finished", "index", "prefix", "queue", "rollout_index", "watch_deadline", "watch_heartbeat")
+
+    def __init__(self, prefix: str, index: int) -> None:
+        self.prefix, self.index = prefix, index
+        self.queue = prefix + QUEUE
+        self.finished = prefix + FINISHED
+        self.rollout_index = prefix + ROLLOUT_INDEX
+        self.watch_heartbeat = prefix + WATCH_HEARTBEAT
+        self.watch_deadline = prefix + WATCH_DEADLINE
+
+    def status(self, status: str) -> str:
+        return self.prefix + STATUS + status
+
+
 class Keys:
     """The keys of one experiment."""
 
@@ -108,6 +180,8 @@ class Keys:
         "rollout_index",
         "samples",
         "services",
+        "shards",
+        "shards_count",
         "stored_versions",
         "trainer_aggregates",
         "trainer_grads",
@@ -121,9 +195,14 @@ class Keys:
         "workers",
     )
 
-    def __init__(self, experiment: str) -> None:
+    def __init__(self, experiment: str, shards: int | None = None) -> None:
+        """``shards``: the number of lifecycle shards (None: ``FULMEN_STORE_SHARDS``, default 1)."""
         self.experiment = experiment
         self.prefix = experiment_prefix(experiment)
+        n = shards_from_env() if shards is None else shards
+        if not 1 <= n <= MAX_SHARDS:
+            raise InvalidInput(f"shards={n} is invalid: use 1 to {MAX_SHARDS}")
+        self.shards = tuple(ShardKeys(p, i) for i, p in enumerate(shard_prefixes(experiment, n)))
         p = self.prefix
         self.queue = p + QUEUE
         self.finished = p + FINISHED
@@ -151,20 +230,27 @@ class Keys:
         self.stored_versions = p + STORED_VERSIONS
         self.version_bases = p + VERSION_BASES
         self.replicas = p + REPLICAS
+        self.shards_count = p + SHARDS
+
+    def shard(self, rollout_id: str) -> ShardKeys:
+        """The shard that holds a rollout (and its attempts and spans)."""
+        shards = self.shards
+        return shards[0] if len(shards) == 1 else shards[shard_of(rollout_id, len(shards))]
 
     def rollout(self, rollout_id: str) -> str:
-        return self.prefix + ROLLOUT + rollout_id
+        return self.shard(rollout_id).prefix + ROLLOUT + rollout_id
 
     def attempt(self, attempt_id: str) -> str:
-        return self.prefix + ATTEMPT + attempt_id
+        return self.shard(rollout_of_attempt(attempt_id)).prefix + ATTEMPT + attempt_id
 
     def spans(self, rollout_id: str) -> str:
-        return self.prefix + SPANS + rollout_id
+        return self.shard(rollout_id).prefix + SPANS + rollout_id
 
     def span_ids(self, rollout_id: str) -> str:
-        return self.prefix + SPAN_IDS + rollout_id
+        return self.shard(rollout_id).prefix + SPAN_IDS + rollout_id
 
     def status(self, status: str) -> str:
+        """Shard 0's index of a status (with shards, `ShardKeys.status` of each)."""
         return self.prefix + STATUS + status
 
     def resources(self, resources_id: str) -> str:
@@ -177,8 +263,13 @@ class Keys:
         return self.prefix + WEIGHTS + model_version
 
     def pattern(self) -> str:
-        """SCAN pattern matching every key of this experiment (braces escaped for glob)."""
+        """SCAN pattern matching every key of this experiment's shard 0 (braces escaped for glob)."""
         return f"{NAMESPACE}:\\{{{self.experiment}\\}}:*"
+
+    def patterns(self) -> list[str]:
+        """SCAN patterns matching every key of this experiment, its other shards' too (whatever
+        their number: an experiment deleted with another shard count leaves nothing behind)."""
+        return [self.pattern(), f"{NAMESPACE}:\\{{{self.experiment}:shard*\\}}:*"]
 
 
 def rollout_of_attempt(attempt_id: str) -> str:

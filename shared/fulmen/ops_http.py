@@ -39,6 +39,7 @@ from prometheus_client.core import Metric
 from redis.exceptions import RedisError
 
 from fulmen import keys as k
+from fulmen.connection import sync_client
 from fulmen.ops_metrics import PipelineCollector
 from fulmen.records import ServiceBeat
 from fulmen.settings import CommonSettings
@@ -116,7 +117,7 @@ class OpsServer:
             token = settings.metrics_token.get_secret_value()
         self.token = token.encode() if token else None  # what /metrics requires (None: nothing)
         # short timeouts: a probe must answer "not ready" quickly, not hang with a dead Redis
-        self.redis = redis.Redis.from_url(
+        self.redis = sync_client(  # a cluster client for a cluster URL
             settings.redis_url_value(), socket_timeout=2.0, socket_connect_timeout=2.0
         )
         self.collectors: list[Any] = [PipelineCollector(self.redis, self.keys)]

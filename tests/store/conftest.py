@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis_cluster import store_url
 
 Spawn = Callable[..., Awaitable[Any]]
 
@@ -36,10 +38,25 @@ async def spawn(tmp_path: Path) -> AsyncIterator[Spawn]:
         yield start
 
 
+@pytest.fixture(params=["single", "cluster"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """Every store test runs twice: on one node, and on a real 3-master Redis Cluster (the core ones,
+    test_crash and test_stress, a third time with 3 store shards)."""
+    return store_url(request, request.param)
+
+
+async def _client_lists(redis: Any) -> list[dict[str, Any]]:
+    """CLIENT LIST of the server, or of every node of a cluster."""
+    if isinstance(redis, RedisCluster):
+        replies = await redis.client_list(target_nodes=RedisCluster.ALL_NODES)
+        return [c for clients in replies.values() for c in clients] if isinstance(replies, dict) else replies
+    return list(await redis.client_list())
+
+
 async def _wait_blocked_reader(redis: aioredis.Redis) -> None:
     """Return once some client is blocked on XREAD (so a waiter or subscriber has taken its cursor)."""
     for _ in range(500):
-        clients = await redis.client_list()
+        clients = await _client_lists(redis)
         if any(c.get("cmd") == "xread" and "b" in c.get("flags", "") for c in clients):
             return
         await asyncio.sleep(0.01)

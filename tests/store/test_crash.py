@@ -10,12 +10,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
+from redis_cluster import store_url
 
 from fulmen import keys as k
+from fulmen.connection import async_client
 from fulmen.records import RolloutConfig, RolloutFinished
 from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore, run_watchdog
+
+
+@pytest.fixture(params=["single", "cluster", "cluster-3-shards"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """The core store tests run a third time: on the cluster with the experiment in 3 shards."""
+    return store_url(request, request.param)
 
 Spawn = Callable[..., Awaitable[Any]]  # what the `spawn` fixture (conftest.py) gives
 
@@ -65,7 +72,9 @@ async def _rescue(store: RedisStore, spawn: Spawn, redis_url: str, ids: list[str
 async def _assert_recovered_once(store: RedisStore, ids: list[str]) -> None:
     """Attempt 1 of each rollout unresponsive, attempt 2 succeeded; one finished entry per rollout."""
     finished = [
-        RolloutFinished.from_wire(fields[b"m"]) for _, fields in await store.redis.xrange(store.keys.finished)
+        RolloutFinished.from_wire(fields[b"m"])
+        for shard in store.keys.shards
+        for _, fields in await store.redis.xrange(shard.finished)
     ]
     assert sorted((c.rollout_id, c.status, c.attempt_id) for c in finished) == [
         (rid, RolloutStatus.SUCCEEDED, f"{rid}.2") for rid in ids
@@ -127,18 +136,17 @@ async def test_entries_of_a_dead_consumer_are_taken_over_once(
     ids = [f"r{i:02d}" for i in range(20)]
     await real_store.enqueue_rollouts([real_store.new_rollout(i, rollout_id=i) for i in ids])
     # The dead consumer read every entry (so they are pending to it) and never ran the claim script.
-    read = await real_store.redis.xreadgroup(k.RUNNERS_GROUP, "dead", {real_store.keys.queue: ">"}, count=100)
-    assert len(read[0][1]) == len(ids)
-    clients = [aioredis.from_url(redis_url) for _ in range(2)]
+    shards = real_store.keys.shards
+    read = [await real_store.redis.xreadgroup(k.RUNNERS_GROUP, "dead", {s.queue: ">"}, count=100) for s in shards]
+    assert sum(len(reply[0][1]) for reply in read if reply) == len(ids)
+    clients = [async_client(redis_url) for _ in range(2)]
     takers = [RedisStore(c, experiment, reclaim_idle_s=0.2) for c in clients]
     try:
         # Not idle long enough yet: nothing is taken over, and nothing new is on the queue.
         assert await takers[0].dequeue_rollouts("w0", 5) == []
-        pending = await real_store.redis.xpending(real_store.keys.queue, k.RUNNERS_GROUP)
-        assert (pending["pending"], pending["consumers"]) == (
-            len(ids),
-            [{"name": b"dead", "pending": len(ids)}],
-        )
+        pending = [await real_store.redis.xpending(s.queue, k.RUNNERS_GROUP) for s in shards]
+        assert sum(p["pending"] for p in pending) == len(ids)
+        assert {c["name"] for p in pending for c in p["consumers"]} == {b"dead"}
 
         # Past the idle time two workers race to take them over, five per call each.
         claimed = []
@@ -156,6 +164,6 @@ async def test_entries_of_a_dead_consumer_are_taken_over_once(
 
     assert sorted(c.attempt.attempt_id for c in claimed) == [f"{rid}.1" for rid in ids]
     assert {c.attempt.worker_id for c in claimed} <= {"w0", "w1"}
-    assert (await real_store.redis.xpending(real_store.keys.queue, k.RUNNERS_GROUP))["pending"] == 0
+    assert [(await real_store.redis.xpending(s.queue, k.RUNNERS_GROUP))["pending"] for s in shards] == [0] * len(shards)
     rollouts = await real_store.get_rollouts(ids)
     assert {(r.status, r.attempt_count) if r else None for r in rollouts} == {(RolloutStatus.PREPARING, 1)}

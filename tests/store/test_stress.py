@@ -9,11 +9,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
+from redis_cluster import store_url
 
 from fulmen import keys as k
 from fulmen.records import Attempt, RolloutConfig, RolloutFinished
 from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore
+
+
+@pytest.fixture(params=["single", "cluster", "cluster-3-shards"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """The core store tests run a third time: on the cluster with the experiment in 3 shards."""
+    return store_url(request, request.param)
 
 Spawn = Callable[..., Awaitable[Any]]  # what the `spawn` fixture (conftest.py) gives
 
@@ -77,7 +84,8 @@ async def test_claims_are_exclusive_across_processes(
     stats = await real_store.statistics()
     assert stats["rollouts"] == _per_status(preparing=len(ids))
     assert set(stats["pending"].values()) == {0}
-    assert (await real_store.redis.xpending(real_store.keys.queue, k.RUNNERS_GROUP))["pending"] == 0
+    for shard in real_store.keys.shards:
+        assert (await real_store.redis.xpending(shard.queue, k.RUNNERS_GROUP))["pending"] == 0
     assert await real_store.dequeue_rollouts("late", 10) == []
 
 
@@ -106,7 +114,8 @@ async def test_racing_watchdogs_end_each_stale_attempt_once(
         assert "ready" in await process.event()
     await asyncio.sleep(0.6)  # past unresponsive_seconds, with no heartbeat
     seconds, micros = await real_store.redis.time()
-    overdue = await real_store.redis.zcount(real_store.keys.watch_heartbeat, "-inf", seconds + micros / 1e6)
+    overdue = sum([await real_store.redis.zcount(shard.watch_heartbeat, "-inf", seconds + micros / 1e6)
+                   for shard in real_store.keys.shards])
     assert overdue == len(ids)
     await asyncio.gather(*(process.send("go") for process in processes))
     outcomes: Counter[str] = Counter()
@@ -116,10 +125,13 @@ async def test_racing_watchdogs_end_each_stale_attempt_once(
     assert {code: n for code, n in outcomes.items() if code != "already"} == {outcome: len(ids)}
     attempts = await _attempts(real_store, [f"{rid}.1" for rid in ids])
     assert {(a.status, a.worker_id) for a in attempts} == {(AttemptStatus.UNRESPONSIVE, "sleeper")}
-    assert await real_store.redis.zcard(real_store.keys.watch_heartbeat) == 0
+    assert [await real_store.redis.zcard(s.watch_heartbeat) for s in real_store.keys.shards] == [0] * len(
+        real_store.keys.shards
+    )
     completions = [
         RolloutFinished.from_wire(fields[b"m"])
-        for _, fields in await real_store.redis.xrange(real_store.keys.finished)
+        for shard in real_store.keys.shards
+        for _, fields in await real_store.redis.xrange(shard.finished)
     ]
     if outcome == "requeued":
         assert (await real_store.statistics())["rollouts"] == _per_status(requeuing=len(ids))

@@ -21,8 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
-
+from fulmen.connection import async_client
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore, sweep
 
@@ -42,7 +41,7 @@ async def _wait_line() -> str:
 
 
 async def _store(url: str, experiment: str, reclaim_idle_s: float = 10.0) -> RedisStore:
-    store = RedisStore(aioredis.from_url(url), experiment, reclaim_idle_s=reclaim_idle_s)
+    store = RedisStore(async_client(url), experiment, reclaim_idle_s=reclaim_idle_s)
     await store.ensure()
     await store.redis.ping()
     return store

@@ -41,6 +41,12 @@ class CommonSettings(BaseSettings):
         description="How long a running service rides out a Redis outage (reconnecting with backoff) before it gives up.",
     )
     max_record_bytes: int = Field(DEFAULT_MAX_RECORD_BYTES, ge=1024, description="Size limit of one record.")
+    store_shards: int = Field(
+        1, ge=1, le=64,
+        description="Shards of an experiment's rollout lifecycle in the store, each with a hash tag of its own "
+        "(on a Redis Cluster: the number of masters). The same for every process of the experiment; "
+        "the store reads it from the environment (fulmen.keys).",
+    )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
     metrics_port: int | None = Field(
         None, ge=0, le=65535,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -20,14 +21,17 @@ class AutoPipeline:
     hot scripts themselves cost the server) is paid once.
     """
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: aioredis.Redis, prepare: Callable[[], Awaitable[None]] | None = None) -> None:
+        """``prepare``: awaited before each round trip (a cluster's script loading; None on one node)."""
         self.redis = redis
+        self.prepare = prepare
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queued: list[tuple[AsyncScript, list[Any], asyncio.Future[Any]]] = []
         self._in_flight: set[asyncio.Task[None]] = set()  # strong references until sent
 
     def submit(self, script: AsyncScript, args: list[Any]) -> asyncio.Future[Any]:
-        """Queue one EVALSHA; the future resolves to its reply (or raises its error)."""
+        """Queue one EVALSHA of a lifecycle script: ``args[0]`` is its one key (KEYS[1], the experiment
+        prefix), the rest its ARGV. The future resolves to its reply (or raises its error)."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # used from a new loop: what was queued on the old one died with it
             self._loop, self._queued = loop, []
@@ -49,6 +53,8 @@ class AutoPipeline:
 
     async def _send(self, batch: list[tuple[AsyncScript, list[Any], asyncio.Future[Any]]]) -> None:
         try:
+            if self.prepare is not None:
+                await self.prepare()
             replies = await evalsha_batch(self.redis, [(script, args) for script, args, _ in batch])
         except BaseException as e:  # the connection failed: every call of the batch failed with it
             for _, _, future in batch:
@@ -72,6 +78,7 @@ class AutoPipeline:
 
 async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, list[Any]]]) -> list[Any]:
     """Run each (script, args) in one round trip; the replies in order, an error reply as its exception.
+    ``args[0]`` is the script's one key (on a cluster, what routes the call), the rest its ARGV.
 
     Not ``script(client=pipeline)``: redis-py then sends SCRIPT EXISTS before every pipeline, a
     second round trip on the hot path. A NOSCRIPT reply (server restarted or flushed its script
@@ -80,12 +87,12 @@ async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, li
     if len(calls) == 1:
         script, args = calls[0]
         try:
-            return [await script(args=args)]  # no pipeline object for a call made alone
+            return [await script(keys=args[:1], args=args[1:])]  # no pipeline object for a call made alone
         except ResponseError as e:
             return [e]
     pipe = redis.pipeline(transaction=False)
     for script, args in calls:
-        pipe.evalsha(script.sha, 0, *args)
+        pipe.execute_command("EVALSHA", script.sha, 1, *args)  # cluster pipelines refuse .evalsha
     replies = await pipe.execute(raise_on_error=False)
     missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
     if missing:
@@ -93,7 +100,7 @@ async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, li
             script.sha = await redis.script_load(script.script)
         pipe = redis.pipeline(transaction=False)
         for i in missing:
-            pipe.evalsha(calls[i][0].sha, 0, *calls[i][1])
+            pipe.execute_command("EVALSHA", calls[i][0].sha, 1, *calls[i][1])
         for i, reply in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
             replies[i] = reply
     return replies

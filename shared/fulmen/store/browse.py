@@ -174,10 +174,7 @@ async def browse_rollouts(
     exhausted = False
     while len(rows) < limit and scanned < scan_budget:
         asked = min(CHUNK, scan_budget - scanned)
-        entries = await client.zrevrangebyscore(
-            keys.rollout_index, _bound(position.score), _bound(low), start=position.skip, num=asked,
-            withscores=True,
-        )
+        entries = await _index_chunk(client, keys, position, low, asked)
         if not entries:
             exhausted = True
             break
@@ -196,7 +193,29 @@ async def browse_rollouts(
             exhausted = True  # a short chunk is the end of the range
             break
     return RolloutPage(await _previews(client, keys, rows), scanned, None if exhausted else position,
-                       int(await client.zcard(keys.rollout_index)))
+                       await _total(client, keys))
+
+
+async def _total(client: Any, keys: k.Keys) -> int:
+    return sum([int(await client.zcard(shard.rollout_index)) for shard in keys.shards])
+
+
+async def _index_chunk(client: Any, keys: k.Keys, position: Cursor, low: float, asked: int) -> list[Any]:
+    """The next ``asked`` index entries below the cursor, newest first. With several shards, each
+    shard's index is read from the cursor's score and the lists merged in the index's own order
+    (score, then id, descending), so the cursor's skip counts the same entries as with one index."""
+    high = _bound(position.score)
+    if len(keys.shards) == 1:
+        return list(await client.zrevrangebyscore(
+            keys.rollout_index, high, _bound(low), start=position.skip, num=asked, withscores=True,
+        ))
+    merged: list[Any] = []
+    for shard in keys.shards:
+        merged += await client.zrevrangebyscore(
+            shard.rollout_index, high, _bound(low), start=0, num=position.skip + asked, withscores=True,
+        )
+    merged.sort(key=lambda entry: (entry[1], entry[0]), reverse=True)
+    return merged[position.skip:position.skip + asked]
 
 
 async def _previews(client: Any, keys: k.Keys, rows: list[RolloutRow]) -> list[RolloutRow]:
@@ -215,12 +234,17 @@ async def _from_status_sets(
     large for that and the index walk is cheaper."""
     statuses = sorted(s.value for s in where.statuses)
     pipe = client.pipeline(transaction=False)
-    for status in statuses:
-        pipe.scard(keys.status(status))
+    for shard in keys.shards:
+        for status in statuses:
+            pipe.scard(shard.status(status))
     if sum(await pipe.execute()) > STATUS_SET_MAX:
         return None
-    ids = list(await client.sunion([keys.status(s) for s in statuses]))
-    scores = await client.zmscore(keys.rollout_index, ids) if ids else []
+    ids: list[Any] = []
+    scores: list[Any] = []
+    for shard in keys.shards:  # a shard's ids are scored by its own index
+        shard_ids = list(await client.sunion([shard.status(s) for s in statuses]))
+        ids += shard_ids
+        scores += await client.zmscore(shard.rollout_index, shard_ids) if shard_ids else []
     top = math.inf if where.until is None else where.until
     low = -math.inf if where.since is None else where.since
     # newest first, ties in the index's own order for equal scores (reverse lexicographic)
@@ -251,7 +275,7 @@ async def _from_status_sets(
             break
     more = len(rows) == limit and scanned < len(candidates)
     return RolloutPage(await _previews(client, keys, rows), scanned, position if more else None,
-                       int(await client.zcard(keys.rollout_index)))
+                       await _total(client, keys))
 
 
 def _with_preview(row: RolloutRow, blob: bytes | None) -> RolloutRow:

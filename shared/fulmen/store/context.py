@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 
 from fulmen import keys as k
@@ -22,14 +23,35 @@ class StoreContext:
     redis: aioredis.Redis
     experiment: str
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    shards: int | None = None  # lifecycle shards (None: FULMEN_STORE_SHARDS, default 1)
     keys: k.Keys = field(init=False)
     pipeline: AutoPipeline = field(init=False)  # the hot-path scripts go through it
 
     _registered: bool = field(init=False, default=False)
+    _scripts: list[AsyncScript] = field(init=False, default_factory=list)
+    _scripts_loaded: bool = field(init=False, default=False)
+    _loading: asyncio.Lock | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.keys = k.Keys(self.experiment)
-        self.pipeline = AutoPipeline(self.redis)
+        self.keys = k.Keys(self.experiment, self.shards)
+        cluster = isinstance(self.redis, RedisCluster)
+        self._scripts_loaded = not cluster  # one node: redis-py's own NOSCRIPT handling is sound
+        self.pipeline = AutoPipeline(self.redis, self.load_scripts if cluster else None)
+
+    async def load_scripts(self) -> None:
+        """Load every script of the store into every master, once (a cluster only). redis-py's
+        cluster client mishandles concurrent NOSCRIPT replies (a connection goes back to its pool
+        twice, and a script may run twice), so on a cluster the scripts are never missing when first
+        called. A node restarted since has lost them: such a call loads them again, one at a time."""
+        if self._scripts_loaded:
+            return
+        if self._loading is None:
+            self._loading = asyncio.Lock()
+        async with self._loading:
+            if not self._scripts_loaded:
+                for script in self._scripts:
+                    script.sha = await self.redis.script_load(script.script)
+                self._scripts_loaded = True
 
     async def register_experiment(self) -> None:
         """Add the experiment to the list of experiments (once per store; idempotent)."""
@@ -42,7 +64,11 @@ class StoreContext:
         self._registered = False
 
     def script(self, source: str) -> AsyncScript:
-        return self.redis.register_script(source)
+        script = self.redis.register_script(source)
+        if isinstance(self.redis, RedisCluster):
+            script = _ClusterScript(self, script)
+        self._scripts.append(script)
+        return script
 
     async def each(self, script: AsyncScript, arg_lists: Sequence[list[Any]]) -> list[Any]:
         """Run ``script`` once per argument list, in one round trip with any other queued calls;
@@ -53,3 +79,15 @@ class StoreContext:
         """A `Stream` on one of this experiment's keys, dead-lettering into its dead-letter stream."""
         return Stream(self.redis, key, decode, group=group, dead_letters=self.keys.dead_letters,
                       group_start=group_start)
+
+
+class _ClusterScript(AsyncScript):
+    """A script on a cluster: loaded into every master before its first call (`load_scripts`)."""
+
+    def __init__(self, ctx: StoreContext, script: AsyncScript) -> None:
+        self.registered_client, self.script, self.sha = script.registered_client, script.script, script.sha
+        self._ctx = ctx
+
+    async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        await self._ctx.load_scripts()
+        return await super().__call__(keys, args, client)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from redis.crc import key_slot
+
 from fulmen.errors import InvalidInput, NotFound
 from fulmen.records import DeadLetter
 from fulmen.store.context import StoreContext
@@ -41,9 +43,13 @@ class DeadLetters:
         if not entries:
             raise NotFound(f"dead letter {dead_letter_id} does not exist in experiment {self.ctx.experiment}")
         letter = DeadLetter.from_wire(entries[0][1].get(b"m"), dead_letter_id=dead_letter_id)
-        if not letter.source.startswith(self.ctx.keys.prefix) or not letter.payload:
+        own = any(letter.source.startswith(shard.prefix) for shard in self.ctx.keys.shards)
+        if not own or not letter.payload:
             raise InvalidInput(f"dead letter {dead_letter_id} cannot be requeued (source {letter.source!r})")
-        pipe = self.ctx.redis.pipeline(transaction=True)
+        # One MULTI when the source shares the dead letters' slot (shard 0); a stream of another
+        # shard on a cluster cannot join it: the entry goes back first, then the letter goes.
+        same_slot = key_slot(letter.source.encode()) == key_slot(self.ctx.keys.dead_letters.encode())
+        pipe = self.ctx.redis.pipeline(transaction=same_slot)
         pipe.xadd(letter.source, dict(letter.payload))
         pipe.xdel(self.ctx.keys.dead_letters, dead_letter_id)
         new_id, _ = await pipe.execute()

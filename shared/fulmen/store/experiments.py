@@ -20,12 +20,14 @@ async def delete_experiment(redis: aioredis.Redis, experiment: str) -> int:
     keys = k.Keys(experiment)
     deleted = 0
     batch: list[bytes] = []
-    async for key in redis.scan_iter(match=keys.pattern(), count=SCAN_BATCH):
-        batch.append(key)
-        if len(batch) >= SCAN_BATCH:
+    for pattern in keys.patterns():  # shard 0's keys, then the other shards' (any number of them)
+        async for key in redis.scan_iter(match=pattern, count=SCAN_BATCH):
+            batch.append(key)
+            if len(batch) >= SCAN_BATCH:
+                deleted += await redis.unlink(*batch)
+                batch.clear()
+        if batch:
             deleted += await redis.unlink(*batch)
             batch.clear()
-    if batch:
-        deleted += await redis.unlink(*batch)
     await redis.srem(k.EXPERIMENTS, experiment)
     return deleted

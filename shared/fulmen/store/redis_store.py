@@ -49,8 +49,11 @@ class RedisStore:
         *,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S,
+        shards: int | None = None,
     ) -> None:
-        self.ctx = ctx = StoreContext(redis, experiment, max_record_bytes)
+        """``shards``: the rollout lifecycle's shard count (`fulmen.keys`; None: FULMEN_STORE_SHARDS,
+        default 1). Every process of an experiment must use the same: `ensure` checks it."""
+        self.ctx = ctx = StoreContext(redis, experiment, max_record_bytes, shards)
         self.redis, self.keys, self.experiment, self.max_record_bytes = redis, ctx.keys, experiment, max_record_bytes
 
         self.queue = queue = Queue(ctx, reclaim_idle_s)
@@ -131,10 +134,16 @@ class RedisStore:
         """One snapshot of the experiment: rollouts per status, queue depth, pending, dead letters
         (`fulmen.store.statistics`, which the metrics and `fulmen top` read too)."""
         await self.ensure()
-        snap = await aread_snapshot(
-            self.redis, self.keys, lambda pipe: pipe.xinfo_consumers(self.keys.queue, k.RUNNERS_GROUP)
-        )
-        consumers = snap.extra[0] if not isinstance(snap.extra[0], Exception) else []
+        def consumers_of_each_queue(pipe: Any) -> None:
+            for shard in self.keys.shards:
+                pipe.xinfo_consumers(shard.queue, k.RUNNERS_GROUP)
+
+        snap = await aread_snapshot(self.redis, self.keys, consumers_of_each_queue)
+        pending: dict[str, int] = {}
+        for reply in snap.extra:
+            for c in [] if isinstance(reply, Exception) else reply:
+                name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+                pending[name] = pending.get(name, 0) + int(c["pending"])
         latest = snap.latest_resources
         return {
             "experiment": self.experiment,
@@ -142,10 +151,7 @@ class RedisStore:
             "total_rollouts": sum(snap.rollouts.values()),
             "queue_depth": snap.queue_depth,
             "active_attempts": snap.active_attempts,
-            "pending": {
-                c["name"].decode() if isinstance(c["name"], bytes) else c["name"]: int(c["pending"])
-                for c in consumers
-            },
+            "pending": pending,
             "heartbeat_watched": snap.heartbeat_watched,
             "dead_letters": snap.stream_lengths["dead_letters"],
             "finished": snap.stream_lengths["finished"],

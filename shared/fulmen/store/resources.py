@@ -7,11 +7,10 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from fulmen import keys as k
 from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.records import ResourcesUpdate
+from fulmen.store import data_scripts
 from fulmen.store.context import StoreContext
 from fulmen.store.stream import Fields, Stream, entry_id_text
 
@@ -29,6 +28,7 @@ class Resources:
         self.keys = ctx.keys
         self.max_record_bytes = ctx.max_record_bytes
         self.log: Stream[ResourcesUpdate] = ctx.stream(ctx.keys.resources_log, self._decode)
+        self._publish = ctx.script(data_scripts.PUBLISH_RESOURCES)
 
     def _decode(self, entry_id: str, fields: Fields) -> ResourcesUpdate:
         return ResourcesUpdate.from_wire(fields.get(b"m"), self.max_record_bytes)
@@ -58,27 +58,20 @@ class Resources:
         await self.ctx.register_experiment()
         if resources_id is not None:
             k.check_id("resources_id", resources_id)
-        # WATCH the version counter so versions enter the log in order: "latest" is the log's tail.
-        async with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(self.keys.resources_version)
-                    version = int(await pipe.get(self.keys.resources_version) or 0) + 1
-                    rid = resources_id or f"res-{version}"
-                    if new_id and await pipe.exists(self.keys.resources(rid)):
-                        raise InvalidInput(
-                            f"resources {rid} exist already; publish a new version with update_resources"
-                        )
-                    update = ResourcesUpdate(rid, version, dict(resources), time.time(), dict(metadata or {}))
-                    record = update.to_wire(self.max_record_bytes)
-                    pipe.multi()
-                    pipe.set(self.keys.resources_version, version)
-                    pipe.hset(self.keys.resources(rid), mapping={str(version): record, "latest": version})
-                    pipe.xadd(self.keys.resources_log, {"m": record})
-                    await pipe.execute()
-                    return update
-                except aioredis.WatchError:
-                    continue
+        # Compare-and-set on the version counter (PUBLISH_RESOURCES) so versions enter the log in
+        # order ("latest" is the log's tail): one script in the experiment's slot, where a WATCH
+        # transaction would not work through a cluster client.
+        while True:
+            version = int(await self.redis.get(self.keys.resources_version) or 0) + 1
+            rid = resources_id or f"res-{version}"
+            update = ResourcesUpdate(rid, version, dict(resources), time.time(), dict(metadata or {}))
+            record = update.to_wire(self.max_record_bytes)
+            code = await self._publish(keys=[self.keys.prefix], args=[rid, version, record, int(new_id)])
+            if code == b"exists":
+                raise InvalidInput(f"resources {rid} exist already; publish a new version with update_resources")
+            if code == b"ok":
+                return update
+            # another publisher took this version: read the counter again
 
     async def get_resources(self, resources_id: str, version: int | None = None) -> ResourcesUpdate:
         """A snapshot by id: its latest version, or the given one."""

@@ -126,7 +126,8 @@ async def _delete_rollout_data(store: RedisStore, rollout_ids: list[str], delete
     pipe = store.redis.pipeline(transaction=False)
     for rid in rollout_ids:
         pipe.exists(keys.spans(rid))
-        pipe.unlink(keys.spans(rid), keys.span_ids(rid))
+        # UNLINK as a raw command: a cluster pipeline's unlink() runs at once instead of queueing
+        pipe.execute_command("UNLINK", keys.spans(rid), keys.span_ids(rid))
     results = await pipe.execute()
     deleted_streams = sum(int(x) for x in results[0::2])
     if delete_rollouts:
@@ -136,8 +137,9 @@ async def _delete_rollout_data(store: RedisStore, rollout_ids: list[str], delete
             if rollout is None or rollout.status not in TERMINAL_ROLLOUT:
                 continue
             attempts = [keys.attempt(k.attempt_id(rid, n)) for n in range(1, rollout.attempt_count + 1)]
-            pipe.unlink(keys.rollout(rid), *attempts)
-            pipe.zrem(keys.rollout_index, rid)
-            pipe.srem(keys.status(rollout.status), rid)
+            pipe.execute_command("UNLINK", keys.rollout(rid), *attempts)
+            shard = keys.shard(rid)
+            pipe.zrem(shard.rollout_index, rid)
+            pipe.srem(shard.status(rollout.status), rid)
         await pipe.execute()
     return deleted_streams

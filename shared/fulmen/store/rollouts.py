@@ -120,7 +120,8 @@ class Rollouts:
         if not rollouts:
             return []
         arg_lists = [
-            [ctx.keys.prefix, r.rollout_id, QueueEntry(r.rollout_id).to_wire(), *_flat(r, ctx.max_record_bytes)]
+            [ctx.keys.shard(r.rollout_id).prefix, r.rollout_id, QueueEntry(r.rollout_id).to_wire(),
+             *_flat(r, ctx.max_record_bytes)]
             for r in rollouts
         ]
         return [bool(x) for x in await ctx.each(self._enqueue, arg_lists)]
@@ -136,14 +137,15 @@ class Rollouts:
         await self._ensure_queue()
         rollout = self.new_rollout(input, **kwargs)
         flat = _flat(rollout, self.ctx.max_record_bytes)
-        result = await self._start_rollout(args=[self.ctx.keys.prefix, worker_id, rollout.rollout_id, *flat])
+        prefix = self.ctx.keys.shard(rollout.rollout_id).prefix
+        result = await self._start_rollout(keys=[prefix], args=[worker_id, rollout.rollout_id, *flat])
         if result[0] == b"exists":
             raise InvalidInput(f"rollout {rollout.rollout_id} already exists; use start_attempt to retry it")
         return attempted(result)
 
     async def start_attempt(self, rollout_id: str, worker_id: str = "") -> AttemptedRollout:
         """Begin a new attempt of an existing rollout now (a manual retry); any active one ends."""
-        result = await self._begin(args=[self.ctx.keys.prefix, worker_id, "", rollout_id])
+        result = await self._begin(keys=[self.ctx.keys.shard(rollout_id).prefix], args=[worker_id, "", rollout_id])
         code = result[0][0].decode()
         if code == "missing":
             raise NotFound(f"rollout {rollout_id} does not exist in experiment {self.ctx.experiment}")
@@ -211,7 +213,7 @@ class Rollouts:
     ) -> FinishResult:
         ending = RolloutStatus.SUCCEEDED if status is AttemptStatus.SUCCEEDED else RolloutStatus.FAILED
         args = [
-            self.ctx.keys.prefix,
+            self.ctx.keys.shard(rollout_id).prefix,
             rollout_id,
             attempt_id,
             status.value,
@@ -253,7 +255,7 @@ class Rollouts:
         if status not in TERMINAL_ROLLOUT and status is not RolloutStatus.REQUEUING:
             raise InvalidTransition(f"a rollout can be set to a terminal status or requeuing, not {status}")
         args = [
-            self.ctx.keys.prefix,
+            self.ctx.keys.shard(rollout_id).prefix,
             rollout_id,
             status.value,
             _error_record(reason or f"rollout set to {status.value}"),
@@ -261,7 +263,7 @@ class Rollouts:
             RolloutFinished(rollout_id, status, None).to_wire(),
             only_attempt_id or "",
         ]
-        code = (await self._set_rollout_status(args=args)).decode()
+        code = (await self._set_rollout_status(keys=args[:1], args=args[1:])).decode()
         if code == "missing":
             raise NotFound(f"rollout {rollout_id} does not exist")
         return None if code == "already" else RolloutStatus(code)
@@ -345,9 +347,13 @@ class Rollouts:
             ids = list(dict.fromkeys(rollout_ids))
         elif status is not None:
             statuses = [status] if isinstance(status, str) else list(status)
-            ids = [x.decode() for x in await redis.sunion([keys.status(RolloutStatus(s)) for s in statuses])]
+            ids = []
+            for shard in keys.shards:  # one SUNION per shard: a shard's sets share its slot
+                ids += [x.decode() for x in await redis.sunion([shard.status(RolloutStatus(s)) for s in statuses])]
         else:
-            ids = [x.decode() for x in await redis.zrange(keys.rollout_index, 0, -1)]
+            ids = []
+            for shard in keys.shards:
+                ids += [x.decode() for x in await redis.zrange(shard.rollout_index, 0, -1)]
         rollouts = [r for r in await self.get_rollouts(ids) if r is not None]
         if mode is not None:
             rollouts = [r for r in rollouts if r.mode == RolloutMode(mode)]

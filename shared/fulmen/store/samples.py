@@ -6,14 +6,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from fulmen import keys as k
 from fulmen.codec import unpack
 from fulmen.errors import RecordError
 from fulmen.records import RolloutForSamples, RolloutStatus, Sample, SampleSkip, SpanView
-from fulmen.store import scripts
+from fulmen.store import data_scripts
 from fulmen.store.context import StoreContext
+from fulmen.store.finished import split_entry_id
 from fulmen.store.stream import Fields, Stream
 
 SampleEntry = tuple[str, Sample | SampleSkip]
@@ -29,8 +31,9 @@ class Samples:
         self.redis = ctx.redis
         self.keys = ctx.keys
         self.max_record_bytes = ctx.max_record_bytes
-        self._append_samples = ctx.script(scripts.APPEND_SAMPLES)
-        self._read_for_samples = ctx.script(scripts.READ_FOR_SAMPLES)
+        self._append_samples = ctx.script(data_scripts.APPEND_SAMPLES)
+        self._read_for_samples = ctx.script(data_scripts.READ_FOR_SAMPLES)
+        self._append_marked = ctx.script(data_scripts.APPEND_SAMPLES_MARKED)
         self._groups: dict[str, Stream[Sample | SampleSkip]] = {}
 
     def _decode(self, entry_id: str, fields: Fields) -> Sample | SampleSkip:
@@ -50,8 +53,23 @@ class Samples:
         if not rollout_ids:
             return []
         span_keys = [self.keys.spans(rid) for rid in rollout_ids]
-        rows, streams = await self._read_rollouts_and_spans(rollout_ids, span_keys)
-        entries_by_key: dict[bytes, Any] = dict(streams or ())
+        if len(self.keys.shards) == 1:
+            rows, streams = await self._read_rollouts_and_spans(self.keys.prefix, rollout_ids, span_keys)
+            entries_by_key: dict[bytes, Any] = dict(streams or ())
+        else:  # one read per shard, each in its shard's slot
+            by_shard: dict[int, list[int]] = {}
+            for i, rid in enumerate(rollout_ids):
+                by_shard.setdefault(self.keys.shard(rid).index, []).append(i)
+            rows = [None] * len(rollout_ids)
+            entries_by_key = {}
+            for shard, positions in by_shard.items():
+                part_rows, part_streams = await self._read_rollouts_and_spans(
+                    self.keys.shards[shard].prefix, [rollout_ids[i] for i in positions],
+                    [span_keys[i] for i in positions],
+                )
+                for i, row in zip(positions, part_rows, strict=True):
+                    rows[i] = row
+                entries_by_key.update(dict(part_streams or ()))
         max_bytes = self.max_record_bytes
         out: list[RolloutForSamples | None] = []
         for rid, key, row in zip(rollout_ids, span_keys, rows, strict=True):
@@ -72,17 +90,25 @@ class Samples:
             ))
         return out
 
-    async def _read_rollouts_and_spans(self, rollout_ids: Sequence[str], span_keys: list[str]) -> list[Any]:
-        """[READ_FOR_SAMPLES's rows, XREAD's reply over the span streams], atomically (one MULTI)."""
+    async def _read_rollouts_and_spans(self, prefix: str, rollout_ids: Sequence[str], span_keys: list[str]) -> list[Any]:
+        """[READ_FOR_SAMPLES's rows, XREAD's reply over the span streams], atomically (one MULTI) on
+        one node. On a cluster the two go in one plain pipeline to the experiment's node (redis-py
+        8.1's async cluster transactions fail with "attached to a different loop"): a span stored
+        between the two is then read too, as it would have been a moment later; a rollout read as
+        succeeded has all the spans its runner sent before it ended."""
+        await self.ctx.load_scripts()
         for attempt in (1, 2):
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.evalsha(self._read_for_samples.sha, 0, self.keys.prefix, *rollout_ids)
+            pipe = self.redis.pipeline(transaction=not isinstance(self.redis, RedisCluster))
+            pipe.execute_command("EVALSHA", self._read_for_samples.sha, 1, prefix, *rollout_ids)
             # The command name as bytes: redis-py looks its response callbacks up by the str name, so
             # this reply stays hiredis's nested lists; its XREAD callback would build a dict per span
             # entry in Python. No COUNT: every span of every stream.
-            pipe.execute_command(b"XREAD", b"STREAMS", *span_keys, *([b"0"] * len(span_keys)))
+            # (A cluster client refuses a bytes command name: there the parsed reply is turned back.)
+            cluster = isinstance(self.redis, RedisCluster)
+            pipe.execute_command("XREAD" if cluster else b"XREAD", b"STREAMS", *span_keys, *([b"0"] * len(span_keys)))
             try:
-                return list(await pipe.execute())
+                rows, streams = await pipe.execute()
+                return [rows, _raw_streams(streams) if cluster else streams]
             except NoScriptError:  # the server restarted or flushed its scripts: load it, go again
                 if attempt == 2:
                     raise
@@ -110,9 +136,49 @@ class Samples:
         payload = msgpack.packb(
             [[item[0], dict(item[2]), list(item[1]), *item[3:]] for item in batch], use_bin_type=False
         )
+        if len(self.keys.shards) > 1:
+            return await self._append_sharded(batch, payload, ack_group, ack_entry_ids)
         ack = [ack_group, *ack_entry_ids] if ack_group and ack_entry_ids else [""]
-        replies = await self._append_samples(args=[self.keys.prefix, payload, *ack])
+        replies = await self._append_samples(keys=[self.keys.prefix], args=[payload, *ack])
         return [int(n) for n in replies or []]
+
+    async def _append_sharded(
+        self, batch: Sequence[Any], payload: bytes, ack_group: str | None, ack_entry_ids: Sequence[str]
+    ) -> list[int]:
+        """`append_samples` with several shards: the rollouts live in their shards' slots, the
+        samples stream in shard 0's, so no one script can do all of it. The once-per-rollout marker
+        moves to a set beside the samples stream (appended in the same script as the samples); the
+        acknowledgement follows, per shard: a crash in between redelivers entries whose samples the
+        marker then skips, so nothing is appended twice or lost. A rollout is checked to exist first
+        (a finished entry not yet acknowledged is never trimmed with its rollout)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for item in batch:
+            pipe.exists(self.keys.rollout(item[0]))
+        exists = await pipe.execute() if batch else []
+        present = [bool(e) for e in exists]
+        if any(present):
+            kept = msgpack.packb(
+                [[item[0], dict(item[2]), list(item[1])] for item, ok in zip(batch, present, strict=True) if ok],
+                use_bin_type=False,
+            )
+            counts = iter(await self._append_marked(keys=[self.keys.prefix], args=[kept]))
+        else:
+            counts = iter(())
+        out = [int(next(counts)) if ok else -1 for ok in present]
+        pipe = self.redis.pipeline(transaction=False)
+        for item, n in zip(batch, out, strict=True):
+            if n > 0:
+                fields = {"sampled": 1, **({"model_version": item[3]} if len(item) > 3 and item[3] else {})}
+                pipe.hset(self.keys.rollout(item[0]), mapping=fields)
+        if ack_group and ack_entry_ids:
+            by_shard: dict[int, list[str]] = {}
+            for entry_id in ack_entry_ids:
+                shard, raw = split_entry_id(entry_id)
+                by_shard.setdefault(shard, []).append(raw)
+            for shard, ids in by_shard.items():
+                pipe.xack(self.keys.shards[shard].finished, ack_group, *ids)
+        await pipe.execute()
+        return out
 
     async def adapter_stats(self) -> dict[str, int]:
         raw = await self.redis.hgetall(self.keys.adapter_stats)
@@ -156,3 +222,14 @@ def _span_views(entries: Any, max_bytes: int) -> list[SpanView] | RecordError:
         return SpanView.from_entries(entries, max_bytes)
     except RecordError as e:
         return e
+
+
+def _raw_streams(reply: Any) -> list[Any]:
+    """redis-py's parsed XREAD reply (entries as (id, {field: value})) in the raw shape of hiredis's
+    (``[key, [[id, [field, value, ...]], ...]]``), which `SpanView.from_entries` reads."""
+    items = reply.items() if isinstance(reply, dict) else (reply or ())
+    return [
+        [key, [[entry_id, [x for kv in fields.items() for x in kv] if isinstance(fields, dict) else fields]
+               for entry_id, fields in entries]]
+        for key, entries in items
+    ]

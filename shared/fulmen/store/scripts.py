@@ -1,9 +1,13 @@
 """The Lua scripts behind every transition that touches several keys, so each is atomic.
 
-Contract shared by all scripts: ARGV[1] is the experiment prefix (``fulmen:{exp}:``); the scripts
-append the suffixes from `fulmen.keys` (interpolated below, never retyped). Time is the server's
-(`TIME`), so workers on machines with skewed clocks still agree on deadlines. Every key a script
-touches carries the experiment's hash tag, so on Redis Cluster they all live in one slot.
+Contract shared by all scripts but SET_FIELDS_IF_EXISTS: KEYS[1] is the experiment prefix
+(``fulmen:{exp}:``), declared as the script's one key; ARGV holds only values. The scripts append the
+suffixes from `fulmen.keys` to KEYS[1] (interpolated below, never retyped), so every key a script
+touches carries the hash tag of KEYS[1] and lives in its slot: on Redis Cluster the client routes the
+script by KEYS[1] to the node that holds all of them. The keys are derived rather than listed because
+some are known only inside the script (CLAIM_NEXT reads its rollout ids from the queue; an attempt
+id is numbered there), and listing them from Python would cost the claim a round trip. Time is the
+server's (`TIME`), so workers on machines with skewed clocks still agree on deadlines.
 Return values are documented per script; the store's parts (`fulmen.store.rollouts`, ...) map them to results
 and errors. The status sets are generated from the transition table in `fulmen.records.status`.
 """
@@ -14,8 +18,8 @@ from fulmen import keys as k
 from fulmen.codec import SCHEMA_VERSION
 from fulmen.records.status import ACTIVE_ATTEMPT, TERMINAL_ROLLOUT, WAITING_ROLLOUT, lua_set
 
-_PRELUDE = f"""
-local P = ARGV[1]
+PRELUDE = f"""
+local P = KEYS[1]
 local K_ROLLOUT, K_ATTEMPT, K_SPANS, K_SPAN_IDS, K_STATUS =
   P .. '{k.ROLLOUT}', P .. '{k.ATTEMPT}', P .. '{k.SPANS}', P .. '{k.SPAN_IDS}', P .. '{k.STATUS}'
 local K_QUEUE, K_FINISHED, K_INDEX = P .. '{k.QUEUE}', P .. '{k.FINISHED}', P .. '{k.ROLLOUT_INDEX}'
@@ -130,9 +134,9 @@ local function create(rid, queue_msg, first)
 end
 """
 
-# ARGV[2] = rollout id, ARGV[3] = queue message, ARGV[4..] = field/value pairs of the rollout hash.
+# ARGV[1] = rollout id, ARGV[2] = queue message, ARGV[3..] = field/value pairs of the rollout hash.
 # Returns 1 when created, 0 when the id already existed (idempotent enqueue: nothing changes).
-ENQUEUE = _PRELUDE + _CREATE + "return create(ARGV[2], ARGV[3], 4)"
+ENQUEUE = PRELUDE + _CREATE + "return create(ARGV[1], ARGV[2], 3)"
 
 # Begin the next attempt of rollout `rid` for `worker`; `qid` is the queue entry it was claimed from
 # ('' for a manual attempt). Returns one reply item of BEGIN_ATTEMPTS. Shared with CLAIM_NEXT.
@@ -175,38 +179,38 @@ local function begin(worker, qid, rid)
 end
 """
 
-# ARGV[2] = worker id, ARGV[3..] = pairs (queue entry id or '' for a manual attempt, rollout id).
+# ARGV[1] = worker id, ARGV[2..] = pairs (queue entry id or '' for a manual attempt, rollout id).
 # For each pair returns {code, rollout fields, attempt fields}; code is
 #   ok       - a new attempt was created and is owned by the worker (the queue entry is acked);
 #   missing  - no such rollout (the entry is left pending for the caller to dead-letter);
 #   stale    - the entry no longer represents the rollout (already claimed, cancelled): acked, skipped;
 #   terminal - a manual attempt was asked for a rollout that has finished.
 BEGIN_ATTEMPTS = (
-    _PRELUDE
+    PRELUDE
     + _BEGIN
     + """
 local out = {}
-for i = 3, #ARGV, 2 do
-  out[#out + 1] = begin(ARGV[2], ARGV[i], ARGV[i + 1])
+for i = 2, #ARGV, 2 do
+  out[#out + 1] = begin(ARGV[1], ARGV[i], ARGV[i + 1])
 end
 return out
 """
 )
 
-# ARGV[2] = worker id, ARGV[3] = rollout id, ARGV[4..] = field/value pairs of the rollout hash.
+# ARGV[1] = worker id, ARGV[2] = rollout id, ARGV[3..] = field/value pairs of the rollout hash.
 # Creates the rollout and begins its first attempt in one step (no queue entry), so a crash cannot
 # leave a rollout that is queuing yet on no queue. Returns {'exists'} or BEGIN_ATTEMPTS' 'ok' item.
 START_ROLLOUT = (
-    _PRELUDE
+    PRELUDE
     + _CREATE
     + _BEGIN
     + """
-if create(ARGV[3], '', 4) == 0 then return {'exists'} end
-return begin(ARGV[2], '', ARGV[3])
+if create(ARGV[2], '', 3) == 0 then return {'exists'} end
+return begin(ARGV[1], '', ARGV[2])
 """
 )
 
-# ARGV[2] = worker id, ARGV[3] = most entries to read.
+# ARGV[1] = worker id, ARGV[2] = most entries to read.
 # Reads new queue entries for the worker (XREADGROUP inside the script, so it never blocks) and
 # begins an attempt for each as BEGIN_ATTEMPTS does: read and claim in one round trip instead of two.
 # The rollout id comes from the entry's msgpack record, decoded with the cmsgpack library that Redis
@@ -216,12 +220,12 @@ return begin(ARGV[2], '', ARGV[3])
 # rollout), still pending, for the caller to dead-letter; n the number of entries read (0: the queue
 # had nothing new). Stale entries are acked and skipped.
 CLAIM_NEXT = (
-    _PRELUDE
+    PRELUDE
     + _BEGIN
     + """
 local mp = cmsgpack
-local worker = ARGV[2]
-local reply = redis.call('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', ARGV[3], 'STREAMS', K_QUEUE, '>')
+local worker = ARGV[1]
+local reply = redis.call('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', ARGV[2], 'STREAMS', K_QUEUE, '>')
 local claimed, leftover = {}, {}
 if not reply then return {claimed, leftover, 0} end
 for _, entry in ipairs(reply[1][2]) do
@@ -246,20 +250,20 @@ return {claimed, leftover, #reply[1][2]}
 """.replace("SCHEMA_VERSION", str(SCHEMA_VERSION))
 )
 
-# ARGV[2] = rollout id, ARGV[3] = attempt id, ARGV[4..] = pairs (dedupe key, span message).
+# ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3..] = pairs (dedupe key, span message).
 # Stores each new span under the next sequence id of the rollout (stream entry id "<seq>-0"),
 # ignores duplicates, and counts as a heartbeat of the attempt.
 # Returns {rollout status, attempt status, seq or 0 per span}, or {'missing'} for an unknown attempt.
 ADD_SPANS = (
-    _PRELUDE
+    PRELUDE
     + """
-local rid, aid = ARGV[2], ARGV[3]
+local rid, aid = ARGV[1], ARGV[2]
 local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id', 'status')
 if a[1] ~= rid then return {'missing'} end
 local out = {'', ''}
 local rk, ids, spans = K_ROLLOUT .. rid, K_SPAN_IDS .. rid, K_SPANS .. rid
 local seq  -- the rollout's counter: read once, written once (not one HINCRBY, one AOF line, per span)
-for i = 4, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   if redis.call('SADD', ids, ARGV[i]) == 1 then
     seq = (seq or tonumber(redis.call('HGET', rk, 'seq')) or 0) + 1
     redis.call('XADD', spans, seq .. '-0', 'm', ARGV[i + 1])
@@ -276,48 +280,48 @@ return out
 """
 )
 
-# ARGV[2] = rollout id, ARGV[3] = attempt id, ARGV[4] = new status (running or a terminal status),
-# ARGV[5] = error message ('' = none), ARGV[6] = queue message (used on retry),
-# ARGV[7] = finished message (used when the rollout ends), ARGV[8] = the attempt's reward ('' = none).
+# ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3] = new status (running or a terminal status),
+# ARGV[4] = error message ('' = none), ARGV[5] = queue message (used on retry),
+# ARGV[6] = finished message (used when the rollout ends), ARGV[7] = the attempt's reward ('' = none).
 # Returns the code of `finish`.
 FINISH_ATTEMPT = (
-    _PRELUDE
+    PRELUDE
     + """
-return finish(ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
+return finish(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
 """
 )
 
 # FINISH_ATTEMPT with the attempt's last spans in the same step (one round trip where a runner would
 # otherwise need two, and no window in which the attempt has ended without them).
-# ARGV[2..8] as FINISH_ATTEMPT, ARGV[9..] = pairs (dedupe key, span message) as ADD_SPANS.
+# ARGV[1..7] as FINISH_ATTEMPT, ARGV[8..] = pairs (dedupe key, span message) as ADD_SPANS.
 # Returns the code of `finish` ('missing' for an unknown attempt; then no span is stored).
 FINISH_WITH_SPANS = (
-    _PRELUDE
+    PRELUDE
     + """
-local rid, aid = ARGV[2], ARGV[3]
+local rid, aid = ARGV[1], ARGV[2]
 local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id')
 if a[1] ~= rid then return 'missing' end
 local rk, ids, spans = K_ROLLOUT .. rid, K_SPAN_IDS .. rid, K_SPANS .. rid
 local seq
-for i = 9, #ARGV, 2 do
+for i = 8, #ARGV, 2 do
   if redis.call('SADD', ids, ARGV[i]) == 1 then
     seq = (seq or tonumber(redis.call('HGET', rk, 'seq')) or 0) + 1
     redis.call('XADD', spans, seq .. '-0', 'm', ARGV[i + 1])
   end
 end
 if seq then redis.call('HSET', rk, 'seq', seq) end
-return finish(rid, aid, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
+return finish(rid, aid, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
 """
 )
 
-# ARGV[2] = rollout id, ARGV[3] = attempt id, ARGV[4] = timeout | unresponsive,
-# ARGV[5] = error message, ARGV[6] = queue message, ARGV[7] = finished message.
+# ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3] = timeout | unresponsive,
+# ARGV[4] = error message, ARGV[5] = queue message, ARGV[6] = finished message.
 # Re-checks staleness with the server clock, so concurrent watchdogs transition an attempt once.
 # Returns 'fresh' (not stale after all; its watch score is refreshed) or the code of `finish`.
 EXPIRE_ATTEMPT = (
-    _PRELUDE
+    PRELUDE
     + """
-local rid, aid, kind = ARGV[2], ARGV[3], ARGV[4]
+local rid, aid, kind = ARGV[1], ARGV[2], ARGV[3]
 local a = redis.call('HMGET', K_ATTEMPT .. aid, 'status', 'start_time', 'heartbeat_time')
 if not ACTIVE[a[1]] then unwatch(aid); return a[1] and 'already' or 'missing' end
 local r = redis.call('HMGET', K_ROLLOUT .. rid, 'timeout_s', 'unresponsive_s')
@@ -332,39 +336,39 @@ else
   due = tonumber(a[3]) + tonumber(r[2])
   if due > t then redis.call('ZADD', K_HEARTBEAT, due, aid); return 'fresh' end
 end
-return finish(rid, aid, kind, ARGV[5], ARGV[6], ARGV[7], '')
+return finish(rid, aid, kind, ARGV[4], ARGV[5], ARGV[6], '')
 """
 )
 
-# ARGV[2] = rollout id, ARGV[3] = new status (succeeded | failed | cancelled | requeuing),
-# ARGV[4] = error message for an attempt cut short, ARGV[5] = queue message,
-# ARGV[6] = finished message, ARGV[7] (optional) = only if this attempt is the latest and active
+# ARGV[1] = rollout id, ARGV[2] = new status (succeeded | failed | cancelled | requeuing),
+# ARGV[3] = error message for an attempt cut short, ARGV[4] = queue message,
+# ARGV[5] = finished message, ARGV[6] (optional) = only if this attempt is the latest and active
 # (a runner handing back its own attempt must not requeue a newer one).
 # Returns 'missing', 'already' (terminal, already waiting, or not that attempt's), or the new status.
 SET_ROLLOUT_STATUS = (
-    _PRELUDE
+    PRELUDE
     + """
-local rid, new = ARGV[2], ARGV[3]
+local rid, new = ARGV[1], ARGV[2]
 local rk = K_ROLLOUT .. rid
 local r = redis.call('HMGET', rk, 'status', 'attempt_id')
 if not r[1] then return 'missing' end
 if TERMINAL[r[1]] then return 'already' end
 if new == 'requeuing' and WAITING[r[1]] then return 'already' end
-if ARGV[7] and ARGV[7] ~= '' and (r[2] ~= ARGV[7]
-    or not ACTIVE[redis.call('HGET', K_ATTEMPT .. ARGV[7], 'status')]) then
+if ARGV[6] and ARGV[6] ~= '' and (r[2] ~= ARGV[6]
+    or not ACTIVE[redis.call('HGET', K_ATTEMPT .. ARGV[6], 'status')]) then
   return 'already'
 end
 local t = now()
 if r[2] and r[2] ~= '' and ACTIVE[redis.call('HGET', K_ATTEMPT .. r[2], 'status')] then
-  redis.call('HSET', K_ATTEMPT .. r[2], 'status', 'failed', 'end_time', t, 'error', ARGV[4])
+  redis.call('HSET', K_ATTEMPT .. r[2], 'status', 'failed', 'end_time', t, 'error', ARGV[3])
   unwatch(r[2])
 end
 set_status(rid, r[1], new)
 if new == 'requeuing' then
-  redis.call('HSET', rk, 'qid', redis.call('XADD', K_QUEUE, '*', 'm', ARGV[5]))
+  redis.call('HSET', rk, 'qid', redis.call('XADD', K_QUEUE, '*', 'm', ARGV[4]))
 else
   redis.call('HSET', rk, 'qid', '', 'end_time', t)
-  redis.call('XADD', K_FINISHED, '*', 'm', ARGV[6])
+  redis.call('XADD', K_FINISHED, '*', 'm', ARGV[5])
 end
 return new
 """
@@ -377,64 +381,3 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
-
-
-# The adapter's write, for a whole batch of rollouts, and the acknowledgement of the finished-stream
-# entries it came from. ARGV[2] = msgpack array, per rollout [rollout id, {stat counter: increment},
-# [sample records], optional model version that served its last LLM call]; ARGV[3] = consumer group on the finished stream ('' = acknowledge nothing),
-# ARGV[4..] = finished entry ids to acknowledge once the samples are written.
-# Once per rollout: the rollout's 'sampled' field is the marker, set in the same step as its samples,
-# so a redelivered entry (or a second adapter racing) appends nothing; the acknowledgement is in the
-# same step too, so a crash can never leave samples written and their entry pending.
-# One msgpack argument, not one argument per record: redis-py builds a command's RESP in Python, one
-# argument at a time, and the counters are summed here and written once a batch.
-# Returns, per rollout, the number of records appended: 0 if sampled before, -1 if the rollout is gone.
-APPEND_SAMPLES = (
-    _PRELUDE
-    + f"""
-local stats, samples = P .. '{k.ADAPTER_STATS}', P .. '{k.SAMPLES}'
-local batch = cmsgpack.unpack(ARGV[2])
-local out, totals = {{}}, {{}}
-for i, item in ipairs(batch) do
-  local rk, records = K_ROLLOUT .. item[1], item[3]
-  if redis.call('EXISTS', rk) == 0 then
-    out[i] = -1
-  elseif redis.call('HSETNX', rk, 'sampled', 1) == 0 then
-    out[i] = 0
-  else
-    for name, increment in pairs(item[2]) do totals[name] = (totals[name] or 0) + increment end
-    for j = 1, #records do redis.call('XADD', samples, '*', 'm', records[j]) end
-    if item[4] and item[4] ~= '' then redis.call('HSET', rk, 'model_version', item[4]) end
-    out[i] = #records
-  end
-end
-for name, total in pairs(totals) do redis.call('HINCRBY', stats, name, total) end
-if ARGV[3] ~= '' and #ARGV > 3 then
-  for first = 4, #ARGV, 4000 do  -- unpack() has a limit on the number of values
-    redis.call('XACK', K_FINISHED, ARGV[3], unpack(ARGV, first, math.min(first + 3999, #ARGV)))
-  end
-end
-return out
-"""
-)
-
-# The adapter's read of a whole batch, all but the spans: ARGV[2..] = rollout ids. Returns, per
-# rollout, {} if it is gone, else {status, latest attempt id, mode, metadata, input, reward}. The
-# spans are read in the same MULTI by one native XREAD over the rollouts' span streams
-# (`fulmen.store.samples`): an XRANGE inside Lua would copy every span record into Lua strings and
-# back, several times the server's CPU of the native read (bench/RESULTS.md).
-READ_FOR_SAMPLES = (
-    _PRELUDE
-    + """
-local out = {}
-for i = 2, #ARGV do
-  local r = redis.call('HMGET', K_ROLLOUT .. ARGV[i], 'status', 'attempt_id', 'mode', 'metadata', 'input', 'reward')
-  if r[1] then
-    out[i - 1] = {r[1], r[2] or '', r[3] or '', r[4] or '', r[5] or '', r[6] or ''}
-  else
-    out[i - 1] = {}
-  end
-end
-return out
-"""
-)

@@ -38,10 +38,10 @@ class Spans:
             by_attempt.setdefault((s.rollout_id, s.attempt_id), []).append(s)
         if not by_attempt:
             return []
-        prefix, max_bytes = self.ctx.keys.prefix, self.ctx.max_record_bytes
+        keys, max_bytes = self.ctx.keys, self.ctx.max_record_bytes
         arg_lists = []
         for (rollout_id, attempt_id), group in by_attempt.items():
-            args: list[Any] = [prefix, rollout_id, attempt_id]
+            args: list[Any] = [keys.shard(rollout_id).prefix, rollout_id, attempt_id]
             for s in group:
                 args += [f"{attempt_id}/{s.span_id}", s.to_wire(max_bytes)]
             arg_lists.append(args)
@@ -64,7 +64,8 @@ class Spans:
     async def heartbeat(self, rollout_id: str, attempt_id: str) -> tuple[RolloutStatus, AttemptStatus]:
         """Tell the store the attempt is alive. Returns the rollout's and the attempt's status, so a
         worker learns at once that its rollout was cancelled or its attempt given up on."""
-        result = await self.ctx.pipeline.submit(self._add_spans, [self.ctx.keys.prefix, rollout_id, attempt_id])
+        prefix = self.ctx.keys.shard(rollout_id).prefix
+        result = await self.ctx.pipeline.submit(self._add_spans, [prefix, rollout_id, attempt_id])
         if result[0] == b"missing":
             raise NotFound(f"attempt {attempt_id} of rollout {rollout_id} does not exist")
         return RolloutStatus(result[0].decode()), AttemptStatus(result[1].decode())

@@ -4,6 +4,9 @@ Shared by `RedisStore.statistics` (async client), the Prometheus collector and `
 clients): commands are queued the same way on either kind of pipeline, only ``execute`` differs, so
 the command list and the parsing live here once.
 
+With several lifecycle shards (`fulmen.keys`) the per-shard keys (status sets, queue, finished,
+heartbeat set) are read in every shard and summed; a group's lag is the largest of its shards'.
+
 Round trip 1: SCARD per status, XLEN of the streams, XINFO GROUPS of the consumed streams, ZCARD,
 HLEN, the latest resources, TIME. Round trip 2 (only for groups with a backlog): the oldest entry
 each group has not been delivered yet, whose id carries its enqueue time — the group's lag in seconds
@@ -31,6 +34,14 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("samples", k.TRAINERS_GROUP),
 )
 STREAMS = ("queue", "finished", "samples", "dead_letters")
+SHARDED = ("queue", "finished")  # the streams with one key per shard
+
+
+def _stream_keys(keys: k.Keys, name: str) -> list[str]:
+    """A stream's key in each shard (one key for an experiment-wide stream)."""
+    if name in SHARDED:
+        return [getattr(shard, name) for shard in keys.shards]
+    return [getattr(keys, name)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +59,14 @@ class GroupInfo:
 class Snapshot:
     rollouts: dict[str, int]  # per status
     stream_lengths: dict[str, int]  # per STREAMS name
-    groups: dict[tuple[str, str], GroupInfo]  # only the groups that exist
+    groups: dict[tuple[str, str], GroupInfo]  # only the groups that exist (summed over shards)
     heartbeat_watched: int
     workers: int
     latest_resources: ResourcesUpdate | None
     server_time: float
     extra: list[Any] = field(default_factory=list)  # replies to commands the caller queued after ours
+    # (stream key, group) -> last delivered id, per shard: where round trip 2 looks for the lag
+    delivered: dict[tuple[str, str, str], str] = field(default_factory=dict)
 
     @property
     def queue_depth(self) -> int:
@@ -74,58 +87,82 @@ class Snapshot:
 
 def _queue_first(pipe: Any, keys: k.Keys) -> int:
     """Queue round trip 1 on ``pipe``; returns how many replies it adds."""
+    n = 0
     for s in RolloutStatus:
-        pipe.scard(keys.status(s))
+        for shard in keys.shards:
+            pipe.scard(shard.status(s))
+            n += 1
     for name in STREAMS:
-        pipe.xlen(getattr(keys, name))
-    streams = list(dict.fromkeys(stream for stream, _ in GROUPS))
-    for stream in streams:
-        pipe.xinfo_groups(getattr(keys, stream))
-    pipe.zcard(keys.watch_heartbeat)
+        for key in _stream_keys(keys, name):
+            pipe.xlen(key)
+            n += 1
+    for stream in dict.fromkeys(stream for stream, _ in GROUPS):
+        for key in _stream_keys(keys, stream):
+            pipe.xinfo_groups(key)
+            n += 1
+    for shard in keys.shards:
+        pipe.zcard(shard.watch_heartbeat)
+        n += 1
     pipe.hlen(keys.workers)
     pipe.xrevrange(keys.resources_log, count=1)
-    pipe.time()
-    return len(RolloutStatus) + len(STREAMS) + len(streams) + 4
+    pipe.execute_command("TIME")  # cluster pipelines refuse .time(); this goes to any node
+    return n + 3
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _parse_first(replies: list[Any]) -> Snapshot:
+def _parse_first(replies: list[Any], keys: k.Keys) -> Snapshot:
     it = iter(replies)
-    rollouts = {s.value: int(next(it)) for s in RolloutStatus}
-    lengths = {name: int(next(it)) for name in STREAMS}
-    infos: dict[str, list[dict[Any, Any]]] = {}
+    shards = len(keys.shards)
+    rollouts = {s.value: sum(int(next(it)) for _ in range(shards)) for s in RolloutStatus}
+    lengths = {name: sum(int(next(it)) for _ in _stream_keys(keys, name)) for name in STREAMS}
+    infos: dict[str, list[tuple[str, list[dict[Any, Any]]]]] = {}
     for stream in dict.fromkeys(stream for stream, _ in GROUPS):
-        reply = next(it)
-        infos[stream] = [] if isinstance(reply, Exception) else reply  # no such stream yet: no groups
-    watched, workers, last, (seconds, micros) = next(it), next(it), next(it), next(it)
+        infos[stream] = []
+        for key in _stream_keys(keys, stream):
+            reply = next(it)
+            infos[stream].append((key, [] if isinstance(reply, Exception) else reply))  # no stream: no groups
+    watched = sum(int(next(it)) for _ in range(shards))
+    workers, last, (seconds, micros) = next(it), next(it), next(it)
     groups = {}
+    delivered = {}
     for stream, group in GROUPS:
-        for info in infos[stream]:
-            if _text(info.get("name")) != group:
-                continue
-            lag = info.get("lag")
-            groups[(stream, group)] = GroupInfo(
-                stream, group, int(info.get("consumers", 0)), int(info.get("pending", 0)),
-                _text(info.get("last-delivered-id", "0-0")), None if lag is None else int(lag),
-            )
+        for key, shard_infos in infos[stream]:
+            for info in shard_infos:
+                if _text(info.get("name")) != group:
+                    continue
+                lag = info.get("lag")
+                last_id = _text(info.get("last-delivered-id", "0-0"))
+                delivered[(stream, group, key)] = last_id
+                before = groups.get((stream, group))
+                info_lag = None if lag is None else int(lag)
+                if before is not None:
+                    info_lag = None if before.lag_entries is None or info_lag is None else before.lag_entries + info_lag
+                groups[(stream, group)] = GroupInfo(
+                    stream, group, max(int(info.get("consumers", 0)), before.consumers if before else 0),
+                    int(info.get("pending", 0)) + (before.pending if before else 0),
+                    before.last_delivered_id if before else last_id, info_lag,
+                )
     latest = None
     if last:
         try:
             latest = ResourcesUpdate.from_wire(last[0][1][b"m"])
         except (RecordError, KeyError):
             latest = None  # a bad record must not take the whole snapshot down
-    return Snapshot(rollouts, lengths, groups, int(watched), int(workers), latest, seconds + micros / 1e6)
+    return Snapshot(rollouts, lengths, groups, watched, int(workers), latest, seconds + micros / 1e6,
+                    delivered=delivered)
 
 
 def _queue_lag(pipe: Any, keys: k.Keys, snap: Snapshot) -> list[tuple[str, str]]:
-    """Queue round trip 2: each group's oldest undelivered entry. Returns the groups asked about."""
+    """Queue round trip 2: each group's oldest undelivered entry, in each shard. Returns the groups
+    asked about (once per shard)."""
     asked = []
-    for (stream, group), info in snap.groups.items():
+    for (stream, group, key), last_id in snap.delivered.items():
+        info = snap.groups[(stream, group)]
         if snap.stream_lengths.get(stream, 0) and info.lag_entries != 0:
-            pipe.xrange(getattr(keys, stream), min=f"({info.last_delivered_id}", count=1)
+            pipe.xrange(key, min=f"({last_id}", count=1)
             asked.append((stream, group))
     return asked
 
@@ -137,13 +174,14 @@ def _with_lag(snap: Snapshot, asked: list[tuple[str, str]], replies: list[Any]) 
             enqueued_ms = int(_text(reply[0][0]).split("-")[0])
             age = max(0.0, snap.server_time - enqueued_ms / 1000)
             info = groups[key]
+            age = max(age, info.lag_s)  # the oldest of its shards' backlogs
             groups[key] = GroupInfo(
                 info.stream, info.group, info.consumers, info.pending, info.last_delivered_id,
                 info.lag_entries, age,
             )
     return Snapshot(
         snap.rollouts, snap.stream_lengths, groups, snap.heartbeat_watched, snap.workers,
-        snap.latest_resources, snap.server_time, snap.extra,
+        snap.latest_resources, snap.server_time, snap.extra, snap.delivered,
     )
 
 
@@ -151,7 +189,7 @@ def read_snapshot(client: redis.Redis, keys: k.Keys) -> Snapshot:
     """The snapshot with a sync client (the metrics thread, `fulmen top`)."""
     pipe = client.pipeline(transaction=False)
     _queue_first(pipe, keys)
-    snap = _parse_first(pipe.execute(raise_on_error=False))
+    snap = _parse_first(pipe.execute(raise_on_error=False), keys)
     pipe = client.pipeline(transaction=False)
     asked = _queue_lag(pipe, keys, snap)
     return _with_lag(snap, asked, pipe.execute(raise_on_error=False) if asked else [])
@@ -165,7 +203,7 @@ async def aread_snapshot(client: aioredis.Redis, keys: k.Keys, extra: Any = None
     if extra is not None:
         extra(pipe)
     replies = await pipe.execute(raise_on_error=False)
-    snap = _parse_first(replies[:n])
+    snap = _parse_first(replies[:n], keys)
     snap.extra.extend(replies[n:])
     pipe = client.pipeline(transaction=False)
     asked = _queue_lag(pipe, keys, snap)

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from fulmen.errors import RecordError, RecordTooLarge
@@ -179,11 +180,16 @@ class Stream(Generic[T]):
             # Many large fields: keep what fits of them, and say so, rather than fail here (the
             # consumer would die on the entry, and again after each restart).
             record = _truncated_letter(self.key, entry_id, reason, payload).to_wire()
-        pipe = self.redis.pipeline(transaction=True)
+        # One MULTI when both keys share a slot; a stream of another shard acknowledges after the
+        # letter is written (a crash in between dead-letters the entry again, never loses it).
+        same_slot = key_slot(self.key.encode()) == key_slot(self.dead_letters.encode())
+        pipe = self.redis.pipeline(transaction=same_slot)
         pipe.xadd(self.dead_letters, {"m": record})
-        if self.group is not None:
+        if self.group is not None and same_slot:
             pipe.xack(self.key, self.group, entry_id)
         await pipe.execute()
+        if self.group is not None and not same_slot:
+            await self.redis.xack(self.key, self.group, entry_id)
 
     # --- broadcast --------------------------------------------------------------------------------
 

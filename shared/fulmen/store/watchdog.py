@@ -26,10 +26,11 @@ async def sweep(store: RedisStore, limit: int = SWEEP_LIMIT) -> Counter[str]:
     seconds, micros = await store.redis.time()
     now = seconds + micros / 1e6
     outcomes: Counter[str] = Counter()
-    for key, kind in (
-        (store.keys.watch_deadline, AttemptStatus.TIMEOUT),
-        (store.keys.watch_heartbeat, AttemptStatus.UNRESPONSIVE),
-    ):
+    for key, kind in [
+        pair
+        for shard in store.keys.shards  # each shard's attempts are watched in its own sets
+        for pair in ((shard.watch_deadline, AttemptStatus.TIMEOUT), (shard.watch_heartbeat, AttemptStatus.UNRESPONSIVE))
+    ]:
         overdue = await store.redis.zrangebyscore(key, "-inf", now, start=0, num=limit)
         for raw in overdue:
             attempt_id = raw.decode()
