@@ -41,7 +41,7 @@ MODEL_INFO = ModelInfo(
 
 async def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression with + - * / // % ** and parentheses, e.g. (17 * 23) + 4."""
-    return multi_turn_tool_agent.calculator(expression)
+    return multi_turn_tool_agent.calculator(expression=expression)
 
 
 def model_client(llm: fulmen.LLM) -> OpenAIChatCompletionClient:

@@ -40,7 +40,7 @@ SYSTEM_PROMPT = "Use the calculator tool for arithmetic, then reply with the fin
 @tool
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression with + - * / // % ** and parentheses, e.g. (17 * 23) + 4."""
-    return multi_turn_tool_agent.calculator(expression)
+    return multi_turn_tool_agent.calculator(expression=expression)
 
 
 def chat_model(llm: fulmen.LLM) -> ChatOpenAI:

@@ -57,7 +57,7 @@ def calculator(expression: str) -> str:
     Args:
         expression: e.g. (17 * 23) + 4
     """
-    return multi_turn_tool_agent.calculator(expression)
+    return multi_turn_tool_agent.calculator(expression=expression)
 
 
 def model_settings(llm: fulmen.LLM) -> ModelSettings:
