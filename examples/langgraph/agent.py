@@ -1,8 +1,9 @@
 """A LangGraph ReAct agent with one tool, ``calculator``, through ``langchain-openai``'s ``ChatOpenAI``.
 
 ``ChatOpenAI`` is pointed at the LLM the runner hands the agent (``llm.base_url``: a proxy with this
-attempt in the path), so every chat completion the graph makes is recorded against the rollout; the
-graph itself is the stock ``create_react_agent``: model → tools → model until the model answers.
+attempt in the path), so every chat completion the graph makes is recorded against the rollout. The
+graph is the ReAct loop written with LangGraph's own pieces (``StateGraph``, ``ToolNode``,
+``tools_condition``): model → tools → model, until the model answers without a tool call.
 A task::
 
     {"question": "What is 17 * 23?", "answer": 391}
@@ -24,10 +25,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from langchain_core.messages import SystemMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
-from langgraph.prebuilt import create_react_agent
+from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.graph.state import CompiledStateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
 
 import fulmen
 from examples import multi_turn_tool_agent
@@ -53,10 +57,26 @@ def chat_model(llm: fulmen.LLM) -> ChatOpenAI:
     )  # fmt: skip
 
 
+def react_graph(model: ChatOpenAI) -> CompiledStateGraph:
+    """model → (tool calls? tools → model) … → end."""
+    bound = model.bind_tools([calculator])
+
+    async def call_model(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await bound.ainvoke([SystemMessage(SYSTEM_PROMPT), *state["messages"]])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("model", call_model)
+    graph.add_node("tools", ToolNode([calculator]))
+    graph.add_edge(START, "model")
+    graph.add_conditional_edges("model", tools_condition)  # to "tools" or to the end
+    graph.add_edge("tools", "model")
+    return graph.compile()
+
+
 @fulmen.rollout
 async def agent(task: dict[str, Any], llm: fulmen.LLM) -> float:
     """Run the ReAct graph on the question; score its last message."""
-    graph = create_react_agent(chat_model(llm), [calculator], prompt=SYSTEM_PROMPT)
+    graph = react_graph(chat_model(llm))
     try:
         state = await graph.ainvoke(
             {"messages": [("user", task["question"])]}, {"recursion_limit": 2 * MAX_TURNS}
