@@ -21,6 +21,7 @@ The reward is 1.0 when the agent's last message is exactly the answer, else 0.0.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from autogen_agentchat.agents import AssistantAgent
@@ -37,6 +38,9 @@ MODEL_INFO = ModelInfo(
     vision=False, function_calling=True, json_output=False, structured_output=False,
     family=ModelFamily.UNKNOWN, multiple_system_messages=False,
 )  # fmt: skip
+
+# AutoGen logs every model call's whole request at INFO; the proxy records each call already.
+logging.getLogger("autogen_core.events").setLevel(logging.WARNING)
 
 
 async def calculator(expression: str) -> str:
