@@ -6,7 +6,8 @@ re-tokenised). The tiny model is random, so no example may depend on it calling 
 multi-turn one (anthropic) asks again when the answer is not a number, which makes several calls of
 one conversation: one trajectory sample whose mask is 1 on exactly the model's tokens.
 
-The frameworks come with the ``dev`` extra (``frameworks``); a missing one skips its test, naming it.
+The anthropic one runs under a `fulmen runner` process (queued, claimed), the others under `fulmen
+run-once`. The frameworks come with the ``dev`` extra (``frameworks``); a missing one skips its test, naming it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 from proxy_helpers import RunningProxy
-from runner_processes import FulmenProcesses
+from runner_processes import FulmenProcesses, child_env, wait_until_ready
 
 from fulmen import semconv, tokens
 from fulmen.records import Rollout, Sample, Span
@@ -57,6 +58,22 @@ async def _run_example(
     rollout = await store.get_rollout(result["rollout_id"])
     assert rollout is not None and rollout.status is RolloutStatus.SUCCEEDED
     assert rollout.reward in (0.0, 1.0) and result["reward"] == rollout.reward
+    return rollout, await store.query_spans(rollout.rollout_id)
+
+
+async def _run_under_runner(
+    store: RedisStore, procs: FulmenProcesses, proxy: RunningProxy, agent: str
+) -> tuple[Rollout, list[Span]]:
+    """QUESTION queued and claimed by a `fulmen runner --agent <agent>` on the proxy: the ended rollout
+    and its spans."""
+    await store.add_resources({"llm": {"kind": "llm", "model": "tiny", "sampling_parameters": SAMPLING}})
+    env = child_env(procs.redis_url, procs.experiment, FULMEN_LLM_BASE_URL=proxy.base())
+    runner = await procs.runner(agent, "--concurrency", "1", env=env)
+    await wait_until_ready(store, runner)
+    queued = await store.enqueue_rollout(QUESTION)
+    (rollout,) = await store.wait_for_rollouts([queued.rollout_id], timeout_s=120)
+    assert rollout.status is RolloutStatus.SUCCEEDED, runner.stderr[-6000:]
+    assert rollout.reward in (0.0, 1.0)
     return rollout, await store.query_spans(rollout.rollout_id)
 
 
@@ -128,10 +145,11 @@ async def test_autogen_assistant_agent(torch_proxy, proxy_store, procs, tokenize
 
 
 async def test_anthropic_tool_use_loop_is_one_trajectory(torch_proxy, proxy_store, procs, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """The anthropic SDK's loop on /v1/messages: several calls of one conversation, joined into one
-    trajectory sample whose mask is 1 on exactly each call's response ids, 0 on what came between."""
+    """The anthropic SDK's loop on /v1/messages, under a `fulmen runner`: several calls of one
+    conversation, joined into one trajectory sample whose mask is 1 on exactly each call's response
+    ids, 0 on what came between."""
     _needs("anthropic")
-    rollout, spans = await _run_example(proxy_store, procs, torch_proxy, "examples.anthropic.agent:agent")
+    rollout, spans = await _run_under_runner(proxy_store, procs, torch_proxy, "examples.anthropic.agent:agent")
     calls = _llm_calls(rollout, spans, "anthropic.messages")
     assert len(calls) >= 2, "the loop asks again for a bare number: at least two calls"
     samples = _samples_carry_the_proxys_ids(rollout, spans, calls, tokenizer)
