@@ -226,7 +226,7 @@ async def _adapter_ids(fake: FakeVllm, name: str) -> list[int]:
     return (await fake.adapters[name].generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))).token_ids
 
 
-async def test_lora_versions_load_as_adapters_without_a_pause(real_store: RedisStore, models, tmp_path):
+async def test_lora_versions_load_as_adapters_without_a_pause(real_store: RedisStore, models, tmp_path, caplog):
     """With a server that loads adapters at run time, each LoRA version is loaded under its own name
     with no pause and no reload; the replica serves it under that name (``served_model``) with the
     proxy's own greedy ids; the previous adapter stays loaded for calls that still name it, older ones
@@ -257,10 +257,14 @@ async def test_lora_versions_load_as_adapters_without_a_pause(real_store: RedisS
         assert await _adapter_ids(fake, "v3") == want
         assert await _served_ids(fake) == await _greedy_with(base)  # the server's own weights: still the base
 
-        await fake.restart()  # adapters gone
-        await _until(lambda: _not_ready(real_store, fake.url, "gone"))
+        await fake.restart()  # adapters gone: out of routing (briefly) and loaded again
+
+        async def loaded_again() -> bool:
+            return fake.calls.count("load_lora:v3") == 2
+
+        await _until(loaded_again)
         await _until(lambda: _ready(real_store, fake.url, "v3"))
-        assert "v3" in fake.adapters
+        assert "v3" in fake.adapters and "lost the adapter v3" in caplog.text
     finally:
         stop.set()
         await task
