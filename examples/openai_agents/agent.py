@@ -31,6 +31,7 @@ from agents import (
     Agent,
     MaxTurnsExceeded,
     Model,
+    ModelBehaviorError,
     ModelSettings,
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
@@ -79,6 +80,9 @@ async def solve(task: dict[str, Any], llm: fulmen.LLM, model: Model) -> float:
         )
     except MaxTurnsExceeded:
         fulmen.emit_message(f"no answer after {MAX_TURNS} turns")
+        return 0.0
+    except ModelBehaviorError as e:  # e.g. an answer cut at max_tokens (the Responses API's "incomplete")
+        fulmen.emit_message(f"no usable answer: {e}")
         return 0.0
     fulmen.emit_message(f"answer: {result.final_output}")
     return multi_turn_tool_agent.score(str(result.final_output), task["answer"])

@@ -24,7 +24,9 @@ from fulmen.tiny_model import build_tiny_model  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+    # the template renders each request's tools (their JSON schemas) into the prompt: a context that
+    # holds a few turns of an agent with a tool
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")
