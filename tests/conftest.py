@@ -46,6 +46,9 @@ def experiment() -> str:
 @pytest.fixture
 async def real_store(redis_url: str, experiment: str) -> AsyncIterator[RedisStore]:
     client = async_client(redis_url)  # a cluster client for a redis+cluster:// URL
+    # as a service's `fulmen.connection.connect` does: one command before any concurrent use (redis-py
+    # 8.1's async cluster client can break a connection when its first commands race; CI saw it once)
+    await client.ping()
     store = RedisStore(client, experiment)
     yield store
     await client.aclose()
