@@ -61,7 +61,7 @@ def trim_command(
     async def work(store: RedisStore) -> None:
         report = await trim(store, policy, dry_run=dry_run, progress=progress)
         if as_json:
-            out.print_json(json.dumps(dataclasses.asdict(report)))
+            out.print(json.dumps(dataclasses.asdict(report)), markup=False, highlight=False, soft_wrap=True)
         else:
             out.print(report.summary(), markup=False, highlight=False, soft_wrap=True)
 

@@ -4,7 +4,8 @@ counts it). Nothing a consumer group of a stream has not acknowledged is ever tr
 Streams that consumer groups read go by age (``max_age_s``: older entries go) or count
 (``max_count``: the newest so many stay), but only below what every group of the stream has had
 delivered and acknowledged: an entry not yet delivered to some group, or delivered and still pending
-in it, stays, and so does everything after it. A stream with no group yet is not trimmed at all.
+in it, stays, and so does everything after it. A stream with no group yet is not trimmed at all (a
+group created after a trim starts from what is left).
 ``streams`` picks which of them (all by default):
 
 - ``queue``: every shard's queue streams (`ShardKeys.queue_streams`: priority lanes too), group
