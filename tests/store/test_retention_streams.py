@@ -202,7 +202,10 @@ async def test_dry_run_counts_what_a_trim_removes_and_removes_nothing(sharded: R
     for c in await store.dequeue_rollouts("w", 6):
         await store.add_spans([Span(c.rollout.rollout_id, c.attempt.attempt_id, "s1", "llm")])
         await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
-    await store.ack_finished("adapter", [f.entry_id for f in await store.read_finished("adapter", "a", count=4)])
+    acked = await store.read_finished("adapter", "a", count=4)
+    await store.ack_finished("adapter", [f.entry_id for f in acked])
+    all_ids = [r.rollout_id for r in await store.query_rollouts()]
+    await store.redis.sadd(store.keys.sampled, *all_ids)  # the adapter's once-sampled markers (sharded)
     policy = RetentionPolicy(max_count=0, delete_rollouts=True)
 
     dry = await trim(store, policy, dry_run=True)
@@ -212,7 +215,9 @@ async def test_dry_run_counts_what_a_trim_removes_and_removes_nothing(sharded: R
     real = await trim(store, policy)
     assert (real.queue_entries, real.finished, real.span_streams, real.rollouts) == (6, 4, 4, 4)
     assert real.streams == dry.streams
-    assert len(await store.query_rollouts()) == 2
+    kept = sorted(r.rollout_id for r in await store.query_rollouts())
+    assert kept == sorted(set(all_ids) - {f.rollout_id for f in acked})
+    assert sorted(m.decode() for m in await store.redis.smembers(store.keys.sampled)) == kept  # markers go too
 
 
 async def test_a_policy_must_say_what_to_trim() -> None:
