@@ -14,14 +14,22 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fulmen import inspect_cli
+from fulmen import inspect_cli, trim_cli
 from fulmen.connection import redact
+from fulmen.errors import InvalidInput
 from fulmen.records.status import RolloutMode
-from fulmen.service_cli import ExperimentOpt, err, flag, out, run_on_store, settings_from_flags
-from fulmen.settings import CommonSettings
+from fulmen.service_cli import (
+    ExperimentOpt,
+    err,
+    flag,
+    out,
+    run_on_store,
+    settings_command,
+    settings_from_flags,
+)
+from fulmen.settings import CommonSettings, WatchdogSettings
 from fulmen.store import RedisStore, run_watchdog
 from fulmen.store.experiments import delete_experiment, list_experiments
-from fulmen.store.retention import RetentionPolicy, trim
 from fulmen.store.watchdog import INTERVAL_S as WATCHDOG_INTERVAL_S
 from fulmen.tasks_file import BadLine, LineNote, parse_tasks
 
@@ -188,14 +196,20 @@ for _name, _command in inspect_cli.COMMANDS.items():
 
 
 @app.command()
+@settings_command(WatchdogSettings)
 def watchdog(
-    experiment: ExperimentOpt = None,
+    settings: WatchdogSettings,
     interval_s: Annotated[float, typer.Option(min=0.05, help="Seconds between sweeps.")] = WATCHDOG_INTERVAL_S,
 ) -> None:
-    """End attempts past their timeout or heartbeat, and requeue or fail their rollouts.
+    """End attempts past their timeout or heartbeat, and requeue or fail their rollouts; with a
+    retention limit set, trim the store by it every retention interval (off by default).
 
     Safe to run several at once (each attempt changes status exactly once). Stops on SIGTERM."""
-    settings = settings_from_flags(experiment=experiment)
+    try:
+        retention = trim_cli.retention_schedule(settings)
+    except InvalidInput as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
 
     async def work(store: RedisStore) -> None:
         stop = asyncio.Event()
@@ -203,10 +217,12 @@ def watchdog(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         log.info("watchdog on experiment %s, every %.2fs", store.experiment, interval_s)
+        if retention is not None:
+            log.info("retention every %.0fs: %s", retention.interval_s, retention.policy)
         from fulmen.ops_http import start_ops
 
         with start_ops(settings, "watchdog"):
-            await run_watchdog(store, interval_s, stop)
+            await run_watchdog(store, interval_s, stop, retention)
         log.info("watchdog stopped")
 
     run_on_store(settings, work)
@@ -233,24 +249,7 @@ def experiments(
     run_on_store(settings, work)
 
 
-@app.command("trim")
-def trim_command(
-    experiment: ExperimentOpt = None,
-    max_age_s: Annotated[float | None, typer.Option(help="Trim consumed entries older than this.")] = None,
-    max_count: Annotated[int | None, typer.Option(help="Keep at most this many entries per stream.")] = None,
-    delete_rollouts: Annotated[bool, typer.Option(help="Also delete the trimmed rollouts' records.")] = False,
-) -> None:
-    """Trim what every consumer group has acknowledged (queue, completions and their spans)."""
-    settings = settings_from_flags(experiment=experiment)
-
-    async def work(store: RedisStore) -> None:
-        report = await trim(store, RetentionPolicy(max_age_s, max_count, delete_rollouts))
-        out.print(
-            f"trimmed {report.queue_entries} queue entries, {report.completions} completions, "
-            f"{report.span_streams} span streams, {report.rollouts} rollouts"
-        )
-
-    run_on_store(settings, work)
+app.command("trim")(trim_cli.trim_command)
 
 
 @app.command("rollback")

@@ -158,6 +158,11 @@ class ShardKeys:
     def status(self, status: str) -> str:
         return self.prefix + STATUS + status
 
+    def queue_streams(self) -> tuple[str, ...]:
+        """Every queue stream of this shard, the one list of them (retention trims each; a new
+        queue stream of the shard, such as a priority lane, is added here)."""
+        return (self.queue,)
+
 
 class Keys:
     """The keys of one experiment."""
@@ -178,6 +183,7 @@ class Keys:
         "resources_log",
         "resources_version",
         "rollout_index",
+        "sampled",
         "samples",
         "services",
         "shards",
@@ -216,6 +222,7 @@ class Keys:
         self.proxies = p + PROXIES
         self.control = p + CONTROL
         self.samples = p + SAMPLES
+        self.sampled = p + SAMPLED
         self.adapter_stats = p + ADAPTER_STATS
         self.algorithm_state = p + ALGORITHM_STATE
         self.algorithm_done = p + ALGORITHM_DONE

@@ -4,7 +4,8 @@ serves, and the one the policy names (after `fulmen rollback`, an old one).
 Every published version's weights stay in the store until this deletes them (Redis runs
 ``noeviction``: a 0.5B model's versions would fill it in minutes). `publish_model_version` records
 each version in ``keys.stored_versions`` (a sorted set scored by the resources version that
-published it); `retain_versions` — which the trainer calls after each publish — deletes the weights
+published it); `retain_versions` — which the trainer calls after each publish, and the store's
+retention (`fulmen trim --keep-versions`, the watchdog's retention loop) too — deletes the weights
 of all but the newest ``keep`` versions, never one that a live proxy reports serving, and drops them
 from the set. The resources log keeps naming a deleted version (it is history); a proxy that asks
 for one finds it gone and moves on to a newer one (`fulmen_llm_proxy.following`).
@@ -23,11 +24,11 @@ import shutil
 from pathlib import Path
 
 from fulmen.keys import POLICY_RESOURCES_ID
-from fulmen.store import RedisStore
+from fulmen.store.redis_store import RedisStore  # not the package: its retention imports this module
 
 log = logging.getLogger(__name__)
 
-__all__ = ["record_stored", "retain_versions", "stored_versions"]
+__all__ = ["record_stored", "retain_versions", "served_versions", "stored_versions", "versions_to_delete"]
 
 
 async def record_stored(store: RedisStore, model_version: str, resources_version: int, base: str | None = None) -> None:
@@ -46,18 +47,7 @@ async def stored_versions(store: RedisStore) -> list[str]:
 async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path | None = None) -> list[str]:
     """Delete the weights of every stored version but the newest ``keep`` and those live proxies
     serve; returns the versions deleted, oldest first."""
-    if keep < 1:
-        raise ValueError(f"keep must be at least 1 (the newest version), got {keep}")
-    stored = await stored_versions(store)
-    served = {p.model_version for p in await store.query_proxies()} | {
-        r.model_version for r in (await store.query_replicas()).values() if r.model_version}
-    served |= await _policy_versions(store)  # what proxies are about to load: an old one after a rollback
-    bases = {_text(k): _text(v) for k, v in (await store.redis.hgetall(store.keys.version_bases)).items()}
-    needed = set(stored[max(0, len(stored) - keep):]) | served
-    for version in list(needed):
-        while (version := bases.get(version)) is not None and version not in needed:  # type: ignore[assignment]
-            needed.add(version)
-    doomed = [v for v in stored if v not in needed]
+    doomed = await versions_to_delete(store, keep)
     for version in doomed:
         async with store.redis.pipeline(transaction=True) as pipe:
             pipe.delete(store.keys.weights(version))
@@ -68,8 +58,31 @@ async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path |
             await asyncio.to_thread(shutil.rmtree, Path(shared_dir) / version, True)
     if doomed:
         log.info("deleted the weights of %d old model version(s) (%s … %s); %d kept", len(doomed), doomed[0],
-                 doomed[-1], len(stored) - len(doomed))
+                 doomed[-1], await store.redis.zcard(store.keys.stored_versions))
     return doomed
+
+
+async def versions_to_delete(store: RedisStore, keep: int) -> list[str]:
+    """The stored versions `retain_versions` would delete now, oldest first (deleting nothing: a
+    dry run of `fulmen trim` lists them)."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 (the newest version), got {keep}")
+    stored = await stored_versions(store)
+    served = await served_versions(store)
+    bases = {_text(k): _text(v) for k, v in (await store.redis.hgetall(store.keys.version_bases)).items()}
+    needed = set(stored[max(0, len(stored) - keep):]) | served
+    for version in list(needed):
+        while (version := bases.get(version)) is not None and version not in needed:  # type: ignore[assignment]
+            needed.add(version)
+    return [v for v in stored if v not in needed]
+
+
+async def served_versions(store: RedisStore) -> set[str]:
+    """The versions live proxies and replicas serve, and those the policy names (what proxies are
+    about to load: an old one after a rollback, B of an A/B test)."""
+    served = {p.model_version for p in await store.query_proxies()} | {
+        r.model_version for r in (await store.query_replicas()).values() if r.model_version}
+    return {v for v in served if v} | await _policy_versions(store)
 
 
 async def _policy_versions(store: RedisStore) -> set[str]:

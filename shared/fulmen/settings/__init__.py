@@ -30,12 +30,13 @@ from fulmen.settings.services import (
     RunnerSettings,
     TrainerSettings,
     VllmSyncSettings,
+    WatchdogSettings,
 )
 
 __all__ = [
     "AdapterSettings", "AlgorithmSettings", "ApoSettings", "CommonSettings", "DashboardSettings", "DemoSettings", "EvalSettings",
-    "EvaluatorSettings", "ProxySettings", "RunnerSettings", "TrainerSettings", "VllmSyncSettings", "env_name",
-    "known_env_names", "load_settings",
+    "EvaluatorSettings", "ProxySettings", "RunnerSettings", "TrainerSettings", "VllmSyncSettings", "WatchdogSettings",
+    "env_name", "known_env_names", "load_settings",
 ]
 
 S = TypeVar("S", bound=CommonSettings)

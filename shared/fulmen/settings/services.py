@@ -306,8 +306,46 @@ class DashboardSettings(CommonSettings):
     )
 
 
+class WatchdogSettings(CommonSettings):
+    """The watchdog's retention loop (`fulmen.store.retention`). Off by default: trimming drops spans
+    and samples for good, so it runs only when asked, after whatever archives them."""
+
+    retention_interval_s: float | None = Field(
+        None, gt=0,
+        description="Seconds between the watchdog's retention passes (unset: 300 once a retention limit is set; "
+        "with none, the default, no retention loop runs and `fulmen trim` trims by hand).",
+    )
+    retention_max_age_s: float | None = Field(
+        None, ge=0,
+        description="Retention: queue, finished and samples entries older than this go, once every consumer group "
+        "acknowledged them (with a finished entry, its rollout's spans).",
+    )
+    retention_max_count: int | None = Field(
+        None, ge=0, description="Retention: at most this many entries stay per queue, finished and samples stream "
+        "(acknowledged ones go first; an unacknowledged one never goes).",
+    )
+    retention_delete_rollouts: bool = Field(
+        False, description="Retention: delete the records of the rollouts whose finished entries go, too."
+    )
+    retention_resources: bool = Field(
+        False, description="Retention: trim the resources log by the same limits (never what a stored or served "
+        "model version needs, never the newest entry).",
+    )
+    retention_keep_versions: int | None = Field(
+        None, ge=1, description="Retention: the weights of the newest this many model versions stay, and any version "
+        "served (unset: the weights are left to the trainer's keep_versions).",
+    )
+    retention_steps_max_count: int | None = Field(
+        None, ge=1, description="Retention: the trainer's newest this many step records stay (unset: all).",
+    )
+    retention_dead_letters_max_age_s: float | None = Field(
+        None, ge=0, description="Retention: dead letters older than this go (unset: all stay).",
+    )
+    weights_dir: Path | None = with_default(TrainerSettings, "weights_dir", None)
+
+
 # Every process's class: a FULMEN_* variable is known if one of them has the field.
 SERVICE_SETTINGS: tuple[type[CommonSettings], ...] = (
     CommonSettings, RunnerSettings, ProxySettings, AdapterSettings, TrainerSettings, AlgorithmSettings,
-    DemoSettings, EvaluatorSettings, EvalSettings, ApoSettings, VllmSyncSettings, DashboardSettings,
+    DemoSettings, EvaluatorSettings, EvalSettings, ApoSettings, VllmSyncSettings, DashboardSettings, WatchdogSettings,
 )

@@ -1,145 +1,196 @@
-"""Retention: trim what every consumer group has acknowledged, by age or by count.
+"""Retention: what may go from the store's streams, and `trim`, which removes it (or, as a dry run,
+counts it). Nothing a consumer group of a stream has not acknowledged is ever trimmed.
 
-Nothing unconsumed is ever trimmed. An entry counts as consumed when every consumer group of its
-stream has been delivered it and acknowledged it; a stream with no group is never trimmed by age or
-count, because no one has read it yet.
+Streams that consumer groups read go by age (``max_age_s``: older entries go) or count
+(``max_count``: the newest so many stay), but only below what every group of the stream has had
+delivered and acknowledged: an entry not yet delivered to some group, or delivered and still pending
+in it, stays, and so does everything after it. A stream with no group yet is not trimmed at all (a
+group created after a trim starts from what is left).
+``streams`` picks which of them (all by default):
 
-- The queue: entries the runners group acknowledged (each was claimed, or dead-lettered).
-- The finished stream: entries every group acknowledged (the adapter and the algorithm have them).
-  With them go the spans of their rollouts, and, with ``delete_rollouts``, the rollouts and attempts too.
+- ``queue``: every shard's queue streams (`ShardKeys.queue_streams`: priority lanes too), group
+  ``runners`` (an entry is acknowledged when claimed, or when dead-lettered).
+- ``finished``: every shard's finished stream, groups ``adapter`` and ``algorithm``. With an entry go
+  its rollout's spans and span-id set; with ``delete_rollouts``, its record and attempts too (a
+  terminal rollout's only), its place in the shard's indexes and its once-sampled marker.
+- ``samples``: group ``trainers`` (the trainer acknowledges a sample once a checkpoint holds its step).
+
+Streams no group reads go only by a rule of their own, each off unless the policy sets it:
+
+- the resources log (``resources``): by the same age and count, but never the newest entry, nor any
+  entry from the oldest one still needed on: the entry that published the oldest model version whose
+  weights are stored (the weights are found, and a rollback reads them, through it) and the newest
+  entry naming each version a proxy or replica serves or the policy names (a restarted proxy catches
+  up from it). With an entry goes its version of the resources hash, unless it is that resources
+  id's latest (what `get_resources` reads). See `fulmen.store.retention_resources`.
+- the weights streams (``keep_versions`` K): `fulmen.version_retention`'s rule, the one the trainer
+  applies after each publish: the newest K versions keep their weights, and every version a live proxy
+  or replica serves, the policy names, or a kept delta is built on; a folder version's folder goes
+  too (``weights_dir``).
+- the trainer's steps (``steps_max_count`` N): the newest N entries stay (at least one: the algorithm
+  paces on the last). The trainer caps it at 10,000 as it writes, too.
+- the dead letters (``dead_letters_max_age_s``): letters older than this go, looked at or not (they
+  are for a person: `fulmen dead-letters`).
+
+Not trimmed here: the control stream and the trainer's plans, gradients and aggregates (capped as
+they are written), the validations stream (an entry per validation pass), sets and indexes.
+
+`trim` is safe to run from several processes at once and to stop at any point: each step removes
+data before the entries that name it (a crash leaves entries to redo, never orphans), and the next
+run finishes the job. Archive first what must outlive the store (`fulmen archive`), then trim.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from fulmen import keys as k
-from fulmen.errors import InvalidInput, RecordError
-from fulmen.records import RolloutFinished
-from fulmen.records.status import TERMINAL_ROLLOUT
+from fulmen.errors import InvalidInput
 from fulmen.store.redis_store import RedisStore
-from fulmen.store.streams import StreamId, consumed_below, format_id, parse_id
+from fulmen.store.retention_cuts import safe_cut, server_now_ms, trim_below
+from fulmen.store.retention_resources import trim_resources_log, trim_weights
+from fulmen.store.retention_rollouts import trim_finished
 
-TRIM_BATCH = 500  # finished entries whose rollouts are cleaned per round trip
+log = logging.getLogger(__name__)
+
+QUEUE, FINISHED, SAMPLES = "queue", "finished", "samples"
+CONSUMED_STREAMS = frozenset({QUEUE, FINISHED, SAMPLES})  # the streams consumer groups read
+RESOURCES, WEIGHTS, STEPS, DEAD_LETTERS = "resources", "weights", "steps", "dead-letters"
+
+# (kind, stream key, entries trimmed or to trim): called once per stream as `trim` goes
+Progress = Callable[[str, str, int], None]
 
 
 @dataclass(frozen=True, slots=True)
 class RetentionPolicy:
-    max_age_s: float | None = None  # trim consumed entries older than this
+    max_age_s: float | None = None  # consumed entries older than this go
     max_count: int | None = None  # keep at most this many entries per stream (consumed ones go first)
     delete_rollouts: bool = False  # also delete the trimmed finished entries' rollouts and attempts
+    streams: frozenset[str] = CONSUMED_STREAMS  # which consumed streams the two limits apply to
+    resources: bool = False  # the resources log too, by the same limits (see the module docstring)
+    keep_versions: int | None = None  # the weights of the newest so many versions (and served ones) stay
+    weights_dir: Path | None = None  # the shared folder of folder versions, whose folders go with them
+    steps_max_count: int | None = None  # the trainer's newest so many steps stay
+    dead_letters_max_age_s: float | None = None  # dead letters older than this go
 
     def __post_init__(self) -> None:
-        if self.max_age_s is None and self.max_count is None:
-            raise InvalidInput("a retention policy needs max_age_s or max_count")
-        if self.max_age_s is not None and self.max_age_s < 0:
-            raise InvalidInput("max_age_s must be >= 0")
-        if self.max_count is not None and self.max_count < 0:
-            raise InvalidInput("max_count must be >= 0")
+        object.__setattr__(self, "streams", frozenset(self.streams))  # a list or set given: still hashable
+        unknown = self.streams - CONSUMED_STREAMS
+        if unknown:
+            raise InvalidInput(f"unknown streams {sorted(unknown)}: use {sorted(CONSUMED_STREAMS)}")
+        for name in ("max_age_s", "max_count", "dead_letters_max_age_s"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise InvalidInput(f"{name} must be >= 0, got {value}")
+        for name in ("keep_versions", "steps_max_count"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidInput(f"{name} must be >= 1 (the newest stays), got {value}")
+        if self.resources and not self.limited:
+            raise InvalidInput("trimming the resources log needs max_age_s or max_count")
+        if not (self.limited or self.keep_versions or self.steps_max_count or self.dead_letters_max_age_s is not None):
+            raise InvalidInput(
+                "a retention policy needs max_age_s or max_count, keep_versions, steps_max_count or dead_letters_max_age_s"
+            )
+
+    @property
+    def limited(self) -> bool:
+        """Whether the age and count limits say anything (else the consumed streams stay whole)."""
+        return self.max_age_s is not None or self.max_count is not None
 
 
 @dataclass(frozen=True, slots=True)
 class TrimReport:
-    queue_entries: int
-    finished: int
-    span_streams: int
-    rollouts: int
+    """What one `trim` removed (with ``dry_run``: would remove), summed over the shards."""
+
+    queue_entries: int = 0
+    finished: int = 0
+    span_streams: int = 0  # rollouts' span streams deleted with their finished entries
+    rollouts: int = 0  # rollout records deleted (with delete_rollouts)
+    samples: int = 0
+    resources: int = 0  # resources log entries
+    weight_versions: tuple[str, ...] = ()  # model versions whose weights were deleted, oldest first
+    steps: int = 0
+    dead_letters: int = 0
+    dry_run: bool = False
+    streams: dict[str, int] = field(default_factory=dict)  # entries per stream key, every stream trimmed
+
+    @property
+    def total(self) -> int:
+        """Entries and versions removed in all (span streams and rollouts go with finished entries)."""
+        return (self.queue_entries + self.finished + self.samples + self.resources + len(self.weight_versions)
+                + self.steps + self.dead_letters)
+
+    def summary(self) -> str:
+        verb = "would trim" if self.dry_run else "trimmed"
+        versions = ", ".join(self.weight_versions) or "none"
+        return (f"{verb} {self.queue_entries} queue entries, {self.finished} finished entries "
+                f"({self.span_streams} span streams, {self.rollouts} rollouts), {self.samples} samples, "
+                f"{self.resources} resources log entries, {self.steps} trainer steps, {self.dead_letters} "
+                f"dead letters; weights of versions: {versions}")
 
 
-async def _policy_cut(
-    store: RedisStore, stream: str, policy: RetentionPolicy, now_ms: int
-) -> StreamId | None:
-    """The smallest id the policy keeps (entries below it are old or surplus), or None: keep all."""
-    cut: StreamId | None = None
-    if policy.max_age_s is not None:
-        cut = (now_ms - int(policy.max_age_s * 1000), 0)
-    if policy.max_count is not None:
-        newest = await store.redis.xrevrange(stream, count=policy.max_count + 1)
-        if len(newest) > policy.max_count:
-            # keep the newest max_count: everything up to and including the (max_count+1)-th goes
-            surplus_last = parse_id(newest[-1][0])
-            by_count = (surplus_last[0], surplus_last[1] + 1)
-            cut = by_count if cut is None else max(cut, by_count)
-    return cut
+async def trim(
+    store: RedisStore, policy: RetentionPolicy, *, dry_run: bool = False, progress: Progress | None = None
+) -> TrimReport:
+    """Apply the policy once, over every shard and every stream it names (see the module docstring);
+    with ``dry_run``, remove nothing and report what would go."""
+    now_ms = await server_now_ms(store.redis)
+    keys, redis = store.keys, store.redis
+    per_stream: dict[str, int] = {}
+
+    def done(kind: str, key: str, count: int) -> int:
+        per_stream[key] = per_stream.get(key, 0) + count
+        if progress is not None:
+            progress(kind, key, count)
+        return count
+
+    async def consumed(kind: str, key: str) -> int:
+        cut = await safe_cut(redis, key, policy.max_age_s, policy.max_count, now_ms)
+        return done(kind, key, await trim_below(redis, key, cut, dry_run))
+
+    queue = finished = spans = rollouts = samples = 0
+    if policy.limited and QUEUE in policy.streams:
+        for shard in keys.shards:
+            for key in shard.queue_streams():
+                queue += await consumed(QUEUE, key)
+    if policy.limited and FINISHED in policy.streams:
+        for shard in keys.shards:
+            cut = await safe_cut(redis, shard.finished, policy.max_age_s, policy.max_count, now_ms)
+            outcome = await trim_finished(store, shard.finished, cut, policy.delete_rollouts, dry_run)
+            finished += done(FINISHED, shard.finished, outcome.entries)
+            spans, rollouts = spans + outcome.span_streams, rollouts + outcome.rollouts
+    if policy.limited and SAMPLES in policy.streams:
+        samples = await consumed(SAMPLES, keys.samples)
+
+    versions: list[str] = []
+    if policy.keep_versions is not None:
+        versions = await trim_weights(store, policy.keep_versions, policy.weights_dir, dry_run)
+        done(WEIGHTS, keys.weights("*"), len(versions))  # one line for every version's stream
+    resources = 0
+    if policy.resources:
+        resources = done(RESOURCES, keys.resources_log, await trim_resources_log(
+            store, policy.max_age_s, policy.max_count, now_ms, dry_run, doomed_versions=versions))
+    steps = 0
+    if policy.steps_max_count is not None:
+        steps = done(STEPS, keys.trainer_steps, await _trim_to_count(store, keys.trainer_steps,
+                                                                     policy.steps_max_count, dry_run))
+    dead = 0
+    if policy.dead_letters_max_age_s is not None:
+        cut = (max(0, now_ms - int(policy.dead_letters_max_age_s * 1000)), 0)
+        dead = done(DEAD_LETTERS, keys.dead_letters, await trim_below(redis, keys.dead_letters, cut, dry_run))
+
+    report = TrimReport(queue, finished, spans, rollouts, samples, resources, tuple(versions), steps, dead,
+                        dry_run, per_stream)
+    if report.total and not dry_run:
+        log.info("retention on experiment %s: %s", store.experiment, report.summary())
+    return report
 
 
-async def _consumed_cut(store: RedisStore, stream: str) -> StreamId | None:
-    if not await store.redis.exists(stream):
-        return None
-    groups = await store.redis.xinfo_groups(stream)
-    first_pending: dict[str, StreamId | None] = {}
-    for g in groups:
-        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-        summary = await store.redis.xpending(stream, name)
-        lowest = summary.get("min") if summary and summary.get("pending") else None
-        first_pending[name] = parse_id(lowest) if lowest else None
-    return consumed_below(groups, first_pending)
-
-
-async def _safe_cut(store: RedisStore, stream: str, policy: RetentionPolicy, now_ms: int) -> StreamId | None:
-    wanted = await _policy_cut(store, stream, policy, now_ms)
-    consumed = await _consumed_cut(store, stream)
-    if wanted is None or consumed is None:
-        return None
-    return min(wanted, consumed)
-
-
-async def trim(store: RedisStore, policy: RetentionPolicy) -> TrimReport:
-    """Apply the policy once. Safe to run from several processes; a crash midway loses nothing that
-    was not already consumed, and the next run finishes the job (every step is idempotent)."""
-    seconds, micros = await store.redis.time()
-    now_ms = seconds * 1000 + micros // 1000
-    keys = store.keys
-
-    queue_cut = await _safe_cut(store, keys.queue, policy, now_ms)
-    queue_trimmed = (
-        await store.redis.xtrim(keys.queue, minid=format_id(queue_cut), approximate=False) if queue_cut else 0
-    )
-
-    finished_trimmed = span_streams = rollouts = 0
-    cut = await _safe_cut(store, keys.finished, policy, now_ms)
-    if cut is not None:
-        start = "-"
-        while True:
-            batch = await store.redis.xrange(keys.finished, min=start, max=f"({format_id(cut)}", count=TRIM_BATCH)
-            if not batch:
-                break
-            rollout_ids = []
-            for _entry_id, fields in batch:
-                try:
-                    rollout_ids.append(RolloutFinished.from_wire(fields.get(b"m")).rollout_id)
-                except RecordError:  # holds no rollout to clean; trimmed all the same
-                    continue
-            span_streams += await _delete_rollout_data(store, rollout_ids, policy.delete_rollouts)
-            if policy.delete_rollouts:
-                rollouts += len(rollout_ids)
-            start = f"({batch[-1][0].decode()}"
-        # delete the data first, then the entries: a crash in between leaves entries to redo, never orphans
-        finished_trimmed = await store.redis.xtrim(keys.finished, minid=format_id(cut), approximate=False)
-    return TrimReport(queue_trimmed, finished_trimmed, span_streams, rollouts)
-
-
-async def _delete_rollout_data(store: RedisStore, rollout_ids: list[str], delete_rollouts: bool) -> int:
-    if not rollout_ids:
-        return 0
-    keys = store.keys
-    pipe = store.redis.pipeline(transaction=False)
-    for rid in rollout_ids:
-        pipe.exists(keys.spans(rid))
-        # UNLINK as a raw command: a cluster pipeline's unlink() runs at once instead of queueing
-        pipe.execute_command("UNLINK", keys.spans(rid), keys.span_ids(rid))
-    results = await pipe.execute()
-    deleted_streams = sum(int(x) for x in results[0::2])
-    if delete_rollouts:
-        rollouts = await store.get_rollouts(rollout_ids)
-        pipe = store.redis.pipeline(transaction=False)
-        for rid, rollout in zip(rollout_ids, rollouts, strict=True):
-            if rollout is None or rollout.status not in TERMINAL_ROLLOUT:
-                continue
-            attempts = [keys.attempt(k.attempt_id(rid, n)) for n in range(1, rollout.attempt_count + 1)]
-            pipe.execute_command("UNLINK", keys.rollout(rid), *attempts)
-            shard = keys.shard(rid)
-            pipe.zrem(shard.rollout_index, rid)
-            pipe.srem(shard.status(rollout.status), rid)
-        await pipe.execute()
-    return deleted_streams
+async def _trim_to_count(store: RedisStore, key: str, keep: int, dry_run: bool) -> int:
+    """Keep the newest ``keep`` entries of a stream no group reads."""
+    if dry_run:
+        return max(0, int(await store.redis.xlen(key)) - keep)
+    return int(await store.redis.xtrim(key, maxlen=keep, approximate=False))

@@ -1,7 +1,9 @@
-"""The watchdog: ends attempts that ran past their timeout or stopped heartbeating.
+"""The watchdog: ends attempts that ran past their timeout or stopped heartbeating, and, given a
+retention policy, trims the store by it every so often (`fulmen.store.retention`).
 
 Any number of processes may run it at once: each candidate is re-checked and transitioned inside one
-Lua script with the server's clock, so an attempt changes status exactly once whoever sees it first.
+Lua script with the server's clock, so an attempt changes status exactly once whoever sees it first;
+retention is idempotent, so two watchdogs trimming at once remove nothing more than one would.
 """
 
 from __future__ import annotations
@@ -11,10 +13,15 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
 
 from fulmen import keys as k
+from fulmen.errors import FulmenError
 from fulmen.records.status import AttemptStatus
 from fulmen.store.redis_store import RedisStore
+from fulmen.store.retention import RetentionPolicy, trim
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +50,26 @@ async def sweep(store: RedisStore, limit: int = SWEEP_LIMIT) -> Counter[str]:
 
 
 INTERVAL_S = 1.0  # between sweeps: an attempt is ended at most this long after its deadline
+RETENTION_INTERVAL_S = 300.0  # between retention passes, unless the schedule says otherwise
 
 
-async def run_watchdog(store: RedisStore, interval_s: float = INTERVAL_S, stop: asyncio.Event | None = None) -> None:
-    """Sweep every ``interval_s`` until ``stop`` is set."""
+@dataclass(frozen=True, slots=True)
+class RetentionSchedule:
+    """Trim by ``policy`` when the watchdog starts and every ``interval_s`` after."""
+
+    policy: RetentionPolicy
+    interval_s: float = RETENTION_INTERVAL_S
+
+
+async def run_watchdog(
+    store: RedisStore,
+    interval_s: float = INTERVAL_S,
+    stop: asyncio.Event | None = None,
+    retention: RetentionSchedule | None = None,
+) -> None:
+    """Sweep every ``interval_s`` until ``stop`` is set; with ``retention``, trim by its schedule."""
     stop = stop or asyncio.Event()
+    next_trim = time.monotonic()
     while not stop.is_set():
         started = time.monotonic()
         outcomes = await sweep(store)
@@ -56,5 +78,21 @@ async def run_watchdog(store: RedisStore, interval_s: float = INTERVAL_S, stop: 
             log.warning(
                 "watchdog ended %d attempts in %.3fs: %s", ended, time.monotonic() - started, dict(outcomes)
             )
+        if retention is not None and time.monotonic() >= next_trim:
+            await _retain(store, retention.policy)
+            next_trim = time.monotonic() + retention.interval_s
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+
+async def _retain(store: RedisStore, policy: RetentionPolicy) -> None:
+    """One retention pass. A failed pass is logged and tried again at the next one: the sweep, which
+    keeps rollouts moving, must not stop for it."""
+    started = time.monotonic()
+    try:
+        report = await trim(store, policy)
+    except (RedisError, FulmenError):
+        log.exception("retention pass failed on experiment %s; trying again at the next one", store.experiment)
+        return
+    if report.total:
+        log.info("retention pass took %.3fs", time.monotonic() - started)
