@@ -49,3 +49,32 @@ async def test_a_failing_service_stops_the_others_with_code_1() -> None:
 
     assert await dev.run_all({"runner": service, "trainer": broken, "algorithm": service}) == 1
     assert stopped == ["service", "service"]
+
+
+async def test_the_dev_watchdog_trims_by_the_retention_settings(
+    real_store, redis_url: str, experiment: str, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    """`fulmen dev`'s watchdog reads the same retention settings as `fulmen watchdog`: an
+    acknowledged finished entry goes, the unacknowledged one stays."""
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("FULMEN_EXPERIMENT", experiment)
+    monkeypatch.setenv("FULMEN_RETENTION_MAX_COUNT", "0")
+    store = real_store
+    await store.ensure_finished_group("adapter")
+    for rid in ("a", "b"):
+        await store.enqueue_rollout({}, rollout_id=rid)
+    for c in await store.dequeue_rollouts("w", 2):
+        await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
+    a, _ = await store.read_finished("adapter", "x", count=2)
+    await store.ack_finished("adapter", [a.entry_id])
+    stop = asyncio.Event()
+    task = asyncio.create_task(dev.watchdog(stop))
+    try:
+        for _ in range(500):
+            if int(await store.redis.xlen(store.keys.finished)) == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert int(await store.redis.xlen(store.keys.finished)) == 1
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)

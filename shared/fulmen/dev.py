@@ -145,17 +145,20 @@ async def run_all(services: dict[str, ServiceMain], ends_run: str = "algorithm")
 
 
 async def watchdog(stop: asyncio.Event) -> None:
-    """The watchdog's task (it lives in `fulmen`, as its command does)."""
+    """The watchdog's task (it lives in `fulmen`, as its command does), with the same retention
+    settings as `fulmen watchdog` (a bad one stops `fulmen dev` with its message)."""
+    from fulmen import trim_cli
     from fulmen.ops_http import start_ops
-    from fulmen.settings import load_settings
+    from fulmen.settings import WatchdogSettings, load_settings
     from fulmen.store import run_watchdog
     from fulmen.store.watchdog import INTERVAL_S
 
-    settings = load_settings(CommonSettings)
+    settings = load_settings(WatchdogSettings)
+    retention = trim_cli.retention_schedule(settings)
     store = await open_store(settings)
     try:
         with start_ops(settings, "watchdog"):
-            await run_watchdog(store, INTERVAL_S, stop)
+            await run_watchdog(store, INTERVAL_S, stop, retention)
     finally:
         await store.redis.aclose()
 
