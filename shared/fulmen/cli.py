@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fulmen import inspect_cli
 from fulmen.connection import redact
-from fulmen.records.status import RolloutMode
+from fulmen.records.status import Priority, RolloutMode
 from fulmen.service_cli import ExperimentOpt, err, flag, out, run_on_store, settings_from_flags
 from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore, run_watchdog
@@ -96,6 +96,13 @@ def push(
         float | None, typer.Option(help="An attempt silent this long is unresponsive.")
     ] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Rollouts per round trip.")] = PUSH_BATCH,
+    priority: Annotated[
+        Priority | None,
+        typer.Option(help="Queue lane: urgent, normal or low (default: urgent for --mode val, else normal)."),
+    ] = None,
+    priority_field: Annotated[
+        str, typer.Option(help="Task field that sets a line's own priority over --priority. '' for none.")
+    ] = "",
 ) -> None:
     """Queue every task of a JSON-lines file as a rollout.
 
@@ -107,6 +114,7 @@ def push(
     defaults: dict[str, Any] = {
         "mode": mode,
         "resources_id": resources_id,
+        "priority": priority,
         "config": {
             "max_attempts": max_attempts,
             "retry_condition": retry_on or [],
@@ -131,7 +139,8 @@ def push(
         await store.ensure()
         bad: list[BadLine] = []
         created = existed = 0
-        items = parse_tasks(stream, store, id_field=id_field or None, defaults=defaults, strict=strict)
+        items = parse_tasks(stream, store, id_field=id_field or None, defaults=defaults, strict=strict,
+                            priority_field=priority_field or None)
         if strict:
             items = list(items)  # validate everything before queuing anything
             bad = [x for x in items if isinstance(x, BadLine)]
