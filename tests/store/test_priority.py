@@ -19,6 +19,7 @@ from fulmen.records import Priority
 from fulmen.records.status import RolloutMode, RolloutStatus
 from fulmen.store import RedisStore, sweep
 from fulmen.store.claim_script import CLAIM_CYCLE
+from fulmen.store.experiments import delete_experiment
 
 URGENT_BOUND = 2  # entries delivered from the urgent rollout's shard (the queue module's docstring)
 DEADLINE_S = 0.3  # the watchdog test's deadline, with a sleep well past it (server clock)
@@ -112,6 +113,33 @@ async def test_blocked_claim_wakes_for_an_urgent_rollout(store: RedisStore) -> N
     await _fill(store, "urgent", 1)
     claimed = await waiter  # [] if the blocking read had not looked at the urgent lane
     assert [c.rollout.rollout_id for c in claimed] == ["urgent-000"]
+
+
+async def test_entries_beyond_the_count_are_held_for_the_next_claim(store: RedisStore) -> None:
+    """A blocking read answered by two lanes at once delivers more than asked: the urgent entry is
+    claimed now, the other on the next claim, and none is left pending."""
+    await store.ensure()
+    await _fill(store, "low", 1)
+    await _fill(store, "urgent", 1)
+    entries = await store.queue._read_lanes(0, "w1", 1, None)
+    assert [(lane, item[0]) for lane, _, item in entries] == [(0, "urgent-000")]
+    first = await store.queue._claim_entries(0, "w1", entries)
+    second = await store.dequeue_rollouts("w1", 5)
+    assert [c.rollout.rollout_id for c in first + second] == ["urgent-000", "low-000"]
+    for queue in store.keys.shards[0].queues:
+        assert (await store.redis.xpending(queue, k.RUNNERS_GROUP))["pending"] == 0
+
+
+async def test_lanes_recover_after_the_experiment_is_deleted(store: RedisStore) -> None:
+    """Deleted under a running store (its groups gone), the experiment's lanes work again: a low and
+    an urgent rollout queued afterwards are both claimed, urgent first."""
+    await _fill(store, "normal", 1)
+    assert len(await store.dequeue_rollouts("w1", 1)) == 1
+    await delete_experiment(store.redis, store.experiment)
+    await _fill(store, "low", 1)
+    await _fill(store, "urgent", 1)
+    claimed = await store.dequeue_rollouts("w1", 2) or await store.dequeue_rollouts("w1", 2)
+    assert [c.rollout.rollout_id for c in claimed] == ["urgent-000", "low-000"]
 
 
 async def test_requeue_keeps_the_priority(store: RedisStore) -> None:
