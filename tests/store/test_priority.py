@@ -15,7 +15,7 @@ from redis_cluster import EmbeddedCluster
 from fulmen import keys as k
 from fulmen.connection import async_client
 from fulmen.errors import InvalidInput
-from fulmen.records import Priority
+from fulmen.records import Priority, QueueEntry
 from fulmen.records.status import RolloutMode, RolloutStatus
 from fulmen.store import RedisStore, sweep
 from fulmen.store.claim_script import CLAIM_CYCLE
@@ -140,6 +140,18 @@ async def test_lanes_recover_after_the_experiment_is_deleted(store: RedisStore) 
     await _fill(store, "urgent", 1)
     claimed = await store.dequeue_rollouts("w1", 2) or await store.dequeue_rollouts("w1", 2)
     assert [c.rollout.rollout_id for c in claimed] == ["urgent-000", "low-000"]
+
+
+async def test_a_poison_entry_on_a_lane_is_dead_lettered_and_leaves_it(store: RedisStore) -> None:
+    """An urgent-lane entry whose rollout does not exist goes to the dead letters and off the lane,
+    so the lane is empty again (and the claim back to reading the normal lane alone)."""
+    await store.ensure()
+    urgent = store.keys.shards[0].lane_queue("urgent")
+    ghost = (await store.redis.xadd(urgent, {"m": QueueEntry("ghost").to_wire()})).decode()
+    assert await store.dequeue_rollouts("w1", 1) == []
+    [letter] = await store.query_dead_letters()
+    assert (letter.source, letter.entry_id) == (urgent, ghost)
+    assert await store.redis.xlen(urgent) == 0
 
 
 async def test_requeue_keeps_the_priority(store: RedisStore) -> None:

@@ -238,7 +238,7 @@ class Queue:
                 try:
                     leftover.append((lane, entry_id, _decode(entry_id, fields)))
                 except RecordError as e:
-                    await self.lanes[shard][lane].dead_letter(entry_id, str(e), fields)
+                    await self._dead_letter(shard, lane, entry_id, str(e), fields)
             claimed += await self._claim_entries(shard, worker_id, leftover)
         return claimed, int(reply[2])
 
@@ -280,7 +280,13 @@ class Queue:
                 if code == "ok":
                     claimed.append(attempted(result))
                 elif code == "missing":
-                    await self.lanes[shard][lane].dead_letter(
-                        entry_id, f"rollout {rollout_id} does not exist", fields
-                    )
+                    await self._dead_letter(shard, lane, entry_id, f"rollout {rollout_id} does not exist", fields)
         return claimed
+
+    async def _dead_letter(self, shard: int, lane: int, entry_id: str, reason: str, fields: Fields) -> None:
+        """Dead-letter an entry; off the normal lane it is deleted too, as a claimed one is, so the
+        lane's length stays what waits there (CLAIM_NEXT reads the normal lane alone when it is 0)."""
+        stream = self.lanes[shard][lane]
+        await stream.dead_letter(entry_id, reason, fields)
+        if lane != NORMAL:
+            await self.ctx.redis.xdel(stream.key, entry_id)
