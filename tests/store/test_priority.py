@@ -20,6 +20,7 @@ from fulmen.records.status import RolloutMode, RolloutStatus
 from fulmen.store import RedisStore, sweep
 from fulmen.store.claim_script import CLAIM_CYCLE
 from fulmen.store.experiments import delete_experiment
+from fulmen.store.statistics import aread_snapshot
 
 URGENT_BOUND = 2  # entries delivered from the urgent rollout's shard (the queue module's docstring)
 DEADLINE_S = 0.3  # the watchdog test's deadline, with a sleep well past it (server clock)
@@ -52,6 +53,9 @@ async def test_priority_on_enqueue_and_its_default(store: RedisStore) -> None:
     stored = await store.enqueue_rollout("x", rollout_id="r1", priority="low")
     assert stored.priority is Priority.LOW
     assert [await store.redis.xlen(q) for q in store.keys.shard("r1").queues] == [0, 0, 1]
+    snap = await aread_snapshot(store.redis, store.keys)  # what status, top and the metrics show
+    assert (snap.queue_depth, snap.stream_lengths["queue"]) == (1, 1)
+    assert snap.groups[("queue", k.RUNNERS_GROUP)].lag_entries in (None, 1)  # Redis 7 counts it
 
 
 async def test_urgent_pushed_last_is_claimed_within_the_bound(store: RedisStore) -> None:
