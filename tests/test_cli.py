@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -17,7 +18,9 @@ from typer.testing import CliRunner
 
 from fulmen import cli
 from fulmen.cli import app
+from fulmen.connection import async_client
 from fulmen.embedded import free_port, wait_for_port
+from fulmen.store import RedisStore
 
 runner = CliRunner()
 
@@ -103,6 +106,29 @@ def test_push_refuses_oversize_and_bad_config(env: dict[str, str], tmp_path: Pat
     assert "queued 1" in result.stdout
     bad = runner.invoke(app, ["push", str(path), "--retry-on", "sometimes"])
     assert bad.exit_code == 1 and "retry_condition" in bad.stderr
+
+
+def test_push_priority_and_its_validation(env: dict[str, str], tmp_path: Path) -> None:
+    """--priority sets the lane of every task; --priority-field lets a line name its own, and a line
+    naming an unknown one is skipped with its number; an unknown --priority refuses the push."""
+    path = _tasks(tmp_path, ['{"id": "a", "p": "urgent"}', '{"id": "b", "p": "asap"}', '{"id": "c"}',
+                             '{"id": "d", "p": 3}'])
+    bad = runner.invoke(app, ["push", str(path), "--priority", "asap"])
+    assert bad.exit_code == 2 and "--priority" in bad.output and "asap" in bad.output
+    result = runner.invoke(app, ["push", str(path), "--priority", "low", "--priority-field", "p"])
+    assert result.exit_code == 0, result.output
+    assert "line 2: priority 'asap' unknown; use urgent, normal, low (skipped)" in result.stderr
+    assert "line 4: priority 3 unknown" in result.stderr
+    assert "queued 2" in result.stdout
+
+    async def lanes() -> dict[str, str]:
+        store = RedisStore(async_client(env["REDIS_URL"]), env["FULMEN_EXPERIMENT"])
+        try:
+            return {r.rollout_id: r.priority.value for r in await store.query_rollouts()}
+        finally:
+            await store.aclose()
+
+    assert asyncio.run(lanes()) == {"a": "urgent", "c": "low"}
 
 
 def test_push_missing_file(env: dict[str, str]) -> None:

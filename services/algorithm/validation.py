@@ -20,7 +20,7 @@ from fulmen import semconv
 from fulmen.errors import NotFound
 from fulmen.model_versions import POLICY_RESOURCES_ID
 from fulmen.records import ResourcesUpdate, RolloutConfig
-from fulmen.records.status import RolloutMode, RolloutStatus
+from fulmen.records.status import Priority, RolloutMode, RolloutStatus
 from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task, load_tasks, task_id
 from fulmen_algorithm.scheduler import recoverable_rollout_config
@@ -69,7 +69,7 @@ async def validate(
     config = config or recoverable_rollout_config()
     rollouts = [
         store.new_rollout(t, rollout_id=f"val-{label}-{task_id(t)}", mode=RolloutMode.VAL, resources_id=RESOURCES_ID,
-                          config=config)
+                          config=config, priority=Priority.URGENT)  # a training step waits on its result
         for t in tasks
     ]
     await store.enqueue_rollouts(rollouts)  # idempotent: a retried job does not run a task twice

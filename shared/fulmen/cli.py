@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fulmen import inspect_cli, trim_cli
 from fulmen.connection import redact
 from fulmen.errors import InvalidInput
-from fulmen.records.status import RolloutMode
+from fulmen.records.status import Priority, RolloutMode
 from fulmen.service_cli import (
     ExperimentOpt,
     err,
@@ -104,6 +104,13 @@ def push(
         float | None, typer.Option(help="An attempt silent this long is unresponsive.")
     ] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Rollouts per round trip.")] = PUSH_BATCH,
+    priority: Annotated[
+        Priority | None,
+        typer.Option(help="Queue lane: urgent, normal or low (default: urgent for --mode val, else normal)."),
+    ] = None,
+    priority_field: Annotated[
+        str, typer.Option(help="Task field that sets a line's own priority over --priority. '' for none.")
+    ] = "",
 ) -> None:
     """Queue every task of a JSON-lines file as a rollout.
 
@@ -115,6 +122,7 @@ def push(
     defaults: dict[str, Any] = {
         "mode": mode,
         "resources_id": resources_id,
+        "priority": priority,
         "config": {
             "max_attempts": max_attempts,
             "retry_condition": retry_on or [],
@@ -139,7 +147,8 @@ def push(
         await store.ensure()
         bad: list[BadLine] = []
         created = existed = 0
-        items = parse_tasks(stream, store, id_field=id_field or None, defaults=defaults, strict=strict)
+        items = parse_tasks(stream, store, id_field=id_field or None, defaults=defaults, strict=strict,
+                            priority_field=priority_field or None)
         if strict:
             items = list(items)  # validate everything before queuing anything
             bad = [x for x in items if isinstance(x, BadLine)]

@@ -40,7 +40,7 @@ SPANS = "spans:"  # stream: one rollout's spans, entry id "<sequence_id>-0"
 SPAN_IDS = "spanids:"  # set: "<attempt_id>/<span_id>" already stored for one rollout (dedupe)
 STATUS = "status:"  # set: rollout ids currently in one status
 RESOURCES = "resources:"  # hash: version -> resources record, for one resources id
-QUEUE = "queue"  # stream: rollouts waiting for a runner
+QUEUE = "queue"  # stream: rollouts waiting for a runner (the normal lane; see LANES)
 FINISHED = "finished"  # stream: rollouts that reached a terminal status, once each
 DEAD_LETTERS = "dead"  # stream: poison messages, with the reason
 ROLLOUT_INDEX = "rollouts"  # zset: rollout id -> enqueue time
@@ -71,7 +71,15 @@ TRAINER_STEPS = "trainer:steps"  # stream, capped: the leader's per-step summary
 TRAINER_UNTRAINED = "trainer:untrained"  # set: group keys the trainer took without a step (dropped, skipped)
 SERVICES = "services"  # hash: process id -> service heartbeat record (every long-running service)
 
-RUNNERS_GROUP = "runners"  # consumer group on QUEUE
+# Priority lanes, highest first: each is a queue stream of its own in every shard (the normal lane
+# is QUEUE itself, so an experiment that never uses the others is exactly what it was). The claim
+# rule across lanes is `fulmen.store.queue`'s.
+LANES = ("urgent", "normal", "low")
+DEFAULT_LANE = "normal"
+LANE_QUEUES = {"urgent": QUEUE + ":urgent", "normal": QUEUE, "low": QUEUE + ":low"}  # lane -> suffix
+QUEUE_TURN = QUEUE + ":turn"  # string: the position of the claim rule's cycle in one shard
+
+RUNNERS_GROUP = "runners"  # consumer group on every lane's queue stream
 ADAPTER_GROUP = "adapter"  # consumer group on FINISHED
 TRAINERS_GROUP = "trainers"  # consumer group on SAMPLES
 ALGORITHM_GROUP = "algorithm"  # consumer group on FINISHED
@@ -145,11 +153,16 @@ def shard_of(rollout_id: str, shards: int) -> int:
 class ShardKeys:
     """The keys of one shard of an experiment's rollout lifecycle."""
 
-    __slots__ = ("finished", "index", "prefix", "queue", "rollout_index", "watch_deadline", "watch_heartbeat")
+    __slots__ = (
+        "finished", "index", "prefix", "queue", "queues", "rollout_index", "watch_deadline", "watch_heartbeat",
+    )
 
     def __init__(self, prefix: str, index: int) -> None:
         self.prefix, self.index = prefix, index
-        self.queue = prefix + QUEUE
+        self.queue = prefix + QUEUE  # the normal lane
+        # Every queue stream of the shard, one per lane in LANES order (urgent, normal, low): the one
+        # list that claims, counts and retention loop over.
+        self.queues = tuple(prefix + LANE_QUEUES[lane] for lane in LANES)
         self.finished = prefix + FINISHED
         self.rollout_index = prefix + ROLLOUT_INDEX
         self.watch_heartbeat = prefix + WATCH_HEARTBEAT
@@ -158,10 +171,9 @@ class ShardKeys:
     def status(self, status: str) -> str:
         return self.prefix + STATUS + status
 
-    def queue_streams(self) -> tuple[str, ...]:
-        """Every queue stream of this shard, the one list of them (retention trims each; a new
-        queue stream of the shard, such as a priority lane, is added here)."""
-        return (self.queue,)
+    def lane_queue(self, lane: str) -> str:
+        """The queue stream of one priority lane in this shard."""
+        return self.prefix + LANE_QUEUES[lane]
 
 
 class Keys:

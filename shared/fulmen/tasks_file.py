@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from fulmen.errors import FulmenError
-from fulmen.records import Rollout
+from fulmen.records import Priority, Rollout
 from fulmen.store import RedisStore
 from fulmen.tasks import is_finite, own_id, parse_task_lines, task_id
 
@@ -41,13 +41,15 @@ NON_FINITE = "holds NaN or Infinity, which JSON does not allow"
 
 def parse_tasks(
     stream: IO[str] | IO[bytes], store: RedisStore, *, id_field: str | None, defaults: dict[str, Any],
-    strict: bool = False,
+    strict: bool = False, priority_field: str | None = None,
 ) -> Iterator[Rollout | BadLine | LineNote]:
     """One result per non-blank line: a validated rollout request, or why the line cannot be one.
 
     A line is a JSON object, the task given to the agent as the rollout's input. Its rollout id is
     its `task_id` (the value of ``id_field`` if the task has one, else a hash of its content; the n-th
-    copy of the same content gets its own): either way, pushing the same file twice enqueues nothing new."""
+    copy of the same content gets its own): either way, pushing the same file twice enqueues nothing new.
+    ``priority_field``: a task with this field is queued in the lane it names (urgent, normal, low; any
+    other value is a bad line), over the ``priority`` of ``defaults``."""
     seen: Counter[str] = Counter()
     first_line: dict[str, int] = {}  # own id -> the line that gave it first
     for number, task in parse_task_lines(stream):
@@ -70,7 +72,10 @@ def parse_tasks(
             elif rollout_id in first_line:
                 yield BadLine(number, f"duplicate id {rollout_id!r} (first on line {first_line[rollout_id]})")
                 continue
-            rollout = store.new_rollout(task, rollout_id=rollout_id, **defaults)
+            options = defaults
+            if priority_field and priority_field in task:
+                options = {**defaults, "priority": Priority.parse(task[priority_field])}
+            rollout = store.new_rollout(task, rollout_id=rollout_id, **options)
             rollout.to_hash(store.max_record_bytes)  # size check now, not halfway through the push
         except _ENCODING_ERRORS as e:
             yield BadLine(number, _reason(e))

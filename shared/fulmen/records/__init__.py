@@ -9,7 +9,7 @@ One module per area, every record importable from here:
 
     rollouts   RolloutConfig, Rollout, Attempt, AttemptedRollout (hashes)
     spans      Span, SpanView
-    status     RolloutStatus, AttemptStatus, RolloutMode and their transition table
+    status     RolloutStatus, AttemptStatus, RolloutMode, Priority and their transition table
     messages   QueueEntry, RolloutFinished, DeadLetter, ResourcesUpdate, Worker, ProxyEndpoint, WeightsChunk
     samples    Sample, SampleSkip, pack_sample, RolloutForSamples (a finished rollout as the adapter reads it)
     ranks      GradientChunk, GradientHeader, RankPlan
@@ -35,7 +35,7 @@ from fulmen.records.ranks import GradientChunk, GradientHeader, RankPlan
 from fulmen.records.rollouts import Attempt, AttemptedRollout, Rollout, RolloutConfig
 from fulmen.records.samples import RolloutForSamples, Sample, SampleSkip, pack_sample
 from fulmen.records.spans import Span, SpanView
-from fulmen.records.status import AttemptStatus, RolloutMode, RolloutStatus
+from fulmen.records.status import AttemptStatus, Priority, RolloutMode, RolloutStatus
 
 __all__ = [
     "Attempt",
@@ -46,6 +46,7 @@ __all__ = [
     "DeadLetter",
     "GradientChunk",
     "GradientHeader",
+    "Priority",
     "ProxyEndpoint",
     "QueueEntry",
     "RankPlan",

@@ -15,7 +15,7 @@ from fulmen.codec import (
     unpack,
 )
 from fulmen.errors import InvalidInput
-from fulmen.records.status import RETRYABLE_ATTEMPT, AttemptStatus, RolloutMode, RolloutStatus
+from fulmen.records.status import RETRYABLE_ATTEMPT, AttemptStatus, Priority, RolloutMode, RolloutStatus
 
 
 def _s(raw: Mapping[bytes, bytes], name: str) -> str:
@@ -109,6 +109,7 @@ class Rollout:
     attempt_count: int = 0  # sequence number of the latest attempt
     attempt_id: str | None = None  # the latest attempt, which drives the status
     reward: float | None = None  # the final reward of the attempt that ended it, as its runner reported
+    priority: Priority = Priority.NORMAL  # its queue lane, kept when it is queued again
 
     def to_hash(self, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> dict[str, Any]:
         c = self.config
@@ -130,6 +131,7 @@ class Rollout:
             "attempt_n": self.attempt_count,
             "attempt_id": self.attempt_id or "",
             "reward": _opt(self.reward),
+            "priority": self.priority.value,
         }
 
     @classmethod
@@ -156,6 +158,7 @@ class Rollout:
             attempt_count=_i(raw, "attempt_n"),
             attempt_id=_s(raw, "attempt_id") or None,
             reward=_f(raw, "reward"),
+            priority=Priority(_s(raw, "priority") or Priority.NORMAL),  # stored before lanes: normal
         )
 
 

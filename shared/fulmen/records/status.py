@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
 
+from fulmen.errors import InvalidInput
+
 
 class RolloutStatus(StrEnum):
     QUEUING = "queuing"
@@ -39,6 +41,24 @@ class RolloutMode(StrEnum):
     TRAIN = "train"
     VAL = "val"
     TEST = "test"
+
+
+class Priority(StrEnum):
+    """A rollout's priority lane (`fulmen.keys.LANES`, highest first; the claim rule is
+    `fulmen.store.queue`'s). Validation rollouts are urgent unless told otherwise, the rest normal."""
+
+    URGENT = "urgent"
+    NORMAL = "normal"
+    LOW = "low"
+
+    @classmethod
+    def parse(cls, value: object) -> Priority:
+        """A priority from its name; anything else is `InvalidInput` naming the lanes."""
+        try:
+            return cls(value)
+        except ValueError:
+            lanes = ", ".join(p.value for p in cls)
+            raise InvalidInput(f"priority {value!r} unknown; use {lanes}") from None
 
 
 R, A = RolloutStatus, AttemptStatus

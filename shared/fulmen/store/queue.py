@@ -1,17 +1,34 @@
 """Claiming rollouts from the queue: the runners' consumer group, each claim one round trip.
 
-The claim script (`scripts.CLAIM_NEXT`) reads new entries with XREADGROUP inside Lua and begins an
-attempt for each, acknowledging the entry in the same step, so an entry is pending only between
+The claim script (`claim_script.CLAIM_NEXT`) reads new entries with XREADGROUP inside Lua and begins
+an attempt for each, acknowledging the entry in the same step, so an entry is pending only between
 delivery and claim when the queue is read outside the script (the blocking read of an empty queue).
 Entries delivered to a consumer that died in that window are taken over with XAUTOCLAIM
 (`Stream.reclaim`). A claimed attempt that stops heartbeating is the watchdog's
 (`fulmen.store.watchdog`), which requeues or fails it.
+
+Priority lanes. A rollout's priority (`Priority`: urgent, normal, low) picks its lane, one queue
+stream per lane in each shard (`ShardKeys.queues`); a requeued rollout (a retry, the watchdog, a
+released attempt) goes back to its own lane. The claim rule, per shard: the entries a shard's queues
+deliver are numbered in a cycle of 8 (the counter lives in the shard, so all runners share it);
+position 3 tries the normal lane first, position 7 the low lane first, every other position the urgent
+lane first; a lane with nothing waiting passes the turn on, urgent before normal before low
+(`claim_script.CLAIM_ORDER`). So, counted in entries delivered from one shard:
+- an urgent rollout with no other urgent one waiting is among the next 2 delivered, however deep the
+  other lanes are (at most one normal- or low-first position comes before an urgent-first one);
+- while the low lane has entries, at least 1 in every 8 delivered is low, and while the normal lane
+  has entries at least 1 in 8 is normal, even under a flood of urgent ones (no lane starves);
+- with every lane full the shares are urgent 6/8, normal 1/8, low 1/8; with no urgent ones, normal
+  7/8 and low 1/8.
+A runner claiming one at a time visits the S shards in turn (below), so with all shards busy an
+urgent rollout is claimed within its next 2·S claims. While only the normal lane holds entries (the
+urgent and low lanes are empty: their claimed entries are deleted) the claim reads the normal lane
+alone, exactly as before lanes: one round trip, no counter written.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -20,9 +37,10 @@ from fulmen import keys as k
 from fulmen.errors import InvalidInput, RecordError
 from fulmen.records import AttemptedRollout, QueueEntry
 from fulmen.store import scripts
+from fulmen.store.claim_script import CLAIM_NEXT
 from fulmen.store.context import StoreContext
 from fulmen.store.rollouts import attempted, pairs
-from fulmen.store.stream import Fields
+from fulmen.store.stream import Fields, block_ms, entry_id_text
 
 # A queue entry is pending only between delivery and claim (milliseconds), so one idle this long
 # belongs to a consumer that died in between.
@@ -32,6 +50,8 @@ DEFAULT_RECLAIM_IDLE_S = 10.0
 SHARD_BLOCK_S = 0.05
 
 QueueItem = tuple[str, Fields]  # the rollout id, and the raw fields for a dead letter
+LaneEntry = tuple[int, str, QueueItem]  # the lane (index in `keys.LANES`), the entry id, the item
+NORMAL = k.LANES.index(k.DEFAULT_LANE)
 
 
 def _decode(entry_id: str, fields: Fields) -> QueueItem:
@@ -39,21 +59,27 @@ def _decode(entry_id: str, fields: Fields) -> QueueItem:
 
 
 class Queue:
-    """Part of the store: the runners' side of the rollout queue, one stream per shard.
+    """Part of the store: the runners' side of the rollout queue, one stream per lane and shard.
 
-    With several shards a claim tries each shard's queue in turn, from a start shard that moves on by
-    one each call (so no shard starves: each is first once every S calls); only when every queue is
-    empty does it block, on one shard at a time for at most `SHARD_BLOCK_S`, in the same rotation.
-    One shard (the default) claims exactly as before: one round trip, then one blocking read."""
+    With several shards a claim tries each shard's queues in turn, from a start shard that moves on
+    by one each call (so no shard starves: each is first once every S calls); only when every queue
+    is empty does it block, on one shard's lanes at a time for at most `SHARD_BLOCK_S`, in the same
+    rotation. One shard (the default) claims as before lanes: one round trip, then one blocking read
+    (of all its lanes at once)."""
 
     def __init__(self, ctx: StoreContext, reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S) -> None:
         self.ctx = ctx
-        self.streams = [ctx.stream(shard.queue, _decode, group=k.RUNNERS_GROUP) for shard in ctx.keys.shards]
-        self.stream = self.streams[0]
+        # lanes[shard][lane]: every queue stream, in `keys.LANES` order
+        self.lanes = [
+            [ctx.stream(key, _decode, group=k.RUNNERS_GROUP) for key in shard.queues] for shard in ctx.keys.shards
+        ]
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
-        self._next_reclaim = [0.0] * len(self.streams)
+        self._next_reclaim = [0.0] * len(self.lanes)
         self._next_shard = 0
-        self._claim = ctx.script(scripts.CLAIM_NEXT)
+        # Entries a blocking read delivered beyond the count asked for (several lanes answered at
+        # once), per shard: pending on this process's consumers, claimed first by the next call.
+        self._held: list[list[LaneEntry]] = [[] for _ in self.lanes]
+        self._claim = ctx.script(CLAIM_NEXT)
         self._begin = ctx.script(scripts.BEGIN_ATTEMPTS)
         self._shards_checked = False
 
@@ -61,11 +87,12 @@ class Queue:
         """Create the runners' groups and register the experiment (once per store; idempotent)."""
         if not self._shards_checked:
             await self._check_shards()
-        if not all(stream.group_ready for stream in self.streams):
+        if not all(stream.group_ready for lanes in self.lanes for stream in lanes):
             await self.ctx.register_experiment()
-            for stream in self.streams:
-                if not stream.group_ready:
-                    await stream.ensure_group()
+            for lanes in self.lanes:
+                for stream in lanes:
+                    if not stream.group_ready:
+                        await stream.ensure_group()
 
     async def _check_shards(self) -> None:
         """The experiment's shard count is written once; a process configured with another one would
@@ -85,17 +112,18 @@ class Queue:
     async def dequeue_rollouts(
         self, worker_id: str, count: int = 1, block_s: float | None = None
     ) -> list[AttemptedRollout]:
-        """Claim up to ``count`` queued rollouts for ``worker_id``, each with a new attempt.
+        """Claim up to ``count`` queued rollouts for ``worker_id``, each with a new attempt, higher
+        lanes first under the claim rule (module docstring).
 
         Blocks up to ``block_s`` seconds for work (None: return at once). Each rollout is claimed by
         exactly one worker; poison entries go to the dead-letter stream on the way.
         """
         await self.ensure()
         deadline = None if block_s is None else time.monotonic() + block_s
-        if len(self.streams) > 1:
+        if len(self.lanes) > 1:
             return await self._dequeue_sharded(worker_id, count, deadline)
         while True:
-            entries = await self._reclaim(0, worker_id, count)
+            entries = self._take_held(0, count) or await self._reclaim(0, worker_id, count)
             if not entries:
                 # Read and claim in one round trip; only an empty queue goes on to the blocking read.
                 read = await self._claim_next(0, worker_id, count)
@@ -108,13 +136,13 @@ class Queue:
                     if deadline is None or time.monotonic() >= deadline:
                         return []
                 remaining_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-                entries = await self.stream.read(worker_id, count, remaining_s)
+                entries = await self._read_lanes(0, worker_id, count, remaining_s)
             claimed = await self._claim_entries(0, worker_id, entries)
             if claimed or not entries or (deadline is not None and time.monotonic() >= deadline):
                 return claimed
 
     async def _dequeue_sharded(self, worker_id: str, count: int, deadline: float | None) -> list[AttemptedRollout]:
-        shards = len(self.streams)
+        shards = len(self.lanes)
         start = self._next_shard
         self._next_shard = (start + 1) % shards
         while True:
@@ -122,7 +150,9 @@ class Queue:
             claimed: list[AttemptedRollout] = []
             for step in range(shards):  # fill up to count from the shards in turn
                 i = (start + step) % shards
-                claimed += await self._claim_entries(i, worker_id, await self._reclaim(i, worker_id, count - len(claimed)))
+                want = count - len(claimed)
+                entries = self._take_held(i, want) or await self._reclaim(i, worker_id, want)
+                claimed += await self._claim_entries(i, worker_id, entries)
                 if len(claimed) >= count:
                     return claimed
                 read = await self._claim_next(i, worker_id, count - len(claimed))
@@ -139,7 +169,7 @@ class Queue:
             if deadline is None or time.monotonic() >= deadline:
                 return []
             remaining_s = max(0.0, deadline - time.monotonic())
-            entries = await self.streams[start].read(worker_id, count, min(remaining_s, SHARD_BLOCK_S))
+            entries = await self._read_lanes(start, worker_id, count, min(remaining_s, SHARD_BLOCK_S))
             claimed = await self._claim_entries(start, worker_id, entries)
             if claimed:
                 return claimed
@@ -149,64 +179,114 @@ class Queue:
         claimed = await self.dequeue_rollouts(worker_id, 1, block_s)
         return claimed[0] if claimed else None
 
+    def _take_held(self, shard: int, count: int) -> list[LaneEntry]:
+        held = self._held[shard]
+        if not held:
+            return []
+        taken, self._held[shard] = held[:count], held[count:]
+        return taken
+
+    async def _recover(self, shard: int, error: ResponseError) -> None:
+        """A read of the shard's queues failed: if a group is gone (the experiment was deleted under
+        us), create every lane's group again and go on; else raise ``error``."""
+        if "NOGROUP" not in str(error):
+            raise error
+        for stream in self.lanes[shard]:
+            await stream.recover(error)
+        self.ctx.forget_registration()
+        await self.ctx.register_experiment()
+
+    async def _read_lanes(
+        self, shard: int, worker_id: str, count: int, block_s: float | None
+    ) -> list[LaneEntry]:
+        """New entries of the shard's lanes, blocking up to ``block_s`` for one (one XREADGROUP over
+        all lanes: they share the shard's slot). At most ``count`` come back, highest lane first; the
+        rest (several lanes answered at once) are held for the next call."""
+        lanes = self.lanes[shard]
+        streams = {stream.key: ">" for stream in lanes}
+        block = block_ms(block_s)
+        try:
+            reply = await self.ctx.redis.xreadgroup(k.RUNNERS_GROUP, worker_id, streams, count=count, block=block)
+        except ResponseError as e:
+            await self._recover(shard, e)
+            reply = await self.ctx.redis.xreadgroup(k.RUNNERS_GROUP, worker_id, streams, count=count, block=block)
+        by_key = {entry_id_text(key): entries for key, entries in reply or []}
+        out: list[LaneEntry] = []
+        for lane, stream in enumerate(lanes):
+            for entry_id, item in await stream.decode_entries(by_key.get(stream.key, [])):
+                out.append((lane, entry_id, item))
+        self._held[shard] += out[count:]
+        return out[:count]
+
     async def _claim_next(
         self, shard: int, worker_id: str, count: int
     ) -> tuple[list[AttemptedRollout], int] | None:
-        """Read and claim up to ``count`` new entries of a shard's queue in one round trip
+        """Read and claim up to ``count`` new entries of a shard's queues in one round trip
         (CLAIM_NEXT); entries it could not claim go through `_claim_entries`, which dead-letters
-        them. Returns the claimed rollouts and how many entries were read, or None if the group had
-        to be created again."""
-        stream = self.streams[shard]
+        them. Returns the claimed rollouts and how many entries were read, or None if a group had to
+        be created again."""
         try:
             reply = await self.ctx.pipeline.submit(self._claim, [self.ctx.keys.shards[shard].prefix, worker_id, count])
         except ResponseError as e:
-            await stream.recover(e)  # the experiment was deleted under us: go on with a new group
-            self.ctx.forget_registration()
-            await self.ctx.register_experiment()
+            await self._recover(shard, e)
             return None
         claimed = [attempted(r) for r in reply[0]]
         if reply[1]:
-            leftover = []
-            for raw_id, flat in reply[1]:
-                entry_id = raw_id.decode()
-                fields = pairs(flat)
+            leftover: list[LaneEntry] = []
+            for lua_lane, raw_id, flat in reply[1]:
+                lane, entry_id, fields = int(lua_lane) - 1, raw_id.decode(), pairs(flat)
                 try:
-                    leftover.append((entry_id, _decode(entry_id, fields)))
+                    leftover.append((lane, entry_id, _decode(entry_id, fields)))
                 except RecordError as e:
-                    await stream.dead_letter(entry_id, str(e), fields)
+                    await self._dead_letter(shard, lane, entry_id, str(e), fields)
             claimed += await self._claim_entries(shard, worker_id, leftover)
         return claimed, int(reply[2])
 
-    async def _reclaim(self, shard: int, worker_id: str, count: int) -> list[tuple[str, QueueItem]]:
+    async def _reclaim(self, shard: int, worker_id: str, count: int) -> list[LaneEntry]:
         """Entries a dead runner left pending, at most every half idle period (XAUTOCLAIM is a round
-        trip, and nothing can have gone idle sooner)."""
+        trip per lane, and nothing can have gone idle sooner)."""
         now = time.monotonic()
         if now < self._next_reclaim[shard]:
             return []
         self._next_reclaim[shard] = now + self.reclaim_idle_ms / 2000
-        return await self.streams[shard].reclaim(worker_id, self.reclaim_idle_ms, count)
+        out: list[LaneEntry] = []
+        for lane, stream in enumerate(self.lanes[shard]):
+            if len(out) >= count:
+                break
+            for entry_id, item in await stream.reclaim(worker_id, self.reclaim_idle_ms, count - len(out)):
+                out.append((lane, entry_id, item))
+        return out
 
-    async def _claim_entries(
-        self, shard: int, worker_id: str, entries: list[tuple[str, QueueItem]]
-    ) -> list[AttemptedRollout]:
-        """Begin an attempt for each decoded entry (BEGIN_ATTEMPTS, one round trip); an entry whose
-        rollout does not exist is dead-lettered."""
+    async def _claim_entries(self, shard: int, worker_id: str, entries: list[LaneEntry]) -> list[AttemptedRollout]:
+        """Begin an attempt for each decoded entry (BEGIN_ATTEMPTS once per lane, in one round trip);
+        an entry whose rollout does not exist is dead-lettered."""
         if not entries:
             return []
-        args: list[Any] = [worker_id]
-        fields_by_id: dict[str, Mapping[bytes, bytes]] = {}
-        for entry_id, (rollout_id, fields) in entries:
-            fields_by_id[entry_id] = fields
-            args += [entry_id, rollout_id]
-        results = await self._begin(keys=[self.ctx.keys.shards[shard].prefix], args=args)
+        prefix = self.ctx.keys.shards[shard].prefix
+        by_lane: dict[int, list[LaneEntry]] = {}
+        for entry in entries:
+            by_lane.setdefault(entry[0], []).append(entry)
+        arg_lists: list[list[Any]] = []
+        for lane, lane_entries in sorted(by_lane.items()):
+            args: list[Any] = [prefix, worker_id, lane + 1]  # Lua numbers lanes from 1
+            for _, entry_id, (rollout_id, _fields) in lane_entries:
+                args += [entry_id, rollout_id]
+            arg_lists.append(args)
+        replies = await self.ctx.each(self._begin, arg_lists)
         claimed = []
-        for i, result in enumerate(results):
-            entry_id, rollout_id = args[1 + 2 * i], args[2 + 2 * i]
-            code = result[0].decode()
-            if code == "ok":
-                claimed.append(attempted(result))
-            elif code == "missing":
-                await self.streams[shard].dead_letter(
-                    entry_id, f"rollout {rollout_id} does not exist", fields_by_id[entry_id]
-                )
+        for (lane, lane_entries), results in zip(sorted(by_lane.items()), replies, strict=True):
+            for (_, entry_id, (rollout_id, fields)), result in zip(lane_entries, results, strict=True):
+                code = result[0].decode()
+                if code == "ok":
+                    claimed.append(attempted(result))
+                elif code == "missing":
+                    await self._dead_letter(shard, lane, entry_id, f"rollout {rollout_id} does not exist", fields)
         return claimed
+
+    async def _dead_letter(self, shard: int, lane: int, entry_id: str, reason: str, fields: Fields) -> None:
+        """Dead-letter an entry; off the normal lane it is deleted too, as a claimed one is, so the
+        lane's length stays what waits there (CLAIM_NEXT reads the normal lane alone when it is 0)."""
+        stream = self.lanes[shard][lane]
+        await stream.dead_letter(entry_id, reason, fields)
+        if lane != NORMAL:
+            await self.ctx.redis.xdel(stream.key, entry_id)

@@ -136,7 +136,8 @@ class RedisStore:
         await self.ensure()
         def consumers_of_each_queue(pipe: Any) -> None:
             for shard in self.keys.shards:
-                pipe.xinfo_consumers(shard.queue, k.RUNNERS_GROUP)
+                for queue in shard.queues:  # every priority lane
+                    pipe.xinfo_consumers(queue, k.RUNNERS_GROUP)
 
         snap = await aread_snapshot(self.redis, self.keys, consumers_of_each_queue)
         pending: dict[str, int] = {}

@@ -8,7 +8,7 @@ in it, stays, and so does everything after it. A stream with no group yet is not
 group created after a trim starts from what is left).
 ``streams`` picks which of them (all by default):
 
-- ``queue``: every shard's queue streams (`ShardKeys.queue_streams`: priority lanes too), group
+- ``queue``: every shard's queue streams (`ShardKeys.queues`: every priority lane), group
   ``runners`` (an entry is acknowledged when claimed, or when dead-lettered).
 - ``finished``: every shard's finished stream, groups ``adapter`` and ``algorithm``. With an entry go
   its rollout's spans and span-id set; with ``delete_rollouts``, its record and attempts too (a
@@ -154,7 +154,7 @@ async def trim(
     queue = finished = spans = rollouts = samples = 0
     if policy.limited and QUEUE in policy.streams:
         for shard in keys.shards:
-            for key in shard.queue_streams():
+            for key in shard.queues:
                 queue += await consumed(QUEUE, key)
     if policy.limited and FINISHED in policy.streams:
         for shard in keys.shards:

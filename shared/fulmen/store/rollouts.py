@@ -19,6 +19,7 @@ from fulmen.records import (
     Attempt,
     AttemptedRollout,
     AttemptStatus,
+    Priority,
     QueueEntry,
     Rollout,
     RolloutConfig,
@@ -95,8 +96,10 @@ class Rollouts:
         resources_id: str | None = None,
         config: RolloutConfig | Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        priority: Priority | str | None = None,
     ) -> Rollout:
-        """Validate a rollout request (does not store it)."""
+        """Validate a rollout request (does not store it). ``priority``: its queue lane (urgent,
+        normal, low; None: urgent for a validation rollout, mode val, else normal)."""
         if isinstance(config, Mapping):
             config = RolloutConfig.from_dict(config)
         try:
@@ -110,6 +113,8 @@ class Rollouts:
             resources_id=k.check_id("resources_id", resources_id) if resources_id else None,
             config=config or RolloutConfig(),
             metadata=dict(metadata or {}),
+            priority=Priority.parse(priority) if priority is not None
+            else Priority.URGENT if mode is RolloutMode.VAL else Priority.NORMAL,
         )
 
     async def enqueue_rollouts(self, rollouts: Sequence[Rollout]) -> list[bool]:
@@ -145,7 +150,7 @@ class Rollouts:
 
     async def start_attempt(self, rollout_id: str, worker_id: str = "") -> AttemptedRollout:
         """Begin a new attempt of an existing rollout now (a manual retry); any active one ends."""
-        result = await self._begin(keys=[self.ctx.keys.shard(rollout_id).prefix], args=[worker_id, "", rollout_id])
+        result = await self._begin(keys=[self.ctx.keys.shard(rollout_id).prefix], args=[worker_id, "", "", rollout_id])
         code = result[0][0].decode()
         if code == "missing":
             raise NotFound(f"rollout {rollout_id} does not exist in experiment {self.ctx.experiment}")

@@ -15,14 +15,23 @@ and errors. The status sets are generated from the transition table in `fulmen.r
 from __future__ import annotations
 
 from fulmen import keys as k
-from fulmen.codec import SCHEMA_VERSION
 from fulmen.records.status import ACTIVE_ATTEMPT, TERMINAL_ROLLOUT, WAITING_ROLLOUT, lua_set
+
+_lane_queues = ", ".join(f"P .. '{k.LANE_QUEUES[lane]}'" for lane in k.LANES)
+_lane_of = ", ".join(f"{lane} = {i + 1}" for i, lane in enumerate(k.LANES))
 
 PRELUDE = f"""
 local P = KEYS[1]
 local K_ROLLOUT, K_ATTEMPT, K_SPANS, K_SPAN_IDS, K_STATUS =
   P .. '{k.ROLLOUT}', P .. '{k.ATTEMPT}', P .. '{k.SPANS}', P .. '{k.SPAN_IDS}', P .. '{k.STATUS}'
-local K_QUEUE, K_FINISHED, K_INDEX = P .. '{k.QUEUE}', P .. '{k.FINISHED}', P .. '{k.ROLLOUT_INDEX}'
+local K_FINISHED, K_INDEX = P .. '{k.FINISHED}', P .. '{k.ROLLOUT_INDEX}'
+-- The queue stream of each priority lane, highest first (lane numbers are 1-based positions in
+-- `fulmen.keys.LANES`); a rollout's lane is its hash's 'priority' (none: stored before lanes, normal).
+local LANE_QUEUES = {{{_lane_queues}}}
+local LANE_OF = {{{_lane_of}}}
+local NORMAL = LANE_OF['{k.DEFAULT_LANE}']
+local K_TURN = P .. '{k.QUEUE_TURN}'
+local function lane_of(priority) return LANE_OF[priority] or NORMAL end
 local K_HEARTBEAT, K_DEADLINE = P .. '{k.WATCH_HEARTBEAT}', P .. '{k.WATCH_DEADLINE}'
 local GROUP = '{k.RUNNERS_GROUP}'
 
@@ -91,7 +100,7 @@ local function finish(rid, aid, status, err, queue_msg, finished_msg, reward)
   if reward and reward ~= '' then redis.call('HSET', ak, 'reward', reward) end
   unwatch(aid)
   local rk = K_ROLLOUT .. rid
-  local r = redis.call('HMGET', rk, 'status', 'attempt_id', 'attempt_n', 'max_attempts', 'retry_on')
+  local r = redis.call('HMGET', rk, 'status', 'attempt_id', 'attempt_n', 'max_attempts', 'retry_on', 'priority')
   if r[2] ~= aid then return 'superseded' end
   if TERMINAL[r[1]] then return 'ignored' end
   if status == 'succeeded' then
@@ -104,7 +113,7 @@ local function finish(rid, aid, status, err, queue_msg, finished_msg, reward)
   local retry = string.find(',' .. r[5] .. ',', ',' .. status .. ',', 1, true)
   if retry and tonumber(r[3]) < tonumber(r[4]) then
     set_status(rid, r[1], 'requeuing')
-    local qid = redis.call('XADD', K_QUEUE, '*', 'm', queue_msg)
+    local qid = redis.call('XADD', LANE_QUEUES[lane_of(r[6])], '*', 'm', queue_msg)
     redis.call('HSET', rk, 'qid', qid)
     return 'requeued'
   end
@@ -128,7 +137,8 @@ local function create(rid, queue_msg, first)
   redis.call('SADD', K_STATUS .. 'queuing', rid)
   redis.call('ZADD', K_INDEX, t, rid)
   if queue_msg ~= '' then
-    redis.call('HSET', rk, 'qid', redis.call('XADD', K_QUEUE, '*', 'm', queue_msg))
+    local lane = LANE_QUEUES[lane_of(redis.call('HGET', rk, 'priority'))]
+    redis.call('HSET', rk, 'qid', redis.call('XADD', lane, '*', 'm', queue_msg))
   end
   return 1
 end
@@ -139,15 +149,24 @@ end
 ENQUEUE = PRELUDE + _CREATE + "return create(ARGV[1], ARGV[2], 3)"
 
 # Begin the next attempt of rollout `rid` for `worker`; `qid` is the queue entry it was claimed from
-# ('' for a manual attempt). Returns one reply item of BEGIN_ATTEMPTS. Shared with CLAIM_NEXT.
-_BEGIN = """
-local function begin(worker, qid, rid)
+# ('' for a manual attempt), on the queue of lane number `lane`. Returns one reply item of
+# BEGIN_ATTEMPTS. Shared with CLAIM_NEXT.
+# An entry done with is acknowledged; on the urgent and low lanes it is deleted too, so their length
+# is what waits there and an empty lane costs the claim nothing (CLAIM_NEXT). The normal lane keeps
+# its entries for retention to trim, as the queue always has.
+BEGIN = """
+local function done(lane, qid)
+  redis.call('XACK', LANE_QUEUES[lane], GROUP, qid)
+  if lane ~= NORMAL then redis.call('XDEL', LANE_QUEUES[lane], qid) end
+end
+
+local function begin(worker, qid, rid, lane)
   local rk = K_ROLLOUT .. rid
   local r = redis.call('HMGET', rk, 'status', 'qid', 'attempt_n', 'unresponsive_s', 'timeout_s',
                        'attempt_id', 'start_time')
   if not r[1] then return {'missing'} end
   if qid ~= '' and (r[2] ~= qid or not WAITING[r[1]]) then
-    redis.call('XACK', K_QUEUE, GROUP, qid)
+    done(lane, qid)
     return {'stale'}
   end
   if TERMINAL[r[1]] then return {'terminal'} end
@@ -174,12 +193,13 @@ local function begin(worker, qid, rid)
   set_status(rid, r[1], 'preparing')
   if r[4] ~= '' then redis.call('ZADD', K_HEARTBEAT, t + tonumber(r[4]), aid) end
   if r[5] ~= '' then redis.call('ZADD', K_DEADLINE, t + tonumber(r[5]), aid) end
-  if qid ~= '' then redis.call('XACK', K_QUEUE, GROUP, qid) end
+  if qid ~= '' then done(lane, qid) end
   return {'ok', redis.call('HGETALL', rk), redis.call('HGETALL', ak)}
 end
 """
 
-# ARGV[1] = worker id, ARGV[2..] = pairs (queue entry id or '' for a manual attempt, rollout id).
+# ARGV[1] = worker id, ARGV[2] = the lane number of the queue the entries came from ('' = normal),
+# ARGV[3..] = pairs (queue entry id or '' for a manual attempt, rollout id).
 # For each pair returns {code, rollout fields, attempt fields}; code is
 #   ok       - a new attempt was created and is owned by the worker (the queue entry is acked);
 #   missing  - no such rollout (the entry is left pending for the caller to dead-letter);
@@ -187,11 +207,12 @@ end
 #   terminal - a manual attempt was asked for a rollout that has finished.
 BEGIN_ATTEMPTS = (
     PRELUDE
-    + _BEGIN
+    + BEGIN
     + """
 local out = {}
-for i = 2, #ARGV, 2 do
-  out[#out + 1] = begin(ARGV[1], ARGV[i], ARGV[i + 1])
+local lane = tonumber(ARGV[2]) or NORMAL
+for i = 3, #ARGV, 2 do
+  out[#out + 1] = begin(ARGV[1], ARGV[i], ARGV[i + 1], lane)
 end
 return out
 """
@@ -203,51 +224,11 @@ return out
 START_ROLLOUT = (
     PRELUDE
     + _CREATE
-    + _BEGIN
+    + BEGIN
     + """
 if create(ARGV[2], '', 3) == 0 then return {'exists'} end
 return begin(ARGV[1], '', ARGV[2])
 """
-)
-
-# ARGV[1] = worker id, ARGV[2] = most entries to read.
-# Reads new queue entries for the worker (XREADGROUP inside the script, so it never blocks) and
-# begins an attempt for each as BEGIN_ATTEMPTS does: read and claim in one round trip instead of two.
-# The rollout id comes from the entry's msgpack record, decoded with the cmsgpack library that Redis
-# builds into its Lua; the record is checked as `QueueEntry.from_wire` checks it.
-# Returns {claimed, leftover, n}: claimed holds BEGIN_ATTEMPTS' 'ok' items;
-# leftover the raw entries {id, {field, value, ...}} it could not claim (unreadable record, missing
-# rollout), still pending, for the caller to dead-letter; n the number of entries read (0: the queue
-# had nothing new). Stale entries are acked and skipped.
-CLAIM_NEXT = (
-    PRELUDE
-    + _BEGIN
-    + """
-local mp = cmsgpack
-local worker = ARGV[1]
-local reply = redis.call('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', ARGV[2], 'STREAMS', K_QUEUE, '>')
-local claimed, leftover = {}, {}
-if not reply then return {claimed, leftover, 0} end
-for _, entry in ipairs(reply[1][2]) do
-  local fields, rid = entry[2], nil
-  for i = 1, #fields, 2 do
-    if fields[i] == 'm' then
-      local decoded, rec = pcall(mp.unpack, fields[i + 1])
-      if decoded and type(rec) == 'table' and rec.v == SCHEMA_VERSION and rec.kind == 'queue'
-          and type(rec.rollout_id) == 'string' then
-        rid = rec.rollout_id
-      end
-    end
-  end
-  local result = rid and begin(worker, entry[1], rid) or {'missing'}
-  if result[1] == 'ok' then
-    claimed[#claimed + 1] = result
-  elseif result[1] == 'missing' then
-    leftover[#leftover + 1] = entry
-  end
-end
-return {claimed, leftover, #reply[1][2]}
-""".replace("SCHEMA_VERSION", str(SCHEMA_VERSION))
 )
 
 # ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3..] = pairs (dedupe key, span message).
@@ -365,7 +346,8 @@ if r[2] and r[2] ~= '' and ACTIVE[redis.call('HGET', K_ATTEMPT .. r[2], 'status'
 end
 set_status(rid, r[1], new)
 if new == 'requeuing' then
-  redis.call('HSET', rk, 'qid', redis.call('XADD', K_QUEUE, '*', 'm', ARGV[4]))
+  local lane = LANE_QUEUES[lane_of(redis.call('HGET', rk, 'priority'))]
+  redis.call('HSET', rk, 'qid', redis.call('XADD', lane, '*', 'm', ARGV[4]))
 else
   redis.call('HSET', rk, 'qid', '', 'end_time', t)
   redis.call('XADD', K_FINISHED, '*', 'm', ARGV[5])

@@ -5,7 +5,9 @@ clients): commands are queued the same way on either kind of pipeline, only ``ex
 the command list and the parsing live here once.
 
 With several lifecycle shards (`fulmen.keys`) the per-shard keys (status sets, queue, finished,
-heartbeat set) are read in every shard and summed; a group's lag is the largest of its shards'.
+heartbeat set) are read in every shard and summed; a group's lag is the largest of its shards'. The
+queue is every priority lane's stream: the depth (rollouts queuing or requeuing) counts all lanes,
+and the runners' lag is that of the oldest waiting entry of any lane.
 
 Round trip 1: SCARD per status, XLEN of the streams, XINFO GROUPS of the consumed streams, ZCARD,
 HLEN, the latest resources, TIME. Round trip 2 (only for groups with a backlog): the oldest entry
@@ -38,7 +40,10 @@ SHARDED = ("queue", "finished")  # the streams with one key per shard
 
 
 def _stream_keys(keys: k.Keys, name: str) -> list[str]:
-    """A stream's key in each shard (one key for an experiment-wide stream)."""
+    """A stream's key in each shard (one key for an experiment-wide stream); the queue's, every
+    priority lane's in each shard (`ShardKeys.queues`)."""
+    if name == "queue":
+        return [key for shard in keys.shards for key in shard.queues]
     if name in SHARDED:
         return [getattr(shard, name) for shard in keys.shards]
     return [getattr(keys, name)]
