@@ -227,3 +227,18 @@ async def test_a_policy_must_say_what_to_trim() -> None:
                 {"keep_versions": 0}, {"max_count": -1}):
         with pytest.raises(InvalidInput):
             RetentionPolicy(**bad)  # type: ignore[arg-type]
+
+
+async def test_unclaimed_entries_of_every_priority_lane_survive(sharded: RedisStore) -> None:
+    """The urgent and low lanes are trimmed by the same rule as the normal one: what the runners
+    have not claimed stays and is claimed after the trim, urgent first."""
+    store = sharded
+    await store.enqueue_rollout({}, rollout_id="n0")
+    assert [c.rollout.rollout_id for c in await store.dequeue_rollouts("w", 1)] == ["n0"]
+    await store.enqueue_rollout({}, rollout_id="n", priority="normal")
+    await store.enqueue_rollout({}, rollout_id="l", priority="low")
+    await store.enqueue_rollout({}, rollout_id="u", priority="urgent")
+    report = await trim(store, RetentionPolicy(max_count=0))
+    assert report.queue_entries == 1  # n0, claimed
+    claimed = [c.rollout.rollout_id for c in await store.dequeue_rollouts("w", 3)]
+    assert sorted(claimed) == ["l", "n", "u"]
