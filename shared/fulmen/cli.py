@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fulmen import inspect_cli
+from fulmen import archive_cli, inspect_cli
 from fulmen.connection import redact
 from fulmen.records.status import RolloutMode
 from fulmen.service_cli import ExperimentOpt, err, flag, out, run_on_store, settings_from_flags
@@ -180,7 +180,7 @@ def push(
         raise typer.Exit(1)
 
 
-for _name, _command in inspect_cli.COMMANDS.items():
+for _name, _command in {**inspect_cli.COMMANDS, **archive_cli.COMMANDS}.items():
     app.command(_name)(_command)
 
 
