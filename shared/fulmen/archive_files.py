@@ -96,8 +96,8 @@ def write_file(path: Path, header: dict[str, Any], records: Iterable[Any]) -> in
     count = 0
     try:
         with open(tmp, "wb") as raw:
-            # mtime=0: the same records give the same bytes (a replay file written twice is identical)
-            with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as out:
+            # no name, mtime=0: the same records give the same bytes (a replay file written twice is identical)
+            with gzip.GzipFile(filename="", fileobj=raw, mode="wb", compresslevel=6, mtime=0) as out:
                 out.write(packer.pack({"format": FORMAT, "version": VERSION, **header}))
                 for record in records:
                     out.write(packer.pack(record))
