@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from redis_cluster import store_url
 from typer.testing import CliRunner
 
 from fulmen import keys as k
@@ -26,6 +27,12 @@ from fulmen_adapter.replay import replay
 from fulmen_adapter.triplets import AdapterConfig
 
 SHARDS = 3
+
+
+@pytest.fixture(params=["single", "cluster"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """On one node and on a real 3-master Redis Cluster (where the 3 shards live on 3 masters)."""
+    return store_url(request, request.param)
 
 
 @pytest.fixture
