@@ -53,7 +53,7 @@ def _ids(prefix: str, n: int) -> list[str]:
 
 
 async def _finish(store: RedisStore, rid: str, *, calls: int = 2, status: str = "succeeded",
-                  reward: float | None = 1.0) -> None:
+                  reward: float | None = 0.75) -> None:
     """A rollout that ran ``calls`` chained LLM calls (one trajectory), then a reward span."""
     claimed = await store.start_rollout({"q": rid}, "w1", rollout_id=rid, metadata={"group_key": "g", "group_size": 2})
     aid = claimed.attempt.attempt_id
@@ -243,7 +243,7 @@ async def test_export_writes_a_dataset_with_one_schema(store: RedisStore, tmp_pa
 
     kept = export(archived_records([directory]), tmp_path / "good.jsonl", store.max_record_bytes,
                   shape="trajectory", min_reward=0.5)
-    assert kept.rows == 2  # the two rollouts rewarded 1.0, one trajectory each
+    assert kept.rows == 2  # the two rollouts rewarded 0.75, one trajectory each
 
 
 def test_the_commands_explain_themselves(tmp_path: Path) -> None:
