@@ -258,3 +258,45 @@ def test_the_commands_explain_themselves(tmp_path: Path) -> None:
     result = runner.invoke(app, ["export", str(tmp_path / "out.jsonl"), "--from", str(bad)])
     assert result.exit_code == 1 and "not a Fulmen archive" in result.output
     assert not (tmp_path / "out.jsonl").exists()
+
+
+async def test_the_commands_end_to_end(redis_server: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """archive, replay (to a file, then to the stream twice) and export (from files and from Redis)
+    as a user runs them, with the shard count from the environment."""
+    import uuid
+
+    from fulmen.connection import async_client
+
+    experiment = f"t-cli-{uuid.uuid4().hex[:10]}"
+    url = redis_server.url  # type: ignore[attr-defined]
+    monkeypatch.setenv("REDIS_URL", url)
+    monkeypatch.setenv("FULMEN_EXPERIMENT", experiment)
+    monkeypatch.setenv(k.SHARDS_ENV, str(SHARDS))
+    client = async_client(url)
+    try:
+        store = RedisStore(client, experiment, shards=SHARDS)
+        for rid in _ids("u", 3):
+            await _finish(store, rid)
+        await _adapt(store)
+        live = await _samples(store)
+    finally:
+        await client.aclose()
+    _add_service_commands()
+    runner = CliRunner()
+
+    def run(*args: str) -> str:
+        result = runner.invoke(app, list(args), terminal_width=400)
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.split())
+
+    directory, replayed, dataset = tmp_path / "a", tmp_path / "r.msgpack.gz", tmp_path / "d.jsonl"
+    assert "archived 3 rollouts and 9 samples" in await asyncio.to_thread(run, "archive", "--to", str(directory))
+    assert "archived 0 rollouts and 0 samples" in await asyncio.to_thread(run, "archive", "--to", str(directory))
+    assert "replayed 3 rollouts: 9 samples" in await asyncio.to_thread(
+        run, "replay", "--from", str(directory), "--to-file", str(replayed))
+    assert sorted(r for _, r in read_file(replayed)[1]) == sorted(live)
+    assert "9 appended" in await asyncio.to_thread(run, "replay", "--name", "again")
+    assert "0 appended" in await asyncio.to_thread(run, "replay", "--name", "again")
+    assert "exported 9 samples" in await asyncio.to_thread(run, "export", str(dataset), "--from", str(replayed))
+    assert "exported 9 samples" in await asyncio.to_thread(run, "export", str(dataset))  # the stream: 18, 9 twice
+    assert len(dataset.read_text().splitlines()) == 9
