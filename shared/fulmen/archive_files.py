@@ -156,6 +156,15 @@ def read_file(path: Path, kind: str | None = None) -> tuple[dict[str, Any], Iter
     return header, records()
 
 
+def read_header(path: Path) -> dict[str, Any]:
+    """The header of one archive file (the file closed again at once)."""
+    header, records = read_file(path)
+    for _ in records:  # the generator's first step owns the file: run it to its `finally`
+        break
+    records.close()  # type: ignore[attr-defined]  # a generator
+    return header
+
+
 def files_of(source: Path, kind: str) -> list[Path]:
     """The files to read for ``source``: an archive directory's files of ``kind`` in order, or one file."""
     if source.is_dir():

@@ -292,6 +292,8 @@ async def test_the_commands_end_to_end(redis_server: object, tmp_path: Path, mon
     directory, replayed, dataset = tmp_path / "a", tmp_path / "r.msgpack.gz", tmp_path / "d.jsonl"
     assert "archived 3 rollouts and 9 samples" in await asyncio.to_thread(run, "archive", "--to", str(directory))
     assert "archived 0 rollouts and 0 samples" in await asyncio.to_thread(run, "archive", "--to", str(directory))
+    other = await asyncio.to_thread(runner.invoke, app, ["archive", "--to", str(directory), "-e", "another"])
+    assert other.exit_code == 1 and "one directory per experiment" in " ".join(other.output.split())
     assert "replayed 3 rollouts: 9 samples" in await asyncio.to_thread(
         run, "replay", "--from", str(directory), "--to-file", str(replayed))
     assert sorted(r for _, r in read_file(replayed)[1]) == sorted(live)

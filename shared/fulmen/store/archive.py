@@ -29,7 +29,7 @@ from fulmen.archive_files import (
     chunk_name,
     last_archived,
     list_chunks,
-    read_file,
+    read_header,
     remove_temporaries,
     write_file,
 )
@@ -70,8 +70,7 @@ def _check_directory(directory: Path, experiment: str) -> None:
         raise InvalidInput(f"{directory} is not a directory")
     chunks = list_chunks(directory)
     if chunks:
-        header, records = read_file(chunks[0].path)
-        records.close()  # type: ignore[attr-defined]  # a generator: closes the file
+        header = read_header(chunks[0].path)
         if header.get("experiment") != experiment:
             raise InvalidInput(f"{directory} archives experiment {header.get('experiment')!r}, not {experiment!r}: "
                                "use one directory per experiment")
