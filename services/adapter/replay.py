@@ -12,12 +12,11 @@ whole, atomically, so writing it again gives the same file.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from fulmen.archive_files import files_of, read_file, write_file
+from fulmen.archive_files import ArchiveWriter, files_of, read_file
 from fulmen.errors import RecordError
 from fulmen.records import RolloutFinished, RolloutForSamples
 from fulmen.records.status import TERMINAL_ROLLOUT
@@ -98,10 +97,26 @@ async def replay(
     if store is None and (source is None or to_file is None):
         raise ValueError("a replay from or to Redis needs a store")
     rollouts = _batched(archived_rollouts(source, max_bytes)) if source is not None else live_rollouts(store)  # type: ignore[arg-type]
-    writer = ReplayWriter(store, name) if to_file is None and store is not None else None
+    if to_file is None:
+        return await _replay(rollouts, config, max_bytes, ReplayWriter(store, name).append)  # type: ignore[arg-type]
+    header = {"kind": "samples", "experiment": store.experiment if store else None, "shard": 0,
+              "source": str(source) if source else "live"}
+    with ArchiveWriter(to_file, header) as file:
+        async def add(batch: list[tuple[str, list[bytes]]]) -> list[int]:
+            for _rid, records in batch:
+                for record in records:
+                    file.add(["", record])
+            return [0] * len(batch)
+
+        return await _replay(rollouts, config, max_bytes, add)
+
+
+async def _replay(
+    rollouts: AsyncIterator[list[RolloutForSamples]], config: AdapterConfig, max_bytes: int,
+    write: Callable[[list[tuple[str, list[bytes]]]], Awaitable[list[int]]],
+) -> ReplayReport:
     report = ReplayReport()
     seen: set[str] = set()
-    kept: list[Any] = []
     async for batch in rollouts:
         results: list[Adapted] = []
         for rollout in batch:
@@ -115,12 +130,5 @@ async def replay(
                 report.skipped += 1
             else:
                 report.samples += len(result.records)
-        if writer is not None:
-            appended = await writer.append([(r.rollout_id, r.records) for r in results])
-            report.appended += sum(appended)
-        else:
-            kept += [["", record] for r in results for record in r.records]
-    if to_file is not None:
-        write_file(to_file, {"kind": "samples", "experiment": store.experiment if store else None,
-                             "shard": 0, "source": str(source) if source else "live", "count": len(kept)}, kept)
+        report.appended += sum(await write([(r.rollout_id, r.records) for r in results]))
     return report

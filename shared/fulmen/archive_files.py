@@ -87,30 +87,57 @@ def remove_temporaries(directory: Path) -> int:
     return removed
 
 
-def write_file(path: Path, header: dict[str, Any], records: Iterable[Any]) -> int:
-    """Write ``header`` and ``records`` to ``path`` atomically (temporary file, fsync, rename);
-    returns the number of records."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
-    packer = msgpack.Packer(use_bin_type=True)
-    count = 0
-    try:
-        with open(tmp, "wb") as raw:
-            # no name, mtime=0: the same records give the same bytes (a replay file written twice is identical)
-            with gzip.GzipFile(filename="", fileobj=raw, mode="wb", compresslevel=6, mtime=0) as out:
-                out.write(packer.pack({"format": FORMAT, "version": VERSION, **header}))
-                for record in records:
-                    out.write(packer.pack(record))
-                    count += 1
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+class ArchiveWriter:
+    """One archive file written atomically, a record at a time: ``with ArchiveWriter(path, header) as w:
+    w.add(record)``; the file appears (renamed into place, flushed to disk) only when the block ends
+    without an error, else the temporary file is removed."""
+
+    def __init__(self, path: Path, header: dict[str, Any]) -> None:
+        self.path, self.header, self.count = path, header, 0
+        self._tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+        self._packer = msgpack.Packer(use_bin_type=True)
+
+    def __enter__(self) -> ArchiveWriter:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._raw = open(self._tmp, "wb")
+        # no name, mtime=0: the same records give the same bytes (a replay file written twice is identical)
+        self._out = gzip.GzipFile(filename="", fileobj=self._raw, mode="wb", compresslevel=6, mtime=0)
+        self._out.write(self._packer.pack({"format": FORMAT, "version": VERSION, **self.header}))
+        return self
+
+    def add(self, record: Any) -> None:
+        self._out.write(self._packer.pack(record))
+        self.count += 1
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        try:
+            self._out.close()
+            self._raw.flush()
+            if kind is None:
+                os.fsync(self._raw.fileno())
+        finally:
+            self._raw.close()
+        if kind is None:
+            try:
+                os.replace(self._tmp, self.path)
+            except BaseException:
+                self._remove_tmp()
+                raise
+            _fsync_dir(self.path.parent)
+        else:
+            self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
         with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-    return count
+            self._tmp.unlink()
+
+
+def write_file(path: Path, header: dict[str, Any], records: Iterable[Any]) -> int:
+    """Write ``header`` and ``records`` to ``path`` atomically (`ArchiveWriter`); returns the number of records."""
+    with ArchiveWriter(path, header) as writer:
+        for record in records:
+            writer.add(record)
+    return writer.count
 
 
 def _fsync_dir(directory: Path) -> None:
