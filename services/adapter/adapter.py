@@ -80,7 +80,9 @@ class Counters:
 
 
 @dataclass
-class _Result:
+class Adapted:
+    """One rollout adapted: its records (samples, or one skip) and the counters they add."""
+
     rollout_id: str
     records: list[bytes]
     stats: dict[str, int]
@@ -173,47 +175,10 @@ class Adapter:
         results = [self._adapt(r) for r in rollouts if r is not None and r.rollout_id not in early]
         await self._append(results, [f.entry_id for f in finished if f.rollout_id not in early])
 
-    def _adapt(self, rollout: RolloutForSamples) -> _Result:
-        result = self._samples(rollout)
-        if not isinstance(rollout.spans, RecordError):
-            result.model_version = _served_version(rollout.spans, rollout.attempt_id)
-        return result
+    def _adapt(self, rollout: RolloutForSamples) -> Adapted:
+        return adapt_rollout(rollout, self.config, self.store.max_record_bytes)
 
-    def _samples(self, rollout: RolloutForSamples) -> _Result:
-        spans = rollout.spans
-        info = AttemptInfo(
-            rollout.rollout_id,
-            rollout.attempt_id or "",
-            group_key(rollout),
-            rollout.mode,
-            _int_or_none(rollout.metadata.get("group_size")),
-            rollout.reward,
-        )
-        try:
-            if rollout.status is not RolloutStatus.SUCCEEDED:
-                raise Skip(rollout.status.value, f"rollout {rollout.status.value}")
-            if isinstance(spans, RecordError):
-                raise Skip("malformed_span", f"malformed span record: {spans}")
-            max_bytes = self.store.max_record_bytes
-            fields = list(sample_fields(spans, info, self.config))
-            records = [pack_sample(f, max_bytes) for f in fields]
-            stats = {"rollouts": 1, "samples": len(records)}
-            last = next((f for f in reversed(fields) if f.get("model_version")), None)
-            reward = last.get("final_reward") if last is not None else None
-            if last is not None and isinstance(reward, int | float) and math.isfinite(reward):
-                stats.update(version_reward_stats(info.mode or "train", str(last["model_version"]), float(reward)))
-            return _Result(rollout.rollout_id, records, stats)
-        except Skip as e:
-            code, reason = e.code, str(e)
-        except RecordError as e:  # a sample over the size limit: say so, keep going
-            code, reason = "too_large", str(e)
-        skip = SampleSkip(
-            rollout.rollout_id, rollout.attempt_id, info.group_key, rollout.status.value, reason,
-            info.mode, info.group_size,
-        )
-        return _Result(rollout.rollout_id, [skip.to_wire()], {"rollouts": 1, "skipped": 1, f"skip:{code}": 1})
-
-    async def _append(self, results: Sequence[_Result], entry_ids: list[str]) -> None:
+    async def _append(self, results: Sequence[Adapted], entry_ids: list[str]) -> None:
         """Write the batch's samples and acknowledge their finished entries, in one atomic step."""
         appended = await self.store.append_samples(
             [(r.rollout_id, r.records, r.stats, r.model_version) for r in results], ack_group=k.ADAPTER_GROUP, ack_entry_ids=entry_ids
@@ -227,6 +192,49 @@ class Adapter:
                 self.counters.skipped[code] = self.counters.skipped.get(code, 0) + 1
             else:
                 self.counters.samples += n
+
+
+def adapt_rollout(rollout: RolloutForSamples, config: AdapterConfig, max_bytes: int) -> Adapted:
+    """One finished rollout's sample records (or its skip record), as the adapter appends them:
+    pure, so `fulmen replay` turns archived or live spans into the same bytes."""
+    result = _samples(rollout, config, max_bytes)
+    if not isinstance(rollout.spans, RecordError):
+        result.model_version = _served_version(rollout.spans, rollout.attempt_id)
+    return result
+
+
+def _samples(rollout: RolloutForSamples, config: AdapterConfig, max_bytes: int) -> Adapted:
+    spans = rollout.spans
+    info = AttemptInfo(
+        rollout.rollout_id,
+        rollout.attempt_id or "",
+        group_key(rollout),
+        rollout.mode,
+        _int_or_none(rollout.metadata.get("group_size")),
+        rollout.reward,
+    )
+    try:
+        if rollout.status is not RolloutStatus.SUCCEEDED:
+            raise Skip(rollout.status.value, f"rollout {rollout.status.value}")
+        if isinstance(spans, RecordError):
+            raise Skip("malformed_span", f"malformed span record: {spans}")
+        fields = list(sample_fields(spans, info, config))
+        records = [pack_sample(f, max_bytes) for f in fields]
+        stats = {"rollouts": 1, "samples": len(records)}
+        last = next((f for f in reversed(fields) if f.get("model_version")), None)
+        reward = last.get("final_reward") if last is not None else None
+        if last is not None and isinstance(reward, int | float) and math.isfinite(reward):
+            stats.update(version_reward_stats(info.mode or "train", str(last["model_version"]), float(reward)))
+        return Adapted(rollout.rollout_id, records, stats)
+    except Skip as e:
+        code, reason = e.code, str(e)
+    except RecordError as e:  # a sample over the size limit: say so, keep going
+        code, reason = "too_large", str(e)
+    skip = SampleSkip(
+        rollout.rollout_id, rollout.attempt_id, info.group_key, rollout.status.value, reason,
+        info.mode, info.group_size,
+    )
+    return Adapted(rollout.rollout_id, [skip.to_wire()], {"rollouts": 1, "skipped": 1, f"skip:{code}": 1})
 
 
 def tune_gc_for_batches() -> None:

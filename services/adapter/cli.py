@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from fulmen import keys as k
+from fulmen.errors import FulmenError, InvalidInput
 from fulmen.service_cli import run_on_store, settings_command
 from fulmen.settings import AdapterSettings
 from fulmen.store import RedisStore
@@ -61,6 +63,53 @@ def command(
             "adapter stopped: %d rollouts, %d samples, skipped %s",
             adapter.counters.rollouts, adapter.counters.samples, adapter.counters.skipped or "none",
         )
+
+    run_on_store(settings, work)
+
+
+@settings_command(AdapterSettings)
+def replay(
+    settings: AdapterSettings,
+    source: Annotated[Path | None, typer.Option(
+        "--from", help="An archive directory of this experiment, or one file of it (`fulmen archive`). "
+        "Unset: the spans still in Redis.")] = None,
+    to_file: Annotated[Path | None, typer.Option(
+        help="Write the records to this file (an offline set for `fulmen export`) instead of the samples stream.")] = None,
+    name: Annotated[str, typer.Option(
+        help="The replay's name: replaying again under it appends nothing; a new name appends again.")] = "replay",
+) -> None:
+    """Turn archived or live spans into samples again, with this adapter's code and settings.
+
+    After an adapter change (or with other --llm-call-match, --agent-match, ... settings), or to build
+    an offline SFT set. Each finished rollout gives the records the adapter would write for it now:
+    with unchanged code and settings, the live adapter's records byte for byte. Written to the
+    samples stream (the trainer reads them; once per rollout and --name, so a second run adds
+    nothing) or, with --to-file, to one file (written whole, atomically; no Redis needed with --from)."""
+    from fulmen_adapter.config import adapter_config
+    from fulmen_adapter.replay import ReplayReport
+    from fulmen_adapter.replay import replay as run_replay
+
+    try:
+        config = adapter_config(settings)
+        replay_name = k.check_id("replay name", name)
+    except (ValueError, InvalidInput) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+    def show(report: ReplayReport) -> None:
+        where = str(to_file) if to_file else f"the samples stream (replay {replay_name!r}: {report.appended} appended)"
+        typer.echo(f"replayed {report.rollouts} rollouts: {report.samples} samples, {report.skipped} skipped, to {where}")
+
+    if source is not None and to_file is not None:  # file to file: no Redis
+        try:
+            show(asyncio.run(run_replay(None, source, config, settings.max_record_bytes, to_file=to_file)))
+        except FulmenError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
+        return
+
+    async def work(store: RedisStore) -> None:
+        show(await run_replay(store, source, config, store.max_record_bytes, to_file=to_file, name=replay_name))
 
     run_on_store(settings, work)
 

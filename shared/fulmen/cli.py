@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fulmen import inspect_cli, trim_cli
+from fulmen import archive_cli, inspect_cli, trim_cli
 from fulmen.connection import redact
 from fulmen.errors import InvalidInput
 from fulmen.records.status import Priority, RolloutMode
@@ -197,7 +197,7 @@ def push(
         raise typer.Exit(1)
 
 
-for _name, _command in inspect_cli.COMMANDS.items():
+for _name, _command in {**inspect_cli.COMMANDS, **archive_cli.COMMANDS}.items():
     app.command(_name)(_command)
 
 

@@ -58,6 +58,7 @@ VERSION_BASES = "weights-bases"  # hash: delta model version -> the version it a
 CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)
 SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
 SAMPLED = "sampled"  # set: rollouts sampled (the once-per-rollout marker when there are several shards)
+REPLAYED = "replayed:"  # set: rollouts one named replay has appended samples for (`fulmen replay`)
 ADAPTER_STATS = "stats:adapter"  # hash: rollouts adapted, samples written, skips per reason
 ALGORITHM_STATE = "algorithm:state"  # hash: the run's position (epoch, cursor, groups and rollouts enqueued)
 ALGORITHM_DONE = "algorithm:done"  # set: train rollouts of the run seen terminal (counted once each)
@@ -83,6 +84,7 @@ RUNNERS_GROUP = "runners"  # consumer group on every lane's queue stream
 ADAPTER_GROUP = "adapter"  # consumer group on FINISHED
 TRAINERS_GROUP = "trainers"  # consumer group on SAMPLES
 ALGORITHM_GROUP = "algorithm"  # consumer group on FINISHED
+ARCHIVE_GROUP = "archive"  # consumer group on every FINISHED and on SAMPLES, once `fulmen archive` ran
 
 # Matched with fullmatch: ``$`` also matches before a trailing newline, which let "r1\n" through
 # (and into log lines).
@@ -274,6 +276,9 @@ class Keys:
 
     def resources(self, resources_id: str) -> str:
         return self.prefix + RESOURCES + resources_id
+
+    def replayed(self, name: str) -> str:
+        return self.prefix + REPLAYED + check_id("replay name", name)
 
     def trainer_slot(self, rank: int) -> str:
         return self.prefix + TRAINER_SLOT + str(rank)

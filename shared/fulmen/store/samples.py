@@ -71,24 +71,10 @@ class Samples:
                     rows[i] = row
                 entries_by_key.update(dict(part_streams or ()))
         max_bytes = self.max_record_bytes
-        out: list[RolloutForSamples | None] = []
-        for rid, key, row in zip(rollout_ids, span_keys, rows, strict=True):
-            if not row:
-                out.append(None)
-                continue
-            status, attempt_id, mode, metadata, input_blob, reward = row
-            spans: list[SpanView] | RecordError = []
-            if status == b"succeeded":
-                spans = _span_views(entries_by_key.get(key.encode(), ()), max_bytes)
-            try:
-                meta = unpack(metadata, max_bytes) if metadata else {}
-            except RecordError:
-                meta = {}
-            out.append(RolloutForSamples(
-                rid, RolloutStatus(status.decode()), attempt_id.decode() or None, mode.decode() or None,
-                meta if isinstance(meta, dict) else {}, input_blob, spans, float(reward) if reward else None,
-            ))
-        return out
+        return [
+            rollout_for_samples(rid, row, entries_by_key.get(key.encode(), ()), max_bytes) if row else None
+            for rid, key, row in zip(rollout_ids, span_keys, rows, strict=True)
+        ]
 
     async def _read_rollouts_and_spans(self, prefix: str, rollout_ids: Sequence[str], span_keys: list[str]) -> list[Any]:
         """[READ_FOR_SAMPLES's rows, XREAD's reply over the span streams], atomically (one MULTI) on
@@ -205,6 +191,24 @@ class Samples:
         vocabulary, an error while grouping it), with the reason and its raw fields, and acknowledge it."""
         entries = await self.redis.xrange(self.keys.samples, entry_id, entry_id)
         await self.group(group).dead_letter(entry_id, reason, entries[0][1] if entries else {})
+
+
+def rollout_for_samples(rollout_id: str, row: Sequence[bytes], span_entries: Any, max_bytes: int) -> RolloutForSamples:
+    """A rollout as the adapter sees it, from READ_FOR_SAMPLES's row (status, attempt id, mode,
+    metadata, input, reward; '' for a missing field) and its span stream's raw entries. Replaying
+    archived spans (`fulmen replay`) builds it here too, so a replay reads a rollout as the adapter did."""
+    status, attempt_id, mode, metadata, input_blob, reward = row
+    spans: list[SpanView] | RecordError = []
+    if status == b"succeeded":
+        spans = _span_views(span_entries, max_bytes)
+    try:
+        meta = unpack(metadata, max_bytes) if metadata else {}
+    except RecordError:
+        meta = {}
+    return RolloutForSamples(
+        rollout_id, RolloutStatus(status.decode()), attempt_id.decode() or None, mode.decode() or None,
+        meta if isinstance(meta, dict) else {}, input_blob, spans, float(reward) if reward else None,
+    )
 
 
 def decode_sample(data: bytes | None, max_bytes: int) -> Sample | SampleSkip:

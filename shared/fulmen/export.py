@@ -1,0 +1,130 @@
+"""`fulmen export`: samples → a dataset that Hugging Face `datasets` loads directly.
+
+JSON lines, one sample a line, for ``datasets.load_dataset("json", data_files=path)`` (and TRL's
+SFT trainer, which reads the ``messages`` column):
+
+    messages       [{"role": str, "content": str}, ...]  the last call's request messages, then the answer
+    reward         float   the attempt's final reward (what RL trains on)
+    turn_reward    float or null  the reward matched to this call (a triplet's own)
+    sample_id, rollout_id, attempt_id, group_key, shape, model_version, mode   str ("" when unknown)
+    turn_index, num_turns   int
+
+Every line has every column, with one type per column, so the loader infers one schema: a message
+is always exactly role and content, both strings (content in parts is joined; an assistant turn
+that only called tools carries the calls as JSON text in its content).
+
+Why JSON lines rather than Parquet: `datasets` reads both, but Parquet would make pyarrow (~40 MB)
+a dependency of Fulmen for a file of a few thousand conversations; a JSON line is also what a person
+can read and `grep`.
+
+Sources: archive files (`fulmen archive`'s samples, `fulmen replay --to-file`'s file) or the samples
+stream still in Redis. Skip records are left out; a sample met twice (the same sample id in the
+stream and in a replay) is written once. The file is written whole, atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fulmen.archive_files import files_of, read_file
+from fulmen.errors import RecordError
+from fulmen.records import Sample, SampleSkip
+from fulmen.store.samples import decode_sample
+
+SHAPES = ("all", "triplet", "trajectory")
+
+
+@dataclass
+class ExportReport:
+    rows: int = 0
+    duplicates: int = 0
+    skips: int = 0  # skip records (rollouts without samples)
+    filtered: int = 0  # samples left out by --shape or --min-reward
+    unreadable: int = 0  # records that are not samples
+
+
+def archived_records(sources: Iterable[Path]) -> Iterator[bytes]:
+    """The sample records of archive files (a directory's samples files, or single files)."""
+    for source in sources:
+        for path in files_of(source, "samples"):
+            _header, records = read_file(path, "samples")
+            for record in records:
+                if isinstance(record, list | tuple) and len(record) == 2 and isinstance(record[1], bytes):
+                    yield record[1]
+
+
+def row(sample: Sample) -> dict[str, Any]:
+    """One dataset row of a sample (the columns of the module's docstring)."""
+    return {
+        "messages": [_message(m) for m in sample.messages],
+        "reward": sample.final_reward,
+        "turn_reward": sample.reward,
+        "sample_id": sample.sample_id,
+        "rollout_id": sample.rollout_id,
+        "attempt_id": sample.attempt_id,
+        "group_key": sample.group_key,
+        "shape": sample.shape,
+        "model_version": sample.model_version or "",
+        "mode": sample.mode or "",
+        "turn_index": sample.turn_index,
+        "num_turns": sample.num_turns,
+    }
+
+
+def _message(message: dict[str, Any]) -> dict[str, str]:
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: their text, in order
+        content = "".join(str(p.get("text") or "") if isinstance(p, dict) else str(p) for p in content)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        content = json.dumps(content, ensure_ascii=False)
+    if not content and message.get("tool_calls"):
+        content = json.dumps(message["tool_calls"], ensure_ascii=False)
+    return {"role": str(message.get("role") or ""), "content": content}
+
+
+def export(records: Iterable[bytes], out: Path, max_bytes: int, *, shape: str = "all",
+           min_reward: float | None = None) -> ExportReport:
+    """Write the dataset of ``records`` (sample-stream records) to ``out``."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape {shape!r} is none of {SHAPES}")
+    report = ExportReport()
+    seen: set[str] = set()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in records:
+                try:
+                    sample = decode_sample(record, max_bytes)
+                except RecordError:
+                    report.unreadable += 1
+                    continue
+                if isinstance(sample, SampleSkip):
+                    report.skips += 1
+                    continue
+                if sample.sample_id in seen:
+                    report.duplicates += 1
+                    continue
+                seen.add(sample.sample_id)
+                if (shape != "all" and sample.shape != shape) or (
+                        min_reward is not None and (sample.final_reward is None or sample.final_reward < min_reward)):
+                    report.filtered += 1
+                    continue
+                f.write(json.dumps(row(sample), ensure_ascii=False) + "\n")
+                report.rows += 1
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    return report
