@@ -115,11 +115,12 @@ async def test_archive_trim_replay_gives_the_live_adapters_records(store: RedisS
     live = await _samples(store)
     await _trim_everything_consumed(store)
     assert [await store.redis.exists(store.keys.spans(rid)) for rid in second] == [1, 1, 1]
-    assert not await store.redis.exists(store.keys.spans(first[0]))  # archived, then trimmed (shard 0's)
+    assert [await store.redis.exists(store.keys.spans(rid)) for rid in first] == [0] * 6  # archived, trimmed
 
     again = await archive(store, directory)  # incremental: only the newcomers
     assert (again.rollouts, again.samples) == (3, len(live) - report.samples)
     await _trim_everything_consumed(store)
+    assert [await store.redis.exists(store.keys.spans(rid)) for rid in second] == [0, 0, 0]
     assert sorted(_archived_rollout_ids(directory)) == sorted([*first, "failed-1", *second])
 
     await delete_experiment(store.redis, store.experiment)
