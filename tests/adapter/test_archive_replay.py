@@ -212,9 +212,8 @@ async def test_archive_after_a_crash_neither_loses_nor_duplicates(
 
 
 async def test_export_writes_a_dataset_with_one_schema(store: RedisStore, tmp_path: Path) -> None:
-    """Every line has the same columns with the same types (what `datasets`' JSON loader needs to infer
-    one schema: `datasets` itself, with pyarrow, is too large a test dependency); skips left out;
-    a sample met in two sources written once; filters apply."""
+    """Every line has the same columns with the same types, and Hugging Face `datasets` loads the file
+    as it is; skips left out; a sample met in two sources written once; filters apply."""
     for rid in _ids("e", 2):
         await _finish(store, rid)
     await _finish(store, "e-low", reward=0.0)
@@ -241,6 +240,12 @@ async def test_export_writes_a_dataset_with_one_schema(store: RedisStore, tmp_pa
     triplet = next(r for r in rows if r["shape"] == "triplet" and r["turn_index"] == 1)
     assert triplet["messages"] == [{"role": "user", "content": f"{triplet['rollout_id']} turn 1"},
                                    {"role": "assistant", "content": "answer 1"}]
+
+    import datasets  # the loader users will call, with its own schema inference
+
+    loaded = datasets.load_dataset("json", data_files=str(out), split="train", cache_dir=str(tmp_path / "hf"))
+    assert loaded.num_rows == 9 and loaded[0]["messages"] == rows[0]["messages"]
+    assert loaded.features["reward"].dtype == "float64"
 
     kept = export(archived_records([directory]), tmp_path / "good.jsonl", store.max_record_bytes,
                   shape="trajectory", min_reward=0.5)
