@@ -6,7 +6,7 @@ temporary folders; the cluster is made with redis-cli --cluster create, as tests
 does. The same worker processes and enqueuing side as store_lifecycle run against each, one after
 the other. Redis CPU per rollout sums INFO cpu over every node of the target.
 
-    python bench/store_cluster.py [--n 20000] [--workers 8] [--concurrency 8]
+    python bench/store_cluster.py [--n 10000] [--workers 8] [--concurrency 8]
 
 Progress goes to stderr; ONE JSON line on stdout: rollouts_per_s_single, rollouts_per_s_cluster,
 cluster_vs_single, redis_cpu_us_per_rollout (single node, and ``_cluster`` summed over the masters),
@@ -47,10 +47,11 @@ def log(message: str, *args: Any) -> None:
     print(f"[store_cluster] {message % args}", file=sys.stderr, flush=True)
 
 
-def node_totals(ports: list[int], reset: bool = False) -> tuple[float, dict[str, Any]]:
-    """(CPU seconds, INFO commandstats summed per command) over the nodes on ``ports``; ``reset``
-    zeroes the command counts first (CONFIG RESETSTAT)."""
-    cpu, commands = 0.0, {}
+def node_totals(ports: list[int], reset: bool = False) -> tuple[float, int, dict[str, Any]]:
+    """(CPU seconds, reads from clients, INFO commandstats summed per command) over the nodes on
+    ``ports``; ``reset`` zeroes the counts first (CONFIG RESETSTAT). A read is one batch of commands
+    from one client (about one round trip): each costs the server a system call or two whatever it holds."""
+    cpu, reads, commands = 0.0, 0, {}
     for port in ports:
         client = redis.Redis(port=port)
         try:
@@ -58,6 +59,7 @@ def node_totals(ports: list[int], reset: bool = False) -> tuple[float, dict[str,
                 client.config_resetstat()
             info = client.info("cpu")
             cpu += float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+            reads += int(client.info("stats")["total_reads_processed"])
             for name, c in client.info("commandstats").items():
                 total = commands.setdefault(name, {"calls": 0, "usec": 0})
                 total["calls"] += int(c["calls"])
@@ -66,7 +68,7 @@ def node_totals(ports: list[int], reset: bool = False) -> tuple[float, dict[str,
             client.close()
     for c in commands.values():
         c["usec_per_call"] = c["usec"] / max(1, c["calls"])
-    return cpu, commands
+    return cpu, reads, commands
 
 
 async def drive(url: str, ports: list[int], args: argparse.Namespace, workers: list[Any]) -> dict[str, float]:
@@ -76,9 +78,9 @@ async def drive(url: str, ports: list[int], args: argparse.Namespace, workers: l
         store = RedisStore(client, EXPERIMENT)
         await store.ensure()
         await store.ensure_finished_group(COMPLETIONS_GROUP, start="$")
-        cpu0, _ = node_totals(ports, reset=True)
+        cpu0, reads0, _ = node_totals(ports, reset=True)
         elapsed = await workload(store, args.n, args.batch, args.window, workers, tag=f"{len(ports)} node(s) ")
-        cpu1, commands = node_totals(ports)
+        cpu1, reads1, commands = node_totals(ports)
     finally:
         await client.aclose()
     n = args.n
@@ -86,9 +88,10 @@ async def drive(url: str, ports: list[int], args: argparse.Namespace, workers: l
     calls = sum(c["calls"] for c in commands.values())
     scripts = sum(c["usec"] for name, c in commands.items() if name in ("cmdstat_evalsha", "cmdstat_eval"))
     rate = n / elapsed
-    log("%s: %.0f rollouts/s, %.1f us Redis CPU, %.1f calls, %.1f us in scripts per rollout", url, rate,
-        (cpu1 - cpu0) / n * 1e6, calls / n, scripts / n)
-    return {"rate": rate, "cpu_us": (cpu1 - cpu0) / n * 1e6, "calls": calls / n, "script_us": scripts / n}
+    reads = (reads1 - reads0) / n
+    log("%s: %.0f rollouts/s; per rollout %.1f us Redis CPU, %.1f commands, %.2f reads, %.1f us in scripts",
+        url, rate, (cpu1 - cpu0) / n * 1e6, calls / n, reads, scripts / n)
+    return {"rate": rate, "cpu_us": (cpu1 - cpu0) / n * 1e6, "calls": calls / n, "reads": reads, "script_us": scripts / n}
 
 
 def run_against(url: str, ports: list[int], args: argparse.Namespace) -> dict[str, float]:
@@ -100,7 +103,7 @@ def run_against(url: str, ports: list[int], args: argparse.Namespace) -> dict[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=20_000, help="rollouts in all, per target")
+    parser.add_argument("--n", type=int, default=10_000, help="rollouts in all, per target")
     parser.add_argument("--workers", type=int, default=8, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=8, help="rollouts in flight per worker process")
     parser.add_argument("--batch", type=int, default=500, help="rollouts per enqueue_rollouts call")
@@ -129,6 +132,8 @@ def main() -> None:
         "redis_cpu_us_per_rollout_cluster": round(on_cluster["cpu_us"], 1),
         "server_calls_per_rollout_single": round(single["calls"], 1),
         "server_calls_per_rollout_cluster": round(on_cluster["calls"], 1),
+        "server_reads_per_rollout_single": round(single["reads"], 2),
+        "server_reads_per_rollout_cluster": round(on_cluster["reads"], 2),
         "script_us_per_rollout_single": round(single["script_us"], 1),
         "script_us_per_rollout_cluster": round(on_cluster["script_us"], 1),
         "cpu_probe_ms": round(probe_ms, 1),

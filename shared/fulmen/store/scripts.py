@@ -207,9 +207,13 @@ local function begin(worker, qid, rid)
   local n = tonumber(r[3]) + 1
   local aid = rid .. '.' .. n
   local ak = K_ATTEMPT .. aid
-  redis.call('HSET', ak, 'v', 1, 'rollout_id', rid, 'attempt_id', aid, 'sequence_id', n,
-             'status', 'preparing', 'worker_id', worker, 'start_time', t, 'heartbeat_time', t,
-             'end_time', '')
+  -- The attempt is new: its fields are exactly these, so the reply carries them without a read back
+  -- (as strings, formatted as redis.call formats a number: a number in a reply would lose its fraction).
+  local ts = string.format('%.17g', t)
+  local attempt = {'v', '1', 'rollout_id', rid, 'attempt_id', aid, 'sequence_id', tostring(n),
+                   'status', 'preparing', 'worker_id', worker, 'start_time', ts, 'heartbeat_time', ts,
+                   'end_time', ''}
+  redis.call('HSET', ak, unpack(attempt))
   if r[7] == '' then
     set_status(rid, r[1], 'preparing', 'attempt_n', n, 'attempt_id', aid, 'qid', '', 'start_time', t)
   else
@@ -218,7 +222,7 @@ local function begin(worker, qid, rid)
   if r[4] ~= '' then redis.call('ZADD', K_HEARTBEAT, t + tonumber(r[4]), aid) end
   if r[5] ~= '' then redis.call('ZADD', K_DEADLINE, t + tonumber(r[5]), aid) end
   if qid ~= '' then redis.call('XACK', K_QUEUE, GROUP, qid) end
-  return {'ok', redis.call('HGETALL', rk), redis.call('HGETALL', ak)}
+  return {'ok', redis.call('HGETALL', rk), attempt}
 end
 """
 
