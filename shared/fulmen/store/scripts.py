@@ -108,8 +108,7 @@ local function finish(rid, aid, status, err, queue_msg, finished_msg, reward, as
   if err ~= '' then af[#af + 1] = 'error'; af[#af + 1] = err end
   if has_reward then af[#af + 1] = 'reward'; af[#af + 1] = reward end
   redis.call('HSET', ak, unpack(af))
-  -- No rollout (nil fields): unwatch by both lists, as the attempt's config is unknown.
-  unwatch(aid, r[6], r[7])
+  unwatch(aid, r[6], r[7])  -- no rollout (nil fields): both lists, its config is unknown
   if r[2] ~= aid or TERMINAL[r[1]] then
     if #rset > 0 then redis.call('HSET', rk, unpack(rset)) end
     return r[2] ~= aid and 'superseded' or 'ignored'
@@ -142,9 +141,7 @@ local function create(rid, queue_msg, first, last, t, index)
   local fields = {unpack(ARGV, first, last)}
   local qid = ''
   if queue_msg ~= '' then qid = redis.call('XADD', K_QUEUE, '*', 'm', queue_msg) end
-  for _, x in ipairs({'status', 'queuing', 'enqueue_time', t, 'seq', 0, 'attempt_n', 0, 'qid', qid}) do
-    fields[#fields + 1] = x
-  end
+  for _, x in ipairs({'status', 'queuing', 'enqueue_time', t, 'seq', 0, 'attempt_n', 0, 'qid', qid}) do fields[#fields + 1] = x end
   redis.call('HSET', rk, unpack(fields))
   if index then
     index[#index + 1] = rid
@@ -338,8 +335,7 @@ ADD_SPANS = (
 local rid, aid = ARGV[1], ARGV[2]
 local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id', 'status')
 if a[1] ~= rid then return {'missing'} end
-local out = {'', ''}
-local rk = K_ROLLOUT .. rid
+local out, rk = {'', ''}, K_ROLLOUT .. rid
 if #ARGV > 2 then
   local seqs, seq = store_spans(rid, 3, tonumber(redis.call('HGET', rk, 'seq')) or 0)
   for _, x in ipairs(seqs) do out[#out + 1] = x end
