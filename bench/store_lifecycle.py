@@ -34,7 +34,8 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -48,6 +49,8 @@ EXPERIMENT = "bench-lifecycle"
 SPANS_PER_ROLLOUT = 8
 COMPLETIONS_GROUP = "bench"
 STALL_S = 60.0  # no completion for this long: something is wrong, stop
+
+T = TypeVar("T")
 
 
 def log(message: str, *args: Any) -> None:
@@ -141,13 +144,10 @@ def worker_main(index: int, url: str, concurrency: int, ready: Any, stop: Any, r
 # --- the enqueuing side -----------------------------------------------------------------------------
 
 
-async def drive(url: str, n: int, batch: int, window: int, workers: list[Any]) -> dict[str, Any]:
-    """Enqueue N rollouts in batches, keeping at most ``window`` unfinished, until N completions
-    are observed. Returns the timings and the server's CPU and command counts over the run."""
-    client = await connect(CommonSettings(redis_url=url), wait_s=10)
-    store = RedisStore(client, EXPERIMENT)
-    await store.ensure()
-    await store.ensure_finished_group(COMPLETIONS_GROUP, start="$")
+async def workload(store: RedisStore, n: int, batch: int, window: int, workers: list[Any], tag: str = "") -> float:
+    """Enqueue N rollouts in batches, keeping at most ``window`` unfinished, until N completions are
+    observed on the completions group (which must exist). Returns the elapsed seconds. Shared with
+    bench/store_cluster.py."""
     rollouts = [store.new_rollout({"task": i, "question": f"what is {i} + {i}?"}) for i in range(n)]
     enqueued = completed = 0
     room = asyncio.Event()
@@ -181,20 +181,24 @@ async def drive(url: str, n: int, batch: int, window: int, workers: list[Any]) -
                 next_report = now + 2.0
                 elapsed = now - start
                 rate = completed / elapsed if elapsed else 0.0
-                log(
-                    "%6.1fs  enqueued %6d  completed %6d  %6.0f rollouts/s",
-                    elapsed,
-                    enqueued,
-                    completed,
-                    rate,
-                )
+                log("%s%6.1fs  enqueued %6d  completed %6d  %6.0f rollouts/s", tag, elapsed, enqueued, completed, rate)
 
+    start = time.perf_counter()
+    await asyncio.gather(enqueue(), observe())
+    return time.perf_counter() - start
+
+
+async def drive(url: str, n: int, batch: int, window: int, workers: list[Any]) -> dict[str, Any]:
+    """The workload from this process. Returns the timings and the server's CPU and command counts
+    over the run."""
+    client = await connect(CommonSettings(redis_url=url), wait_s=10)
+    store = RedisStore(client, EXPERIMENT)
+    await store.ensure()
+    await store.ensure_finished_group(COMPLETIONS_GROUP, start="$")
     await client.config_resetstat()
     server_cpu0 = await server_cpu_s(client)
     cpu0 = time.process_time()
-    start = time.perf_counter()
-    await asyncio.gather(enqueue(), observe())
-    elapsed = time.perf_counter() - start
+    elapsed = await workload(store, n, batch, window, workers)
     driver_cpu_s = time.process_time() - cpu0
     server_cpu = [b - a for a, b in zip(server_cpu0, await server_cpu_s(client), strict=True)]
     commands = await client.info("commandstats")
@@ -202,13 +206,7 @@ async def drive(url: str, n: int, batch: int, window: int, workers: list[Any]) -
     await client.aclose()
     if stats["rollouts"]["succeeded"] != n:
         raise RuntimeError(f"expected {n} succeeded rollouts, the store says {stats['rollouts']}")
-    for name, c in sorted(commands.items(), key=lambda kv: -kv[1]["usec"])[:6]:
-        log(
-            "server %-20s %8d calls  %6.1f us/call",
-            name.removeprefix("cmdstat_"),
-            c["calls"],
-            c["usec_per_call"],
-        )
+    log_commands(commands, n)
     return {
         "elapsed_s": elapsed,
         "driver_cpu_s": driver_cpu_s,
@@ -216,6 +214,14 @@ async def drive(url: str, n: int, batch: int, window: int, workers: list[Any]) -
         "aof_rewrite_cpu_s": server_cpu[1],
         "server_calls": sum(c["calls"] for c in commands.values()),
     }
+
+
+def log_commands(commands: dict[str, Any], n: int, top: int = 12) -> None:
+    """The server's busiest commands (INFO commandstats since the reset): calls per rollout and the
+    time per call. Commands a script runs count too, so these add up to more than the round trips."""
+    for name, c in sorted(commands.items(), key=lambda kv: -kv[1]["usec"])[:top]:
+        log("server %-14s %7.2f calls/rollout  %6.1f us/call", name.removeprefix("cmdstat_"), c["calls"] / n,
+            c["usec_per_call"])
 
 
 async def server_cpu_s(client: aioredis.Redis) -> tuple[float, float]:
@@ -255,6 +261,32 @@ def cpu_probe_ms() -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def with_workers(
+    url: str, workers: int, concurrency: int, separate: bool, body: Callable[[list[Any]], T]
+) -> tuple[T, list[dict[str, Any]]]:
+    """Start the worker processes against ``url``, run ``body(processes)`` once all are ready, then
+    stop them. Returns what body returned and each worker's figures. Shared with store_cluster."""
+    ctx = mp.get_context("spawn")
+    ready, stop, results = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=worker_main, args=(i, url, concurrency, ready, stop, results, separate), daemon=True)
+        for i in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        if not ready.acquire(timeout=60):
+            raise SystemExit("a worker did not start within 60 s")
+    try:
+        out = body(procs)
+    finally:
+        stop.set()
+    per_worker = [results.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    return out, per_worker
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=20_000, help="rollouts in all")
@@ -270,30 +302,17 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="fulmen-bench-") as tmp, EmbeddedRedis(tmp, port=None) as server:
         log("embedded redis on port %d (AOF everysec) in %s", server.port, tmp)
-        ctx = mp.get_context("spawn")
-        ready, stop, results = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-        procs = [
-            ctx.Process(
-                target=worker_main, args=(i, server.url, args.concurrency, ready, stop, results, args.separate), daemon=True
-            )
-            for i in range(args.workers)
-        ]
-        for p in procs:
-            p.start()
-        for _ in procs:
-            if not ready.acquire(timeout=60):
-                raise SystemExit("a worker did not start within 60 s")
-        probe_ms = cpu_probe_ms()
-        log("%d workers x %d slots ready; enqueuing %d rollouts", args.workers, args.concurrency, args.n)
-        ticks0 = cpu_ticks()
-        try:
+
+        def measured(procs: list[Any]) -> dict[str, Any]:
+            probe_ms = cpu_probe_ms()
+            log("%d workers x %d slots ready; enqueuing %d rollouts", args.workers, args.concurrency, args.n)
+            ticks0 = cpu_ticks()
             timings = asyncio.run(drive(server.url, args.n, args.batch, args.window, procs))
-        finally:
-            stop.set()
-        ticks1 = cpu_ticks()
-        per_worker = [results.get(timeout=60) for _ in procs]
-        for p in procs:
-            p.join(timeout=30)
+            return {**timings, "probe_ms": probe_ms, "ticks": (ticks0, cpu_ticks())}
+
+        timings, per_worker = with_workers(server.url, args.workers, args.concurrency, args.separate, measured)
+    probe_ms = timings["probe_ms"]
+    ticks0, ticks1 = timings["ticks"]
 
     claim = [x for w in per_worker for x in w["claim"]]
     add_spans = [x for w in per_worker for x in w["add_spans"]]

@@ -17,6 +17,7 @@ from fulmen.errors import InvalidInput
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
 from fulmen.store.browse import RolloutFilter, browse_rollouts
+from fulmen.store.rollouts import ENQUEUE_CHUNK
 from fulmen.store.statistics import read_snapshot
 
 SHARDS = 3
@@ -174,3 +175,19 @@ async def test_poison_on_another_shard_is_dead_lettered_and_requeued(sharded: Re
     await store.requeue_dead_letter(letter.dead_letter_id)
     assert await store.query_dead_letters() == []
     assert await store.redis.xlen(shard.queue) == 2
+
+
+async def test_a_large_enqueue_reports_each_rollout_in_order(sharded: RedisStore) -> None:
+    """enqueue_rollouts sends one script call per shard and chunk of rollouts: the flags still come back
+    in the caller's order, a rollout repeated within the batch is created once, each is queued once."""
+    ids = [f"big{i:04d}" for i in range(ENQUEUE_CHUNK * 2 + 7)]
+    await sharded.enqueue_rollouts([sharded.new_rollout("old", rollout_id=ids[150])])
+    batch = [sharded.new_rollout(i, rollout_id=i) for i in ids] + [sharded.new_rollout("again", rollout_id=ids[3])]
+    flags = await sharded.enqueue_rollouts(batch)
+    assert flags == [i != 150 for i in range(len(ids))] + [False]
+    assert (await sharded.get_rollout(ids[3])).input == ids[3]
+    assert (await sharded.get_rollout(ids[150])).input == "old"
+    stats = await sharded.statistics()
+    assert stats["rollouts"]["queuing"] == len(ids)
+    claimed = await sharded.dequeue_rollouts("w", count=len(ids) + 5)
+    assert sorted(c.rollout.rollout_id for c in claimed) == ids

@@ -210,3 +210,16 @@ async def test_finishing_with_spans_refuses_foreign_spans_and_unknown_attempts(s
     with pytest.raises(NotFound):
         await store.update_attempt("r1", "r1.7", status="succeeded", spans=[_span("r1.7", "a")])
     assert await store.query_spans("r1") == []
+
+
+async def test_a_late_finish_with_spans_numbers_them_on_from_the_counter(store: RedisStore) -> None:
+    """A repeated finish (the attempt has ended: 'already') still stores its new spans, once each even
+    when a call repeats one, numbered on from the rollout's counter, which it moves on for later spans."""
+    await _claim(store)
+    assert await store.update_attempt("r1", "r1.1", status="succeeded", spans=[_span("r1.1", "a")]) == "succeeded"
+    late = [_span("r1.1", "b"), _span("r1.1", "b", name="again"), _span("r1.1", "a")]
+    assert await store.update_attempt("r1", "r1.1", status="succeeded", spans=late) == "already"
+    assert await store.add_spans([_span("r1.1", "c")]) == [_span("r1.1", "c", sequence_id=3)]
+    spans = await store.query_spans("r1")
+    assert _seq(spans) == [(1, "r1.1", "a"), (2, "r1.1", "b"), (3, "r1.1", "c")]
+    assert spans[1].name == "llm"

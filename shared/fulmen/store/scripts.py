@@ -44,17 +44,24 @@ end
 {lua_set("WAITING", WAITING_ROLLOUT)}
 {lua_set("ACTIVE", ACTIVE_ATTEMPT)}
 
--- Move a rollout to a new status: the hash field and the per-status index change together.
-local function set_status(rid, old, new)
-  if old == new then return end
+-- Move a rollout to a new status: the hash field and the per-status index change together. The
+-- field/value pairs in `...` go into the same HSET (one write of the hash, not one per field), and are
+-- written even when the status does not change.
+local function set_status(rid, old, new, ...)
+  if old == new then
+    if select('#', ...) > 0 then redis.call('HSET', K_ROLLOUT .. rid, ...) end
+    return
+  end
   if old then redis.call('SREM', K_STATUS .. old, rid) end
   redis.call('SADD', K_STATUS .. new, rid)
-  redis.call('HSET', K_ROLLOUT .. rid, 'status', new)
+  redis.call('HSET', K_ROLLOUT .. rid, 'status', new, ...)
 end
 
-local function unwatch(aid)
-  redis.call('ZREM', K_HEARTBEAT, aid)
-  redis.call('ZREM', K_DEADLINE, aid)
+-- Take an attempt off the watchdog's lists. `unresponsive_s`, `timeout_s`: its rollout's, when the
+-- caller read them ('' = the rollout has none, so the attempt was never on that list: no ZREM).
+local function unwatch(aid, unresponsive_s, timeout_s)
+  if unresponsive_s ~= '' then redis.call('ZREM', K_HEARTBEAT, aid) end
+  if timeout_s ~= '' then redis.call('ZREM', K_DEADLINE, aid) end
 end
 
 -- An active attempt showed life: refresh its heartbeat, preparing -> running (and its rollout).
@@ -80,73 +87,113 @@ end
 
 -- End an active attempt with `status` and apply the rollout's retry policy. `reward` ('' = none), the
 -- attempt's final reward as its runner computed it, is stored with the attempt and, when the attempt
--- ends the rollout, with the rollout.
+-- ends the rollout, with the rollout. `astatus`: the attempt's status if the caller has read it (nil:
+-- read here). `r`: READ_FOR_FINISH of the rollout if the caller has read it (nil: read here).
+-- `rset`: field/value pairs the caller wants written to the rollout hash in any case (FINISH_WITH_SPANS'
+-- span counter), folded into the rollout's one HSET.
 -- Returns: missing | already | running | superseded | ignored | succeeded | requeued | failed
-local function finish(rid, aid, status, err, queue_msg, finished_msg, reward)
-  local ak = K_ATTEMPT .. aid
-  local a = redis.call('HMGET', ak, 'status')
-  if not a[1] then return 'missing' end
-  if not ACTIVE[a[1]] then
+local READ_FOR_FINISH = {{'status', 'attempt_id', 'attempt_n', 'max_attempts', 'retry_on', 'unresponsive_s', 'timeout_s',
+                         'priority'}}
+local function finish(rid, aid, status, err, queue_msg, finished_msg, reward, astatus, r, rset)
+  local ak, rk = K_ATTEMPT .. aid, K_ROLLOUT .. rid
+  rset = rset or {{}}
+  astatus = astatus or redis.call('HGET', ak, 'status')
+  if not astatus then return 'missing' end
+  r = r or redis.call('HMGET', rk, unpack(READ_FOR_FINISH))
+  if not ACTIVE[astatus] then
+    if #rset > 0 then redis.call('HSET', rk, unpack(rset)) end
     -- A newer attempt or a cancel ended this attempt before its worker reported: say which.
-    local cur = redis.call('HMGET', K_ROLLOUT .. rid, 'status', 'attempt_id')
-    if cur[2] ~= aid then return 'superseded' end
-    if cur[1] == 'cancelled' then return 'ignored' end
+    if r[2] ~= aid then return 'superseded' end
+    if r[1] == 'cancelled' then return 'ignored' end
     return 'already'
   end
   local t = now()
-  if status == 'running' then touch(rid, aid, t); return 'running' end
-  redis.call('HSET', ak, 'status', status, 'end_time', t)
-  if err ~= '' then redis.call('HSET', ak, 'error', err) end
-  if reward and reward ~= '' then redis.call('HSET', ak, 'reward', reward) end
-  unwatch(aid)
-  local rk = K_ROLLOUT .. rid
-  local r = redis.call('HMGET', rk, 'status', 'attempt_id', 'attempt_n', 'max_attempts', 'retry_on', 'priority')
-  if r[2] ~= aid then return 'superseded' end
-  if TERMINAL[r[1]] then return 'ignored' end
-  if status == 'succeeded' then
-    set_status(rid, r[1], 'succeeded')
-    redis.call('HSET', rk, 'end_time', t)
-    if reward and reward ~= '' then redis.call('HSET', rk, 'reward', reward) end
-    redis.call('XADD', K_FINISHED, '*', 'm', finished_msg)
-    return 'succeeded'
+  if status == 'running' then
+    if #rset > 0 then redis.call('HSET', rk, unpack(rset)) end
+    touch(rid, aid, t, astatus)
+    return 'running'
   end
-  local retry = string.find(',' .. r[5] .. ',', ',' .. status .. ',', 1, true)
+  local has_reward = reward and reward ~= ''
+  local af = {{'status', status, 'end_time', t}}
+  if err ~= '' then af[#af + 1] = 'error'; af[#af + 1] = err end
+  if has_reward then af[#af + 1] = 'reward'; af[#af + 1] = reward end
+  redis.call('HSET', ak, unpack(af))
+  unwatch(aid, r[6], r[7])  -- no rollout (nil fields): both lists, its config is unknown
+  if r[2] ~= aid or TERMINAL[r[1]] then
+    if #rset > 0 then redis.call('HSET', rk, unpack(rset)) end
+    return r[2] ~= aid and 'superseded' or 'ignored'
+  end
+  local retry = status ~= 'succeeded' and string.find(',' .. r[5] .. ',', ',' .. status .. ',', 1, true)
   if retry and tonumber(r[3]) < tonumber(r[4]) then
-    set_status(rid, r[1], 'requeuing')
-    local qid = redis.call('XADD', LANE_QUEUES[lane_of(r[6])], '*', 'm', queue_msg)
-    redis.call('HSET', rk, 'qid', qid)
+    rset[#rset + 1] = 'qid'
+    rset[#rset + 1] = redis.call('XADD', LANE_QUEUES[lane_of(r[8])], '*', 'm', queue_msg)
+    set_status(rid, r[1], 'requeuing', unpack(rset))
     return 'requeued'
   end
-  set_status(rid, r[1], 'failed')
-  redis.call('HSET', rk, 'end_time', t)
-  if reward and reward ~= '' then redis.call('HSET', rk, 'reward', reward) end
+  local ending = status == 'succeeded' and 'succeeded' or 'failed'
+  rset[#rset + 1] = 'end_time'
+  rset[#rset + 1] = t
+  if has_reward then rset[#rset + 1] = 'reward'; rset[#rset + 1] = reward end
+  set_status(rid, r[1], ending, unpack(rset))
   redis.call('XADD', K_FINISHED, '*', 'm', finished_msg)
-  return 'failed'
+  return ending
 end
 """
 
-# Create rollout `rid` as queuing from the hash fields in ARGV[first..]; queue it unless `queue_msg`
-# is '' (start_rollout begins its attempt at once). Returns 1, or 0 if the id existed (nothing changes).
+# Create rollout `rid` as queuing from the hash fields in ARGV[first..last] at time `t`, in one HSET;
+# queue it unless `queue_msg` is '' (start_rollout begins its attempt at once). `index`: nil to add
+# the rollout to the status set and the rollout index now, else a table collecting the ids for the
+# caller to add in one SADD and one ZADD (`index_all`). Returns 1, or 0 if the id existed (nothing changes).
 _CREATE = """
-local function create(rid, queue_msg, first)
+local function create(rid, queue_msg, first, last, t, index)
   local rk = K_ROLLOUT .. rid
   if redis.call('EXISTS', rk) == 1 then return 0 end
-  local t = now()
-  redis.call('HSET', rk, unpack(ARGV, first))
-  redis.call('HSET', rk, 'status', 'queuing', 'enqueue_time', t, 'seq', 0, 'attempt_n', 0, 'qid', '')
-  redis.call('SADD', K_STATUS .. 'queuing', rid)
-  redis.call('ZADD', K_INDEX, t, rid)
+  local fields = {unpack(ARGV, first, last)}
+  local qid = ''
   if queue_msg ~= '' then
-    local lane = LANE_QUEUES[lane_of(redis.call('HGET', rk, 'priority'))]
-    redis.call('HSET', rk, 'qid', redis.call('XADD', lane, '*', 'm', queue_msg))
+    local priority = nil
+    for i = 1, #fields - 1, 2 do
+      if fields[i] == 'priority' then priority = fields[i + 1] end
+    end
+    qid = redis.call('XADD', LANE_QUEUES[lane_of(priority)], '*', 'm', queue_msg)
+  end
+  for _, x in ipairs({'status', 'queuing', 'enqueue_time', t, 'seq', 0, 'attempt_n', 0, 'qid', qid}) do fields[#fields + 1] = x end
+  redis.call('HSET', rk, unpack(fields))
+  if index then
+    index[#index + 1] = rid
+  else
+    redis.call('SADD', K_STATUS .. 'queuing', rid)
+    redis.call('ZADD', K_INDEX, t, rid)
   end
   return 1
 end
+
+-- Add the rollouts `ids`, all created at `t`, to the queuing set and the rollout index (in chunks:
+-- unpack() has a limit on the number of values).
+local function index_all(ids, t)
+  for first = 1, #ids, 1000 do
+    local last = math.min(first + 999, #ids)
+    redis.call('SADD', K_STATUS .. 'queuing', unpack(ids, first, last))
+    local scored = {}
+    for i = first, last do scored[#scored + 1] = t; scored[#scored + 1] = ids[i] end
+    redis.call('ZADD', K_INDEX, unpack(scored))
+  end
+end
 """
 
-# ARGV[1] = rollout id, ARGV[2] = queue message, ARGV[3..] = field/value pairs of the rollout hash.
-# Returns 1 when created, 0 when the id already existed (idempotent enqueue: nothing changes).
-ENQUEUE = PRELUDE + _CREATE + "return create(ARGV[1], ARGV[2], 3)"
+# A batch of rollouts: ARGV = per rollout (id, queue message, n, then n values: field/value pairs of
+# its hash). Returns, per rollout, 1 when created, 0 when the id already existed (idempotent enqueue:
+# nothing changes). One call for the batch: the script's fixed cost and the clock read are paid once.
+ENQUEUE = PRELUDE + _CREATE + """
+local t, out, index, i = now(), {}, {}, 1
+while i <= #ARGV do
+  local n = tonumber(ARGV[i + 2])
+  out[#out + 1] = create(ARGV[i], ARGV[i + 1], i + 3, i + 2 + n, t, index)
+  i = i + 3 + n
+end
+index_all(index, t)
+return out
+"""
 
 # Begin the next attempt of rollout `rid` for `worker`; `qid` is the queue entry it was claimed from
 # ('' for a manual attempt), on the queue of lane number `lane`. Returns one reply item of
@@ -182,19 +229,22 @@ local function begin(worker, qid, rid, lane)
   local n = tonumber(r[3]) + 1
   local aid = rid .. '.' .. n
   local ak = K_ATTEMPT .. aid
-  redis.call('HSET', ak, 'v', 1, 'rollout_id', rid, 'attempt_id', aid, 'sequence_id', n,
-             'status', 'preparing', 'worker_id', worker, 'start_time', t, 'heartbeat_time', t,
-             'end_time', '')
+  -- The attempt is new: its fields are exactly these, so the reply carries them without a read back
+  -- (as strings, formatted as redis.call formats a number: a number in a reply would lose its fraction).
+  local ts = string.format('%.17g', t)
+  local attempt = {'v', '1', 'rollout_id', rid, 'attempt_id', aid, 'sequence_id', tostring(n),
+                   'status', 'preparing', 'worker_id', worker, 'start_time', ts, 'heartbeat_time', ts,
+                   'end_time', ''}
+  redis.call('HSET', ak, unpack(attempt))
   if r[7] == '' then
-    redis.call('HSET', rk, 'attempt_n', n, 'attempt_id', aid, 'qid', '', 'start_time', t)
+    set_status(rid, r[1], 'preparing', 'attempt_n', n, 'attempt_id', aid, 'qid', '', 'start_time', t)
   else
-    redis.call('HSET', rk, 'attempt_n', n, 'attempt_id', aid, 'qid', '')
+    set_status(rid, r[1], 'preparing', 'attempt_n', n, 'attempt_id', aid, 'qid', '')
   end
-  set_status(rid, r[1], 'preparing')
   if r[4] ~= '' then redis.call('ZADD', K_HEARTBEAT, t + tonumber(r[4]), aid) end
   if r[5] ~= '' then redis.call('ZADD', K_DEADLINE, t + tonumber(r[5]), aid) end
   if qid ~= '' then done(lane, qid) end
-  return {'ok', redis.call('HGETALL', rk), redis.call('HGETALL', ak)}
+  return {'ok', redis.call('HGETALL', rk), attempt}
 end
 """
 
@@ -226,10 +276,40 @@ START_ROLLOUT = (
     + _CREATE
     + BEGIN
     + """
-if create(ARGV[2], '', 3) == 0 then return {'exists'} end
+if create(ARGV[2], '', 3, #ARGV, now()) == 0 then return {'exists'} end
 return begin(ARGV[1], '', ARGV[2])
 """
 )
+
+# Store the spans in ARGV[first..] (pairs: dedupe key, span message) of rollout `rid`, numbered after
+# `seq`, the rollout's counter: one SMISMEMBER and one SADD for all the dedupe keys (not one SADD, one
+# AOF line, per span), one XADD per new span under "<seq>-0". Returns the seq given to each span (0: a
+# duplicate) and the counter after them (nil when nothing new was stored, so it needs no write).
+_SPANS = """
+local function store_spans(rid, first, seq)
+  local ids, spans = K_SPAN_IDS .. rid, K_SPANS .. rid
+  local out, last = {}, nil
+  for chunk = first, #ARGV, 2000 do  -- unpack() has a limit on the number of values
+    local keys, new, fresh = {}, {}, {}
+    for i = chunk, math.min(chunk + 1999, #ARGV), 2 do keys[#keys + 1] = ARGV[i] end
+    local seen = redis.call('SMISMEMBER', ids, unpack(keys))
+    for j, key in ipairs(keys) do
+      if seen[j] == 0 and not fresh[key] then
+        fresh[key] = true
+        seq = seq + 1
+        last = seq
+        redis.call('XADD', spans, seq .. '-0', 'm', ARGV[chunk + 2 * j - 1])
+        new[#new + 1] = key
+        out[#out + 1] = seq
+      else
+        out[#out + 1] = 0
+      end
+    end
+    if #new > 0 then redis.call('SADD', ids, unpack(new)) end
+  end
+  return out, last
+end
+"""
 
 # ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3..] = pairs (dedupe key, span message).
 # Stores each new span under the next sequence id of the rollout (stream entry id "<seq>-0"),
@@ -237,23 +317,17 @@ return begin(ARGV[1], '', ARGV[2])
 # Returns {rollout status, attempt status, seq or 0 per span}, or {'missing'} for an unknown attempt.
 ADD_SPANS = (
     PRELUDE
+    + _SPANS
     + """
 local rid, aid = ARGV[1], ARGV[2]
 local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id', 'status')
 if a[1] ~= rid then return {'missing'} end
-local out = {'', ''}
-local rk, ids, spans = K_ROLLOUT .. rid, K_SPAN_IDS .. rid, K_SPANS .. rid
-local seq  -- the rollout's counter: read once, written once (not one HINCRBY, one AOF line, per span)
-for i = 3, #ARGV, 2 do
-  if redis.call('SADD', ids, ARGV[i]) == 1 then
-    seq = (seq or tonumber(redis.call('HGET', rk, 'seq')) or 0) + 1
-    redis.call('XADD', spans, seq .. '-0', 'm', ARGV[i + 1])
-    out[#out + 1] = seq
-  else
-    out[#out + 1] = 0
-  end
+local out, rk = {'', ''}, K_ROLLOUT .. rid
+if #ARGV > 2 then
+  local seqs, seq = store_spans(rid, 3, tonumber(redis.call('HGET', rk, 'seq')) or 0)
+  for _, x in ipairs(seqs) do out[#out + 1] = x end
+  if seq then redis.call('HSET', rk, 'seq', seq) end
 end
-if seq then redis.call('HSET', rk, 'seq', seq) end
 local attempt_status, rollout_status = touch(rid, aid, now(), a[2])
 out[2] = attempt_status
 out[1] = rollout_status or redis.call('HGET', rk, 'status')
@@ -278,20 +352,17 @@ return finish(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
 # Returns the code of `finish` ('missing' for an unknown attempt; then no span is stored).
 FINISH_WITH_SPANS = (
     PRELUDE
+    + _SPANS
     + """
 local rid, aid = ARGV[1], ARGV[2]
-local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id')
+local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id', 'status')
 if a[1] ~= rid then return 'missing' end
-local rk, ids, spans = K_ROLLOUT .. rid, K_SPAN_IDS .. rid, K_SPANS .. rid
-local seq
-for i = 8, #ARGV, 2 do
-  if redis.call('SADD', ids, ARGV[i]) == 1 then
-    seq = (seq or tonumber(redis.call('HGET', rk, 'seq')) or 0) + 1
-    redis.call('XADD', spans, seq .. '-0', 'm', ARGV[i + 1])
-  end
-end
-if seq then redis.call('HSET', rk, 'seq', seq) end
-return finish(rid, aid, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+-- The rollout is read once, for the span counter and for `finish`, which writes the counter back.
+local fields = {unpack(READ_FOR_FINISH)}
+fields[#fields + 1] = 'seq'
+local r = redis.call('HMGET', K_ROLLOUT .. rid, unpack(fields))
+local _, seq = store_spans(rid, 8, tonumber(r[#fields]) or 0)
+return finish(rid, aid, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], a[2], r, seq and {'seq', seq} or nil)
 """
 )
 
@@ -317,7 +388,7 @@ else
   due = tonumber(a[3]) + tonumber(r[2])
   if due > t then redis.call('ZADD', K_HEARTBEAT, due, aid); return 'fresh' end
 end
-return finish(rid, aid, kind, ARGV[4], ARGV[5], ARGV[6], '')
+return finish(rid, aid, kind, ARGV[4], ARGV[5], ARGV[6], '', a[1])
 """
 )
 
@@ -344,12 +415,10 @@ if r[2] and r[2] ~= '' and ACTIVE[redis.call('HGET', K_ATTEMPT .. r[2], 'status'
   redis.call('HSET', K_ATTEMPT .. r[2], 'status', 'failed', 'end_time', t, 'error', ARGV[3])
   unwatch(r[2])
 end
-set_status(rid, r[1], new)
 if new == 'requeuing' then
-  local lane = LANE_QUEUES[lane_of(redis.call('HGET', rk, 'priority'))]
-  redis.call('HSET', rk, 'qid', redis.call('XADD', lane, '*', 'm', ARGV[4]))
+  set_status(rid, r[1], new, 'qid', redis.call('XADD', LANE_QUEUES[lane_of(redis.call('HGET', rk, 'priority'))], '*', 'm', ARGV[4]))
 else
-  redis.call('HSET', rk, 'qid', '', 'end_time', t)
+  set_status(rid, r[1], new, 'qid', '', 'end_time', t)
   redis.call('XADD', K_FINISHED, '*', 'm', ARGV[5])
 end
 return new
