@@ -16,6 +16,24 @@ from fulmen.connection import async_client
 from fulmen.embedded import EmbeddedRedis
 from fulmen.store import RedisStore
 
+# The suite runs on two xdist workers (pyproject's addopts: most tests wait on sockets and child
+# processes, not on the CPU). These files train on every core or run a whole pipeline of processes
+# under time budgets: they form one xdist group, so they run one after another on one worker, beside
+# the light tests and never beside each other.
+HEAVY_FILES = frozenset({
+    "test_dev_e2e.py", "test_demo_e2e.py", "test_random_faults.py", "test_chaos.py", "test_pipeline.py",
+    "adapter/test_adapter_e2e.py", "llm_proxy/test_otlp_trace.py", "compression/test_ddp_hook.py",
+    "trainer/test_ranks.py", "trainer/test_torchrun.py", "trainer/test_trainer.py", "trainer/test_ddp_parity.py",
+    "trainer/test_convergence_parity_bench.py", "vllm_sync/test_real_vllm.py",
+})
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.relative_to(TESTS).as_posix() in HEAVY_FILES:
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:

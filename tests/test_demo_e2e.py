@@ -2,8 +2,8 @@
 .env (embedded Redis, proxy, runner, adapter, trainer, evaluator and `fulmen demo`), with fewer
 trainer steps. It must learn: validation accuracy after the GRPO steps beats the warm start.
 
-Only what cannot be shared with another run is changed: free ports for Redis and the proxy, a
-temporary working folder, and the number of steps."""
+Only what cannot be shared with another run is changed: free ports for Redis, the proxy and the
+dashboard, a temporary working folder, and the number of steps."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def test_shortened_demo_through_honcho_beats_the_warm_start(tmp_path: Path) -> N
     shutil.copy(ROOT / "Procfile", tmp_path / "Procfile")
     overrides = {
         "FULMEN_REDIS_PORT": free_port(), "FULMEN_PROXY_PORT": free_port(), "FULMEN_METRICS_PORT": 0,
+        "FULMEN_DASHBOARD_PORT": free_port(),
         "FULMEN_TOTAL_STEPS": STEPS, "FULMEN_VAL_EVERY": STEPS, "FULMEN_SEED": 0,
     }
     settings = [line for line in (ROOT / ".env").read_text().splitlines()
