@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from shard_ids import ids_per_shard
 
 from fulmen.connection import async_client
 from fulmen.errors import InvalidInput, NotFound
@@ -31,15 +32,7 @@ async def sharded(redis_url: str, experiment: str) -> AsyncIterator[RedisStore]:
 
 
 def _ids_per_shard(store: RedisStore, n: int) -> dict[int, list[str]]:
-    by_shard: dict[int, list[str]] = {i: [] for i in range(SHARDS)}
-    i = 0
-    while any(len(ids) < n for ids in by_shard.values()):
-        rid = f"r{i:04d}"
-        ids = by_shard[store.keys.shard(rid).index]
-        if len(ids) < n:
-            ids.append(rid)
-        i += 1
-    return by_shard
+    return ids_per_shard(SHARDS, n)
 
 
 async def test_every_shard_keeps_what_a_group_has_not_acknowledged(sharded: RedisStore) -> None:

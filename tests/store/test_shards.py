@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from redis_cluster import EmbeddedCluster
+from shard_ids import ids_per_shard
 
 from fulmen import keys as k
 from fulmen.connection import async_client, sync_client
@@ -32,14 +33,7 @@ async def sharded(redis_cluster: EmbeddedCluster, experiment: str) -> AsyncItera
 
 def _ids_per_shard(store: RedisStore, n: int) -> list[str]:
     """``n`` rollout ids of each shard, shard by shard."""
-    by_shard: dict[int, list[str]] = {i: [] for i in range(SHARDS)}
-    i = 0
-    while any(len(ids) < n for ids in by_shard.values()):
-        rid = f"r{i:04d}"
-        ids = by_shard[store.keys.shard(rid).index]
-        if len(ids) < n:
-            ids.append(rid)
-        i += 1
+    by_shard = ids_per_shard(SHARDS, n)
     return [rid for shard in range(SHARDS) for rid in by_shard[shard]]
 
 
