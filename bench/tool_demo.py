@@ -9,6 +9,11 @@ land; a variant ends when its run ends by itself or at --budget-s.
 
     python bench/tool_demo.py                       # grpo then grpo_off: up to 2 x 15 min
     python bench/tool_demo.py --variants grpo --budget-s 600
+    python bench/tool_demo.py --warm-start /tmp/tools-warm   # both variants from one warm start
+
+With --warm-start DIR the SFT warm start is prepared once into DIR (or taken from it when prepared
+before) outside the clock, and each variant starts from a copy of it: both variants then start from
+the same weights, and the minutes count GRPO only (the SFT's seconds are reported beside them).
 
 Prints one JSON line per variant, then (last) one JSON object with the figures: held-out accuracy
 at the start (v0, the warm start) and at the end for both, the gain, and minutes; draws the curves
@@ -48,8 +53,11 @@ def _validations(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
         return []
 
 
-def run_variant(name: str, budget_s: float, folder: Path, extra: dict[str, str]) -> dict[str, Any]:
+def run_variant(name: str, budget_s: float, folder: Path, extra: dict[str, str],
+                warm_start: Path | None = None) -> dict[str, Any]:
     shutil.copy(ROOT / "Procfile.tools", folder / "Procfile")
+    if warm_start is not None:  # where .env.tools's FULMEN_MODEL_DIR points: the demo reuses it as prepared
+        shutil.copytree(warm_start, folder / ".fulmen" / "demo-tools")
     redis_port = free_port()
     overrides = {"FULMEN_REDIS_PORT": str(redis_port), "FULMEN_PROXY_PORT": str(free_port()),
                  "FULMEN_METRICS_PORT": "0", **extra, **VARIANTS[name]}
@@ -119,6 +127,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=900.0, help="Most seconds per variant (15 min).")
     parser.add_argument("--set", action="append", default=[], metavar="FULMEN_X=V",
                         help="Override a setting of .env.tools for every variant (repeatable).")
+    parser.add_argument("--warm-start", type=Path, default=None,
+                        help="Prepare the warm start once into this folder (or reuse it) and start every variant from it.")
     parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "tool-demo-curves.png")
     args = parser.parse_args()
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
@@ -126,15 +136,22 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     extra = dict(item.split("=", 1) for item in args.set)
+    figures: dict[str, Any] = {"budget_s": args.budget_s, "plot": str(args.plot)}
+    if args.warm_start is not None:
+        from fulmen_algorithm.tool_demo import prepare_tool_demo
+
+        started = time.time()
+        prepare_tool_demo(args.warm_start.resolve(), seed=0)
+        figures["warm_start_s"] = round(time.time() - started, 1)  # ~0 when it was prepared before
+        print(f"warm start in {args.warm_start} ({figures['warm_start_s']} s)", file=sys.stderr, flush=True)
     results = []
     for name in names:
         with tempfile.TemporaryDirectory(prefix=f"fulmen-tools-{name}-") as folder:
             print(f"{name}: honcho start in {folder} (budget {args.budget_s:.0f} s)", file=sys.stderr, flush=True)
-            result = run_variant(name, args.budget_s, Path(folder), extra)
+            result = run_variant(name, args.budget_s, Path(folder), extra, args.warm_start)
         print(json.dumps(result), flush=True)
         results.append(result)
     plot(results, args.plot)
-    figures: dict[str, Any] = {"budget_s": args.budget_s, "plot": str(args.plot)}
     for r in results:
         for field in ("start_accuracy", "end_accuracy", "best_accuracy", "end_step", "minutes"):
             figures[f"{r['variant']}_{field}"] = r[field]
