@@ -30,6 +30,16 @@ def test_the_calculator_computes_and_never_raises() -> None:
     assert calculator.run_tool_call({"function": {"name": "search", "arguments": "{}"}}) == "error"
 
 
+def test_the_demo_refuses_an_unknown_task(tmp_path: Path) -> None:
+    from fulmen.errors import InvalidInput
+    from fulmen.settings import DemoSettings
+    from fulmen_algorithm.start import demo_inputs
+
+    with pytest.raises(InvalidInput, match="arithmetic, tools"):
+        demo_inputs(DemoSettings(task="chess", data_dir=tmp_path))
+    assert not any(tmp_path.iterdir())  # refused before any preparation
+
+
 def test_a_demonstration_is_what_the_proxy_parses_and_records(tmp_path: Path) -> None:
     """The demo model writes a call in 10 tokens whose text the proxy's parser turns into the
     calculator call, and the conversation re-rendered with the parsed call (as the agent sends it
