@@ -60,7 +60,7 @@ def run_variant(name: str, budget_s: float, folder: Path, extra: dict[str, str],
         shutil.copytree(warm_start, folder / ".fulmen" / "demo-tools")
     redis_port = free_port()
     overrides = {"FULMEN_REDIS_PORT": str(redis_port), "FULMEN_PROXY_PORT": str(free_port()),
-                 "FULMEN_METRICS_PORT": "0", **extra, **VARIANTS[name]}
+                 "FULMEN_METRICS_PORT": "0", "FULMEN_DASHBOARD_PORT": str(free_port()), **extra, **VARIANTS[name]}
     lines = [x for x in (ROOT / ".env.tools").read_text().splitlines() if x.split("=", 1)[0] not in overrides]
     (folder / ".env").write_text("\n".join([*lines, *(f"{k}={v}" for k, v in overrides.items())]) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FULMEN_") and k != "REDIS_URL"}
@@ -72,17 +72,18 @@ def run_variant(name: str, budget_s: float, folder: Path, extra: dict[str, str],
     with open(folder / "honcho.log", "w") as log:
         honcho = subprocess.Popen([HONCHO, "start"], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
-    seen = 0
+    passes: list[dict[str, Any]] = []
     try:
         while time.time() - started < budget_s and honcho.poll() is None:
             time.sleep(2.0)
-            passes = _validations(client, keys)
-            for v in passes[seen:]:
+            # the run's Redis ends with the run: keep what was read, a read after the end finds nothing
+            latest = _validations(client, keys)
+            for v in latest[len(passes):]:
                 print(f"  {name}: {v['label']} accuracy {v['accuracy']:.3f} at {v['time'] - started:.0f} s",
                       file=sys.stderr, flush=True)
-            seen = len(passes)
+            passes = latest if len(latest) >= len(passes) else passes
         curve = [{"label": v["label"], "step": v.get("step"), "accuracy": v["accuracy"],
-                  "seconds": round(v["time"] - started, 1)} for v in _validations(client, keys)]
+                  "seconds": round(v["time"] - started, 1)} for v in passes]
     finally:
         if honcho.poll() is None:
             os.killpg(honcho.pid, signal.SIGINT)  # as Ctrl-C would: honcho stops every service
