@@ -106,9 +106,10 @@ def _parse_call(text: str) -> dict[str, Any] | None:
         obj = json.loads(text[start + len("<tool_call>"):end])
     except ValueError:
         return None
-    arguments = obj.get("arguments") if isinstance(obj, dict) else None
-    if obj.get("name") != calculator.TOOL_NAME or not isinstance(arguments, dict) or not isinstance(
-            arguments.get("expression"), str):
+    if not isinstance(obj, dict) or obj.get("name") != calculator.TOOL_NAME:
+        return None
+    arguments = obj.get("arguments")
+    if not isinstance(arguments, dict) or not isinstance(arguments.get("expression"), str):
         return None
     return {"id": "call_0", "type": "function",
             "function": {"name": calculator.TOOL_NAME, "arguments": json.dumps(arguments)}}
