@@ -12,6 +12,8 @@ from fulmen.errors import InvalidInput
 from fulmen.settings import AlgorithmSettings, DemoSettings
 from fulmen.store import RedisStore
 
+DEMO_TASKS = ("arithmetic", "tools")
+
 
 @dataclass
 class RunInputs:
@@ -43,15 +45,25 @@ def algorithm_inputs(settings: AlgorithmSettings) -> RunInputs:
 
 
 def demo_inputs(settings: DemoSettings) -> RunInputs:
-    """The demo: arithmetic tasks and a tiny Llama warmed up by SFT (prepared on the first start: minutes)."""
+    """The demo: arithmetic tasks (or, with task "tools", calculator tasks) and a tiny Llama warmed up
+    by SFT (prepared on the first start: minutes)."""
     from fulmen_algorithm.dataset import load_tasks
-    from fulmen_algorithm.demo import prepare_demo, publish_base_policy
+    from fulmen_algorithm.demo import DEMO_SAMPLING, prepare_demo, publish_base_policy
 
-    folder = settings.model_dir.parent if settings.model_dir is not None else settings.data_dir / "demo"
-    paths = prepare_demo(folder, seed=settings.seed)
+    if settings.task not in DEMO_TASKS:
+        raise InvalidInput(f"the demo's task must be one of {', '.join(DEMO_TASKS)}, got {settings.task!r}")
+    tools = settings.task == "tools"
+    default = settings.data_dir / ("demo-tools" if tools else "demo")
+    folder = settings.model_dir.parent if settings.model_dir is not None else default
+    if tools:
+        from fulmen_algorithm.tool_demo import TOOL_SAMPLING, prepare_tool_demo
+
+        paths, sampling = prepare_tool_demo(folder, seed=settings.seed), TOOL_SAMPLING
+    else:
+        paths, sampling = prepare_demo(folder, seed=settings.seed), DEMO_SAMPLING
     settings = settings.model_copy(update={"train_data": paths.train, "val_data": paths.val, "model_dir": paths.model})
 
     async def setup(store: RedisStore) -> None:
-        await publish_base_policy(store, paths.model.name)
+        await publish_base_policy(store, paths.model.name, sampling=sampling)
 
     return RunInputs(settings, load_tasks(paths.train), load_tasks(paths.val), setup)

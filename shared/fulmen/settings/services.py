@@ -255,6 +255,10 @@ class DemoSettings(AlgorithmSettings):
 
     total_steps: int | None = with_default(AlgorithmSettings, "total_steps", 300)
     val_every: int | None = with_default(AlgorithmSettings, "val_every", 25)
+    task: str = Field(
+        "arithmetic", description="The demo's task: arithmetic (2-digit addition, one call) or tools (3-digit "
+        "multiplication through a calculator tool, multi-turn; run it with Procfile.tools and .env.tools)."
+    )
 
 
 class EvaluatorSettings(RolloutPolicySettings):
