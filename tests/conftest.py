@@ -21,7 +21,8 @@ from fulmen.store import RedisStore
 # under time budgets: they form one xdist group, so they run one after another on one worker, beside
 # the light tests and never beside each other.
 HEAVY_FILES = frozenset({
-    "test_dev_e2e.py", "test_demo_e2e.py", "test_random_faults.py", "test_chaos.py", "test_pipeline.py",
+    "test_dev_e2e.py", "test_demo_e2e.py", "test_tool_demo.py", "test_random_faults.py", "test_chaos.py",
+    "test_pipeline.py",
     "adapter/test_adapter_e2e.py", "llm_proxy/test_otlp_trace.py", "compression/test_ddp_hook.py",
     "trainer/test_ranks.py", "trainer/test_torchrun.py", "trainer/test_trainer.py", "trainer/test_ddp_parity.py",
     "trainer/test_convergence_parity_bench.py", "vllm_sync/test_real_vllm.py",
