@@ -281,17 +281,19 @@ async def fetch_version(
     store: RedisStore, model_version: str, *, resource: Mapping[str, Any] | None = None
 ) -> PublishedWeights:
     """The tensors of a published version as stored and its manifest (see `fetch_model_version`)."""
+    from fulmen.version_stream import read_stream
+
     k.check_id("model_version", model_version)
     weights = _weights_entry(resource) if resource is not None else None
-    found = await blobs.read_stream(store, model_version) if weights is None else None
+    found = await read_stream(store, model_version) if weights is None else None
     if found is None and weights is None:
         weights = await _find_weights(store, model_version)
     if found is None and weights is not None:
         if "path" in weights:
             mapped = await asyncio.to_thread(blobs.read_file, Path(weights["path"]))
-            found = mapped, weights.get("sha256")
+            found = mapped, weights.get("sha256"), None
         else:
-            found = await blobs.read_stream(store, model_version)
+            found = await read_stream(store, model_version)
             if found is not None and weights.get("sha256") not in (None, found[1]):
                 raise RecordError(
                     f"model version {model_version}: its chunks' sha256 differs from the resource's"
