@@ -226,7 +226,7 @@ async def next_model_version(
     except NotFound:
         previous = None
     for name in _default_versions(previous):
-        taken = await store.redis.exists(store.keys.weights(name)) or (
+        taken = await store.weights_redis.exists(store.keys.weights(name)) or (
             shared_dir is not None and (Path(shared_dir) / name).exists()
         )
         if not taken:
@@ -330,7 +330,7 @@ def _default_versions(previous: ResourcesUpdate | None) -> Iterator[str]:
 
 async def _delete_weights(store: RedisStore, version: str, shared_dir: str | Path | None) -> None:
     """Free a name whose weights were never published (a publisher killed half-way through)."""
-    await store.redis.delete(store.keys.weights(version))
+    await store.weights_redis.delete(store.keys.weights(version))
     if shared_dir is not None:
         await asyncio.to_thread(shutil.rmtree, Path(shared_dir) / version, True)
 

@@ -147,22 +147,22 @@ async def write_stream(store: RedisStore, version: str, blob: Blob, sha256: str,
         return {"m": head, DATA_FIELD: next(pieces)}
 
     try:
-        await store.redis.xadd(key, entry(0), id="0-1")
+        await store.weights_redis.xadd(key, entry(0), id="0-1")
     except ResponseError:
-        if await store.redis.exists(key):
+        if await store.weights_redis.exists(key):
             raise VersionTaken from None
         raise
     try:
         per_pipeline = max(1, PIPELINE_BYTES // chunk_bytes)
         for first in range(1, total, per_pipeline):
-            async with store.redis.pipeline(transaction=False) as pipe:
+            async with store.weights_redis.pipeline(transaction=False) as pipe:
                 for index in range(first, min(first + per_pipeline, total)):
                     pipe.xadd(key, entry(index), id=f"0-{index + 1}")
                 await pipe.execute()
     except BaseException:
         # A half-written version is never published; free its name for a later attempt.
         with contextlib.suppress(Exception):
-            await store.redis.delete(key)
+            await store.weights_redis.delete(key)
         raise
     return {"stream": key, "chunks": total, "sha256": sha256, "bytes": len(blob)}
 

@@ -151,7 +151,7 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
     page = 1  # until the first chunk shows the chunk size
     try:
         while first is None or read < first.total:
-            entries = await store.redis.xrange(key, min=f"0-{read + 1}", max="+", count=page)
+            entries = await store.weights_redis.xrange(key, min=f"0-{read + 1}", max="+", count=page)
             if not entries:
                 break
             for _, fields in entries:
