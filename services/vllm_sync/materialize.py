@@ -28,7 +28,7 @@ from fulmen.lora import adapter_targets
 from fulmen.store import RedisStore
 from fulmen.version_folder import WEIGHTS_FILE, full_weights, write_model_folder
 from fulmen.version_manifest import FULL, read_manifest
-from fulmen.version_stream import BlobChecker, read_stream
+from fulmen.version_stream import check_whole, read_stream
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
@@ -113,9 +113,7 @@ def _copy_checked(source: Path, target: Path, version: str, sha256: str | None) 
     shutil.copyfile(source, target)
     mapped = blobs.read_file(target)
     try:
-        checker = BlobChecker(version, sha256)
-        checker.feed(mapped, len(mapped))
-        if checker.finish(mapped) is None:
+        if check_whole(version, mapped, sha256) is None:
             blobs.deserialize(version, mapped, sha256)
     finally:
         if isinstance(mapped, mmap.mmap):

@@ -281,7 +281,7 @@ async def fetch_version(
     store: RedisStore, model_version: str, *, resource: Mapping[str, Any] | None = None
 ) -> PublishedWeights:
     """The tensors of a published version as stored and its manifest (see `fetch_model_version`)."""
-    from fulmen.version_stream import read_stream
+    from fulmen.version_stream import check_whole, read_stream
 
     k.check_id("model_version", model_version)
     weights = _weights_entry(resource) if resource is not None else None
@@ -291,7 +291,8 @@ async def fetch_version(
     if found is None and weights is not None:
         if "path" in weights:
             mapped = await asyncio.to_thread(blobs.read_file, Path(weights["path"]))
-            found = mapped, weights.get("sha256"), None
+            checked = await asyncio.to_thread(check_whole, model_version, mapped, weights.get("sha256"))
+            found = mapped, weights.get("sha256"), checked
         else:
             found = await read_stream(store, model_version)
             if found is not None and weights.get("sha256") not in (None, found[1]):

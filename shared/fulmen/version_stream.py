@@ -126,6 +126,18 @@ class BlobChecker:
         self.jobs, self.serial = [], None  # their views of the blob: a memory map closes only without them
 
 
+def check_whole(version: str, blob: Buffer, sha256: str | None) -> str | None:
+    """`BlobChecker` over a blob that is all there (a memory-mapped file): the tensors hashed in
+    parallel threads, their finiteness checked in the same pass."""
+    checker = BlobChecker(version, sha256)
+    try:
+        checker.feed(blob, len(blob))
+    except BaseException:
+        checker.close()
+        raise
+    return checker.finish(blob)
+
+
 def _hash_and_check(blob: Buffer, span: TensorSpan) -> tuple[str, bool]:
     digest = hashlib.sha256(memoryview(blob)[span.start : span.end]).hexdigest()
     return digest, tensor_is_finite(view(blob, span))
