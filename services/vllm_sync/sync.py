@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fulmen.errors import NotFound, RecordError
 from fulmen.lora import LORA_FORMAT
 from fulmen.model_versions import fetch_full_version, fetch_version, llm_resource
 from fulmen.records import ReplicaState, ResourcesUpdate
@@ -164,6 +165,13 @@ class VllmSync:
         started = time.perf_counter()
         try:
             await self._sync(version, llm)
+        except (RecordError, NotFound) as e:
+            # read before the server is touched: it keeps serving what it served, verified
+            self.syncs["failed"] += 1
+            log.error("model version %s cannot be read (%s); %s keeps serving %s and tries again in %.0f s "
+                      "(weights lost with a weights-only Redis that restarted come back with the trainer's "
+                      "next version)", version, e, self.url, self.state.model_version, self.retry_s)
+            return False
         except (SyncFailed, AdminError, OSError) as e:
             self.syncs["failed"] += 1
             reason = f"loading {version} failed: {e}"
