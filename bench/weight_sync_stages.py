@@ -45,8 +45,7 @@ WRAPPED = [  # (module, function): inner stages, summed per repeat
     ("fulmen.version_blobs", "write_stream"),
     ("fulmen.version_blobs", "read_stream"),
     ("fulmen.version_blobs", "deserialize"),
-    ("fulmen.version_blobs", "stream_to_file"),
-    ("fulmen.version_blobs", "check_file"),
+    ("fulmen.version_stream", "read_stream"),
 ]
 TIMES: dict[str, float] = defaultdict(float)
 
@@ -87,8 +86,10 @@ async def vllm_folder(store: Any, version: str, llm: dict[str, Any], model_dir: 
     """The folder vllm-sync hands to reload_weights, the way the code under test builds it."""
     from fulmen_vllm_sync import materialize as mat
 
-    if hasattr(mat, "materialize_from_store"):
-        return await mat.materialize_from_store(store, version, llm, model_dir, sync_dir)
+    if hasattr(mat, "materialize_full"):  # the published file as it is, checked while it arrives
+        folder = await mat.materialize_full(store, version, llm["weights"], model_dir, sync_dir)
+        assert folder is not None
+        return folder
     from fulmen.model_versions import fetch_version
 
     found = await fetch_version(store, version, resource=llm)
@@ -109,7 +110,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="fulmen-stages-") as tmp_name:
         tmp = Path(tmp_name)
-        qwen = build_qwen(tmp / "qwen")
+        qwen = args.model_dir or build_qwen(tmp / "qwen")
         state = folder_state(qwen)
         backend = TorchBackend(qwen)
         await backend.start()
@@ -160,4 +161,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--aof", choices=("on", "off"), default="on")
+    parser.add_argument("--model-dir", type=Path, help="a Qwen2.5-0.5B-shaped folder built before (bench.weight_sync.build_qwen)")
     print(json.dumps(asyncio.run(main(parser.parse_args()))))
