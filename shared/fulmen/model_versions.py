@@ -3,8 +3,10 @@
 A version's weights travel as one safetensors blob (`safetensors.torch.save`; written and read by
 `fulmen.version_blobs`), in one of two ways:
 
-- **stream** (default): the blob is cut into `WeightsChunk` records of at most ``chunk_bytes`` on the
-  stream ``keys.weights(<version>)``, with entry ids ``0-1``, ``0-2``, … (chunk index + 1). Writing
+- **stream** (default): the blob is cut into chunks of at most ``chunk_bytes`` on the stream
+  ``keys.weights(<version>)`` (in ``store.weights_redis``: the main Redis unless
+  FULMEN_WEIGHTS_REDIS_URL names one of its own), each entry a `WeightsChunk` record (``m``) and the
+  chunk's bytes beside it (``d``), with entry ids ``0-1``, ``0-2``, … (chunk index + 1). Writing
   chunk 0 with the explicit id ``0-1`` claims the version atomically: Redis refuses it on a stream
   that already has entries, so two publishers can never mix their chunks under one name.
 - **shared folder** (``shared_dir=``): the blob is written to ``<shared_dir>/<version>/model.safetensors``

@@ -1,6 +1,7 @@
-"""A model version's bytes: one safetensors blob (its manifest in the header), written to and read
-from a Redis stream of chunks or a file in a shared folder, each checked on the way back (sha256,
-chunk order, finite values). `fulmen.model_versions` decides names and resources; this moves bytes.
+"""A model version's bytes: one safetensors blob (its manifest in the header), written to a Redis
+stream of chunks or a file in a shared folder, and checked on the way back (sha256, chunk order,
+finite values; the stream is read by `fulmen.version_stream`). `fulmen.model_versions` decides names
+and resources; this moves bytes.
 
 The sha256 a blob travels with (`blob_sha256`) is that of its header when the header's manifest
 describes the blob's own tensors (full and LoRA versions): the header holds every tensor's sha256, so
