@@ -35,8 +35,8 @@ class CommonSettings(BaseSettings):
     weights_redis_url: SecretStr | None = Field(
         default=None,
         description="Opt-in: a Redis of its own for model versions' weight chunks, typically without AOF "
-        "(unset: the main Redis). Faster for large full versions; its weights are lost when it restarts, "
-        "and the trainer publishes them again from its checkpoint. Every process of the experiment sets the same.",
+        "(unset: the main Redis). Faster for large full versions; the versions it holds are lost when it "
+        "restarts (replicas keep their weights until the trainer's next version). Every process of the experiment sets the same.",
     )
     experiment: str = Field("default", description="Experiment name; several share one Redis in isolation.")
     data_dir: Path = Field(Path(".fulmen"), description="Where the embedded Redis keeps its AOF (under redis/).")
