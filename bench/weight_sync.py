@@ -14,9 +14,10 @@ Formats and transports, each in the trained dtype (bf16):
 - ``full_folder``: the whole model as one file in a shared folder (``weights_dir``);
 - ``delta_redis``: a delta against the version before (`fulmen.version_delta`) after an update of
   an RL-sized learning rate (every weight moved by 1e-5 x a standard normal in fp32, then rounded);
-- ``full_redis_no_aof``: ``full_redis`` again with the server's AOF switched off (``CONFIG SET
-  appendonly no``): with ``appendfsync everysec`` Redis holds its replies while the last second's
-  writes are fsynced, so the AOF paces the transport by the disk (``disk_fsync_mb_per_s``);
+- ``full_redis_weights_db``: ``full_redis`` again through the opt-in weights-only Redis
+  (FULMEN_WEIGHTS_REDIS_URL: a second embedded server, AOF off). With ``appendfsync everysec`` the main
+  server holds its replies while the last second's writes are fsynced, so its AOF paces the transport
+  by the disk (``disk_fsync_mb_per_s``), and a 1 GB version soon triggers AOF rewrites;
 - ``lora``: a LoRA adapter of rank 16 on every linear layer (PEFT layout), on fresh replicas of an
   experiment of its own, as in a LoRA run (only adapters are published: the backend runs each beside
   the base weights; after a full version it would merge it instead).
@@ -177,9 +178,10 @@ async def timed(replicas: Replicas, version: str, publish: Callable[[], Awaitabl
 
 
 async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int, shared: Path, tag: str,
-                  without_aof: bool = False) -> dict[str, Any]:
-    """Publish → serving for each format on one model; {figure: value}. ``without_aof``: the full
-    version via Redis once more with the server's AOF switched off (``full_redis_no_aof``)."""
+                  weights_db: Any = None) -> dict[str, Any]:
+    """Publish → serving for each format on one model; {figure: value}. ``weights_db``: a client of a
+    weights-only Redis without AOF, through which the full version goes once more
+    (``full_redis_weights_db``)."""
     from fulmen.lora import lora_description
     from fulmen.model_versions import publish_model_version
     from fulmen.version_delta import encode_delta
@@ -219,22 +221,21 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
             runs["full_folder"].append(took)
             sizes["full_folder"] = size
             log("%s full via a shared folder: %.2f s for %.1f MB", tag, took, size / 1e6)
-        if without_aof:
-            # the transport itself, where the AOF's fsync does not pace the server by the disk
-            await store.redis.config_set("appendonly", "no")
-            runs["full_redis_no_aof"] = []
-            for repeat in range(repeats):
-                v, current = name(), updated(state, 1e-3, seed=400 + repeat)
-                took, size = await timed(replicas, v, lambda v=v, s=current: publish_model_version(
-                    store, s, model="m", model_version=v))
-                runs["full_redis_no_aof"].append(took)
-                sizes["full_redis_no_aof"] = size
-                log("%s full via Redis, AOF off: %.2f s for %.1f MB", tag, took, size / 1e6)
-            await store.redis.config_set("appendonly", "yes")
-            # switching it on rewrites the whole AOF; the writes made meanwhile are buffered in Redis's
-            # memory and would count in the retention figure below
-            while (await store.redis.info("persistence"))["aof_rewrite_in_progress"]:
-                await asyncio.sleep(0.5)
+        if weights_db is not None:
+            # the opt-in weights-only Redis (FULMEN_WEIGHTS_REDIS_URL), AOF off: the transport itself,
+            # not paced by the main server's AOF fsync; the followers share this store, so they read there
+            main_weights, store.weights_redis = store.weights_redis, weights_db
+            runs["full_redis_weights_db"] = []
+            try:
+                for repeat in range(repeats):
+                    v, current = name(), updated(state, 1e-3, seed=400 + repeat)
+                    took, size = await timed(replicas, v, lambda v=v, s=current: publish_model_version(
+                        store, s, model="m", model_version=v))
+                    runs["full_redis_weights_db"].append(took)
+                    sizes["full_redis_weights_db"] = size
+                    log("%s full via a weights-only Redis (AOF off): %.2f s for %.1f MB", tag, took, size / 1e6)
+            finally:
+                store.weights_redis = main_weights
     # A LoRA run publishes only adapters: fresh replicas on an experiment of their own serve the base,
     # then adapters (the torch backend runs an adapter beside the base weights; once a full version
     # replaced them it would merge instead, which following the versions above would have caused)
@@ -313,7 +314,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 if not args.quick:
                     log("building a Qwen2.5-0.5B-shaped model (random weights, bf16)")
                     qwen = build_qwen(tmp / "qwen")
-                    figures.update(await formats(store, qwen, 1, args.repeats, tmp / "shared", "q", without_aof=True))
+                    with EmbeddedRedis(tmp / "weights-redis", port=None) as weights_server:
+                        weights_db = await connect(CommonSettings(redis_url=weights_server.url), wait_s=30)
+                        await weights_db.config_set("appendonly", "no")
+                        try:
+                            figures.update(await formats(store, qwen, 1, args.repeats, tmp / "shared", "q",
+                                                         weights_db=weights_db))
+                        finally:
+                            await weights_db.aclose()
                     figures["disk_fsync_mb_per_s"] = round(fsync_mb_per_s(tmp / "disk-probe"), 1)
                     figures["model_parameters"] = sum(t.numel() for t in folder_state(qwen).values())
                 figures.update(await retention(RedisStore(client, "bench-retention"), tiny, args.versions))

@@ -152,16 +152,35 @@ async def test_corrupt_chunk_is_a_record_error(store: RedisStore, where: str) ->
     entries = await store.redis.xrange(key)
     await store.redis.delete(key)
     for n, (_, fields) in enumerate(entries, start=1):
-        chunk = WeightsChunk.from_wire(fields[b"m"])
+        data = fields[b"d"]
         if n == (2 if where == "header" else len(entries)):
-            chunk = WeightsChunk(chunk.model_version, chunk.index, chunk.total, chunk.sha256, chunk.size,
-                                 bytes([chunk.data[0] ^ 1]) + chunk.data[1:])  # fmt: skip
-        await store.redis.xadd(key, {"m": chunk.to_wire()}, id=f"0-{n}")
+            data = bytes([data[0] ^ 1]) + data[1:]
+        await store.redis.xadd(key, {"m": fields[b"m"], "d": data}, id=f"0-{n}")
     with pytest.raises(RecordError, match="corrupt: sha256" if where == "header" else "corrupt: .* manifest's sha256"):
         await fetch_model_version(store, "v1")
     await store.redis.xadd(key, {"m": b"not msgpack"}, id=f"0-{len(entries) + 1}")
     await store.redis.xdel(key, f"0-{len(entries)}")
     with pytest.raises(RecordError):
+        await fetch_model_version(store, "v1")
+
+
+async def test_chunks_with_their_bytes_inside_the_record_still_read(store: RedisStore) -> None:
+    """Chunks written before the bytes moved beside the record (inside its msgpack) read back the
+    same; a chunk holding its bytes in both places is refused."""
+    weights = _state_dict()
+    update = await publish_model_version(store, weights, model="tiny", chunk_bytes=400)
+    key = llm_resource(update)["weights"]["stream"]  # type: ignore[index]
+    entries = await store.redis.xrange(key)
+    assert all(WeightsChunk.from_wire(fields[b"m"]).data == b"" for _, fields in entries)
+    await store.redis.delete(key)
+    for n, (_, fields) in enumerate(entries, start=1):
+        c = WeightsChunk.from_wire(fields[b"m"])
+        inside = WeightsChunk(c.model_version, c.index, c.total, c.sha256, c.size, fields[b"d"])
+        await store.redis.xadd(key, {"m": inside.to_wire()}, id=f"0-{n}")
+    _assert_bitwise_equal(await fetch_model_version(store, "v1"), weights)
+    await store.redis.xadd(key, {"m": inside.to_wire(), "d": fields[b"d"]}, id=f"0-{len(entries) + 1}")
+    await store.redis.xdel(key, f"0-{len(entries)}")
+    with pytest.raises(RecordError, match="twice"):
         await fetch_model_version(store, "v1")
 
 

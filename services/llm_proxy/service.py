@@ -17,7 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from fulmen.connection import connect
+from fulmen.connection import connect, connect_weights
 from fulmen.settings import ProxySettings
 from fulmen.store import RedisStore
 from fulmen_llm_proxy.backend_base import Backend
@@ -71,7 +71,8 @@ class ProxyService:
     async def start(self) -> None:
         self.redis = await connect(self.settings)
         self.store = RedisStore(
-            self.redis, self.settings.experiment, max_record_bytes=self.settings.max_record_bytes
+            self.redis, self.settings.experiment, max_record_bytes=self.settings.max_record_bytes,
+            weights_redis=await connect_weights(self.settings),
         )
         await self.backend.start()
         self.metrics.set_model_version(self.backend.model_version)

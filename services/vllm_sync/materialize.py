@@ -1,11 +1,20 @@
 """A model version as a folder the vLLM server loads: a Hugging Face folder for ``reload_weights``
 (written by `fulmen.version_folder`), or a PEFT adapter folder for ``/v1/load_lora_adapter``; both
 under ``sync_dir``, older folders deleted once newer ones exist (``keep``).
+
+A full version's published blob is a safetensors file already (its manifest in the metadata), so
+`materialize_full` writes it as the folder's weights file as it is: the chunks from Redis straight
+into a memory map of the file, each tensor checked against the manifest while the next chunks arrive
+(`fulmen.version_stream`), or the shared folder's file copied by the kernel and checked. No tensor is
+built, nothing is serialised again; the weights are copied once on the way to vLLM.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import mmap
+import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,8 +22,13 @@ from typing import Any
 
 import torch
 
+from fulmen import version_blobs as blobs
+from fulmen.errors import NotFound, RecordError
 from fulmen.lora import adapter_targets
-from fulmen.version_folder import full_weights, write_model_folder
+from fulmen.store import RedisStore
+from fulmen.version_folder import WEIGHTS_FILE, full_weights, write_model_folder
+from fulmen.version_manifest import FULL, read_manifest
+from fulmen.version_stream import check_whole, read_stream
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
@@ -26,6 +40,84 @@ def materialize(version: str, state: Mapping[str, torch.Tensor], weights: Mappin
     folder = write_model_folder(full_weights(state, weights, model_dir), model_dir, sync_dir / version)
     _drop_old(sync_dir, folder, keep)
     return folder
+
+
+async def materialize_full(store: RedisStore, version: str, weights: Mapping[str, Any], model_dir: Path,
+                           sync_dir: Path, keep: int = 2) -> Path | None:
+    """Write a full version's blob as the weights file of a loadable folder under ``sync_dir`` (see the
+    module docstring); None, with nothing written, when its manifest says it is not a full version (a
+    delta or an adapter published without its format: the caller builds those from the tensors)."""
+    sync_dir.mkdir(parents=True, exist_ok=True)
+    folder, tmp = sync_dir / version, sync_dir / f".{version}.tmp"
+    await asyncio.to_thread(_skeleton, model_dir, tmp)
+    target = tmp / WEIGHTS_FILE
+    try:
+        if "path" in weights:
+            await asyncio.to_thread(_copy_checked, Path(weights["path"]), target, version, weights.get("sha256"))
+        else:
+            await _stream_checked(store, version, target, weights.get("sha256"))
+        with target.open("rb") as f:
+            head = f.read(8)
+            header = head + f.read(int.from_bytes(head[:8], "little") if len(head) == 8 else 0)
+        manifest = read_manifest(header, version)
+        if manifest is not None and manifest.format != FULL:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _drop_old(sync_dir, folder, keep)
+    return folder
+
+
+def _skeleton(model_dir: Path, tmp: Path) -> None:
+    """The base model's folder without its weights (config, tokenizer)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(model_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.safetensors.index.json"))
+
+
+async def _stream_checked(store: RedisStore, version: str, target: Path, sha256: str | None) -> None:
+    maps: list[mmap.mmap] = []
+
+    def allocate(size: int) -> mmap.mmap:
+        if size < 8:
+            raise RecordError(f"model version {version} is not valid safetensors: {size} bytes")
+        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            maps.append(mmap.mmap(fd, size))  # shared: the bytes land in the file itself
+        finally:
+            os.close(fd)
+        return maps[-1]
+
+    try:
+        found = await read_stream(store, version, allocate)
+        if found is None:
+            raise NotFound(f"model version {version} has no weights in the store")
+        blob, chunks_sha, checked = found
+        if sha256 not in (None, chunks_sha):
+            raise RecordError(f"model version {version}: its chunks' sha256 differs from the resource's")
+        if checked is None:  # nothing proved on the way: the whole check, as any reader does
+            await asyncio.to_thread(blobs.deserialize, version, blob, chunks_sha)
+        del blob, found
+    finally:
+        for mapped in maps:
+            mapped.close()
+
+
+def _copy_checked(source: Path, target: Path, version: str, sha256: str | None) -> None:
+    """The shared folder's file copied (by the kernel: sendfile), then the copy checked — what vLLM
+    will read is what was proved."""
+    shutil.copyfile(source, target)
+    mapped = blobs.read_file(target)
+    try:
+        if check_whole(version, mapped, sha256) is None:
+            blobs.deserialize(version, mapped, sha256)
+    finally:
+        if isinstance(mapped, mmap.mmap):
+            mapped.close()
 
 
 def materialize_adapter(version: str, adapter: Mapping[str, torch.Tensor], lora: Mapping[str, Any],

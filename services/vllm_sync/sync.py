@@ -36,14 +36,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fulmen.errors import NotFound, RecordError
 from fulmen.lora import LORA_FORMAT
 from fulmen.model_versions import fetch_full_version, fetch_version, llm_resource
 from fulmen.records import ReplicaState, ResourcesUpdate
 from fulmen.store import RedisStore
 from fulmen.version_folder import apply_onto_folder
-from fulmen.version_manifest import DELTA
+from fulmen.version_manifest import DELTA, FULL
 from fulmen_vllm_sync.admin import AdminError, LoraNotEnabled, VllmAdmin
-from fulmen_vllm_sync.materialize import materialize, materialize_adapter
+from fulmen_vllm_sync.materialize import materialize, materialize_adapter, materialize_full
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,13 @@ class VllmSync:
         started = time.perf_counter()
         try:
             await self._sync(version, llm)
+        except (RecordError, NotFound) as e:
+            # read before the server is touched: it keeps serving what it served, verified
+            self.syncs["failed"] += 1
+            log.error("model version %s cannot be read (%s); %s keeps serving %s and tries again in %.0f s "
+                      "(weights lost with a weights-only Redis that restarted come back with the trainer's "
+                      "next version)", version, e, self.url, self.state.model_version, self.retry_s)
+            return False
         except (SyncFailed, AdminError, OSError) as e:
             self.syncs["failed"] += 1
             reason = f"loading {version} failed: {e}"
@@ -180,12 +188,24 @@ class VllmSync:
 
     async def _sync(self, version: str, llm: Mapping[str, Any]) -> None:
         weights = llm.get("weights") if isinstance(llm.get("weights"), Mapping) else {}
+        folder = None
+        if weights.get("format", FULL) == FULL:  # the published file as it is, checked on the way
+            folder = await materialize_full(self.store, version, weights, self.model_dir, self.sync_dir)
+        if folder is None:
+            folder = await self._built_folder(version, llm, weights)
+        if folder is None:  # loaded as an adapter
+            return
+        await self._load_folder(version, folder, weights.get("sha256"))
+
+    async def _built_folder(self, version: str, llm: Mapping[str, Any], weights: Mapping[str, Any]) -> Path | None:
+        """The folder of a version built from its tensors (a LoRA merged onto the base, a delta applied);
+        None when it was loaded as an adapter instead."""
         found = await fetch_version(self.store, version, resource=llm)
         state = found.state
         if weights.get("format") == LORA_FORMAT and self.lora_loading != "merge" and self.base_loaded:
             try:
                 await self._sync_adapter(version, state, weights.get("lora") or {})
-                return
+                return None
             except LoraNotEnabled as e:
                 if self.lora_loading == "dynamic":
                     raise SyncFailed(f"the server cannot load LoRA adapters ({e}): start it with --enable-lora "
@@ -201,8 +221,9 @@ class VllmSync:
             rebuilt = await asyncio.to_thread(apply_onto_folder, found, base, version)
             state = rebuilt if rebuilt is not None else (await fetch_full_version(self.store, version, resource=llm)).state
             weights = {**weights, "format": "full"}
-        folder = await asyncio.to_thread(materialize, version, state, weights, self.model_dir, self.sync_dir)
-        sha = weights.get("sha256")
+        return await asyncio.to_thread(materialize, version, state, weights, self.model_dir, self.sync_dir)
+
+    async def _load_folder(self, version: str, folder: Path, sha: str | None) -> None:
         if not self.weights_known:  # a failed attempt may have left the server paused
             await self.admin.resume()
         before = await self.admin.canary(self.model, self.canary_prompt)

@@ -180,6 +180,14 @@ async def _cluster_mode(client: aioredis.Redis) -> bool:
         return False
 
 
+async def connect_weights(settings: CommonSettings, *, wait_s: float | None = None) -> aioredis.Redis | None:
+    """A client for the weights-only Redis (``weights_redis_url``), or None when the weights live in
+    the main Redis (the default)."""
+    if settings.weights_redis_url is None:
+        return None
+    return await connect(settings.model_copy(update={"redis_url": settings.weights_redis_url}), wait_s=wait_s)
+
+
 async def connect(settings: CommonSettings, *, wait_s: float | None = None) -> aioredis.Redis:
     """A client for the configured Redis, once it answers PING. Waits with jittered exponential
     backoff (services start in any order), up to ``wait_s`` (default: settings.redis_wait_s)."""

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from fulmen.connection import connect
+from fulmen.connection import connect, connect_weights
 from fulmen.model_versions import wait_for_model_dir
 from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore
@@ -59,7 +59,8 @@ def apply_dotenv(path: Path) -> None:
 async def open_store(settings: CommonSettings) -> RedisStore:
     """The experiment's store on a client of its own (the services each have theirs)."""
     client = await connect(settings)
-    return RedisStore(client, settings.experiment, max_record_bytes=settings.max_record_bytes)
+    return RedisStore(client, settings.experiment, max_record_bytes=settings.max_record_bytes,
+                      weights_redis=await connect_weights(settings))
 
 
 async def wait_for_model(folder: Path | None, stop: asyncio.Event) -> bool:

@@ -3,8 +3,10 @@
 A version's weights travel as one safetensors blob (`safetensors.torch.save`; written and read by
 `fulmen.version_blobs`), in one of two ways:
 
-- **stream** (default): the blob is cut into `WeightsChunk` records of at most ``chunk_bytes`` on the
-  stream ``keys.weights(<version>)``, with entry ids ``0-1``, ``0-2``, … (chunk index + 1). Writing
+- **stream** (default): the blob is cut into chunks of at most ``chunk_bytes`` on the stream
+  ``keys.weights(<version>)`` (in ``store.weights_redis``: the main Redis unless
+  FULMEN_WEIGHTS_REDIS_URL names one of its own), each entry a `WeightsChunk` record (``m``) and the
+  chunk's bytes beside it (``d``), with entry ids ``0-1``, ``0-2``, … (chunk index + 1). Writing
   chunk 0 with the explicit id ``0-1`` claims the version atomically: Redis refuses it on a stream
   that already has entries, so two publishers can never mix their chunks under one name.
 - **shared folder** (``shared_dir=``): the blob is written to ``<shared_dir>/<version>/model.safetensors``
@@ -226,7 +228,7 @@ async def next_model_version(
     except NotFound:
         previous = None
     for name in _default_versions(previous):
-        taken = await store.redis.exists(store.keys.weights(name)) or (
+        taken = await store.weights_redis.exists(store.keys.weights(name)) or (
             shared_dir is not None and (Path(shared_dir) / name).exists()
         )
         if not taken:
@@ -281,17 +283,20 @@ async def fetch_version(
     store: RedisStore, model_version: str, *, resource: Mapping[str, Any] | None = None
 ) -> PublishedWeights:
     """The tensors of a published version as stored and its manifest (see `fetch_model_version`)."""
+    from fulmen.version_stream import check_whole, read_stream
+
     k.check_id("model_version", model_version)
     weights = _weights_entry(resource) if resource is not None else None
-    found = await blobs.read_stream(store, model_version) if weights is None else None
+    found = await read_stream(store, model_version) if weights is None else None
     if found is None and weights is None:
         weights = await _find_weights(store, model_version)
     if found is None and weights is not None:
         if "path" in weights:
             mapped = await asyncio.to_thread(blobs.read_file, Path(weights["path"]))
-            found = mapped, weights.get("sha256")
+            checked = await asyncio.to_thread(check_whole, model_version, mapped, weights.get("sha256"))
+            found = mapped, weights.get("sha256"), checked
         else:
-            found = await blobs.read_stream(store, model_version)
+            found = await read_stream(store, model_version)
             if found is not None and weights.get("sha256") not in (None, found[1]):
                 raise RecordError(
                     f"model version {model_version}: its chunks' sha256 differs from the resource's"
@@ -328,7 +333,7 @@ def _default_versions(previous: ResourcesUpdate | None) -> Iterator[str]:
 
 async def _delete_weights(store: RedisStore, version: str, shared_dir: str | Path | None) -> None:
     """Free a name whose weights were never published (a publisher killed half-way through)."""
-    await store.redis.delete(store.keys.weights(version))
+    await store.weights_redis.delete(store.keys.weights(version))
     if shared_dir is not None:
         await asyncio.to_thread(shutil.rmtree, Path(shared_dir) / version, True)
 

@@ -21,7 +21,7 @@ import typer
 from pydantic import SecretStr
 from rich.console import Console
 
-from fulmen.connection import connect
+from fulmen.connection import connect, connect_weights
 from fulmen.errors import FulmenError
 from fulmen.settings import CommonSettings, env_name, load_settings
 from fulmen.store import RedisStore
@@ -68,10 +68,14 @@ def run_on_store(settings: CommonSettings, work: Callable[[RedisStore], Awaitabl
 
     async def main() -> T:
         client = await connect(settings)
+        weights = await connect_weights(settings)
         try:
-            return await work(RedisStore(client, settings.experiment, max_record_bytes=settings.max_record_bytes))
+            return await work(RedisStore(client, settings.experiment, max_record_bytes=settings.max_record_bytes,
+                                         weights_redis=weights))
         finally:
             await client.aclose()
+            if weights is not None:
+                await weights.aclose()
 
     try:
         return asyncio.run(main())

@@ -1,6 +1,7 @@
-"""A model version's bytes: one safetensors blob (its manifest in the header), written to and read
-from a Redis stream of chunks or a file in a shared folder, each checked on the way back (sha256,
-chunk order, finite values). `fulmen.model_versions` decides names and resources; this moves bytes.
+"""A model version's bytes: one safetensors blob (its manifest in the header), written to a Redis
+stream of chunks or a file in a shared folder, and checked on the way back (sha256, chunk order,
+finite values; the stream is read by `fulmen.version_stream`). `fulmen.model_versions` decides names
+and resources; this moves bytes.
 
 The sha256 a blob travels with (`blob_sha256`) is that of its header when the header's manifest
 describes the blob's own tensors (full and LoRA versions): the header holds every tensor's sha256, so
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 WEIGHTS_FILE = "model.safetensors"
 CHUNK_HEADER_BYTES = 1024  # room for a chunk record's fields besides the data (version, sha256, ...)
 PIPELINE_BYTES = 32 << 20  # chunks per round trip: few round trips, bounded client buffers
-READ_PAGE_BYTES = 64 << 20  # chunks per XRANGE page, likewise
+DATA_FIELD = "d"  # a chunk entry's bytes; its "m" record describes them (older writers put them inside it)
 
 
 def _codes() -> dict[torch.dtype, str]:
@@ -140,26 +141,29 @@ async def write_stream(store: RedisStore, version: str, blob: Blob, sha256: str,
     total = max(1, -(-len(blob) // chunk_bytes))
     pieces = blob.chunks(chunk_bytes)
 
-    def record(index: int) -> bytes:
-        return WeightsChunk(version, index, total, sha256, len(blob), next(pieces)).to_wire(store.max_record_bytes)
+    def entry(index: int) -> dict[str, Any]:
+        # the bytes beside the record, not inside it: msgpack would copy each chunk twice on the way
+        # out and once on the way in; a view goes to the socket as it is
+        head = WeightsChunk(version, index, total, sha256, len(blob), b"").to_wire(store.max_record_bytes)
+        return {"m": head, DATA_FIELD: next(pieces)}
 
     try:
-        await store.redis.xadd(key, {"m": record(0)}, id="0-1")
+        await store.weights_redis.xadd(key, entry(0), id="0-1")
     except ResponseError:
-        if await store.redis.exists(key):
+        if await store.weights_redis.exists(key):
             raise VersionTaken from None
         raise
     try:
         per_pipeline = max(1, PIPELINE_BYTES // chunk_bytes)
         for first in range(1, total, per_pipeline):
-            async with store.redis.pipeline(transaction=False) as pipe:
+            async with store.weights_redis.pipeline(transaction=False) as pipe:
                 for index in range(first, min(first + per_pipeline, total)):
-                    pipe.xadd(key, {"m": record(index)}, id=f"0-{index + 1}")
+                    pipe.xadd(key, entry(index), id=f"0-{index + 1}")
                 await pipe.execute()
     except BaseException:
         # A half-written version is never published; free its name for a later attempt.
         with contextlib.suppress(Exception):
-            await store.redis.delete(key)
+            await store.weights_redis.delete(key)
         raise
     return {"stream": key, "chunks": total, "sha256": sha256, "bytes": len(blob)}
 
@@ -184,46 +188,6 @@ def write_file(shared_dir: Path, version: str, blob: Blob, sha256: str) -> dict:
     return {"path": str(path.resolve()), "sha256": sha256, "bytes": len(blob)}
 
 
-async def read_stream(store: RedisStore, version: str) -> tuple[bytearray, str] | None:
-    """The blob on the version's weights stream and its sha256 as the chunks state it; None if the
-    stream has no chunk; RecordError if chunks are missing or out of place. The chunks are copied into
-    one buffer as they arrive (tensors then view it, `deserialize`)."""
-    key = store.keys.weights(version)
-    blob = bytearray()
-    read = filled = 0
-    first: WeightsChunk | None = None
-    page = 1  # until the first chunk shows the chunk size
-    while first is None or read < first.total:
-        entries = await store.redis.xrange(key, min=f"0-{read + 1}", max="+", count=page)
-        if not entries:
-            break
-        for _, fields in entries:
-            chunk = WeightsChunk.from_wire(fields.get(b"m"), store.max_record_bytes)
-            if first is None:
-                first, blob = chunk, bytearray(chunk.size)
-            found = (chunk.model_version, chunk.index, chunk.total, chunk.sha256, chunk.size)
-            if found != (version, read, first.total, first.sha256, first.size):
-                raise RecordError(
-                    f"model version {version}: expected chunk {read} of {first.total} on {key}, "
-                    f"found chunk {chunk.index} of {chunk.total}: a chunk is missing or foreign"
-                )
-            if filled + len(chunk.data) > first.size:
-                raise RecordError(f"model version {version}: its chunks hold more than {first.size:,} bytes")
-            blob[filled : filled + len(chunk.data)] = chunk.data
-            filled += len(chunk.data)
-            read += 1
-        page = max(1, READ_PAGE_BYTES // max(1, len(first.data)))
-    if first is None:
-        return None
-    if read != first.total:
-        raise RecordError(
-            f"model version {version} is incomplete: {read} of {first.total} chunks on {key}"
-        )
-    if filled != first.size:
-        raise RecordError(f"model version {version} is {filled:,} bytes, expected {first.size:,}")
-    return blob, first.sha256
-
-
 def read_file(path: Path) -> bytearray | mmap.mmap:
     """The bytes of a regular file, memory-mapped (private: the tensors that view it may be written
     without touching the file). Opened without blocking and checked before reading: a path that names
@@ -242,29 +206,34 @@ def read_file(path: Path) -> bytearray | mmap.mmap:
         return mmap.mmap(fd, info.st_size, access=mmap.ACCESS_COPY)
 
 
-def deserialize(version: str, blob: Blob | bytes | bytearray | mmap.mmap, sha256: str | None) -> PublishedWeights:
+def deserialize(version: str, blob: Blob | bytes | bytearray | mmap.mmap, sha256: str | None,
+                checked: str | None = None) -> PublishedWeights:
     """The tensors of a blob (checked against ``sha256``, see `blob_sha256`), as views of the blob:
-    no copy."""
+    no copy. ``checked``: what a `fulmen.version_stream.BlobChecker` proved of these very bytes while
+    they arrived (``"manifest"``: every tensor's sha256 and finiteness; ``"whole"``: the blob's
+    sha256), not done again."""
     if isinstance(blob, Blob):
         blob = blob.joined()
     header = bytes(blob[: 8 + _header_size(version, blob)])
     manifest = read_manifest(header, version)
+    if checked == "manifest":
+        return PublishedWeights(_parse(version, blob), manifest)
     by_manifest = (manifest is not None and manifest.covers_blob()
                    and sha256 is not None and hashlib.sha256(header).hexdigest() == sha256)
-    if not by_manifest:  # a delta, a blob without a manifest (or from before `blob_sha256`), or corrupt
+    if not by_manifest and checked != "whole":  # a delta, a blob without a manifest (or from before `blob_sha256`), or corrupt
         actual = hashlib.sha256(blob).hexdigest()
         if sha256 is not None and actual != sha256:
             raise RecordError(
                 f"model version {version} is corrupt: sha256 {actual[:12]}… expected {sha256[:12]}…"
             )
-    state_dict = _parse(version, blob)
+    state = _parse(version, blob)
     if by_manifest:
         assert manifest is not None
-        manifest.check_all(state_dict, version)
-    broken = non_finite_tensors(state_dict)
+        manifest.check_all(state, version)
+    broken = non_finite_tensors(state)
     if broken:
         raise RecordError(f"model version {version} holds NaN or infinite values in {broken[:5]}: refused")
-    return PublishedWeights(state_dict, manifest)
+    return PublishedWeights(state, manifest)
 
 
 def _header_size(version: str, blob: bytes | bytearray | mmap.mmap) -> int:
@@ -276,7 +245,20 @@ def _header_size(version: str, blob: bytes | bytearray | mmap.mmap) -> int:
     return int(size)
 
 
-def _parse(version: str, blob: bytes | bytearray | mmap.mmap) -> dict[str, torch.Tensor]:
+class TensorSpan(NamedTuple):
+    """Where a tensor lies in a blob: ``start`` and ``end`` are offsets from the blob's first byte."""
+
+    name: str
+    dtype: torch.dtype
+    shape: list[int]
+    start: int
+    end: int
+
+
+def layout(version: str, blob: bytes | bytearray | mmap.mmap) -> list[TensorSpan]:
+    """The tensors a blob's header declares, each checked to fit the blob and its dtype's alignment.
+    Needs the header's bytes only (``blob`` has the whole blob's length; its data may still be on the
+    way: `fulmen.version_stream`)."""
     import torch
 
     size = _header_size(version, blob)
@@ -288,9 +270,7 @@ def _parse(version: str, blob: bytes | bytearray | mmap.mmap) -> dict[str, torch
         raise RecordError(f"model version {version} is not valid safetensors: its header is not an object")
     dtypes = {code: dtype for dtype, code in _codes().items()}
     start, length = 8 + size, len(blob) - 8 - size
-    # a bytes blob is read-only: torch views a writable copy-free buffer only
-    buffer = blob if isinstance(blob, bytearray | mmap.mmap) else bytearray(blob)
-    state: dict[str, torch.Tensor] = {}
+    spans: list[TensorSpan] = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -306,14 +286,27 @@ def _parse(version: str, blob: bytes | bytearray | mmap.mmap) -> dict[str, torch
         if not 0 <= begin <= end <= length or end - begin != count * itemsize or min(shape, default=0) < 0:
             raise RecordError(f"model version {version}: {name} has data_offsets [{begin}, {end}] that do not "
                               f"fit {entry['dtype']}{shape} in {length:,} bytes")
-        if count == 0:
-            state[name] = torch.empty(shape, dtype=dtype)
-            continue
-        if (start + begin) % itemsize:
+        if count and (start + begin) % itemsize:
             raise RecordError(f"model version {version}: {name} is not aligned to its {itemsize}-byte elements")
-        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=end - begin, offset=start + begin)
-        state[name] = raw.view(dtype).reshape(shape)
-    return state
+        spans.append(TensorSpan(name, dtype, shape, start + begin, start + end))
+    return spans
+
+
+def view(buffer: bytearray | mmap.mmap, span: TensorSpan) -> torch.Tensor:
+    """The tensor ``span`` describes, as a view of ``buffer`` (writable: torch needs that)."""
+    import torch
+
+    if span.end == span.start:
+        return torch.empty(span.shape, dtype=span.dtype)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=span.end - span.start, offset=span.start)
+    return raw.view(span.dtype).reshape(span.shape)
+
+
+def _parse(version: str, blob: bytes | bytearray | mmap.mmap) -> dict[str, torch.Tensor]:
+    spans = layout(version, blob)
+    # a bytes blob is read-only: torch views a writable copy-free buffer only
+    buffer = blob if isinstance(blob, bytearray | mmap.mmap) else bytearray(blob)
+    return {span.name: view(buffer, span) for span in spans}
 
 
 def tensor_is_finite(tensor: torch.Tensor) -> bool:

@@ -49,8 +49,9 @@ async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path |
     serve; returns the versions deleted, oldest first."""
     doomed = await versions_to_delete(store, keep)
     for version in doomed:
+        # the weights first: a version still listed is deleted again by the next pass, never leaked
+        await store.weights_redis.delete(store.keys.weights(version))
         async with store.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(store.keys.weights(version))
             pipe.zrem(store.keys.stored_versions, version)
             pipe.hdel(store.keys.version_bases, version)
             await pipe.execute()

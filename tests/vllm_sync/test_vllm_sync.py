@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fulmen.model_versions import publish_model_version
+from fulmen.model_versions import llm_resource, publish_model_version
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
 from fulmen_llm_proxy.engine_request import SamplingParams
@@ -85,6 +85,34 @@ async def test_a_published_version_is_loaded_verified_and_marked_ready(real_stor
         await task
         await admin.close()
         await fake.stop()
+
+
+async def test_a_version_that_cannot_be_read_leaves_the_server_serving_its_weights(real_store: RedisStore, models,
+                                                                                  tmp_path, caplog):
+    """Weights gone (a weights-only Redis restarted) or corrupt: the server is not touched, stays ready
+    on what it served, and the next version is loaded."""
+    base, trained = models
+    fake = FakeVllm(base)
+    await fake.start()
+    sync, stop, task, admin = await _run(real_store, fake, base, tmp_path)
+    try:
+        await _until(lambda: _ready(real_store, fake.url, "base"))
+        update = await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
+        await real_store.redis.delete(llm_resource(update)["weights"]["stream"])  # type: ignore[index]
+        await _until(lambda: _said(caplog, "v1 cannot be read"))
+        assert fake.calls == [] and await _ready(real_store, fake.url, "base")
+        await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
+        await _until(lambda: _ready(real_store, fake.url, "v2"))
+        assert sync.syncs["failed"] >= 1
+    finally:
+        stop.set()
+        await task
+        await admin.close()
+        await fake.stop()
+
+
+async def _said(caplog: pytest.LogCaptureFixture, text: str) -> bool:
+    return any(text in r.getMessage() for r in caplog.records)
 
 
 async def _ready(store: RedisStore, url: str, version: str) -> bool:

@@ -32,6 +32,12 @@ class CommonSettings(BaseSettings):
         validation_alias=AliasChoices("REDIS_URL", REDIS_URL_FIELD),
         description="Redis to use (redis://, rediss:// for TLS, user:password@ for ACL). Unset: the embedded one.",
     )
+    weights_redis_url: SecretStr | None = Field(
+        default=None,
+        description="Opt-in: a Redis of its own for model versions' weight chunks, typically without AOF "
+        "(unset: the main Redis). Faster for large full versions; the versions it holds are lost when it "
+        "restarts (replicas keep their weights until the trainer's next version). Every process of the experiment sets the same.",
+    )
     experiment: str = Field("default", description="Experiment name; several share one Redis in isolation.")
     data_dir: Path = Field(Path(".fulmen"), description="Where the embedded Redis keeps its AOF (under redis/).")
     redis_port: int = Field(DEFAULT_PORT, ge=1, le=65535, description="Port of the embedded Redis.")

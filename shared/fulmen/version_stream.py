@@ -1,0 +1,208 @@
+"""Reading a model version's chunks from Redis, checked while they arrive.
+
+`read_stream` copies each chunk once, into a buffer of the blob's size that the caller chooses (a
+bytearray for a backend that loads the tensors, a memory-mapped file for vllm-sync, which hands the
+file to vLLM as it is). As soon as the header has arrived, a `BlobChecker` starts hashing every tensor
+whose bytes are complete in a pool of threads (hashlib and torch release the GIL), so the one hash
+pass over the weights runs while the next chunks are on the way instead of after the last one.
+
+What is checked is what `fulmen.version_blobs.deserialize` checks, on the same bytes: when the header's
+sha256 is the one published and its manifest covers the blob's tensors (full, LoRA), each tensor's
+dtype, shape, sha256 and finiteness against the manifest; otherwise (a delta) the whole blob's sha256,
+hashed in order as it arrives. `BlobChecker.finish` raises RecordError on any difference and says what
+it proved, which `deserialize` then does not repeat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from fulmen.errors import RecordError
+from fulmen.records import WeightsChunk
+from fulmen.version_blobs import DATA_FIELD, TensorSpan, layout, tensor_is_finite, view
+from fulmen.version_manifest import HASH_THREADS, Manifest, TensorEntry, read_manifest
+
+if TYPE_CHECKING:
+    import mmap
+
+    from fulmen.store import RedisStore
+
+    Buffer = bytearray | mmap.mmap
+
+READ_PAGE_BYTES = 32 << 20  # chunks per XRANGE page: bounded client buffers, hashing starts early
+
+
+class BlobChecker:
+    """Checks a blob's bytes while they arrive (see the module docstring). Call `feed` with the
+    bytes filled so far, then `finish` once they all are."""
+
+    def __init__(self, version: str, sha256: str | None, threads: int = HASH_THREADS) -> None:
+        self.version, self.sha256 = version, sha256
+        self.pool = ThreadPoolExecutor(threads)
+        self.manifest: Manifest | None = None
+        self.spans: list[TensorSpan] | None = None  # None until the header is in; sorted by end
+        self.by_manifest = False
+        self.started = 0  # spans handed to the pool
+        self.jobs: list[tuple[TensorSpan, Future[tuple[str, bool]]]] = []
+        self.whole: Any = None  # the blob's running sha256 when there is no manifest to check against
+        self.hashed = 0
+        self.serial: Future[None] | None = None
+
+    def feed(self, blob: Buffer, filled: int) -> None:
+        if self.spans is None:
+            if filled < 8:
+                return
+            (size,) = struct.unpack("<Q", blob[:8])
+            if 8 + size > filled and 8 + size <= len(blob):
+                return
+            self._start(blob)
+        assert self.spans is not None
+        if self.by_manifest:
+            while self.started < len(self.spans) and self.spans[self.started].end <= filled:
+                span = self.spans[self.started]
+                self.jobs.append((span, self.pool.submit(_hash_and_check, blob, span)))
+                self.started += 1
+        elif filled > self.hashed:
+            # in order: each piece waits for the one before it (a one-item chain of futures)
+            self.serial = self.pool.submit(_update, self.serial, self.whole, memoryview(blob)[self.hashed : filled])
+            self.hashed = filled
+
+    def _start(self, blob: Buffer) -> None:
+        from fulmen.version_blobs import _header_size
+
+        header = bytes(blob[: 8 + _header_size(self.version, blob)])
+        self.manifest = read_manifest(header, self.version)
+        self.by_manifest = (self.manifest is not None and self.manifest.covers_blob()
+                            and self.sha256 is not None and hashlib.sha256(header).hexdigest() == self.sha256)
+        if self.by_manifest:
+            self.spans = sorted(layout(self.version, blob), key=lambda s: s.end)
+        else:
+            self.spans, self.whole = [], hashlib.sha256()
+
+    def finish(self, blob: Buffer) -> str | None:
+        """Wait for the checks; RecordError on a difference. ``"manifest"`` or ``"whole"``: what was
+        proved (`fulmen.version_blobs.deserialize`); None when nothing was (a header never complete)."""
+        try:
+            if self.spans is None:
+                return None
+            self.feed(blob, len(blob))
+            if not self.by_manifest:
+                if self.serial is not None:
+                    self.serial.result()
+                actual = self.whole.hexdigest()
+                if self.sha256 is not None and actual != self.sha256:
+                    raise RecordError(f"model version {self.version} is corrupt: sha256 {actual[:12]}… "
+                                      f"expected {self.sha256[:12]}…")
+                return "whole"
+            assert self.manifest is not None
+            names = {span.name for span in self.spans}
+            if names != set(self.manifest.tensors):
+                extra, missing = sorted(names - set(self.manifest.tensors)), sorted(set(self.manifest.tensors) - names)
+                raise RecordError(f"model version {self.version}: its tensors are not its manifest's "
+                                  f"(not in the manifest: {extra[:3]}, missing: {missing[:3]})")
+            broken = []
+            for span, job in self.jobs:
+                digest, finite = job.result()
+                entry = self.manifest.tensors[span.name]
+                got = TensorEntry(str(span.dtype).removeprefix("torch."), tuple(span.shape), digest)
+                if got != entry:
+                    what = "sha256" if (got.dtype, got.shape) == (entry.dtype, entry.shape) else "dtype or shape"
+                    raise RecordError(f"model version {self.version} is corrupt: {span.name} does not match "
+                                      f"its manifest's {what}")
+                if not finite:
+                    broken.append(span.name)
+            if broken:
+                raise RecordError(f"model version {self.version} holds NaN or infinite values in {broken[:5]}: refused")
+            return "manifest"
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.jobs, self.serial = [], None  # their views of the blob: a memory map closes only without them
+
+
+def check_whole(version: str, blob: Buffer, sha256: str | None) -> str | None:
+    """`BlobChecker` over a blob that is all there (a memory-mapped file): the tensors hashed in
+    parallel threads, their finiteness checked in the same pass."""
+    checker = BlobChecker(version, sha256)
+    try:
+        checker.feed(blob, len(blob))
+    except BaseException:
+        checker.close()
+        raise
+    return checker.finish(blob)
+
+
+def _hash_and_check(blob: Buffer, span: TensorSpan) -> tuple[str, bool]:
+    digest = hashlib.sha256(memoryview(blob)[span.start : span.end]).hexdigest()
+    return digest, tensor_is_finite(view(blob, span))
+
+
+def _update(before: Future[None] | None, digest: Any, piece: memoryview) -> None:
+    if before is not None:
+        before.result()
+    digest.update(piece)
+
+
+async def read_stream(store: RedisStore, version: str, allocate: Callable[[int], Buffer] = bytearray,
+                      check: bool = True) -> tuple[Buffer, str, str | None] | None:
+    """The blob on the version's weights stream, copied into ``allocate(size)``, its sha256 as the
+    chunks state it, and what was checked on the way (`BlobChecker.finish`; None with ``check``
+    False); None if the stream has no chunk; RecordError if chunks are missing, out of place or do
+    not check out."""
+    key = store.keys.weights(version)
+    blob: Buffer | None = None
+    read = filled = 0
+    first: WeightsChunk | None = None
+    checker: BlobChecker | None = None
+    page = 1  # until the first chunk shows the chunk size
+    try:
+        while first is None or read < first.total:
+            entries = await store.weights_redis.xrange(key, min=f"0-{read + 1}", max="+", count=page)
+            if not entries:
+                break
+            for _, fields in entries:
+                chunk = WeightsChunk.from_wire(fields.get(b"m"), store.max_record_bytes)
+                data = fields.get(DATA_FIELD.encode())
+                if data is None:
+                    data = chunk.data
+                elif chunk.data:
+                    raise RecordError(f"model version {version}: chunk {chunk.index} holds its bytes twice")
+                if first is None:
+                    first, blob = chunk, allocate(chunk.size)
+                    checker = BlobChecker(version, chunk.sha256) if check else None
+                found = (chunk.model_version, chunk.index, chunk.total, chunk.sha256, chunk.size)
+                if found != (version, read, first.total, first.sha256, first.size):
+                    raise RecordError(
+                        f"model version {version}: expected chunk {read} of {first.total} on {key}, "
+                        f"found chunk {chunk.index} of {chunk.total}: a chunk is missing or foreign"
+                    )
+                if filled + len(data) > first.size:
+                    raise RecordError(f"model version {version}: its chunks hold more than {first.size:,} bytes")
+                assert blob is not None
+                blob[filled : filled + len(data)] = data
+                filled += len(data)
+                read += 1
+            if checker is not None and blob is not None:
+                checker.feed(blob, filled)
+            page = max(1, READ_PAGE_BYTES // max(1, first.size // first.total))
+        if first is None or blob is None:
+            return None
+        if read != first.total:
+            raise RecordError(f"model version {version} is incomplete: {read} of {first.total} chunks on {key}")
+        if filled != first.size:
+            raise RecordError(f"model version {version} is {filled:,} bytes, expected {first.size:,}")
+        if checker is None:
+            return blob, first.sha256, None
+        import asyncio
+
+        finishing, checker = checker, None
+        return blob, first.sha256, await asyncio.to_thread(finishing.finish, blob)
+    finally:
+        if checker is not None:  # left early: the pool's pending hashes are dropped
+            checker.close()
