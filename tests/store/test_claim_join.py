@@ -87,3 +87,22 @@ async def test_rollouts_claimed_for_a_cancelled_caller_go_to_the_next_claim(stor
     assert {(await store.get_rollout(c.rollout.rollout_id)).status for c in spare} == {"preparing"}
     rest = await store.dequeue_rollouts("w1", 5)
     assert sorted(c.rollout.rollout_id for c in got + spare + rest) == ["r0", "r1", "r2", "r3"]
+
+
+def test_a_join_left_on_a_closed_loop_does_not_block_the_next_loop() -> None:
+    """A claim made just before its loop stopped (the join never started) leaves nothing that makes a
+    claim on a later loop wait forever (as a sync wrapper running each call in its own loop would)."""
+    from fulmen.store.claim_join import ClaimJoin
+
+    async def fake_claim(worker_id: str, count: int, block_s: float | None) -> list[str]:
+        return [worker_id] * count
+
+    join: ClaimJoin[str] = ClaimJoin(fake_claim)
+
+    async def leave_one_behind() -> None:
+        asyncio.ensure_future(join.claim("w1", 1, None))  # its first step runs; its join never starts
+
+    first = asyncio.new_event_loop()
+    first.run_until_complete(leave_one_behind())
+    first.close()
+    assert asyncio.run(asyncio.wait_for(join.claim("w1", 2, None), 5)) == ["w1", "w1"]

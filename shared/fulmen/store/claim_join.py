@@ -30,6 +30,7 @@ class ClaimJoin(Generic[T]):
         self._joining: dict[tuple[str, float | None], list[tuple[int, asyncio.Future[list[T]]]]] = {}
         self._spare: dict[str, list[T]] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # strong references while running
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def claim(self, worker_id: str, count: int, block_s: float | None) -> list[T]:
         spare = self._spare.get(worker_id)
@@ -37,6 +38,8 @@ class ClaimJoin(Generic[T]):
             taken, self._spare[worker_id] = spare[:count], spare[count:]
             return taken
         loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # used from a new loop: a join left on the old one never started
+            self._loop, self._joining = loop, {}
         key = (worker_id, block_s)
         waiters = self._joining.get(key)
         if waiters is None:
