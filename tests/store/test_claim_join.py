@@ -99,8 +99,10 @@ def test_a_join_left_on_a_closed_loop_does_not_block_the_next_loop() -> None:
 
     join: ClaimJoin[str] = ClaimJoin(fake_claim)
 
+    left: list[asyncio.Future[list[str]]] = []
+
     async def leave_one_behind() -> None:
-        asyncio.ensure_future(join.claim("w1", 1, None))  # its first step runs; its join never starts
+        left.append(asyncio.ensure_future(join.claim("w1", 1, None)))  # runs one step; its join never starts
 
     first = asyncio.new_event_loop()
     first.run_until_complete(leave_one_behind())
