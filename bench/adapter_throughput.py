@@ -125,7 +125,7 @@ async def main() -> None:
         client = aioredis.from_url(server.url)
         store = RedisStore(client, EXPERIMENT)
         await fill(store, args.n)
-        span_bytes = sum(len(f[b"m"]) for _, f in await client.xrange(store.keys.spans((await store.query_rollouts(limit=1))[0].rollout_id)))
+        span_bytes = sum(len(v) for _, f in await client.xrange(store.keys.spans((await store.query_rollouts(limit=1))[0].rollout_id)) for v in f.values())
         log("store filled: %d rollouts, %d bytes of spans each; starting `fulmen adapter`", args.n, span_bytes)
         env = {**os.environ, "REDIS_URL": server.url, "FULMEN_EXPERIMENT": EXPERIMENT, "FULMEN_LOG_LEVEL": "WARNING"}
         fulmen_bin = shutil.which("fulmen") or str(Path(sys.executable).with_name("fulmen"))

@@ -36,7 +36,7 @@ EXPERIMENTS = f"{NAMESPACE}:experiments"  # set of experiment names (the only ke
 # Suffixes after the experiment prefix. Per-entity keys append the entity id.
 ROLLOUT = "rollout:"  # hash: one rollout's state
 ATTEMPT = "attempt:"  # hash: one attempt's state, id "<rollout_id>.<n>"
-SPANS = "spans:"  # stream: one rollout's spans, entry id "<sequence_id>-0"
+SPANS = "spans:"  # stream: one rollout's spans, an entry per call (`fulmen.records.spans.entry_records`)
 SPAN_IDS = "spanids:"  # set: "<attempt_id>/<span_id>" already stored for one rollout (dedupe)
 STATUS = "status:"  # set: rollout ids currently in one status
 RESOURCES = "resources:"  # hash: version -> resources record, for one resources id

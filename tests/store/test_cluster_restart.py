@@ -80,6 +80,10 @@ async def test_rollouts_survive_sigkill_of_a_cluster_node(cluster: EmbeddedClust
     writer.cancel()
     with contextlib.suppress(asyncio.CancelledError, RedisError):
         await writer
+    # The writer's last enqueue may already be on the store's auto-pipeline, whose own task goes on
+    # retrying after the writer is cancelled: let it fail against the dead node, or it may land after
+    # the restart, between the reads below (a late write, not a lost or torn one).
+    await asyncio.gather(*store.ctx.pipeline._in_flight, return_exceptions=True)
     await client.aclose()
 
     cluster.start_node(victim)

@@ -89,7 +89,7 @@ async def test_duplicate_spans_are_ignored(store: RedisStore) -> None:
     spans = await store.query_spans("r1")
     assert _seq(spans) == [(1, aid, "a"), (2, aid, "b"), (3, aid, "c")]
     assert spans[0].name == "llm"  # the first write wins
-    assert await store.redis.xlen(store.keys.spans("r1")) == 3
+    assert await store.redis.xlen(store.keys.spans("r1")) == 2  # one entry per call that stored any
 
 
 async def test_span_is_a_heartbeat(store: RedisStore) -> None:
@@ -223,3 +223,27 @@ async def test_a_late_finish_with_spans_numbers_them_on_from_the_counter(store: 
     spans = await store.query_spans("r1")
     assert _seq(spans) == [(1, "r1.1", "a"), (2, "r1.1", "b"), (3, "r1.1", "c")]
     assert spans[1].name == "llm"
+
+
+async def test_a_call_is_one_entry_and_reads_as_its_spans_old_entries_included(store: RedisStore) -> None:
+    """The spans one call stores are one stream entry (several over 1000 spans), read back as the same
+    Span records with their own sequence ids, by query_spans and by the adapter's `SpanView` reader,
+    next to entries in the one-span-per-entry form older stores wrote."""
+    from fulmen.records import SpanView
+
+    aid = await _claim(store)
+    old = _span(aid, "old", name="before")  # written as a store before batching did: id "<seq>-0", m
+    await store.redis.xadd(store.keys.spans("r1"), {"m": old.to_wire()}, id="1-0")
+    await store.redis.hset(store.keys.rollout("r1"), "seq", 1)
+    many = [_span(aid, f"s{i}", attributes={"i": i}) for i in range(1203)]
+    stored = await store.add_spans(many)
+    assert [s.sequence_id for s in stored] == list(range(2, 1205))
+    assert await store.redis.xlen(store.keys.spans("r1")) == 3  # the old one, then 1000 + 203
+    spans = await store.query_spans("r1")
+    assert spans[1:] == stored
+    assert (spans[0].span_id, spans[0].name, spans[0].sequence_id) == ("old", "before", 1)
+    assert [s.sequence_id for s in await store.query_spans("r1", after_sequence_id=1000, limit=3)] == [1001, 1002, 1003]
+    entries = await store.redis.xrange(store.keys.spans("r1"))
+    expected = [(s.sequence_id, s.span_id, s.attributes) for s in spans]
+    for shape in (entries, [[eid, [x for kv in f.items() for x in kv]] for eid, f in entries]):  # parsed, raw
+        assert [(v.sequence_id, v.span_id, v.attributes) for v in SpanView.from_entries(shape)] == expected

@@ -130,19 +130,18 @@ class SpanView(NamedTuple):
 
     @classmethod
     def from_entries(cls, entries: Iterable[Any], max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> list[SpanView]:
-        """A span stream's entries as XREAD returns them (``[id, [field, value, ...]]``, ids
-        ``<sequence id>-0``), as views in stream order; RecordError if any entry is unreadable.
+        """A span stream's entries as XREAD returns them (``[id, [field, value, ...]]``; see
+        `entry_records` for what one entry holds), as views in sequence order; RecordError if any
+        entry is unreadable.
 
-        The loop inlines the common case of `from_wire` (one field ``m`` holding a positional record
-        of this version with well-typed fields; anything else goes through `from_wire`, which says
-        what is wrong): a call per span would be a large share of the decoding."""
+        The loop inlines the common case of `from_wire` (a positional record of this version with
+        well-typed fields; anything else goes through `from_wire`, which says what is wrong): a call
+        per span would be a large share of the decoding."""
         views = []
         unpackb, new_tuple = msgpack.unpackb, _new_tuple
         try:
             for entry_id, fields in entries:
-                sequence_id = int(entry_id[:entry_id.index(b"-")])
-                if len(fields) == 2 and fields[0] == b"m":  # as the store writes them
-                    record = fields[1]
+                for sequence_id, record in entry_records(entry_id, fields):
                     try:
                         d = unpackb(record, use_list=False, strict_map_key=False) if len(record) <= max_bytes else None
                     except (ValueError, TypeError, msgpack.UnpackException):
@@ -154,13 +153,38 @@ class SpanView(NamedTuple):
                                 and type(start_time) in _TIMES and type(end_time) in _TIMES):
                             views.append(new_tuple(cls, (*d[2:_REQUIRED], sequence_id)))
                             continue
-                else:
-                    record = dict(zip(fields[::2], fields[1::2], strict=True)).get(b"m")
-                    if record is None:
-                        continue  # not a span record: the store never writes one, a reader skips it
-                views.append(cls.from_wire(record, sequence_id, max_bytes))
+                    views.append(cls.from_wire(record, sequence_id, max_bytes))
         except RecordError:
             raise
         except (ValueError, TypeError, IndexError, AttributeError, msgpack.UnpackException) as e:
             raise RecordError(f"span entry unreadable: {e!r}") from None
         return views
+
+
+def entry_records(entry_id: bytes | str, fields: Any) -> list[tuple[int, bytes]]:
+    """The span records of one span-stream entry, each with its sequence id, in order.
+
+    The store writes the new spans of one call as one entry (one XADD: the stream's and the AOF's
+    cost is per entry far more than per byte), fields ``m``, ``m1``, ``m2``, … in order, under the
+    id ``<last sequence id>-0``; the spans of an entry are numbered consecutively up to it. An entry
+    of one span is ``m`` alone under its own sequence id, as every entry was before batching, so
+    older streams read the same. ``fields`` is a flat ``[name, value, ...]`` list (XREAD's raw
+    reply) or a mapping (redis-py's parsed one); fields named otherwise are not span records."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    last = int(text[:text.index("-")])
+    if isinstance(fields, dict):
+        if len(fields) == 1 and b"m" in fields:
+            return [(last, fields[b"m"])]
+        items: Iterable[tuple[Any, Any]] = fields.items()
+    else:
+        if len(fields) == 2 and fields[0] == b"m":  # as the store writes one span
+            return [(last, fields[1])]
+        items = zip(fields[::2], fields[1::2], strict=True)
+    records = [value for name, value in items if _is_record_field(name)]
+    first = last - len(records) + 1
+    return [(first + i, record) for i, record in enumerate(records)]
+
+
+def _is_record_field(name: bytes | str) -> bool:
+    text = name.decode() if isinstance(name, bytes) else name
+    return text == "m" or (text[:1] == "m" and text[1:].isdigit())

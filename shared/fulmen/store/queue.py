@@ -37,6 +37,7 @@ from fulmen import keys as k
 from fulmen.errors import InvalidInput, RecordError
 from fulmen.records import AttemptedRollout, QueueEntry
 from fulmen.store import scripts
+from fulmen.store.claim_join import ClaimJoin
 from fulmen.store.claim_script import CLAIM_NEXT
 from fulmen.store.context import StoreContext
 from fulmen.store.rollouts import attempted, pairs
@@ -82,6 +83,7 @@ class Queue:
         self._claim = ctx.script(CLAIM_NEXT)
         self._begin = ctx.script(scripts.BEGIN_ATTEMPTS)
         self._shards_checked = False
+        self._join: ClaimJoin[AttemptedRollout] = ClaimJoin(self._dequeue)
 
     async def ensure(self) -> None:
         """Create the runners' groups and register the experiment (once per store; idempotent)."""
@@ -116,9 +118,13 @@ class Queue:
         lanes first under the claim rule (module docstring).
 
         Blocks up to ``block_s`` seconds for work (None: return at once). Each rollout is claimed by
-        exactly one worker; poison entries go to the dead-letter stream on the way.
+        exactly one worker; poison entries go to the dead-letter stream on the way. Calls for one
+        worker id made in the same loop iteration are joined into one claim (`claim_join`).
         """
         await self.ensure()
+        return await self._join.claim(worker_id, count, block_s)
+
+    async def _dequeue(self, worker_id: str, count: int, block_s: float | None) -> list[AttemptedRollout]:
         deadline = None if block_s is None else time.monotonic() + block_s
         if len(self.lanes) > 1:
             return await self._dequeue_sharded(worker_id, count, deadline)

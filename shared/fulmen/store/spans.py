@@ -8,6 +8,7 @@ from typing import Any
 
 from fulmen.errors import NotFound
 from fulmen.records import AttemptStatus, RolloutStatus, Span
+from fulmen.records.spans import entry_records
 from fulmen.store import scripts
 from fulmen.store.context import StoreContext
 
@@ -93,9 +94,14 @@ class Spans:
         )
         spans = []
         for entry_id, fields in entries:
-            span = Span.from_wire(fields[b"m"], int(entry_id.split(b"-")[0]), self.ctx.max_record_bytes)
-            if (attempt_id is None or span.attempt_id == attempt_id) and (name is None or span.name == name):
-                spans.append(span)
-                if limit is not None and len(spans) >= limit:
-                    break
+            # An entry holds the spans of one call, numbered up to its id: the first entry past
+            # after_sequence_id may begin with spans already seen.
+            for sequence_id, record in entry_records(entry_id, fields):
+                if sequence_id <= after_sequence_id:
+                    continue
+                span = Span.from_wire(record, sequence_id, self.ctx.max_record_bytes)
+                if (attempt_id is None or span.attempt_id == attempt_id) and (name is None or span.name == name):
+                    spans.append(span)
+                    if limit is not None and len(spans) >= limit:
+                        return spans
         return spans
