@@ -6,7 +6,9 @@ backend's for the same weights, and its log-probabilities agree within LOGPROB_A
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -52,34 +54,43 @@ def vllm(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     env.pop("PYTHONPATH", None)
     log = open(root / "vllm.log", "w")  # noqa: SIM115 - closed after the server stops
+    # its own process group: the engine and worker processes it starts go down with it, even when the
+    # fixture is interrupted (a timeout) before the server is up
     server = subprocess.Popen(
         [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(base), "--enforce-eager",
          "--max-model-len", "256", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
          "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if server.poll() is not None:
-            log.close()
-            pytest.fail(f"the vLLM server exited ({server.returncode}):\n{(root / 'vllm.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            server.kill()
-            pytest.fail(f"the vLLM server did not start in {START_TIMEOUT_S} s:\n{(root / 'vllm.log').read_text()[-3000:]}")
-        time.sleep(1)
-    yield url, base, root
-    server.terminate()
     try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"the vLLM server exited ({server.returncode}):\n{(root / 'vllm.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the vLLM server did not start in {START_TIMEOUT_S} s:\n{(root / 'vllm.log').read_text()[-3000:]}")
+            time.sleep(1)
+        yield url, base, root
+    finally:
+        _stop_group(server)
+        log.close()
+
+
+def _stop_group(server: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    """SIGTERM to the server's process group, SIGKILL to it after 30 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
         server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-    log.close()
+    with contextlib.suppress(ProcessLookupError):  # the engine's processes, if they outlived the server
+        os.killpg(server.pid, signal.SIGKILL)
+    server.wait()
 
 
 async def _vllm_greedy(url: str, model: str) -> list[tuple[list[int], list[float]]]:
