@@ -30,10 +30,22 @@ HEAVY_FILES = frozenset({
 TESTS = Path(__file__).parent
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marker into a node id suffix
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.relative_to(TESTS).as_posix() in HEAVY_FILES:
             item.add_marker(pytest.mark.xdist_group("heavy"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """xdist groups a test by a suffix of its node id; a pytest where that suffix does not stick would
+    run the heavy files side by side without a word: stop instead."""
+    if getattr(session.config.option, "loadgroup", False):
+        untagged = [item.nodeid for item in session.items
+                    if item.get_closest_marker("xdist_group") and not item.nodeid.endswith("@heavy")]
+        if untagged:
+            raise pytest.UsageError(f"pytest-xdist did not group {untagged[0]} (and {len(untagged) - 1} more): "
+                                    "this pytest and pytest-xdist do not work together (see pyproject.toml)")
 
 
 @pytest.fixture(scope="session")
