@@ -447,7 +447,12 @@ class ChaosRun:
     async def chaos(self, name: str, moment: Callable[[ChaosRun], Awaitable[bool]], timeout_s: float = 180.0) -> Fault:
         """Wait for ``moment``, SIGKILL ``name``, start it again with the same command at once; then
         wait for the pipeline to make progress. Returns the fault, with the time it took to resume."""
-        await self.wait_for(f"the moment to kill {name}", lambda: moment(self), timeout_s)
+        async def moment_or_end() -> bool:
+            if self.ended:  # the moment can never come now: say so rather than wait for the deadline
+                raise TimeoutError(f"the moment to kill {name}: the run ended first\n{self.describe()}")
+            return await moment(self)
+
+        await self.wait_for(f"the moment to kill {name}", moment_or_end, timeout_s)
         return await self.fault(name, signal.SIGKILL, 0.0)
 
     async def finish(self, timeout_s: float = 300.0) -> dict[str, Any]:
