@@ -8,7 +8,6 @@ into place), so the proxy and the trainer, which wait for it, never read half a 
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import shutil
@@ -20,6 +19,7 @@ from fulmen import arithmetic
 from fulmen.errors import NotFound
 from fulmen.model_versions import BASE_VERSION, POLICY_RESOURCES_ID
 from fulmen.store import RedisStore
+from fulmen_algorithm.warm_start import install_model, sft_step
 
 log = logging.getLogger(__name__)
 
@@ -105,26 +105,14 @@ def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: 
             answer = [*tokenizer(d["completion"], add_special_tokens=False).input_ids, eos]
             seqs.append(prompt + answer)
             masks.append([0] * len(prompt) + [1] * len(answer))
-        width = max(len(x) for x in seqs)
-        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in seqs])
-        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
-        target_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float)[:, 1:]
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = -(logp * target_mask).sum() / target_mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        sft_step(model, optimizer, list(zip(seqs, masks, strict=True)), tokenizer.pad_token_id)
         if step % CHECK_EVERY == 0:
             accuracy = _greedy_accuracy(model, tokenizer, check)
             if step % LOG_EVERY == 0:
                 log.info("warm start: SFT step %d, train accuracy %.2f", step, accuracy)
             if accuracy >= until:
                 break
-    model.save_pretrained(staging, safe_serialization=True)
-    (staging / "warm_start.json").write_text(json.dumps({"sft_steps": step, "train_accuracy": accuracy}))
-    shutil.rmtree(paths.model, ignore_errors=True)
-    staging.rename(paths.model)
+    install_model(model, staging, paths.model, step, accuracy)
     log.info("warm start done after %d SFT steps (train accuracy %.2f): %s", step, accuracy, paths.model)
     return paths
 

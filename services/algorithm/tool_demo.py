@@ -18,6 +18,7 @@ from typing import Any
 
 from fulmen import arithmetic, calculator
 from fulmen_algorithm.demo import DemoPaths
+from fulmen_algorithm.warm_start import install_model, sft_step
 
 log = logging.getLogger(__name__)
 
@@ -168,25 +169,13 @@ def prepare_tool_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_
     accuracy, step = 0.0, 0
     for step in range(1, max_sft_steps + 1):
         batch = rng.sample(examples, SFT_BATCH)
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in batch])
-        attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
-        target = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float)[:, 1:]
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = -(logp * target).sum() / target.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if (step % check_every == 0 and loss.item() < CHECK_BELOW_LOSS) or step == max_sft_steps:
+        loss = sft_step(model, optimizer, batch, pad)
+        if (step % check_every == 0 and loss < CHECK_BELOW_LOSS) or step == max_sft_steps:
             accuracy = greedy_accuracy(model, tokenizer, check)
             if step % LOG_EVERY == 0:
-                log.info("tool warm start: SFT step %d, loss %.3f, train accuracy %.2f", step, loss.item(), accuracy)
+                log.info("tool warm start: SFT step %d, loss %.3f, train accuracy %.2f", step, loss, accuracy)
             if accuracy >= until:
                 break
-    model.save_pretrained(staging, safe_serialization=True)
-    (staging / "warm_start.json").write_text(json.dumps({"sft_steps": step, "train_accuracy": accuracy}))
-    shutil.rmtree(paths.model, ignore_errors=True)
-    staging.rename(paths.model)
+    install_model(model, staging, paths.model, step, accuracy)
     log.info("tool warm start done after %d SFT steps (train accuracy %.2f): %s", step, accuracy, paths.model)
     return paths
