@@ -226,24 +226,51 @@ async def test_a_late_finish_with_spans_numbers_them_on_from_the_counter(store: 
 
 
 async def test_a_call_is_one_entry_and_reads_as_its_spans_old_entries_included(store: RedisStore) -> None:
-    """The spans one call stores are one stream entry (several over 1000 spans), read back as the same
-    Span records with their own sequence ids, by query_spans and by the adapter's `SpanView` reader,
-    next to entries in the one-span-per-entry form older stores wrote."""
+    """The spans one call stores are one stream entry of one field (a compressed batch), read back as
+    the same Span records with their own sequence ids, by query_spans and by the adapter's `SpanView`
+    reader, next to entries in the forms older stores wrote: one span per entry (``m``) and one call
+    per entry in one field per span (``m``, ``m1``, ...)."""
     from fulmen.records import SpanView
 
     aid = await _claim(store)
-    old = _span(aid, "old", name="before")  # written as a store before batching did: id "<seq>-0", m
+    old = _span(aid, "old", name="before")  # one span per entry: id "<seq>-0", m
     await store.redis.xadd(store.keys.spans("r1"), {"m": old.to_wire()}, id="1-0")
-    await store.redis.hset(store.keys.rollout("r1"), "seq", 1)
-    many = [_span(aid, f"s{i}", attributes={"i": i}) for i in range(1203)]
+    older_call = [_span(aid, "o1", name="call"), _span(aid, "o2", name="call")]  # a call, a field per span
+    await store.redis.xadd(store.keys.spans("r1"), {"m": older_call[0].to_wire(), "m1": older_call[1].to_wire()},
+                           id="3-0")
+    await store.redis.hset(store.keys.rollout("r1"), "seq", 3)
+    many = [_span(aid, f"s{i}", attributes={"i": i, "text": "the same prompt again " * 20}) for i in range(1203)]
     stored = await store.add_spans(many)
-    assert [s.sequence_id for s in stored] == list(range(2, 1205))
-    assert await store.redis.xlen(store.keys.spans("r1")) == 3  # the old one, then 1000 + 203
-    spans = await store.query_spans("r1")
-    assert spans[1:] == stored
-    assert (spans[0].span_id, spans[0].name, spans[0].sequence_id) == ("old", "before", 1)
-    assert [s.sequence_id for s in await store.query_spans("r1", after_sequence_id=1000, limit=3)] == [1001, 1002, 1003]
+    assert [s.sequence_id for s in stored] == list(range(4, 1207))
     entries = await store.redis.xrange(store.keys.spans("r1"))
+    assert [(eid, list(f)) for eid, f in entries][2:] == [(b"1206-0", [b"z"])]  # the call: one entry, one field
+    assert len(entries[2][1][b"z"]) < sum(len(s.to_wire()) for s in many) / 10  # compressed
+    spans = await store.query_spans("r1")
+    assert spans[3:] == stored
+    assert [(s.span_id, s.name, s.sequence_id) for s in spans[:3]] == [
+        ("old", "before", 1), ("o1", "call", 2), ("o2", "call", 3)]
+    assert [s.sequence_id for s in await store.query_spans("r1", after_sequence_id=1000, limit=3)] == [1001, 1002, 1003]
     expected = [(s.sequence_id, s.span_id, s.attributes) for s in spans]
     for shape in (entries, [[eid, [x for kv in f.items() for x in kv]] for eid, f in entries]):  # parsed, raw
         assert [(v.sequence_id, v.span_id, v.attributes) for v in SpanView.from_entries(shape)] == expected
+
+
+async def test_a_batch_that_is_not_one_or_inflates_too_far_is_a_record_error(store: RedisStore) -> None:
+    """An entry whose batch field is not zlib, not an array of records, or inflates past the bound
+    reads as RecordError (the adapter dead-letters it), never a crash or an unbounded allocation."""
+    import zlib
+
+    import msgpack
+
+    from fulmen.errors import RecordError
+    from fulmen.records import SpanView
+    from fulmen.records.spans import pack_span_batch, unpack_span_batch
+
+    assert unpack_span_batch(pack_span_batch([b"a", b"bc"])) == [b"a", b"bc"]
+    for bad in (b"not zlib", zlib.compress(b"\xc1"), zlib.compress(msgpack.packb([1, 2])), zlib.compress(msgpack.packb({}))):
+        with pytest.raises(RecordError):
+            unpack_span_batch(bad)
+        with pytest.raises(RecordError):
+            SpanView.from_entries([[b"2-0", [b"z", bad]]])
+    with pytest.raises(RecordTooLarge, match="inflates"):
+        unpack_span_batch(zlib.compress(b"\0" * 10_000), max_bytes=1000)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
 
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, SCHEMA_VERSION, check_version, pack, unpack
-from fulmen.errors import RecordError
+from fulmen.errors import RecordError, RecordTooLarge
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,24 +162,65 @@ class SpanView(NamedTuple):
         return views
 
 
+# The spans one store call writes travel to Redis and rest there as ONE value: their records as a
+# msgpack array, zlib-compressed at level 1 (stdlib; the fastest level, and the client pays it).
+# Per value and per field, not per byte, is where Redis spends its CPU on spans (Lua strings, AOF
+# lines, stream fields), and spans are most of Redis's memory: the prompts of one rollout's calls
+# repeat each other. Figures in bench/RESULTS.md (issue 18).
+BATCH_FIELD = "z"
+# Decompressing more than this is refused (a corrupt or hostile entry must not exhaust memory).
+MAX_BATCH_BYTES = 256 * 1024 * 1024
+
+
+def pack_span_batch(records: Sequence[bytes]) -> bytes:
+    """The stored form of the span records of one call, in order (`BATCH_FIELD`)."""
+    return zlib.compress(msgpack.packb(list(records), use_bin_type=True), 1)
+
+
+def unpack_span_batch(blob: bytes, max_bytes: int = MAX_BATCH_BYTES) -> list[bytes]:
+    """The span records of a `pack_span_batch` value; RecordError if it is not one."""
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(blob, max_bytes)
+    except zlib.error as e:
+        raise RecordError(f"span batch is not zlib data: {e}") from None
+    if inflate.unconsumed_tail:
+        raise RecordTooLarge(f"span batch inflates to over {max_bytes:,} bytes")
+    try:
+        records = msgpack.unpackb(raw, use_list=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise RecordError(f"span batch is not a msgpack array: {e}") from None
+    if type(records) is not list or not all(type(r) is bytes for r in records):
+        raise RecordError("span batch is not an array of span records")
+    return records
+
+
 def entry_records(entry_id: bytes | str, fields: Any) -> list[tuple[int, bytes]]:
     """The span records of one span-stream entry, each with its sequence id, in order.
 
-    The store writes the new spans of one call as one entry (one XADD: the stream's and the AOF's
-    cost is per entry far more than per byte), fields ``m``, ``m1``, ``m2``, … in order, under the
-    id ``<last sequence id>-0``; the spans of an entry are numbered consecutively up to it. An entry
-    of one span is ``m`` alone under its own sequence id, as every entry was before batching, so
-    older streams read the same. ``fields`` is a flat ``[name, value, ...]`` list (XREAD's raw
+    The store writes the new spans of one call as one entry under the id ``<last sequence id>-0``;
+    the spans of an entry are numbered consecutively up to it. Today's entries hold them in one
+    field, `BATCH_FIELD` (`pack_span_batch`). Entries written before that are read the same: fields
+    ``m``, ``m1``, ``m2``, … in order (one XADD per call), or ``m`` alone for one span under its own
+    sequence id (one entry per span). ``fields`` is a flat ``[name, value, ...]`` list (XREAD's raw
     reply) or a mapping (redis-py's parsed one); fields named otherwise are not span records."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     last = int(text[:text.index("-")])
     if isinstance(fields, dict):
+        batch = fields.get(b"z")
+        if batch is not None:
+            records = unpack_span_batch(batch)
+            return [(last - len(records) + 1 + i, record) for i, record in enumerate(records)]
         if len(fields) == 1 and b"m" in fields:
             return [(last, fields[b"m"])]
         items: Iterable[tuple[Any, Any]] = fields.items()
     else:
-        if len(fields) == 2 and fields[0] == b"m":  # as the store writes one span
-            return [(last, fields[1])]
+        if len(fields) == 2:
+            if fields[0] == b"z":  # as the store writes a call's spans
+                records = unpack_span_batch(fields[1])
+                return [(last - len(records) + 1 + i, record) for i, record in enumerate(records)]
+            if fields[0] == b"m":  # as the store wrote one span
+                return [(last, fields[1])]
         items = zip(fields[::2], fields[1::2], strict=True)
     records = [value for name, value in items if _is_record_field(name)]
     first = last - len(records) + 1

@@ -31,6 +31,8 @@ _claim_orders = ", ".join(
 # ARGV[1] = worker id, ARGV[2] = most entries to read.
 # Reads new queue entries for the worker (XREADGROUP inside the script, so it never blocks) and
 # begins an attempt for each as BEGIN_ATTEMPTS does: read and claim in one round trip instead of two.
+# The read is NOACK: the attempt is begun in the same atomic step, so the entry needs no pending
+# record (which would cost an XCLAIM in the AOF per entry, then an XACK).
 # While the urgent and low lanes are empty (their length is what waits there, see `done`) it reads the
 # normal lane alone, in one XREADGROUP, as before lanes; otherwise one entry at a time, each from the
 # first lane with an entry in the order of its cycle position (CLAIM_ORDER; the position, K_TURN,
@@ -39,7 +41,8 @@ _claim_orders = ", ".join(
 # builds into its Lua; the record is checked as `QueueEntry.from_wire` checks it.
 # Returns {claimed, leftover, n}: claimed holds BEGIN_ATTEMPTS' 'ok' items;
 # leftover the raw entries {lane, id, {field, value, ...}} it could not claim (unreadable record,
-# missing rollout), still pending, for the caller to dead-letter; n the number of entries read (0: the
+# missing rollout), for the caller to dead-letter (they point at no work: a caller that dies first
+# loses only the poison entry); n the number of entries read (0: the
 # queues had nothing new). Stale entries are acked and skipped.
 CLAIM_NEXT = (
     PRELUDE
@@ -53,7 +56,7 @@ local claimed, leftover, n = {}, {}, 0
 -- script has claimed nothing (the caller creates the groups again), else that lane counts as empty
 -- this time, so attempts already begun are not lost with the reply.
 local function read(lane, c)
-  local reply = redis.pcall('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', c, 'STREAMS', LANE_QUEUES[lane], '>')
+  local reply = redis.pcall('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', c, 'NOACK', 'STREAMS', LANE_QUEUES[lane], '>')
   if type(reply) == 'table' and reply.err then
     if #claimed == 0 then error(reply.err) end
     return nil
@@ -72,7 +75,7 @@ local function take(lane, entry)
       end
     end
   end
-  local result = rid and begin(worker, entry[1], rid, lane) or {'missing'}
+  local result = rid and begin(worker, entry[1], rid, lane, true) or {'missing'}
   if result[1] == 'ok' then
     claimed[#claimed + 1] = result
   elseif result[1] == 'missing' then

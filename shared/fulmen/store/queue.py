@@ -1,8 +1,9 @@
 """Claiming rollouts from the queue: the runners' consumer group, each claim one round trip.
 
-The claim script (`claim_script.CLAIM_NEXT`) reads new entries with XREADGROUP inside Lua and begins
-an attempt for each, acknowledging the entry in the same step, so an entry is pending only between
-delivery and claim when the queue is read outside the script (the blocking read of an empty queue).
+The claim script (`claim_script.CLAIM_NEXT`) reads new entries with XREADGROUP NOACK inside Lua and
+begins an attempt for each in the same atomic step, so those entries are never pending; an entry is
+pending only between delivery and claim when the queue is read outside the script (the blocking read
+of an empty queue).
 Entries delivered to a consumer that died in that window are taken over with XAUTOCLAIM
 (`Stream.reclaim`). A claimed attempt that stops heartbeating is the watchdog's
 (`fulmen.store.watchdog`), which requeues or fails it.

@@ -31,6 +31,7 @@ from fulmen.records import (
 from fulmen.records.status import TERMINAL_ROLLOUT
 from fulmen.store import scripts
 from fulmen.store.context import StoreContext
+from fulmen.store.spans import SpanBatch
 
 FinishResult = Literal["running", "succeeded", "requeued", "failed", "already", "superseded", "ignored"]
 """What reporting an attempt's status did. ``already``: the attempt had ended before (a duplicate
@@ -224,13 +225,11 @@ class Rollouts:
             raise InvalidTransition("an attempt cannot go back to preparing")
         reward_arg = "" if reward is None else repr(float(reward))
         if spans:
-            span_pairs: list[Any] = []
             for s in spans:
                 if s.attempt_id != attempt_id or s.rollout_id != rollout_id:
                     raise InvalidInput(f"span {s.span_id} belongs to attempt {s.attempt_id}, not {attempt_id}")
-                span_pairs += [f"{attempt_id}/{s.span_id}", s.to_wire(self.ctx.max_record_bytes)]
-            return await self._report(
-                rollout_id, attempt_id, status, error, self._finish_with_spans, [reward_arg, *span_pairs]
+            return await self._report_with_spans(
+                rollout_id, attempt_id, status, error, reward_arg, SpanBatch(spans, self.ctx.max_record_bytes)
             )
         return await self._report(rollout_id, attempt_id, status, error, self._finish, [reward_arg])
 
@@ -243,6 +242,31 @@ class Rollouts:
         self, rollout_id: str, attempt_id: str, status: AttemptStatus, error: Any, script: Any,
         extra: Sequence[Any] = (),
     ) -> FinishResult:
+        reply = await self._report_reply(rollout_id, attempt_id, status, error, script, extra)
+        code = reply.decode()
+        if code == "missing" and script is not self._expire:
+            raise NotFound(f"attempt {attempt_id} of rollout {rollout_id} does not exist")
+        return code  # type: ignore[return-value]
+
+    async def _report_with_spans(
+        self, rollout_id: str, attempt_id: str, status: AttemptStatus, error: Any, reward_arg: str, batch: SpanBatch,
+    ) -> FinishResult:
+        """FINISH_WITH_SPANS, sent again without the spans it reports as stored already (which
+        leaves it undone), until it is done; with none left, a plain finish."""
+        while batch.spans:
+            reply = await self._report_reply(
+                rollout_id, attempt_id, status, error, self._finish_with_spans, [reward_arg, *batch.args()]
+            )
+            if not isinstance(reply, list):  # a finish code; else ['dup', positions...]
+                if reply == b"missing":
+                    raise NotFound(f"attempt {attempt_id} of rollout {rollout_id} does not exist")
+                return reply.decode()  # type: ignore[return-value]
+            batch = batch.without(reply[1:])
+        return await self._report(rollout_id, attempt_id, status, error, self._finish, [reward_arg])
+
+    async def _report_reply(
+        self, rollout_id: str, attempt_id: str, status: AttemptStatus, error: Any, script: Any, extra: Sequence[Any],
+    ) -> Any:
         ending = RolloutStatus.SUCCEEDED if status is AttemptStatus.SUCCEEDED else RolloutStatus.FAILED
         args = [
             self.ctx.keys.shard(rollout_id).prefix,
@@ -254,10 +278,7 @@ class Rollouts:
             RolloutFinished(rollout_id, ending, attempt_id).to_wire(),
             *extra,
         ]
-        code = (await self.ctx.pipeline.submit(script, args)).decode()
-        if code == "missing" and script is not self._expire:
-            raise NotFound(f"attempt {attempt_id} of rollout {rollout_id} does not exist")
-        return code  # type: ignore[return-value]
+        return await self.ctx.pipeline.submit(script, args)
 
     async def update_rollout(
         self,

@@ -196,24 +196,25 @@ return out
 """
 
 # Begin the next attempt of rollout `rid` for `worker`; `qid` is the queue entry it was claimed from
-# ('' for a manual attempt), on the queue of lane number `lane`. Returns one reply item of
+# ('' for a manual attempt), on the queue of lane number `lane`; `unpending`: the entry was read with
+# NOACK (CLAIM_NEXT), so it has no pending entry to acknowledge. Returns one reply item of
 # BEGIN_ATTEMPTS. Shared with CLAIM_NEXT.
 # An entry done with is acknowledged; on the urgent and low lanes it is deleted too, so their length
 # is what waits there and an empty lane costs the claim nothing (CLAIM_NEXT). The normal lane keeps
 # its entries for retention to trim, as the queue always has.
 BEGIN = """
-local function done(lane, qid)
-  redis.call('XACK', LANE_QUEUES[lane], GROUP, qid)
+local function done(lane, qid, unpending)
+  if not unpending then redis.call('XACK', LANE_QUEUES[lane], GROUP, qid) end
   if lane ~= NORMAL then redis.call('XDEL', LANE_QUEUES[lane], qid) end
 end
 
-local function begin(worker, qid, rid, lane)
+local function begin(worker, qid, rid, lane, unpending)
   local rk = K_ROLLOUT .. rid
   local r = redis.call('HMGET', rk, 'status', 'qid', 'attempt_n', 'unresponsive_s', 'timeout_s',
                        'attempt_id', 'start_time')
   if not r[1] then return {'missing'} end
   if qid ~= '' and (r[2] ~= qid or not WAITING[r[1]]) then
-    done(lane, qid)
+    done(lane, qid, unpending)
     return {'stale'}
   end
   if TERMINAL[r[1]] then return {'terminal'} end
@@ -243,7 +244,7 @@ local function begin(worker, qid, rid, lane)
   end
   if r[4] ~= '' then redis.call('ZADD', K_HEARTBEAT, t + tonumber(r[4]), aid) end
   if r[5] ~= '' then redis.call('ZADD', K_DEADLINE, t + tonumber(r[5]), aid) end
-  if qid ~= '' then done(lane, qid) end
+  if qid ~= '' then done(lane, qid, unpending) end
   return {'ok', redis.call('HGETALL', rk), attempt}
 end
 """
@@ -281,47 +282,41 @@ return begin(ARGV[1], '', ARGV[2])
 """
 )
 
-# Store the spans in ARGV[first..] (pairs: dedupe key, span message) of rollout `rid`, numbered after
-# `seq`, the rollout's counter: one SMISMEMBER and one SADD for all the dedupe keys (not one SADD, one
-# AOF line, per span), and the new spans as ONE stream entry (fields m, m1, m2, ... under the id
-# "<last seq>-0": `fulmen.records.spans.entry_records` reads it back), not an XADD per span (8 XADDs
-# of 1 KB were the largest share of a rollout's server CPU). Calls of over 1000 spans write one entry
-# per 1000 (unpack() has a limit on the number of values). Returns the seq given to each span (0: a
-# duplicate) and the counter after them (nil when nothing new was stored, so it needs no write).
+# Store the spans of one call of rollout `rid`: ARGV[first] = their records as one value
+# (`fulmen.records.spans.pack_span_batch`), ARGV[first + 1..] = their dedupe keys, distinct, in order
+# (the caller drops repeats within the call). They are numbered after `seq`, the rollout's counter,
+# and written as ONE stream entry with ONE field under the id "<last seq>-0"
+# (`fulmen.records.spans.entry_records` reads it back): Redis's cost is per value and per command,
+# not per byte. The dedupe keys go into the rollout's set in one SADD; they are looked up first only
+# if the rollout has stored spans before (a rollout's first spans can repeat none).
+# Returns the counter after them, or nil and the positions (1-based) of the keys already stored: then
+# nothing is written, and the caller sends the call again without those spans.
 _SPANS = """
 local function store_spans(rid, first, seq)
-  local ids, spans = K_SPAN_IDS .. rid, K_SPANS .. rid
-  local out, last = {}, nil
-  for chunk = first, #ARGV, 2000 do
-    local keys, new, fresh, entry = {}, {}, {}, {}
-    for i = chunk, math.min(chunk + 1999, #ARGV), 2 do keys[#keys + 1] = ARGV[i] end
-    local seen = redis.call('SMISMEMBER', ids, unpack(keys))
-    for j, key in ipairs(keys) do
-      if seen[j] == 0 and not fresh[key] then
-        fresh[key] = true
-        seq = seq + 1
-        last = seq
-        entry[#entry + 1] = #entry == 0 and 'm' or 'm' .. (#entry / 2)
-        entry[#entry + 1] = ARGV[chunk + 2 * j - 1]
-        new[#new + 1] = key
-        out[#out + 1] = seq
-      else
-        out[#out + 1] = 0
+  local ids, n = K_SPAN_IDS .. rid, #ARGV - first
+  if n <= 0 then return seq end
+  if seq > 0 then
+    local dups = {}
+    for chunk = first + 1, #ARGV, 1000 do
+      local seen = redis.call('SMISMEMBER', ids, unpack(ARGV, chunk, math.min(chunk + 999, #ARGV)))
+      for j, s in ipairs(seen) do
+        if s == 1 then dups[#dups + 1] = chunk + j - 1 - first end
       end
     end
-    if #new > 0 then
-      redis.call('XADD', spans, seq .. '-0', unpack(entry))
-      redis.call('SADD', ids, unpack(new))
-    end
+    if #dups > 0 then return nil, dups end
   end
-  return out, last
+  redis.call('XADD', K_SPANS .. rid, (seq + n) .. '-0', 'z', ARGV[first])
+  for chunk = first + 1, #ARGV, 1000 do
+    redis.call('SADD', ids, unpack(ARGV, chunk, math.min(chunk + 999, #ARGV)))
+  end
+  return seq + n
 end
 """
 
-# ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3..] = pairs (dedupe key, span message).
-# Stores each new span under the next sequence id of the rollout (stream entry id "<seq>-0"),
-# ignores duplicates, and counts as a heartbeat of the attempt.
-# Returns {rollout status, attempt status, seq or 0 per span}, or {'missing'} for an unknown attempt.
+# ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3..] = spans as `store_spans` takes them (none:
+# a heartbeat). Stores the spans after the rollout's counter and counts as a heartbeat of the attempt.
+# Returns {rollout status, attempt status, counter after the spans}, {'dup', positions...} (nothing
+# stored or touched: see `store_spans`), or {'missing'} for an unknown attempt.
 ADD_SPANS = (
     PRELUDE
     + _SPANS
@@ -329,16 +324,19 @@ ADD_SPANS = (
 local rid, aid = ARGV[1], ARGV[2]
 local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id', 'status')
 if a[1] ~= rid then return {'missing'} end
-local out, rk = {'', ''}, K_ROLLOUT .. rid
+local rk, seq = K_ROLLOUT .. rid, 0
 if #ARGV > 2 then
-  local seqs, seq = store_spans(rid, 3, tonumber(redis.call('HGET', rk, 'seq')) or 0)
-  for _, x in ipairs(seqs) do out[#out + 1] = x end
-  if seq then redis.call('HSET', rk, 'seq', seq) end
+  local before = tonumber(redis.call('HGET', rk, 'seq')) or 0
+  local dups
+  seq, dups = store_spans(rid, 3, before)
+  if dups then
+    table.insert(dups, 1, 'dup')
+    return dups
+  end
+  if seq ~= before then redis.call('HSET', rk, 'seq', seq) end
 end
 local attempt_status, rollout_status = touch(rid, aid, now(), a[2])
-out[2] = attempt_status
-out[1] = rollout_status or redis.call('HGET', rk, 'status')
-return out
+return {rollout_status or redis.call('HGET', rk, 'status'), attempt_status, seq}
 """
 )
 
@@ -355,8 +353,9 @@ return finish(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
 
 # FINISH_ATTEMPT with the attempt's last spans in the same step (one round trip where a runner would
 # otherwise need two, and no window in which the attempt has ended without them).
-# ARGV[1..7] as FINISH_ATTEMPT, ARGV[8..] = pairs (dedupe key, span message) as ADD_SPANS.
-# Returns the code of `finish` ('missing' for an unknown attempt; then no span is stored).
+# ARGV[1..7] as FINISH_ATTEMPT, ARGV[8..] = spans as `store_spans` takes them.
+# Returns the code of `finish` ('missing' for an unknown attempt; then no span is stored), or
+# {'dup', positions...} (nothing stored, the attempt not ended: see `store_spans`).
 FINISH_WITH_SPANS = (
     PRELUDE
     + _SPANS
@@ -368,8 +367,13 @@ if a[1] ~= rid then return 'missing' end
 local fields = {unpack(READ_FOR_FINISH)}
 fields[#fields + 1] = 'seq'
 local r = redis.call('HMGET', K_ROLLOUT .. rid, unpack(fields))
-local _, seq = store_spans(rid, 8, tonumber(r[#fields]) or 0)
-return finish(rid, aid, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], a[2], r, seq and {'seq', seq} or nil)
+local before = tonumber(r[#fields]) or 0
+local seq, dups = store_spans(rid, 8, before)
+if dups then
+  table.insert(dups, 1, 'dup')
+  return dups
+end
+return finish(rid, aid, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], a[2], r, seq ~= before and {'seq', seq} or nil)
 """
 )
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from fulmen.errors import NotFound
 from fulmen.records import AttemptStatus, RolloutStatus, Span
-from fulmen.records.spans import entry_records
+from fulmen.records.spans import entry_records, pack_span_batch
 from fulmen.store import scripts
 from fulmen.store.context import StoreContext
 
@@ -19,6 +20,37 @@ _SPAN_FIELDS = tuple(f.name for f in dataclass_fields(Span) if f.name != "sequen
 
 def _with_sequence(span: Span, sequence_id: int) -> Span:
     return Span(*[getattr(span, name) for name in _SPAN_FIELDS], sequence_id=sequence_id)
+
+
+class SpanBatch:
+    """The spans of one attempt that one store call sends (`scripts.store_spans`): repeats within the
+    call dropped (the first kept), their dedupe keys, and their records as one value."""
+
+    def __init__(self, spans: Sequence[Span], max_bytes: int, records: dict[str, bytes] | None = None) -> None:
+        self.max_bytes = max_bytes
+        unique: dict[str, Span] = {}
+        for s in spans:
+            unique.setdefault(f"{s.attempt_id}/{s.span_id}", s)
+        self.keys = list(unique)
+        self.spans = list(unique.values())
+        # Encoded once (a span over max_bytes raises here, before anything is written).
+        self.records = records if records is not None else {key: s.to_wire(max_bytes) for key, s in unique.items()}
+
+    def args(self) -> list[Any]:
+        """What `store_spans` takes: the records as one value, then the dedupe keys."""
+        if not self.spans:
+            return []
+        return [pack_span_batch([self.records[key] for key in self.keys]), *self.keys]
+
+    def without(self, positions: Sequence[Any]) -> SpanBatch:
+        """This batch less the spans at ``positions`` (1-based, as the script reports them)."""
+        drop = {int(p) - 1 for p in positions}
+        return SpanBatch([s for i, s in enumerate(self.spans) if i not in drop], self.max_bytes, self.records)
+
+    def stored(self, last_seq: int) -> list[Span]:
+        """The spans with the sequence ids the store gave them, the last one ``last_seq``."""
+        first = last_seq - len(self.spans) + 1
+        return [_with_sequence(s, first + i) for i, s in enumerate(self.spans)]
 
 
 class Spans:
@@ -39,23 +71,22 @@ class Spans:
             by_attempt.setdefault((s.rollout_id, s.attempt_id), []).append(s)
         if not by_attempt:
             return []
-        keys, max_bytes = self.ctx.keys, self.ctx.max_record_bytes
-        arg_lists = []
-        for (rollout_id, attempt_id), group in by_attempt.items():
-            args: list[Any] = [keys.shard(rollout_id).prefix, rollout_id, attempt_id]
-            for s in group:
-                args += [f"{attempt_id}/{s.span_id}", s.to_wire(max_bytes)]
-            arg_lists.append(args)
-        stored = []
-        for ((rollout_id, attempt_id), group), result in zip(
-            by_attempt.items(), await self.ctx.each(self._add_spans, arg_lists), strict=True
-        ):
+        stored_lists = await asyncio.gather(*(
+            self._add(rollout_id, attempt_id, group) for (rollout_id, attempt_id), group in by_attempt.items()
+        ))
+        return [s for stored in stored_lists for s in stored]
+
+    async def _add(self, rollout_id: str, attempt_id: str, spans: list[Span]) -> list[Span]:
+        """One attempt's spans, sent again without those the store reports as already stored."""
+        prefix = self.ctx.keys.shard(rollout_id).prefix
+        batch = SpanBatch(spans, self.ctx.max_record_bytes)
+        while True:
+            result = await self.ctx.pipeline.submit(self._add_spans, [prefix, rollout_id, attempt_id, *batch.args()])
             if result[0] == b"missing":
                 raise NotFound(f"attempt {attempt_id} of rollout {rollout_id} does not exist")
-            for s, seq in zip(group, result[2:], strict=True):
-                if seq:
-                    stored.append(_with_sequence(s, int(seq)))
-        return stored
+            if result[0] != b"dup":
+                return batch.stored(int(result[2]))
+            batch = batch.without(result[1:])  # with none left, the call is a heartbeat, as a duplicate is
 
     async def add_span(self, span: Span) -> Span | None:
         """Store one span; None if it was a duplicate."""
