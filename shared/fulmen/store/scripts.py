@@ -52,8 +52,10 @@ local function set_status(rid, old, new, ...)
     if select('#', ...) > 0 then redis.call('HSET', K_ROLLOUT .. rid, ...) end
     return
   end
-  if old then redis.call('SREM', K_STATUS .. old, rid) end
-  redis.call('SADD', K_STATUS .. new, rid)
+  -- One SMOVE where it can (a command, an AOF line); SADD if the id was not in the old set.
+  if not old or redis.call('SMOVE', K_STATUS .. old, K_STATUS .. new, rid) == 0 then
+    redis.call('SADD', K_STATUS .. new, rid)
+  end
   redis.call('HSET', K_ROLLOUT .. rid, 'status', new, ...)
 end
 
@@ -85,6 +87,16 @@ local function touch(rid, aid, t, status)
   return status, r[1]
 end
 
+-- The status of attempt `aid` if the rollout (`r`: its status and attempt_id first) says it is its
+-- current attempt and active, else nil (then read the attempt's hash). An active current attempt's
+-- status is its rollout's: they change together (`begin`, `touch`, `set_status` in `finish`), and any
+-- end of it moves the rollout out of preparing and running, or to another attempt. Saves a read of
+-- the attempt on the path every finish takes.
+local function current_status(r, aid)
+  if r[2] == aid and ACTIVE[r[1]] then return r[1] end
+  return nil
+end
+
 -- End an active attempt with `status` and apply the rollout's retry policy. `reward` ('' = none), the
 -- attempt's final reward as its runner computed it, is stored with the attempt and, when the attempt
 -- ends the rollout, with the rollout. `astatus`: the attempt's status if the caller has read it (nil:
@@ -97,9 +109,9 @@ local READ_FOR_FINISH = {{'status', 'attempt_id', 'attempt_n', 'max_attempts', '
 local function finish(rid, aid, status, err, queue_msg, finished_msg, reward, astatus, r, rset)
   local ak, rk = K_ATTEMPT .. aid, K_ROLLOUT .. rid
   rset = rset or {{}}
-  astatus = astatus or redis.call('HGET', ak, 'status')
-  if not astatus then return 'missing' end
   r = r or redis.call('HMGET', rk, unpack(READ_FOR_FINISH))
+  astatus = astatus or current_status(r, aid) or redis.call('HGET', ak, 'status')
+  if not astatus then return 'missing' end
   if not ACTIVE[astatus] then
     if #rset > 0 then redis.call('HSET', rk, unpack(rset)) end
     -- A newer attempt or a cancel ended this attempt before its worker reported: say which.
@@ -210,24 +222,28 @@ end
 
 local function begin(worker, qid, rid, lane, unpending)
   local rk = K_ROLLOUT .. rid
-  local r = redis.call('HMGET', rk, 'status', 'qid', 'attempt_n', 'unresponsive_s', 'timeout_s',
-                       'attempt_id', 'start_time')
-  if not r[1] then return {'missing'} end
-  if qid ~= '' and (r[2] ~= qid or not WAITING[r[1]]) then
+  -- The whole hash, read once: its fields decide, and it goes back in the reply with the fields
+  -- changed here appended (the reader's dict keeps the last value of a field).
+  local h = redis.call('HGETALL', rk)
+  if #h == 0 then return {'missing'} end
+  local r = {}
+  for i = 1, #h, 2 do r[h[i]] = h[i + 1] end
+  if qid ~= '' and (r.qid ~= qid or not WAITING[r.status]) then
     done(lane, qid, unpending)
     return {'stale'}
   end
-  if TERMINAL[r[1]] then return {'terminal'} end
+  if TERMINAL[r.status] then return {'terminal'} end
   local t = now()
   -- A manual attempt supersedes the active one, which must not keep running unseen.
-  if r[6] and r[6] ~= '' then
-    local prev = K_ATTEMPT .. r[6]
+  local prev_id = r.attempt_id or ''
+  if prev_id ~= '' then
+    local prev = K_ATTEMPT .. prev_id
     if ACTIVE[redis.call('HGET', prev, 'status')] then
       redis.call('HSET', prev, 'status', 'failed', 'end_time', t)
-      unwatch(r[6])
+      unwatch(prev_id)
     end
   end
-  local n = tonumber(r[3]) + 1
+  local n = tonumber(r.attempt_n or '0') + 1
   local aid = rid .. '.' .. n
   local ak = K_ATTEMPT .. aid
   -- The attempt is new: its fields are exactly these, so the reply carries them without a read back
@@ -237,15 +253,20 @@ local function begin(worker, qid, rid, lane, unpending)
                    'status', 'preparing', 'worker_id', worker, 'start_time', ts, 'heartbeat_time', ts,
                    'end_time', ''}
   redis.call('HSET', ak, unpack(attempt))
-  if r[7] == '' then
-    set_status(rid, r[1], 'preparing', 'attempt_n', n, 'attempt_id', aid, 'qid', '', 'start_time', t)
-  else
-    set_status(rid, r[1], 'preparing', 'attempt_n', n, 'attempt_id', aid, 'qid', '')
+  local changed = {'attempt_n', tostring(n), 'attempt_id', aid, 'qid', ''}
+  if (r.start_time or '') == '' then
+    changed[#changed + 1] = 'start_time'
+    changed[#changed + 1] = ts
   end
-  if r[4] ~= '' then redis.call('ZADD', K_HEARTBEAT, t + tonumber(r[4]), aid) end
-  if r[5] ~= '' then redis.call('ZADD', K_DEADLINE, t + tonumber(r[5]), aid) end
+  set_status(rid, r.status, 'preparing', unpack(changed))
+  h[#h + 1] = 'status'
+  h[#h + 1] = 'preparing'
+  for _, x in ipairs(changed) do h[#h + 1] = x end
+  local unresponsive_s, timeout_s = r.unresponsive_s or '', r.timeout_s or ''
+  if unresponsive_s ~= '' then redis.call('ZADD', K_HEARTBEAT, t + tonumber(unresponsive_s), aid) end
+  if timeout_s ~= '' then redis.call('ZADD', K_DEADLINE, t + tonumber(timeout_s), aid) end
   if qid ~= '' then done(lane, qid, unpending) end
-  return {'ok', redis.call('HGETALL', rk), attempt}
+  return {'ok', h, attempt}
 end
 """
 
@@ -361,19 +382,23 @@ FINISH_WITH_SPANS = (
     + _SPANS
     + """
 local rid, aid = ARGV[1], ARGV[2]
-local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id', 'status')
-if a[1] ~= rid then return 'missing' end
 -- The rollout is read once, for the span counter and for `finish`, which writes the counter back.
 local fields = {unpack(READ_FOR_FINISH)}
 fields[#fields + 1] = 'seq'
 local r = redis.call('HMGET', K_ROLLOUT .. rid, unpack(fields))
+local astatus = current_status(r, aid)
+if not astatus then
+  local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id', 'status')
+  if a[1] ~= rid then return 'missing' end
+  astatus = a[2]
+end
 local before = tonumber(r[#fields]) or 0
 local seq, dups = store_spans(rid, 8, before)
 if dups then
   table.insert(dups, 1, 'dup')
   return dups
 end
-return finish(rid, aid, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], a[2], r, seq ~= before and {'seq', seq} or nil)
+return finish(rid, aid, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], astatus, r, seq ~= before and {'seq', seq} or nil)
 """
 )
 
