@@ -57,6 +57,10 @@ def server_args(port: int, data_dir: Path) -> list[str]:
         # core for seconds, and Redis's 64 MB default starts one every few minutes of training.
         # Rewrites still bound the file: each starts when it has doubled since the last one.
         "--auto-aof-rewrite-min-size", "512mb",
+        # Redis preallocates a new stream node at this size (4 KB by default), and every rollout has
+        # a span stream of one or two entries (its calls' compressed spans): most of that space would
+        # stay empty. Long streams (queues, samples) just use more, smaller nodes.
+        "--stream-node-max-bytes", "1024",
         "--daemonize", "no",
         "--loglevel", "warning",
         "--logfile", "",
