@@ -10,7 +10,8 @@ the other. Redis CPU per rollout sums INFO cpu over every node of the target.
 
 Progress goes to stderr; ONE JSON line on stdout: rollouts_per_s_single, rollouts_per_s_cluster,
 cluster_vs_single, redis_cpu_us_per_rollout (single node, and ``_cluster`` summed over the masters),
-server calls per rollout, and the machine's probe figures.
+server calls per rollout, redis_bytes_per_rollout (Redis memory a finished rollout keeps on the single
+node: nothing is trimmed during the run), and the machine's probe figures.
 """
 
 from __future__ import annotations
@@ -47,11 +48,12 @@ def log(message: str, *args: Any) -> None:
     print(f"[store_cluster] {message % args}", file=sys.stderr, flush=True)
 
 
-def node_totals(ports: list[int], reset: bool = False) -> tuple[float, int, dict[str, Any]]:
-    """(CPU seconds, reads from clients, INFO commandstats summed per command) over the nodes on
-    ``ports``; ``reset`` zeroes the counts first (CONFIG RESETSTAT). A read is one batch of commands
-    from one client (about one round trip): each costs the server a system call or two whatever it holds."""
-    cpu, reads, commands = 0.0, 0, {}
+def node_totals(ports: list[int], reset: bool = False) -> tuple[float, int, dict[str, Any], int]:
+    """(CPU seconds, reads from clients, INFO commandstats summed per command, bytes of memory used)
+    over the nodes on ``ports``; ``reset`` zeroes the counts first (CONFIG RESETSTAT). A read is one
+    batch of commands from one client (about one round trip): each costs the server a system call or
+    two whatever it holds."""
+    cpu, reads, commands, memory = 0.0, 0, {}, 0
     for port in ports:
         client = redis.Redis(port=port)
         try:
@@ -60,6 +62,7 @@ def node_totals(ports: list[int], reset: bool = False) -> tuple[float, int, dict
             info = client.info("cpu")
             cpu += float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
             reads += int(client.info("stats")["total_reads_processed"])
+            memory += int(client.info("memory")["used_memory"])
             for name, c in client.info("commandstats").items():
                 total = commands.setdefault(name, {"calls": 0, "usec": 0})
                 total["calls"] += int(c["calls"])
@@ -68,7 +71,7 @@ def node_totals(ports: list[int], reset: bool = False) -> tuple[float, int, dict
             client.close()
     for c in commands.values():
         c["usec_per_call"] = c["usec"] / max(1, c["calls"])
-    return cpu, reads, commands
+    return cpu, reads, commands, memory
 
 
 async def drive(url: str, ports: list[int], args: argparse.Namespace, workers: list[Any]) -> dict[str, float]:
@@ -78,9 +81,9 @@ async def drive(url: str, ports: list[int], args: argparse.Namespace, workers: l
         store = RedisStore(client, EXPERIMENT)
         await store.ensure()
         await store.ensure_finished_group(COMPLETIONS_GROUP, start="$")
-        cpu0, reads0, _ = node_totals(ports, reset=True)
+        cpu0, reads0, _, memory0 = node_totals(ports, reset=True)
         elapsed = await workload(store, args.n, args.batch, args.window, workers, tag=f"{len(ports)} node(s) ")
-        cpu1, reads1, commands = node_totals(ports)
+        cpu1, reads1, commands, memory1 = node_totals(ports)
     finally:
         await client.aclose()
     n = args.n
@@ -91,7 +94,8 @@ async def drive(url: str, ports: list[int], args: argparse.Namespace, workers: l
     reads = (reads1 - reads0) / n
     log("%s: %.0f rollouts/s; per rollout %.1f us Redis CPU, %.1f commands, %.2f reads, %.1f us in scripts",
         url, rate, (cpu1 - cpu0) / n * 1e6, calls / n, reads, scripts / n)
-    return {"rate": rate, "cpu_us": (cpu1 - cpu0) / n * 1e6, "calls": calls / n, "reads": reads, "script_us": scripts / n}
+    return {"rate": rate, "cpu_us": (cpu1 - cpu0) / n * 1e6, "calls": calls / n, "reads": reads, "script_us": scripts / n,
+            "bytes": (memory1 - memory0) / n}
 
 
 def run_against(url: str, ports: list[int], args: argparse.Namespace) -> dict[str, float]:
@@ -136,6 +140,7 @@ def main() -> None:
         "server_reads_per_rollout_cluster": round(on_cluster["reads"], 2),
         "script_us_per_rollout_single": round(single["script_us"], 1),
         "script_us_per_rollout_cluster": round(on_cluster["script_us"], 1),
+        "redis_bytes_per_rollout": round(single["bytes"]),
         "cpu_probe_ms": round(probe_ms, 1),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
