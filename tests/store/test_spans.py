@@ -274,3 +274,17 @@ async def test_a_batch_that_is_not_one_or_inflates_too_far_is_a_record_error(sto
             SpanView.from_entries([[b"2-0", [b"z", bad]]])
     with pytest.raises(RecordTooLarge, match="inflates"):
         unpack_span_batch(zlib.compress(b"\0" * 10_000), max_bytes=1000)
+
+
+async def test_dedupe_keys_are_64_bit_integers_so_a_rollouts_set_is_an_intset(store: RedisStore) -> None:
+    """The store remembers a stored span by a 64-bit hash of its attempt and span id: the same span
+    gives the same key, other spans others, and a rollout's set of them is Redis's compact intset."""
+    from fulmen.store.spans import dedupe_key
+
+    keys = {dedupe_key(_span(f"r{r}.{a}", f"s{i}")) for r in range(3) for a in (1, 2) for i in range(200)}
+    assert len(keys) == 1200 and all(-(2**63) <= int(k) < 2**63 for k in keys)
+    assert dedupe_key(_span("r1.1", "a")) == dedupe_key(_span("r1.1", "a", name="other"))
+    aid = await _claim(store)
+    assert len(await store.add_spans([_span(aid, f"s{i}") for i in range(20)])) == 20
+    assert await store.redis.object("encoding", store.keys.span_ids("r1")) == b"intset"
+    assert await store.add_spans([_span(aid, "s3"), _span(aid, "s20")]) == [_span(aid, "s20", sequence_id=21)]
