@@ -4,6 +4,7 @@ port actually bound). `serve_until` runs it inside a running event loop (`fulmen
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import socket
@@ -24,6 +25,22 @@ def port_of(settings: DashboardSettings) -> int:
         return settings.dashboard_port
     port = os.environ.get("PORT", "").strip()
     return int(port) if port.isdigit() else DEFAULT_PORT
+
+
+def listen(settings: DashboardSettings) -> socket.socket:
+    """The dashboard's listening socket. A port the user chose (FULMEN_DASHBOARD_PORT, --port) must be
+    free. The one honcho hands out ($PORT) or the default is a wish: if another process holds it, any
+    free port instead, with a warning (the log line after names the URL). Under honcho one process
+    that exits stops them all, and a run is not worth stopping for its dashboard's port."""
+    port = port_of(settings)
+    try:
+        return bind(settings.dashboard_host, port)
+    except OSError as e:
+        if settings.dashboard_port is None and e.errno == errno.EADDRINUSE:
+            log.warning("port %d is in use by another process: the dashboard takes a free port instead", port)
+            return bind(settings.dashboard_host, 0)
+        raise OSError(e.errno, f"the dashboard cannot listen on {settings.dashboard_host}:{port} ({e.strerror}): "
+                               "set FULMEN_DASHBOARD_PORT (or --port) to a free port, or 0 for any") from None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -52,7 +69,7 @@ def _announce(settings: DashboardSettings, sock: socket.socket) -> None:
 
 def serve(settings: DashboardSettings) -> None:
     """Serve until SIGTERM/SIGINT (blocking)."""
-    sock = bind(settings.dashboard_host, port_of(settings))
+    sock = listen(settings)
     _announce(settings, sock)
     the_server = server(settings, sock)
     the_server.run(sockets=[sock])
@@ -62,6 +79,6 @@ async def serve_until(settings: DashboardSettings, stop: asyncio.Event) -> None:
     """Serve in the running loop until ``stop`` is set (`fulmen dev`, which owns the signals)."""
     from fulmen.dev import serve_http
 
-    sock = bind(settings.dashboard_host, port_of(settings))
+    sock = listen(settings)
     _announce(settings, sock)
     await serve_http(server(settings, sock), sock, stop)

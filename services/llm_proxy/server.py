@@ -39,7 +39,12 @@ def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"the proxy cannot listen on {host}:{port} ({e.strerror}): set FULMEN_PROXY_PORT "
+                               "(or --port) to a free port; runners find the proxy wherever it listens") from None
     sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
