@@ -50,6 +50,7 @@ async def test_pipeline_gauges_match_the_store(real_store: RedisStore, redis_url
         value = r.get_sample_value
         assert value("fulmen_redis_up") == 1
         assert value("fulmen_queue_depth") == 3
+        assert [value("fulmen_queue_depth_by_lane", {"lane": lane}) for lane in k.LANES] == [0, 3, 0]
         assert value("fulmen_active_attempts") == 1
         expected = {"queuing": 3, "preparing": 1, "running": 0, "requeuing": 0, "succeeded": 1, "failed": 0,
                     "cancelled": 0}

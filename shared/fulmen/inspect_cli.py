@@ -37,6 +37,7 @@ def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
         return
     table = Table(title=f"experiment {stats['experiment']}", show_header=False)
     table.add_row("queue depth", str(stats["queue_depth"]))
+    table.add_row("  by lane", ", ".join(f"{lane} {n}" for lane, n in stats["queue_depth_by_lane"].items()))
     table.add_row("active attempts", str(stats["active_attempts"]))
     for name, count in stats["rollouts"].items():
         table.add_row(f"  {name}", str(count))

@@ -53,6 +53,11 @@ class PipelineCollector:
             per_status.add_metric([status], n)
         yield per_status
         yield GaugeMetricFamily("fulmen_queue_depth", "Rollouts waiting for a runner.", value=snap.queue_depth)
+        by_lane = GaugeMetricFamily("fulmen_queue_depth_by_lane", "Rollouts waiting, per priority lane.",
+                                    labels=["lane"])
+        for lane, n in snap.queue_depth_by_lane.items():
+            by_lane.add_metric([lane], n)
+        yield by_lane
         yield GaugeMetricFamily(
             "fulmen_active_attempts", "Attempts preparing or running.", value=snap.active_attempts
         )

@@ -58,6 +58,7 @@ def _pipeline_table(frame: Frame, before: Frame | None) -> Table:
     table.add_column("value", justify="right")
     table.add_column("rate", justify="right")
     table.add_row("queue depth", str(snap.queue_depth), "")
+    table.add_row("  by lane", ", ".join(f"{lane} {n}" for lane, n in snap.queue_depth_by_lane.items()), "")
     table.add_row("active attempts", str(snap.active_attempts), "")
     for label, value in COUNTERS:
         if label == "trainer steps":

@@ -202,3 +202,16 @@ async def test_urgent_bound_across_shards(sharded: RedisStore) -> None:
     for shard in store.keys.shards:
         for queue in shard.queues:
             assert (await store.redis.xinfo_groups(queue))[0]["name"] == k.RUNNERS_GROUP.encode()
+
+
+async def test_status_counts_what_waits_in_each_lane(store: RedisStore) -> None:
+    """`fulmen status`, `top` and the metrics show the queue depth per lane: what is queued, less what
+    runners have claimed, whatever lane it was claimed from."""
+    await _fill(store, "urgent", 3)
+    await _fill(store, "normal", 5)
+    await _fill(store, "low", 2)
+    snap = await aread_snapshot(store.redis, store.keys)
+    assert snap.queue_depth_by_lane == {"urgent": 3, "normal": 5, "low": 2}
+    claimed = Counter(lane.value for _, lane in [await _claim_one(store) for _ in range(8)])
+    assert claimed == {"urgent": 3, "normal": 4, "low": 1}  # the claim rule's cycle of 8
+    assert (await store.statistics())["queue_depth_by_lane"] == {"urgent": 0, "normal": 1, "low": 1}

@@ -155,6 +155,7 @@ class RedisStore:
             "rollouts": snap.rollouts,
             "total_rollouts": sum(snap.rollouts.values()),
             "queue_depth": snap.queue_depth,
+            "queue_depth_by_lane": snap.queue_depth_by_lane,
             "active_attempts": snap.active_attempts,
             "pending": pending,
             "heartbeat_watched": snap.heartbeat_watched,

@@ -64,6 +64,7 @@ class GroupInfo:
 class Snapshot:
     rollouts: dict[str, int]  # per status
     stream_lengths: dict[str, int]  # per STREAMS name
+    lane_lengths: dict[str, int]  # entries in each priority lane's queue streams, summed over shards
     groups: dict[tuple[str, str], GroupInfo]  # only the groups that exist (summed over shards)
     heartbeat_watched: int
     workers: int
@@ -76,6 +77,15 @@ class Snapshot:
     @property
     def queue_depth(self) -> int:
         return self.rollouts["queuing"] + self.rollouts["requeuing"]
+
+    @property
+    def queue_depth_by_lane(self) -> dict[str, int]:
+        """Rollouts waiting in each priority lane. A claimed entry is deleted from the urgent and low
+        lanes, so their length is what waits there; the normal lane keeps its entries until retention
+        trims them, so what waits there is the rest of the queue depth."""
+        waiting = {lane: self.lane_lengths.get(lane, 0) for lane in k.LANES if lane != k.DEFAULT_LANE}
+        return {lane: waiting[lane] if lane in waiting else max(0, self.queue_depth - sum(waiting.values()))
+                for lane in k.LANES}
 
     @property
     def active_attempts(self) -> int:
@@ -122,7 +132,14 @@ def _parse_first(replies: list[Any], keys: k.Keys) -> Snapshot:
     it = iter(replies)
     shards = len(keys.shards)
     rollouts = {s.value: sum(int(next(it)) for _ in range(shards)) for s in RolloutStatus}
-    lengths = {name: sum(int(next(it)) for _ in _stream_keys(keys, name)) for name in STREAMS}
+    lengths: dict[str, int] = {}
+    lane_lengths = dict.fromkeys(k.LANES, 0)
+    for name in STREAMS:
+        replies = [int(next(it)) for _ in _stream_keys(keys, name)]
+        lengths[name] = sum(replies)
+        if name == "queue":  # shard by shard, each shard's lanes in `k.LANES` order
+            for i, n in enumerate(replies):
+                lane_lengths[k.LANES[i % len(k.LANES)]] += n
     infos: dict[str, list[tuple[str, list[dict[Any, Any]]]]] = {}
     for stream in dict.fromkeys(stream for stream, _ in GROUPS):
         infos[stream] = []
@@ -156,7 +173,7 @@ def _parse_first(replies: list[Any], keys: k.Keys) -> Snapshot:
             latest = ResourcesUpdate.from_wire(last[0][1][b"m"])
         except (RecordError, KeyError):
             latest = None  # a bad record must not take the whole snapshot down
-    return Snapshot(rollouts, lengths, groups, watched, int(workers), latest, seconds + micros / 1e6,
+    return Snapshot(rollouts, lengths, lane_lengths, groups, watched, int(workers), latest, seconds + micros / 1e6,
                     delivered=delivered)
 
 
@@ -185,7 +202,7 @@ def _with_lag(snap: Snapshot, asked: list[tuple[str, str]], replies: list[Any]) 
                 info.lag_entries, age,
             )
     return Snapshot(
-        snap.rollouts, snap.stream_lengths, groups, snap.heartbeat_watched, snap.workers,
+        snap.rollouts, snap.stream_lengths, snap.lane_lengths, groups, snap.heartbeat_watched, snap.workers,
         snap.latest_resources, snap.server_time, snap.extra, snap.delivered,
     )
 
