@@ -77,6 +77,15 @@ def _ranks_per_step(metrics: Path) -> list[int]:
     return [line["comm/ranks"] for line in metrics_lines(metrics)]
 
 
+async def _two_steps_then_sigkill(store: RedisStore, rank: subprocess.Popen[bytes], samples: list[Sample],
+                                  metrics: Path) -> None:
+    """Two steps taken by both ranks on ``samples``, then ``rank`` SIGKILLed."""
+    await push(store, samples)
+    await wait_for(lambda: asyncio.sleep(0, len(metrics_lines(metrics)) >= 2))
+    rank.send_signal(signal.SIGKILL)
+    rank.wait(timeout=10)
+
+
 def _weights(checkpoint_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(checkpoint_dir / f"step-{step}" / "model" / "model.safetensors"))
 
@@ -130,10 +139,7 @@ async def test_a_rank_that_dies_is_left_out_and_picked_up_when_back(redis_url: s
     try:
         leader, follower = await start_two_ranks(store, env, procs, "--max-steps", "6")
         samples = _samples(12)
-        await push(store, samples[:16])  # two steps with both ranks
-        await wait_for(lambda: asyncio.sleep(0, len(_ranks_per_step(metrics)) >= 2))
-        follower.send_signal(signal.SIGKILL)
-        follower.wait(timeout=10)
+        await _two_steps_then_sigkill(store, follower, samples[:16], metrics)
         await push(store, samples[16:32])  # two steps: the dead rank is left out
         await wait_for(lambda: asyncio.sleep(0, len(_ranks_per_step(metrics)) >= 4))
         procs.append(subprocess.Popen([FULMEN, "trainer"], env=env))  # it comes back
@@ -166,10 +172,7 @@ async def test_with_wait_the_run_pauses_while_a_rank_is_gone_and_resumes_when_ba
     try:
         leader, follower = await start_two_ranks(store, env, procs, "--max-steps", "4")
         samples = _samples(8)
-        await push(store, samples[:16])  # two steps with both ranks
-        await wait_for(lambda: asyncio.sleep(0, len(_ranks_per_step(metrics)) >= 2))
-        follower.send_signal(signal.SIGKILL)
-        follower.wait(timeout=10)
+        await _two_steps_then_sigkill(store, follower, samples[:16], metrics)
         await wait_for(lambda: _absent(store, 1))  # its slot expired: the leader now sees it gone
         await push(store, samples[16:])  # two more steps' worth: the leader must wait
         await asyncio.sleep(4)  # two rank timeouts; "continue" steps alone within this (the test above)
@@ -238,10 +241,7 @@ async def test_a_restarted_leader_leads_the_waiting_ranks_again(redis_url: str, 
     try:
         leader, follower = await start_two_ranks(store, env, procs)
         samples = _samples(8)
-        await push(store, samples[:16])
-        await wait_for(lambda: asyncio.sleep(0, len(metrics_lines(metrics)) >= 2))
-        leader.send_signal(signal.SIGKILL)
-        leader.wait(timeout=10)
+        await _two_steps_then_sigkill(store, leader, samples[:16], metrics)
         await wait_for(lambda: _absent(store, 0))
         assert follower.poll() is None  # it waits for a leader; it does not exit or take over
         procs.append(new_leader := subprocess.Popen([FULMEN, "trainer", "--max-steps", "4"], env=env))
