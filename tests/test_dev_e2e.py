@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dev_runs import FULMEN, run_dev, user_env, write_env
+from demo_runs import FULMEN, assert_beat_the_warm_start, run_dev, user_env, write_env
 
 from fulmen.embedded import free_port
 
@@ -34,14 +34,7 @@ def test_shortened_demo_through_fulmen_dev_beats_the_warm_start(tmp_path: Path) 
     assert returncode == 0, log[-6000:]
     assert "run finished: curve" in log, log[-6000:]
     assert "Writing model shards" not in log  # no progress bars in a service's log
-
-    summary = json.loads((tmp_path / ".fulmen" / "run" / "summary.json").read_text())
-    accuracy = {v["label"]: v["accuracy"] for v in summary["validations"]}
-    warm, final = accuracy["v0"], summary["final_val_accuracy"]
-    assert summary["steps"] >= STEPS
-    assert warm <= 0.5, f"the warm start should leave room to learn: {accuracy}"
-    assert final >= warm + MARGIN, f"GRPO did not beat the warm start by {MARGIN}: {accuracy}"
-    assert Path(tmp_path / summary["final_model"] / "model.safetensors").exists()
+    assert_beat_the_warm_start(tmp_path, STEPS, MARGIN)
 
 
 @pytest.mark.timeout(TIMEOUT_S)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dev_runs import run_dev, user_env, write_env
+from demo_runs import run_dev, user_env, write_env
 
 from fulmen import calculator
 

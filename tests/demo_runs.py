@@ -1,9 +1,10 @@
-"""A demo run as a user starts it with `fulmen dev` in a fresh folder, for the end-to-end tests
-(test_dev_e2e.py, test_tool_demo.py): the repository's settings file with the test's overrides, the
-user's environment, and the run waited for with its log."""
+"""A demo run as a user starts it in a fresh folder, for the end-to-end tests (test_dev_e2e.py,
+test_tool_demo.py, test_demo_e2e.py): the repository's settings file with the test's overrides, the
+user's environment, `fulmen dev` waited for with its log, and what the run's summary must show."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -40,3 +41,15 @@ def run_dev(folder: Path, env: dict[str, str], args: list[str], timeout_s: float
             os.killpg(dev.pid, signal.SIGKILL)
             dev.wait()
     return returncode, (folder / "dev.log").read_text()
+
+
+def assert_beat_the_warm_start(folder: Path, steps: int, margin: float) -> None:
+    """The summary of the run in ``folder``: ``steps`` steps or more, a warm start that left room to
+    learn, final validation ``margin`` above it, and the final model saved."""
+    summary = json.loads((folder / ".fulmen" / "run" / "summary.json").read_text())
+    accuracy = {v["label"]: v["accuracy"] for v in summary["validations"]}
+    warm, final = accuracy["v0"], summary["final_val_accuracy"]
+    assert summary["steps"] >= steps
+    assert warm <= 0.5, f"the warm start should leave room to learn: {accuracy}"
+    assert final >= warm + margin, f"GRPO did not beat the warm start by {margin}: {accuracy}"
+    assert Path(folder / summary["final_model"] / "model.safetensors").exists()
