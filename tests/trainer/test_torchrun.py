@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,10 +61,19 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "rank-0" / f"step-{STEPS}" / "model" / "model.safetensors"))
 
 
-async def _run_single(redis_url: str, tiny: Path, out: Path, experiment: str, **extra: str) -> None:
+async def _one_rank_reference(client: Any, redis_url: str, tiny: Path, tmp_path: Path, prefix: str,
+                              **extra: str) -> tuple[RedisStore, RedisStore, list[Sample]]:
+    """The same samples pushed for two experiments, "one" and "two" (named after ``prefix``); "one"
+    trained STEPS steps by a single rank (its checkpoints and metrics in tmp_path/one): the reference
+    the ranks of "two" must reach. The stores and the samples."""
+    one, two = (RedisStore(client, f"{prefix}-{name}-{tmp_path.name[-8:]}") for name in ("one", "two"))
+    samples = _samples(2 * STEPS)
+    await push(one, samples)
+    await push(two, samples)
     single = await asyncio.to_thread(subprocess.run, [FULMEN, "trainer", "--max-steps", str(STEPS)], timeout=120,
-                                     env=_env(redis_url, experiment, tiny, out, **extra))
+                                     env=_env(redis_url, one.experiment, tiny, tmp_path / "one", **extra))
     assert single.returncode == 0
+    return one, two, samples
 
 
 @pytest.mark.slow
@@ -73,11 +83,7 @@ async def test_two_ddp_ranks_reach_the_weights_of_one_rank(redis_url: str, tiny:
     import redis.asyncio as aioredis
 
     client = aioredis.from_url(redis_url)
-    one, two = (RedisStore(client, f"ddp-{name}-{tmp_path.name[-8:]}") for name in ("one", "two"))
-    samples = _samples(2 * STEPS)
-    await push(one, samples)
-    await push(two, samples)
-    await _run_single(redis_url, tiny, tmp_path / "one", one.experiment)
+    _, two, samples = await _one_rank_reference(client, redis_url, tiny, tmp_path, "ddp")
     run = await asyncio.to_thread(_torchrun, _env(redis_url, two.experiment, tiny, tmp_path / "two"))
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     reference, got = _weights(tmp_path / "one" / "ck"), _weights(tmp_path / "two" / "ck")
@@ -135,12 +141,8 @@ async def test_lora_trains_under_ddp_like_on_one_rank(redis_url: str, tiny: Path
     from fulmen.model_versions import fetch_model_version
 
     client = aioredis.from_url(redis_url)
-    one, two = (RedisStore(client, f"ddp-lora-{name}-{tmp_path.name[-8:]}") for name in ("one", "two"))
-    samples = _samples(2 * STEPS)
     lora = {"FULMEN_LORA_RANK": "4"}
-    await push(one, samples)
-    await push(two, samples)
-    await _run_single(redis_url, tiny, tmp_path / "one", one.experiment, **lora)
+    one, two, _ = await _one_rank_reference(client, redis_url, tiny, tmp_path, "ddp-lora", **lora)
     run = await asyncio.to_thread(_torchrun, _env(redis_url, two.experiment, tiny, tmp_path / "two", **lora))
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     reference = await fetch_model_version(one, f"v{STEPS}")
@@ -174,11 +176,7 @@ async def test_two_fsdp_ranks_train_like_one_and_resume_from_their_shards(redis_
     from fulmen.model_versions import fetch_model_version
 
     client = aioredis.from_url(redis_url)
-    one, two = (RedisStore(client, f"fsdp-{name}-{tmp_path.name[-8:]}") for name in ("one", "two"))
-    samples = _samples(2 * STEPS)
-    await push(one, samples)
-    await push(two, samples)
-    await _run_single(redis_url, tiny, tmp_path / "one", one.experiment)
+    one, two, _ = await _one_rank_reference(client, redis_url, tiny, tmp_path, "fsdp")
     env = _env(redis_url, two.experiment, tiny, tmp_path / "two")
 
     def fsdp(steps: int) -> subprocess.CompletedProcess[bytes]:
