@@ -105,6 +105,7 @@ def warm_start(folder: Path, train: list[dict[str, Any]], *, seed: int, until: f
     """The demo's warm start: SFT on demonstrations (batch 64, AdamW 3e-3) until greedy accuracy on
     200 training tasks reaches ``until`` — its curve is too steep for a fixed step count."""
     from fulmen.tiny_model import build_tiny_model, load_tiny_model
+    from fulmen_algorithm.warm_start import sft_step  # the step both demos' warm starts take
 
     torch.manual_seed(seed)
     build_tiny_model(folder, seed=seed, initializer_range=0.02)
@@ -116,22 +117,12 @@ def warm_start(folder: Path, train: list[dict[str, Any]], *, seed: int, until: f
     eos = tokenizer.eos_token_id
     accuracy, step = 0.0, 0
     for step in range(1, 1001):
-        seqs, masks = [], []
+        batch = []
         for d in rng.sample(demos, 64):
             prompt = prompt_ids(tokenizer, d["prompt"])
             answer = [*tokenizer(d["completion"], add_special_tokens=False).input_ids, eos]
-            seqs.append(prompt + answer)
-            masks.append([0] * len(prompt) + [1] * len(answer))
-        width = max(len(x) for x in seqs)
-        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in seqs])
-        attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
-        target = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float)[:, 1:]
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = -(logp * target).sum() / target.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+            batch.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+        sft_step(model, optimizer, batch, tokenizer.pad_token_id)
         if step % 4 == 0:
             accuracy = greedy_accuracy(model, tokenizer, train[:200])
             if accuracy >= until:

@@ -25,75 +25,38 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import redis
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import honcho_demo as run
 
 from fulmen.embedded import free_port
-from fulmen.keys import Keys
 
-ROOT = Path(__file__).resolve().parents[1]
-HONCHO = str(Path(sys.executable).with_name("honcho"))
 VARIANTS: dict[str, dict[str, str]] = {
     "grpo": {},
     "grpo_off": {"FULMEN_LEARNING_RATE": "0", "FULMEN_LR_FINAL": "0"},
 }
 
 
-def _validations(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
-    try:
-        return [json.loads(fields[b"m"]) for _, fields in client.xrange(keys.validations)]
-    except redis.RedisError:  # not up yet
-        return []
-
-
 def run_variant(name: str, budget_s: float, folder: Path, extra: dict[str, str],
                 warm_start: Path | None = None) -> dict[str, Any]:
-    shutil.copy(ROOT / "Procfile.tools", folder / "Procfile")
+    redis_port = run.write_folder(folder, "Procfile.tools", ".env.tools",
+                                  {"FULMEN_DASHBOARD_PORT": str(free_port()), **extra, **VARIANTS[name]})
     if warm_start is not None:  # where .env.tools's FULMEN_MODEL_DIR points: the demo reuses it as prepared
         shutil.copytree(warm_start, folder / ".fulmen" / "demo-tools")
-    redis_port = free_port()
-    overrides = {"FULMEN_REDIS_PORT": str(redis_port), "FULMEN_PROXY_PORT": str(free_port()),
-                 "FULMEN_METRICS_PORT": "0", "FULMEN_DASHBOARD_PORT": str(free_port()), **extra, **VARIANTS[name]}
-    lines = [x for x in (ROOT / ".env.tools").read_text().splitlines() if x.split("=", 1)[0] not in overrides]
-    (folder / ".env").write_text("\n".join([*lines, *(f"{k}={v}" for k, v in overrides.items())]) + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FULMEN_") and k != "REDIS_URL"}
-    env["PYTHONPATH"] = str(ROOT)
+    env = run.clean_env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    client = redis.Redis(port=redis_port, socket_connect_timeout=1)
-    keys = Keys("default")
     started = time.time()
-    with open(folder / "honcho.log", "w") as log:
-        honcho = subprocess.Popen([HONCHO, "start"], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    passes: list[dict[str, Any]] = []
-    try:
-        while time.time() - started < budget_s and honcho.poll() is None:
-            time.sleep(2.0)
-            # the run's Redis ends with the run: keep what was read, a read after the end finds nothing
-            latest = _validations(client, keys)
-            for v in latest[len(passes):]:
-                print(f"  {name}: {v['label']} accuracy {v['accuracy']:.3f} at {v['time'] - started:.0f} s",
-                      file=sys.stderr, flush=True)
-            passes = latest if len(latest) >= len(passes) else passes
-        curve = [{"label": v["label"], "step": v.get("step"), "accuracy": v["accuracy"],
-                  "seconds": round(v["time"] - started, 1)} for v in passes]
-    finally:
-        if honcho.poll() is None:
-            os.killpg(honcho.pid, signal.SIGINT)  # as Ctrl-C would: honcho stops every service
-            try:
-                honcho.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(honcho.pid, signal.SIGKILL)
+    with run.honcho_start(folder, env) as honcho:
+        passes = run.watch_validations(honcho, redis_port, name, started, budget_s, lambda _: False)
+    points = run.curve(passes, started)
     text = (folder / "honcho.log").read_text(errors="replace")
-    warm = next((c["accuracy"] for c in curve if c["label"] == "v0"), None)
-    later = [c for c in curve if c["label"] != "v0"]
+    warm = next((c["accuracy"] for c in points if c["label"] == "v0"), None)
+    later = [c for c in points if c["label"] != "v0"]
     return {
         "variant": name, "budget_s": budget_s,
         "start_accuracy": warm,
@@ -101,25 +64,9 @@ def run_variant(name: str, budget_s: float, folder: Path, extra: dict[str, str],
         "best_accuracy": max((c["accuracy"] for c in later), default=warm),
         "end_step": later[-1]["step"] if later else 0,
         "minutes": round((time.time() - started) / 60, 2),
-        "warm_start_done_s": next((c["seconds"] for c in curve if c["label"] == "v0"), None),
-        "tool_errors_logged": text.count("tool_error"), "curve": curve,
+        "warm_start_done_s": next((c["seconds"] for c in points if c["label"] == "v0"), None),
+        "tool_errors_logged": text.count("tool_error"), "curve": points,
     }
-
-
-def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in results:
-        ax.plot([c["seconds"] / 60 for c in r["curve"]], [c["accuracy"] for c in r["curve"]], marker="o",
-                label=r["variant"])
-    ax.set(xlabel="minutes since `honcho start`", ylabel="held-out accuracy (greedy, with the tool)", ylim=(0, 1))
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
@@ -130,12 +77,9 @@ def main() -> None:
                         help="Override a setting of .env.tools for every variant (repeatable).")
     parser.add_argument("--warm-start", type=Path, default=None,
                         help="Prepare the warm start once into this folder (or reuse it) and start every variant from it.")
-    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "tool-demo-curves.png")
+    parser.add_argument("--plot", type=Path, default=run.ROOT / "bench" / "tool-demo-curves.png")
     args = parser.parse_args()
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    names = run.variant_names(parser, args.variants, VARIANTS)
     extra = dict(item.split("=", 1) for item in args.set)
     figures: dict[str, Any] = {"budget_s": args.budget_s, "plot": str(args.plot)}
     if args.warm_start is not None:
@@ -152,7 +96,7 @@ def main() -> None:
             result = run_variant(name, args.budget_s, Path(folder), extra, args.warm_start)
         print(json.dumps(result), flush=True)
         results.append(result)
-    plot(results, args.plot)
+    run.plot(results, args.plot, "held-out accuracy (greedy, with the tool)")
     for r in results:
         for field in ("start_accuracy", "end_accuracy", "best_accuracy", "end_step", "minutes"):
             figures[f"{r['variant']}_{field}"] = r[field]

@@ -7,7 +7,6 @@ dashboard, a temporary working folder, and the number of steps."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -16,11 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from demo_runs import ROOT, assert_beat_the_warm_start, write_env
 
 from fulmen.embedded import free_port
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
 HONCHO = str(Path(sys.executable).with_name("honcho"))
 STEPS = 60
 # Warm start 0.44 (seed 0); the full demo reads 0.62 at step 20, 0.55 at 40, 0.64 at 60 (bench/RESULTS.md,
@@ -38,9 +37,7 @@ def test_shortened_demo_through_honcho_beats_the_warm_start(tmp_path: Path) -> N
         "FULMEN_DASHBOARD_PORT": free_port(),
         "FULMEN_TOTAL_STEPS": STEPS, "FULMEN_VAL_EVERY": STEPS, "FULMEN_SEED": 0,
     }
-    settings = [line for line in (ROOT / ".env").read_text().splitlines()
-                if line.split("=", 1)[0] not in overrides]
-    (tmp_path / ".env").write_text("\n".join([*settings, *(f"{k}={v}" for k, v in overrides.items())]) + "\n")
+    write_env(tmp_path, ".env", overrides)
     # the user's shell: no Redis of theirs, no FULMEN_* of the test session; the agent's module importable
     env = {k: v for k, v in os.environ.items() if not k.startswith("FULMEN_") and k != "REDIS_URL"}
     env["PYTHONPATH"] = str(ROOT)
@@ -61,11 +58,4 @@ def test_shortened_demo_through_honcho_beats_the_warm_start(tmp_path: Path) -> N
     log = (tmp_path / "honcho.log").read_text()
     assert returncode == 0, log[-6000:]
     assert "run finished: curve" in log, log[-6000:]
-
-    summary = json.loads((tmp_path / ".fulmen" / "run" / "summary.json").read_text())
-    accuracy = {v["label"]: v["accuracy"] for v in summary["validations"]}
-    warm, final = accuracy["v0"], summary["final_val_accuracy"]
-    assert summary["steps"] >= STEPS
-    assert warm <= 0.5, f"the warm start should leave room to learn: {accuracy}"
-    assert final >= warm + MARGIN, f"GRPO did not beat the warm start by {MARGIN}: {accuracy}"
-    assert Path(tmp_path / summary["final_model"] / "model.safetensors").exists()
+    assert_beat_the_warm_start(tmp_path, STEPS, MARGIN)

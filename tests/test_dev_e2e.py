@@ -5,20 +5,16 @@ reports, and validation after the GRPO steps beats the warm start; fewer steps, 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from demo_runs import FULMEN, assert_beat_the_warm_start, run_dev, user_env, write_env
 
 from fulmen.embedded import free_port
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
-FULMEN = str(Path(sys.executable).with_name("fulmen"))
 # 20 steps were too few for the margin: one CI run read 0.39 -> 0.45 (asynchronous RL is not
 # deterministic); the demo reads ~0.6 at step 40 (bench/RESULTS.md, "Demo end to end").
 STEPS = 40
@@ -33,32 +29,12 @@ def test_shortened_demo_through_fulmen_dev_beats_the_warm_start(tmp_path: Path) 
         "FULMEN_REDIS_PORT": free_port(), "FULMEN_PROXY_PORT": free_port(), "FULMEN_DASHBOARD_PORT": 0,
         "FULMEN_TOTAL_STEPS": STEPS, "FULMEN_VAL_EVERY": STEPS, "FULMEN_SEED": 0,
     }
-    settings = [line for line in (ROOT / ".env").read_text().splitlines()
-                if line.split("=", 1)[0] not in overrides]
-    (tmp_path / ".env").write_text("\n".join([*settings, *(f"{k}={v}" for k, v in overrides.items())]) + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FULMEN_") and k not in ("REDIS_URL", "PORT")}
-    env["PYTHONPATH"] = str(ROOT)
-    with open(tmp_path / "dev.log", "w") as out:
-        dev = subprocess.Popen([FULMEN, "dev", "--agent", "examples.arithmetic_agent:agent"], cwd=tmp_path, env=env,
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        returncode = dev.wait(timeout=TIMEOUT_S - 60)
-    finally:
-        if dev.poll() is None:
-            os.killpg(dev.pid, signal.SIGKILL)
-            dev.wait()
-    log = (tmp_path / "dev.log").read_text()
+    write_env(tmp_path, ".env", overrides)
+    returncode, log = run_dev(tmp_path, user_env(), ["--agent", "examples.arithmetic_agent:agent"], TIMEOUT_S - 60)
     assert returncode == 0, log[-6000:]
     assert "run finished: curve" in log, log[-6000:]
     assert "Writing model shards" not in log  # no progress bars in a service's log
-
-    summary = json.loads((tmp_path / ".fulmen" / "run" / "summary.json").read_text())
-    accuracy = {v["label"]: v["accuracy"] for v in summary["validations"]}
-    warm, final = accuracy["v0"], summary["final_val_accuracy"]
-    assert summary["steps"] >= STEPS
-    assert warm <= 0.5, f"the warm start should leave room to learn: {accuracy}"
-    assert final >= warm + MARGIN, f"GRPO did not beat the warm start by {MARGIN}: {accuracy}"
-    assert Path(tmp_path / summary["final_model"] / "model.safetensors").exists()
+    assert_beat_the_warm_start(tmp_path, STEPS, MARGIN)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -71,8 +47,8 @@ def test_fulmen_dev_runs_ones_own_tasks_and_model(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "my-model")
     tasks = arithmetic.write_jsonl(tmp_path / "tasks.jsonl", arithmetic.make_tasks("train", 40, seed=3))
     val = arithmetic.write_jsonl(tmp_path / "val.jsonl", arithmetic.make_tasks("val", 8, seed=3))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FULMEN_") and k not in ("REDIS_URL", "PORT")}
-    env.update(PYTHONPATH=str(ROOT), FULMEN_MODEL_DIR=str(model), FULMEN_VAL_DATA=str(val), FULMEN_TOTAL_STEPS="2",
+    env = user_env()
+    env.update(FULMEN_MODEL_DIR=str(model), FULMEN_VAL_DATA=str(val), FULMEN_TOTAL_STEPS="2",
                FULMEN_GROUPS_PER_STEP="2", FULMEN_N_SAMPLES="4", FULMEN_REDIS_PORT=str(free_port()),
                FULMEN_PROXY_PORT=str(free_port()), FULMEN_TORCH_THREADS="1")
     done = subprocess.run([FULMEN, "dev", "--agent", "examples.arithmetic_agent:agent", "--tasks", str(tasks),

@@ -3,8 +3,6 @@ written two seconds before the kill is there, in the state it had then or a late
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import socket
 import time
 from collections.abc import Iterator
@@ -13,12 +11,11 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from restart_checks import assert_back_as_before, kill_while_enqueuing, move_on
 
 from fulmen.embedded import EmbeddedRedis
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
-
-DURABLE_AFTER_S = 2.0  # appendfsync everysec: a write can be lost for up to 2 s, no longer
 
 
 def _non_loopback_address() -> str | None:
@@ -86,15 +83,7 @@ async def test_rollouts_survive_sigkill_and_restart(tmp_path: Path, servers: lis
 
     # Wave 1, then moved on: claimed (preparing), heartbeating (running), succeeded, cancelled.
     wave1 = [f"a{i:03d}" for i in range(120)]
-    await store.enqueue_rollouts([store.new_rollout(i, rollout_id=i) for i in wave1])
-    claimed = await store.dequeue_rollouts("w1", 60)
-    assert len(claimed) == 60
-    for c in claimed[:40]:
-        await store.heartbeat(c.rollout.rollout_id, c.attempt.attempt_id)
-    for c in claimed[:20]:
-        await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
-    for rid in wave1[-10:]:
-        assert await store.cancel_rollout(rid)
+    claimed = await move_on(store, wave1, claimed=60, running=40, succeeded=20, cancelled=10)
     snapshot = {r.rollout_id: r.status for r in await store.query_rollouts()}
     snapshot_at = time.monotonic()
     assert sorted(snapshot.values()) == sorted(
@@ -119,19 +108,7 @@ async def test_rollouts_survive_sigkill_and_restart(tmp_path: Path, servers: lis
     await store.enqueue_rollouts([store.new_rollout(i, rollout_id=i) for i in wave2])
 
     # Wave 3 is still being written when the server dies.
-    async def keep_enqueuing() -> None:
-        for n in range(10_000):
-            batch = [store.new_rollout(n, rollout_id=f"c{n:05d}-{i}") for i in range(5)]
-            await store.enqueue_rollouts(batch)
-            await asyncio.sleep(0.005)
-
-    writer = asyncio.create_task(keep_enqueuing())
-    await asyncio.sleep(snapshot_at + DURABLE_AFTER_S - time.monotonic())
-    assert not writer.done()
-    servers[0].kill()
-    writer.cancel()  # its connection died with the server
-    with contextlib.suppress(asyncio.CancelledError, RedisConnectionError):
-        await writer
+    await kill_while_enqueuing(store, snapshot_at, servers[0].kill, (RedisConnectionError,))
     await client.aclose()
     assert servers[0].process is not None and servers[0].process.returncode == -9
 
@@ -139,25 +116,7 @@ async def test_rollouts_survive_sigkill_and_restart(tmp_path: Path, servers: lis
     client = aioredis.from_url(servers[1].url)
     store = RedisStore(client, "restart")
     try:
-        after = {r.rollout_id: r.status for r in await store.query_rollouts()}
         # Everything from 2 s before the kill is there, as it was then or as moved on since.
-        went_back = {
-            rid: (status, after.get(rid))
-            for rid, status in snapshot.items()
-            if after.get(rid) not in {status, later.get(rid, status)}
-        }
-        assert went_back == {}
-        # Nothing half-done: each status index holds exactly the rollouts whose hash says that status.
-        index = {s: await client.smembers(store.keys.status(s)) for s in RolloutStatus}
-        assert index == {
-            s: {rid.encode() for rid, status in after.items() if status is s} for s in RolloutStatus
-        }
-        # The queue's consumer group survived too: what is queuing is claimed, once, and nothing else.
-        queuing = sorted(rid for rid, status in after.items() if status is RolloutStatus.QUEUING)
-        reclaimed = []
-        while batch := await store.dequeue_rollouts("w3", 500):
-            reclaimed += batch
-        assert sorted(c.rollout.rollout_id for c in reclaimed) == queuing
-        assert {c.attempt.attempt_id for c in reclaimed} == {f"{rid}.1" for rid in queuing}
+        await assert_back_as_before(store, snapshot, later)
     finally:
         await client.aclose()

@@ -5,18 +5,12 @@ trains on whole tool-using conversations."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from demo_runs import run_dev, user_env, write_env
 
 from fulmen import calculator
-
-ROOT = Path(__file__).resolve().parents[1]
-FULMEN = str(Path(sys.executable).with_name("fulmen"))
 
 
 def test_the_calculator_computes_and_never_raises() -> None:
@@ -86,21 +80,9 @@ def test_shortened_tool_demo_trains_on_tool_trajectories(tmp_path: Path) -> None
         "FULMEN_TOTAL_STEPS": steps, "FULMEN_VAL_EVERY": steps, "FULMEN_GROUPS_PER_STEP": 4, "FULMEN_SEED": 0,
         "FULMEN_MAX_INFLIGHT": 64,
     }
-    settings = [line for line in (ROOT / ".env.tools").read_text().splitlines()
-                if line.split("=", 1)[0] not in overrides]
-    (tmp_path / ".env").write_text("\n".join([*settings, *(f"{k}={v}" for k, v in overrides.items())]) + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FULMEN_") and k not in ("REDIS_URL", "PORT")}
-    env["PYTHONPATH"] = str(ROOT)
-    with open(tmp_path / "dev.log", "w") as out:
-        dev = subprocess.Popen([FULMEN, "dev", "--agent", "examples.calculator_agent:agent", "--no-dashboard"],
-                               cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        returncode = dev.wait(timeout=540)
-    finally:
-        if dev.poll() is None:
-            os.killpg(dev.pid, signal.SIGKILL)
-            dev.wait()
-    log = (tmp_path / "dev.log").read_text()
+    write_env(tmp_path, ".env.tools", overrides)
+    returncode, log = run_dev(tmp_path, user_env(), ["--agent", "examples.calculator_agent:agent", "--no-dashboard"],
+                              540)
     assert returncode == 0, log[-6000:]
     assert "run finished: curve" in log, log[-6000:]
     records = [json.loads(line) for line in (tmp_path / ".fulmen" / "trainer-metrics.jsonl").read_text().splitlines()]

@@ -7,17 +7,21 @@ tests can call it with the sync and the async openai clients alike and read the 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
+import proxy_fixtures
 import pytest
-import redis.asyncio as aioredis
 from fakes.fake_openai import FakeOpenAI
 from proxy_helpers import RunningProxy
 
 from fulmen.embedded import EmbeddedRedis
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
+
+# shared with the framework examples' tests (tests/examples/conftest.py): pytest finds them by these names
+torch_proxy = proxy_fixtures.torch_proxy
+proxy_store = proxy_fixtures.proxy_store
 
 
 @pytest.fixture(scope="session")
@@ -29,26 +33,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def module_experiment() -> str:
     return f"px-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture(scope="module")
-def torch_proxy(
-    redis_server: EmbeddedRedis, tiny_model: Path, module_experiment: str
-) -> Iterator[RunningProxy]:
-    """One torch-backend proxy per test module (loading the model once)."""
-    proxy = RunningProxy(
-        redis_url=redis_server.url, experiment=module_experiment, proxy_backend="torch", model_dir=tiny_model
-    )
-    yield proxy
-    proxy.stop()
-
-
-@pytest.fixture
-async def proxy_store(redis_server: EmbeddedRedis, module_experiment: str) -> AsyncIterator[RedisStore]:
-    """The store of the module's proxy experiment, on the test's event loop."""
-    client = aioredis.from_url(redis_server.url)
-    yield RedisStore(client, module_experiment)
-    await client.aclose()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ queuing. The other masters keep serving their experiments meanwhile."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,13 +13,12 @@ from pathlib import Path
 import pytest
 from redis.exceptions import RedisError
 from redis_cluster import EmbeddedCluster
+from restart_checks import assert_back_as_before, kill_while_enqueuing, move_on
 
 from fulmen import keys as k
 from fulmen.connection import async_client
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
-
-DURABLE_AFTER_S = 2.0  # appendfsync everysec: a write can be lost for up to 2 s, no longer
 
 
 @pytest.fixture
@@ -47,16 +45,8 @@ async def test_rollouts_survive_sigkill_of_a_cluster_node(cluster: EmbeddedClust
     store, other_store = RedisStore(client, name), RedisStore(client, other)
 
     ids = [f"a{i:03d}" for i in range(90)]
-    await store.enqueue_rollouts([store.new_rollout(i, rollout_id=i) for i in ids])
     await other_store.enqueue_rollouts([other_store.new_rollout(i, rollout_id=i) for i in ids[:10]])
-    claimed = await store.dequeue_rollouts("w1", 40)
-    assert len(claimed) == 40
-    for c in claimed[:30]:
-        await store.heartbeat(c.rollout.rollout_id, c.attempt.attempt_id)
-    for c in claimed[:15]:
-        await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
-    for rid in ids[-5:]:
-        assert await store.cancel_rollout(rid)
+    claimed = await move_on(store, ids, claimed=40, running=30, succeeded=15, cancelled=5)
     snapshot = {r.rollout_id: r.status for r in await store.query_rollouts()}
     snapshot_at = time.monotonic()
     assert sorted(snapshot.values()) == sorted(
@@ -67,19 +57,7 @@ async def test_rollouts_survive_sigkill_of_a_cluster_node(cluster: EmbeddedClust
     for c in claimed[15:25]:
         await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="failed")
         later[c.rollout.rollout_id] = RolloutStatus.FAILED
-
-    async def keep_enqueuing() -> None:  # still writing when the node dies
-        for n in range(10_000):
-            await store.enqueue_rollouts([store.new_rollout(n, rollout_id=f"c{n:05d}-{i}") for i in range(5)])
-            await asyncio.sleep(0.005)
-
-    writer = asyncio.create_task(keep_enqueuing())
-    await asyncio.sleep(snapshot_at + DURABLE_AFTER_S - time.monotonic())
-    assert not writer.done()
-    cluster.kill(victim)
-    writer.cancel()
-    with contextlib.suppress(asyncio.CancelledError, RedisError):
-        await writer
+    await kill_while_enqueuing(store, snapshot_at, lambda: cluster.kill(victim), (RedisError,))
     # The writer's last enqueue may already be on the store's auto-pipeline, whose own task goes on
     # retrying after the writer is cancelled: let it fail against the dead node, or it may land after
     # the restart, between the reads below (a late write, not a lost or torn one).
@@ -91,21 +69,7 @@ async def test_rollouts_survive_sigkill_of_a_cluster_node(cluster: EmbeddedClust
     client = async_client(cluster.url)
     store, other_store = RedisStore(client, name), RedisStore(client, other)
     try:
-        after = {r.rollout_id: r.status for r in await store.query_rollouts()}
-        went_back = {
-            rid: (status, after.get(rid))
-            for rid, status in snapshot.items()
-            if after.get(rid) not in {status, later.get(rid, status)}
-        }
-        assert went_back == {}
-        index = {s: await client.smembers(store.keys.status(s)) for s in RolloutStatus}
-        assert index == {s: {rid.encode() for rid, st in after.items() if st is s} for s in RolloutStatus}
-        queuing = sorted(rid for rid, status in after.items() if status is RolloutStatus.QUEUING)
-        reclaimed = []
-        while batch := await store.dequeue_rollouts("w3", 500):
-            reclaimed += batch
-        assert sorted(c.rollout.rollout_id for c in reclaimed) == queuing
-        assert {c.attempt.attempt_id for c in reclaimed} == {f"{rid}.1" for rid in queuing}
+        await assert_back_as_before(store, snapshot, later)
         # The experiment on another master was never touched by the crash.
         assert sorted(r.rollout_id for r in await other_store.query_rollouts(status="queuing")) == ids[:10]
     finally:

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from procs import stop
+from rank_procs import FULMEN, metrics_lines, push, ready, start_two_ranks, trainer_env, wait_for
 from safetensors.torch import load_file
 
 from fulmen import keys as k
@@ -21,8 +19,6 @@ from fulmen.records import Sample
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
 from fulmen_trainer.gradients import RankCodec
-
-FULMEN = str(Path(sys.executable).with_name("fulmen"))
 
 
 def test_rank_chunks_round_trip_and_refuse_damage() -> None:
@@ -77,29 +73,17 @@ def _samples(groups: int) -> list[Sample]:
     return out
 
 
-async def _push(store: RedisStore, samples: list[Sample]) -> None:
-    await store.ensure_samples_group(k.TRAINERS_GROUP)
-    for s in samples:
-        await store.redis.xadd(store.keys.samples, {"m": s.to_wire()})
+def _ranks_per_step(metrics: Path) -> list[int]:
+    return [line["comm/ranks"] for line in metrics_lines(metrics)]
 
 
-def _env(redis_url: str, experiment: str, tiny: Path, out: Path, **extra: str) -> dict[str, str]:
-    return {**os.environ, "REDIS_URL": redis_url, "FULMEN_EXPERIMENT": experiment, "FULMEN_MODEL_DIR": str(tiny),
-            "FULMEN_GROUPS_PER_STEP": "2", "FULMEN_CHECKPOINT_DIR": str(out / "ck"),
-            "FULMEN_METRICS_FILE": str(out / "metrics.jsonl"), "FULMEN_TORCH_THREADS": "1",
-            "FULMEN_LEARNING_RATE": "0.001", **extra}
-
-
-async def _ready(store: RedisStore, rank: int) -> bool:
-    return (await store.redis.get(store.keys.trainer_slot(rank)) or b"").endswith(b":ready")
-
-
-async def _wait(predicate, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout_s / 0.05)):
-        if await predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("timed out")
+async def _two_steps_then_sigkill(store: RedisStore, rank: subprocess.Popen[bytes], samples: list[Sample],
+                                  metrics: Path) -> None:
+    """Two steps taken by both ranks on ``samples``, then ``rank`` SIGKILLed."""
+    await push(store, samples)
+    await wait_for(lambda: asyncio.sleep(0, len(metrics_lines(metrics)) >= 2))
+    rank.send_signal(signal.SIGKILL)
+    rank.wait(timeout=10)
 
 
 def _weights(checkpoint_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -114,26 +98,23 @@ async def test_two_ranks_reach_the_weights_of_one_rank(redis_url: str, tiny: Pat
     client = aioredis.from_url(redis_url)
     samples = _samples(6)
     one, two = RedisStore(client, "ranks-one-" + tmp_path.name[-8:]), RedisStore(client, "ranks-two-" + tmp_path.name[-8:])
-    await _push(one, samples)
+    await push(one, samples)
     single = subprocess.run([FULMEN, "trainer", "--max-steps", "3"], timeout=120,
-                            env=_env(redis_url, one.experiment, tiny, tmp_path / "one"))
+                            env=trainer_env(redis_url, one.experiment, tiny, tmp_path / "one"))
     assert single.returncode == 0
 
-    env2 = _env(redis_url, two.experiment, tiny, tmp_path / "two", FULMEN_WORLD_SIZE="2")
-    leader = subprocess.Popen([FULMEN, "trainer", "--max-steps", "3"], env=env2)
+    env2 = trainer_env(redis_url, two.experiment, tiny, tmp_path / "two", FULMEN_WORLD_SIZE="2")
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        await _wait(lambda: _ready(two, 0))
-        follower = subprocess.Popen([FULMEN, "trainer"], env=env2)
-        await _wait(lambda: _ready(two, 1))
-        await _push(two, samples)
+        leader, follower = await start_two_ranks(two, env2, procs, "--max-steps", "3")
+        await push(two, samples)
         assert await asyncio.to_thread(leader.wait, 120) == 0
-        await _wait(lambda: asyncio.sleep(0, (tmp_path / "two" / "ck" / "rank-1" / "step-3").exists()))
+        await wait_for(lambda: asyncio.sleep(0, (tmp_path / "two" / "ck" / "rank-1" / "step-3").exists()))
         follower.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(follower.wait, 30) == 0
     finally:
-        leader.kill()
-    lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert [line["comm/ranks"] for line in lines] == [2, 2, 2]
+        stop(procs, kill=procs[:1])  # the leader's clean exit is not under test here
+    assert _ranks_per_step(tmp_path / "two" / "metrics.jsonl") == [2, 2, 2]
     reference = _weights(tmp_path / "one" / "ck" / "rank-0", 3)
     for rank in (0, 1):
         got = _weights(tmp_path / "two" / "ck" / f"rank-{rank}", 3)
@@ -152,32 +133,22 @@ async def test_a_rank_that_dies_is_left_out_and_picked_up_when_back(redis_url: s
 
     client = aioredis.from_url(redis_url)
     store = RedisStore(client, "ranks-die-" + tmp_path.name[-8:])
-    env = _env(redis_url, store.experiment, tiny, tmp_path, FULMEN_WORLD_SIZE="2", FULMEN_RANK_TIMEOUT_S="2")
+    env = trainer_env(redis_url, store.experiment, tiny, tmp_path, FULMEN_WORLD_SIZE="2", FULMEN_RANK_TIMEOUT_S="2")
     metrics = tmp_path / "metrics.jsonl"
-
-    def ranks_per_step() -> list[int]:
-        return [json.loads(x)["comm/ranks"] for x in metrics.read_text().splitlines()] if metrics.exists() else []
-
-    leader = subprocess.Popen([FULMEN, "trainer", "--max-steps", "6"], env=env)
-    procs = [leader]
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        await _wait(lambda: _ready(store, 0))
-        procs.append(follower := subprocess.Popen([FULMEN, "trainer"], env=env))
-        await _wait(lambda: _ready(store, 1))
+        leader, follower = await start_two_ranks(store, env, procs, "--max-steps", "6")
         samples = _samples(12)
-        await _push(store, samples[:16])  # two steps with both ranks
-        await _wait(lambda: asyncio.sleep(0, len(ranks_per_step()) >= 2))
-        follower.send_signal(signal.SIGKILL)
-        follower.wait(timeout=10)
-        await _push(store, samples[16:32])  # two steps: the dead rank is left out
-        await _wait(lambda: asyncio.sleep(0, len(ranks_per_step()) >= 4))
+        await _two_steps_then_sigkill(store, follower, samples[:16], metrics)
+        await push(store, samples[16:32])  # two steps: the dead rank is left out
+        await wait_for(lambda: asyncio.sleep(0, len(_ranks_per_step(metrics)) >= 4))
         procs.append(subprocess.Popen([FULMEN, "trainer"], env=env))  # it comes back
-        await _wait(lambda: _ready(store, 1))
-        await _push(store, samples[32:])
+        await wait_for(lambda: ready(store, 1))
+        await push(store, samples[32:])
         assert await asyncio.to_thread(leader.wait, 120) == 0
     finally:
         stop(procs, timeout_s=20)
-    per_step = ranks_per_step()
+    per_step = _ranks_per_step(metrics)
     assert per_step[:2] == [2, 2]
     assert per_step[2:4] == [1, 1]
     assert per_step[4:] == [2, 2]
@@ -194,33 +165,23 @@ async def test_with_wait_the_run_pauses_while_a_rank_is_gone_and_resumes_when_ba
 
     client = aioredis.from_url(redis_url)
     store = RedisStore(client, "ranks-wait-" + tmp_path.name[-8:])
-    env = _env(redis_url, store.experiment, tiny, tmp_path, FULMEN_WORLD_SIZE="2", FULMEN_RANK_TIMEOUT_S="2",
-               FULMEN_ON_RANK_LOSS="wait")
+    env = trainer_env(redis_url, store.experiment, tiny, tmp_path, FULMEN_WORLD_SIZE="2", FULMEN_RANK_TIMEOUT_S="2",
+                      FULMEN_ON_RANK_LOSS="wait")
     metrics = tmp_path / "metrics.jsonl"
-
-    def ranks_per_step() -> list[int]:
-        return [json.loads(x)["comm/ranks"] for x in metrics.read_text().splitlines()] if metrics.exists() else []
-
-    leader = subprocess.Popen([FULMEN, "trainer", "--max-steps", "4"], env=env)
-    procs = [leader]
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        await _wait(lambda: _ready(store, 0))
-        procs.append(follower := subprocess.Popen([FULMEN, "trainer"], env=env))
-        await _wait(lambda: _ready(store, 1))
+        leader, follower = await start_two_ranks(store, env, procs, "--max-steps", "4")
         samples = _samples(8)
-        await _push(store, samples[:16])  # two steps with both ranks
-        await _wait(lambda: asyncio.sleep(0, len(ranks_per_step()) >= 2))
-        follower.send_signal(signal.SIGKILL)
-        follower.wait(timeout=10)
-        await _wait(lambda: _absent(store, 1))  # its slot expired: the leader now sees it gone
-        await _push(store, samples[16:])  # two more steps' worth: the leader must wait
+        await _two_steps_then_sigkill(store, follower, samples[:16], metrics)
+        await wait_for(lambda: _absent(store, 1))  # its slot expired: the leader now sees it gone
+        await push(store, samples[16:])  # two more steps' worth: the leader must wait
         await asyncio.sleep(4)  # two rank timeouts; "continue" steps alone within this (the test above)
-        assert ranks_per_step() == [2, 2] and leader.poll() is None, "paused, not stepped alone or exited"
+        assert _ranks_per_step(metrics) == [2, 2] and leader.poll() is None, "paused, not stepped alone or exited"
         procs.append(subprocess.Popen([FULMEN, "trainer"], env=env))  # it comes back
         assert await asyncio.to_thread(leader.wait, 120) == 0
     finally:
         stop(procs, timeout_s=20)
-    assert ranks_per_step() == [2, 2, 2, 2]
+    assert _ranks_per_step(metrics) == [2, 2, 2, 2]
     await client.aclose()
 
 
@@ -251,7 +212,7 @@ async def test_a_leader_waiting_for_a_missing_rank_stops_when_asked(real_store: 
     try:
         await trainer.setup()
         await members.mark_ready()
-        await _push(real_store, _samples(2))
+        await push(real_store, _samples(2))
         stop = asyncio.Event()
         running = asyncio.create_task(trainer.run(stop))
         await asyncio.sleep(3)
@@ -274,33 +235,23 @@ async def test_a_restarted_leader_leads_the_waiting_ranks_again(redis_url: str, 
 
     client = aioredis.from_url(redis_url)
     store = RedisStore(client, "ranks-lead-" + tmp_path.name[-8:])
-    env = _env(redis_url, store.experiment, tiny, tmp_path, FULMEN_WORLD_SIZE="2", FULMEN_RANK_TIMEOUT_S="2")
+    env = trainer_env(redis_url, store.experiment, tiny, tmp_path, FULMEN_WORLD_SIZE="2", FULMEN_RANK_TIMEOUT_S="2")
     metrics = tmp_path / "metrics.jsonl"
-
-    def logged() -> list[dict]:  # type: ignore[type-arg]
-        return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-
-    leader = subprocess.Popen([FULMEN, "trainer"], env=env)
-    procs = [leader]
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        await _wait(lambda: _ready(store, 0))
-        procs.append(follower := subprocess.Popen([FULMEN, "trainer"], env=env))
-        await _wait(lambda: _ready(store, 1))
+        leader, follower = await start_two_ranks(store, env, procs)
         samples = _samples(8)
-        await _push(store, samples[:16])
-        await _wait(lambda: asyncio.sleep(0, len(logged()) >= 2))
-        leader.send_signal(signal.SIGKILL)
-        leader.wait(timeout=10)
-        await _wait(lambda: _absent(store, 0))
+        await _two_steps_then_sigkill(store, leader, samples[:16], metrics)
+        await wait_for(lambda: _absent(store, 0))
         assert follower.poll() is None  # it waits for a leader; it does not exit or take over
         procs.append(new_leader := subprocess.Popen([FULMEN, "trainer", "--max-steps", "4"], env=env))
-        await _push(store, samples[16:])
+        await push(store, samples[16:])
         assert await asyncio.to_thread(new_leader.wait, 120) == 0
-        await _wait(lambda: asyncio.sleep(0, (tmp_path / "ck" / "rank-1" / "step-4").exists()))
+        await wait_for(lambda: asyncio.sleep(0, (tmp_path / "ck" / "rank-1" / "step-4").exists()))
     finally:
         stop(procs, timeout_s=20)
-    assert [line["step"] for line in logged()] == [1, 2, 3, 4]
-    assert [line["comm/ranks"] for line in logged()] == [2, 2, 2, 2]
+    assert [line["step"] for line in metrics_lines(metrics)] == [1, 2, 3, 4]
+    assert _ranks_per_step(metrics) == [2, 2, 2, 2]
     lead, follow = _weights(tmp_path / "ck" / "rank-0", 4), _weights(tmp_path / "ck" / "rank-1", 4)
     assert all(torch.equal(lead[name], follow[name]) for name in lead)
     await client.aclose()

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from procs import stop
+from rank_procs import FULMEN, push, start_two_ranks, trainer_env
 from safetensors.torch import load_file
 
 from fulmen import keys as k
@@ -21,7 +22,6 @@ from fulmen.records import Sample
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
 
-FULMEN = str(Path(sys.executable).with_name("fulmen"))
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STEPS = 3
 
@@ -45,17 +45,8 @@ def _samples(groups: int) -> list[Sample]:
     return out
 
 
-async def _push(store: RedisStore, samples: list[Sample]) -> None:
-    await store.ensure_samples_group(k.TRAINERS_GROUP)
-    for s in samples:
-        await store.redis.xadd(store.keys.samples, {"m": s.to_wire()})
-
-
 def _env(redis_url: str, experiment: str, tiny: Path, out: Path, **extra: str) -> dict[str, str]:
-    return {**os.environ, "REDIS_URL": redis_url, "FULMEN_EXPERIMENT": experiment, "FULMEN_MODEL_DIR": str(tiny),
-            "FULMEN_GROUPS_PER_STEP": "2", "FULMEN_CHECKPOINT_DIR": str(out / "ck"),
-            "FULMEN_METRICS_FILE": str(out / "metrics.jsonl"), "FULMEN_TORCH_THREADS": "1",
-            "FULMEN_LEARNING_RATE": "0.001", "FULMEN_DEVICE": "cpu", "OMP_NUM_THREADS": "1", **extra}
+    return trainer_env(redis_url, experiment, tiny, out, **{"FULMEN_DEVICE": "cpu", "OMP_NUM_THREADS": "1", **extra})
 
 
 def _torchrun(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess[bytes]:
@@ -70,10 +61,19 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "rank-0" / f"step-{STEPS}" / "model" / "model.safetensors"))
 
 
-async def _run_single(redis_url: str, tiny: Path, out: Path, experiment: str, **extra: str) -> None:
+async def _one_rank_reference(client: Any, redis_url: str, tiny: Path, tmp_path: Path, prefix: str,
+                              **extra: str) -> tuple[RedisStore, RedisStore, list[Sample]]:
+    """The same samples pushed for two experiments, "one" and "two" (named after ``prefix``); "one"
+    trained STEPS steps by a single rank (its checkpoints and metrics in tmp_path/one): the reference
+    the ranks of "two" must reach. The stores and the samples."""
+    one, two = (RedisStore(client, f"{prefix}-{name}-{tmp_path.name[-8:]}") for name in ("one", "two"))
+    samples = _samples(2 * STEPS)
+    await push(one, samples)
+    await push(two, samples)
     single = await asyncio.to_thread(subprocess.run, [FULMEN, "trainer", "--max-steps", str(STEPS)], timeout=120,
-                                     env=_env(redis_url, experiment, tiny, out, **extra))
+                                     env=_env(redis_url, one.experiment, tiny, tmp_path / "one", **extra))
     assert single.returncode == 0
+    return one, two, samples
 
 
 @pytest.mark.slow
@@ -83,11 +83,7 @@ async def test_two_ddp_ranks_reach_the_weights_of_one_rank(redis_url: str, tiny:
     import redis.asyncio as aioredis
 
     client = aioredis.from_url(redis_url)
-    one, two = (RedisStore(client, f"ddp-{name}-{tmp_path.name[-8:]}") for name in ("one", "two"))
-    samples = _samples(2 * STEPS)
-    await _push(one, samples)
-    await _push(two, samples)
-    await _run_single(redis_url, tiny, tmp_path / "one", one.experiment)
+    _, two, samples = await _one_rank_reference(client, redis_url, tiny, tmp_path, "ddp")
     run = await asyncio.to_thread(_torchrun, _env(redis_url, two.experiment, tiny, tmp_path / "two"))
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     reference, got = _weights(tmp_path / "one" / "ck"), _weights(tmp_path / "two" / "ck")
@@ -116,28 +112,19 @@ async def test_the_ddp_codec_hook_gives_the_redis_rank_paths_weights(redis_url: 
     ddp, ranks = (RedisStore(client, f"hook-{name}-{tmp_path.name[-8:]}") for name in ("ddp", "redis"))
     samples = _samples(2 * STEPS)
     codec = {"FULMEN_CODEC": "topk", "FULMEN_CODEC_DENSITY": "0.1"}
-    await _push(ddp, samples)
+    await push(ddp, samples)
     run = await asyncio.to_thread(_torchrun, _env(redis_url, ddp.experiment, tiny, tmp_path / "ddp", **codec,
                                                   FULMEN_DDP_BUCKET_MB="1000"))
     assert run.returncode == 0, run.stderr.decode()[-3000:]
 
     env = _env(redis_url, ranks.experiment, tiny, tmp_path / "redis", **codec, FULMEN_WORLD_SIZE="2")
-    leader = subprocess.Popen([FULMEN, "trainer", "--max-steps", str(STEPS)], env=env)
-    follower = None
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        for _ in range(1200):
-            if (await client.get(ranks.keys.trainer_slot(0)) or b"").endswith(b":ready"):
-                break
-            await asyncio.sleep(0.05)
-        follower = subprocess.Popen([FULMEN, "trainer"], env=env)
-        for _ in range(1200):
-            if (await client.get(ranks.keys.trainer_slot(1)) or b"").endswith(b":ready"):
-                break
-            await asyncio.sleep(0.05)
-        await _push(ranks, samples)
+        leader, _ = await start_two_ranks(ranks, env, procs, "--max-steps", str(STEPS))
+        await push(ranks, samples)
         assert await asyncio.to_thread(leader.wait, 120) == 0
     finally:
-        stop([leader, *([follower] if follower is not None else [])])
+        stop(procs)
     lines = [json.loads(x) for x in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert all(line["comm/ratio"] > 3 for line in lines)  # the hook really compressed
     reference, got = _weights(tmp_path / "redis" / "ck"), _weights(tmp_path / "ddp" / "ck")
@@ -154,12 +141,8 @@ async def test_lora_trains_under_ddp_like_on_one_rank(redis_url: str, tiny: Path
     from fulmen.model_versions import fetch_model_version
 
     client = aioredis.from_url(redis_url)
-    one, two = (RedisStore(client, f"ddp-lora-{name}-{tmp_path.name[-8:]}") for name in ("one", "two"))
-    samples = _samples(2 * STEPS)
     lora = {"FULMEN_LORA_RANK": "4"}
-    await _push(one, samples)
-    await _push(two, samples)
-    await _run_single(redis_url, tiny, tmp_path / "one", one.experiment, **lora)
+    one, two, _ = await _one_rank_reference(client, redis_url, tiny, tmp_path, "ddp-lora", **lora)
     run = await asyncio.to_thread(_torchrun, _env(redis_url, two.experiment, tiny, tmp_path / "two", **lora))
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     reference = await fetch_model_version(one, f"v{STEPS}")
@@ -193,11 +176,7 @@ async def test_two_fsdp_ranks_train_like_one_and_resume_from_their_shards(redis_
     from fulmen.model_versions import fetch_model_version
 
     client = aioredis.from_url(redis_url)
-    one, two = (RedisStore(client, f"fsdp-{name}-{tmp_path.name[-8:]}") for name in ("one", "two"))
-    samples = _samples(2 * STEPS)
-    await _push(one, samples)
-    await _push(two, samples)
-    await _run_single(redis_url, tiny, tmp_path / "one", one.experiment)
+    one, two, _ = await _one_rank_reference(client, redis_url, tiny, tmp_path, "fsdp")
     env = _env(redis_url, two.experiment, tiny, tmp_path / "two")
 
     def fsdp(steps: int) -> subprocess.CompletedProcess[bytes]:
