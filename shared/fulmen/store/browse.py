@@ -178,17 +178,9 @@ async def browse_rollouts(
         if not entries:
             exhausted = True
             break
-        pipe = client.pipeline(transaction=False)
-        for rollout_id, _ in entries:
-            pipe.hmget(keys.rollout(rollout_id.decode()), FIELDS)
-        for (_, score), values in zip(entries, await pipe.execute(), strict=True):
-            scanned += 1
-            position = Cursor(score, position.skip + 1) if score == position.score else Cursor(score, 1)
-            row = _row(values)
-            if row is not None and where.matches(row):
-                rows.append(row)
-                if len(rows) == limit:
-                    break
+        position, looked = await _match_chunk(client, keys, [(score, rid) for rid, score in entries], position,
+                                              where, rows, limit)
+        scanned += looked
         if len(entries) < asked and len(rows) < limit:
             exhausted = True  # a short chunk is the end of the range
             break
@@ -198,6 +190,28 @@ async def browse_rollouts(
 
 async def _total(client: Any, keys: k.Keys) -> int:
     return sum([int(await client.zcard(shard.rollout_index)) for shard in keys.shards])
+
+
+async def _match_chunk(
+    client: Any, keys: k.Keys, chunk: Sequence[tuple[float, bytes]], position: Cursor, where: RolloutFilter,
+    rows: list[RolloutRow], limit: int,
+) -> tuple[Cursor, int]:
+    """Read the rows of ``chunk`` ((score, rollout id) in index order, one round trip) and append those
+    ``where`` matches to ``rows``, stopping at ``limit``. Returns the cursor after the last one looked
+    at and how many were looked at."""
+    pipe = client.pipeline(transaction=False)
+    for _, rid in chunk:
+        pipe.hmget(keys.rollout(rid.decode()), FIELDS)
+    looked = 0
+    for (score, _), values in zip(chunk, await pipe.execute(), strict=True):
+        looked += 1
+        position = Cursor(score, position.skip + 1) if score == position.score else Cursor(score, 1)
+        row = _row(values)
+        if row is not None and where.matches(row):
+            rows.append(row)
+            if len(rows) == limit:
+                break
+    return position, looked
 
 
 async def _index_chunk(client: Any, keys: k.Keys, position: Cursor, low: float, asked: int) -> list[Any]:
@@ -259,18 +273,9 @@ async def _from_status_sets(
     rows: list[RolloutRow] = []
     scanned = 0
     for first in range(0, len(candidates), CHUNK):
-        chunk = candidates[first:first + CHUNK]
-        pipe = client.pipeline(transaction=False)
-        for _, rid in chunk:
-            pipe.hmget(keys.rollout(rid.decode()), FIELDS)
-        for (score, _), values in zip(chunk, await pipe.execute(), strict=True):
-            scanned += 1
-            position = Cursor(score, position.skip + 1) if score == position.score else Cursor(score, 1)
-            row = _row(values)
-            if row is not None and where.matches(row):
-                rows.append(row)
-                if len(rows) == limit:
-                    break
+        position, looked = await _match_chunk(client, keys, candidates[first:first + CHUNK], position, where, rows,
+                                              limit)
+        scanned += looked
         if len(rows) == limit:
             break
     more = len(rows) == limit and scanned < len(candidates)
