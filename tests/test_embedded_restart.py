@@ -42,6 +42,7 @@ async def test_embedded_redis_is_durable_and_loopback_only(redis_server: Embedde
             "appendfsync",
             "appendfilename",
             "auto-aof-rewrite-min-size",
+            "rdbcompression",
             "bind",
             "protected-mode",
         )
@@ -55,6 +56,7 @@ async def test_embedded_redis_is_durable_and_loopback_only(redis_server: Embedde
         "appendfsync": "everysec",
         "appendfilename": "fulmen.aof",
         "auto-aof-rewrite-min-size": str(512 * 1024 * 1024),
+        "rdbcompression": "no",  # weights do not compress; LZF made each AOF rewrite several times slower
         "bind": "127.0.0.1",
         "protected-mode": "yes",
         "save": "",

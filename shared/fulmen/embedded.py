@@ -57,6 +57,9 @@ def server_args(port: int, data_dir: Path) -> list[str]:
         # core for seconds, and Redis's 64 MB default starts one every few minutes of training.
         # Rewrites still bound the file: each starts when it has doubled since the last one.
         "--auto-aof-rewrite-min-size", "512mb",
+        # The rewrite's RDB part is mostly model weights, which LZF cannot shrink (<1%) but spends a
+        # core on: a 600 MB rewrite took 14-18 s compressed, 2.5-5 s not (issue 16, loaded machine).
+        "--rdbcompression", "no",
         "--daemonize", "no",
         "--loglevel", "warning",
         "--logfile", "",
