@@ -54,9 +54,11 @@ def server_args(port: int, data_dir: Path) -> list[str]:
         "--appendfilename", "fulmen.aof",
         "--save", "",
         # A rewrite forks the server and re-writes the whole dataset: on a 2-core machine it takes a
-        # core for seconds, and Redis's 64 MB default starts one every few minutes of training.
-        # Rewrites still bound the file: each starts when it has doubled since the last one.
-        "--auto-aof-rewrite-min-size", "512mb",
+        # core for seconds. Fulmen starts one itself when the file has doubled (and is 512 MB or more)
+        # between model versions (`fulmen.aof_rewrite`); the server's own rule, which would fire in the
+        # middle of writing a version's weights, is only the safety net that bounds the file.
+        "--auto-aof-rewrite-min-size", "2gb",
+        "--auto-aof-rewrite-percentage", "300",
         # The rewrite's RDB part is mostly model weights, which LZF cannot shrink (<1%) but spends a
         # core on: a 600 MB rewrite took 14-18 s compressed, 2.5-5 s not (issue 16, loaded machine).
         "--rdbcompression", "no",
