@@ -24,7 +24,7 @@ import os
 import shutil
 import stat
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -155,17 +155,47 @@ async def write_stream(store: RedisStore, version: str, blob: Blob, sha256: str,
         raise
     try:
         per_pipeline = max(1, PIPELINE_BYTES // chunk_bytes)
-        for first in range(1, total, per_pipeline):
-            async with store.weights_redis.pipeline(transaction=False) as pipe:
-                for index in range(first, min(first + per_pipeline, total)):
-                    pipe.xadd(key, entry(index), id=f"0-{index + 1}")
-                await pipe.execute()
+        pool = getattr(store.weights_redis, "connection_pool", None)
+        if pool is not None and hasattr(pool, "get_connection"):
+            await _send_in_order(pool, key, range(1, total), entry, per_pipeline)
+        else:  # a cluster client: pipelines, one round trip at a time
+            for first in range(1, total, per_pipeline):
+                async with store.weights_redis.pipeline(transaction=False) as pipe:
+                    for index in range(first, min(first + per_pipeline, total)):
+                        pipe.xadd(key, entry(index), id=f"0-{index + 1}")
+                    await pipe.execute()
     except BaseException:
         # A half-written version is never published; free its name for a later attempt.
         with contextlib.suppress(Exception):
             await store.weights_redis.delete(key)
         raise
     return {"stream": key, "chunks": total, "sha256": sha256, "bytes": len(blob)}
+
+
+async def _send_in_order(pool: Any, key: str, indexes: range, entry: Callable[[int], dict[str, Any]],
+                         window: int) -> None:
+    """XADD each chunk on one connection, up to ``window`` of them sent before their replies are read:
+    the server is never idle waiting for the next batch, and no batch is joined into one buffer (a
+    pipeline of redis-py waits for each batch's replies and copies its bytes once more). One
+    connection keeps the entries in order, which their explicit ids require."""
+    connection = await pool.get_connection()
+    unread = 0
+    try:
+        for index in indexes:
+            fields = entry(index)
+            await connection.send_packed_command(connection.pack_command(
+                "XADD", key, f"0-{index + 1}", "m", fields["m"], DATA_FIELD, fields[DATA_FIELD]), check_health=False)
+            unread += 1
+            if unread > window:
+                await connection.read_response()  # an error reply raises here
+                unread -= 1
+        while unread:
+            await connection.read_response()
+            unread -= 1
+    finally:
+        if unread:  # replies left unread: the connection's state is unknown
+            await connection.disconnect()
+        await pool.release(connection)
 
 
 def write_file(shared_dir: Path, version: str, blob: Blob, sha256: str) -> dict:
