@@ -191,11 +191,18 @@ async def test_pages_read_ahead_come_back_in_order_and_gaps_are_refused(
     assert entry["chunks"] > 2 * (1 + version_stream.PAGES_AHEAD)
     _assert_bitwise_equal(await fetch_model_version(store, "v1"), weights)
     key = entry["stream"]
+    entries = await store.redis.xrange(key)
     await store.redis.xdel(key, f"0-{entry['chunks']}")
     with pytest.raises(RecordError, match="incomplete"):
         await fetch_model_version(store, "v1")
     await store.redis.xdel(key, "0-6")  # chunk 5: the third page's first
     with pytest.raises(RecordError, match=r"expected chunk 5 .* found chunk 6"):
+        await fetch_model_version(store, "v1")
+    await store.redis.delete(key)  # whole again, one byte of a tensor in a late page flipped
+    for n, (_, fields) in enumerate(entries, start=1):
+        data = fields[b"d"] if n != len(entries) - 1 else bytes([fields[b"d"][0] ^ 1]) + fields[b"d"][1:]
+        await store.redis.xadd(key, {"m": fields[b"m"], "d": data}, id=f"0-{n}")
+    with pytest.raises(RecordError, match=r"corrupt: .* manifest's sha256"):
         await fetch_model_version(store, "v1")
 
 
