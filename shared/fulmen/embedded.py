@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from fulmen.aof_rewrite import SAFETY_NET_PERCENTAGE
 from fulmen.errors import FulmenError, RedisUnavailable
 
 DEFAULT_PORT = 6399  # not 6379, so a system Redis on the default port is left alone
@@ -58,7 +59,7 @@ def server_args(port: int, data_dir: Path) -> list[str]:
         # between model versions (`fulmen.aof_rewrite`); the server's own rule, which would fire in the
         # middle of writing a version's weights, is only the safety net that bounds the file.
         "--auto-aof-rewrite-min-size", "2gb",
-        "--auto-aof-rewrite-percentage", "300",
+        "--auto-aof-rewrite-percentage", str(SAFETY_NET_PERCENTAGE),
         # The rewrite's RDB part is mostly model weights, which LZF cannot shrink (<1%) but spends a
         # core on: a 600 MB rewrite took 14-18 s compressed, 2.5-5 s not (issue 16, loaded machine).
         "--rdbcompression", "no",
