@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from redis_cluster import EmbeddedCluster
 
 from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.model_versions import (
@@ -353,3 +354,27 @@ async def test_weights_path_naming_a_fifo_is_refused(store: RedisStore, tmp_path
         # Without the fix a thread is blocked opening the FIFO: a writer's open releases it.
         with contextlib.suppress(OSError):
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+async def test_weights_round_trip_on_a_redis_cluster(
+    redis_cluster: EmbeddedCluster, experiment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster client has no single connection to send chunks on in order: they go in pipelines.
+    Pages are read ahead the same, and retention's AOF check leaves the cluster's own rule alone."""
+    from fulmen import version_stream
+    from fulmen.aof_rewrite import rewrite_if_grown
+    from fulmen.connection import async_client
+    from fulmen.version_retention import retain_versions
+
+    monkeypatch.setattr(version_stream, "READ_PAGE_BYTES", 1000)
+    client = async_client(redis_cluster.url)
+    await client.ping()
+    try:
+        store = RedisStore(client, experiment)
+        for seed in (0, 1):
+            await publish_model_version(store, _state_dict(seed), model="tiny", chunk_bytes=500)
+        _assert_bitwise_equal(await fetch_model_version(store, "v2"), _state_dict(1))
+        assert await retain_versions(store, 1) == ["v1"]
+        assert not await rewrite_if_grown(client, min_bytes=1)
+    finally:
+        await client.aclose()

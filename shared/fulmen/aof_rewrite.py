@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,10 @@ SAFETY_NET_PERCENTAGE = 300  # the server's own rule (fulmen.embedded): only whe
 async def rewrite_if_grown(redis: Any, min_bytes: int | None = None, growth: float = GROWTH) -> bool:
     """Start a background AOF rewrite if the file is at least ``min_bytes`` and has grown by
     ``growth`` (1.0: doubled) since the last rewrite; whether one was started. Nothing on a server
-    without AOF, with a rewrite already under way, or one that refuses the commands (a managed Redis)."""
+    without AOF, with a rewrite already under way, or one that refuses the commands (a managed Redis).
+    Nothing on a cluster either: its nodes keep their own rule (one INFO would describe one node)."""
+    if isinstance(redis, RedisCluster):
+        return False
     try:
         info = await redis.info("persistence")
     except ResponseError as e:
