@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 WEIGHTS_FILE = "model.safetensors"
 CHUNK_HEADER_BYTES = 1024  # room for a chunk record's fields besides the data (version, sha256, ...)
-PIPELINE_BYTES = 32 << 20  # chunks per round trip: few round trips, bounded client buffers
+PIPELINE_BYTES = 32 << 20  # chunk bytes sent and not yet answered (a pipeline on a cluster): bounded buffers
 DATA_FIELD = "d"  # a chunk entry's bytes; its "m" record describes them (older writers put them inside it)
 
 
