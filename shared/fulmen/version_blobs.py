@@ -25,6 +25,7 @@ import shutil
 import stat
 import struct
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -32,7 +33,7 @@ from redis.exceptions import ResponseError
 
 from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.records import WeightsChunk
-from fulmen.version_manifest import METADATA_KEY, Manifest, read_manifest
+from fulmen.version_manifest import HASH_THREADS, METADATA_KEY, Manifest, read_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -114,9 +115,10 @@ def serialize(state_dict: Mapping[str, torch.Tensor], manifest: Manifest) -> Blo
         tensor = tensor.detach().to("cpu").contiguous()
         if tensor.dtype not in codes:
             raise InvalidInput(f"state_dict[{name!r}] is {tensor.dtype}: not a dtype a model version can hold")
-        if not tensor_is_finite(tensor):
-            raise InvalidInput(f"state_dict[{name!r}] holds NaN or infinite values: not publishing it")
         tensors.append((name, tensor))
+    broken = non_finite_tensors(dict(tensors))
+    if broken:
+        raise InvalidInput(f"state_dict[{broken[0]!r}] holds NaN or infinite values: not publishing it")
     tensors.sort(key=lambda item: -item[1].element_size())
     header: dict[str, Any] = {"__metadata__": {"format": "pt", METADATA_KEY: manifest.to_json()}}
     offset = 0
@@ -353,8 +355,16 @@ def tensor_is_finite(tensor: torch.Tensor) -> bool:
 
 
 def non_finite_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the tensors holding a NaN or an infinity: weights no backend may serve."""
-    return [name for name, tensor in state_dict.items() if not tensor_is_finite(tensor)]
+    """The names of the tensors holding a NaN or an infinity (in the state dict's order): weights no
+    backend may serve. Checked in parallel threads (torch releases the GIL): one tensor after the
+    other, a loaded 2-core machine spent most of the pass handing each small tensor to torch's own
+    threads (a 0.5B model: 0.8-1.9 s, against 0.14-0.27 s in 4 threads)."""
+    names = list(state_dict)
+    if len(names) < 2:
+        return [name for name in names if not tensor_is_finite(state_dict[name])]
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        finite = list(pool.map(lambda name: tensor_is_finite(state_dict[name]), names))
+    return [name for name, ok in zip(names, finite, strict=True) if not ok]
 
 
 class PublishedWeights(NamedTuple):
