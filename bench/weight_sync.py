@@ -17,7 +17,8 @@ Formats and transports, each in the trained dtype (bf16):
 - ``full_redis_weights_db``: ``full_redis`` again through the opt-in weights-only Redis
   (FULMEN_WEIGHTS_REDIS_URL: a second embedded server, AOF off). With ``appendfsync everysec`` the main
   server holds its replies while the last second's writes are fsynced, so its AOF paces the transport
-  by the disk (``disk_fsync_mb_per_s``), and a 1 GB version soon triggers AOF rewrites;
+  by the disk (``disk_fsync_mb_per_s``), and each 1 GB version grows the AOF by as much (Fulmen
+  rewrites it between versions: `fulmen.aof_rewrite`);
 - ``lora``: a LoRA adapter of rank 16 on every linear layer (PEFT layout), on fresh replicas of an
   experiment of its own, as in a LoRA run (only adapters are published: the backend runs each beside
   the base weights; after a full version it would merge it instead).

@@ -39,6 +39,8 @@ async def test_embedded_redis_is_durable_and_loopback_only(redis_server: Embedde
             "appendfsync",
             "appendfilename",
             "auto-aof-rewrite-min-size",
+            "auto-aof-rewrite-percentage",
+            "rdbcompression",
             "bind",
             "protected-mode",
         )
@@ -51,7 +53,10 @@ async def test_embedded_redis_is_durable_and_loopback_only(redis_server: Embedde
         "appendonly": "yes",
         "appendfsync": "everysec",
         "appendfilename": "fulmen.aof",
-        "auto-aof-rewrite-min-size": str(512 * 1024 * 1024),
+        # the safety net only: fulmen.aof_rewrite starts rewrites between model versions
+        "auto-aof-rewrite-min-size": str(2 * 1024 * 1024 * 1024),
+        "auto-aof-rewrite-percentage": "300",
+        "rdbcompression": "no",  # weights do not compress; LZF made each AOF rewrite several times slower
         "bind": "127.0.0.1",
         "protected-mode": "yes",
         "save": "",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from redis_cluster import EmbeddedCluster
 
 from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.model_versions import (
@@ -102,6 +103,39 @@ async def test_resources_are_published_after_every_chunk(
     assert seen == [llm_resource(update)["weights"]["chunks"]]  # type: ignore[index]
 
 
+async def test_a_chunk_refused_with_others_in_flight_leaves_no_version(
+    real_store: RedisStore, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks go out several at a time before their replies are read (`fulmen.version_blobs`): one
+    refused by Redis half-way (here an entry slipped in ahead of it) fails the publish, deletes what
+    was written, publishes no resources version, and leaves the client usable."""
+    import redis
+
+    from fulmen import version_blobs
+
+    chunks = version_blobs.Blob.chunks
+    other = redis.Redis.from_url(redis_url)
+
+    def meddling(blob: version_blobs.Blob, chunk_bytes: int):  # type: ignore[no-untyped-def]
+        for n, piece in enumerate(chunks(blob, chunk_bytes)):
+            if n == 5:  # chunk 0, the claim, is on the stream: an entry past the next ids
+                other.xadd(real_store.keys.weights("v1"), {"x": b"1"}, id="0-1000")
+            yield piece
+
+    monkeypatch.setattr(version_blobs.Blob, "chunks", meddling)
+    try:
+        with pytest.raises(Exception, match="equal or smaller"):
+            await publish_model_version(real_store, _state_dict(), model="tiny", chunk_bytes=100)
+    finally:
+        other.close()
+    assert not await real_store.redis.exists(real_store.keys.weights("v1"))
+    with pytest.raises(NotFound):
+        await real_store.get_resources(POLICY_RESOURCES_ID)
+    monkeypatch.undo()
+    await publish_model_version(real_store, _state_dict(), model="tiny", chunk_bytes=100)
+    _assert_bitwise_equal(await fetch_model_version(real_store, "v1"), _state_dict())
+
+
 async def test_explicit_existing_version_is_refused(store: RedisStore) -> None:
     """Publishing a version name twice is refused: versions are immutable."""
     await publish_model_version(store, _state_dict(0), model="tiny", model_version="step-7")
@@ -140,6 +174,36 @@ async def test_missing_chunk_is_a_record_error(store: RedisStore) -> None:
         await fetch_model_version(store, "v1")
     await store.redis.xdel(key, "0-2")
     with pytest.raises(RecordError, match=r"expected chunk 1 .* found chunk 2"):
+        await fetch_model_version(store, "v1")
+
+
+async def test_pages_read_ahead_come_back_in_order_and_gaps_are_refused(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With several XRANGE pages in flight at once (`fulmen.version_stream`), the chunks still come
+    back in order, bit for bit; a chunk missing from a page in the middle, or the stream's end, is
+    refused as before."""
+    from fulmen import version_stream
+
+    monkeypatch.setattr(version_stream, "READ_PAGE_BYTES", 1000)  # 2 chunks a page
+    weights = _state_dict()
+    update = await publish_model_version(store, weights, model="tiny", chunk_bytes=500)
+    entry = llm_resource(update)["weights"]  # type: ignore[index]
+    assert entry["chunks"] > 2 * (1 + version_stream.PAGES_AHEAD)
+    _assert_bitwise_equal(await fetch_model_version(store, "v1"), weights)
+    key = entry["stream"]
+    entries = await store.redis.xrange(key)
+    await store.redis.xdel(key, f"0-{entry['chunks']}")
+    with pytest.raises(RecordError, match="incomplete"):
+        await fetch_model_version(store, "v1")
+    await store.redis.xdel(key, "0-6")  # chunk 5: the third page's first
+    with pytest.raises(RecordError, match=r"expected chunk 5 .* found chunk 6"):
+        await fetch_model_version(store, "v1")
+    await store.redis.delete(key)  # whole again, one byte of a tensor in a late page flipped
+    for n, (_, fields) in enumerate(entries, start=1):
+        data = fields[b"d"] if n != len(entries) - 1 else bytes([fields[b"d"][0] ^ 1]) + fields[b"d"][1:]
+        await store.redis.xadd(key, {"m": fields[b"m"], "d": data}, id=f"0-{n}")
+    with pytest.raises(RecordError, match=r"corrupt: .* manifest's sha256"):
         await fetch_model_version(store, "v1")
 
 
@@ -290,3 +354,27 @@ async def test_weights_path_naming_a_fifo_is_refused(store: RedisStore, tmp_path
         # Without the fix a thread is blocked opening the FIFO: a writer's open releases it.
         with contextlib.suppress(OSError):
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+async def test_weights_round_trip_on_a_redis_cluster(
+    redis_cluster: EmbeddedCluster, experiment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster client has no single connection to send chunks on in order: they go in pipelines.
+    Pages are read ahead the same, and retention's AOF check leaves the cluster's own rule alone."""
+    from fulmen import version_stream
+    from fulmen.aof_rewrite import rewrite_if_grown
+    from fulmen.connection import async_client
+    from fulmen.version_retention import retain_versions
+
+    monkeypatch.setattr(version_stream, "READ_PAGE_BYTES", 1000)
+    client = async_client(redis_cluster.url)
+    await client.ping()
+    try:
+        store = RedisStore(client, experiment)
+        for seed in (0, 1):
+            await publish_model_version(store, _state_dict(seed), model="tiny", chunk_bytes=500)
+        _assert_bitwise_equal(await fetch_model_version(store, "v2"), _state_dict(1))
+        assert await retain_versions(store, 1) == ["v1"]
+        assert not await rewrite_if_grown(client, min_bytes=1)
+    finally:
+        await client.aclose()

@@ -42,7 +42,7 @@ from fulmen.records import Sample, SampleSkip
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 from fulmen.train_steps import record_untrained_groups
-from fulmen.version_retention import retain_versions
+from fulmen.version_retention import retain_versions, rewrite_aof_after_publish
 from fulmen_trainer import checkpoint as ckpt
 from fulmen_trainer import sharded_checkpoint
 from fulmen_trainer.batch import TokenBatch, make_batch
@@ -100,6 +100,7 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.metrics: StepMetrics | None = None
         self.publisher = VersionPublisher(settings, lora=settings.lora_rank is not None)
+        self.aof_rewrite: asyncio.Task[None] | None = None  # Redis's AOF rewrite, once the proxies serve a version
         self.vocab_size: int | None = None  # token ids at or above it are refused (set by `setup`)
         self.nonfinite: str | None = None  # why the step under way makes no update (a NaN or inf)
 
@@ -377,6 +378,9 @@ class Trainer:
             weights_format=self.policy.published_format(), exact=exact,
         )
         await retain_versions(self.store, self.s.keep_versions, self.s.weights_dir)
+        if self.aof_rewrite is not None:  # a version the proxies never loaded: the new one counts
+            self.aof_rewrite.cancel()
+        self.aof_rewrite = asyncio.create_task(rewrite_aof_after_publish(self.store))
 
     async def publish_next(self) -> None:
         """The next model version outside a step (ranks that rejoin catch up from it): its name is

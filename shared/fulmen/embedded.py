@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from fulmen.aof_rewrite import SAFETY_NET_PERCENTAGE
 from fulmen.errors import FulmenError, RedisUnavailable
 
 DEFAULT_PORT = 6399  # not 6379, so a system Redis on the default port is left alone
@@ -54,9 +55,14 @@ def server_args(port: int, data_dir: Path) -> list[str]:
         "--appendfilename", "fulmen.aof",
         "--save", "",
         # A rewrite forks the server and re-writes the whole dataset: on a 2-core machine it takes a
-        # core for seconds, and Redis's 64 MB default starts one every few minutes of training.
-        # Rewrites still bound the file: each starts when it has doubled since the last one.
-        "--auto-aof-rewrite-min-size", "512mb",
+        # core for seconds. Fulmen starts one itself when the file has doubled (and is 512 MB or more)
+        # between model versions (`fulmen.aof_rewrite`); the server's own rule, which would fire in the
+        # middle of writing a version's weights, is only the safety net that bounds the file.
+        "--auto-aof-rewrite-min-size", "2gb",
+        "--auto-aof-rewrite-percentage", str(SAFETY_NET_PERCENTAGE),
+        # The rewrite's RDB part is mostly model weights, which LZF cannot shrink but spends a core on
+        # (bench/RESULTS.md, issue 16).
+        "--rdbcompression", "no",
         # Redis preallocates a new stream node at this size (4 KB by default), and every rollout has
         # a span stream of one or two entries (its calls' compressed spans): most of that space would
         # stay empty. Long streams (queues, samples) just use more, smaller nodes.

@@ -7,7 +7,10 @@ each version in ``keys.stored_versions`` (a sorted set scored by the resources v
 published it); `retain_versions` — which the trainer calls after each publish, and the store's
 retention (`fulmen trim --keep-versions`, the watchdog's retention loop) too — deletes the weights
 of all but the newest ``keep`` versions, never one that a live proxy reports serving, and drops them
-from the set. The resources log keeps naming a deleted version (it is history); a proxy that asks
+from the set. Each pass then starts Redis's AOF rewrite if it is due (`fulmen.aof_rewrite`) and no
+version is on its way to the proxies: the dataset is smallest then. Right after a publish the proxies
+are still reading, so the trainer checks again once they serve it (`rewrite_aof_after_publish`). The
+resources log keeps naming a deleted version (it is history); a proxy that asks
 for one finds it gone and moves on to a newer one (`fulmen_llm_proxy.following`).
 
 A version a proxy serves stays until no live proxy serves it: a proxy that is slow to follow keeps
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 from pathlib import Path
 
 from fulmen.keys import POLICY_RESOURCES_ID
@@ -28,7 +32,8 @@ from fulmen.store.redis_store import RedisStore  # not the package: its retentio
 
 log = logging.getLogger(__name__)
 
-__all__ = ["record_stored", "retain_versions", "served_versions", "stored_versions", "versions_to_delete"]
+__all__ = ["record_stored", "retain_versions", "rewrite_aof_after_publish", "rewrite_aof_between_versions",
+           "served_versions", "stored_versions", "versions_to_delete"]
 
 
 async def record_stored(store: RedisStore, model_version: str, resources_version: int, base: str | None = None) -> None:
@@ -60,7 +65,42 @@ async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path |
     if doomed:
         log.info("deleted the weights of %d old model version(s) (%s … %s); %d kept", len(doomed), doomed[0],
                  doomed[-1], await store.redis.zcard(store.keys.stored_versions))
+    await rewrite_aof_between_versions(store)
     return doomed
+
+
+async def rewrite_aof_between_versions(store: RedisStore, wait_s: float = 0.0, poll_s: float = 0.1) -> bool:
+    """Start Redis's AOF rewrite if `fulmen.aof_rewrite`'s rule says it is due, once no version is on
+    its way: every live proxy and replica serves the newest stored version (a rewrite would slow their
+    reads). Waits up to ``wait_s`` for that (the trainer, right after a publish); whether a rewrite
+    was started."""
+    from fulmen.aof_rewrite import rewrite_if_grown
+
+    deadline = time.monotonic() + wait_s
+    while not await _versions_settled(store):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    started = await rewrite_if_grown(store.redis)
+    if store.weights_redis is not store.redis:
+        started = await rewrite_if_grown(store.weights_redis) or started
+    return started
+
+
+async def rewrite_aof_after_publish(store: RedisStore, wait_s: float = 60.0) -> None:
+    """`rewrite_aof_between_versions` as a background task of the publisher: waits for the proxies
+    to load the version just published; a failure is logged, never raised (nothing depends on it)."""
+    try:
+        await rewrite_aof_between_versions(store, wait_s)
+    except Exception as e:  # Redis's own rule still bounds the file
+        log.warning("could not check whether Redis's AOF needs a rewrite: %s: %s", type(e).__name__, e)
+
+
+async def _versions_settled(store: RedisStore) -> bool:
+    newest = await store.redis.zrange(store.keys.stored_versions, -1, -1)
+    served = {p.model_version for p in await store.query_proxies()} | {
+        r.model_version for r in (await store.query_replicas()).values()}
+    return not newest or served <= {_text(newest[0])}
 
 
 async def versions_to_delete(store: RedisStore, keep: int) -> list[str]:

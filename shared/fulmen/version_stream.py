@@ -4,7 +4,9 @@
 bytearray for a backend that loads the tensors, a memory-mapped file for vllm-sync, which hands the
 file to vLLM as it is). As soon as the header has arrived, a `BlobChecker` starts hashing every tensor
 whose bytes are complete in a pool of threads (hashlib and torch release the GIL), so the one hash
-pass over the weights runs while the next chunks are on the way instead of after the last one.
+pass over the weights runs while the next chunks are on the way instead of after the last one. The
+chunks come in XRANGE pages, two in flight at once, so the server builds the next reply while the
+client parses this one.
 
 What is checked is what `fulmen.version_blobs.deserialize` checks, on the same bytes: when the header's
 sha256 is the one published and its manifest covers the blob's tensors (full, LoRA), each tensor's
@@ -15,8 +17,10 @@ it proved, which `deserialize` then does not repeat.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import struct
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
     Buffer = bytearray | mmap.mmap
 
 READ_PAGE_BYTES = 32 << 20  # chunks per XRANGE page: bounded client buffers, hashing starts early
+PAGES_AHEAD = 2  # XRANGE pages in flight at once (read_stream)
 
 
 class BlobChecker:
@@ -161,9 +166,28 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
     first: WeightsChunk | None = None
     checker: BlobChecker | None = None
     page = 1  # until the first chunk shows the chunk size
+    # Pages after the first ask for exact id ranges (chunk i is entry 0-<i+1>), PAGES_AHEAD at a time
+    # on as many connections: the server builds the next replies while the client parses this one
+    # (one round trip at a time left one side idle while the other worked).
+    pages: deque[asyncio.Future[Any]] = deque()
+    asked = 0  # chunks requested so far
+
+    def ask() -> None:
+        nonlocal asked
+        pages.append(asyncio.ensure_future(store.weights_redis.xrange(
+            key, min=f"0-{asked + 1}", max=f"0-{asked + page}", count=page)))
+        asked += page
+
     try:
         while first is None or read < first.total:
-            entries = await store.weights_redis.xrange(key, min=f"0-{read + 1}", max="+", count=page)
+            if first is None:
+                entries = await store.weights_redis.xrange(key, min="0-1", max="+", count=1)
+            else:
+                while len(pages) < PAGES_AHEAD and asked < first.total:
+                    ask()
+                if not pages:  # every chunk asked for, and some never came
+                    break
+                entries = await pages.popleft()
             if not entries:
                 break
             for _, fields in entries:
@@ -190,7 +214,8 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
                 read += 1
             if checker is not None and blob is not None:
                 checker.feed(blob, filled)
-            page = max(1, READ_PAGE_BYTES // max(1, first.size // first.total))
+            if first is not None and asked == 0:
+                page, asked = max(1, READ_PAGE_BYTES // max(1, first.size // first.total)), read
         if first is None or blob is None:
             return None
         if read != first.total:
@@ -199,10 +224,10 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
             raise RecordError(f"model version {version} is {filled:,} bytes, expected {first.size:,}")
         if checker is None:
             return blob, first.sha256, None
-        import asyncio
-
         finishing, checker = checker, None
         return blob, first.sha256, await asyncio.to_thread(finishing.finish, blob)
     finally:
+        for pending in pages:  # left early (a bad chunk): the pages on their way are not wanted
+            pending.cancel()
         if checker is not None:  # left early: the pool's pending hashes are dropped
             checker.close()

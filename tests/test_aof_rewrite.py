@@ -1,0 +1,91 @@
+"""Redis's AOF is rewritten between model versions (`fulmen.aof_rewrite`), not in the middle of
+writing one: by the usual rule (grown by 100%, big enough), and only once every live proxy serves the
+newest version (a rewrite during their reads would slow them). Each test has a server of its own: a
+rewrite on the shared one would meet other tests' rewrites."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from fulmen import aof_rewrite
+from fulmen.aof_rewrite import rewrite_if_grown
+from fulmen.embedded import EmbeddedRedis
+from fulmen.model_versions import publish_model_version
+from fulmen.records import ProxyEndpoint
+from fulmen.store import RedisStore
+from fulmen.version_retention import retain_versions, rewrite_aof_between_versions
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[aioredis.Redis]:
+    with EmbeddedRedis(tmp_path / "redis", port=None) as embedded:
+        client = aioredis.from_url(embedded.url)
+        # with everysec, a write to the AOF waits (up to 2 s) while the last fsync runs: the file's
+        # size in INFO would lag the writes these tests count on
+        await client.config_set("appendfsync", "no")
+        try:
+            yield client
+        finally:
+            await client.aclose()
+
+
+async def _rewritten(client: aioredis.Redis) -> int:
+    """The AOF's size after the last rewrite, once no rewrite is under way."""
+    while True:
+        info = await client.info("persistence")
+        if not info["aof_rewrite_in_progress"] and not info["aof_rewrite_scheduled"]:
+            return int(info["aof_base_size"])
+        await asyncio.sleep(0.01)
+
+
+async def test_a_rewrite_starts_when_the_file_has_doubled_and_is_big_enough(server: aioredis.Redis) -> None:
+    await server.set("k", b"x" * 100_000)
+    assert not await rewrite_if_grown(server, min_bytes=1 << 30)  # too small to bother
+    assert await rewrite_if_grown(server, min_bytes=1)  # grown from nothing
+    base = await _rewritten(server)
+    assert base > 100_000
+    assert not await rewrite_if_grown(server, min_bytes=1)  # not grown since
+    await server.set("k2", b"y" * (base // 2))
+    assert not await rewrite_if_grown(server, min_bytes=1)  # grown by half: not yet
+    await server.set("k3", b"z" * base)
+    assert await rewrite_if_grown(server, min_bytes=1)
+    assert await _rewritten(server) > base
+
+
+async def test_no_rewrite_without_aof(server: aioredis.Redis) -> None:
+    await server.config_set("appendonly", "no")
+    await server.set("k", b"x" * 100_000)
+    assert not await rewrite_if_grown(server, min_bytes=1)
+
+
+async def test_retention_rewrites_only_once_the_proxies_serve_the_newest_version(
+    server: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(aof_rewrite, "MIN_BYTES", 1)
+    store = RedisStore(server, f"aof-{uuid.uuid4().hex[:8]}")
+    await store.ensure()
+    proxy = ProxyEndpoint("p1", "http://127.0.0.1:1", "m", "base", time.time())
+    await store.register_proxy(proxy)
+    for i in (1, 2):
+        await publish_model_version(store, {"w": torch.full((256, 256), float(i))}, model="m")
+    before = await _rewritten(server)
+    # the trainer's pass, right after the publish: the proxy is still on its way to v2
+    assert await retain_versions(store, 1) == ["v1"]
+    assert await _rewritten(server) == before
+    assert not await rewrite_aof_between_versions(store, wait_s=0.05, poll_s=0.01)
+    # once it serves v2, the rewrite is due (the file grew from nothing) and starts
+    waiting = asyncio.create_task(rewrite_aof_between_versions(store, wait_s=30, poll_s=0.01))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await store.register_proxy(replace(proxy, model_version="v2"))
+    assert await asyncio.wait_for(waiting, 30)
+    assert await _rewritten(server) != before
