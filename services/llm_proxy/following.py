@@ -11,11 +11,19 @@ the proxy keeps serving the one it has.
 A delta version (`fulmen.version_delta`) is applied onto the weights being served when they are its
 base; otherwise (a restart, a skipped version, a delta that does not check out) the whole version is
 rebuilt from its chain in the store.
+
+While it serves ``v<n>``, the follower already reads the stream of ``v<n+1>``, the name the trainer
+publishes next (`next_name`), as the trainer writes it (`read_stream`'s ``follow_s``; checked on the way as any
+read is), so fetching overlaps publishing instead of following it. What it read is used only once a
+resources entry names that version with that blob's sha256; a publish that stopped half way is never
+announced, and its read is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +34,8 @@ from fulmen_llm_proxy.backend_base import Backend
 
 log = logging.getLogger(__name__)
 
+PREFETCH_FOLLOW_S = 30.0  # the next chunk of a version being written comes within this, or it stopped
+
 
 class ModelFollower:
     def __init__(self, store: RedisStore, backend: Backend, on_loaded: Callable[[str, str], Any]) -> None:
@@ -33,6 +43,8 @@ class ModelFollower:
         self.backend = backend
         self.on_loaded = on_loaded  # (model_version, outcome: loaded | failed)
         self.warned_ab = False
+        self._prefetch: tuple[str, asyncio.Task[Any]] | None = None  # (version, its read as it is written)
+        self.prefetched: list[str] = []  # versions loaded from a prefetch (for tests and logs)
 
     async def catch_up(self) -> int | None:
         """Load the newest model version the resources name (before the proxy serves: a restarted
@@ -52,9 +64,56 @@ class ModelFollower:
 
     async def run(self) -> None:
         """Catch up, then load every version announced after that, forever."""
-        after = await self.catch_up()
-        async for update in self.store.subscribe_resources(after_version=after):
-            await self.consider(update)
+        try:
+            after = await self.catch_up()
+            self._prefetch_next()
+            async for update in self.store.subscribe_resources(after_version=after):
+                await self.consider(update)
+        finally:
+            self._drop_prefetch()
+
+    def _prefetch_next(self) -> None:
+        """Start reading the version the trainer will publish after the one served (``v<n+1>``)."""
+        from fulmen.version_stream import read_stream
+
+        following = next_name(self.backend.model_version)
+        if self._prefetch is not None and self._prefetch[0] == following:
+            return
+        self._drop_prefetch()
+        task = asyncio.ensure_future(read_stream(self.store, following, follow_s=PREFETCH_FOLLOW_S))
+        task.add_done_callback(_quiet)
+        self._prefetch = (following, task)
+
+    def _drop_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch[1].cancel()
+            self._prefetch = None
+
+    async def _take_prefetch(self, version: str, llm: dict[str, Any]) -> tuple[Any, str, str | None] | None:
+        """What the prefetch read of ``version``, if it read the blob ``llm`` names; else None (it
+        was reading another version, the weights are in a folder, it failed or stalled)."""
+        from fulmen.model_versions import names_stream_blob
+
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is None:
+            return None
+        name, task = prefetch
+        weights = llm.get("weights")
+        if name != version or not isinstance(weights, dict) or "stream" not in weights:
+            task.cancel()
+            return None
+        # The entry is written after the last chunk: the read has only what is left to go. A bound
+        # anyway, for a stream deleted before the read began (it would wait for a first chunk).
+        try:
+            found = await asyncio.wait_for(task, PREFETCH_FOLLOW_S)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                return None
+            raise
+        except Exception as e:  # read again the usual way, which says what is wrong if anything is
+            log.warning("reading model version %s while it was written failed (%r): reading it again", version, e)
+            return None
+        return found if found is not None and names_stream_blob(llm, found[1]) else None
 
     async def consider(self, update: ResourcesUpdate) -> None:
         from fulmen.model_versions import llm_resource
@@ -69,7 +128,13 @@ class ModelFollower:
 
     async def _load(self, version: str, llm: dict[str, Any], update: ResourcesUpdate) -> None:
         try:
-            state_dict, weights = await self._weights(version, llm)
+            await self._load_version(version, llm, update)
+        finally:
+            self._prefetch_next()
+
+    async def _load_version(self, version: str, llm: dict[str, Any], update: ResourcesUpdate) -> None:
+        try:
+            state_dict, weights = await self._weights(version, llm, await self._take_prefetch(version, llm))
             loaded = await self.backend.load_weights(state_dict, version, weights)
         except NotFound:
             # its weights are deleted once newer versions exist (fulmen.version_retention): a newer
@@ -122,9 +187,12 @@ class ModelFollower:
         log.info("A/B test: %s for %.0f%% of rollouts, %s for the rest", version, 100 * split,
                  self.backend.model_version)
 
-    async def _weights(self, version: str, llm: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    async def _weights(
+        self, version: str, llm: dict[str, Any], prefetched: tuple[Any, str, str | None] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The tensors to load and how: as published, or for a delta the tensors it changes (applied
-        onto the served weights) or the whole version rebuilt from its chain."""
+        onto the served weights) or the whole version rebuilt from its chain. ``prefetched``: the
+        version's stream as read while it was written (`fetch_version` checks it is the one named)."""
         import asyncio
 
         from fulmen.model_versions import fetch_full_version, fetch_version
@@ -132,7 +200,9 @@ class ModelFollower:
         from fulmen.version_manifest import DELTA
 
         weights = llm.get("weights") if isinstance(llm.get("weights"), dict) else None
-        found = await fetch_version(self.store, version, resource=llm)
+        found = await fetch_version(self.store, version, resource=llm, prefetched=prefetched)
+        if prefetched is not None:
+            self.prefetched.append(version)
         if found.manifest is None or found.manifest.format != DELTA:
             return found.state, weights
         current = self.backend.current_weights()
@@ -153,3 +223,17 @@ def _model_version(update: ResourcesUpdate) -> str | None:
 
     version = (llm_resource(update) or {}).get("model_version")
     return version if isinstance(version, str) and version else None
+
+
+def next_name(served: str | None) -> str:
+    """The name a publisher most likely gives the version after ``served``: its trailing number plus
+    one (``v7`` → ``v8``, the trainer's names; ``run2-step9`` → ``run2-step10``); ``v1`` after the base
+    weights or a name without a number."""
+    match = re.fullmatch(r"(.*?)(\d+)", served or "")
+    return f"{match[1]}{int(match[2]) + 1}" if match else "v1"
+
+
+def _quiet(task: asyncio.Task[Any]) -> None:
+    """A prefetch nobody took: its outcome (a cancel, a failed read) is not worth a log line."""
+    if not task.cancelled():
+        task.exception()

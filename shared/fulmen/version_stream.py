@@ -155,11 +155,16 @@ def _update(before: Future[None] | None, digest: Any, piece: memoryview) -> None
 
 
 async def read_stream(store: RedisStore, version: str, allocate: Callable[[int], Buffer] = bytearray,
-                      check: bool = True) -> tuple[Buffer, str, str | None] | None:
+                      check: bool = True, follow_s: float | None = None) -> tuple[Buffer, str, str | None] | None:
     """The blob on the version's weights stream, copied into ``allocate(size)``, its sha256 as the
     chunks state it, and what was checked on the way (`BlobChecker.finish`; None with ``check``
     False); None if the stream has no chunk; RecordError if chunks are missing, out of place or do
-    not check out."""
+    not check out.
+
+    ``follow_s``: read the stream while it is being written (a prefetch, before any resources entry
+    names the version): wait as long as it takes for the first chunk, then at most ``follow_s``
+    seconds for each next one; None if one does not come in time (the publish stopped). Nothing read
+    this way may be served before a resources entry names the version (`ModelFollower`)."""
     key = store.keys.weights(version)
     blob: Buffer | None = None
     read = filled = 0
@@ -180,7 +185,11 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
 
     try:
         while first is None or read < first.total:
-            if first is None:
+            if follow_s is not None:
+                entries = await _written_next(store, key, read, page, None if first is None else follow_s)
+                if not entries:
+                    return None
+            elif first is None:
                 entries = await store.weights_redis.xrange(key, min="0-1", max="+", count=1)
             else:
                 while len(pages) < PAGES_AHEAD and asked < first.total:
@@ -231,3 +240,20 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
             pending.cancel()
         if checker is not None:  # left early: the pool's pending hashes are dropped
             checker.close()
+
+
+FOLLOW_POLL_MS = 1000  # one blocking read at a time, so a cancelled prefetch ends within this
+
+
+async def _written_next(store: RedisStore, key: str, read: int, count: int, wait_s: float | None) -> list[Any]:
+    """The next chunks after the first ``read`` of a stream being written, blocking until at least one
+    is there; waits forever while ``wait_s`` is None, else gives up (``[]``) after ``wait_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = None if wait_s is None else loop.time() + wait_s
+    while True:
+        block_ms = FOLLOW_POLL_MS if deadline is None else max(1, min(FOLLOW_POLL_MS, int((deadline - loop.time()) * 1000)))
+        reply = await store.weights_redis.xread({key: f"0-{read}"}, count=count, block=block_ms)
+        if reply:
+            return reply[0][1]
+        if deadline is not None and loop.time() >= deadline:
+            return []
