@@ -53,8 +53,12 @@ async def test_a_rollback_is_followed_kept_and_never_renamed(real_store: RedisSt
 
     backend = TorchBackend(tiny)  # a proxy follows it as it follows a new version
     await backend.start()
-    await ModelFollower(real_store, backend, lambda v, o: None).catch_up()
+    follower = ModelFollower(real_store, backend, lambda v, o: None)
+    await follower.catch_up()
     assert backend.model_version == "v3"
+    # it reads ahead the version the trainer publishes next: after the newest, not after v3
+    assert follower._prefetch is not None and follower._prefetch[0] == "v7"
+    follower._drop_prefetch()
     served = backend.current_weights()
     assert all(tensor_sha256(served[n]) == tensor_sha256(t) for n, t in _version(tiny, 3).items())
     await backend.close()

@@ -72,11 +72,12 @@ class ModelFollower:
         finally:
             self._drop_prefetch()
 
-    def _prefetch_next(self) -> None:
-        """Start reading the version the trainer will publish after the one served (``v<n+1>``)."""
+    def _prefetch_next(self, newest: str | None = None) -> None:
+        """Start reading the version the trainer will publish after the one served (``v<n+1>``), or
+        after ``newest`` (a rollback serves an older version than the newest published)."""
         from fulmen.version_stream import read_stream
 
-        following = next_name(self.backend.model_version)
+        following = next_name(newest or self.backend.model_version)
         if self._prefetch is not None and self._prefetch[0] == following:
             return
         self._drop_prefetch()
@@ -130,7 +131,8 @@ class ModelFollower:
         try:
             await self._load_version(version, llm, update)
         finally:
-            self._prefetch_next()
+            newest = llm.get("newest_version")  # after a rollback, names go on from the newest ever published
+            self._prefetch_next(newest if isinstance(newest, str) else None)
 
     async def _load_version(self, version: str, llm: dict[str, Any], update: ResourcesUpdate) -> None:
         try:
