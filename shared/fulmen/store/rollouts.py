@@ -29,7 +29,7 @@ from fulmen.records import (
     Span,
 )
 from fulmen.records.status import TERMINAL_ROLLOUT
-from fulmen.store import scripts
+from fulmen.store import scripts, span_scripts
 from fulmen.store.context import StoreContext
 from fulmen.store.spans import SpanBatch
 
@@ -93,7 +93,7 @@ class Rollouts:
         self._begin = ctx.script(scripts.BEGIN_ATTEMPTS)
         self._start_rollout = ctx.script(scripts.START_ROLLOUT)
         self._finish = ctx.script(scripts.FINISH_ATTEMPT)
-        self._finish_with_spans = ctx.script(scripts.FINISH_WITH_SPANS)
+        self._finish_with_spans = ctx.script(span_scripts.FINISH_WITH_SPANS)
         self._expire = ctx.script(scripts.EXPIRE_ATTEMPT)
         self._set_rollout_status = ctx.script(scripts.SET_ROLLOUT_STATUS)
         self._set_fields = ctx.script(scripts.SET_FIELDS_IF_EXISTS)

@@ -303,64 +303,6 @@ return begin(ARGV[1], '', ARGV[2])
 """
 )
 
-# Store the spans of one call of rollout `rid`: ARGV[first] = their records as one value
-# (`fulmen.records.spans.pack_span_batch`), ARGV[first + 1..] = their dedupe keys, distinct, in order
-# (the caller drops repeats within the call). They are numbered after `seq`, the rollout's counter,
-# and written as ONE stream entry with ONE field under the id "<last seq>-0"
-# (`fulmen.records.spans.entry_records` reads it back): Redis's cost is per value and per command,
-# not per byte. The dedupe keys go into the rollout's set in one SADD; they are looked up first only
-# if the rollout has stored spans before (a rollout's first spans can repeat none).
-# Returns the counter after them, or nil and the positions (1-based) of the keys already stored: then
-# nothing is written, and the caller sends the call again without those spans.
-_SPANS = """
-local function store_spans(rid, first, seq)
-  local ids, n = K_SPAN_IDS .. rid, #ARGV - first
-  if n <= 0 then return seq end
-  if seq > 0 then
-    local dups = {}
-    for chunk = first + 1, #ARGV, 1000 do
-      local seen = redis.call('SMISMEMBER', ids, unpack(ARGV, chunk, math.min(chunk + 999, #ARGV)))
-      for j, s in ipairs(seen) do
-        if s == 1 then dups[#dups + 1] = chunk + j - 1 - first end
-      end
-    end
-    if #dups > 0 then return nil, dups end
-  end
-  redis.call('XADD', K_SPANS .. rid, (seq + n) .. '-0', 'z', ARGV[first])
-  for chunk = first + 1, #ARGV, 1000 do
-    redis.call('SADD', ids, unpack(ARGV, chunk, math.min(chunk + 999, #ARGV)))
-  end
-  return seq + n
-end
-"""
-
-# ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3..] = spans as `store_spans` takes them (none:
-# a heartbeat). Stores the spans after the rollout's counter and counts as a heartbeat of the attempt.
-# Returns {rollout status, attempt status, counter after the spans}, {'dup', positions...} (nothing
-# stored or touched: see `store_spans`), or {'missing'} for an unknown attempt.
-ADD_SPANS = (
-    PRELUDE
-    + _SPANS
-    + """
-local rid, aid = ARGV[1], ARGV[2]
-local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id', 'status')
-if a[1] ~= rid then return {'missing'} end
-local rk, seq = K_ROLLOUT .. rid, 0
-if #ARGV > 2 then
-  local before = tonumber(redis.call('HGET', rk, 'seq')) or 0
-  local dups
-  seq, dups = store_spans(rid, 3, before)
-  if dups then
-    table.insert(dups, 1, 'dup')
-    return dups
-  end
-  if seq ~= before then redis.call('HSET', rk, 'seq', seq) end
-end
-local attempt_status, rollout_status = touch(rid, aid, now(), a[2])
-return {rollout_status or redis.call('HGET', rk, 'status'), attempt_status, seq}
-"""
-)
-
 # ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3] = new status (running or a terminal status),
 # ARGV[4] = error message ('' = none), ARGV[5] = queue message (used on retry),
 # ARGV[6] = finished message (used when the rollout ends), ARGV[7] = the attempt's reward ('' = none).
@@ -369,36 +311,6 @@ FINISH_ATTEMPT = (
     PRELUDE
     + """
 return finish(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
-"""
-)
-
-# FINISH_ATTEMPT with the attempt's last spans in the same step (one round trip where a runner would
-# otherwise need two, and no window in which the attempt has ended without them).
-# ARGV[1..7] as FINISH_ATTEMPT, ARGV[8..] = spans as `store_spans` takes them.
-# Returns the code of `finish` ('missing' for an unknown attempt; then no span is stored), or
-# {'dup', positions...} (nothing stored, the attempt not ended: see `store_spans`).
-FINISH_WITH_SPANS = (
-    PRELUDE
-    + _SPANS
-    + """
-local rid, aid = ARGV[1], ARGV[2]
--- The rollout is read once, for the span counter and for `finish`, which writes the counter back.
-local fields = {unpack(READ_FOR_FINISH)}
-fields[#fields + 1] = 'seq'
-local r = redis.call('HMGET', K_ROLLOUT .. rid, unpack(fields))
-local astatus = current_status(r, aid)
-if not astatus then
-  local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id', 'status')
-  if a[1] ~= rid then return 'missing' end
-  astatus = a[2]
-end
-local before = tonumber(r[#fields]) or 0
-local seq, dups = store_spans(rid, 8, before)
-if dups then
-  table.insert(dups, 1, 'dup')
-  return dups
-end
-return finish(rid, aid, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], astatus, r, seq ~= before and {'seq', seq} or nil)
 """
 )
 

@@ -11,7 +11,7 @@ from typing import Any
 from fulmen.errors import NotFound
 from fulmen.records import AttemptStatus, RolloutStatus, Span
 from fulmen.records.spans import entry_records, pack_span_batch
-from fulmen.store import scripts
+from fulmen.store import span_scripts
 from fulmen.store.context import StoreContext
 
 # Every Span field but sequence_id, in order: building a Span positionally is much cheaper than
@@ -33,7 +33,7 @@ def dedupe_key(span: Span) -> str:
 
 
 class SpanBatch:
-    """The spans of one attempt that one store call sends (`scripts.store_spans`): repeats within the
+    """The spans of one attempt that one store call sends (`span_scripts.store_spans`): repeats within the
     call dropped (the first kept), their dedupe keys, and their records as one value."""
 
     def __init__(self, spans: Sequence[Span], max_bytes: int, records: dict[str, bytes] | None = None) -> None:
@@ -68,7 +68,7 @@ class Spans:
 
     def __init__(self, ctx: StoreContext) -> None:
         self.ctx = ctx
-        self._add_spans = ctx.script(scripts.ADD_SPANS)
+        self._add_spans = ctx.script(span_scripts.ADD_SPANS)
 
     async def add_spans(self, spans: Sequence[Span]) -> list[Span]:
         """Store spans (one round trip per call). Each new span gets the next sequence id of its
