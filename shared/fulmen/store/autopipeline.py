@@ -21,13 +21,23 @@ class AutoPipeline:
     hot scripts themselves cost the server) is paid once.
     """
 
+    # Most calls one joined call carries: a script blocks the server while it runs.
+    MAX_JOINED = 64
+
     def __init__(self, redis: aioredis.Redis, prepare: Callable[[], Awaitable[None]] | None = None) -> None:
         """``prepare``: awaited before each round trip (a cluster's script loading; None on one node)."""
         self.redis = redis
         self.prepare = prepare
+        self._joined: dict[AsyncScript, AsyncScript] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queued: list[tuple[AsyncScript, list[Any], asyncio.Future[Any]]] = []
         self._in_flight: set[asyncio.Task[None]] = set()  # strong references until sent
+
+    def join(self, script: AsyncScript, joined: AsyncScript) -> None:
+        """Calls of ``script`` on the same key that are next to each other in a round trip go out as
+        one call of ``joined``, its joined form (`fulmen.store.scripts.joinable`): each call still gets
+        its own reply, and runs in the order it was made, as it would have alone."""
+        self._joined[script] = joined
 
     def submit(self, script: AsyncScript, args: list[Any]) -> asyncio.Future[Any]:
         """Queue one EVALSHA of a lifecycle script: ``args[0]`` is its one key (KEYS[1], the experiment
@@ -55,7 +65,8 @@ class AutoPipeline:
         try:
             if self.prepare is not None:
                 await self.prepare()
-            replies = await evalsha_batch(self.redis, [(script, args) for script, args, _ in batch])
+            calls, sizes = self._joins(batch)
+            replies = split_joined(await evalsha_batch(self.redis, calls), sizes)
         except BaseException as e:  # the connection failed: every call of the batch failed with it
             for _, _, future in batch:
                 if future.done():
@@ -74,6 +85,49 @@ class AutoPipeline:
                 future.set_exception(reply)
             else:
                 future.set_result(reply)
+
+    def _joins(self, batch: list[tuple[AsyncScript, list[Any], asyncio.Future[Any]]]) -> tuple[list[tuple[AsyncScript, list[Any]]], list[int]]:
+        """The script calls to send for ``batch``: runs of adjacent calls of a joinable script on one
+        key become one call of its joined form. ``sizes``: how many calls of the batch each one
+        carries (0: a call sent as it is)."""
+        calls: list[tuple[AsyncScript, list[Any]]] = []
+        sizes: list[int] = []
+        i = 0
+        while i < len(batch):
+            script, args, _ = batch[i]
+            end = i + 1
+            if script in self._joined:
+                while (end < len(batch) and end - i < self.MAX_JOINED and batch[end][0] is script
+                       and batch[end][1][0] == args[0]):
+                    end += 1
+            if end - i == 1:
+                calls.append((script, args))
+                sizes.append(0)
+            else:
+                joined_args: list[Any] = [args[0]]
+                for _, call_args, _ in batch[i:end]:
+                    joined_args += [len(call_args) - 1, *call_args[1:]]
+                calls.append((self._joined[script], joined_args))
+                sizes.append(end - i)
+            i = end
+        return calls, sizes
+
+
+def split_joined(replies: list[Any], sizes: list[int]) -> list[Any]:
+    """One reply per call of the batch from the replies of `AutoPipeline._joins`' calls: a joined
+    call's reply is its calls' replies; its error, every one of theirs."""
+    out: list[Any] = []
+    for reply, size in zip(replies, sizes, strict=True):
+        if size == 0:
+            out.append(reply)
+        elif isinstance(reply, Exception):
+            out += [reply] * size
+        elif not isinstance(reply, list) or len(reply) != size:
+            error = ResponseError(f"a joined script call answered {reply!r} for {size} calls")
+            out += [error] * size
+        else:
+            out += reply
+    return out
 
 
 async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, list[Any]]]) -> list[Any]:

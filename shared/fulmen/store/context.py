@@ -70,6 +70,13 @@ class StoreContext:
         self._scripts.append(script)
         return script
 
+    def joinable_script(self, source: str, joined: str) -> AsyncScript:
+        """`script` for a script whose adjacent calls on one key the auto-pipeline sends as one call of
+        ``joined``, its joined form (`fulmen.store.scripts.joinable`)."""
+        script = self.script(source)
+        self.pipeline.join(script, self.script(joined))
+        return script
+
     async def each(self, script: AsyncScript, arg_lists: Sequence[list[Any]]) -> list[Any]:
         """Run ``script`` once per argument list, in one round trip with any other queued calls;
         raises the first error reply."""

@@ -303,15 +303,38 @@ return begin(ARGV[1], '', ARGV[2])
 """
 )
 
+
+def joinable(head: str, body: str) -> tuple[str, str]:
+    """A per-call script in two forms: itself, and its joined form, which runs it for several calls in
+    one script call (`fulmen.store.autopipeline.AutoPipeline.join`). The body becomes a function whose
+    parameter is named ARGV, so it reads its own call's arguments unchanged. The joined form's ARGV is,
+    per call, the count of its arguments and then those arguments; it returns the calls' replies in
+    order. What a script call costs the server besides its commands (the dispatch, the prelude's
+    closures, the reply, the MULTI/EXEC around its writes in the AOF) is then paid once for all of them
+    (bench/RESULTS.md, issue 18)."""
+    item = f"local function item(ARGV)\n{body}\nend\n"
+    joined = """
+local out, i = {}, 1
+while i <= #ARGV do
+  local n, args = tonumber(ARGV[i]), {}
+  for j = 1, n do args[j] = ARGV[i + j] end
+  out[#out + 1] = item(args)
+  i = i + n + 1
+end
+return out
+"""
+    return head + item + "return item(ARGV)\n", head + item + joined
+
+
 # ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3] = new status (running or a terminal status),
 # ARGV[4] = error message ('' = none), ARGV[5] = queue message (used on retry),
 # ARGV[6] = finished message (used when the rollout ends), ARGV[7] = the attempt's reward ('' = none).
-# Returns the code of `finish`.
-FINISH_ATTEMPT = (
-    PRELUDE
-    + """
+# Returns the code of `finish`. Joinable (FINISH_ATTEMPTS).
+FINISH_ATTEMPT, FINISH_ATTEMPTS = joinable(
+    PRELUDE,
+    """
 return finish(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
-"""
+""",
 )
 
 # ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3] = timeout | unresponsive,

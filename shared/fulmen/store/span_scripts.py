@@ -5,10 +5,11 @@ under the same contract (KEYS[1] the shard's prefix, ARGV values only)."""
 
 from __future__ import annotations
 
-from fulmen.store.scripts import PRELUDE
+from fulmen.store.scripts import PRELUDE, joinable
 
-# Store the spans of one call of rollout `rid`: ARGV[first] = their records as one value
-# (`fulmen.records.spans.pack_span_batch`), ARGV[first + 1..] = their dedupe keys, distinct, in order
+# Store the spans of one call of rollout `rid`: `args` its arguments (the script's ARGV, or one joined
+# call's), args[first] = their records as one value
+# (`fulmen.records.spans.pack_span_batch`), args[first + 1..] = their dedupe keys, distinct, in order
 # (the caller drops repeats within the call). They are numbered after `seq`, the rollout's counter,
 # and written as ONE stream entry with ONE field under the id "<last seq>-0"
 # (`fulmen.records.spans.entry_records` reads it back): Redis's cost is per value and per command,
@@ -17,22 +18,22 @@ from fulmen.store.scripts import PRELUDE
 # Returns the counter after them, or nil and the positions (1-based) of the keys already stored: then
 # nothing is written, and the caller sends the call again without those spans.
 _SPANS = """
-local function store_spans(rid, first, seq)
-  local ids, n = K_SPAN_IDS .. rid, #ARGV - first
+local function store_spans(args, rid, first, seq)
+  local ids, n = K_SPAN_IDS .. rid, #args - first
   if n <= 0 then return seq end
   if seq > 0 then
     local dups = {}
-    for chunk = first + 1, #ARGV, 1000 do
-      local seen = redis.call('SMISMEMBER', ids, unpack(ARGV, chunk, math.min(chunk + 999, #ARGV)))
+    for chunk = first + 1, #args, 1000 do
+      local seen = redis.call('SMISMEMBER', ids, unpack(args, chunk, math.min(chunk + 999, #args)))
       for j, s in ipairs(seen) do
         if s == 1 then dups[#dups + 1] = chunk + j - 1 - first end
       end
     end
     if #dups > 0 then return nil, dups end
   end
-  redis.call('XADD', K_SPANS .. rid, (seq + n) .. '-0', 'z', ARGV[first])
-  for chunk = first + 1, #ARGV, 1000 do
-    redis.call('SADD', ids, unpack(ARGV, chunk, math.min(chunk + 999, #ARGV)))
+  redis.call('XADD', K_SPANS .. rid, (seq + n) .. '-0', 'z', args[first])
+  for chunk = first + 1, #args, 1000 do
+    redis.call('SADD', ids, unpack(args, chunk, math.min(chunk + 999, #args)))
   end
   return seq + n
 end
@@ -41,11 +42,10 @@ end
 # ARGV[1] = rollout id, ARGV[2] = attempt id, ARGV[3..] = spans as `store_spans` takes them (none:
 # a heartbeat). Stores the spans after the rollout's counter and counts as a heartbeat of the attempt.
 # Returns {rollout status, attempt status, counter after the spans}, {'dup', positions...} (nothing
-# stored or touched: see `store_spans`), or {'missing'} for an unknown attempt.
-ADD_SPANS = (
-    PRELUDE
-    + _SPANS
-    + """
+# stored or touched: see `store_spans`), or {'missing'} for an unknown attempt. Joinable (ADD_SPANS_JOINED).
+ADD_SPANS, ADD_SPANS_JOINED = joinable(
+    PRELUDE + _SPANS,
+    """
 local rid, aid = ARGV[1], ARGV[2]
 local a = redis.call('HMGET', K_ATTEMPT .. aid, 'rollout_id', 'status')
 if a[1] ~= rid then return {'missing'} end
@@ -53,7 +53,7 @@ local rk, seq = K_ROLLOUT .. rid, 0
 if #ARGV > 2 then
   local before = tonumber(redis.call('HGET', rk, 'seq')) or 0
   local dups
-  seq, dups = store_spans(rid, 3, before)
+  seq, dups = store_spans(ARGV, rid, 3, before)
   if dups then
     table.insert(dups, 1, 'dup')
     return dups
@@ -69,11 +69,11 @@ return {rollout_status or redis.call('HGET', rk, 'status'), attempt_status, seq}
 # otherwise need two, and no window in which the attempt has ended without them).
 # ARGV[1..7] as FINISH_ATTEMPT, ARGV[8..] = spans as `store_spans` takes them.
 # Returns the code of `finish` ('missing' for an unknown attempt; then no span is stored), or
-# {'dup', positions...} (nothing stored, the attempt not ended: see `store_spans`).
-FINISH_WITH_SPANS = (
-    PRELUDE
-    + _SPANS
-    + """
+# {'dup', positions...} (nothing stored, the attempt not ended: see `store_spans`). Joinable
+# (FINISHES_WITH_SPANS).
+FINISH_WITH_SPANS, FINISHES_WITH_SPANS = joinable(
+    PRELUDE + _SPANS,
+    """
 local rid, aid = ARGV[1], ARGV[2]
 -- The rollout is read once, for the span counter and for `finish`, which writes the counter back.
 local fields = {unpack(READ_FOR_FINISH)}
@@ -86,7 +86,7 @@ if not astatus then
   astatus = a[2]
 end
 local before = tonumber(r[#fields]) or 0
-local seq, dups = store_spans(rid, 8, before)
+local seq, dups = store_spans(ARGV, rid, 8, before)
 if dups then
   table.insert(dups, 1, 'dup')
   return dups

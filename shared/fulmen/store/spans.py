@@ -68,7 +68,7 @@ class Spans:
 
     def __init__(self, ctx: StoreContext) -> None:
         self.ctx = ctx
-        self._add_spans = ctx.script(span_scripts.ADD_SPANS)
+        self._add_spans = ctx.joinable_script(span_scripts.ADD_SPANS, span_scripts.ADD_SPANS_JOINED)
 
     async def add_spans(self, spans: Sequence[Span]) -> list[Span]:
         """Store spans (one round trip per call). Each new span gets the next sequence id of its

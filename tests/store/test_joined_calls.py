@@ -1,0 +1,127 @@
+"""Joined script calls: adjacent calls of a joinable script on one key, made in the same loop
+iteration, go to the server as one script call, and each caller still gets its own outcome."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+from redis_cluster import store_url
+
+from fulmen.embedded import EmbeddedRedis
+from fulmen.errors import NotFound
+from fulmen.records import Span
+from fulmen.store import RedisStore
+from fulmen.store.autopipeline import AutoPipeline
+from fulmen.store.scripts import joinable
+
+
+@pytest.fixture(params=["single", "cluster", "cluster-3-shards"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    return store_url(request, request.param)
+
+
+def _record_sizes(pipeline: AutoPipeline) -> list[list[int]]:
+    """Per round trip, how many calls each script call sent carried (0: a call sent alone)."""
+    rounds: list[list[int]] = []
+    inner = pipeline._joins
+
+    def joins(batch: Any) -> Any:
+        calls, sizes = inner(batch)
+        rounds.append(sizes)
+        return calls, sizes
+
+    pipeline._joins = joins  # type: ignore[method-assign]
+    return rounds
+
+
+def _span(attempt_id: str, span_id: str) -> Span:
+    return Span(attempt_id.rpartition(".")[0], attempt_id, span_id, "llm")
+
+
+async def test_concurrent_finishes_are_joined_and_each_gets_its_own_outcome(store: RedisStore) -> None:
+    """Six finishes at once, each with another outcome: success with spans, a failure that is retried,
+    spans of which one is stored already (sent again without it), an unknown attempt, a running
+    report, a success without spans. They go out joined, and each caller sees what it would alone."""
+    retry = {"max_attempts": 2, "retry_condition": ["failed"]}
+    for i in range(6):
+        await store.enqueue_rollout({"i": i}, rollout_id=f"r{i}", config=retry if i == 1 else None)
+    claimed = {c.rollout.rollout_id: c.attempt.attempt_id for c in await store.dequeue_rollouts("w", 6)}
+    assert len(claimed) == 6
+    await store.add_spans([_span(claimed["r2"], "s-old")])
+    rounds = _record_sizes(store.ctx.pipeline)
+
+    outcomes = await asyncio.gather(
+        store.update_attempt("r0", claimed["r0"], status="succeeded", spans=[_span(claimed["r0"], "a"), _span(claimed["r0"], "b")]),
+        store.update_attempt("r1", claimed["r1"], status="failed", error="boom"),
+        store.update_attempt("r2", claimed["r2"], status="succeeded", spans=[_span(claimed["r2"], "s-old"), _span(claimed["r2"], "s-new")]),
+        store.update_attempt("r3", "r3.9", status="succeeded", spans=[_span("r3.9", "x")]),
+        store.update_attempt("r4", claimed["r4"], status="running"),
+        store.update_attempt("r5", claimed["r5"], status="succeeded", reward=0.5),
+        return_exceptions=True,
+    )
+
+    assert outcomes[:3] == ["succeeded", "requeued", "succeeded"]
+    assert isinstance(outcomes[3], NotFound)
+    assert outcomes[4:] == ["running", "succeeded"]
+    assert any(size > 1 for sizes in rounds for size in sizes), rounds  # some calls really were joined
+    statuses = {rid: (await store.get_rollout(rid)).status for rid in claimed}
+    assert statuses == {"r0": "succeeded", "r1": "requeuing", "r2": "succeeded", "r3": "preparing",
+                        "r4": "running", "r5": "succeeded"}
+    assert [s.span_id for s in await store.query_spans("r0")] == ["a", "b"]
+    assert [s.span_id for s in await store.query_spans("r2")] == ["s-old", "s-new"]  # s-old once
+    assert await store.query_spans("r3") == []
+    assert (await store.get_rollout("r5")).reward == 0.5
+
+
+@pytest.fixture
+async def pipeline(redis_server: EmbeddedRedis) -> Any:
+    client = aioredis.from_url(redis_server.url)
+    yield AutoPipeline(client)
+    await client.aclose()
+
+
+async def test_joined_calls_keep_their_order_and_replies(pipeline: AutoPipeline, experiment: str) -> None:
+    """Only adjacent calls on one key are joined, so every call runs where it would have alone; each
+    gets its own reply; a run longer than MAX_JOINED is split."""
+    redis = pipeline.redis
+    log = f"{experiment}:log"
+    push = "redis.call('RPUSH', KEYS[1], ARGV[1]) return ARGV[1] .. '/' .. #ARGV"
+    one, joined = (redis.register_script(s) for s in joinable("", push))
+    other = redis.register_script(push)  # not joinable
+    pipeline.join(one, joined)
+    rounds = _record_sizes(pipeline)
+
+    replies = await asyncio.gather(
+        pipeline.submit(one, [log, "a", "extra"]), pipeline.submit(one, [log, "b"]), pipeline.submit(other, [log, "x"]),
+        pipeline.submit(one, [log, "c"]), pipeline.submit(one, [f"{log}2", "d"]), pipeline.submit(one, [f"{log}2", "e"]),
+    )
+    assert replies == [b"a/2", b"b/1", b"x/1", b"c/1", b"d/1", b"e/1"]
+    assert rounds == [[2, 0, 0, 2]]
+    assert await redis.lrange(log, 0, -1) == [b"a", b"b", b"x", b"c"]
+
+    n = AutoPipeline.MAX_JOINED + 6
+    replies = await asyncio.gather(*(pipeline.submit(one, [f"{log}3", str(i)]) for i in range(n)))
+    assert replies == [f"{i}/1".encode() for i in range(n)]
+    assert rounds[-1] == [AutoPipeline.MAX_JOINED, 6]
+    assert await redis.lrange(f"{log}3", 0, -1) == [str(i).encode() for i in range(n)]
+
+
+async def test_an_error_in_a_joined_call_fails_each_of_its_calls_only(pipeline: AutoPipeline, experiment: str) -> None:
+    """A script error fails the one script call it happened in: every call joined into it gets the
+    error, a call on another key (another script call) its own reply."""
+    redis = pipeline.redis
+    body = "if ARGV[1] == 'boom' then error('boom') end return ARGV[1]"
+    one, joined = (redis.register_script(s) for s in joinable("", body))
+    pipeline.join(one, joined)
+
+    replies = await asyncio.gather(
+        pipeline.submit(one, [f"{experiment}:a", "fine"]), pipeline.submit(one, [f"{experiment}:a", "boom"]),
+        pipeline.submit(one, [f"{experiment}:b", "other"]), return_exceptions=True,
+    )
+    assert isinstance(replies[0], ResponseError) and isinstance(replies[1], ResponseError)
+    assert "boom" in str(replies[0])
+    assert replies[2] == b"other"
