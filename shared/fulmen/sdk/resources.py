@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import string
 import weakref
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +103,25 @@ def _async_http() -> Any:
     pool = _async_pools.get(loop)
     if pool is None:
         pool = _async_pools[loop] = _new_async_pool()
+        # Closed when the loop shuts down (`asyncio.run` closes every async generator still open
+        # before it closes the loop), so a user's script that never calls `close_async_pool` does not
+        # end with aiohttp's "Unclosed client session" warnings. The generator is held by the loop
+        # itself: a dict keyed weakly by the loop would keep it alive (the generator refers to it).
+        closer = _close_at_shutdown(pool)
+        with contextlib.suppress(StopIteration):
+            closer.asend(None).send(None)  # to its yield, now: registered with this loop
+        setattr(loop, _CLOSER_ATTRIBUTE, closer)
     return pool
+
+
+_CLOSER_ATTRIBUTE = "_fulmen_http_pool_closer"
+
+
+async def _close_at_shutdown(pool: Any) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        await pool.aclose()
 
 
 async def close_async_pool() -> None:
@@ -109,9 +129,12 @@ async def close_async_pool() -> None:
     session and connector otherwise). The next attempt on this loop opens a new one."""
     import asyncio
 
-    pool = _async_pools.pop(asyncio.get_running_loop(), None)
-    if pool is not None:
-        await pool.aclose()
+    loop = asyncio.get_running_loop()
+    _async_pools.pop(loop, None)
+    closer = getattr(loop, _CLOSER_ATTRIBUTE, None)
+    if closer is not None:
+        delattr(loop, _CLOSER_ATTRIBUTE)
+        await closer.aclose()  # closes the pool
 
 
 def _new_async_pool() -> Any:
