@@ -14,6 +14,7 @@ from fulmen import keys as k
 from fulmen.model_versions import ModelVersion, is_published
 from fulmen.train_steps import latest_step
 from fulmen_trainer import checkpoint as ckpt
+from fulmen_trainer.lost_weights import republish_if_lost
 from fulmen_trainer.torch_ranks import TorchRanks
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ async def resume_from(trainer: Any, path: Path, sharded: bool) -> set[str]:
         # killed between the checkpoint and the publish: these weights are that version
         log.info("model version %s was checkpointed but not published: publishing it now", trainer.version)
         await trainer.publish(resumed=True)
+    else:
+        await republish_if_lost(trainer, now=True)  # Redis restarted since it was written
     if trainer.rank == 0:
         # a trainer that died after its checkpoint but before the metrics write (SIGKILL, or
         # Redis gone at the acknowledgement) logs those steps now, or the file misses them

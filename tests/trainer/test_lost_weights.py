@@ -1,0 +1,95 @@
+"""Weights that Redis lost (they are not in its append-only file): the newest version is still named in
+the resources log, its stream is gone. The trainer publishes the same weights again under the same
+name, while it waits for samples and when it starts, and a proxy that could not load the version
+then loads it, bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from fulmen import keys as k
+from fulmen.records import Sample
+from fulmen.settings import TrainerSettings, load_settings
+from fulmen.store import RedisStore
+from fulmen.tiny_model import build_tiny_model
+from fulmen.version_manifest import FULL, tensor_sha256
+from fulmen_llm_proxy.backend_torch import TorchBackend
+from fulmen_llm_proxy.following import ModelFollower
+from fulmen_trainer.lost_weights import republish_if_lost
+from fulmen_trainer.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+async def _push_group(store: RedisStore, name: str) -> None:
+    for i, reward in enumerate([1.0, 0.0, 1.0, 0.0]):
+        sample = Sample(f"{name}{i}.1/t0", "triplet", f"{name}{i}", f"{name}{i}.1", name, 0, [1, 5 + i, 9, 12],
+                        [20 + int(reward), 21, 2], [-1.5, -2.0, -0.5], [1, 1, 1], reward, reward, "base",
+                        mode="train", group_size=4)
+        await store.redis.xadd(store.keys.samples, {"m": sample.to_wire()})
+
+
+def _trainer(store: RedisStore, tiny: Path, tmp_path: Path, max_steps: int) -> Trainer:
+    settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=1, checkpoint_dir=tmp_path / "ck",
+                             metrics_file=tmp_path / "m.jsonl", max_steps=max_steps, experiment=store.experiment,
+                             learning_rate=1e-5, dtype="bfloat16", device="cpu", publish_format="delta",
+                             keyframe_every=5, checkpoint_every=1)
+    return Trainer(store, settings)
+
+
+async def _served_after_catch_up(store: RedisStore, tiny: Path) -> tuple[str, dict[str, str]]:
+    """What a proxy that starts now serves: its version and each tensor's sha256 in the trained dtype."""
+    backend = TorchBackend(tiny)
+    await backend.start()
+    try:
+        await ModelFollower(store, backend, lambda v, outcome: None).catch_up()
+        return backend.model_version, {n: tensor_sha256(t.to(torch.bfloat16)) for n, t in backend.current_weights().items()}
+    finally:
+        await backend.close()
+
+
+async def test_lost_weights_are_published_again_while_waiting_and_at_start(real_store: RedisStore, tiny: Path,
+                                                                            tmp_path: Path) -> None:
+    store = real_store
+    await store.ensure_samples_group(k.TRAINERS_GROUP)
+    for name in "ab":
+        await _push_group(store, name)
+    trainer = _trainer(store, tiny, tmp_path, max_steps=2)
+    await trainer.setup()
+    await asyncio.wait_for(trainer.run(asyncio.Event()), 120)
+    assert trainer.version.name == "v2"  # v2 is a delta on v1
+    published = {n: tensor_sha256(t) for n, t in trainer.policy.published_state().items()}
+    assert not await republish_if_lost(trainer, now=True)  # stored: nothing to do
+
+    # Redis restarted and lost the weights written since its last rewrite: v1 and v2
+    await store.weights_redis.delete(store.keys.weights("v1"), store.keys.weights("v2"))
+    version, _ = await _served_after_catch_up(store, tiny)
+    assert version != "v2"  # a proxy starting now cannot load the newest version
+
+    # the trainer, waiting for samples, finds the stream gone and publishes the same weights as v2, whole
+    trainer.s = trainer.s.model_copy(update={"max_steps": 3})
+    stop = asyncio.Event()
+    running = asyncio.create_task(trainer.run(stop))
+    for _ in range(100):
+        if await store.weights_redis.exists(store.keys.weights("v2")):
+            break
+        await asyncio.sleep(0.1)
+    stop.set()
+    await asyncio.wait_for(running, 30)
+    newest = (await store.get_latest_resources()).resources["llm"]
+    assert newest["model_version"] == "v2" and newest["weights"].get("format", FULL) == FULL
+    assert await _served_after_catch_up(store, tiny) == ("v2", published)
+
+    # lost again, and the trainer restarts: it publishes them again as it starts
+    await store.weights_redis.delete(store.keys.weights("v2"))
+    restarted = _trainer(store, tiny, tmp_path, max_steps=3)
+    await restarted.setup()
+    assert restarted.version.name == "v2"
+    assert await _served_after_catch_up(store, tiny) == ("v2", published)
