@@ -1,5 +1,6 @@
-"""Joined script calls: adjacent calls of a joinable script on one key, made in the same loop
-iteration, go to the server as one script call, and each caller still gets its own outcome."""
+"""Joined script calls: calls of a joinable script on one key, made in the same loop iteration, go to
+the server as one script call (unless a call of another script on that key comes between them), and
+each caller still gets its own outcome."""
 
 from __future__ import annotations
 
@@ -24,15 +25,15 @@ def redis_url(request: pytest.FixtureRequest) -> str:
     return store_url(request, request.param)
 
 
-def _record_sizes(pipeline: AutoPipeline) -> list[list[int]]:
-    """Per round trip, how many calls each script call sent carried (0: a call sent alone)."""
-    rounds: list[list[int]] = []
+def _record_groups(pipeline: AutoPipeline) -> list[list[list[int]]]:
+    """Per round trip, the positions (in the order they were made) of the calls each script call carried."""
+    rounds: list[list[list[int]]] = []
     inner = pipeline._joins
 
     def joins(batch: Any) -> Any:
-        calls, sizes = inner(batch)
-        rounds.append(sizes)
-        return calls, sizes
+        calls, members = inner(batch)
+        rounds.append(members)
+        return calls, members
 
     pipeline._joins = joins  # type: ignore[method-assign]
     return rounds
@@ -52,7 +53,7 @@ async def test_concurrent_finishes_are_joined_and_each_gets_its_own_outcome(stor
     claimed = {c.rollout.rollout_id: c.attempt.attempt_id for c in await store.dequeue_rollouts("w", 6)}
     assert len(claimed) == 6
     await store.add_spans([_span(claimed["r2"], "s-old")])
-    rounds = _record_sizes(store.ctx.pipeline)
+    rounds = _record_groups(store.ctx.pipeline)
 
     outcomes = await asyncio.gather(
         store.update_attempt("r0", claimed["r0"], status="succeeded", spans=[_span(claimed["r0"], "a"), _span(claimed["r0"], "b")]),
@@ -67,7 +68,7 @@ async def test_concurrent_finishes_are_joined_and_each_gets_its_own_outcome(stor
     assert outcomes[:3] == ["succeeded", "requeued", "succeeded"]
     assert isinstance(outcomes[3], NotFound)
     assert outcomes[4:] == ["running", "succeeded"]
-    assert any(size > 1 for sizes in rounds for size in sizes), rounds  # some calls really were joined
+    assert any(len(group) > 1 for groups in rounds for group in groups), rounds  # some calls really were joined
     statuses = {rid: (await store.get_rollout(rid)).status for rid in claimed}
     assert statuses == {"r0": "succeeded", "r1": "requeuing", "r2": "succeeded", "r3": "preparing",
                         "r4": "running", "r5": "succeeded"}
@@ -85,28 +86,30 @@ async def pipeline(redis_server: EmbeddedRedis) -> Any:
 
 
 async def test_joined_calls_keep_their_order_and_replies(pipeline: AutoPipeline, experiment: str) -> None:
-    """Only adjacent calls on one key are joined, so every call runs where it would have alone; each
-    gets its own reply; a run longer than MAX_JOINED is split."""
+    """Calls on one key are joined up to a call of another script on that key, so each runs after every
+    call made before it on its key; calls on other keys may come between them; each call gets its own
+    reply; a group larger than MAX_JOINED is split."""
     redis = pipeline.redis
-    log = f"{experiment}:log"
+    log, log2 = f"{experiment}:log", f"{experiment}:log2"
     push = "redis.call('RPUSH', KEYS[1], ARGV[1]) return ARGV[1] .. '/' .. #ARGV"
     one, joined = (redis.register_script(s) for s in joinable("", push))
     other = redis.register_script(push)  # not joinable
     pipeline.join(one, joined)
-    rounds = _record_sizes(pipeline)
+    rounds = _record_groups(pipeline)
 
     replies = await asyncio.gather(
-        pipeline.submit(one, [log, "a", "extra"]), pipeline.submit(one, [log, "b"]), pipeline.submit(other, [log, "x"]),
-        pipeline.submit(one, [log, "c"]), pipeline.submit(one, [f"{log}2", "d"]), pipeline.submit(one, [f"{log}2", "e"]),
+        pipeline.submit(one, [log, "a", "extra"]), pipeline.submit(one, [log2, "d"]), pipeline.submit(one, [log, "b"]),
+        pipeline.submit(other, [log, "x"]), pipeline.submit(one, [log, "c"]), pipeline.submit(one, [log2, "e"]),
     )
-    assert replies == [b"a/2", b"b/1", b"x/1", b"c/1", b"d/1", b"e/1"]
-    assert rounds == [[2, 0, 0, 2]]
+    assert replies == [b"a/2", b"d/1", b"b/1", b"x/1", b"c/1", b"e/1"]
+    assert rounds == [[[0, 2], [1, 5], [3], [4]]]  # "x" closes log's group: "c" may not run before it
     assert await redis.lrange(log, 0, -1) == [b"a", b"b", b"x", b"c"]
+    assert await redis.lrange(log2, 0, -1) == [b"d", b"e"]
 
     n = AutoPipeline.MAX_JOINED + 6
     replies = await asyncio.gather(*(pipeline.submit(one, [f"{log}3", str(i)]) for i in range(n)))
     assert replies == [f"{i}/1".encode() for i in range(n)]
-    assert rounds[-1] == [AutoPipeline.MAX_JOINED, 6]
+    assert [len(group) for group in rounds[-1]] == [AutoPipeline.MAX_JOINED, 6]
     assert await redis.lrange(f"{log}3", 0, -1) == [str(i).encode() for i in range(n)]
 
 

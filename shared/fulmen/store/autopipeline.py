@@ -34,9 +34,9 @@ class AutoPipeline:
         self._in_flight: set[asyncio.Task[None]] = set()  # strong references until sent
 
     def join(self, script: AsyncScript, joined: AsyncScript) -> None:
-        """Calls of ``script`` on the same key that are next to each other in a round trip go out as
-        one call of ``joined``, its joined form (`fulmen.store.scripts.joinable`): each call still gets
-        its own reply, and runs in the order it was made, as it would have alone."""
+        """Calls of ``script`` on the same key in one round trip go out as one call of ``joined``, its
+        joined form (`fulmen.store.scripts.joinable`), as `_joins` says: each call still gets its own
+        reply, and runs after every call made before it on its key, as it would have alone."""
         self._joined[script] = joined
 
     def submit(self, script: AsyncScript, args: list[Any]) -> asyncio.Future[Any]:
@@ -65,8 +65,8 @@ class AutoPipeline:
         try:
             if self.prepare is not None:
                 await self.prepare()
-            calls, sizes = self._joins(batch)
-            replies = split_joined(await evalsha_batch(self.redis, calls), sizes)
+            calls, members = self._joins(batch)
+            replies = split_joined(await evalsha_batch(self.redis, calls), members)
         except BaseException as e:  # the connection failed: every call of the batch failed with it
             for _, _, future in batch:
                 if future.done():
@@ -86,47 +86,51 @@ class AutoPipeline:
             else:
                 future.set_result(reply)
 
-    def _joins(self, batch: list[tuple[AsyncScript, list[Any], asyncio.Future[Any]]]) -> tuple[list[tuple[AsyncScript, list[Any]]], list[int]]:
-        """The script calls to send for ``batch``: runs of adjacent calls of a joinable script on one
-        key become one call of its joined form. ``sizes``: how many calls of the batch each one
-        carries (0: a call sent as it is)."""
-        calls: list[tuple[AsyncScript, list[Any]]] = []
-        sizes: list[int] = []
-        i = 0
-        while i < len(batch):
-            script, args, _ = batch[i]
-            end = i + 1
+    def _joins(self, batch: list[tuple[AsyncScript, list[Any], asyncio.Future[Any]]]) -> tuple[list[tuple[AsyncScript, list[Any]]], list[list[int]]]:
+        """The script calls to send for ``batch``, and the positions in ``batch`` of the calls each one
+        carries. Calls of a joinable script on one key become one call of its joined form, sent where
+        the first of them was, unless a call of another script on that key comes between them: each
+        call then still runs after every earlier call on its key (calls on other keys touch none of its
+        keys, so where it stands among them does not matter)."""
+        members: list[list[int]] = []
+        open_group: dict[Any, int] = {}  # key -> index in members of the group a call on it may join
+        for i, (script, args, _) in enumerate(batch):
+            key = args[0]
+            group = open_group.get(key)
+            if (group is not None and batch[members[group][0]][0] is script
+                    and len(members[group]) < self.MAX_JOINED):
+                members[group].append(i)
+                continue
+            members.append([i])
             if script in self._joined:
-                while (end < len(batch) and end - i < self.MAX_JOINED and batch[end][0] is script
-                       and batch[end][1][0] == args[0]):
-                    end += 1
-            if end - i == 1:
-                calls.append((script, args))
-                sizes.append(0)
+                open_group[key] = len(members) - 1
             else:
-                joined_args: list[Any] = [args[0]]
-                for _, call_args, _ in batch[i:end]:
-                    joined_args += [len(call_args) - 1, *call_args[1:]]
-                calls.append((self._joined[script], joined_args))
-                sizes.append(end - i)
-            i = end
-        return calls, sizes
+                open_group.pop(key, None)
+        calls: list[tuple[AsyncScript, list[Any]]] = []
+        for group in members:
+            script, args, _ = batch[group[0]]
+            if len(group) == 1:
+                calls.append((script, args))
+                continue
+            joined_args: list[Any] = [args[0]]
+            for i in group:
+                joined_args += [len(batch[i][1]) - 1, *batch[i][1][1:]]
+            calls.append((self._joined[script], joined_args))
+        return calls, members
 
 
-def split_joined(replies: list[Any], sizes: list[int]) -> list[Any]:
-    """One reply per call of the batch from the replies of `AutoPipeline._joins`' calls: a joined
-    call's reply is its calls' replies; its error, every one of theirs."""
-    out: list[Any] = []
-    for reply, size in zip(replies, sizes, strict=True):
-        if size == 0:
-            out.append(reply)
-        elif isinstance(reply, Exception):
-            out += [reply] * size
-        elif not isinstance(reply, list) or len(reply) != size:
-            error = ResponseError(f"a joined script call answered {reply!r} for {size} calls")
-            out += [error] * size
-        else:
-            out += reply
+def split_joined(replies: list[Any], members: list[list[int]]) -> list[Any]:
+    """One reply per call of the batch, in the batch's order, from the replies of `AutoPipeline._joins`'
+    calls: a joined call's reply is its calls' replies; its error, every one of theirs."""
+    out: list[Any] = [None] * sum(len(group) for group in members)
+    for reply, group in zip(replies, members, strict=True):
+        if len(group) == 1:
+            out[group[0]] = reply
+            continue
+        if not isinstance(reply, Exception) and (not isinstance(reply, list) or len(reply) != len(group)):
+            reply = ResponseError(f"a joined script call answered {reply!r} for {len(group)} calls")
+        for n, i in enumerate(group):
+            out[i] = reply if isinstance(reply, Exception) else reply[n]
     return out
 
 

@@ -71,7 +71,7 @@ class StoreContext:
         return script
 
     def joinable_script(self, source: str, joined: str) -> AsyncScript:
-        """`script` for a script whose adjacent calls on one key the auto-pipeline sends as one call of
+        """`script` for a script whose calls on one key the auto-pipeline sends as one call of
         ``joined``, its joined form (`fulmen.store.scripts.joinable`)."""
         script = self.script(source)
         self.pipeline.join(script, self.script(joined))
