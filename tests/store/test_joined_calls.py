@@ -113,18 +113,60 @@ async def test_joined_calls_keep_their_order_and_replies(pipeline: AutoPipeline,
     assert await redis.lrange(f"{log}3", 0, -1) == [str(i).encode() for i in range(n)]
 
 
-async def test_an_error_in_a_joined_call_fails_each_of_its_calls_only(pipeline: AutoPipeline, experiment: str) -> None:
-    """A script error fails the one script call it happened in: every call joined into it gets the
-    error, a call on another key (another script call) its own reply."""
+async def test_an_error_in_a_joined_call_fails_that_call_only(pipeline: AutoPipeline, experiment: str) -> None:
+    """Redis does not undo a failed script's writes: a call that fails inside a joined call gets its
+    error, and the calls joined with it — before it, whose writes stand, and after it — their replies."""
     redis = pipeline.redis
-    body = "if ARGV[1] == 'boom' then error('boom') end return ARGV[1]"
+    log = f"{experiment}:log"
+    body = """redis.call('RPUSH', KEYS[1], ARGV[1])
+if ARGV[1] == 'boom' then error('boom') end
+if ARGV[1] == 'wrongtype' then redis.call('HSET', KEYS[1], 'f', 'v') end
+if ARGV[1] == 'nil' then return nil end
+return ARGV[1]"""
     one, joined = (redis.register_script(s) for s in joinable("", body))
     pipeline.join(one, joined)
+    rounds = _record_groups(pipeline)
 
     replies = await asyncio.gather(
-        pipeline.submit(one, [f"{experiment}:a", "fine"]), pipeline.submit(one, [f"{experiment}:a", "boom"]),
-        pipeline.submit(one, [f"{experiment}:b", "other"]), return_exceptions=True,
+        *(pipeline.submit(one, [log, x]) for x in ("fine", "boom", "wrongtype", "nil", "after")),
+        pipeline.submit(one, [f"{experiment}:other", "other"]), return_exceptions=True,
     )
-    assert isinstance(replies[0], ResponseError) and isinstance(replies[1], ResponseError)
-    assert "boom" in str(replies[0])
-    assert replies[2] == b"other"
+    assert rounds == [[[0, 1, 2, 3, 4], [5]]]
+    assert replies[0] == b"fine"
+    assert isinstance(replies[1], ResponseError) and "boom" in str(replies[1])
+    assert isinstance(replies[2], ResponseError) and "WRONGTYPE" in str(replies[2])
+    assert replies[3:] == [None, b"after", b"other"]
+    assert await redis.lrange(log, 0, -1) == [b"fine", b"boom", b"wrongtype", b"nil", b"after"]
+
+
+async def test_a_server_that_lost_its_scripts_gets_them_all_again_and_calls_keep_their_order(
+        redis_server: EmbeddedRedis, experiment: str) -> None:
+    """After a restart (here SCRIPT FLUSH) every call of the next round trip finds its script missing:
+    they are sent again in the order they were made, after the pipeline's ``reload`` loaded every
+    script — also those this round trip did not use, so no later round trip finds only some loaded."""
+    client = aioredis.from_url(redis_server.url)
+    log = f"{experiment}:log"
+    push = "redis.call('RPUSH', KEYS[1], ARGV[1]) return ARGV[1]"
+    one, joined = (client.register_script(s) for s in joinable("", push))
+    other, unused = client.register_script(push), client.register_script(push + " -- unused")
+
+    async def reload() -> None:
+        for script in (one, joined, other, unused):
+            script.sha = await client.script_load(script.script)
+
+    pipeline = AutoPipeline(client, reload=reload)
+    pipeline.join(one, joined)
+    try:
+        await reload()
+        await client.script_flush()
+        replies = await asyncio.gather(pipeline.submit(one, [log, "a"]), pipeline.submit(one, [log, "b"]),
+                                       pipeline.submit(other, [log, "x"]), pipeline.submit(one, [log, "c"]))
+        assert replies == [b"a", b"b", b"x", b"c"]
+        assert await client.lrange(log, 0, -1) == [b"a", b"b", b"x", b"c"]
+        assert await client.script_exists(unused.sha) == [True]
+
+        await client.script_flush()  # a call made alone reloads them all too
+        assert await pipeline.submit(one, [log, "d"]) == b"d"
+        assert await client.script_exists(unused.sha) == [True]
+    finally:
+        await client.aclose()

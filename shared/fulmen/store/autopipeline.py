@@ -21,13 +21,18 @@ class AutoPipeline:
     hot scripts themselves cost the server) is paid once.
     """
 
-    # Most calls one joined call carries: a script blocks the server while it runs.
+    # Most calls, and argument bytes, one joined call carries: a script blocks the server while it runs.
     MAX_JOINED = 64
+    MAX_JOINED_BYTES = 1 << 20
 
-    def __init__(self, redis: aioredis.Redis, prepare: Callable[[], Awaitable[None]] | None = None) -> None:
-        """``prepare``: awaited before each round trip (a cluster's script loading; None on one node)."""
+    def __init__(self, redis: aioredis.Redis, prepare: Callable[[], Awaitable[None]] | None = None,
+                 reload: Callable[[], Awaitable[None]] | None = None) -> None:
+        """``prepare``: awaited before each round trip (loading every script the calls may use, once).
+        ``reload``: loads them all again after a NOSCRIPT reply (a restarted server): with only some
+        of them loaded, calls made later on a key could run before the ones sent again."""
         self.redis = redis
         self.prepare = prepare
+        self.reload = reload
         self._joined: dict[AsyncScript, AsyncScript] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queued: list[tuple[AsyncScript, list[Any], asyncio.Future[Any]]] = []
@@ -66,7 +71,7 @@ class AutoPipeline:
             if self.prepare is not None:
                 await self.prepare()
             calls, members = self._joins(batch)
-            replies = split_joined(await evalsha_batch(self.redis, calls), members)
+            replies = split_joined(await evalsha_batch(self.redis, calls, self.reload), members)
         except BaseException as e:  # the connection failed: every call of the batch failed with it
             for _, _, future in batch:
                 if future.done():
@@ -93,15 +98,18 @@ class AutoPipeline:
         call then still runs after every earlier call on its key (calls on other keys touch none of its
         keys, so where it stands among them does not matter)."""
         members: list[list[int]] = []
+        sizes: list[int] = []  # argument bytes of each group
         open_group: dict[Any, int] = {}  # key -> index in members of the group a call on it may join
         for i, (script, args, _) in enumerate(batch):
-            key = args[0]
+            key, size = args[0], sum(len(a) for a in args if isinstance(a, (bytes, str)))
             group = open_group.get(key)
             if (group is not None and batch[members[group][0]][0] is script
-                    and len(members[group]) < self.MAX_JOINED):
+                    and len(members[group]) < self.MAX_JOINED and sizes[group] + size <= self.MAX_JOINED_BYTES):
                 members[group].append(i)
+                sizes[group] += size
                 continue
             members.append([i])
+            sizes.append(size)
             if script in self._joined:
                 open_group[key] = len(members) - 1
             else:
@@ -134,18 +142,24 @@ def split_joined(replies: list[Any], members: list[list[int]]) -> list[Any]:
     return out
 
 
-async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, list[Any]]]) -> list[Any]:
+async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, list[Any]]],
+                        reload: Callable[[], Awaitable[None]] | None = None) -> list[Any]:
     """Run each (script, args) in one round trip; the replies in order, an error reply as its exception.
     ``args[0]`` is the script's one key (on a cluster, what routes the call), the rest its ARGV.
 
     Not ``script(client=pipeline)``: redis-py then sends SCRIPT EXISTS before every pipeline, a
     second round trip on the hot path. A NOSCRIPT reply (server restarted or flushed its script
-    cache) means that call did not run, so loading the script and sending those calls again is safe.
+    cache) means that call did not run, so loading the script and sending those calls again is safe;
+    ``reload`` (if given) loads every script then, not only the missing ones.
     """
-    if len(calls) == 1:
+    if len(calls) == 1:  # no pipeline object for a call made alone
         script, args = calls[0]
         try:
-            return [await script(keys=args[:1], args=args[1:])]  # no pipeline object for a call made alone
+            try:
+                return [await redis.execute_command("EVALSHA", script.sha, 1, *args)]
+            except NoScriptError:
+                await (reload() if reload is not None else _load(redis, script))
+                return [await redis.execute_command("EVALSHA", script.sha, 1, *args)]
         except ResponseError as e:
             return [e]
     pipe = redis.pipeline(transaction=False)
@@ -154,11 +168,18 @@ async def evalsha_batch(redis: aioredis.Redis, calls: list[tuple[AsyncScript, li
     replies = await pipe.execute(raise_on_error=False)
     missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
     if missing:
-        for script in {calls[i][0] for i in missing}:
-            script.sha = await redis.script_load(script.script)
+        if reload is not None:
+            await reload()
+        else:
+            for script in {calls[i][0] for i in missing}:
+                await _load(redis, script)
         pipe = redis.pipeline(transaction=False)
         for i in missing:
             pipe.execute_command("EVALSHA", calls[i][0].sha, 1, *calls[i][1])
         for i, reply in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
             replies[i] = reply
     return replies
+
+
+async def _load(redis: aioredis.Redis, script: AsyncScript) -> None:
+    script.sha = await redis.script_load(script.script)

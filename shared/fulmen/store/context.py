@@ -34,15 +34,16 @@ class StoreContext:
 
     def __post_init__(self) -> None:
         self.keys = k.Keys(self.experiment, self.shards)
-        cluster = isinstance(self.redis, RedisCluster)
-        self._scripts_loaded = not cluster  # one node: redis-py's own NOSCRIPT handling is sound
-        self.pipeline = AutoPipeline(self.redis, self.load_scripts if cluster else None)
+        self.pipeline = AutoPipeline(self.redis, self.load_scripts, self.reload_scripts)
 
     async def load_scripts(self) -> None:
-        """Load every script of the store into every master, once (a cluster only). redis-py's
-        cluster client mishandles concurrent NOSCRIPT replies (a connection goes back to its pool
-        twice, and a script may run twice), so on a cluster the scripts are never missing when first
-        called. A node restarted since has lost them: such a call loads them again, one at a time."""
+        """Load every script of the store into the server (every master of a cluster), once, before
+        the first auto-pipelined round trip. redis-py's cluster client mishandles concurrent NOSCRIPT
+        replies (a connection goes back to its pool twice, and a script may run twice), and on any
+        server a round trip whose calls find only some of their scripts loaded sends the others again
+        after them, out of the order they were made in (calls on one key are joined and ordered:
+        `fulmen.store.autopipeline`). A server restarted since has lost them all: the auto-pipeline
+        then reloads them all (`reload_scripts`); a direct call loads its own, one at a time."""
         if self._scripts_loaded:
             return
         if self._loading is None:
@@ -52,6 +53,11 @@ class StoreContext:
                 for script in self._scripts:
                     script.sha = await self.redis.script_load(script.script)
                 self._scripts_loaded = True
+
+    async def reload_scripts(self) -> None:
+        """Load every script again (the server answered NOSCRIPT: it restarted or flushed them)."""
+        self._scripts_loaded = False
+        await self.load_scripts()
 
     async def register_experiment(self) -> None:
         """Add the experiment to the list of experiments (once per store; idempotent)."""

@@ -309,16 +309,24 @@ def joinable(head: str, body: str) -> tuple[str, str]:
     one script call (`fulmen.store.autopipeline.AutoPipeline.join`). The body becomes a function whose
     parameter is named ARGV, so it reads its own call's arguments unchanged. The joined form's ARGV is,
     per call, the count of its arguments and then those arguments; it returns the calls' replies in
-    order. What a script call costs the server besides its commands (the dispatch, the prelude's
-    closures, the reply, the MULTI/EXEC around its writes in the AOF) is then paid once for all of them
-    (bench/RESULTS.md, issue 18)."""
+    order, a failed call's error in its place. What a script call costs the server besides its
+    commands (the dispatch, the prelude's closures, the reply, the MULTI/EXEC around its writes in the
+    AOF) is then paid once for all of them (bench/RESULTS.md, issue 18)."""
     item = f"local function item(ARGV)\n{body}\nend\n"
+    # Each call runs under pcall: Redis does not undo a failed script's writes, so an error in one call
+    # must fail that call alone, not the calls before it whose writes stand (nor those after it).
     joined = """
 local out, i = {}, 1
 while i <= #ARGV do
   local n, args = tonumber(ARGV[i]), {}
   for j = 1, n do args[j] = ARGV[i + j] end
-  out[#out + 1] = item(args)
+  local ok, reply = pcall(item, args)
+  if not ok then
+    reply = redis.error_reply(type(reply) == 'table' and reply.err or tostring(reply))
+  elseif reply == nil then
+    reply = false
+  end
+  out[#out + 1] = reply
   i = i + n + 1
 end
 return out
