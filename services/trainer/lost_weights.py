@@ -2,13 +2,15 @@
 
 A version's chunks on a Redis stream are not kept in Redis's append-only file (`fulmen.version_blobs`),
 nor by a weights-only Redis without one (FULMEN_WEIGHTS_REDIS_URL): after that server restarts, the
-versions written since its last rewrite are still named in the resources log but have no weights. The
-proxies that loaded the newest one keep serving it; one that starts then cannot, serves its base weights,
-and with ``--staleness 0`` no rollout would start until it serves the newest version — while the trainer
-waits for rollouts to train the next one. So the trainer looks for its newest version's stream when it
-starts and now and then while it waits for samples, and if it is gone publishes the same weights again
-under the same name (whole: a delta's base is gone with it); the proxies load a version named again as
-any new one. Called by `Trainer.run` and `resume_from` with the trainer itself.
+versions written since its last rewrite are still named in the resources log but have no weights, or
+only some of their chunks. The proxies that loaded the newest one keep serving it; one that starts then
+cannot, serves its base weights, and with ``--staleness 0`` no rollout would start until it serves the
+newest version — while the trainer waits for rollouts to train the next one. So the trainer looks at its
+newest version's stream when it starts and every CHECK_EVERY_S while it runs, and if chunks are missing
+publishes its weights again as the next version: whole (a delta's base is gone too), under a new name
+(its weights may have moved since that version: ``publish_every`` > 1, or a step whose later pass was
+not finite), checkpointed first as every version is. Not while an operator's rollback or A/B test names
+the versions served (a publish would end it). Called by `Trainer.run` and `resume_from` with the trainer.
 
 Ranks that shard the model (FSDP) publish together, inside a step: they log what they found instead.
 """
@@ -19,36 +21,72 @@ import logging
 import time
 from typing import Any
 
+from fulmen.model_versions import llm_resource, next_model_version
+
 log = logging.getLogger(__name__)
 
-CHECK_EVERY_S = 10.0  # one EXISTS per check, only while the trainer waits for samples
+CHECK_EVERY_S = 10.0  # one XLEN per check
 
 
-async def weights_lost(trainer: Any) -> bool:
-    """Whether the trainer's newest published version has no weights left in Redis (the shared folder,
-    ``weights_dir``, is not Redis's to lose; version 0 is the base model, never published)."""
+class LostWeightsWatch:
+    """When the trainer last looked, and the announcement of the version it looked for."""
+
+    def __init__(self) -> None:
+        self.next_check = 0.0
+        self.version: str | None = None
+        self.announced: dict[str, Any] | None = None  # the newest "llm" entry naming any version
+        self.reported: str | None = None  # the version a sharded trainer said it cannot publish again
+
+    async def announcement(self, trainer: Any) -> dict[str, Any] | None:
+        """The newest resources entry that names a model version (read once per trainer version)."""
+        if self.version != trainer.version.name:
+            self.version, self.announced = trainer.version.name, None
+            for update in await trainer.store.query_resources(descending=True):
+                llm = llm_resource(update)
+                if llm is not None and llm.get("model_version"):
+                    self.announced = llm
+                    break
+        return self.announced
+
+
+async def weights_lost(trainer: Any, watch: LostWeightsWatch) -> bool:
+    """Whether the trainer's newest version, still the one the resources announce last and in force (no
+    rollback, no A/B test), has fewer chunks stored than it was published with. The shared folder
+    (``weights_dir``) is not Redis's to lose; version 0 is the base model, never published."""
     if trainer.version.number == 0 or trainer.s.weights_dir is not None:
         return False
     store = trainer.store
-    return not await store.weights_redis.exists(store.keys.weights(trainer.version.name))
+    stored = await store.weights_redis.xlen(store.keys.weights(trainer.version.name))
+    llm = await watch.announcement(trainer)
+    if llm is None or llm.get("model_version") != trainer.version.name or "rollback" in llm or "ab" in llm:
+        return False
+    weights = llm.get("weights")
+    chunks = weights.get("chunks") if isinstance(weights, dict) else None
+    return isinstance(chunks, int) and stored < chunks
 
 
 async def republish_if_lost(trainer: Any, *, now: bool = False) -> bool:
     """On rank 0, at most every CHECK_EVERY_S (``now``: this time whatever the last check): publish the
-    weights again if Redis lost the newest version's (see the module docstring). True if it did."""
+    weights again as the next version if Redis lost the newest one's (the module docstring says why).
+    True if it did."""
+    watch = trainer.lost_weights
     clock = time.monotonic()
-    if trainer.rank != 0 or (not now and clock < getattr(trainer, "_next_weights_check", 0.0)):
+    if trainer.rank != 0 or (not now and clock < watch.next_check):
         return False
-    trainer._next_weights_check = clock + CHECK_EVERY_S
-    if not await weights_lost(trainer):
+    watch.next_check = clock + CHECK_EVERY_S
+    if not await weights_lost(trainer, watch):
         return False
-    version = trainer.version.name
+    lost = trainer.version.name
     if getattr(trainer.ranks, "sharded", False):
-        log.error("the weights of model version %s are gone from Redis (it restarted since they were written): "
-                  "proxies that start now serve their base weights until the next step's version", version)
+        if watch.reported != lost:
+            watch.reported = lost
+            log.error("the weights of model version %s are gone from Redis (it restarted since they were written): "
+                      "proxies that start now serve their base weights until the next step's version", lost)
         return False
-    log.warning("the weights of model version %s are gone from Redis (it restarted since they were written): "
-                "publishing them again", version)
     trainer.publisher.previous = None  # whole: the version a delta would build on is gone too
-    await trainer.publish(resumed=True)
+    trainer.version = await next_model_version(trainer.store, shared_dir=trainer.s.weights_dir)
+    log.warning("the weights of model version %s are gone from Redis (it restarted since they were written): "
+                "publishing the trainer's weights again as %s", lost, trainer.version.name)
+    await trainer.checkpoint()  # a restart resumes under the new name
+    await trainer.publish()
     return True

@@ -48,7 +48,7 @@ from fulmen_trainer import sharded_checkpoint
 from fulmen_trainer.batch import TokenBatch, make_batch
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
 from fulmen_trainer.loss import clip_range, learning_rate, micro_loss
-from fulmen_trainer.lost_weights import republish_if_lost
+from fulmen_trainer.lost_weights import LostWeightsWatch, republish_if_lost
 from fulmen_trainer.metrics import MetricsMirror, StepMetrics
 from fulmen_trainer.objectives import Baseline, objective
 from fulmen_trainer.plan import StepPlan, merge_passes, nonfinite_plan, plan_step
@@ -101,6 +101,7 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.metrics: StepMetrics | None = None
         self.publisher = VersionPublisher(settings, lora=settings.lora_rank is not None)
+        self.lost_weights = LostWeightsWatch()  # `fulmen_trainer.lost_weights`
         self.aof_rewrite: asyncio.Task[None] | None = None  # Redis's AOF rewrite, once the proxies serve a version
         self.vocab_size: int | None = None  # token ids at or above it are refused (set by `setup`)
         self.nonfinite: str | None = None  # why the step under way makes no update (a NaN or inf)
@@ -157,8 +158,7 @@ class Trainer:
             entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=READ_COUNT,
                                                     block_s=READ_BLOCK_S)
             await self.take(entries)
-            if not entries:
-                await republish_if_lost(self)
+            await republish_if_lost(self)
             # staleness counts against the version that trains: groups still waiting are weighed again
             waiting = [self.collector.reweigh(g, self.version.number) for g in self.ready]
             complete = self.collector.take_complete(self.version.number)

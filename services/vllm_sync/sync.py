@@ -169,8 +169,8 @@ class VllmSync:
             # read before the server is touched: it keeps serving what it served, verified
             self.syncs["failed"] += 1
             log.error("model version %s cannot be read (%s); %s keeps serving %s and tries again in %.0f s "
-                      "(weights lost with a weights-only Redis that restarted come back with the trainer's "
-                      "next version)", version, e, self.url, self.state.model_version, self.retry_s)
+                      "(weights that a restarted Redis lost come back as the trainer's next version: it publishes "
+                      "them again when it sees them gone)", version, e, self.url, self.state.model_version, self.retry_s)
             return False
         except (SyncFailed, AdminError, OSError) as e:
             self.syncs["failed"] += 1

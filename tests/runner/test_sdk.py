@@ -181,25 +181,30 @@ def test_each_event_loop_gets_its_own_http_pool() -> None:
 def test_a_script_that_never_closes_the_http_pool_ends_without_unclosed_session_warnings() -> None:
     """A user's ``asyncio.run`` that calls through the SDK's pool and never calls `close_async_pool`:
     the pool is closed as the loop shuts down, so aiohttp has nothing to warn about at exit."""
+    import socket
     import subprocess
     import sys
 
-    from fulmen.embedded import free_port
-
+    refusing = socket.socket()  # bound, never listening: a connection to it is refused
+    refusing.bind(("127.0.0.1", 0))
+    port = refusing.getsockname()[1]
     script = f"""
 import asyncio, gc
 from fulmen.sdk.resources import _async_http
 
 async def main():
     try:
-        await _async_http().get("http://127.0.0.1:{free_port()}/", timeout=5)
+        await _async_http().get("http://127.0.0.1:{port}/", timeout=5)
     except Exception as e:
         print("request failed as expected:", type(e).__name__)
 
 asyncio.run(main())
 gc.collect()
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    finally:
+        refusing.close()
     assert done.returncode == 0, done.stderr
     assert "request failed as expected" in done.stdout
     assert "Unclosed" not in done.stderr, done.stderr

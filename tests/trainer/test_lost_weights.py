@@ -1,7 +1,7 @@
 """Weights that Redis lost (they are not in its append-only file): the newest version is still named in
-the resources log, its stream is gone. The trainer publishes the same weights again under the same
-name, while it waits for samples and when it starts, and a proxy that could not load the version
-then loads it, bit for bit."""
+the resources log, its stream is gone. The trainer publishes its weights again as the next version,
+whole, while it runs and when it starts, and a proxy that could not load the lost version then loads
+the new one, bit for bit."""
 
 from __future__ import annotations
 
@@ -49,7 +49,9 @@ async def _served_after_catch_up(store: RedisStore, tiny: Path) -> tuple[str, di
     backend = TorchBackend(tiny)
     await backend.start()
     try:
-        await ModelFollower(store, backend, lambda v, outcome: None).catch_up()
+        follower = ModelFollower(store, backend, lambda v, outcome: None)
+        await follower.catch_up()
+        follower._drop_prefetch()  # its read-ahead of the next name must not outlive this check
         return backend.model_version, {n: tensor_sha256(t.to(torch.bfloat16)) for n, t in backend.current_weights().items()}
     finally:
         await backend.close()
@@ -73,23 +75,28 @@ async def test_lost_weights_are_published_again_while_waiting_and_at_start(real_
     version, _ = await _served_after_catch_up(store, tiny)
     assert version != "v2"  # a proxy starting now cannot load the newest version
 
-    # the trainer, waiting for samples, finds the stream gone and publishes the same weights as v2, whole
+    # the trainer, waiting for samples, finds the stream gone and publishes its weights again as v3, whole
     trainer.s = trainer.s.model_copy(update={"max_steps": 3})
+    trainer.lost_weights.next_check = 0.0
     stop = asyncio.Event()
     running = asyncio.create_task(trainer.run(stop))
-    for _ in range(100):
-        if await store.weights_redis.exists(store.keys.weights("v2")):
-            break
-        await asyncio.sleep(0.1)
-    stop.set()
-    await asyncio.wait_for(running, 30)
+    try:
+        for _ in range(300):
+            if await store.weights_redis.exists(store.keys.weights("v3")):
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+    assert trainer.version.name == "v3"
     newest = (await store.get_latest_resources()).resources["llm"]
-    assert newest["model_version"] == "v2" and newest["weights"].get("format", FULL) == FULL
-    assert await _served_after_catch_up(store, tiny) == ("v2", published)
+    assert newest["model_version"] == "v3" and newest["weights"].get("format", FULL) == FULL
+    assert await _served_after_catch_up(store, tiny) == ("v3", published)
+    assert not await republish_if_lost(trainer, now=True)  # stored again: nothing to do
 
-    # lost again, and the trainer restarts: it publishes them again as it starts
-    await store.weights_redis.delete(store.keys.weights("v2"))
+    # lost again, and the trainer restarts from its checkpoint (which names v3): it publishes v4 as it starts
+    await store.weights_redis.delete(store.keys.weights("v3"))
     restarted = _trainer(store, tiny, tmp_path, max_steps=3)
     await restarted.setup()
-    assert restarted.version.name == "v2"
-    assert await _served_after_catch_up(store, tiny) == ("v2", published)
+    assert restarted.version.name == "v4"
+    assert await _served_after_catch_up(store, tiny) == ("v4", published)

@@ -107,7 +107,7 @@ def _async_http() -> Any:
         # before it closes the loop), so a user's script that never calls `close_async_pool` does not
         # end with aiohttp's "Unclosed client session" warnings. The generator is held by the loop
         # itself: a dict keyed weakly by the loop would keep it alive (the generator refers to it).
-        closer = _close_at_shutdown(pool)
+        closer = _close_at_shutdown(loop, pool)
         with contextlib.suppress(StopIteration):
             closer.asend(None).send(None)  # to its yield, now: registered with this loop
         setattr(loop, _CLOSER_ATTRIBUTE, closer)
@@ -117,10 +117,12 @@ def _async_http() -> Any:
 _CLOSER_ATTRIBUTE = "_fulmen_http_pool_closer"
 
 
-async def _close_at_shutdown(pool: Any) -> AsyncIterator[None]:
+async def _close_at_shutdown(loop: Any, pool: Any) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        if _async_pools.get(loop) is pool:  # a loop used again after its shutdown gets a new pool
+            del _async_pools[loop]
         await pool.aclose()
 
 
