@@ -37,9 +37,10 @@ class LostWeightsWatch:
         self.announced: dict[str, Any] | None = None  # the newest "llm" entry naming any version
         self.reported: str | None = None  # the version a sharded trainer said it cannot publish again
 
-    async def announcement(self, trainer: Any) -> dict[str, Any] | None:
-        """The newest resources entry that names a model version (read once per trainer version)."""
-        if self.version != trainer.version.name:
+    async def announcement(self, trainer: Any, *, fresh: bool = False) -> dict[str, Any] | None:
+        """The newest resources entry that names a model version (read once per trainer version, or
+        again if ``fresh``)."""
+        if fresh or self.version != trainer.version.name:
             self.version, self.announced = trainer.version.name, None
             for update in await trainer.store.query_resources(descending=True):
                 llm = llm_resource(update)
@@ -58,11 +59,14 @@ async def weights_lost(trainer: Any, watch: LostWeightsWatch) -> bool:
     store = trainer.store
     stored = await store.weights_redis.xlen(store.keys.weights(trainer.version.name))
     llm = await watch.announcement(trainer)
-    if llm is None or llm.get("model_version") != trainer.version.name or "rollback" in llm or "ab" in llm:
+    if llm is None or llm.get("model_version") != trainer.version.name:
         return False
     weights = llm.get("weights")
     chunks = weights.get("chunks") if isinstance(weights, dict) else None
-    return isinstance(chunks, int) and stored < chunks
+    if not isinstance(chunks, int) or stored >= chunks:
+        return False
+    llm = await watch.announcement(trainer, fresh=True)  # an operator may have rolled back since
+    return llm is not None and llm.get("model_version") == trainer.version.name and not ("rollback" in llm or "ab" in llm)
 
 
 async def republish_if_lost(trainer: Any, *, now: bool = False) -> bool:
