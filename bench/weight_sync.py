@@ -15,10 +15,9 @@ Formats and transports, each in the trained dtype (bf16):
 - ``delta_redis``: a delta against the version before (`fulmen.version_delta`) after an update of
   an RL-sized learning rate (every weight moved by 1e-5 x a standard normal in fp32, then rounded);
 - ``full_redis_weights_db``: ``full_redis`` again through the opt-in weights-only Redis
-  (FULMEN_WEIGHTS_REDIS_URL: a second embedded server, AOF off). With ``appendfsync everysec`` the main
-  server holds its replies while the last second's writes are fsynced, so its AOF paces the transport
-  by the disk (``disk_fsync_mb_per_s``), and each 1 GB version grows the AOF by as much (Fulmen
-  rewrites it between versions: `fulmen.aof_rewrite`);
+  (FULMEN_WEIGHTS_REDIS_URL: a second embedded server, AOF off). Since session 12 the chunks stay out
+  of the main server's AOF too (`fulmen.version_blobs`; FULMEN_WEIGHTS_IN_AOF=1 puts them back), so
+  the two should be alike; before, each 1 GB version was written to the AOF again;
 - ``lora``: a LoRA adapter of rank 16 on every linear layer (PEFT layout), on fresh replicas of an
   experiment of its own, as in a LoRA run (only adapters are published: the backend runs each beside
   the base weights; after a full version it would merge it instead).
