@@ -15,10 +15,9 @@ Formats and transports, each in the trained dtype (bf16):
 - ``delta_redis``: a delta against the version before (`fulmen.version_delta`) after an update of
   an RL-sized learning rate (every weight moved by 1e-5 x a standard normal in fp32, then rounded);
 - ``full_redis_weights_db``: ``full_redis`` again through the opt-in weights-only Redis
-  (FULMEN_WEIGHTS_REDIS_URL: a second embedded server, AOF off). With ``appendfsync everysec`` the main
-  server holds its replies while the last second's writes are fsynced, so its AOF paces the transport
-  by the disk (``disk_fsync_mb_per_s``), and each 1 GB version grows the AOF by as much (Fulmen
-  rewrites it between versions: `fulmen.aof_rewrite`);
+  (FULMEN_WEIGHTS_REDIS_URL: a second embedded server, AOF off). Since session 12 the chunks stay out
+  of the main server's AOF too (`fulmen.version_blobs`; FULMEN_WEIGHTS_IN_AOF=1 puts them back), so
+  the two should be alike; before, each 1 GB version was written to the AOF again;
 - ``lora``: a LoRA adapter of rank 16 on every linear layer (PEFT layout), on fresh replicas of an
   experiment of its own, as in a LoRA run (only adapters are published: the backend runs each beside
   the base weights; after a full version it would merge it instead).
@@ -39,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -48,6 +48,9 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from aof_probe import AofProbe
 
 QWEN25_05B = {
     "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
@@ -166,23 +169,32 @@ def fsync_mb_per_s(path: Path, megabytes: int = 256) -> float:
     return megabytes * 1.048576 / took
 
 
-async def timed(replicas: Replicas, version: str, publish: Callable[[], Awaitable[Any]]) -> tuple[float, int]:
+async def timed(replicas: Replicas, version: str, publish: Callable[[], Awaitable[Any]],
+                probes: list[dict[str, Any]] | None = None, probe_client: Any = None) -> tuple[float, int]:
+    """Publish → every replica serving, in seconds, and the version's bytes. With ``probe_client``
+    (a connection of its own to the main Redis), what its AOF did meanwhile goes to ``probes``."""
     from fulmen.version_retention import retain_versions
 
-    started = time.perf_counter()
-    update = await publish()
-    await replicas.serving(version)
-    took = time.perf_counter() - started
+    probe = AofProbe(probe_client) if probe_client is not None else contextlib.nullcontext()
+    async with probe:
+        started = time.perf_counter()
+        update = await publish()
+        await replicas.serving(version)
+        took = time.perf_counter() - started
+    if isinstance(probe, AofProbe) and probes is not None:
+        probes.append(probe.summary())
+        log("%s: %.2f s; the main Redis meanwhile: %s", version, took, probes[-1])
     await retain_versions(replicas.store, 2)  # as the trainer does after each publish (not timed)
     weights = update.resources["llm"]["weights"]
     return took, int(weights["bytes"])
 
 
 async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int, shared: Path, tag: str,
-                  weights_db: Any = None) -> dict[str, Any]:
+                  weights_db: Any = None, probe_client: Any = None) -> dict[str, Any]:
     """Publish → serving for each format on one model; {figure: value}. ``weights_db``: a client of a
     weights-only Redis without AOF, through which the full version goes once more
-    (``full_redis_weights_db``)."""
+    (``full_redis_weights_db``). ``probe_client``: a connection of its own to the main Redis, to
+    sample its AOF during every timed repeat (``<format>_aof``: one `AofProbe.summary` per repeat)."""
     from fulmen.lora import lora_description
     from fulmen.model_versions import publish_model_version
     from fulmen.version_delta import encode_delta
@@ -192,6 +204,7 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
     layers = 1 + max(int(n.split(".")[2]) for n in state if n.startswith("model.layers."))
     out: dict[str, Any] = {}
     counter = iter(range(1, 10_000))
+    probes: dict[str, list[dict[str, Any]]] = {}
 
     def name() -> str:
         return f"{tag}{next(counter)}"
@@ -203,7 +216,7 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
         for repeat in range(repeats):
             current = updated(state, 1e-3, seed=100 + repeat)
             v = name()
-            took, size = await timed(replicas, v, lambda v=v, s=current: publish_model_version(store, s, model="m", model_version=v))
+            took, size = await timed(replicas, v, lambda v=v, s=current: publish_model_version(store, s, model="m", model_version=v), probes.setdefault("full_redis", []), probe_client)
             runs["full_redis"].append(took)
             sizes["full_redis"] = size
             log("%s full via Redis: %.2f s for %.1f MB", tag, took, size / 1e6)
@@ -212,13 +225,13 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
             manifest = Manifest(DELTA, v, await asyncio.to_thread(describe_all, nxt))
             base, v = v, name()
             took, size = await timed(replicas, v, lambda v=v, d=delta, m=manifest, b=base: publish_model_version(
-                store, d, model="m", model_version=v, manifest=m, weights_format={"format": DELTA, "base_version": b}))
+                store, d, model="m", model_version=v, manifest=m, weights_format={"format": DELTA, "base_version": b}), probes.setdefault("delta_redis", []), probe_client)
             runs["delta_redis"].append(took)
             sizes["delta_redis"] = size
             log("%s delta via Redis: %.2f s for %.1f MB", tag, took, size / 1e6)
             v = name()
             took, size = await timed(replicas, v, lambda v=v, s=nxt: publish_model_version(
-                store, s, model="m", model_version=v, shared_dir=shared))
+                store, s, model="m", model_version=v, shared_dir=shared), probes.setdefault("full_folder", []), probe_client)
             runs["full_folder"].append(took)
             sizes["full_folder"] = size
             log("%s full via a shared folder: %.2f s for %.1f MB", tag, took, size / 1e6)
@@ -231,7 +244,7 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
                 for repeat in range(repeats):
                     v, current = name(), updated(state, 1e-3, seed=400 + repeat)
                     took, size = await timed(replicas, v, lambda v=v, s=current: publish_model_version(
-                        store, s, model="m", model_version=v))
+                        store, s, model="m", model_version=v), probes.setdefault("full_redis_weights_db", []), probe_client)
                     runs["full_redis_weights_db"].append(took)
                     sizes["full_redis_weights_db"] = size
                     log("%s full via a weights-only Redis (AOF off): %.2f s for %.1f MB", tag, took, size / 1e6)
@@ -262,6 +275,8 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
         out[f"{fmt_name}_publish_to_serving_s"] = round(statistics.median(values), 3)
         out[f"{fmt_name}_runs_s"] = [round(x, 3) for x in values]
         out[f"{fmt_name}_mb"] = round(sizes[fmt_name] / 1e6, 2)
+        if probes.get(fmt_name):
+            out[f"{fmt_name}_aof"] = probes[fmt_name]
     out["lora_first_load_s"] = round(lora_first or 0.0, 3)
     out["replicas"] = replicas_count
     out["memcpy_s"] = round(memcpy_s(sizes["full_redis"]), 3)
@@ -318,11 +333,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     with EmbeddedRedis(tmp / "weights-redis", port=None) as weights_server:
                         weights_db = await connect(CommonSettings(redis_url=weights_server.url), wait_s=30)
                         await weights_db.config_set("appendonly", "no")
+                        probe = await connect(CommonSettings(redis_url=server.url), wait_s=30)
                         try:
                             figures.update(await formats(store, qwen, 1, args.repeats, tmp / "shared", "q",
-                                                         weights_db=weights_db))
+                                                         weights_db=weights_db, probe_client=probe))
                         finally:
                             await weights_db.aclose()
+                            await probe.aclose()
                     figures["disk_fsync_mb_per_s"] = round(fsync_mb_per_s(tmp / "disk-probe"), 1)
                     figures["model_parameters"] = sum(t.numel() for t in folder_state(qwen).values())
                 figures.update(await retention(RedisStore(client, "bench-retention"), tiny, args.versions))

@@ -12,11 +12,28 @@ So the servers Fulmen starts (`fulmen.embedded`, deploy/redis.conf) leave their 
 this), and `rewrite_if_grown` applies the usual rule (grown by 100% since the last rewrite, at least
 512 MB) at the moment retention has just deleted old versions (`fulmen.version_retention`), when the
 dataset is smallest and no version is on its way to the proxies.
+
+Nor does a rewrite run while a version's weights are being written (`writing_weights`, around every
+publish to a Redis stream): the publisher claims its writes in ``WRITES_KEY``, which defers any
+rewrite `rewrite_if_grown` would start meanwhile to its next pass, and a publish that finds a rewrite
+already running waits for it to end (up to ``REWRITE_WAIT_S``) before its first chunk. Written during
+a rewrite, each chunk would also go to Redis's rewrite buffer (Redis 6: a second in-memory copy of
+the version, which the server's main thread then writes out at the end of the rewrite while every
+client waits), and the forked child would take a core from the publish. Waiting costs the publish at
+most what is left of the rewrite, and in a real run nothing: a training step separates versions.
+A claim lapses after ``WRITE_LEASE_S`` (a publisher killed mid-write defers nothing for long).
+The check and BGREWRITEAOF are two commands: a publish that claims between them can still meet
+a rewrite (a window of one round trip), and Redis's own rule (the safety net) does not look.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
@@ -27,6 +44,12 @@ log = logging.getLogger(__name__)
 MIN_BYTES = 512 << 20  # as Redis's auto-aof-rewrite-min-size in fulmen.embedded
 GROWTH = 1.0  # grown by 100% since the last rewrite, as Redis's default auto-aof-rewrite-percentage
 SAFETY_NET_PERCENTAGE = 300  # the server's own rule (fulmen.embedded): only when this was not called
+# Per server, not per experiment (one AOF holds every experiment's keys): the weights being written
+# now, each member scored by the server time (s) its claim lapses at
+WRITES_KEY = "fulmen:aof:weights-writes"
+WRITE_LEASE_S = 600.0  # a 1 GB version takes seconds to write; a claim older than this is a dead publisher's
+REWRITE_WAIT_S = 120.0  # a publish waits this long at most for a running rewrite, then writes anyway
+POLL_S = 0.05
 
 
 async def rewrite_if_grown(redis: Any, min_bytes: int | None = None, growth: float = GROWTH) -> bool:
@@ -47,9 +70,77 @@ async def rewrite_if_grown(redis: Any, min_bytes: int | None = None, growth: flo
     if size < (MIN_BYTES if min_bytes is None else min_bytes) or size < base * (1 + growth):
         return False
     try:
+        busy = await weights_being_written(redis)
+    except ResponseError as e:  # the claims cannot be read: the rule alone decides, as before them
+        log.debug("AOF rewrite: the weights writes in flight are unknown (%s)", e)
+        busy = False
+    if busy:
+        log.info("AOF rewrite deferred: a model version's weights are being written (%.0f MB)", size / 1e6)
+        return False
+    try:
         await redis.bgrewriteaof()
     except ResponseError as e:  # e.g. renamed away by the provider, or a rewrite that just started
         log.info("the AOF rewrite was not started (%s); Redis's own rule will rewrite it", e)
         return False
     log.info("AOF rewrite started: %.0f MB, %.0f MB after the last rewrite", size / 1e6, base / 1e6)
     return True
+
+
+async def _server_time(redis: Any) -> float:
+    seconds, micros = await redis.time()
+    return seconds + micros / 1e6
+
+
+async def weights_being_written(redis: Any) -> bool:
+    """Whether a publish is writing a version's weights to this server now (a live claim in
+    ``WRITES_KEY``; lapsed ones, from publishers that died mid-write, are dropped)."""
+    await redis.zremrangebyscore(WRITES_KEY, "-inf", await _server_time(redis))
+    return bool(await redis.zcard(WRITES_KEY))
+
+
+async def wait_for_rewrite(redis: Any, wait_s: float = REWRITE_WAIT_S, poll_s: float = POLL_S) -> bool:
+    """Wait until no AOF rewrite runs or is scheduled on ``redis``, up to ``wait_s``; whether none
+    does (also true on a server that does not tell)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = await redis.info("persistence")
+        except ResponseError:
+            return True
+        if not info.get("aof_rewrite_in_progress") and not info.get("aof_rewrite_scheduled"):
+            return True
+        if time.monotonic() >= deadline:
+            log.warning("an AOF rewrite still runs after %.0f s: writing the model version during it", wait_s)
+            return False
+        await asyncio.sleep(poll_s)
+
+
+@contextlib.asynccontextmanager
+async def writing_weights(redis: Any, wait_s: float = REWRITE_WAIT_S) -> AsyncIterator[Callable[[], Awaitable[bool]]]:
+    """Around a publish that writes a version's weights to ``redis``: no rewrite starts meanwhile
+    (`rewrite_if_grown` defers it). Yields ``ready``: await it right before the first chunk, to let
+    a rewrite that was already running end first (`wait_for_rewrite`); the publish's own work before
+    it (hashing, serialising) overlaps the wait. Nothing on a cluster (its nodes rewrite by their
+    own rule) or a server that refuses the commands."""
+
+    async def ready() -> bool:
+        return await wait_for_rewrite(redis, wait_s)
+
+    async def nothing() -> bool:
+        return True
+
+    if isinstance(redis, RedisCluster):
+        yield nothing
+        return
+    member = uuid.uuid4().hex
+    try:
+        await redis.zadd(WRITES_KEY, {member: await _server_time(redis) + WRITE_LEASE_S})
+    except ResponseError as e:  # e.g. an ACL without these commands: publish as before
+        log.debug("model version writes not claimed against AOF rewrites (%s)", e)
+        yield nothing
+        return
+    try:
+        yield ready
+    finally:
+        with contextlib.suppress(Exception):  # else it lapses after WRITE_LEASE_S
+            await redis.zrem(WRITES_KEY, member)

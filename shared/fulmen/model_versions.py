@@ -50,15 +50,17 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fulmen import keys as k
 from fulmen import version_blobs as blobs
+from fulmen.aof_rewrite import writing_weights
 from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.records import ResourcesUpdate
 from fulmen.version_blobs import CHUNK_HEADER_BYTES, PublishedWeights, non_finite_tensors
+from fulmen.version_file_write import write_file_hashing
 from fulmen.version_manifest import DELTA, FULL, LORA, Manifest, describe_all
 
 if TYPE_CHECKING:
@@ -175,26 +177,38 @@ async def publish_model_version(
     if fmt == DELTA and (manifest is None or manifest.format != DELTA
                          or manifest.base_version != (weights_format or {}).get("base_version")):
         raise InvalidInput("a delta version needs its manifest (fulmen.version_delta), naming the same base version")
-    if manifest is None:
-        manifest = Manifest(LORA if fmt == LORA else FULL, None, await asyncio.to_thread(describe_all, state_dict))
-    blob = await asyncio.to_thread(blobs.serialize, state_dict, manifest)
-    sha256 = await asyncio.to_thread(blobs.blob_sha256, blob, manifest)
+    # No AOF rewrite starts while the weights go to Redis, and one already running ends before the
+    # first chunk (`fulmen.aof_rewrite`): meanwhile, the hashing and serialising below
+    writing = writing_weights(store.weights_redis) if shared_dir is None else _no_rewrite_wait()
+    # a full or LoRA version into the shared folder is hashed while it is written (the file's header,
+    # which holds the hashes, is written last: `fulmen.version_file_write`)
+    hash_while_writing = shared_dir is not None and manifest is None
+    async with writing as rewrite_done:
+        if not hash_while_writing:
+            if manifest is None:
+                manifest = Manifest(LORA if fmt == LORA else FULL, None, await asyncio.to_thread(describe_all, state_dict))
+            blob = await asyncio.to_thread(blobs.serialize, state_dict, manifest)
+            sha256 = await asyncio.to_thread(blobs.blob_sha256, blob, manifest)
+        await rewrite_done()
 
-    names = [model_version] if model_version is not None else _default_versions(previous)
-    for version in names:
-        try:
-            if shared_dir is None:
-                weights = await blobs.write_stream(store, version, blob, sha256, chunk_bytes)
-            else:
-                weights = await asyncio.to_thread(blobs.write_file, Path(shared_dir), version, blob, sha256)
-            break
-        except blobs.VersionTaken:
-            if model_version is not None:
-                raise InvalidInput(
-                    f"model version {version} exists already; versions are immutable"
-                ) from None
-    else:  # pragma: no cover - MAX_NAME_TRIES taken names in a row
-        raise InvalidInput("no free default model version name; pass model_version")
+        names = [model_version] if model_version is not None else _default_versions(previous)
+        for version in names:
+            try:
+                if shared_dir is None:
+                    weights = await blobs.write_stream(store, version, blob, sha256, chunk_bytes)
+                elif hash_while_writing:
+                    weights, manifest = await asyncio.to_thread(
+                        write_file_hashing, Path(shared_dir), version, state_dict, LORA if fmt == LORA else FULL)
+                else:
+                    weights = await asyncio.to_thread(blobs.write_file, Path(shared_dir), version, blob, sha256)
+                break
+            except blobs.VersionTaken:
+                if model_version is not None:
+                    raise InvalidInput(
+                        f"model version {version} exists already; versions are immutable"
+                    ) from None
+        else:  # pragma: no cover - MAX_NAME_TRIES taken names in a row
+            raise InvalidInput("no free default model version name; pass model_version")
     if weights_format:
         weights = {**weights_format, **weights}
 
@@ -213,6 +227,7 @@ async def publish_model_version(
     if published is None:
         published = await store.update_resources(resources_id, resources, metadata)
     # retention may delete it once it is old, but not while a kept delta needs it as its base
+    assert manifest is not None  # computed above, or while the file was written
     await record_stored(store, version, published.version, base=manifest.base_version)
     return published
 
@@ -327,6 +342,16 @@ async def wait_until_served(
 
 
 # --- writing ----------------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _no_rewrite_wait() -> AsyncIterator[Callable[[], Awaitable[bool]]]:
+    """A shared-folder publish writes no weights to Redis: no AOF rewrite to wait for or defer."""
+
+    async def ready() -> bool:
+        return True
+
+    yield ready
 
 
 def _default_versions(previous: ResourcesUpdate | None) -> Iterator[str]:

@@ -11,6 +11,17 @@ hashed whole. A file in the shared folder is written without fsync (a torn file 
 fails that check and is refused; the trainer's checkpoint is the durable copy) and read through a
 memory map, so the weights are not copied on the way in.
 
+A stream's chunks stay out of Redis's append-only file (`XADD_OUTSIDE_AOF`: each XADD inside a script
+that stops its propagation): the AOF would write and fsync every version again (1 GB for a 0.5B model,
+the server's largest cost of a publish on a small machine, and a rewrite of the whole dataset every
+other version), while the trainer can always publish its weights again. What a rollout needs (the
+resources naming each version, the versions kept, spans, samples) still goes through the AOF. So after
+a Redis restart the weights written since its last AOF rewrite are gone: the proxies keep serving what
+they loaded (a proxy that restarts meanwhile logs the failed load and serves its base weights) until
+the trainer's next version, exactly as with a weights-only Redis without AOF (FULMEN_WEIGHTS_REDIS_URL).
+Not on a cluster (its replicas would not get the chunks either), nor with ``FULMEN_WEIGHTS_IN_AOF=1``,
+nor on a server that refuses scripts: plain XADDs there.
+
 torch and safetensors are imported inside the functions: ``import fulmen`` never needs torch.
 """
 
@@ -44,6 +55,14 @@ WEIGHTS_FILE = "model.safetensors"
 CHUNK_HEADER_BYTES = 1024  # room for a chunk record's fields besides the data (version, sha256, ...)
 PIPELINE_BYTES = 32 << 20  # chunk bytes sent and not yet answered (a pipeline on a cluster): bounded buffers
 DATA_FIELD = "d"  # a chunk entry's bytes; its "m" record describes them (older writers put them inside it)
+# XADD without propagating it to the AOF or replicas (see the module docstring); the id is explicit
+# (a server without them, e.g. fakeredis, propagates nothing anyway)
+XADD_OUTSIDE_AOF = """
+if redis.replicate_commands then redis.replicate_commands() end
+if redis.set_repl then redis.set_repl(redis.REPL_NONE) end
+return redis.call('XADD', KEYS[1], ARGV[1], 'm', ARGV[2], 'd', ARGV[3])
+"""
+WEIGHTS_IN_AOF_ENV = "FULMEN_WEIGHTS_IN_AOF"  # "1": the chunks go through the AOF as any write
 
 
 def _codes() -> dict[torch.dtype, str]:
@@ -138,6 +157,25 @@ def blob_sha256(blob: Blob, manifest: Manifest) -> str:
     return hashlib.sha256(blob.header).hexdigest() if manifest.covers_blob() else blob.sha256()
 
 
+async def _outside_aof_script(redis: Any) -> str | None:
+    """The sha1 of `XADD_OUTSIDE_AOF` loaded on ``redis``; None where chunks go through the AOF (a
+    cluster, FULMEN_WEIGHTS_IN_AOF=1, a server that refuses scripts)."""
+    from redis.asyncio.cluster import RedisCluster
+
+    if isinstance(redis, RedisCluster) or os.environ.get(WEIGHTS_IN_AOF_ENV, "").strip() in ("1", "true", "yes"):
+        return None
+    try:
+        return str(await redis.script_load(XADD_OUTSIDE_AOF))
+    except ResponseError:
+        return None
+
+
+def _xadd_args(script: str | None, key: str, index: int, fields: Mapping[str, Any]) -> list[Any]:
+    if script is None:
+        return ["XADD", key, f"0-{index + 1}", "m", fields["m"], DATA_FIELD, fields[DATA_FIELD]]
+    return ["EVALSHA", script, 1, key, f"0-{index + 1}", fields["m"], fields[DATA_FIELD]]
+
+
 async def write_stream(store: RedisStore, version: str, blob: Blob, sha256: str, chunk_bytes: int) -> dict:
     key = store.keys.weights(version)
     total = max(1, -(-len(blob) // chunk_bytes))
@@ -149,8 +187,9 @@ async def write_stream(store: RedisStore, version: str, blob: Blob, sha256: str,
         head = WeightsChunk(version, index, total, sha256, len(blob), b"").to_wire(store.max_record_bytes)
         return {"m": head, DATA_FIELD: next(pieces)}
 
+    script = await _outside_aof_script(store.weights_redis)
     try:
-        await store.weights_redis.xadd(key, entry(0), id="0-1")
+        await store.weights_redis.execute_command(*_xadd_args(script, key, 0, entry(0)))
     except ResponseError:
         if await store.weights_redis.exists(key):
             raise VersionTaken from None
@@ -159,7 +198,7 @@ async def write_stream(store: RedisStore, version: str, blob: Blob, sha256: str,
         per_pipeline = max(1, PIPELINE_BYTES // chunk_bytes)
         pool = getattr(store.weights_redis, "connection_pool", None)
         if pool is not None and hasattr(pool, "get_connection"):
-            await _send_in_order(pool, key, range(1, total), entry, per_pipeline)
+            await _send_in_order(pool, range(1, total), lambda i: _xadd_args(script, key, i, entry(i)), per_pipeline)
         else:  # a cluster client: pipelines, one round trip at a time
             for first in range(1, total, per_pipeline):
                 async with store.weights_redis.pipeline(transaction=False) as pipe:
@@ -174,8 +213,7 @@ async def write_stream(store: RedisStore, version: str, blob: Blob, sha256: str,
     return {"stream": key, "chunks": total, "sha256": sha256, "bytes": len(blob)}
 
 
-async def _send_in_order(pool: Any, key: str, indexes: range, entry: Callable[[int], dict[str, Any]],
-                         window: int) -> None:
+async def _send_in_order(pool: Any, indexes: range, command: Callable[[int], list[Any]], window: int) -> None:
     """XADD each chunk on one connection, up to ``window`` of them sent before their replies are read:
     the server is never idle waiting for the next batch, and no batch is joined into one buffer (a
     pipeline of redis-py waits for each batch's replies and copies its bytes once more). One
@@ -184,9 +222,7 @@ async def _send_in_order(pool: Any, key: str, indexes: range, entry: Callable[[i
     unread = 0
     try:
         for index in indexes:
-            fields = entry(index)
-            await connection.send_packed_command(connection.pack_command(
-                "XADD", key, f"0-{index + 1}", "m", fields["m"], DATA_FIELD, fields[DATA_FIELD]), check_health=False)
+            await connection.send_packed_command(connection.pack_command(*command(index)), check_health=False)
             unread += 1
             if unread > window:
                 await connection.read_response()  # an error reply raises here
