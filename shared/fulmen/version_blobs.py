@@ -18,7 +18,8 @@ other version), while the trainer can always publish its weights again. What a r
 resources naming each version, the versions kept, spans, samples) still goes through the AOF. So after
 a Redis restart the weights written since its last AOF rewrite are gone: the proxies keep serving what
 they loaded (a proxy that restarts meanwhile logs the failed load and serves its base weights) until
-the trainer's next version, exactly as with a weights-only Redis without AOF (FULMEN_WEIGHTS_REDIS_URL).
+the trainer publishes them again, which it does when it sees them gone (`fulmen_trainer.lost_weights`),
+exactly as with a weights-only Redis without AOF (FULMEN_WEIGHTS_REDIS_URL).
 Not on a cluster (its replicas would not get the chunks either), nor with ``FULMEN_WEIGHTS_IN_AOF=1``,
 nor on a server that refuses scripts: plain XADDs there.
 
