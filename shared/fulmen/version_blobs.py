@@ -39,7 +39,7 @@ import struct
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from redis.exceptions import ResponseError
 
@@ -238,23 +238,37 @@ async def _send_in_order(pool: Any, indexes: range, command: Callable[[int], lis
 
 
 def write_file(shared_dir: Path, version: str, blob: Blob, sha256: str) -> dict:
+    with claimed_file(shared_dir, version) as (path, f):
+        for part in blob.parts:
+            write_all(f, part)
+    return {"path": str(path.resolve()), "sha256": sha256, "bytes": len(blob)}
+
+
+@contextlib.contextmanager
+def claimed_file(shared_dir: Path, version: str) -> Iterator[tuple[Path, BinaryIO]]:
+    """``<shared_dir>/<version>/``, claimed (VersionTaken if it exists: one publisher per name), and the
+    path its weights file will have with that file open for writing under a temporary name: renamed
+    into place when the block ends (readers see the whole file or none), the folder removed if it fails."""
     folder = shared_dir / version
     try:
-        folder.mkdir(parents=True, exist_ok=False)  # the claim: one publisher per name
+        folder.mkdir(parents=True, exist_ok=False)
     except FileExistsError:
         raise VersionTaken from None
+    path, partial = folder / WEIGHTS_FILE, folder / (WEIGHTS_FILE + ".partial")
     try:
-        path = folder / WEIGHTS_FILE
-        partial = folder / (WEIGHTS_FILE + ".partial")
         with partial.open("wb", buffering=0) as f:
-            for part in blob.parts:
-                while len(part):
-                    part = part[f.write(part):]
-        partial.replace(path)  # readers see the whole file or none
+            yield path, f
+        partial.replace(path)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    return {"path": str(path.resolve()), "sha256": sha256, "bytes": len(blob)}
+
+
+def write_all(f: BinaryIO, data: bytes | bytearray | memoryview) -> None:
+    """All of ``data`` into an unbuffered file (a raw write may take only part of it)."""
+    view = memoryview(data)
+    while len(view):
+        view = view[f.write(view):]
 
 
 def read_file(path: Path) -> bytearray | mmap.mmap:

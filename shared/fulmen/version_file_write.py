@@ -11,13 +11,12 @@ the same, byte for byte, as `fulmen.version_blobs.write_file` writes; what a rea
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fulmen.version_blobs import WEIGHTS_FILE, Blob, VersionTaken, blob_sha256, serialize
+from fulmen.version_blobs import Blob, blob_sha256, claimed_file, serialize, write_all
 from fulmen.version_manifest import Manifest, TensorEntry, describe_all, dtype_name
 
 if TYPE_CHECKING:
@@ -34,29 +33,15 @@ def write_file_hashing(shared_dir: Path, version: str, state_dict: Mapping[str, 
     placeholder = Manifest(fmt, None, {
         name: TensorEntry(dtype_name(t), tuple(t.shape), PLACEHOLDER_SHA256) for name, t in state_dict.items()})
     blob = serialize(state_dict, placeholder)  # checks every tensor before anything is written
-    folder = shared_dir / version
-    try:
-        folder.mkdir(parents=True, exist_ok=False)  # the claim: one publisher per name
-    except FileExistsError:
-        raise VersionTaken from None
-    try:
-        path, partial = folder / WEIGHTS_FILE, folder / (WEIGHTS_FILE + ".partial")
-        with ThreadPoolExecutor(1) as pool, partial.open("wb", buffering=0) as f:
-            hashing = pool.submit(describe_all, state_dict)
-            f.seek(len(blob.header))
-            for part in blob.parts[1:]:
-                while len(part):
-                    part = part[f.write(part):]
-            manifest = Manifest(fmt, None, hashing.result())
-            final = Blob(_with_manifest(blob.header, placeholder, manifest), blob.parts[1:])
-            f.seek(0)
-            header = memoryview(final.header)
-            while len(header):
-                header = header[f.write(header):]
-        partial.replace(path)  # readers see the whole file or none
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
+    with claimed_file(shared_dir, version) as (path, f), ThreadPoolExecutor(1) as pool:
+        hashing = pool.submit(describe_all, state_dict)
+        f.seek(len(blob.header))
+        for part in blob.parts[1:]:
+            write_all(f, part)
+        manifest = Manifest(fmt, None, hashing.result())
+        final = Blob(_with_manifest(blob.header, placeholder, manifest), blob.parts[1:])
+        f.seek(0)
+        write_all(f, final.header)
     return {"path": str(path.resolve()), "sha256": blob_sha256(final, manifest), "bytes": len(final)}, manifest
 
 
