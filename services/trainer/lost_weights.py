@@ -42,7 +42,11 @@ class LostWeightsWatch:
         again if ``fresh``)."""
         if fresh or self.version != trainer.version.name:
             self.version, self.announced = trainer.version.name, None
-            for update in await trainer.store.query_resources(descending=True):
+            latest = await trainer.store.get_latest_resources()  # the newest entry; the whole log only
+            updates = [latest] if latest is not None else []  # when it names no version (validation's)
+            if latest is not None and not (llm_resource(latest) or {}).get("model_version"):
+                updates = await trainer.store.query_resources(descending=True)
+            for update in updates:
                 llm = llm_resource(update)
                 if llm is not None and llm.get("model_version"):
                     self.announced = llm

@@ -101,7 +101,9 @@ class AutoPipeline:
         sizes: list[int] = []  # argument bytes of each group
         open_group: dict[Any, int] = {}  # key -> index in members of the group a call on it may join
         for i, (script, args, _) in enumerate(batch):
-            key, size = args[0], sum(len(a) for a in args if isinstance(a, (bytes, str)))
+            key = args[0]
+            joinable = script in self._joined
+            size = sum(len(a) for a in args if isinstance(a, (bytes, str))) if joinable else 0
             group = open_group.get(key)
             if (group is not None and batch[members[group][0]][0] is script
                     and len(members[group]) < self.MAX_JOINED and sizes[group] + size <= self.MAX_JOINED_BYTES):
@@ -110,7 +112,7 @@ class AutoPipeline:
                 continue
             members.append([i])
             sizes.append(size)
-            if script in self._joined:
+            if joinable:
                 open_group[key] = len(members) - 1
             else:
                 open_group.pop(key, None)
