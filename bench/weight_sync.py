@@ -122,8 +122,8 @@ def memcpy_s(nbytes: int) -> float:
 class Replicas:
     """Torch backends, each with the proxy's own follower running."""
 
-    def __init__(self, store: Any, model_dir: Path, count: int) -> None:
-        self.store, self.model_dir, self.count = store, model_dir, count
+    def __init__(self, store: Any, model_dir: Path, count: int, shared: Path | None = None) -> None:
+        self.store, self.model_dir, self.count, self.shared = store, model_dir, count, shared
         self.backends: list[Any] = []
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -134,7 +134,8 @@ class Replicas:
         for _ in range(self.count):
             backend = TorchBackend(self.model_dir)
             await backend.start()
-            follower = ModelFollower(self.store, backend, lambda version, outcome: None)
+            # a proxy with FULMEN_WEIGHTS_DIR set, as honcho's .env gives every process
+            follower = ModelFollower(self.store, backend, lambda version, outcome: None, self.shared)
             self.backends.append(backend)
             self.tasks.append(asyncio.create_task(follower.run()))
         await asyncio.sleep(0.2)  # the followers are subscribed
@@ -184,7 +185,7 @@ async def timed(replicas: Replicas, version: str, publish: Callable[[], Awaitabl
     if isinstance(probe, AofProbe) and probes is not None:
         probes.append(probe.summary())
         log("%s: %.2f s; the main Redis meanwhile: %s", version, took, probes[-1])
-    await retain_versions(replicas.store, 2)  # as the trainer does after each publish (not timed)
+    await retain_versions(replicas.store, 2, replicas.shared)  # as the trainer does after each publish (not timed)
     weights = update.resources["llm"]["weights"]
     return took, int(weights["bytes"])
 
@@ -209,7 +210,7 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
     def name() -> str:
         return f"{tag}{next(counter)}"
 
-    async with Replicas(store, model_dir, replicas_count) as replicas:
+    async with Replicas(store, model_dir, replicas_count, shared) as replicas:
         runs: dict[str, list[float]] = {"full_redis": [], "full_folder": [], "delta_redis": [], "lora": []}
         sizes: dict[str, int] = {}
         lora_first = None

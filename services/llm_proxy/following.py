@@ -14,9 +14,11 @@ rebuilt from its chain in the store.
 
 While it serves ``v<n>``, the follower already reads the stream of ``v<n+1>``, the name the trainer
 publishes next (`next_name`), as the trainer writes it (`read_stream`'s ``follow_s``; checked on the way as any
-read is), so fetching overlaps publishing instead of following it. What it read is used only once a
-resources entry names that version with that blob's sha256; a publish that stopped half way is never
-announced, and its read is dropped.
+read is), so fetching overlaps publishing instead of following it. When versions come through a shared folder
+(the proxy's ``weights_dir``, or the folder the last announced version was in), it also follows that
+version's file as the trainer writes it (`fulmen.version_file_follow`). What it read is used only once
+a resources entry names that version with that blob's sha256 (and, for a file, that very file); a
+publish that stopped half way is never announced, and its read is dropped.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fulmen.errors import NotFound, RecordError
 from fulmen.records import ResourcesUpdate
 from fulmen.store import RedisStore
+from fulmen.version_file_follow import FileReadAhead
 from fulmen_llm_proxy.backend_base import Backend
 
 log = logging.getLogger(__name__)
@@ -38,12 +42,15 @@ PREFETCH_FOLLOW_S = 30.0  # the next chunk of a version being written comes with
 
 
 class ModelFollower:
-    def __init__(self, store: RedisStore, backend: Backend, on_loaded: Callable[[str, str], Any]) -> None:
+    def __init__(self, store: RedisStore, backend: Backend, on_loaded: Callable[[str, str], Any],
+                 shared_dir: Path | None = None) -> None:
         self.store = store
         self.backend = backend
         self.on_loaded = on_loaded  # (model_version, outcome: loaded | failed)
         self.warned_ab = False
+        self.shared_dir = shared_dir  # where versions' files are written, if they are
         self._prefetch: tuple[str, asyncio.Task[Any]] | None = None  # (version, its read as it is written)
+        self._file_ahead: FileReadAhead | None = None  # the same for a file in the shared folder
         self.prefetched: list[str] = []  # versions loaded from a prefetch (for tests and logs)
 
     async def catch_up(self) -> int | None:
@@ -84,22 +91,35 @@ class ModelFollower:
         task = asyncio.ensure_future(read_stream(self.store, following, follow_s=PREFETCH_FOLLOW_S))
         task.add_done_callback(_quiet)
         self._prefetch = (following, task)
+        if self.shared_dir is not None:
+            self._file_ahead = FileReadAhead(self.shared_dir, following, PREFETCH_FOLLOW_S)
 
     def _drop_prefetch(self) -> None:
         if self._prefetch is not None:
             self._prefetch[1].cancel()
             self._prefetch = None
+        if self._file_ahead is not None:
+            self._file_ahead.close()
+            self._file_ahead = None
 
     async def _take_prefetch(self, version: str, llm: dict[str, Any]) -> tuple[Any, str, str | None] | None:
-        """What the prefetch read of ``version``, if it read the blob ``llm`` names; else None (it
-        was reading another version, the weights are in a folder, it failed or stalled)."""
-        from fulmen.model_versions import names_stream_blob
+        """What the prefetch read of ``version``, if it read the blob (stream or file) ``llm`` names;
+        else None (it was reading another version or transport, it failed or stalled)."""
+        from fulmen.model_versions import names_blob
 
         prefetch, self._prefetch = self._prefetch, None
+        ahead, self._file_ahead = self._file_ahead, None
+        weights = llm.get("weights")
+        if ahead is not None:
+            if ahead.version == version and isinstance(weights, dict) and "path" in weights:
+                found_file = await ahead.take(weights)
+                if prefetch is not None:
+                    prefetch[1].cancel()
+                return found_file
+            ahead.close()
         if prefetch is None:
             return None
         name, task = prefetch
-        weights = llm.get("weights")
         if name != version or not isinstance(weights, dict) or "stream" not in weights:
             task.cancel()
             return None
@@ -114,7 +134,7 @@ class ModelFollower:
         except Exception as e:  # read again the usual way, which says what is wrong if anything is
             log.warning("reading model version %s while it was written failed (%r): reading it again", version, e)
             return None
-        return found if found is not None and names_stream_blob(llm, found[1]) else None
+        return found if found is not None and names_blob(llm, found[1]) else None
 
     async def consider(self, update: ResourcesUpdate) -> None:
         from fulmen.model_versions import llm_resource
@@ -128,6 +148,9 @@ class ModelFollower:
         await self._follow_b(llm)
 
     async def _load(self, version: str, llm: dict[str, Any], update: ResourcesUpdate) -> None:
+        path = (llm.get("weights") or {}).get("path") if isinstance(llm.get("weights"), dict) else None
+        if isinstance(path, str):  # the trainer's folder: the next version will likely be there too
+            self.shared_dir = Path(path).parent.parent
         try:
             await self._load_version(version, llm, update)
         finally:

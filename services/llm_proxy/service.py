@@ -79,7 +79,7 @@ class ProxyService:
         self.registration = Registration(self.store, self.proxy_id, self.base_url, self._describe)
         self.control = ControlFollower(self.store, self.gate, self.proxy_id, self.registration.refresh)
         if self.backend.system == "torch":  # upstream servers load their weights themselves
-            follower = ModelFollower(self.store, self.backend, self._loaded)
+            follower = ModelFollower(self.store, self.backend, self._loaded, self.settings.weights_dir)
             await follower.catch_up()  # before registering or serving: never answer with stale weights
             self._spawn(follower.run, "model versions")
         follow_replicas = getattr(self.backend, "follow_replicas", None)

@@ -299,13 +299,14 @@ async def fetch_version(
     prefetched: tuple[Any, str, str | None] | None = None,
 ) -> PublishedWeights:
     """The tensors of a published version as stored and its manifest (see `fetch_model_version`).
-    ``prefetched``: what `read_stream` read of this version's stream while it was written (checked
-    on the way, as any read is); used when the resource names that blob (its sha256), else read again."""
+    ``prefetched``: what `read_stream` (or `fulmen.version_file_follow`) read of this version while
+    it was written (checked on the way, as any read is); used when the resource names that blob (its
+    sha256), else read again."""
     from fulmen.version_stream import check_whole, read_stream
 
     k.check_id("model_version", model_version)
     weights = _weights_entry(resource) if resource is not None else None
-    if prefetched is not None and names_stream_blob(resource, prefetched[1]):
+    if prefetched is not None and names_blob(resource, prefetched[1]):
         return await asyncio.to_thread(blobs.deserialize, model_version, *prefetched)
     found = await read_stream(store, model_version) if weights is None else None
     if found is None and weights is None:
@@ -371,12 +372,13 @@ async def _delete_weights(store: RedisStore, version: str, shared_dir: str | Pat
 # --- reading ----------------------------------------------------------------------------------------
 
 
-def names_stream_blob(resource: Mapping[str, Any] | None, sha256: str) -> bool:
-    """Whether an ``llm`` (or weights) entry names weights on a Redis stream whose blob has ``sha256``."""
+def names_blob(resource: Mapping[str, Any] | None, sha256: str) -> bool:
+    """Whether an ``llm`` (or weights) entry names weights (on a Redis stream or in a file) whose blob
+    has ``sha256``."""
     if resource is None:
         return False
     weights = resource.get("weights", resource)
-    return isinstance(weights, Mapping) and "stream" in weights and weights.get("sha256") == sha256
+    return isinstance(weights, Mapping) and bool({"stream", "path"} & set(weights)) and weights.get("sha256") == sha256
 
 
 def _weights_entry(resource: Mapping[str, Any]) -> Mapping[str, Any] | None:

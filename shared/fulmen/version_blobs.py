@@ -45,6 +45,7 @@ from redis.exceptions import ResponseError
 
 from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.records import WeightsChunk
+from fulmen.version_file_spares import WEIGHTS_FILE, take_spare
 from fulmen.version_manifest import HASH_THREADS, METADATA_KEY, Manifest, read_manifest
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 
     from fulmen.store import RedisStore
 
-WEIGHTS_FILE = "model.safetensors"
 CHUNK_HEADER_BYTES = 1024  # room for a chunk record's fields besides the data (version, sha256, ...)
 PIPELINE_BYTES = 32 << 20  # chunk bytes sent and not yet answered (a pipeline on a cluster): bounded buffers
 DATA_FIELD = "d"  # a chunk entry's bytes; its "m" record describes them (older writers put them inside it)
@@ -238,27 +238,35 @@ async def _send_in_order(pool: Any, indexes: range, command: Callable[[int], lis
 
 
 def write_file(shared_dir: Path, version: str, blob: Blob, sha256: str) -> dict:
-    with claimed_file(shared_dir, version) as (path, f):
+    with claimed_file(shared_dir, version, len(blob)) as (path, f):
         for part in blob.parts:
             write_all(f, part)
     return {"path": str(path.resolve()), "sha256": sha256, "bytes": len(blob)}
 
 
 @contextlib.contextmanager
-def claimed_file(shared_dir: Path, version: str) -> Iterator[tuple[Path, BinaryIO]]:
+def claimed_file(shared_dir: Path, version: str, size: int) -> Iterator[tuple[Path, BinaryIO]]:
     """``<shared_dir>/<version>/``, claimed (VersionTaken if it exists: one publisher per name), and the
     path its weights file will have with that file open for writing under a temporary name: renamed
-    into place when the block ends (readers see the whole file or none), the folder removed if it fails."""
+    into place when the block ends (readers see the whole file or none), the folder removed if it fails.
+    ``size``: the file's, when the block ends. The file is a deleted version's, to be written over,
+    when there is one (`fulmen.version_file_spares`); then it is named ``.recycled`` while written,
+    not ``.partial``: its size says nothing of what is written yet (`fulmen.version_file_follow`)."""
     folder = shared_dir / version
     try:
         folder.mkdir(parents=True, exist_ok=False)
     except FileExistsError:
         raise VersionTaken from None
-    path, partial = folder / WEIGHTS_FILE, folder / (WEIGHTS_FILE + ".partial")
+    path = folder / WEIGHTS_FILE
     try:
-        with partial.open("wb", buffering=0) as f:
+        written = folder / (WEIGHTS_FILE + ".recycled")
+        fd = take_spare(shared_dir, written, size)
+        if fd is None:
+            written = folder / (WEIGHTS_FILE + ".partial")
+            fd = os.open(written, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "wb", buffering=0) as f:
             yield path, f
-        partial.replace(path)
+        written.replace(path)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -319,11 +327,12 @@ def deserialize(version: str, blob: Blob | bytes | bytearray | mmap.mmap, sha256
     return PublishedWeights(state, manifest)
 
 
-def _header_size(version: str, blob: bytes | bytearray | mmap.mmap) -> int:
-    if len(blob) < 8:
-        raise RecordError(f"model version {version} is not valid safetensors: {len(blob)} bytes")
+def _header_size(version: str, blob: bytes | bytearray | mmap.mmap, length: int | None = None) -> int:
+    length = len(blob) if length is None else length
+    if length < 8 or len(blob) < 8:
+        raise RecordError(f"model version {version} is not valid safetensors: {length} bytes")
     (size,) = struct.unpack("<Q", blob[:8])
-    if size > len(blob) - 8:
+    if size > length - 8:
         raise RecordError(f"model version {version} is not valid safetensors: a header of {size:,} bytes")
     return int(size)
 
@@ -338,13 +347,13 @@ class TensorSpan(NamedTuple):
     end: int
 
 
-def layout(version: str, blob: bytes | bytearray | mmap.mmap) -> list[TensorSpan]:
+def layout(version: str, blob: bytes | bytearray | mmap.mmap, length: int | None = None) -> list[TensorSpan]:
     """The tensors a blob's header declares, each checked to fit the blob and its dtype's alignment.
-    Needs the header's bytes only (``blob`` has the whole blob's length; its data may still be on the
-    way: `fulmen.version_stream`)."""
+    Needs the header's bytes only (``blob`` has the whole blob's length, or ``length`` gives it; its
+    data may still be on the way: `fulmen.version_stream`, `fulmen.version_file_follow`)."""
     import torch
 
-    size = _header_size(version, blob)
+    size = _header_size(version, blob, length)
     try:
         header = json.loads(bytes(blob[8 : 8 + size]))
     except ValueError as e:
@@ -352,7 +361,7 @@ def layout(version: str, blob: bytes | bytearray | mmap.mmap) -> list[TensorSpan
     if not isinstance(header, dict):
         raise RecordError(f"model version {version} is not valid safetensors: its header is not an object")
     dtypes = {code: dtype for dtype, code in _codes().items()}
-    start, length = 8 + size, len(blob) - 8 - size
+    start, length = 8 + size, (len(blob) if length is None else length) - 8 - size
     spans: list[TensorSpan] = []
     for name, entry in header.items():
         if name == "__metadata__":

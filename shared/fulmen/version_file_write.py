@@ -3,9 +3,11 @@
 The file begins with its header, and the header holds every tensor's sha256 (the manifest), so the
 usual order is: hash every tensor, then write the file — two passes over the weights one after the
 other. But the header's length does not depend on the hashes (64 hex digits each), so
-`write_file_hashing` lays the file out with placeholder hashes, writes every tensor's bytes at its
-offset while a pool hashes them, then writes the real header over the placeholder one. The file is
-the same, byte for byte, as `fulmen.version_blobs.write_file` writes; what a reader checks is the same.
+`write_file_hashing` writes the header with placeholder hashes, then every tensor's bytes in order
+while a pool hashes them, then the real header over the placeholder one. The file is the same, byte
+for byte, as `fulmen.version_blobs.write_file` writes; what a reader checks is the same. A reader
+that expects the version (`fulmen.version_file_follow`) learns the layout from the placeholder header
+and hashes each tensor as soon as the file holds it.
 """
 
 from __future__ import annotations
@@ -33,10 +35,9 @@ def write_file_hashing(shared_dir: Path, version: str, state_dict: Mapping[str, 
     placeholder = Manifest(fmt, None, {
         name: TensorEntry(dtype_name(t), tuple(t.shape), PLACEHOLDER_SHA256) for name, t in state_dict.items()})
     blob = serialize(state_dict, placeholder)  # checks every tensor before anything is written
-    with claimed_file(shared_dir, version) as (path, f), ThreadPoolExecutor(1) as pool:
+    with claimed_file(shared_dir, version, len(blob)) as (path, f), ThreadPoolExecutor(1) as pool:
         hashing = pool.submit(describe_all, state_dict)
-        f.seek(len(blob.header))
-        for part in blob.parts[1:]:
+        for part in blob.parts:
             write_all(f, part)
         manifest = Manifest(fmt, None, hashing.result())
         final = Blob(_with_manifest(blob.header, placeholder, manifest), blob.parts[1:])

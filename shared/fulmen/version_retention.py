@@ -16,19 +16,20 @@ for one finds it gone and moves on to a newer one (`fulmen_llm_proxy.following`)
 A version a proxy serves stays until no live proxy serves it: a proxy that is slow to follow keeps
 its weights (and could reload them after a restart). A delta version (`fulmen.version_delta`) keeps
 its whole chain: every version it is rebuilt from back to the nearest full one (``keys.version_bases``
-names each delta's base). A shared-folder version's folder is deleted the same way.
+names each delta's base). A shared-folder version's folder is deleted the same way, its weights
+file kept for a later version to write over (`fulmen.version_file_spares`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 from pathlib import Path
 
 from fulmen.keys import POLICY_RESOURCES_ID
 from fulmen.store.redis_store import RedisStore  # not the package: its retention imports this module
+from fulmen.version_file_spares import retire
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path |
             pipe.hdel(store.keys.version_bases, version)
             await pipe.execute()
         if shared_dir is not None:
-            await asyncio.to_thread(shutil.rmtree, Path(shared_dir) / version, True)
+            await asyncio.to_thread(retire, Path(shared_dir), version)
     if doomed:
         log.info("deleted the weights of %d old model version(s) (%s … %s); %d kept", len(doomed), doomed[0],
                  doomed[-1], await store.redis.zcard(store.keys.stored_versions))

@@ -104,24 +104,7 @@ class BlobChecker:
                                       f"expected {self.sha256[:12]}…")
                 return "whole"
             assert self.manifest is not None
-            names = {span.name for span in self.spans}
-            if names != set(self.manifest.tensors):
-                extra, missing = sorted(names - set(self.manifest.tensors)), sorted(set(self.manifest.tensors) - names)
-                raise RecordError(f"model version {self.version}: its tensors are not its manifest's "
-                                  f"(not in the manifest: {extra[:3]}, missing: {missing[:3]})")
-            broken = []
-            for span, job in self.jobs:
-                digest, finite = job.result()
-                entry = self.manifest.tensors[span.name]
-                got = TensorEntry(str(span.dtype).removeprefix("torch."), tuple(span.shape), digest)
-                if got != entry:
-                    what = "sha256" if (got.dtype, got.shape) == (entry.dtype, entry.shape) else "dtype or shape"
-                    raise RecordError(f"model version {self.version} is corrupt: {span.name} does not match "
-                                      f"its manifest's {what}")
-                if not finite:
-                    broken.append(span.name)
-            if broken:
-                raise RecordError(f"model version {self.version} holds NaN or infinite values in {broken[:5]}: refused")
+            check_tensors(self.version, self.manifest, [(span, *job.result()) for span, job in self.jobs])
             return "manifest"
         finally:
             self.close()
@@ -129,6 +112,28 @@ class BlobChecker:
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.jobs, self.serial = [], None  # their views of the blob: a memory map closes only without them
+
+
+def check_tensors(version: str, manifest: Manifest, hashed: list[tuple[TensorSpan, str, bool]]) -> None:
+    """RecordError unless the blob's tensors, each hashed as (span, sha256, finite), are exactly the
+    manifest's: the same names, each with its dtype, shape and sha256, and finite."""
+    names = {span.name for span, _, _ in hashed}
+    if names != set(manifest.tensors):
+        extra, missing = sorted(names - set(manifest.tensors)), sorted(set(manifest.tensors) - names)
+        raise RecordError(f"model version {version}: its tensors are not its manifest's "
+                          f"(not in the manifest: {extra[:3]}, missing: {missing[:3]})")
+    broken = []
+    for span, digest, finite in hashed:
+        entry = manifest.tensors[span.name]
+        got = TensorEntry(str(span.dtype).removeprefix("torch."), tuple(span.shape), digest)
+        if got != entry:
+            what = "sha256" if (got.dtype, got.shape) == (entry.dtype, entry.shape) else "dtype or shape"
+            raise RecordError(f"model version {version} is corrupt: {span.name} does not match "
+                              f"its manifest's {what}")
+        if not finite:
+            broken.append(span.name)
+    if broken:
+        raise RecordError(f"model version {version} holds NaN or infinite values in {broken[:5]}: refused")
 
 
 def check_whole(version: str, blob: Buffer, sha256: str | None) -> str | None:

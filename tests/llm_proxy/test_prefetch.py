@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,49 @@ def test_the_next_name_is_the_trailing_number_plus_one() -> None:
 
     assert [next_name(n) for n in ("v7", "v9", "run2-step9", "base", None, "trained")] == [
         "v8", "v10", "run2-step10", "v1", "v1", "v1"]
+
+
+async def test_a_proxy_reads_a_folder_version_while_it_is_written(
+    real_store: RedisStore, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the trainer's shared folder known, the follower reads the next version's file as it is
+    written and serves exactly the published weights, read once; then it knows the folder from the
+    announcement alone, and a file written over a retired version's is served as published too."""
+    from fulmen import model_versions
+    from fulmen.version_retention import retain_versions
+
+    shared = tmp_path / "shared"
+    backend = TorchBackend(tiny_model)
+    await backend.start()
+    follower = ModelFollower(real_store, backend, lambda v, outcome: None, shared)
+    usual_reads: list[str] = []
+    real_read_file = model_versions.blobs.read_file
+
+    def counting_read_file(path: Path):  # type: ignore[no-untyped-def]
+        usual_reads.append(path.parent.name)
+        return real_read_file(path)
+
+    monkeypatch.setattr(model_versions.blobs, "read_file", counting_read_file)
+    inodes: dict[int, int] = {}
+    try:
+        await follower.catch_up()
+        for n in range(1, 6):
+            follower._prefetch_next()
+            assert follower._file_ahead is not None and follower._file_ahead.version == f"v{n}"
+            model, _ = load_tiny_model(build_tiny_model(tmp_path / f"m{n}", seed=10 + n))
+            update = await publish_model_version(real_store, model.state_dict(), model="tiny", shared_dir=shared)
+            await follower.consider(update)
+            served, published = backend.current_weights(), model.state_dict()
+            assert backend.model_version == f"v{n}"
+            assert all(torch.equal(served[k].float(), t.float()) for k, t in published.items())
+            inodes[n] = os.stat(update.resources["llm"]["weights"]["path"]).st_ino
+            await retain_versions(real_store, 2, shared)  # v3 on is written over a retired version's file
+            if n == 1:
+                follower.shared_dir = None  # from here on, learnt from the announcements
+        assert follower.prefetched == ["v1", "v2", "v3", "v4", "v5"] and usual_reads == []
+        # the proxy let go of each file it read: v1's and v2's were free to be written over
+        assert (inodes[4], inodes[5]) == (inodes[1], inodes[2])
+        assert follower.shared_dir == shared.resolve()
+    finally:
+        follower._drop_prefetch()
+        await backend.close()

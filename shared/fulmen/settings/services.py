@@ -145,6 +145,10 @@ class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
     )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the proxy accepts.")
     max_batch: int = Field(16, ge=1, le=1024, description="Most requests the torch backend decodes together.")
+    weights_dir: Path | None = Field(
+        None, description="The trainer's shared folder for model versions, if it uses one: the torch backend reads "
+        "the next version there while it is written (else from the folder of the last version announced).",
+    )
 
 
 class AdapterSettings(CommonSettings):
