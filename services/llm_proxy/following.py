@@ -35,6 +35,7 @@ from fulmen.records import ResourcesUpdate
 from fulmen.store import RedisStore
 from fulmen.version_file_follow import FileReadAhead
 from fulmen_llm_proxy.backend_base import Backend
+from fulmen_llm_proxy.blob_buffer import ReusedBuffer
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class ModelFollower:
         self.shared_dir = shared_dir  # where versions' files are written, if they are
         self._prefetch: tuple[str, asyncio.Task[Any]] | None = None  # (version, its read as it is written)
         self._file_ahead: FileReadAhead | None = None  # the same for a file in the shared folder
+        self.buffers = ReusedBuffer()  # the last version's blob buffer, to read the next one into
         self.prefetched: list[str] = []  # versions loaded from a prefetch (for tests and logs)
 
     async def catch_up(self) -> int | None:
@@ -88,7 +90,7 @@ class ModelFollower:
         if self._prefetch is not None and self._prefetch[0] == following:
             return
         self._drop_prefetch()
-        task = asyncio.ensure_future(read_stream(self.store, following, follow_s=PREFETCH_FOLLOW_S))
+        task = asyncio.ensure_future(read_stream(self.store, following, self.buffers.allocate, follow_s=PREFETCH_FOLLOW_S))
         task.add_done_callback(_quiet)
         self._prefetch = (following, task)
         if self.shared_dir is not None:
@@ -134,7 +136,10 @@ class ModelFollower:
         except Exception as e:  # read again the usual way, which says what is wrong if anything is
             log.warning("reading model version %s while it was written failed (%r): reading it again", version, e)
             return None
-        return found if found is not None and names_blob(llm, found[1]) else None
+        if found is None or not names_blob(llm, found[1]):
+            return None
+        self.buffers.keep(found[0])  # reused for the next version once the backend has copied it
+        return found
 
     async def consider(self, update: ResourcesUpdate) -> None:
         from fulmen.model_versions import llm_resource

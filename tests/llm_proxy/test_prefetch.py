@@ -163,3 +163,42 @@ async def test_a_proxy_reads_a_folder_version_while_it_is_written(
     finally:
         follower._drop_prefetch()
         await backend.close()
+
+
+async def test_each_version_is_read_into_the_last_ones_buffer_and_served_exactly(
+    real_store: RedisStore, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The blob buffer of a version, once its weights are in the model, takes the next version's bytes
+    (no new memory per version); the weights served are each version's own, bit for bit."""
+    backend = TorchBackend(tiny_model)
+    await backend.start()
+    follower = ModelFollower(real_store, backend, lambda v, outcome: None)
+    try:
+        await follower.catch_up()
+        follower._prefetch_next()
+        for n in range(1, 5):
+            model, _ = load_tiny_model(build_tiny_model(tmp_path / f"m{n}", seed=20 + n))
+            update = await publish_model_version(real_store, model.state_dict(), model="tiny", chunk_bytes=CHUNK)
+            await follower.consider(update)
+            served, published = backend.current_weights(), model.state_dict()
+            assert backend.model_version == f"v{n}"
+            assert all(torch.equal(served[k].float(), t.float()) for k, t in published.items())
+        assert follower.prefetched == ["v1", "v2", "v3", "v4"] and follower.buffers.reused == 3
+    finally:
+        follower._drop_prefetch()
+        await backend.close()
+
+
+def test_a_buffer_something_still_views_is_not_handed_out_again() -> None:
+    from fulmen_llm_proxy.blob_buffer import ReusedBuffer
+
+    buffers = ReusedBuffer()
+    buffers.keep(bytearray(64))
+    view = torch.frombuffer(buffers.kept, dtype=torch.uint8)  # a tensor still served from it
+    assert len(buffers.allocate(64)) == 64 and buffers.reused == 0  # a new one
+    buffers.keep(bytearray(64))
+    assert len(buffers.allocate(32)) == 32 and buffers.reused == 0  # another size
+    buffers.keep(bytearray(64))
+    kept = id(buffers.kept)
+    assert id(buffers.allocate(64)) == kept and buffers.reused == 1
+    del view
