@@ -76,10 +76,19 @@ async def test_a_file_is_hashed_while_it_is_written_and_served_as_announced(tmp_
 async def test_what_does_not_check_out_is_read_again_the_usual_way(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A wrong sha256, another file under the name, a tensor that is not its manifest's: None."""
+    """A wrong sha256, another file (the same bytes or other ones), a tensor that is not its
+    manifest's: None."""
     ahead = FileReadAhead(tmp_path, "v1", stall_s=5.0)
     weights = await _write_in_two_halves(tmp_path, "v1", _state(1), ahead)
     assert await ahead.take({**weights, "sha256": "0" * 64}) is None
+
+    ahead = FileReadAhead(tmp_path, "v1", stall_s=5.0)
+    while ahead.fd is None:
+        await asyncio.sleep(0.01)
+    copy = tmp_path / "elsewhere" / "model.safetensors"  # the same bytes, another file
+    copy.parent.mkdir()
+    shutil.copyfile(weights["path"], copy)
+    assert await ahead.take({**weights, "path": str(copy)}) is None
 
     ahead = FileReadAhead(tmp_path, "v1", stall_s=5.0)  # follows v1's file as it is now...
     while ahead.fd is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from fulmen.version_blobs import blob_sha256, read_file, serialize, write_file
@@ -66,3 +67,26 @@ def test_a_spare_some_reader_still_maps_is_never_written(tmp_path: Path) -> None
     assert _spares(tmp_path) == []  # dropped, not kept for later
     assert check_whole("v2", read_file(Path(weights["path"])), weights["sha256"]) == "manifest"
     mapped.close()
+
+
+def test_no_spare_where_a_lease_cannot_tell_and_a_link_is_never_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fulmen import version_file_spares
+    from fulmen.version_file_spares import filesystem
+
+    assert filesystem(tmp_path) in version_file_spares.LOCAL_FILESYSTEMS  # what the other tests rely on
+    assert filesystem(Path("/proc/self")) == "proc"
+    monkeypatch.setattr(version_file_spares, "LOCAL_FILESYSTEMS", frozenset({"nfs4"}))
+    write_file_hashing(tmp_path, "v1", _state(1), FULL)
+    retire(tmp_path, "v1")
+    assert _spares(tmp_path) == [] and not (tmp_path / "v1").exists()
+    monkeypatch.undo()
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not a model version")
+    (tmp_path / SPARE_DIR).mkdir()
+    (tmp_path / SPARE_DIR / "v0-link").symlink_to(victim)
+    weights, _ = write_file_hashing(tmp_path, "v2", _state(2), FULL)
+    assert victim.read_bytes() == b"not a model version"
+    assert not Path(weights["path"]).is_symlink() and os.stat(weights["path"]).st_ino != os.stat(victim).st_ino

@@ -126,9 +126,10 @@ class FileReadAhead:
             # write): what is left is hashing
             elif not self._reads(Path(path)) or not await asyncio.wait_for(asyncio.shield(self.task), self.stall_s):
                 return None
-            return await asyncio.to_thread(self._checked, sha256)
-        except (RecordError, OSError, ValueError) as e:
-            log.warning("reading model version %s while it was written failed (%s): reading it again", self.version, e)
+            # the check's own descriptor: a cancelled take closes this one while the thread may run
+            return await asyncio.to_thread(self._checked, os.dup(self.fd), sha256, list(self.jobs))
+        except Exception as e:  # read again the usual way, which says what is wrong if anything is
+            log.warning("reading model version %s while it was written failed (%r): reading it again", self.version, e)
             return None
         finally:
             self.close()
@@ -144,10 +145,14 @@ class FileReadAhead:
         mine = os.fstat(self.fd)
         return (named.st_ino, named.st_dev) == (mine.st_ino, mine.st_dev)
 
-    def _checked(self, sha256: str) -> tuple[mmap.mmap, str, str] | None:
-        assert self.fd is not None and self.spans is not None
-        hashed = [(span, *job.result()) for span, job in self.jobs]
-        mapped = mmap.mmap(self.fd, os.fstat(self.fd).st_size, access=mmap.ACCESS_COPY)
+    def _checked(self, fd: int, sha256: str, jobs: list[tuple[TensorSpan, Future[tuple[str, bool]]]]
+                 ) -> tuple[mmap.mmap, str, str] | None:
+        """The file as served, if it is the version announced with ``sha256`` and checks out."""
+        assert self.spans is not None
+        try:
+            mapped = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
         header_size = struct.unpack("<Q", mapped[:8])[0]
         header = bytes(mapped[: 8 + min(header_size, len(mapped))])
         manifest = read_manifest(header, self.version)
@@ -155,7 +160,7 @@ class FileReadAhead:
             return None  # another header (a delta's blob is hashed whole: read the usual way)
         if sorted(layout(self.version, mapped), key=lambda s: s.end) != self.spans:
             raise RecordError(f"model version {self.version}: its header declares another layout than the one read")
-        check_tensors(self.version, manifest, hashed)
+        check_tensors(self.version, manifest, [(span, *job.result()) for span, job in jobs])
         return mapped, sha256, "manifest"
 
     def close(self) -> None:
@@ -175,7 +180,9 @@ def _open(folder: Path) -> int | None:
     there is neither (yet)."""
     for name in (WEIGHTS_FILE + ".partial", WEIGHTS_FILE):
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            return _open_regular(folder / name)
+            fd = _open_regular(folder / name)
+            if fd is not None:
+                return fd
     return None
 
 

@@ -8,10 +8,13 @@ newest `SPARES_KEPT`), and a publisher (`take_spare`) renames one into its new v
 writes over it, its size set to the new version's.
 
 A spare is written over only when no process has it open or mapped — a proxy still reading the old
-version, a reader that kept its memory map — which the kernel tells exactly: a write lease
-(``F_SETLEASE``) is granted only on a file nobody else has open. Where the filesystem grants no
-leases (NFS) the check fails and every version gets a new file, as without spares. A spare found in
-use is dropped (unlinked: its readers keep their copy of the old bytes), never written.
+version, a reader that kept its memory map — which the kernel tells on a local disk filesystem: a
+write lease (``F_SETLEASE``) is granted only on a file nobody else has open, a mapping counting as
+open. Elsewhere it cannot be told, so spares are used only on the filesystems in `LOCAL_FILESYSTEMS`:
+NFS grants no lease, a filesystem shared between hosts sees only this host's readers, and overlayfs
+grants one while a process that closed its descriptor still maps the file. Elsewhere every version
+gets a new file, as without spares. A spare found in use is dropped (unlinked: its readers keep the
+old bytes), never written.
 """
 
 from __future__ import annotations
@@ -20,20 +23,23 @@ import contextlib
 import fcntl
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
 WEIGHTS_FILE = "model.safetensors"  # a version's weights file in its folder
 SPARE_DIR = ".spare"
 SPARES_KEPT = 2  # a spare costs its size on disk (and page cache the kernel may reclaim)
+LOCAL_FILESYSTEMS = frozenset({"ext4", "ext3", "xfs", "btrfs", "tmpfs"})  # where a write lease tells
 
 
 def retire(shared_dir: Path, version: str) -> None:
-    """Delete ``<shared_dir>/<version>/``, its weights file kept as a spare."""
+    """Delete ``<shared_dir>/<version>/``, its weights file kept as a spare where spares are used."""
     folder, spares = shared_dir / version, shared_dir / SPARE_DIR
-    with contextlib.suppress(OSError):  # no file (a half-written folder), or no room for a spare
-        spares.mkdir(exist_ok=True)
-        os.rename(folder / WEIGHTS_FILE, spares / f"{version}-{uuid.uuid4().hex[:8]}")
+    if filesystem(shared_dir) in LOCAL_FILESYSTEMS:
+        with contextlib.suppress(OSError):  # no file (a half-written folder), or no room for a spare
+            spares.mkdir(exist_ok=True)
+            os.rename(folder / WEIGHTS_FILE, spares / f"{version}-{uuid.uuid4().hex[:8]}")
     shutil.rmtree(folder, ignore_errors=True)
     for old in _spares(spares)[SPARES_KEPT:]:
         with contextlib.suppress(OSError):
@@ -42,28 +48,57 @@ def retire(shared_dir: Path, version: str) -> None:
 
 def take_spare(shared_dir: Path, target: Path, size: int) -> int | None:
     """A spare renamed to ``target``, opened for writing and sized to ``size`` bytes; None if there
-    is none that nobody else has open."""
+    is none that nobody else has open (a spare that cannot be used is dropped)."""
     for spare in _spares(shared_dir / SPARE_DIR):
         try:
             os.rename(spare, target)  # one publisher wins each spare
         except OSError:
             continue
-        fd = os.open(target, os.O_WRONLY)
-        if _nobody_else_has(fd):
-            os.ftruncate(fd, size)  # versions of one model have one size: usually no change
-            return fd
-        os.close(fd)
+        fd = None
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW)
+            if stat.S_ISREG(os.fstat(fd).st_mode) and _nobody_else_has(fd):
+                os.ftruncate(fd, size)  # versions of one model have one size: usually no change
+                return fd
+        except OSError:
+            pass
+        if fd is not None:
+            os.close(fd)
         with contextlib.suppress(OSError):
             target.unlink()
     return None
 
 
+def filesystem(path: Path) -> str | None:
+    """The type of the filesystem ``path`` is on (its longest mount point in /proc/self/mounts)."""
+    try:
+        target, mounts = os.path.realpath(path), Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
 def _spares(spares: Path) -> list[Path]:
     """The spares, newest first (the most likely to still be cached)."""
     try:
-        found = [(p.stat().st_mtime, p) for p in spares.iterdir() if p.is_file()]
+        names = list(spares.iterdir())
     except OSError:
         return []
+    found = []
+    for path in names:
+        with contextlib.suppress(OSError):  # taken by another publisher meanwhile
+            info = path.lstat()
+            if stat.S_ISREG(info.st_mode):
+                found.append((info.st_mtime, path))
     return [p for _, p in sorted(found, key=lambda item: item[0], reverse=True)]
 
 
