@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fulmen.model_versions import publish_model_version
+from fulmen.records import ResourcesUpdate
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model, load_tiny_model
 from fulmen.version_stream import read_stream
@@ -119,6 +120,18 @@ def test_the_next_name_is_the_trailing_number_plus_one() -> None:
         "v8", "v10", "run2-step10", "v1", "v1", "v1"]
 
 
+async def _publish_and_serve(store: RedisStore, follower: ModelFollower, tmp_path: Path, n: int, seed: int,
+                             **publish: object) -> ResourcesUpdate:
+    """Publish a new tiny model as v<n>, have the follower take it, check it serves those very weights."""
+    model, _ = load_tiny_model(build_tiny_model(tmp_path / f"m{n}", seed=seed))
+    update = await publish_model_version(store, model.state_dict(), model="tiny", **publish)  # type: ignore[arg-type]
+    await follower.consider(update)
+    served, published = follower.backend.current_weights(), model.state_dict()
+    assert follower.backend.model_version == f"v{n}" and served is not None
+    assert all(torch.equal(served[k].float(), t.float()) for k, t in published.items())
+    return update
+
+
 async def test_a_proxy_reads_a_folder_version_while_it_is_written(
     real_store: RedisStore, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -146,12 +159,7 @@ async def test_a_proxy_reads_a_folder_version_while_it_is_written(
         for n in range(1, 6):
             follower._prefetch_next()
             assert follower._file_ahead is not None and follower._file_ahead.version == f"v{n}"
-            model, _ = load_tiny_model(build_tiny_model(tmp_path / f"m{n}", seed=10 + n))
-            update = await publish_model_version(real_store, model.state_dict(), model="tiny", shared_dir=shared)
-            await follower.consider(update)
-            served, published = backend.current_weights(), model.state_dict()
-            assert backend.model_version == f"v{n}"
-            assert all(torch.equal(served[k].float(), t.float()) for k, t in published.items())
+            update = await _publish_and_serve(real_store, follower, tmp_path, n, seed=10 + n, shared_dir=shared)
             inodes[n] = os.stat(update.resources["llm"]["weights"]["path"]).st_ino
             await retain_versions(real_store, 2, shared)  # v3 on is written over a retired version's file
             if n == 1:
@@ -177,12 +185,7 @@ async def test_each_version_is_read_into_the_last_ones_buffer_and_served_exactly
         await follower.catch_up()
         follower._prefetch_next()
         for n in range(1, 5):
-            model, _ = load_tiny_model(build_tiny_model(tmp_path / f"m{n}", seed=20 + n))
-            update = await publish_model_version(real_store, model.state_dict(), model="tiny", chunk_bytes=CHUNK)
-            await follower.consider(update)
-            served, published = backend.current_weights(), model.state_dict()
-            assert backend.model_version == f"v{n}"
-            assert all(torch.equal(served[k].float(), t.float()) for k, t in published.items())
+            await _publish_and_serve(real_store, follower, tmp_path, n, seed=20 + n, chunk_bytes=CHUNK)
         assert follower.prefetched == ["v1", "v2", "v3", "v4"] and follower.buffers.reused == 3
     finally:
         follower._drop_prefetch()
