@@ -6,7 +6,9 @@ A full version's published blob is a safetensors file already (its manifest in t
 `materialize_full` writes it as the folder's weights file as it is: the chunks from Redis straight
 into a memory map of the file, each tensor checked against the manifest while the next chunks arrive
 (`fulmen.version_stream`), or the shared folder's file copied by the kernel and checked. No tensor is
-built, nothing is serialised again; the weights are copied once on the way to vLLM.
+built, nothing is serialised again; the weights are copied once on the way to vLLM. The file is an
+older folder's, written over, when one is free (`fulmen.version_file_spares`: cached pages cost a
+fraction of new ones); a folder dropped keeps its weights file for that.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fulmen import version_blobs as blobs
 from fulmen.errors import NotFound, RecordError
 from fulmen.lora import adapter_targets
 from fulmen.store import RedisStore
+from fulmen.version_file_spares import retire, take_spare
 from fulmen.version_folder import WEIGHTS_FILE, full_weights, write_model_folder
 from fulmen.version_manifest import FULL, read_manifest
 from fulmen.version_stream import check_whole, read_stream
@@ -53,9 +56,9 @@ async def materialize_full(store: RedisStore, version: str, weights: Mapping[str
     target = tmp / WEIGHTS_FILE
     try:
         if "path" in weights:
-            await asyncio.to_thread(_copy_checked, Path(weights["path"]), target, version, weights.get("sha256"))
+            await asyncio.to_thread(_copy_checked, Path(weights["path"]), target, version, weights.get("sha256"), sync_dir)
         else:
-            await _stream_checked(store, version, target, weights.get("sha256"))
+            await _stream_checked(store, version, target, weights.get("sha256"), sync_dir)
         with target.open("rb") as f:
             head = f.read(8)
             header = head + f.read(int.from_bytes(head[:8], "little") if len(head) == 8 else 0)
@@ -78,13 +81,15 @@ def _skeleton(model_dir: Path, tmp: Path) -> None:
     shutil.copytree(model_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.safetensors.index.json"))
 
 
-async def _stream_checked(store: RedisStore, version: str, target: Path, sha256: str | None) -> None:
+async def _stream_checked(store: RedisStore, version: str, target: Path, sha256: str | None, sync_dir: Path) -> None:
     maps: list[mmap.mmap] = []
 
     def allocate(size: int) -> mmap.mmap:
         if size < 8:
             raise RecordError(f"model version {version} is not valid safetensors: {size} bytes")
-        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = take_spare(sync_dir, target, size)
+        if fd is None:
+            fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, size)
             maps.append(mmap.mmap(fd, size))  # shared: the bytes land in the file itself
@@ -107,10 +112,23 @@ async def _stream_checked(store: RedisStore, version: str, target: Path, sha256:
             mapped.close()
 
 
-def _copy_checked(source: Path, target: Path, version: str, sha256: str | None) -> None:
+def _copy_checked(source: Path, target: Path, version: str, sha256: str | None, sync_dir: Path) -> None:
     """The shared folder's file copied (by the kernel: sendfile), then the copy checked — what vLLM
     will read is what was proved."""
-    shutil.copyfile(source, target)
+    with source.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        fd = take_spare(sync_dir, target, size)
+        if fd is None:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            copied = 0
+            while copied < size:
+                sent = os.sendfile(fd, f.fileno(), copied, size - copied)
+                if sent == 0:
+                    raise RecordError(f"model version {version}: {source} ended at {copied:,} of {size:,} bytes")
+                copied += sent
+        finally:
+            os.close(fd)
     mapped = blobs.read_file(target)
     try:
         if check_whole(version, mapped, sha256) is None:
@@ -156,4 +174,4 @@ def _drop_old(sync_dir: Path, folder: Path, keep: int) -> None:
                      key=lambda p: p.stat().st_mtime)
     for old in folders[:-keep]:
         if old != folder:
-            shutil.rmtree(old, ignore_errors=True)
+            retire(sync_dir, old.name)  # a whole model's weights file is kept for a later version

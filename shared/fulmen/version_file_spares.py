@@ -47,8 +47,8 @@ def retire(shared_dir: Path, version: str) -> None:
 
 
 def take_spare(shared_dir: Path, target: Path, size: int) -> int | None:
-    """A spare renamed to ``target``, opened for writing and sized to ``size`` bytes; None if there
-    is none that nobody else has open (a spare that cannot be used is dropped)."""
+    """A spare renamed to ``target``, opened for reading and writing and sized to ``size`` bytes; None
+    if there is none that nobody else has open (a spare that cannot be used is dropped)."""
     for spare in _spares(shared_dir / SPARE_DIR):
         try:
             os.rename(spare, target)  # one publisher wins each spare
@@ -56,7 +56,7 @@ def take_spare(shared_dir: Path, target: Path, size: int) -> int | None:
             continue
         fd = None
         try:
-            fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW)
+            fd = os.open(target, os.O_RDWR | os.O_NOFOLLOW)  # read too: a writer may map it
             if stat.S_ISREG(os.fstat(fd).st_mode) and _nobody_else_has(fd):
                 os.ftruncate(fd, size)  # versions of one model have one size: usually no change
                 return fd

@@ -25,7 +25,7 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
 
 def _model_dir(tmp_path: Path) -> Path:
     model = tmp_path / "model"
-    model.mkdir()
+    model.mkdir(parents=True)
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"the base weights: never copied into a version's folder")
     return model
@@ -82,3 +82,22 @@ async def test_a_delta_is_left_to_the_caller(real_store: RedisStore, tmp_path: P
     entry = {k: v for k, v in llm_resource(update)["weights"].items() if k != "format"}  # type: ignore[index]
     assert await materialize_full(real_store, "v2", entry, _model_dir(tmp_path), tmp_path / "sync") is None
     assert not (tmp_path / "sync" / "v2").exists()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_dropped_folders_file_takes_a_later_version(real_store: RedisStore, tmp_path: Path, shared: bool) -> None:
+    """Folders past ``keep`` leave their weights file for the next version to be written over (its
+    pages cached): each folder still holds exactly its version's tensors."""
+    import os
+
+    sync, inodes = tmp_path / "sync", {}
+    for n in range(1, 6):
+        weights = _weights(10 + n)
+        update = await publish_model_version(real_store, weights, model="m", chunk_bytes=700,
+                                             shared_dir=tmp_path / "shared" if shared else None)
+        folder = await materialize_full(real_store, f"v{n}", llm_resource(update)["weights"],  # type: ignore[index]
+                                        _model_dir(tmp_path / f"m{n}"), sync, keep=2)
+        assert folder is not None and _equal(load_file(str(folder / "model.safetensors")), weights)
+        inodes[n] = os.stat(folder / "model.safetensors").st_ino
+    assert sorted(p.name for p in sync.iterdir() if not p.name.startswith(".")) == ["v4", "v5"]
+    assert (inodes[4], inodes[5]) == (inodes[1], inodes[2])  # v1's and v2's files, written over
