@@ -159,6 +159,55 @@ def _update(before: Future[None] | None, digest: Any, piece: memoryview) -> None
     digest.update(piece)
 
 
+class _Assembly:
+    """The blob being put together from a stream's chunks, each checked to be the next one before its
+    bytes go in."""
+
+    def __init__(self, store: RedisStore, version: str, key: str, allocate: Callable[[int], Buffer],
+                 check: bool) -> None:
+        self.version, self.key, self.allocate, self.check = version, key, allocate, check
+        self.max_record_bytes = store.max_record_bytes
+        self.first: WeightsChunk | None = None
+        self.blob: Buffer | None = None
+        self.checker: BlobChecker | None = None
+        self.read = self.filled = 0  # chunks, bytes
+
+    def place(self, m: Any, length: int, inline: bool = False) -> memoryview:
+        """Where the next chunk's ``length`` bytes go, once its record ``m`` shows it is the next chunk
+        of this blob and they fit. ``inline``: the bytes are inside the record (older writers)."""
+        chunk = WeightsChunk.from_wire(m, self.max_record_bytes)
+        if chunk.data and not inline:
+            raise RecordError(f"model version {self.version}: chunk {chunk.index} holds its bytes twice")
+        if self.first is None:
+            self.first, self.blob = chunk, self.allocate(chunk.size)
+            self.checker = BlobChecker(self.version, chunk.sha256) if self.check else None
+        first = self.first
+        found = (chunk.model_version, chunk.index, chunk.total, chunk.sha256, chunk.size)
+        if found != (self.version, self.read, first.total, first.sha256, first.size):
+            raise RecordError(
+                f"model version {self.version}: expected chunk {self.read} of {first.total} on {self.key}, "
+                f"found chunk {chunk.index} of {chunk.total}: a chunk is missing or foreign"
+            )
+        if self.filled + length > first.size:
+            raise RecordError(f"model version {self.version}: its chunks hold more than {first.size:,} bytes")
+        assert self.blob is not None
+        target = memoryview(self.blob)[self.filled : self.filled + length]
+        self.filled += length
+        self.read += 1
+        return target
+
+    def add(self, m: Any, data: bytes | None) -> None:
+        """A chunk received as bytes (``data`` None: they are inside its record)."""
+        if data is None:
+            data = WeightsChunk.from_wire(m, self.max_record_bytes).data
+            self.place(m, len(data), inline=True)[:] = data
+        else:
+            self.place(m, len(data))[:] = data
+
+    def done(self) -> bool:
+        return self.first is not None and self.read >= self.first.total
+
+
 async def read_stream(store: RedisStore, version: str, allocate: Callable[[int], Buffer] = bytearray,
                       check: bool = True, follow_s: float | None = None) -> tuple[Buffer, str, str | None] | None:
     """The blob on the version's weights stream, copied into ``allocate(size)``, its sha256 as the
@@ -169,35 +218,58 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
     ``follow_s``: read the stream while it is being written (a prefetch, before any resources entry
     names the version): wait as long as it takes for the first chunk, then at most ``follow_s``
     seconds for each next one; None if one does not come in time (the publish stopped). Nothing read
-    this way may be served before a resources entry names the version (`ModelFollower`)."""
+    this way may be served before a resources entry names the version (`ModelFollower`).
+
+    After the first chunk, the pages come on a connection of the reader's own, straight into the blob
+    (`fulmen.version_stream_socket`), where one can be opened like the client's."""
+    from fulmen.version_stream_socket import ChunkSocket
+
     key = store.keys.weights(version)
-    blob: Buffer | None = None
-    read = filled = 0
-    first: WeightsChunk | None = None
-    checker: BlobChecker | None = None
+    blob = _Assembly(store, version, key, allocate, check)
+    raw: ChunkSocket | None = None
     page = 1  # until the first chunk shows the chunk size
     # Pages after the first ask for exact id ranges (chunk i is entry 0-<i+1>), PAGES_AHEAD at a time
-    # on as many connections: the server builds the next replies while the client parses this one
-    # (one round trip at a time left one side idle while the other worked).
+    # (on as many connections, or pipelined on the reader's own): the server builds the next replies
+    # while the client parses this one (one round trip at a time left one side idle).
     pages: deque[asyncio.Future[Any]] = deque()
+    raw_pages = 0  # pages asked on the raw connection and not read yet
     asked = 0  # chunks requested so far
 
     def ask() -> None:
-        nonlocal asked
-        pages.append(asyncio.ensure_future(store.weights_redis.xrange(
-            key, min=f"0-{asked + 1}", max=f"0-{asked + page}", count=page)))
+        nonlocal asked, raw_pages
+        low, high = f"0-{asked + 1}", f"0-{asked + page}"
+        if raw is not None:
+            raw.send("XRANGE", key, low, high, "COUNT", page)
+            raw_pages += 1
+        else:
+            pages.append(asyncio.ensure_future(store.weights_redis.xrange(key, min=low, max=high, count=page)))
         asked += page
 
     try:
-        while first is None or read < first.total:
+        while not blob.done():
+            if raw is not None:  # after the first chunk, on the reader's own connection
+                assert blob.first is not None
+                if follow_s is not None:
+                    asked = blob.read  # one page at a time from what is read: the writer may be behind
+                while raw_pages < (PAGES_AHEAD if follow_s is None else 1) and asked < blob.first.total:
+                    ask()
+                if not raw_pages:  # every chunk asked for and read, and some never came
+                    break
+                before = blob.read
+                raw_pages -= 1
+                await asyncio.to_thread(raw.entries, blob.place, blob.add)
+                _feed(blob)
+                if blob.read > before or follow_s is None:
+                    continue
+                # a follow ahead of the writer: wait for its next chunk below, then back to this connection
             if follow_s is not None:
-                entries = await _written_next(store, key, read, page, None if first is None else follow_s)
+                entries = await _written_next(store, key, blob.read, page, None if blob.first is None else follow_s)
                 if not entries:
                     return None
-            elif first is None:
+            elif blob.first is None:
                 entries = await store.weights_redis.xrange(key, min="0-1", max="+", count=1)
             else:
-                while len(pages) < PAGES_AHEAD and asked < first.total:
+                while len(pages) < PAGES_AHEAD and asked < blob.first.total:
                     ask()
                 if not pages:  # every chunk asked for, and some never came
                     break
@@ -205,46 +277,34 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
             if not entries:
                 break
             for _, fields in entries:
-                chunk = WeightsChunk.from_wire(fields.get(b"m"), store.max_record_bytes)
-                data = fields.get(DATA_FIELD.encode())
-                if data is None:
-                    data = chunk.data
-                elif chunk.data:
-                    raise RecordError(f"model version {version}: chunk {chunk.index} holds its bytes twice")
-                if first is None:
-                    first, blob = chunk, allocate(chunk.size)
-                    checker = BlobChecker(version, chunk.sha256) if check else None
-                found = (chunk.model_version, chunk.index, chunk.total, chunk.sha256, chunk.size)
-                if found != (version, read, first.total, first.sha256, first.size):
-                    raise RecordError(
-                        f"model version {version}: expected chunk {read} of {first.total} on {key}, "
-                        f"found chunk {chunk.index} of {chunk.total}: a chunk is missing or foreign"
-                    )
-                if filled + len(data) > first.size:
-                    raise RecordError(f"model version {version}: its chunks hold more than {first.size:,} bytes")
-                assert blob is not None
-                blob[filled : filled + len(data)] = data
-                filled += len(data)
-                read += 1
-            if checker is not None and blob is not None:
-                checker.feed(blob, filled)
-            if first is not None and asked == 0:
-                page, asked = max(1, READ_PAGE_BYTES // max(1, first.size // first.total)), read
-        if first is None or blob is None:
+                blob.add(fields.get(b"m"), fields.get(DATA_FIELD.encode()))
+            _feed(blob)
+            if blob.first is not None and page == 1 and not blob.done():
+                page, asked = max(1, READ_PAGE_BYTES // max(1, blob.first.size // blob.first.total)), blob.read
+                raw = await asyncio.to_thread(ChunkSocket.open, store.weights_redis)
+        first = blob.first
+        if first is None or blob.blob is None:
             return None
-        if read != first.total:
-            raise RecordError(f"model version {version} is incomplete: {read} of {first.total} chunks on {key}")
-        if filled != first.size:
-            raise RecordError(f"model version {version} is {filled:,} bytes, expected {first.size:,}")
-        if checker is None:
-            return blob, first.sha256, None
-        finishing, checker = checker, None
-        return blob, first.sha256, await asyncio.to_thread(finishing.finish, blob)
+        if blob.read != first.total:
+            raise RecordError(f"model version {version} is incomplete: {blob.read} of {first.total} chunks on {key}")
+        if blob.filled != first.size:
+            raise RecordError(f"model version {version} is {blob.filled:,} bytes, expected {first.size:,}")
+        if blob.checker is None:
+            return blob.blob, first.sha256, None
+        finishing, blob.checker = blob.checker, None
+        return blob.blob, first.sha256, await asyncio.to_thread(finishing.finish, blob.blob)
     finally:
         for pending in pages:  # left early (a bad chunk): the pages on their way are not wanted
             pending.cancel()
-        if checker is not None:  # left early: the pool's pending hashes are dropped
-            checker.close()
+        if raw is not None:
+            raw.close()
+        if blob.checker is not None:  # left early: the pool's pending hashes are dropped
+            blob.checker.close()
+
+
+def _feed(blob: _Assembly) -> None:
+    if blob.checker is not None and blob.blob is not None:
+        blob.checker.feed(blob.blob, blob.filled)
 
 
 FOLLOW_POLL_MS = 1000  # one blocking read at a time, so a cancelled prefetch ends within this

@@ -1,0 +1,176 @@
+"""Reading a model version's chunks on a socket of its own, straight into the blob (issue 16).
+
+redis-py hands each chunk to Python as a bytes object: the socket's bytes are copied into asyncio's
+buffer, into hiredis's, into a bytes object, then into the blob — four copies of every byte, on the
+event loop. For the pages `fulmen.version_stream.read_stream` asks for, `ChunkSocket` sends the same
+XRANGE on a blocking connection of its own, in a worker thread, and receives each chunk's bytes with
+``recv_into`` at their place in the blob: one copy, off the event loop. It speaks RESP2 (what a new
+connection speaks) and logs in and selects the database as the client's pool does; where it cannot
+connect the same way (TLS, a cluster, a credential provider, RESP3) `ChunkSocket.open` gives None and
+the caller keeps redis-py.
+
+What each chunk's record says is checked before its bytes are received (``place``): a chunk out of
+order or too large is refused before it touches the blob.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from fulmen.errors import RecordError
+
+READ_BYTES = 64 << 10  # what one recv takes when a reply's framing (not a chunk's bytes) is wanted
+CONNECT_TIMEOUT_S = 10.0
+IO_TIMEOUT_S = 120.0  # a page of chunks comes within this, or the server is gone
+
+# (m record, its data's length) -> where the data goes (RecordError if it is not the next chunk)
+Place = Callable[[bytes, int], memoryview]
+
+
+class ChunkSocket:
+    """A blocking connection that sends XRANGEs and parses their replies itself (one thread at a time)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.pending = bytearray()  # received and not parsed yet
+
+    @classmethod
+    def open(cls, client: Any) -> ChunkSocket | None:
+        """A connection like ``client``'s (an asyncio redis-py client to one server), logged in; None
+        where that cannot be done the same way."""
+        from redis.asyncio.connection import Connection, UnixDomainSocketConnection
+
+        pool = getattr(client, "connection_pool", None)
+        kind = getattr(pool, "connection_class", None)
+        kwargs: dict[str, Any] = getattr(pool, "connection_kwargs", {})
+        if kind not in (Connection, UnixDomainSocketConnection) or kwargs.get("credential_provider") is not None \
+                or str(kwargs.get("protocol") or 2) != "2":
+            return None
+        try:
+            if kind is UnixDomainSocketConnection:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(CONNECT_TIMEOUT_S)
+                sock.connect(kwargs["path"])
+            else:
+                sock = socket.create_connection((kwargs.get("host", "localhost"), int(kwargs.get("port", 6379))),
+                                                CONNECT_TIMEOUT_S)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(IO_TIMEOUT_S)
+        except OSError:
+            return None
+        reader = cls(sock)
+        try:
+            if kwargs.get("password"):
+                user = [kwargs["username"]] if kwargs.get("username") else []
+                reader.call("AUTH", *user, kwargs["password"])
+            if int(kwargs.get("db") or 0):
+                reader.call("SELECT", int(kwargs["db"]))
+        except (OSError, ResponseError, RecordError):
+            reader.close()
+            return None
+        return reader
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+        self.sock.close()
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def send(self, *args: str | int | bytes) -> None:
+        parts = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            raw = arg if isinstance(arg, bytes) else str(arg).encode()
+            parts.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
+        self.sock.sendall(b"".join(parts))
+
+    def call(self, *args: str | int | bytes) -> bytes:
+        """Send a command whose reply is a status line; that line."""
+        self.send(*args)
+        line = self._line()
+        if line[:1] == b"-":
+            raise ResponseError(line[1:].decode(errors="replace"))
+        return line[1:]
+
+    def entries(self, place: Place, add: Callable[[bytes, bytes | None], None]) -> int:
+        """Read the reply to an XRANGE: each entry's ``d`` field received into ``place(m, length)``
+        (its ``m`` field comes first, as writers put it), else the entry handed to ``add(m, d)`` (``d``
+        None: the bytes are inside the record, as older writers put them); how many entries."""
+        count = self._size(b"*")
+        for _ in range(max(0, count)):
+            if self._size(b"*") != 2:
+                raise RecordError("a stream entry that is not [id, fields]")
+            self._bulk()  # the entry's id
+            m: bytes | None = None
+            d: bytes | None = None
+            placed = False
+            for _ in range(self._size(b"*") // 2):
+                name = self._bulk()
+                length = self._size(b"$")
+                if name == b"d" and m is not None:
+                    self._into(place(m, length))
+                    placed = True
+                    continue
+                value = self._exactly(length)
+                if name == b"m":
+                    m = value
+                elif name == b"d":
+                    d = value
+            if m is None:
+                raise RecordError("a weights chunk without its record")
+            if not placed:
+                add(m, d)
+        return max(0, count)
+
+    # --- RESP ----------------------------------------------------------------------------------
+
+    def _fill(self) -> None:
+        data = self.sock.recv(READ_BYTES)
+        if not data:
+            raise ConnectionError("the weights' Redis closed the connection")
+        self.pending += data
+
+    def _line(self) -> bytes:
+        while (end := self.pending.find(b"\r\n")) < 0:
+            self._fill()
+        line = bytes(self.pending[:end])
+        del self.pending[: end + 2]
+        return line
+
+    def _size(self, kind: bytes) -> int:
+        line = self._line()
+        if line[:1] == b"-":
+            raise ResponseError(line[1:].decode(errors="replace"))
+        if line[:1] != kind:
+            raise RecordError(f"unexpected reply from the weights' Redis: {line[:40]!r}")
+        return int(line[1:])
+
+    def _bulk(self) -> bytes:
+        return self._exactly(self._size(b"$"))
+
+    def _exactly(self, length: int) -> bytes:
+        while len(self.pending) < length + 2:
+            self._fill()
+        value = bytes(self.pending[:length])
+        del self.pending[: length + 2]
+        return value
+
+    def _into(self, target: memoryview) -> None:
+        """A bulk string's bytes (its length is ``len(target)``) received into ``target``."""
+        have = min(len(self.pending), len(target))
+        target[:have] = self.pending[:have]
+        del self.pending[:have]
+        done = have
+        while done < len(target):
+            got = self.sock.recv_into(target[done:])
+            if not got:
+                raise ConnectionError("the weights' Redis closed the connection")
+            done += got
+        while len(self.pending) < 2:
+            self._fill()
+        del self.pending[:2]
