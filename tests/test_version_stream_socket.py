@@ -4,12 +4,18 @@ database the client uses, and redis-py where that connection cannot be made the 
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import mmap
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 import torch
 
+from fulmen import version_stream
 from fulmen.embedded import EmbeddedRedis
 from fulmen.errors import RecordError
 from fulmen.model_versions import publish_model_version
@@ -86,8 +92,93 @@ async def test_it_logs_in_and_selects_the_clients_database(tmp_path: Path, opene
         await wrong.aclose()
 
 
-def test_what_it_cannot_connect_like_the_client_it_leaves_to_redis_py() -> None:
-    tls = aioredis.Redis.from_url("rediss://127.0.0.1:1/0")
-    resp3 = aioredis.Redis.from_url("redis://127.0.0.1:1/0", protocol=3)
+async def test_what_it_cannot_connect_like_the_client_it_leaves_to_redis_py(
+    redis_server: EmbeddedRedis, redis_cluster: object, opened: list[bool]
+) -> None:
+    from fulmen.connection import async_client
+
+    port = redis_server.port
+    plain = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
+    tls = aioredis.Redis.from_url(f"rediss://127.0.0.1:{port}/0")
+    resp3 = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/0", protocol=3)
     nobody = aioredis.Redis.from_url("redis://127.0.0.1:1/0")  # nothing listens on port 1
-    assert [ChunkSocket.open(c) for c in (tls, resp3, nobody)] == [None, None, None]
+    own = ChunkSocket.open(plain)
+    assert own is not None and [ChunkSocket.open(c) for c in (tls, resp3, nobody)] == [None, None, None]
+    own.close()
+    cluster = async_client(redis_cluster.url)  # type: ignore[attr-defined]
+    await cluster.ping()
+    store = RedisStore(cluster, "cluster-weights")
+    await publish_model_version(store, _weights(4), model="m", model_version="v1", chunk_bytes=1000)
+    found = await read_stream(store, "v1")
+    assert found is not None and found[2] == "manifest" and opened[-1] is False
+    await cluster.aclose()
+
+
+async def test_pages_in_flight_and_a_dropped_connection_lose_nothing(
+    real_store: RedisStore, opened: list[bool], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Chunks larger than a recv, two pages asked ahead; the connection dropped in the middle of a
+    chunk: the read goes on through redis-py from the last whole chunk, and the bytes are the same."""
+    monkeypatch.setattr(version_stream, "READ_PAGE_BYTES", 300_000)  # pages of 2 chunks
+    weights = {"w": torch.randn(400, 1000, generator=torch.Generator().manual_seed(5))}  # 1.6 MB
+    await publish_model_version(real_store, weights, model="m", model_version="v1", chunk_bytes=150_000)
+    whole = await read_stream(real_store, "v1")
+    real_into, calls = ChunkSocket._into, []
+
+    def dropping(self: ChunkSocket, target: memoryview) -> None:
+        calls.append(len(target))
+        if len(calls) == 4:
+            self.sock.recv_into(target[:1000])  # part of the chunk in, then the connection goes
+            raise ConnectionResetError("dropped")
+        real_into(self, target)
+
+    monkeypatch.setattr(ChunkSocket, "_into", dropping)
+    with caplog.at_level(logging.WARNING):
+        again = await read_stream(real_store, "v1")
+    assert whole is not None and again is not None and bytes(again[0]) == bytes(whole[0])
+    assert again[2] == "manifest" and opened == [True, True] and len(calls) == 4
+    assert "going on with the client's" in caplog.text
+
+
+async def test_a_cancelled_read_leaves_the_buffer_free(
+    real_store: RedisStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Cancelled while its thread receives a chunk, the read ends that thread before it returns: the
+    caller's memory map closes (no view of it is left) and nothing writes into it afterwards."""
+    await publish_model_version(real_store, _weights(6), model="m", model_version="v1", chunk_bytes=1000)
+    real_into, receiving = ChunkSocket._into, threading.Event()
+
+    def slow(self: ChunkSocket, target: memoryview) -> None:
+        receiving.set()
+        time.sleep(0.3)
+        real_into(self, target)
+
+    monkeypatch.setattr(ChunkSocket, "_into", slow)
+    maps: list[mmap.mmap] = []
+
+    def allocate(size: int) -> mmap.mmap:
+        maps.append(mmap.mmap(-1, size))
+        return maps[-1]
+
+    reading = asyncio.ensure_future(read_stream(real_store, "v1", allocate))
+    while not receiving.is_set():
+        await asyncio.sleep(0.01)
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    before = bytes(maps[0])
+    maps[0].close()  # BufferError if a view were left
+    assert before.count(0) < len(before)  # the first chunks did land
+
+
+async def test_an_acl_user_logs_in(tmp_path: Path, opened: list[bool]) -> None:
+    with EmbeddedRedis(tmp_path / "redis", port=None) as server:
+        admin = aioredis.Redis(port=server.port)
+        await admin.execute_command("ACL", "SETUSER", "trainer", "on", ">pw", "~*", "+@all")
+        client = aioredis.Redis.from_url(f"redis://trainer:pw@127.0.0.1:{server.port}/0")
+        store = RedisStore(client, "acl")
+        await publish_model_version(store, _weights(7), model="m", model_version="v1", chunk_bytes=1000)
+        found = await read_stream(store, "v1")
+        assert opened == [True] and found is not None and found[2] == "manifest"
+        await client.aclose()
+        await admin.aclose()

@@ -6,7 +6,8 @@ file to vLLM as it is). As soon as the header has arrived, a `BlobChecker` start
 whose bytes are complete in a pool of threads (hashlib and torch release the GIL), so the one hash
 pass over the weights runs while the next chunks are on the way instead of after the last one. The
 chunks come in XRANGE pages, two in flight at once, so the server builds the next reply while the
-client parses this one.
+client parses this one; after the first chunk, on a connection of the reader's own that receives each
+chunk's bytes at their place in the buffer, in a worker thread (`fulmen.version_stream_socket`).
 
 What is checked is what `fulmen.version_blobs.deserialize` checks, on the same bytes: when the header's
 sha256 is the one published and its manifest covers the blob's tensors (full, LoRA), each tensor's
@@ -19,11 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import struct
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import ResponseError
 
 from fulmen.errors import RecordError
 from fulmen.records import WeightsChunk
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
     from fulmen.store import RedisStore
 
     Buffer = bytearray | mmap.mmap
+
+log = logging.getLogger(__name__)
 
 READ_PAGE_BYTES = 32 << 20  # chunks per XRANGE page: bounded client buffers, hashing starts early
 PAGES_AHEAD = 2  # XRANGE pages in flight at once (read_stream)
@@ -171,10 +177,12 @@ class _Assembly:
         self.blob: Buffer | None = None
         self.checker: BlobChecker | None = None
         self.read = self.filled = 0  # chunks, bytes
+        self.placing = 0  # the length of the chunk being received
 
     def place(self, m: Any, length: int, inline: bool = False) -> memoryview:
         """Where the next chunk's ``length`` bytes go, once its record ``m`` shows it is the next chunk
-        of this blob and they fit. ``inline``: the bytes are inside the record (older writers)."""
+        of this blob and they fit; `commit` once they are there. ``inline``: the bytes are inside the
+        record (older writers)."""
         chunk = WeightsChunk.from_wire(m, self.max_record_bytes)
         if chunk.data and not inline:
             raise RecordError(f"model version {self.version}: chunk {chunk.index} holds its bytes twice")
@@ -191,18 +199,22 @@ class _Assembly:
         if self.filled + length > first.size:
             raise RecordError(f"model version {self.version}: its chunks hold more than {first.size:,} bytes")
         assert self.blob is not None
-        target = memoryview(self.blob)[self.filled : self.filled + length]
-        self.filled += length
+        self.placing = length
+        return memoryview(self.blob)[self.filled : self.filled + length]
+
+    def commit(self) -> None:
+        """The chunk `place` gave room to is in."""
+        self.filled += self.placing
         self.read += 1
-        return target
 
     def add(self, m: Any, data: bytes | None) -> None:
         """A chunk received as bytes (``data`` None: they are inside its record)."""
+        inline = data is None
         if data is None:
             data = WeightsChunk.from_wire(m, self.max_record_bytes).data
-            self.place(m, len(data), inline=True)[:] = data
-        else:
-            self.place(m, len(data))[:] = data
+        with self.place(m, len(data), inline) as target:
+            target[:] = data
+        self.commit()
 
     def done(self) -> bool:
         return self.first is not None and self.read >= self.first.total
@@ -227,12 +239,14 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
     key = store.keys.weights(version)
     blob = _Assembly(store, version, key, allocate, check)
     raw: ChunkSocket | None = None
-    page = 1  # until the first chunk shows the chunk size
+    own: ThreadPoolExecutor | None = None  # the own connection's thread, drained before returning
+    opened: list[ChunkSocket] = []
+    page, sized = 1, False  # until the first chunk shows the chunk size
     # Pages after the first ask for exact id ranges (chunk i is entry 0-<i+1>), PAGES_AHEAD at a time
     # (on as many connections, or pipelined on the reader's own): the server builds the next replies
     # while the client parses this one (one round trip at a time left one side idle).
     pages: deque[asyncio.Future[Any]] = deque()
-    raw_pages = 0  # pages asked on the raw connection and not read yet
+    raw_pages = 0  # pages asked on the own connection and not read yet
     asked = 0  # chunks requested so far
 
     def ask() -> None:
@@ -245,19 +259,33 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
             pages.append(asyncio.ensure_future(store.weights_redis.xrange(key, min=low, max=high, count=page)))
         asked += page
 
+    def open_own() -> ChunkSocket | None:
+        reader = ChunkSocket.open(store.weights_redis)
+        if reader is not None:
+            opened.append(reader)
+        return reader
+
     try:
         while not blob.done():
-            if raw is not None:  # after the first chunk, on the reader's own connection
+            if raw is not None and own is not None:  # after the first chunk, on the reader's own connection
                 assert blob.first is not None
                 if follow_s is not None:
                     asked = blob.read  # one page at a time from what is read: the writer may be behind
-                while raw_pages < (PAGES_AHEAD if follow_s is None else 1) and asked < blob.first.total:
-                    ask()
-                if not raw_pages:  # every chunk asked for and read, and some never came
-                    break
                 before = blob.read
-                raw_pages -= 1
-                await asyncio.to_thread(raw.entries, blob.place, blob.add)
+                try:
+                    while raw_pages < (PAGES_AHEAD if follow_s is None else 1) and asked < blob.first.total:
+                        ask()
+                    if not raw_pages:  # every chunk asked for and read, and some never came
+                        break
+                    raw_pages -= 1
+                    await asyncio.wrap_future(own.submit(raw.entries, blob))
+                except (OSError, ResponseError) as e:
+                    # a restart, a dropped connection: on through redis-py, which rides out an outage
+                    log.warning("reading model version %s on its own connection failed (%r): going on with the "
+                                "client's", version, e)
+                    raw.close()
+                    raw, raw_pages, asked = None, 0, blob.read
+                    continue
                 _feed(blob)
                 if blob.read > before or follow_s is None:
                     continue
@@ -279,9 +307,11 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
             for _, fields in entries:
                 blob.add(fields.get(b"m"), fields.get(DATA_FIELD.encode()))
             _feed(blob)
-            if blob.first is not None and page == 1 and not blob.done():
+            if blob.first is not None and not sized and not blob.done():
+                sized = True
                 page, asked = max(1, READ_PAGE_BYTES // max(1, blob.first.size // blob.first.total)), blob.read
-                raw = await asyncio.to_thread(ChunkSocket.open, store.weights_redis)
+                own = ThreadPoolExecutor(1, thread_name_prefix="fulmen-weights")
+                raw = await asyncio.wrap_future(own.submit(open_own))
         first = blob.first
         if first is None or blob.blob is None:
             return None
@@ -296,8 +326,12 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
     finally:
         for pending in pages:  # left early (a bad chunk): the pages on their way are not wanted
             pending.cancel()
-        if raw is not None:
-            raw.close()
+        for reader in opened:
+            reader.close()  # wakes the own thread if it waits on the socket
+        if own is not None:
+            # its thread may still be writing into the blob (a cancelled read): done before the caller
+            # reuses or unmaps it
+            own.shutdown(wait=True)
         if blob.checker is not None:  # left early: the pool's pending hashes are dropped
             blob.checker.close()
 

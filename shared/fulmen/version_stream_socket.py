@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from redis.exceptions import ResponseError
 
@@ -28,8 +27,14 @@ READ_BYTES = 64 << 10  # what one recv takes when a reply's framing (not a chunk
 CONNECT_TIMEOUT_S = 10.0
 IO_TIMEOUT_S = 120.0  # a page of chunks comes within this, or the server is gone
 
-# (m record, its data's length) -> where the data goes (RecordError if it is not the next chunk)
-Place = Callable[[bytes, int], memoryview]
+class Assembly(Protocol):
+    """Where chunks go (`fulmen.version_stream._Assembly`)."""
+
+    def place(self, m: bytes, length: int) -> memoryview: ...  # RecordError if not the next chunk
+
+    def commit(self) -> None: ...
+
+    def add(self, m: bytes, data: bytes | None) -> None: ...
 
 
 class ChunkSocket:
@@ -54,20 +59,25 @@ class ChunkSocket:
         try:
             if kind is UnixDomainSocketConnection:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(CONNECT_TIMEOUT_S)
-                sock.connect(kwargs["path"])
-            else:
+                try:
+                    sock.settimeout(CONNECT_TIMEOUT_S)
+                    sock.connect(kwargs["path"])
+                except OSError:
+                    sock.close()
+                    raise
+            else:  # resolves the host as redis-py does (IPv4 or IPv6); closes the socket if it fails
                 sock = socket.create_connection((kwargs.get("host", "localhost"), int(kwargs.get("port", 6379))),
                                                 CONNECT_TIMEOUT_S)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(IO_TIMEOUT_S)
         except OSError:
             return None
         reader = cls(sock)
         try:
-            if kwargs.get("password"):
-                user = [kwargs["username"]] if kwargs.get("username") else []
-                reader.call("AUTH", *user, kwargs["password"])
+            if kind is not UnixDomainSocketConnection:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(IO_TIMEOUT_S)
+            username, password = kwargs.get("username"), kwargs.get("password")
+            if username or password:  # as redis-py logs in
+                reader.call("AUTH", *([username] if username else []), password or "")
             if int(kwargs.get("db") or 0):
                 reader.call("SELECT", int(kwargs["db"]))
         except (OSError, ResponseError, RecordError):
@@ -97,10 +107,10 @@ class ChunkSocket:
             raise ResponseError(line[1:].decode(errors="replace"))
         return line[1:]
 
-    def entries(self, place: Place, add: Callable[[bytes, bytes | None], None]) -> int:
-        """Read the reply to an XRANGE: each entry's ``d`` field received into ``place(m, length)``
-        (its ``m`` field comes first, as writers put it), else the entry handed to ``add(m, d)`` (``d``
-        None: the bytes are inside the record, as older writers put them); how many entries."""
+    def entries(self, into: Assembly) -> int:
+        """Read the reply to an XRANGE: each entry's ``d`` field received at ``into.place(m, length)``
+        (its ``m`` field comes first, as writers put it), else the entry handed to ``into.add(m, d)``
+        (``d`` None: the bytes are inside the record, as older writers put them); how many entries."""
         count = self._size(b"*")
         for _ in range(max(0, count)):
             if self._size(b"*") != 2:
@@ -112,8 +122,9 @@ class ChunkSocket:
             for _ in range(self._size(b"*") // 2):
                 name = self._bulk()
                 length = self._size(b"$")
-                if name == b"d" and m is not None:
-                    self._into(place(m, length))
+                if name == b"d" and m is not None and length >= 0:
+                    self._into(into.place(m, length))
+                    into.commit()
                     placed = True
                     continue
                 value = self._exactly(length)
@@ -124,7 +135,7 @@ class ChunkSocket:
             if m is None:
                 raise RecordError("a weights chunk without its record")
             if not placed:
-                add(m, d)
+                into.add(m, d)
         return max(0, count)
 
     # --- RESP ----------------------------------------------------------------------------------
@@ -146,31 +157,43 @@ class ChunkSocket:
         line = self._line()
         if line[:1] == b"-":
             raise ResponseError(line[1:].decode(errors="replace"))
-        if line[:1] != kind:
-            raise RecordError(f"unexpected reply from the weights' Redis: {line[:40]!r}")
-        return int(line[1:])
+        try:
+            if line[:1] == kind:
+                return int(line[1:])
+        except ValueError:
+            pass
+        raise RecordError(f"unexpected reply from the weights' Redis: {line[:40]!r}")
 
     def _bulk(self) -> bytes:
         return self._exactly(self._size(b"$"))
 
     def _exactly(self, length: int) -> bytes:
+        if length < 0:
+            raise RecordError("a nil where a stream entry's field was expected")
         while len(self.pending) < length + 2:
             self._fill()
         value = bytes(self.pending[:length])
-        del self.pending[: length + 2]
+        self._crlf(length)
         return value
 
     def _into(self, target: memoryview) -> None:
-        """A bulk string's bytes (its length is ``len(target)``) received into ``target``."""
-        have = min(len(self.pending), len(target))
-        target[:have] = self.pending[:have]
-        del self.pending[:have]
-        done = have
-        while done < len(target):
-            got = self.sock.recv_into(target[done:])
-            if not got:
-                raise ConnectionError("the weights' Redis closed the connection")
-            done += got
+        """A bulk string's bytes (its length is ``len(target)``) received into ``target``, which is
+        released after (a view left in a traceback would keep a memory map from closing)."""
+        with target:
+            have = min(len(self.pending), len(target))
+            target[:have] = self.pending[:have]
+            del self.pending[:have]
+            done = have
+            while done < len(target):
+                got = self.sock.recv_into(target[done:])
+                if not got:
+                    raise ConnectionError("the weights' Redis closed the connection")
+                done += got
         while len(self.pending) < 2:
             self._fill()
-        del self.pending[:2]
+        self._crlf(0)
+
+    def _crlf(self, at: int) -> None:
+        if self.pending[at : at + 2] != b"\r\n":
+            raise RecordError("a reply from the weights' Redis that does not end its string")
+        del self.pending[: at + 2]
