@@ -87,11 +87,11 @@ async def _stream_checked(store: RedisStore, version: str, target: Path, sha256:
     def allocate(size: int) -> mmap.mmap:
         if size < 8:
             raise RecordError(f"model version {version} is not valid safetensors: {size} bytes")
-        fd = take_spare(sync_dir, target, size)
-        if fd is None:
-            fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        spare = take_spare(sync_dir, target, size)  # sized already
+        fd = spare if spare is not None else os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, size)
+            if spare is None:
+                os.ftruncate(fd, size)
             maps.append(mmap.mmap(fd, size))  # shared: the bytes land in the file itself
         finally:
             os.close(fd)

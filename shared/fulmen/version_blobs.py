@@ -285,16 +285,26 @@ def read_file(path: Path) -> bytearray | mmap.mmap:
     a FIFO would block the reading thread (and the follower awaiting it) until a writer came, a device
     such as /dev/zero would never end."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = open_regular(path)
     except FileNotFoundError:
         raise NotFound(f"model weights file {path} does not exist") from None
+    if fd is None:
+        raise RecordError(f"model weights path {path} is not a regular file")
     with os.fdopen(fd, "rb"):
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise RecordError(f"model weights path {path} is not a regular file")
         if info.st_size == 0:
             return bytearray()
         return mmap.mmap(fd, info.st_size, access=mmap.ACCESS_COPY)
+
+
+def open_regular(path: Path) -> int | None:
+    """A read-only descriptor of ``path`` if it is a regular file, else None (FileNotFoundError if it
+    does not exist). Opened without blocking (see `read_file`)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    return None
 
 
 def deserialize(version: str, blob: Blob | bytes | bytearray | mmap.mmap, sha256: str | None,

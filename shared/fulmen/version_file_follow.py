@@ -25,7 +25,6 @@ import hashlib
 import logging
 import mmap
 import os
-import stat
 import struct
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fulmen.errors import RecordError
-from fulmen.version_blobs import TensorSpan, layout
+from fulmen.version_blobs import TensorSpan, layout, open_regular
 from fulmen.version_file_spares import WEIGHTS_FILE
 from fulmen.version_manifest import HASH_THREADS, read_manifest
 from fulmen.version_stream import _hash_and_check, check_tensors
@@ -55,7 +54,6 @@ class FileReadAhead:
         self.folder, self.version, self.stall_s = Path(folder) / version, version, stall_s
         self.fd: int | None = None
         self.spans: list[TensorSpan] | None = None  # the first header's layout, sorted by end
-        self.total = 0  # the file's size once every tensor is written
         self.submitted = 0  # spans handed to the pool
         self.jobs: list[tuple[TensorSpan, Future[tuple[str, bool]]]] = []
         self.pool = ThreadPoolExecutor(threads)
@@ -91,8 +89,7 @@ class FileReadAhead:
             if size < 8 + header_size:
                 return
             header = os.pread(fd, 8 + header_size, 0)
-            spans = sorted(layout(self.version, header, 8 + header_size + (1 << 62)), key=lambda s: s.end)
-            self.spans, self.total = spans, max((s.end for s in spans), default=8 + header_size)
+            self.spans = sorted(layout(self.version, header, 8 + header_size + (1 << 62)), key=lambda s: s.end)
         ready = self.submitted
         while ready < len(self.spans) and self.spans[ready].end <= size:
             ready += 1
@@ -116,7 +113,7 @@ class FileReadAhead:
                 return None
             if self.fd is None:  # whole before it was looked for (small, or written over a spare)
                 self.task.cancel()
-                self.fd = _open_regular(Path(path))
+                self.fd = open_regular(Path(path))
                 if self.fd is None:
                     return None
                 self._feed(self.fd, os.fstat(self.fd).st_size)
@@ -180,19 +177,9 @@ def _open(folder: Path) -> int | None:
     there is neither (yet)."""
     for name in (WEIGHTS_FILE + ".partial", WEIGHTS_FILE):
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            fd = _open_regular(folder / name)
+            fd = open_regular(folder / name)
             if fd is not None:
                 return fd
-    return None
-
-
-def _open_regular(path: Path) -> int | None:
-    """A read-only descriptor of ``path`` if it is a regular file, else None. Opened without blocking
-    (see `fulmen.version_blobs.read_file`)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    if stat.S_ISREG(os.fstat(fd).st_mode):
-        return fd
-    os.close(fd)
     return None
 
 
