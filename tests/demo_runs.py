@@ -46,7 +46,7 @@ def run_dev(folder: Path, env: dict[str, str], args: list[str], timeout_s: float
 def assert_beat_the_warm_start(folder: Path, steps: int, margin: float) -> None:
     """The summary of the run in ``folder``: ``steps`` steps or more, a warm start that left room to
     learn, final validation ``margin`` above it, and the final model saved."""
-    summary = json.loads((folder / ".fulmen" / "run" / "summary.json").read_text())
+    summary = json.loads((folder / ".fulmen" / "run" / "default" / "summary.json").read_text())
     accuracy = {v["label"]: v["accuracy"] for v in summary["validations"]}
     warm, final = accuracy["v0"], summary["final_val_accuracy"]
     assert summary["steps"] >= steps

@@ -57,7 +57,7 @@ def test_fulmen_dev_runs_ones_own_tasks_and_model(tmp_path: Path) -> None:
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
     assert "run finished: curve" in log and "now serving model version v2" in log, log[-6000:]
-    summary = json.loads((tmp_path / ".fulmen" / "run" / "summary.json").read_text())
+    summary = json.loads((tmp_path / ".fulmen" / "run" / "default" / "summary.json").read_text())
     assert summary["steps"] >= 2
     # samples come only from succeeded rollouts: the rollouts found the policy the run named
     assert re.search(r"trainer: step 1 .* [1-9]\d* samples", log), log[-6000:]

@@ -95,6 +95,6 @@ def test_shortened_tool_demo_trains_on_tool_trajectories(tmp_path: Path) -> None
         assert len(trajectories) >= len(ids) / 2, ids
         assert record["perf/tokens"] / record["perf/samples"] > 11, record
         assert record["loss/ppo_epochs"] == 2 and record["loss/total"] == record["loss/total"]  # trained, finite
-    summary = json.loads((tmp_path / ".fulmen" / "run" / "summary.json").read_text())
+    summary = json.loads((tmp_path / ".fulmen" / "run" / "default" / "summary.json").read_text())
     assert summary["steps"] >= steps
     assert Path(tmp_path / summary["final_model"] / "model.safetensors").exists()

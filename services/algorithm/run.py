@@ -29,11 +29,16 @@ log = logging.getLogger("fulmen.algorithm")
 TICK_WAIT_S = 0.5
 # Seconds between two progress lines in the log.
 PROGRESS_EVERY_S = 2.0
-# Where in the data folder the run writes its curve, summary and final model.
+# Where in the data folder the runs write their curve, summary and final model: a folder per experiment.
 RUN_DIR = "run"
 VALIDATION_FIELDS = ("label", "step", "accuracy", "mean_reward")
 FINAL_DIR = "final-model"
 BEST_DIR = "best-model"  # the best validated version so far, written while its weights are stored
+
+
+def run_dir(settings: AlgorithmSettings) -> Path:
+    """This experiment's report folder (``.fulmen/run/<experiment>/``): runs of other experiments keep theirs."""
+    return settings.data_dir / RUN_DIR / settings.experiment
 
 
 class Run:
@@ -69,6 +74,7 @@ class Run:
         self.scheduler = Scheduler(
             store, self.tasks, n_samples=s.n_samples, groups_per_step=s.groups_per_step,
             max_inflight=s.max_inflight, staleness=s.staleness, epochs=s.epochs, seed=s.seed,
+            total_steps=s.total_steps,
             rollout_config=recoverable_rollout_config(s.rollout_unresponsive_s, s.rollout_max_attempts),
         )
         await self.scheduler.load()
@@ -121,7 +127,7 @@ class Run:
         version = served_version(best) if best is not None else None
         if version is None or version == self._best_saved or self.settings.model_dir is None:
             return
-        out = self.settings.data_dir / RUN_DIR / BEST_DIR
+        out = run_dir(self.settings) / BEST_DIR
         if await export_version(self.store, version, self.settings.model_dir, out) is not None:
             self._best_saved = version
             log.info("best validated version so far: %s (accuracy %.3f, pass %s), kept in %s",
@@ -188,12 +194,12 @@ class Run:
         return folder, chosen
 
     async def write_report(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """The curve (PNG), the summary (JSON) and the final model, in the data folder's run/."""
+        """The curve (PNG), the summary (JSON) and the final model, in this experiment's `run_dir`."""
         from fulmen.train_steps import read_curve
         from fulmen_algorithm.report import plot_curve
 
         s = self.settings
-        out = s.data_dir / RUN_DIR
+        out = run_dir(s)
         steps = await read_curve(self.store.redis, self.store.keys)
         paths: dict[str, Any] = {"metrics": str(s.metrics_file)}
         paths["curve"] = str(plot_curve(out / "reward-curve.png", steps, await recorded(self.store)))

@@ -19,7 +19,9 @@ Pacing, in rounds of ``groups_per_step`` groups (what the trainer needs for one 
   the trainer has trained on plus one round, so a cause that drops every group (every sample too
   stale, every rollout failing) does not turn into rollouts at full speed; it is logged instead;
 - a safety net: when nothing is in flight and the trainer's step has not moved for ``stall_s``, one
-  extra group is enqueued, so the run cannot stall whatever the cause.
+  extra group is enqueued, so the run cannot stall whatever the cause;
+- the end: with ``total_steps`` N, never more than N rounds (plus the replacements), and nothing once
+  the trainer has taken step N, so the trainer takes exactly N steps and publishes up to v<N>.
 
 Train rollouts carry a heartbeat deadline and a retry policy (`recoverable_rollout_config`): the attempts
 of a runner that dies are ended by the watchdog and run again elsewhere, so their groups complete.
@@ -86,6 +88,7 @@ class Scheduler:
         resources_id: str = POLICY_RESOURCES_ID,
         rollout_config: RolloutConfig | None = None,
         stall_s: float = 3.0,
+        total_steps: int | None = None,
     ) -> None:
         if max_inflight < n_samples:
             raise ValueError(f"max_inflight ({max_inflight}) must hold at least one group of {n_samples}")
@@ -101,6 +104,7 @@ class Scheduler:
         self.resources_id = resources_id
         self.rollout_config = rollout_config or recoverable_rollout_config()
         self.stall_s = stall_s
+        self.total_steps = total_steps
         self.state = RunState()
         self._order: list[int] = []
         self._order_epoch = -1
@@ -178,13 +182,19 @@ class Scheduler:
         return self.epochs is not None and self.state.epoch >= self.epochs
 
     def _allowed_groups(self, trainer_step: int, untrained: int) -> int:
-        return (trainer_step + self.staleness + 1) * self.groups_per_step + untrained
+        rounds = trainer_step + self.staleness + 1
+        if self.total_steps is not None:  # rounds past the last step would train the trainer past it
+            rounds = min(rounds, self.total_steps)
+        return rounds * self.groups_per_step + untrained
 
     async def fill(self) -> int:
         """Enqueue every group pacing allows now. Returns how many groups were enqueued."""
         await self.count_finished()
+        trained = await self.trainer_step()
+        if self.total_steps is not None and trained >= self.total_steps:
+            return 0  # the run is over: not even a top-up
         # what is served, not only what is trained: a round waits for the servers to load the weights
-        trainer_step = max(0, await self.trainer_step() - await serving_lag(self.store))
+        trainer_step = max(0, trained - await serving_lag(self.store))
         untrained = await self.replaceable(trainer_step)
         added = 0
         while not self.exhausted:

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from fulmen.records import TrainStep
 from fulmen.settings import AlgorithmSettings
 from fulmen.store import RedisStore
+from fulmen.train_steps import append_step, latest_step
 from fulmen_algorithm.run import Run
 from fulmen_algorithm.run_state import RunProgress
 from fulmen_algorithm.scheduler import Scheduler
 
 TASKS = [{"id": f"t{i}", "question": f"{i}+1="} for i in range(4)]
 VAL = [{"id": "v0", "question": "1+1="}]
+MANY_TASKS = [{"id": f"t{i}", "question": f"{i}+1="} for i in range(20)]
 
 
 async def test_run_ends_validates_on_schedule_and_resumes(
@@ -37,8 +43,9 @@ async def test_run_ends_validates_on_schedule_and_resumes(
     summary = await Run(settings, TASKS, VAL).run(real_store)
     assert queued == [1]
     assert await RunProgress(real_store).next_validation() == 6
-    assert summary["steps"] == 1 and summary["groups"] >= 1 and summary["final_val_accuracy"] == 0.0
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 1
+    assert summary["steps"] == 1 and summary["final_val_accuracy"] == 0.0
+    assert summary["groups"] == 0  # the trainer was at step 1 already: no group would be trained on
+    assert json.loads((tmp_path / "run" / real_store.experiment / "summary.json").read_text())["steps"] == 1
     await Run(settings, TASKS, VAL).run(real_store)
     assert queued == [1]  # version 1's pass is not queued twice
 
@@ -47,11 +54,50 @@ async def test_a_stopped_run_skips_the_final_validation(real_store: RedisStore, 
     """SIGTERM (`stop`) ends the loop with no final pass, says it stopped, and leaves the report of a
     run that had finished exactly as it was (issue 20, item 6)."""
     settings = AlgorithmSettings(experiment=real_store.experiment, data_dir=tmp_path, epochs=1, n_samples=2)
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "summary.json").write_text('{"steps": 300, "final_val_accuracy": 0.95}')
+    (tmp_path / "run" / real_store.experiment).mkdir(parents=True)
+    (tmp_path / "run" / real_store.experiment / "summary.json").write_text('{"steps": 300, "final_val_accuracy": 0.95}')
     run = Run(settings, TASKS, VAL)
     run.stop()
     summary = await run.run(real_store)
     assert "final_val_accuracy" not in summary and summary["steps"] == 0 and summary["stopped"] is True
-    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == {"steps": 300, "final_val_accuracy": 0.95}
-    assert not (tmp_path / "run" / "reward-curve.png").exists()
+    report = tmp_path / "run" / real_store.experiment
+    assert json.loads((report / "summary.json").read_text()) == {"steps": 300, "final_val_accuracy": 0.95}
+    assert not (report / "reward-curve.png").exists()
+
+
+async def _runner_and_trainer(store: RedisStore, groups_per_step: int, group_size: int) -> None:
+    """Stand-ins for the runners and the trainer: every queued rollout succeeds, and the trainer steps
+    (appending its summary as v<step>) each time ``groups_per_step`` more groups are complete, as long
+    as rollouts keep coming, whether the algorithm still runs or not."""
+    done: Counter[str] = Counter()
+    step = 0
+    while True:
+        for claimed in await store.dequeue_rollouts("w", 100):
+            await store.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+            done[claimed.rollout.metadata["group_key"]] += 1
+        complete = sum(1 for n in done.values() if n == group_size)
+        while complete >= (step + 1) * groups_per_step:
+            step += 1
+            await append_step(store.redis, store.keys, TrainStep(step, f"v{step}", 0.5, 0.0, 8, time.time()))
+        await asyncio.sleep(0.02)
+
+
+async def test_total_steps_n_trains_exactly_n_steps_and_reports_per_experiment(
+    real_store: RedisStore, tmp_path: Path
+) -> None:
+    """--total-steps 4 running a round ahead (staleness 1): the trainer takes steps 1 to 4 (the last
+    version v4) and no more once the run ended; the report lands in run/<experiment>/."""
+    settings = AlgorithmSettings(
+        experiment=real_store.experiment, data_dir=tmp_path, metrics_file=tmp_path / "m.jsonl", n_samples=2,
+        groups_per_step=2, max_inflight=100, staleness=1, total_steps=4,
+    )
+    pipeline = asyncio.create_task(_runner_and_trainer(real_store, groups_per_step=2, group_size=2))
+    try:
+        summary = await asyncio.wait_for(Run(settings, MANY_TASKS, []).run(real_store), 30)
+        await asyncio.sleep(1.0)  # whatever the run left queued would be trained on now
+    finally:
+        pipeline.cancel()
+    assert summary["steps"] == 4 and summary["groups"] == 8
+    assert await latest_step(real_store.redis, real_store.keys) == 4
+    report = json.loads((tmp_path / "run" / real_store.experiment / "summary.json").read_text())
+    assert report["steps"] == 4 and not (tmp_path / "run" / "summary.json").exists()

@@ -247,7 +247,10 @@ class AlgorithmSettings(ServedModelSettings, TrainingRunSettings, ValidationSett
     max_inflight: int = Field(256, ge=1, description="Most train rollouts enqueued and unfinished.")
     staleness: int = Field(0, ge=0, description="Model versions a rollout may lag (0: synchronous).")
     epochs: int | None = Field(None, ge=1, description="Passes over the training tasks (unset: until total_steps).")
-    total_steps: int | None = Field(None, ge=1, description="End the run when the trainer reaches this version.")
+    total_steps: int | None = Field(
+        None, ge=1, description="Trainer steps in the run: exactly N (nothing is enqueued past step N); the last model "
+        "version is then v<N> (the base is version 0; with publish_every K, v<N // K>).",
+    )
     val_every: int | None = Field(None, ge=1, description="Validate every V trainer versions (needs val_data).")
     target_accuracy: float | None = Field(
         None, gt=0, le=1, description="End the run early once two validation passes in a row reach this accuracy."
