@@ -53,12 +53,16 @@ def export(
     shape: Annotated[str, typer.Option(help="all, triplet (one LLM call each) or trajectory (joined turns).")] = "all",
     min_reward: Annotated[float | None, typer.Option(
         help="Keep only samples whose final reward is at least this (rejection sampling for SFT).")] = None,
+    token_ids: Annotated[bool, typer.Option(
+        "--token-ids", help="Add prompt_token_ids, response_token_ids and response_mask (1: the model's "
+        "tokens) to each record.")] = False,
 ) -> None:
     """Write samples as a dataset Hugging Face `datasets` loads directly: SFT conversations with rewards.
 
     JSON lines: a `messages` column (role and content, the chat the model answered, its answer last),
     `reward` (the attempt's final reward), `turn_reward`, and the sample's ids, shape and model
-    version. Load it with datasets.load_dataset("json", data_files="OUT"). Skip records are left out
+    version (with --token-ids, the token ids and the loss mask too). Load it with
+    datasets.load_dataset("json", data_files="OUT"). Skip records are left out
     and a sample met twice is written once."""
     from fulmen.export import SHAPES, archived_records
     from fulmen.export import export as run_export
@@ -70,7 +74,7 @@ def export(
     if sources:
         try:
             report = run_export(archived_records(sources), output, settings.max_record_bytes, shape=shape,
-                                min_reward=min_reward)
+                                min_reward=min_reward, token_ids=token_ids)
         except (FulmenError, OSError) as e:  # not an archive file; cannot write
             err.print(f"[red]error:[/red] {e}")
             raise typer.Exit(1) from None
@@ -84,7 +88,8 @@ def export(
 
         records = run_on_store(settings, work)
         try:
-            report = run_export(records, output, settings.max_record_bytes, shape=shape, min_reward=min_reward)
+            report = run_export(records, output, settings.max_record_bytes, shape=shape, min_reward=min_reward,
+                                token_ids=token_ids)
         except OSError as e:
             err.print(f"[red]error:[/red] cannot write {output}: {e.strerror}")
             raise typer.Exit(1) from None

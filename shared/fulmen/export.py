@@ -9,6 +9,11 @@ SFT trainer, which reads the ``messages`` column):
     sample_id, rollout_id, attempt_id, group_key, shape, model_version, mode   str ("" when unknown)
     turn_index, num_turns   int
 
+With ``token_ids`` (``fulmen export --token-ids``), three more columns, what the trainer trains on:
+
+    prompt_token_ids, response_token_ids   list[int]
+    response_mask   list[int]  1 for the model's own tokens, 0 for what the environment added between turns
+
 Every line has every column, with one type per column, so the loader infers one schema: a message
 is always exactly role and content, both strings (content in parts is joined; an assistant turn
 that only called tools carries the calls as JSON text in its content).
@@ -59,8 +64,13 @@ def archived_records(sources: Iterable[Path]) -> Iterator[bytes]:
                     yield record[1]
 
 
-def row(sample: Sample) -> dict[str, Any]:
-    """One dataset row of a sample (the columns of the module's docstring)."""
+def row(sample: Sample, *, token_ids: bool = False) -> dict[str, Any]:
+    """One dataset row of a sample (the columns of the module's docstring; ``token_ids``: the tokens too)."""
+    tokens = {
+        "prompt_token_ids": list(sample.prompt_token_ids),
+        "response_token_ids": list(sample.response_token_ids),
+        "response_mask": list(sample.response_mask),
+    } if token_ids else {}
     return {
         "messages": [_message(m) for m in sample.messages],
         "reward": sample.final_reward,
@@ -74,6 +84,7 @@ def row(sample: Sample) -> dict[str, Any]:
         "mode": sample.mode or "",
         "turn_index": sample.turn_index,
         "num_turns": sample.num_turns,
+        **tokens,
     }
 
 
@@ -91,8 +102,8 @@ def _message(message: dict[str, Any]) -> dict[str, str]:
 
 
 def export(records: Iterable[bytes], out: Path, max_bytes: int, *, shape: str = "all",
-           min_reward: float | None = None) -> ExportReport:
-    """Write the dataset of ``records`` (sample-stream records) to ``out``."""
+           min_reward: float | None = None, token_ids: bool = False) -> ExportReport:
+    """Write the dataset of ``records`` (sample-stream records) to ``out``; ``token_ids``: with the tokens."""
     if shape not in SHAPES:
         raise ValueError(f"shape {shape!r} is none of {SHAPES}")
     report = ExportReport()
@@ -118,7 +129,7 @@ def export(records: Iterable[bytes], out: Path, max_bytes: int, *, shape: str = 
                         min_reward is not None and (sample.final_reward is None or sample.final_reward < min_reward)):
                     report.filtered += 1
                     continue
-                f.write(json.dumps(row(sample), ensure_ascii=False) + "\n")
+                f.write(json.dumps(row(sample, token_ids=token_ids), ensure_ascii=False) + "\n")
                 report.rows += 1
             f.flush()
             os.fsync(f.fileno())

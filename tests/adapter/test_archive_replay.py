@@ -252,6 +252,40 @@ async def test_export_writes_a_dataset_with_one_schema(store: RedisStore, tmp_pa
     assert kept.rows == 2  # the two rollouts rewarded 0.75, one trajectory each
 
 
+async def test_export_token_ids_carries_the_tokens_and_the_loss_mask(store: RedisStore, tmp_path: Path) -> None:
+    """`fulmen export --token-ids`: each record holds its sample's prompt and response token ids and its
+    loss mask (0 for the tokens between turns), and `datasets` loads them as integer lists."""
+    from fulmen.store.samples import decode_sample
+
+    for rid in _ids("tok", 2):
+        await _finish(store, rid)
+    await _adapt(store)
+    samples = {s.sample_id: s for s in (decode_sample(r, store.max_record_bytes) for r in await _samples(store))}
+    directory, out = tmp_path / "archive", tmp_path / "tokens.jsonl"
+    await archive(store, directory)
+    _add_service_commands()
+    result = await asyncio.to_thread(CliRunner().invoke, app, ["export", str(out), "--from", str(directory), "--token-ids"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(samples) == 6
+    for row in rows:
+        sample = samples[row["sample_id"]]
+        assert row["prompt_token_ids"] == list(sample.prompt_token_ids)  # type: ignore[union-attr]
+        assert row["response_token_ids"] == list(sample.response_token_ids)  # type: ignore[union-attr]
+        assert row["response_mask"] == list(sample.response_mask)  # type: ignore[union-attr]
+    trajectory = next(r for r in rows if r["shape"] == "trajectory")
+    assert trajectory["response_token_ids"] == [7, 8, 9, 7, 8] and trajectory["response_mask"] == [1, 1, 0, 1, 1]
+
+    import datasets
+
+    loaded = datasets.load_dataset("json", data_files=str(out), split="train", cache_dir=str(tmp_path / "hf"))
+    assert loaded.features["response_mask"].feature.dtype == "int64"
+    assert loaded[0]["prompt_token_ids"] == rows[0]["prompt_token_ids"]
+    plain = tmp_path / "plain.jsonl"
+    export(archived_records([directory]), plain, store.max_record_bytes)
+    assert "prompt_token_ids" not in json.loads(plain.read_text().splitlines()[0])
+
+
 def test_the_commands_explain_themselves(tmp_path: Path) -> None:
     _add_service_commands()
     runner = CliRunner()
