@@ -417,8 +417,9 @@ class Rollouts:
             rollouts = [r for r in rollouts if r.status in wanted]
 
         def key(r: Rollout) -> Any:
+            # ties broken on the id: a total order, so that pages (offset, limit) neither repeat nor skip
             value = getattr(r, sort_by)
-            return (value is None, value if value is not None else 0)
+            return (value is None, value if value is not None else 0, r.rollout_id)
 
         rollouts.sort(key=key, reverse=descending)
         end = None if limit is None else offset + limit
