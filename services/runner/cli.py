@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -168,40 +170,100 @@ def run_once(
     resources_id: Annotated[
         str | None, typer.Option(help="Resources to use (default: the latest in the store).")
     ] = None,
+    model_dir: Annotated[
+        Path | None, typer.Option(help="Serve this Hugging Face model folder for the run (default, when no "
+                                       "proxy is running: the tiny model, built in the data folder).")
+    ] = None,
+    upstream_url: Annotated[
+        str | None, typer.Option(help="Serve an OpenAI-compatible server (its base URL) through a proxy for the run.")
+    ] = None,
+    model_name: Annotated[
+        str | None, typer.Option(help="The model name to serve (with --upstream-url: the upstream's model).")
+    ] = None,
     hook: HookOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the spans and reward as JSON.")] = False,
 ) -> None:
-    """Run one task through the agent, in this process, and print its spans and reward.
+    """Run one task through the agent, in this process, and print its LLM calls, spans and reward.
 
-    The way to debug an agent before training it: the rollout goes through the store (so the proxy
-    records its LLM calls) but skips the queue; exit code 0 if it succeeded, 1 otherwise."""
+    The way to debug an agent before training it, with no set-up: it uses the running Redis or starts
+    the embedded one, and the running LLM proxy or serves one itself (the tiny model, --model-dir or
+    --upstream-url). The rollout goes through the store, so the proxy records every LLM call, but skips
+    the queue. Exit code 0 if it succeeded, 1 otherwise."""
     the_agent, hooks = _load(settings.agent, hook)
     the_task = _parse_task(task)
-    from fulmen.sdk.resources import close_async_pool
+    if model_dir is not None and not (model_dir / "config.json").is_file():
+        err.print(f"[red]error:[/red] --model-dir {escape(str(model_dir))} is not a Hugging Face model folder "
+                  "(no config.json)")
+        raise typer.Exit(2)
+    from fulmen.standalone import ensure_redis
     from fulmen.tracing import setup_tracing
+
+    _, buffer = setup_tracing("fulmen-run-once")
+    serve = _Serve(model_dir, upstream_url, model_name)
+    with contextlib.ExitStack() as stack:
+        ensure_redis(settings, stack, say=_say)
+        ok = run_on_store(settings, lambda store: _run_once(store, settings, the_agent, hooks, buffer, the_task,
+                                                           resources_id, serve, as_json))
+    raise typer.Exit(0 if ok else 1)
+
+
+def _say(text: str) -> None:
+    err.print(f"[dim]{escape(text)}[/dim]")
+
+
+class _Serve:
+    """What run-once serves when it must serve a model itself."""
+
+    def __init__(self, model_dir: Path | None, upstream_url: str | None, model_name: str | None) -> None:
+        self.model_dir, self.upstream_url, self.model_name = model_dir, upstream_url, model_name
+
+    @property
+    def asked(self) -> bool:
+        return self.model_dir is not None or self.upstream_url is not None
+
+    def served_name(self, folder: Path | None) -> str | None:
+        if self.model_name or self.upstream_url:
+            return self.model_name
+        return folder.resolve().name if folder is not None else None
+
+
+async def _needs_proxy(store: RedisStore, settings: RunnerSettings, serve: _Serve, resources_id: str | None) -> bool:
+    """Whether run-once must serve a model itself: asked to, or nothing would answer the agent's calls."""
+    if serve.asked:
+        return True
+    if settings.llm_base_url or await store.query_proxies():
+        return False
+    update = await (store.get_resources(resources_id) if resources_id else store.get_latest_resources())
+    llm = (update.resources.get("llm") if update else None) or {}
+    return not (isinstance(llm, dict) and llm.get("endpoint"))
+
+
+async def _run_once(store: RedisStore, settings: RunnerSettings, the_agent: Any, hooks: list[Any], buffer: Any,
+                    the_task: Any, resources_id: str | None, serve: _Serve, as_json: bool) -> bool:
+    from fulmen.sdk.resources import close_async_pool
+    from fulmen.standalone import free_port, proxy_command, running_proxy, tiny_model_dir
     from fulmen_runner.execute import AttemptContext, execute
     from fulmen_runner.heartbeats import Heartbeats
     from fulmen_runner.inputs import InputResolver
     from fulmen_runner.runner import default_worker_id
     from fulmen_runner.span_writer import SpanWriter
 
-    _, buffer = setup_tracing("fulmen-run-once")
-
-    async def work(store: RedisStore) -> bool:
+    async with contextlib.AsyncExitStack() as stack:
+        base_url, model = settings.llm_base_url, None
+        if await _needs_proxy(store, settings, serve, resources_id):
+            folder = None if serve.upstream_url else (serve.model_dir or tiny_model_dir(settings))
+            model = serve.served_name(folder)
+            what = serve.upstream_url or str(folder)
+            _say(f"no LLM proxy is running: serving {what} through `fulmen llm-proxy` for this run")
+            command = proxy_command(settings.experiment, free_port(), folder, serve.upstream_url, serve.model_name)
+            base_url = await stack.enter_async_context(running_proxy(store, command, say=_say))
         worker_id = default_worker_id().replace("runner-", "run-once-")
         claimed = await store.start_rollout(
             the_task, worker_id, resources_id=resources_id, metadata={"run_once": True}
         )
         heartbeats = Heartbeats(store)
-        ctx = AttemptContext(
-            store,
-            the_agent,
-            hooks,
-            InputResolver(store, llm_base_url=settings.llm_base_url, api_key=settings.proxy_key()),
-            SpanWriter(store, buffer),
-            heartbeats,
-            worker_id,
-        )
+        resolver = InputResolver(store, llm_base_url=base_url, api_key=settings.proxy_key(), model=model)
+        ctx = AttemptContext(store, the_agent, hooks, resolver, SpanWriter(store, buffer), heartbeats, worker_id)
         beating = asyncio.create_task(heartbeats.run())
         try:
             outcome = await execute(ctx, claimed)
@@ -209,11 +271,23 @@ def run_once(
             beating.cancel()
             await close_async_pool()
         spans = await store.query_spans(claimed.rollout.rollout_id)
-        _print_run(claimed.rollout.rollout_id, outcome, spans, as_json)
-        return outcome.status is not None and outcome.status.value == "succeeded"
+    _print_run(claimed.rollout.rollout_id, outcome, spans, as_json)
+    return outcome.status is not None and outcome.status.value == "succeeded"
 
-    ok = run_on_store(settings, work)
-    raise typer.Exit(0 if ok else 1)
+
+NO_CALL_WARNING = (
+    "warning: the agent made no LLM call that Fulmen recorded, so this rollout cannot train the model. "
+    "Usually one of: the agent's client was not built from the `llm` it was handed (use "
+    "base_url=llm.base_url and model=llm.model; a client made at import time, or one that reads "
+    "OPENAI_BASE_URL, goes around the proxy); the call failed before it reached the proxy (see the "
+    "error above); or the agent never called the model for this task."
+)
+
+
+def _ids(ids: list[int], shown: int = 16) -> str:
+    """Token ids as `run-once` prints them: the first few, and how many in all."""
+    head = ", ".join(str(i) for i in ids[:shown])
+    return f"[{head}{', …' if len(ids) > shown else ''}] ({len(ids)})"
 
 
 def _clip(text: str) -> str:
@@ -226,6 +300,8 @@ def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -
     from fulmen import semconv
     from fulmen.llm_calls import describe
 
+    if not any(s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL for s in spans):
+        err.print(f"[yellow]{escape(NO_CALL_WARNING)}[/yellow]")
     if as_json:
         out.print_json(
             json.dumps(
@@ -255,6 +331,7 @@ def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -
             out.print(f"  {s.sequence_id:>3}  {escape(s.name):<28} {escape(detail)}")
             out.print(f"       [dim]prompt:[/dim]   {escape(_clip(call.prompt_text))}")
             out.print(f"       [dim]response:[/dim] {escape(_clip(call.response_text))}")
+            out.print(f"       [dim]response token ids:[/dim] {_ids(call.response_token_ids)}")
             for tool_call in call.tool_calls:
                 out.print(f"       [dim]tool call:[/dim] {escape(_clip(json.dumps(tool_call, default=str)))}")
             continue

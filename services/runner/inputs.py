@@ -2,8 +2,8 @@
 
 The rollout names a resources id (or none: then the latest snapshot). The "llm" entry of the snapshot
 gives the model and sampling parameters; the base URL is a live proxy from the store's registry,
-picked by a stable hash of the rollout id, with the attempt's path prefix — or ``llm_base_url`` from
-the settings when the user points agents at an endpoint of their own.
+picked by a stable hash of the rollout id — or ``llm_base_url`` from the settings — always with the
+attempt's path prefix, so every call is recorded whatever client the agent's framework builds.
 
 The runner's ``api_key`` goes with the proxies and ``llm_base_url`` (both the operator's choice),
 never to an ``endpoint`` named inside a resource: whoever can write resources must not learn the key.
@@ -19,15 +19,36 @@ from typing import Any
 from fulmen.errors import NotFound, RetryableError
 from fulmen.records import AttemptedRollout, ResourcesUpdate
 from fulmen.sdk.agent import AgentInputs
-from fulmen.sdk.resources import LLM, llm_for_attempt, prompt_template_of
+from fulmen.sdk.resources import LLM, MissingLLM, llm_for_attempt, prompt_template_of
 from fulmen.store import RedisStore
 from fulmen.store.registry import pick_proxy
 
 log = logging.getLogger(__name__)
 
 
+PROXY_HINT_AFTER_S = 5.0  # waiting for a proxy this long, say what is awaited
+
+
 class NoProxy(RetryableError):
     """The resources name an LLM but no proxy has registered (yet)."""
+
+
+def served_model(root: str, api_key: str | None) -> str:
+    """The first model ``GET {root}/v1/models`` lists; a clear error when it cannot be asked."""
+    import httpx
+
+    from fulmen.sdk.resources import NO_API_KEY
+
+    try:
+        reply = httpx.get(f"{root}/v1/models", headers={"Authorization": f"Bearer {api_key or NO_API_KEY}"},
+                          timeout=10.0)
+        reply.raise_for_status()
+        return str(reply.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise RetryableError(
+            f"no model name for the agent: the resources name none and {root}/v1/models did not say "
+            f"({type(e).__name__}: {e}); publish one with `fulmen serve --model-name NAME`"
+        ) from None
 
 
 class InputResolver:
@@ -38,13 +59,16 @@ class InputResolver:
         llm_base_url: str | None = None,
         api_key: str | None = None,
         proxy_wait_s: float = 30.0,
+        model: str | None = None,
     ) -> None:
         self.store = store
         self.llm_base_url = llm_base_url
+        self.model = model  # what llm_base_url serves, when the caller knows (over the resource's)
         self.api_key = api_key
         self.proxy_wait_s = proxy_wait_s
         self._snapshots: dict[str | None, tuple[float, ResourcesUpdate | None]] = {}
         self._proxies: tuple[float, list[Any]] = (0.0, [])
+        self._models: dict[str, str] = {}
 
     async def snapshot(self, resources_id: str | None) -> ResourcesUpdate | None:
         """The rollout's resources (the latest version of the id it names, or the latest snapshot of
@@ -74,34 +98,58 @@ class InputResolver:
         return proxies
 
     async def llm(self, spec: dict[str, Any], rollout_id: str, attempt_id: str) -> LLM:
+        """The attempt's LLM: always on a proxy path that names the attempt, always with a model name."""
         if self.llm_base_url:
-            return llm_for_attempt(
-                spec, self.llm_base_url, rollout_id, attempt_id, attributed=False, api_key=self.api_key
-            )
+            model = self.model or spec.get("model") or await self._served_model(self.llm_base_url, self.api_key)
+            return llm_for_attempt(spec, self.llm_base_url, rollout_id, attempt_id, model=model, api_key=self.api_key)
         if spec.get("endpoint"):  # a fixed endpoint in the resource itself (Agent Lightning style)
-            return llm_for_attempt(spec, spec["endpoint"], rollout_id, attempt_id, attributed=False)
+            model = spec.get("model") or await self._served_model(spec["endpoint"], None)
+            return llm_for_attempt(spec, spec["endpoint"], rollout_id, attempt_id, model=model)
         deadline = time.monotonic() + self.proxy_wait_s
+        waited_since = time.monotonic()
         while not (proxies := await self._live_proxies()):
             if time.monotonic() > deadline:
                 raise NoProxy(
                     "the resources name an LLM but no proxy registered in the store; start "
-                    "`fulmen llm-proxy` or set FULMEN_LLM_BASE_URL"
+                    "`fulmen llm-proxy --model-dir DIR` (or set FULMEN_LLM_BASE_URL to a proxy's URL)"
                 )
-            log.info("waiting for an LLM proxy to register (rollout %s)", rollout_id)
+            if time.monotonic() - waited_since > PROXY_HINT_AFTER_S:
+                log.warning("rollout %s waits for an LLM proxy to register (%.0f s so far): is "
+                            "`fulmen llm-proxy` running on this Redis and experiment?", rollout_id,
+                            time.monotonic() - waited_since)
+                waited_since = time.monotonic()
             await asyncio.sleep(1.0)
         proxy = pick_proxy(proxies, rollout_id)
-        return llm_for_attempt(spec, proxy.base_url, rollout_id, attempt_id, api_key=self.api_key)
+        return llm_for_attempt(spec, proxy.base_url, rollout_id, attempt_id, model=proxy.model, api_key=self.api_key)
+
+    async def _served_model(self, base_url: str, api_key: str | None) -> str:
+        """The model a proxy (or any OpenAI-compatible server) serves, from its ``/v1/models``, asked once."""
+        root = base_url.rstrip("/")
+        root = root[: -len("/v1")] if root.endswith("/v1") else root
+        if root not in self._models:
+            self._models[root] = await asyncio.to_thread(served_model, root, api_key)
+        return self._models[root]
+
+    async def _default_llm(self, rollout_id: str, attempt_id: str) -> LLM | MissingLLM:
+        """No "llm" resource: the LLM of a running proxy (the model it serves), or a `MissingLLM`
+        that says what to start when the agent uses it."""
+        if self.llm_base_url or await self._live_proxies():
+            return await self.llm({}, rollout_id, attempt_id)
+        return MissingLLM(
+            "no LLM proxy is registered on this Redis and experiment, and no \"llm\" resource names one. "
+            "Start one (`fulmen llm-proxy --model-dir DIR`, or `fulmen run-once` serves one itself), "
+            "or pass --llm-base-url URL of a running proxy"
+        )
 
     async def resolve(self, claimed: AttemptedRollout) -> AgentInputs:
         rollout = claimed.rollout
         snapshot = await self.snapshot(rollout.resources_id)
         resources = dict(snapshot.resources) if snapshot else {}
         llm_spec = resources.get("llm")
-        llm = None
         if isinstance(llm_spec, dict):
-            llm = await self.llm(llm_spec, rollout.rollout_id, claimed.attempt.attempt_id)
-        elif self.llm_base_url:
-            llm = await self.llm({}, rollout.rollout_id, claimed.attempt.attempt_id)
+            llm: LLM | MissingLLM = await self.llm(llm_spec, rollout.rollout_id, claimed.attempt.attempt_id)
+        else:
+            llm = await self._default_llm(rollout.rollout_id, claimed.attempt.attempt_id)
         template = resources.get("prompt_template")
         return AgentInputs(
             task=rollout.input,

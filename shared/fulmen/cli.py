@@ -27,7 +27,8 @@ from fulmen.service_cli import (
     settings_command,
     settings_from_flags,
 )
-from fulmen.settings import CommonSettings, WatchdogSettings
+from fulmen.settings import AlgorithmSettings, CommonSettings, WatchdogSettings
+from fulmen.settings.services import ServedModelSettings
 from fulmen.store import RedisStore, run_watchdog
 from fulmen.store.experiments import delete_experiment, list_experiments
 from fulmen.store.watchdog import INTERVAL_S as WATCHDOG_INTERVAL_S
@@ -341,6 +342,158 @@ def dev(
     os.environ["FULMEN_AGENT"] = agent
     if tasks is not None:
         os.environ["FULMEN_TRAIN_DATA"] = str(tasks)
+    _run_services("algorithm" if tasks is not None else "demo", dashboard)
+
+
+@app.command()
+@settings_command(ServedModelSettings)
+def serve(
+    settings: ServedModelSettings,
+    sampling: Annotated[
+        str | None, typer.Option(help='Sampling parameters agents get in llm.sampling_parameters, as JSON, '
+                                      'e.g. \'{"temperature": 1.0}\'.')
+    ] = None,
+) -> None:
+    """Name the model your agents call: publish the policy resources (the "llm" entry runners hand
+    agents as `llm.model`, version base) without running the algorithm.
+
+    Then `fulmen llm-proxy --model-dir DIR` serves the model and `fulmen runner --agent ...` runs your
+    agent on it; the trainer publishes its versions to the same resources."""
+    import json
+
+    from fulmen.errors import NotFound
+    from fulmen.keys import POLICY_RESOURCES_ID
+    from fulmen.model_versions import BASE_VERSION
+
+    if settings.model_name is None and settings.model_dir is None:
+        raise _exit_error("name the model: --model-dir DIR (served as the folder's name) or --model-name NAME")
+    if settings.model_dir is not None and not (settings.model_dir / "config.json").is_file():
+        raise _exit_error(f"--model-dir {settings.model_dir} is not a Hugging Face model folder (no config.json)")
+    name = settings.model_name or settings.model_dir.resolve().name  # type: ignore[union-attr]
+    try:
+        parameters = json.loads(sampling) if sampling else None
+    except ValueError as e:
+        raise _exit_error(f"--sampling is not JSON: {e}") from None
+    if parameters is not None and not isinstance(parameters, dict):
+        raise _exit_error("--sampling must be a JSON object, e.g. '{\"temperature\": 1.0}'")
+    llm: dict[str, Any] = {"kind": "llm", "model": name, "model_version": BASE_VERSION.name}
+    if parameters:
+        llm["sampling_parameters"] = parameters
+
+    async def work(store: RedisStore) -> None:
+        try:
+            current = await store.get_resources(POLICY_RESOURCES_ID)
+        except NotFound:
+            update = await store.add_resources({"llm": llm}, resources_id=POLICY_RESOURCES_ID)
+        else:
+            update = await store.update_resources(POLICY_RESOURCES_ID, {**current.resources, "llm": llm})
+        out.print(f"published resources [bold]{update.resources_id}[/bold] (version {update.version}): "
+                  f"agents call model [bold]{name}[/bold]")
+        if settings.model_dir is not None:
+            out.print(f"serve it with: fulmen llm-proxy --model-dir {settings.model_dir}")
+
+    run_on_store(settings, work)
+
+
+# What `fulmen train` takes as flags (the rest of every service's settings come from the environment).
+TRAIN_FLAGS = ("experiment", "train_data", "val_data", "model_dir", "model_name", "total_steps", "epochs",
+               "n_samples", "groups_per_step", "val_every")
+TRAIN_NAMES = {"train_data": ("--tasks",), "val_data": ("--val-tasks",)}
+TRAIN_STEPS = 20  # a first run's length, unless --total-steps or --epochs says otherwise
+
+
+@app.command()
+@settings_command(AlgorithmSettings, fields=TRAIN_FLAGS, names=TRAIN_NAMES)
+def train(
+    settings: AlgorithmSettings,
+    agent: Annotated[str, typer.Option("--agent", "-a", help="Your agent, as module:function or module:Class.")],
+    env_file: Annotated[
+        Path | None, typer.Option(help="A settings file (KEY=VALUE lines, as .env) for every service; "
+                                       "the environment and the flags win.")
+    ] = None,
+    dashboard: Annotated[bool, typer.Option(help="Serve the dashboard too (http://127.0.0.1:8300/).")] = True,
+) -> None:
+    """Train your agent end to end: every service in this one process, on the embedded Redis (or
+    REDIS_URL), until --total-steps trainer steps (default 20) or --epochs passes.
+
+    Without --model-dir it trains the tiny model (built in the data folder: a pipeline check, not a
+    useful model). At the end it prints where the reward curve, the metrics and the models are;
+    stopped early (Ctrl-C) and started again, it goes on where it was."""
+    from fulmen import dev as dev_mode
+    from fulmen.settings import env_name
+
+    if env_file is not None:
+        if not env_file.is_file():
+            raise _exit_error(f"--env-file {env_file} does not exist")
+        dev_mode.apply_dotenv(env_file)
+    if settings.train_data is None:
+        raise _exit_error("no training tasks: pass --tasks tasks.jsonl (one JSON task per line)")
+    for path in (settings.train_data, settings.val_data):
+        if path is not None and not path.exists():
+            raise _exit_error(f"{path} does not exist")
+    _load_agent_or_exit(agent)
+    if settings.model_dir is None:
+        from fulmen.standalone import tiny_model_dir
+
+        settings = settings.model_copy(update={"model_dir": tiny_model_dir(settings)})
+        out.print(f"no --model-dir: training the tiny model in {settings.model_dir} (a pipeline check)")
+    if settings.total_steps is None and settings.epochs is None:
+        settings = settings.model_copy(update={"total_steps": TRAIN_STEPS})
+    os.environ["FULMEN_AGENT"] = agent
+    if not os.environ.get("FULMEN_PROXY_PORT"):  # the proxy's default 8000 may be taken: any free port
+        from fulmen.standalone import free_port
+
+        os.environ["FULMEN_PROXY_PORT"] = str(free_port())
+    for field in TRAIN_FLAGS:
+        value = getattr(settings, field)
+        if value is not None:
+            os.environ[env_name(field)] = str(value)
+    summary = _run_services("algorithm", dashboard, exit_at_end=False)
+    _print_train_summary(summary)
+    from fulmen.dev import exit_leaving_threads
+
+    exit_leaving_threads(0 if summary is not None and not summary.get("stopped") else 1)
+
+
+def _exit_error(message: str) -> typer.Exit:
+    err.print(f"[red]error:[/red] {message}")
+    return typer.Exit(2)
+
+
+def _load_agent_or_exit(spec: str) -> None:
+    """Load the agent now: a wrong --agent fails before anything starts."""
+    from fulmen.errors import FulmenError
+    from fulmen.sdk.agent import load_agent
+
+    try:
+        load_agent(spec)
+    except (FulmenError, ImportError, AttributeError) as e:
+        raise _exit_error(str(e)) from None
+
+
+def _print_train_summary(summary: dict[str, Any] | None) -> None:
+    if summary is None:
+        err.print("[red]the run did not finish[/red]: see the log above; started again, it goes on where it was")
+        return
+    if summary.get("stopped"):
+        out.print(f"stopped at step {summary.get('steps')}: the same command goes on from there")
+        return
+    out.print(f"[bold]trained {summary.get('steps')} step(s)[/bold]")
+    if summary.get("final_val_accuracy") is not None:
+        out.print(f"  {'held out:':<14}accuracy {summary['final_val_accuracy']:.3f}")
+    for label, key in (("reward curve", "curve"), ("metrics", "metrics"), ("final model", "final_model"),
+                       ("summary", "summary")):
+        if summary.get(key):
+            version = f" (version {summary.get('final_model_version')})" if key == "final_model" else ""
+            out.print(f"  {label + ':':<14}{summary[key]}{version}")
+
+
+def _run_services(ends_run: str, dashboard: bool, *, exit_at_end: bool = True) -> dict[str, Any] | None:
+    """Run every service as a task of this process until ``ends_run`` ends; its result (the run's
+    summary). With ``exit_at_end``, exit with the run's code instead of returning."""
+    from fulmen import dev as dev_mode
+    from fulmen.standalone import ensure_redis
+
     os.environ.pop("PORT", None)  # one process: no service may take honcho's per-process port
     settings = settings_from_flags()
     try:
@@ -348,28 +501,27 @@ def dev(
     except Exception as e:
         err.print(f"[red]error:[/red] cannot load the services: {type(e).__name__}: {e}")
         raise typer.Exit(2) from None
-    services.pop("demo" if tasks is not None else "algorithm", None)
+    services.pop("demo" if ends_run == "algorithm" else "algorithm", None)
     with contextlib.suppress(ImportError):  # transformers' lazy imports are not thread-safe: the
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - services load models in threads at once
-    if ("algorithm" if tasks is not None else "demo") not in services:
+    if ends_run not in services:
         err.print("[red]error:[/red] the services are not installed in this environment: run pip install -e . (or "
                   "pip install fulmen) in it first")
         raise typer.Exit(2)
     if not dashboard:
         services.pop("dashboard", None)
+    results: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
-        if settings.embedded:
-            from fulmen.embedded import EmbeddedRedis
-
-            log.info("embedded Redis on 127.0.0.1:%d, data in %s", settings.redis_port, settings.data_dir / "redis")
-            stack.enter_context(EmbeddedRedis(settings.data_dir / "redis", port=settings.redis_port))
+        ensure_redis(settings, stack, say=lambda text: log.info("%s", text))
         loop = asyncio.new_event_loop()
         try:
-            code = loop.run_until_complete(
-                dev_mode.run_all(services, ends_run="algorithm" if tasks is not None else "demo"))
+            code = loop.run_until_complete(dev_mode.run_all(services, ends_run=ends_run, results=results))
         finally:
             loop.close()  # not asyncio.run: it would wait for worker threads still in a job (a validation pass)
-    dev_mode.exit_leaving_threads(code)
+    if exit_at_end:
+        dev_mode.exit_leaving_threads(code)
+    summary = results.get(ends_run)
+    return summary if code == 0 and isinstance(summary, dict) else None
 
 
 def _add_service_commands() -> None:

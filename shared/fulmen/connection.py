@@ -51,10 +51,12 @@ log = logging.getLogger(__name__)
 # Seconds between PINGs on an idle connection: how soon a dead connection is noticed.
 HEALTH_CHECK_S = 30
 CONNECT_TIMEOUT_S = 5
-# Jittered exponential backoff while Redis comes up, and a log line every LOG_EVERY attempts.
+# Jittered exponential backoff while Redis comes up; after HINT_AFTER_S, and every HINT_EVERY_S after
+# that, a warning says what is awaited and what to do.
 FIRST_DELAY_S = 0.1
 MAX_DELAY_S = 2.0
-LOG_EVERY = 10
+HINT_AFTER_S = 3.0
+HINT_EVERY_S = 10.0
 # Backoff between retries of a command during an outage (jittered; the cap keeps reconnects prompt).
 OUTAGE_FIRST_DELAY_S = 0.05
 OUTAGE_MAX_DELAY_S = 1.0
@@ -201,6 +203,8 @@ async def connect(settings: CommonSettings, *, wait_s: float | None = None) -> a
     deadline = time.monotonic() + wait_s
     delay = FIRST_DELAY_S
     attempt = 0
+    started = time.monotonic()
+    next_hint = started + HINT_AFTER_S
     while True:
         attempt += 1
         try:
@@ -220,14 +224,25 @@ async def connect(settings: CommonSettings, *, wait_s: float | None = None) -> a
         except (*CLUSTER_OUTAGE_ERRORS, BusyLoadingError, OSError) as e:
             if time.monotonic() + delay > deadline:
                 await client.aclose()
-                hint = "start it with `fulmen redis`" if settings.embedded else "check REDIS_URL"
                 raise RedisUnavailable(
-                    f"Redis at {redact(url)} did not answer within {wait_s:.0f}s ({e}); {hint}"
+                    f"Redis at {redact(url)} did not answer within {wait_s:.0f}s ({e}); {_redis_hint(settings)}"
                 ) from None
-            if attempt == 1 or attempt % LOG_EVERY == 0:
+            if attempt == 1:
                 log.info("waiting for Redis at %s (%s)", redact(url), type(e).__name__)
+            elif time.monotonic() >= next_hint:
+                next_hint = time.monotonic() + HINT_EVERY_S
+                log.warning("still waiting for Redis at %s (%s) after %.0f s of %.0f: %s", redact(url),
+                            type(e).__name__, time.monotonic() - started, wait_s, _redis_hint(settings))
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, MAX_DELAY_S)
+
+
+def _redis_hint(settings: CommonSettings) -> str:
+    """What to do when Redis does not answer, for the log line and the error."""
+    if settings.embedded:
+        return ("start the embedded one with `fulmen redis` in another terminal (or run everything with "
+                "`honcho start`), or set REDIS_URL to a Redis of your own")
+    return "check that REDIS_URL names a running server you can reach"
 
 
 class OutageRetry(Retry):

@@ -106,8 +106,10 @@ def load_services() -> dict[str, ServiceMain]:
     }
 
 
-async def run_all(services: dict[str, ServiceMain], ends_run: str = "algorithm") -> int:
-    """Run every service until ``ends_run`` returns or one fails; 0 if the run ended normally."""
+async def run_all(services: dict[str, ServiceMain], ends_run: str = "algorithm",
+                  results: dict[str, object] | None = None) -> int:
+    """Run every service until ``ends_run`` returns or one fails; 0 if the run ended normally.
+    ``results`` gets what each service that ended on its own returned."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -129,6 +131,8 @@ async def run_all(services: dict[str, ServiceMain], ends_run: str = "algorithm")
                 code = 1
             else:
                 log.info("%s ended; stopping every service", name)
+                if results is not None:
+                    results[name] = task.result()
                 if name != ends_run:
                     code = 1  # a service that ends on its own, unasked, is a failure (honcho says so too)
             stop.set()

@@ -65,7 +65,7 @@ def _assert_attributed(fake: FakeOpenAI, rollout: Rollout) -> None:
     """Every model call went to the chat endpoint with the model, sampling parameters and rollout ids."""
     assert fake.requests, "the agent called no model"
     for request in fake.requests:
-        assert request.path == "/v1/chat/completions"
+        assert request.path == f"/rollout/{rollout.rollout_id}/attempt/{rollout.attempt_id}/v1/chat/completions"
         assert request.body["model"] == "fake"
         assert request.body["temperature"] == 0.0
         assert request.headers[semconv.HEADER_ROLLOUT_ID] == rollout.rollout_id

@@ -8,10 +8,10 @@ import pytest
 
 import fulmen
 from fulmen import semconv
-from fulmen.errors import InvalidInput
+from fulmen.errors import FulmenError, InvalidInput
 from fulmen.records import ProxyEndpoint
 from fulmen.sdk.agent import load_agent, wanted_parameters
-from fulmen.sdk.resources import PromptTemplate, llm_for_attempt, prompt_template_of
+from fulmen.sdk.resources import MissingLLM, PromptTemplate, llm_for_attempt, prompt_template_of
 from fulmen.store.registry import pick_proxy
 from fulmen.tracing import bind, rollout_trace_id, setup_tracing
 
@@ -137,8 +137,18 @@ def test_llm_base_url_carries_the_attempt() -> None:
     assert llm.base_url == "http://h:8000/rollout/r1/attempt/r1.2/v1"
     assert llm.headers == {semconv.HEADER_ROLLOUT_ID: "r1", semconv.HEADER_ATTEMPT_ID: "r1.2"}
     assert (llm.model, llm.sampling_parameters) == ("tiny", {"temperature": 0.7})
-    plain = llm_for_attempt({}, "https://api.example.com/v1", "r1", "r1.2", attributed=False)
-    assert plain.base_url == "https://api.example.com/v1"
+    named = llm_for_attempt({}, "https://h:8000", "r1", "r1.2", model="served")
+    assert (named.base_url, named.model) == ("https://h:8000/rollout/r1/attempt/r1.2/v1", "served")
+    assert llm_for_attempt({"model": "tiny"}, "https://h:8000", "r1", "r1.2", model="served").model == "tiny"
+
+
+def test_missing_llm_says_what_to_start() -> None:
+    """An agent handed no LLM gets an error naming what to start, not an AttributeError on None."""
+    llm = MissingLLM("no proxy is registered")
+    assert not llm
+    llm.close()  # the runner closes every attempt's LLM: nothing to do here
+    with pytest.raises(FulmenError, match=r"no LLM for this attempt \(llm.base_url\): no proxy is registered"):
+        _ = llm.base_url
 
 
 def test_proxy_choice_is_stable_and_spreads() -> None:

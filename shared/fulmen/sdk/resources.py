@@ -184,25 +184,50 @@ def llm_for_attempt(
     rollout_id: str,
     attempt_id: str,
     *,
-    attributed: bool = True,
+    model: str = "",
     api_key: str | None = None,
 ) -> LLM:
-    """The agent's `LLM` from the "llm" resource and the chosen proxy (or a plain endpoint when
-    ``attributed`` is False: then the ids travel in headers instead of the path), with the runner's
-    bearer ``api_key`` for it (None: `NO_API_KEY`)."""
+    """The agent's `LLM` from the "llm" resource and the proxy that serves it: the proxy's base URL
+    with this attempt's path prefix (so a framework's own client, which sends no Fulmen header, is
+    still recorded against the rollout), the resource's model or else ``model`` (what the proxy
+    serves), and the runner's bearer ``api_key`` for it (None: `NO_API_KEY`)."""
     root = proxy_base_url.rstrip("/")
     if root.endswith("/v1"):
         root = root[: -len("/v1")]
     headers = {semconv.HEADER_ROLLOUT_ID: rollout_id, semconv.HEADER_ATTEMPT_ID: attempt_id}
-    base = f"{root}{semconv.attempt_path(rollout_id, attempt_id)}/v1" if attributed else f"{root}/v1"
     return LLM(
-        base_url=base,
-        model=str(spec.get("model", "")),
+        base_url=f"{root}{semconv.attempt_path(rollout_id, attempt_id)}/v1",
+        model=str(spec.get("model") or model),
         sampling_parameters=dict(spec.get("sampling_parameters") or {}),
         api_key=api_key or NO_API_KEY,
         headers=headers,
         model_version=spec.get("model_version"),
     )
+
+
+class MissingLLM:
+    """What an agent gets as ``llm`` when there is no LLM to give it: any use says why, and what to do
+    (instead of ``'NoneType' object has no attribute 'base_url'``)."""
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+
+    def __getattr__(self, name: str) -> Any:
+        from fulmen.errors import FulmenError
+
+        raise FulmenError(f"no LLM for this attempt (llm.{name}): {self._reason}")
+
+    def __bool__(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        """Nothing to release (the runner closes every attempt's LLM)."""
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+    def __repr__(self) -> str:
+        return f"MissingLLM({self._reason!r})"
 
 
 def prompt_template_of(spec: Any) -> PromptTemplate:
