@@ -20,7 +20,9 @@ Contract of ``codec_hook(state, bucket) -> Future[Tensor]`` (see ``register_comm
   ``find_unused_parameters=True``, which stops DDP from rebuilding (reordering) its buckets after the
   first iteration (then ``start_iter=0`` is safe too).
 - All-gather of variable-size payloads: each rank first all-gathers its payload length (a blocking
-  all-gather of one int64), then the payloads padded to the longest (gloo all-gathers CPU tensors).
+  all-gather of one int64), then the payloads padded to the longest. Every tensor a collective of the
+  group sees lives on the bucket's device (NCCL takes only GPU tensors, gloo CPU ones: the group's
+  backend follows the gradients' device); encoding and decoding happen on the CPU, around them.
 - Sync policy (optional, `fulmen_trainer.sync_policy`): one per bucket, deciding per bucket whether
   it goes compressed and at which density. An uncompressed decision (an anomaly on any rank, or the
   periodic full sync) is agreed first — one all-reduce (MAX) of two flags — because every rank must
@@ -142,21 +144,22 @@ def _with_policy(
     policy = state.bucket_policy(bucket.index())
     norm = float(buffer.norm())
     decision = policy.decide(state.step, norm, getattr(state.codec, "density", None))
-    flags = torch.tensor([float(not decision.compress), float(decision.flush)])
+    flags = torch.tensor([float(not decision.compress), float(decision.flush)], device=buffer.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)  # every rank calls the same collective
     name = f"bucket{bucket.index()}"
-    if flags[0] > 0:
-        residual = state.codec.flush(name) if flags[1] > 0 else None
+    uncompressed, flush = (bool(f > 0) for f in flags.tolist())
+    if uncompressed:
+        residual = state.codec.flush(name) if flush else None
         if residual is not None:
-            buffer.add_(residual.view_as(buffer).to(buffer.dtype))
+            buffer.add_(residual.view_as(buffer).to(buffer.device, buffer.dtype))
         policy.observe(norm, None)
         state.sent.append((False, 1.0))
         return _allreduce_mean(buffer, buffer, group, world_size)
-    true = buffer.detach().clone()
+    true = buffer.detach().to("cpu", torch.float32, copy=True).view(-1)
     with with_density(state.codec, decision.density):
         chunks = state.codec.encode(buffer, name=name, step=state.iter, rank=dist.get_rank(group))
     sent = sum_decoded([chunks]).view(-1)
-    cos = float(torch.nn.functional.cosine_similarity(sent, true.view(-1).float(), dim=0)) if true.any() else 1.0
+    cos = float(torch.nn.functional.cosine_similarity(sent, true, dim=0)) if true.any() else 1.0
     policy.observe(norm, cos)
     state.sent.append((True, cos))
     return _allgather_mean(buffer, chunks, group, world_size)
@@ -181,19 +184,21 @@ def _allgather_mean(
 ) -> torch.futures.Future[torch.Tensor]:
     # One blob per rank: u32 chunk count, u32 length per chunk, then the chunks back to back.
     blob = struct.pack(f"<I{len(chunks)}I", len(chunks), *(len(c) for c in chunks)) + b"".join(chunks)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(sizes, torch.tensor([len(blob)], dtype=torch.int64), group=group)
-    longest = max(int(s.item()) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine.numpy()[: len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
+    device = buffer.device
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([len(blob)], dtype=torch.int64, device=device), group=group)
+    lengths = [int(n) for n in torch.cat(sizes).tolist()]
+    longest = max(lengths)
+    staged = torch.zeros(longest, dtype=torch.uint8)
+    staged.numpy()[: len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+    mine = staged.to(device)
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world_size)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
 
     def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
         fut.wait()
-        lists = [
-            _split_blob(t.numpy().tobytes()[: int(n.item())]) for t, n in zip(gathered, sizes, strict=True)
-        ]
+        blobs = torch.stack(gathered).cpu().numpy()
+        lists = [_split_blob(row.tobytes()[:n]) for row, n in zip(blobs, lengths, strict=True)]
         mean = mean_decoded(lists)
         return buffer.copy_(mean.view(-1).view_as(buffer))
 
