@@ -21,7 +21,16 @@ from redis.exceptions import RedisError
 from fulmen import keys as k
 from fulmen.connection import async_client
 from fulmen.errors import FulmenError, InvalidInput, InvalidTransition, NotFound
-from fulmen.pipeline_view import COUNTERS, Frame, aread_frame, live_proxies, live_workers, rate, service_rows
+from fulmen.pipeline_view import (
+    COUNTERS,
+    Frame,
+    aread_frame,
+    live_proxies,
+    live_workers,
+    rate,
+    replica_liveness,
+    service_rows,
+)
 from fulmen.settings import DashboardSettings
 from fulmen.store import RedisStore
 from fulmen.store.browse import browse_rollouts
@@ -221,7 +230,7 @@ class DashboardApp:
         counters = [(label, int(value(frame)), rate(frame, before, value)) for label, value in COUNTERS]
         context = {
             "experiment": store.experiment, "frame": frame, "counters": counters, "services": service_rows(frame),
-            "workers": live_workers(frame), "proxies": live_proxies(frame),
+            "workers": live_workers(frame), "proxies": live_proxies(frame), "replicas": replica_liveness(frame),
             "letters": await queries.dead_letters(store, 10), "finished": await queries.recent_finished(store),
         }
         if request.query.get("fragment") == "1":

@@ -27,6 +27,15 @@ def _num(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def _served(value: Any) -> str:
+    """A validation pass's ``served_by`` (model version -> tasks) as "v5 ×30, no answer ×2", most first
+    ("none" counts the tasks that failed or recorded no version)."""
+    if not isinstance(value, dict) or not value:
+        return "-" if not value else str(value)
+    counts = sorted(value.items(), key=lambda item: (-item[1] if isinstance(item[1], int) else 0, str(item[0])))
+    return ", ".join(f"{'no answer' if version == 'none' else version} ×{n}" for version, n in counts)
+
+
 def _pretty(value: Any) -> str:
     return json.dumps(value, indent=1, ensure_ascii=False, default=str)
 
@@ -38,7 +47,7 @@ _env = Environment(
     trim_blocks=True,
     lstrip_blocks=True,
 )
-_env.filters.update(when=_when, num=_num, pretty=_pretty)
+_env.filters.update(when=_when, num=_num, pretty=_pretty, served=_served)
 
 
 def render(template: str, **context: Any) -> bytes:

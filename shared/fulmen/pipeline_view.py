@@ -140,6 +140,27 @@ def service_rows(frame: Frame) -> list[ServiceRow]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaLiveness:
+    """Whether an inference replica's state is still kept by its vllm-sync, and if not why it is not."""
+
+    gone: bool
+    detail: str = ""
+
+
+def replica_liveness(frame: Frame) -> dict[str, ReplicaLiveness]:
+    """Per replica URL: gone when its state has not changed for ``LIVE_S`` and no vllm-sync beats.
+    vllm-sync writes the state only when it changes, so an old state alone is no sign of a stop;
+    with no vllm-sync left, nothing keeps the record true and it must not read as serving."""
+    syncing = any(b.service == "vllm-sync" and frame.time - b.time <= LIVE_S for b in frame.services)
+    out = {}
+    for r in frame.replicas:
+        age_s = frame.time - (r.updated_time or 0)
+        gone = age_s > LIVE_S and not syncing
+        out[r.url] = ReplicaLiveness(gone, f"no vllm-sync running; last update {age_s:.0f} s ago" if gone else "")
+    return out
+
+
 def rate(now: Frame, before: Frame | None, value: Callable[[Frame], float]) -> float | None:
     """Per second between two frames; None without an earlier frame. Never negative: streams may be
     trimmed between the two reads."""

@@ -21,11 +21,10 @@
     if (plots[label]) { plots[label].setData(data); return; }
     plots[label] = new uPlot({
       width: width, height: 220,
-      scales: { x: { time: false } },
-      axes: [{ label: xLabel }, {}],
+      scales: { x: { time: false, range: function (u, min, max) { return FulmenAxes.integerRange(min, max); } } },
+      axes: [FulmenAxes.integerAxis(xLabel, width), {}],
       series: [{ label: xLabel }, { label: label, stroke: "#6a1b9a", width: 2, points: { show: true, size: 4 } }],
     }, data, el);
-    el.setAttribute("data-points", String(data[0].length));
   }
 
   function refresh() {
@@ -39,7 +38,7 @@
             ? [c.validation.version, c.validation.accuracy]
             : columns(c.steps, c.series[label] || []);
           draw(el, label, data, label === "validation accuracy" ? "model version" : "step");
-          el.setAttribute("data-points", String(data[0].length));
+          FulmenAxes.showNoData(el, data[0].length);
         }
         if (stamp) stamp.textContent = "updated " + new Date().toLocaleTimeString() + ", " + c.steps.length + " steps";
       })
