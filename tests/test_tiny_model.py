@@ -36,6 +36,26 @@ def test_folder_loads_offline_with_auto_classes(folder: Path, monkeypatch: pytes
     assert logits.shape == (1, 5, len(tokenizer))
 
 
+def test_default_has_room_for_an_agents_prompt(folder: Path) -> None:
+    """2048 positions: an agent framework's prompt with tools (about 440 tokens) and a few turns fit."""
+    assert AutoModelForCausalLM.from_pretrained(folder).config.max_position_embeddings == 2048
+
+
+def test_vllm_preset_from_the_command_line(tmp_path: Path) -> None:
+    """`python -m fulmen.tiny_model FOLDER --preset vllm` (the README's vLLM section) writes the preset's
+    model: heads of at least 32 dimensions (vLLM's CPU attention refuses 16), the same size otherwise."""
+    command = [sys.executable, "-m", "fulmen.tiny_model", str(tmp_path / "m"), "--preset", "vllm", "--seed", "3"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == str(tmp_path / "m")
+    a, _ = load_tiny_model(tmp_path / "m")
+    assert a.config.hidden_size // a.config.num_attention_heads >= 32 and a.config.hidden_size == 64
+    b, _ = load_tiny_model(build_tiny_model(tmp_path / "b", preset="vllm", seed=3))
+    assert b.config.num_attention_heads == a.config.num_attention_heads
+    assert all(torch.equal(a.state_dict()[n], t) for n, t in b.state_dict().items())
+    with pytest.raises(ValueError, match="preset"):
+        build_tiny_model(tmp_path / "c", preset="huge")  # type: ignore[arg-type]
+
+
 def test_one_token_per_character_and_exact_round_trip(folder: Path) -> None:
     """Encoding gives one token per character and decoding gives the text back, spaces included."""
     _, tokenizer = load_tiny_model(folder)

@@ -59,7 +59,7 @@ def test_unknown_model_is_404(torch_proxy: RunningProxy) -> None:
 
 def test_oversize_prompt_is_400_and_oversize_body_is_413(torch_proxy: RunningProxy) -> None:
     """A prompt longer than the context: 400 context_length_exceeded; a body over the limit: 413."""
-    long_prompt = {"model": "tiny", "prompt": "x" * 600, "max_tokens": 2}  # the tiny model's context is 512
+    long_prompt = {"model": "tiny", "prompt": "x" * 2100, "max_tokens": 2}  # the tiny model's context is 2048
     _error(httpx.post(f"{torch_proxy.base()}/completions", json=long_prompt), 400, "context_length_exceeded")
     huge = {"model": "tiny", "prompt": "x" * (2 << 20)}
     _error(httpx.post(f"{torch_proxy.base()}/completions", json=huge), 413, "request_too_large")
