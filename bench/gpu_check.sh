@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run of Fulmen's GPU check on a lent machine (at most 8.5 minutes), or its dry run here on the CPU:
 #
-#   bash bench/gpu_check.sh --out DIR [--wheels .whl] [--dry-run]
+#   bash bench/gpu_check.sh --out DIR [--wheels .whl] [--dry-run] [--only b,c]
 #
 # Installs the wheels of deploy/gpu-wheels.sh (not on a dry run: .venv is used), then runs each step,
 # time-boxed by `timeout` and independent of the others (a failure is recorded with its last lines
@@ -10,16 +10,18 @@
 # e (the demo through `fulmen dev`). The steps are bench/gpu_check/step_<x>.py. Into DIR:
 # gpu_check.json (one line), gpu_check.md (a table) and steps.log (every step's output), rewritten
 # after each step; the last stdout line is the summary JSON object. A dry run runs the same steps on
-# tiny shapes (gloo, device cpu) and must end with every step "ok".
+# tiny shapes (gloo, device cpu) and must end with every step "ok". --only runs the steps named
+# (b: its three parts; b_lora7b: that part), e.g. to rerun what failed.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT="" WHEELS="$ROOT/.whl" DRY=0
+OUT="" WHEELS="$ROOT/.whl" DRY=0 ONLY=""
 while (($#)); do
     case $1 in
         --out) OUT=$2; shift 2 ;;
         --wheels) WHEELS=$2; shift 2 ;;
         --dry-run) DRY=1; shift ;;
-        *) echo "usage: bash bench/gpu_check.sh --out DIR [--wheels DIR] [--dry-run]" >&2; exit 2 ;;
+        --only) ONLY=",$2,"; shift 2 ;;
+        *) echo "usage: bash bench/gpu_check.sh --out DIR [--wheels DIR] [--dry-run] [--only b,c]" >&2; exit 2 ;;
     esac
 done
 [[ -n $OUT ]] || { echo "error: --out DIR is required" >&2; exit 2; }
@@ -41,6 +43,9 @@ report() {
 step() {
     local name=$1 budget=$2 left
     shift 2
+    if [[ -n $ONLY && $name != install && $ONLY != *",$name,"* && $ONLY != *",${name%%_*},"* ]]; then
+        return
+    fi
     left=$((TOTAL_S - ($(date +%s) - STARTED) - 5))
     ((DRY)) || ((budget <= left)) || budget=$left
     if ((budget < 10)); then
@@ -82,7 +87,7 @@ EOF
 }
 
 if ((DRY)); then
-    PY="$ROOT/.venv/bin/python"
+    PY=${GPU_CHECK_PYTHON:-$ROOT/.venv/bin/python}  # a Python with Fulmen installed (.venv)
     [[ -x $PY ]] || PY=python3
     export PATH="$(dirname "$PY"):$PATH"
     FLAG=(--dry-run)

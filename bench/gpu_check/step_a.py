@@ -1,6 +1,7 @@
 """gpu_check step a: the tests that take a device: ``pytest -m gpu`` (run on CUDA there, skipped on a CPU)
-and the rest of the file that holds them, the trainer's device and precision tests (no proxy test
-takes a device). One process, no xdist (pyproject's addopts are cleared).
+and the rest of the files that hold them: the trainer's device and precision tests, and the paths
+that span the GPU and the CPU (no proxy test takes a device). One process, no xdist (pyproject's
+addopts are cleared).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from common import ROOT, emit, log, parse, step_env
 
-FILES = ["tests/trainer/test_memory_lean.py"]
+FILES = ["tests/trainer/test_memory_lean.py", "tests/trainer/test_cuda_devices.py"]
 OUTCOMES = ("passed", "failed", "skipped", "error", "errors", "deselected")
 
 

@@ -31,8 +31,10 @@ def micro_loss(s: TrainerSettings, policy: Policy, micro: TokenBatch, adv: torch
     kl = torch.zeros((), device=policy.device)
     if policy.has_reference:
         with torch.no_grad(), policy.as_reference() as reference, policy.compute():
-            ref_logp, _ = token_logprobs(reference, micro, chunk_tokens=s.logprob_chunk_tokens)
-        kl = (kl_to_reference(logp, ref_logp) * mask).sum() / mask.sum().clamp(min=1)
+            # the reference may sit on another device (--reference-device cpu): the batch goes to it
+            on_reference = micro.to(next(reference.parameters()).device)
+            ref_logp, _ = token_logprobs(reference, on_reference, chunk_tokens=s.logprob_chunk_tokens)
+        kl = (kl_to_reference(logp, ref_logp.to(logp.device)) * mask).sum() / mask.sum().clamp(min=1)
     return pg - s.ent_coef * entropy + s.kl_coef * kl, pg, entropy, kl
 
 

@@ -31,6 +31,8 @@ class VersionPublisher:
 
     async def publish(self, store: RedisStore, state: Mapping[str, torch.Tensor], *, model: str, version: str,
                       weights_format: Mapping[str, Any] | None, replace_unpublished: bool, exact: bool) -> None:
+        # on the host once: hashing, the delta and the blob would each copy a GPU tensor again
+        state = await asyncio.to_thread(_on_host, state)
         delta_on = self.previous if self.delta and not exact and self.since_keyframe + 1 < self.s.keyframe_every else None
         if delta_on is None:
             await publish_model_version(store, state, model=model, model_version=version, shared_dir=self.s.weights_dir,
@@ -47,3 +49,8 @@ class VersionPublisher:
         if self.delta:
             # a copy: the published tensors may be the live parameters, which the next step changes
             self.previous = (version, {n: t.detach().to("cpu", copy=True) for n, t in state.items()}) if not exact else None
+
+
+def _on_host(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state's tensors on the CPU (those already there as they are, not copied)."""
+    return {name: tensor.detach().to("cpu") for name, tensor in state.items()}
