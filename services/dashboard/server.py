@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import socket
+from types import FrameType
 
 import uvicorn
 
@@ -52,12 +53,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the stop signal once shut down (exit status -15, which honcho reports as a
+        # failure); SIGTERM is how a service is stopped, so the process exits 0 after its shutdown
+        self._captured_signals.clear()
+
+
 def server(settings: DashboardSettings, sock: socket.socket) -> uvicorn.Server:
     config = uvicorn.Config(
         DashboardApp(settings), lifespan="on", access_log=False, proxy_headers=False,
         log_level=settings.log_level.lower(), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    return uvicorn.Server(config)
+    return _Server(config)
 
 
 def _announce(settings: DashboardSettings, sock: socket.socket) -> None:

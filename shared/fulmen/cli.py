@@ -541,6 +541,9 @@ def _add_service_commands() -> None:
 
 
 def main() -> None:
+    from fulmen.service_cli import run_as_program
+
+    run_as_program()  # a service whose command returned exits at once (`fulmen.service_cli.leave`)
     _add_service_commands()
     app()
 

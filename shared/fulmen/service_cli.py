@@ -9,6 +9,7 @@ default. Services import this module, never `fulmen.cli` (which registers them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -48,6 +49,32 @@ def setup_logging(level: str) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for chatty in CHATTY_LOGGERS:
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+# True in the `fulmen` program (`fulmen.cli.main` calls `run_as_program`); False when a command runs
+# inside another process (tests' CliRunner), which must get control back.
+_as_program = False
+
+
+def run_as_program() -> None:
+    """Mark this process as the `fulmen` program: a command that returns leaves at once (`leave`)."""
+    global _as_program
+    _as_program = True
+
+
+def leave(code: int = 0) -> None:
+    """End the `fulmen` program now, its output flushed, without the interpreter's teardown: with
+    torch and transformers loaded that teardown (a garbage collection over millions of objects) takes
+    seconds, and honcho SIGKILLs a service still running 5 s after SIGTERM. A service has stopped
+    cleanly when its command returns: its work is in the store, its clients closed. In-process
+    (not `run_as_program`) this does nothing."""
+    if not _as_program:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def settings_from_flags(cls: type[S] = CommonSettings, /, **overrides: Any) -> S:  # type: ignore[assignment]
@@ -156,7 +183,9 @@ def settings_command(
         @functools.wraps(func)
         def command(**kwargs: Any) -> T:
             settings = settings_from_flags(cls, **{f: kwargs.pop(f) for f in chosen})
-            return func(settings, **kwargs)
+            result = func(settings, **kwargs)
+            leave(0)  # stopped cleanly (SIGTERM included): exit now, not after seconds of teardown
+            return result
 
         parameters = [*[p for p in own if p.default is inspect.Parameter.empty], *flags,
                       *[p for p in own if p.default is not inspect.Parameter.empty]]
