@@ -69,6 +69,9 @@ class Result:
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
+    # with finish_reason "length": the limit that cut the answer, "max_tokens" or "context_length"
+    # (None: the backend cannot tell; `fulmen_llm_proxy.recording` then infers it)
+    truncated_by: str | None = None
     input_tokens: int | None = None
     output_tokens: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)

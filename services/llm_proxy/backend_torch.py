@@ -37,7 +37,7 @@ from fulmen_llm_proxy.torch_choices import (
 )
 from fulmen_llm_proxy.torch_engine import DEFAULT_MAX_BATCH, GenerationStream, SamplingParams, TorchEngine
 
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = 256  # a call without max_tokens: `ProxySettings.default_max_tokens`
 # OpenAI accepts top_p = 0 and the engine needs top_p > 0: a nucleus this small keeps only the
 # likeliest token, which is what 0 asks for.
 MIN_TOP_P = 1e-9
@@ -48,7 +48,7 @@ class TorchBackend:
 
     def __init__(
         self, model_dir: str | Path, *, model_name: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-        device: str = "cpu", dtype: str = "float32",
+        device: str = "cpu", dtype: str = "float32", default_max_tokens: int = DEFAULT_MAX_TOKENS,
     ) -> None:
         from fulmen.devices import resolve_device, resolve_dtype
 
@@ -59,6 +59,7 @@ class TorchBackend:
         self.model_dir = Path(model_dir)
         self.name = model_name or self.model_dir.resolve().name
         self.max_batch = max_batch
+        self.default_max_tokens = default_max_tokens
         self.engine: Any = None  # a TorchEngine once started (loading the model takes seconds)
         self.b: Any = None  # a second engine, for B of an A/B test (`fulmen.ab`)
         self.split = 0.0
@@ -157,7 +158,7 @@ class TorchBackend:
             raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
         try:
             params = SamplingParams(
-                max_tokens=call.max_tokens or DEFAULT_MAX_TOKENS, temperature=call.temperature,
+                max_tokens=self._max_tokens(call), temperature=call.temperature,
                 top_p=call.top_p if call.top_p > 0 else MIN_TOP_P, seed=choice_seed(call.seed, index),
                 stop_token_ids=tuple(stop_ids),
             )  # fmt: skip
@@ -167,6 +168,9 @@ class TorchBackend:
             raise bad_request(str(e), "messages" if call.operation == "chat" else "prompt", code) from None
         except RetryableError as e:
             raise _engine_closed(e) from None
+
+    def _max_tokens(self, call: Call) -> int:
+        return call.max_tokens or self.default_max_tokens
 
     def token_strings(self, call: Call, token_ids: list[int]) -> list[str]:
         if call.tokens_as_ids:
@@ -293,6 +297,8 @@ class TorchBackend:
             raise _engine_closed(e) from None
         result.text = decoded if incremental else tokenizer.decode(token_ids, skip_special_tokens=True)
         result.finish_reason = finish
+        if finish == "length":  # the engine also ends an answer where the model's context ends
+            result.truncated_by = "max_tokens" if len(token_ids) >= self._max_tokens(call) else "context_length"
         result.input_tokens = len(prompt)
         result.output_tokens = len(token_ids)
 

@@ -44,7 +44,7 @@ def make_backend(settings: ProxySettings) -> Backend:
         if settings.model_dir is None:
             raise ValueError(f"the {kind} backend needs --model-dir (FULMEN_MODEL_DIR)")
         return cls(settings.model_dir, model_name=settings.model_name, max_batch=settings.max_batch,
-                   device=settings.device, dtype=settings.dtype)
+                   device=settings.device, dtype=settings.dtype, default_max_tokens=settings.default_max_tokens)
     urls = [u.strip() for u in (settings.upstream_urls or "").split(",") if u.strip()]
     if not urls:
         raise ValueError(f"the {kind} backend needs --upstream-urls (FULMEN_UPSTREAM_URLS)")

@@ -81,6 +81,8 @@ def build_span(
         attributes[semconv.GEN_AI_SEED] = call.seed
     if result.finish_reason:
         attributes[semconv.GEN_AI_FINISH_REASONS] = [result.finish_reason]
+    if result.finish_reason == "length":
+        attributes[semconv.TRUNCATED_BY] = truncation(call, result)
     if result.input_tokens is not None:
         attributes[semconv.GEN_AI_INPUT_TOKENS] = result.input_tokens
     if result.output_tokens is not None:
@@ -108,6 +110,27 @@ def build_span(
         attributes=attributes,
         resource={"service.name": SERVICE_NAME},
     )
+
+
+_WARNED: set[str] = set()  # the causes already logged: one warning per cause per process
+
+
+def truncation(call: Call, result: Result) -> str:
+    """What cut an answer that finished with "length" (the backend's word, else inferred: the call's
+    max_tokens when the answer reached it, else the model's context); logged once per cause."""
+    cause = result.truncated_by or (
+        "max_tokens" if call.max_tokens is not None and (result.output_tokens or 0) >= call.max_tokens
+        else "context_length"
+    )  # fmt: skip
+    if cause not in _WARNED:
+        _WARNED.add(cause)
+        fix = ("raise the call's max_tokens, or the proxy's --default-max-tokens (FULMEN_DEFAULT_MAX_TOKENS) "
+               "for calls that set none" if cause == "max_tokens" else
+               "serve a model with a longer context (max_position_embeddings), or send shorter prompts")
+        log.warning("an answer was cut by %s (rollout %s, %s prompt + %s answer tokens): %s. Every cut call's span "
+                    "says so (%s); this is logged once per cause", cause, call.rollout_id or "-", result.input_tokens,
+                    result.output_tokens, fix, semconv.TRUNCATED_BY)
+    return cause
 
 
 def build_spans(call: Call, result: Result, *, span_id: str, **fields: Any) -> list[Span]:

@@ -25,6 +25,9 @@ GEN_AI_TOP_P = "gen_ai.request.top_p"
 GEN_AI_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_SEED = "gen_ai.request.seed"
 GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
+# With finish reason "length": the limit that cut the answer, one of TRUNCATED_BY_CAUSES.
+TRUNCATED_BY = "fulmen.truncated_by"
+TRUNCATED_BY_CAUSES = ("max_tokens", "context_length")
 GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 # Token ids and log-probabilities are packed arrays (int32 / float32 little-endian bytes, see

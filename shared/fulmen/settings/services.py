@@ -145,6 +145,11 @@ class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
     )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the proxy accepts.")
     max_batch: int = Field(16, ge=1, le=1024, description="Most requests the torch backend decodes together.")
+    default_max_tokens: int = Field(
+        256, ge=1, description="Tokens the torch backend generates at most when a call sets no max_tokens (an "
+        "answer also ends at the model's context length); a cut answer finishes with 'length', and its span "
+        "and the log say which limit cut it.",
+    )  # fmt: skip
     weights_dir: Path | None = Field(
         None, description="The trainer's shared folder for model versions, if it uses one: the torch backend reads "
         "the next version there while it is written (else from the folder of the last version announced).",
