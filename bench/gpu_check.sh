@@ -103,7 +103,7 @@ else
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
     export GPU_CHECK_E_CAP_S=${GPU_CHECK_E_CAP_S:-140}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$OUT/steps.log" 2>&1
-    B=(50 45 90) C=90 D=60 A=50 E=$((GPU_CHECK_E_CAP_S + 20))
+    B=(50 45 90) C=90 D=60 A=75 E=$((GPU_CHECK_E_CAP_S + 20))
 fi
 export PYTHONPATH="$ROOT/bench/gpu_check${PYTHONPATH:+:$PYTHONPATH}"
 S="$ROOT/bench/gpu_check"
