@@ -96,10 +96,24 @@ if ((DRY)); then
 else
     PY=python3
     FLAG=()
-    # The wheels (deploy/gpu-wheels.sh) into /tmp/site: Fulmen itself and what the image lacks.
+    # The wheels (deploy/gpu-wheels.sh) into /tmp/site: Fulmen itself and what the image lacks. Then
+    # Fulmen's packages there point at this tree (pyproject's package-dir), so a wheel built before
+    # the last edit still runs today's code; its console script and entry points stay the wheel's.
     SITE=/tmp/site
     step install 60 bash -c "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --upgrade --target $SITE '$WHEELS'/*.whl && echo '{\"wheels\": '\$(ls '$WHEELS' | wc -l)'}'"
+        --upgrade --target $SITE '$WHEELS'/*.whl && python3 - '$ROOT' $SITE <<'EOF'
+import json, shutil, sys, tomllib
+from pathlib import Path
+root, site = Path(sys.argv[1]), Path(sys.argv[2])
+mapping = tomllib.loads((root / 'pyproject.toml').read_text())['tool']['setuptools']['package-dir']
+for package, source in mapping.items():
+    target = site / package
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    target.unlink(missing_ok=True)
+    target.symlink_to(root / source)
+print(json.dumps({'wheels': len(list(Path(sys.argv[2]).glob('*.dist-info'))), 'linked': sorted(mapping)}))
+EOF"
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
     export GPU_CHECK_E_CAP_S=${GPU_CHECK_E_CAP_S:-140}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$OUT/steps.log" 2>&1
