@@ -19,6 +19,10 @@ import httpx
 PAUSE_MODES = ("abort", "wait", "keep")
 CANARY_TOKENS = 4
 STARTUP_VERSION = "default"  # what vLLM's /weight_info reports before any version is set
+# Appended to a LoRA version's name in /weight_info while the server serves it as an adapter on the
+# weights it started with: a person watching the server sees the version change, and `served_version`
+# still reads the server's own weights as the ones it started with.
+ADAPTER_LABEL = " (LoRA adapter)"
 
 
 class AdminError(Exception):
@@ -66,11 +70,17 @@ class VllmAdmin:
         await self._call("POST", "/update_weight_version", json={"new_version": version})
 
     async def served_version(self) -> str | None:
-        """The version last set; None while the server runs the weights it started with (vLLM then
-        reports "default")."""
+        """The version of the server's own weights last set; None while it runs the weights it started
+        with (vLLM then reports "default", or a served adapter's name and `ADAPTER_LABEL`)."""
         info = await self._call("GET", "/weight_info")
         version = info.get("weight_version") if isinstance(info, dict) else None
-        return version if isinstance(version, str) and version != STARTUP_VERSION else None
+        if not isinstance(version, str) or version == STARTUP_VERSION or version.endswith(ADAPTER_LABEL):
+            return None
+        return version
+
+    async def label_adapter(self, version: str) -> None:
+        """Name the LoRA version served as an adapter in ``/weight_info`` (`ADAPTER_LABEL`)."""
+        await self.set_version(version + ADAPTER_LABEL)
 
     async def reset_prefix_cache(self) -> None:
         await self._call("POST", "/reset_prefix_cache")

@@ -12,8 +12,9 @@ model's) is loaded instead as an adapter named after the version, without a paus
 adapter they want, so a call in flight keeps the adapter it named and none mixes two versions. The
 replica stays ready on its previous version until the adapter is loaded and verified (listed by
 ``/v1/models``, its canary differs from the base model's unless the adapter is zero), then serves the
-new one under ``served_model``; the previous adapter stays loaded for the calls still using it, older
-ones are unloaded. A server that cannot load adapters (``lora_loading`` auto) gets the merged weights.
+new one under ``served_model`` (``/weight_info`` reads "<version> (LoRA adapter)"); the previous
+adapter stays loaded for the calls still using it, older ones are unloaded. A server that cannot load
+adapters (``lora_loading`` auto) gets the merged weights.
 
 Verification: the server reports the new version (``/weight_info``), and the canary — the
 log-probabilities of a short greedy completion of fixed token ids — differs from the one taken
@@ -262,6 +263,10 @@ class VllmSync:
         if await self.admin.canary(version, self.canary_prompt) == base and not zero:
             raise SyncFailed(f"the adapter {version} does not change the canary: it was not applied")
         self.weights_known = True
+        try:  # only for a person watching the server: the replica state is what proxies go by
+            await self.admin.label_adapter(version)
+        except AdminError as e:
+            log.warning("%s: naming %s in /weight_info failed (%s); it serves it all the same", self.url, version, e)
         await self._mark(model_version=version, ready=True, reason="", served_model=version)
         for old in self.adapters[:-ADAPTERS_KEPT]:
             try:

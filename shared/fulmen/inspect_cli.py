@@ -24,12 +24,14 @@ CELL_CHARS = 60
 
 def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
     """One screen: queue depth, rollouts per status, pending per consumer, dead letters, resources."""
+    from fulmen.serving import served_by
     from fulmen.version_rewards import version_report
 
     settings = settings_from_flags(experiment=experiment)
 
     async def read(store: RedisStore) -> dict:
-        return {**await store.statistics(), "model_versions": await version_report(store)}
+        return {**await store.statistics(), "model_versions": await version_report(store),
+                "served_by": await served_by(store)}
 
     stats = run_on_store(settings, read)
     if as_json:
@@ -53,6 +55,10 @@ def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
     rollback = versions["rollback"]
     serving = versions["serving"] or "base"
     table.add_row("model version", f"{serving} (rolled back from {rollback['from']})" if rollback else serving)
+    for row in stats["served_by"]:
+        state = "" if row["ready"] else f" — not ready: {row['reason'] or '?'}"
+        lora = " (LoRA adapter)" if row["lora_adapter"] else ""
+        table.add_row(f"  served by {row['kind']}", f"{row['server']}: {row['model_version']}{lora}{state}")
     if versions["ab"]:
         table.add_row("A/B test", f"{versions['ab']['b']} for {versions['ab']['split']:.0%} of rollouts")
     stored = versions["stored"]

@@ -47,6 +47,21 @@ class Frame:
     algorithm: dict[str, str]
     steps: list[TrainStep]  # the tail of the trainer's step log, oldest first
 
+    @property
+    def model_version(self) -> str:
+        """The model version the views headline: the one the latest resources name; else (resources
+        naming none, as a validation pass's do) what the live proxies and ready replicas serve, "base"
+        before the first trained version, LoRA adapters included; "-" when nothing names or serves one."""
+        if self.snap.model_version:
+            return self.snap.model_version
+        served = {p.model_version for p in live_proxies(self) if p.model_version}
+        gone = replica_liveness(self)
+        served |= {r.model_version for r in self.replicas if r.ready and not gone[r.url].gone}
+        if served:
+            return ", ".join(sorted(served, key=lambda v: (v != "base", len(v), v)))
+        latest = self.snap.latest_resources
+        return "base" if latest is not None and isinstance(latest.resources.get("llm"), dict) else "-"
+
 
 @dataclass(frozen=True, slots=True)
 class ServiceRow:

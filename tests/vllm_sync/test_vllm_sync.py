@@ -257,7 +257,7 @@ async def _adapter_ids(fake: FakeVllm, name: str) -> list[int]:
 async def test_lora_versions_load_as_adapters_without_a_pause(real_store: RedisStore, models, tmp_path, caplog):
     """With a server that loads adapters at run time, each LoRA version is loaded under its own name
     with no pause and no reload; the replica serves it under that name (``served_model``) with the
-    proxy's own greedy ids; the previous adapter stays loaded for calls that still name it, older ones
+    proxy's own greedy ids, and /weight_info names it; the previous adapter stays loaded for calls that still name it, older ones
     are unloaded; a restarted server that lost its adapter leaves routing and gets it back."""
     from fulmen.lora import lora_description
 
@@ -276,6 +276,8 @@ async def test_lora_versions_load_as_adapters_without_a_pause(real_store: RedisS
             await _until(lambda n=n: _ready(real_store, fake.url, f"v{n}"))
             state = await _replica(real_store, fake.url)
             assert state.served_model == f"v{n}"
+            # what a person reads from the server itself names the adapter's version too
+            assert fake.version == f"v{n} (LoRA adapter)" and await admin.served_version() is None
         assert not [c for c in fake.calls if c.startswith(("pause", "reload_weights"))], fake.calls
         assert sorted(fake.adapters) == ["v2", "v3"] and "unload_lora:v1" in fake.calls
         engine = TorchEngine(base)
