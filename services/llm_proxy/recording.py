@@ -82,7 +82,7 @@ def build_span(
     if result.finish_reason:
         attributes[semconv.GEN_AI_FINISH_REASONS] = [result.finish_reason]
     if result.finish_reason == "length":
-        attributes[semconv.TRUNCATED_BY] = truncation(call, result)
+        attributes[semconv.TRUNCATED_BY] = truncation(call, result, system)
     if result.input_tokens is not None:
         attributes[semconv.GEN_AI_INPUT_TOKENS] = result.input_tokens
     if result.output_tokens is not None:
@@ -115,17 +115,16 @@ def build_span(
 _WARNED: set[str] = set()  # the causes already logged: one warning per cause per process
 
 
-def truncation(call: Call, result: Result) -> str:
-    """What cut an answer that finished with "length" (the backend's word, else inferred: the call's
-    max_tokens when the answer reached it, else the model's context); logged once per cause."""
-    cause = result.truncated_by or (
-        "max_tokens" if call.max_tokens is not None and (result.output_tokens or 0) >= call.max_tokens
-        else "context_length"
-    )  # fmt: skip
+def truncation(call: Call, result: Result, system: str = "") -> str:
+    """What cut an answer that finished with "length" (the backend's word, else inferred: max tokens
+    when the answer reached the call's, or always from Anthropic, which sends one when the call sets
+    none; else the model's context); logged once per cause."""
+    reached = call.max_tokens is not None and (result.output_tokens or 0) >= call.max_tokens
+    cause = result.truncated_by or ("max_tokens" if reached or system == "anthropic" else "context_length")
     if cause not in _WARNED:
         _WARNED.add(cause)
-        fix = ("raise the call's max_tokens, or the proxy's --default-max-tokens (FULMEN_DEFAULT_MAX_TOKENS) "
-               "for calls that set none" if cause == "max_tokens" else
+        fix = ("raise the call's max_tokens, or the proxy's default for calls that set none (--default-max-tokens, "
+               "FULMEN_DEFAULT_MAX_TOKENS; --upstream-max-tokens for anthropic)" if cause == "max_tokens" else
                "serve a model with a longer context (max_position_embeddings), or send shorter prompts")
         log.warning("an answer was cut by %s (rollout %s, %s prompt + %s answer tokens): %s. Every cut call's span "
                     "says so (%s); this is logged once per cause", cause, call.rollout_id or "-", result.input_tokens,

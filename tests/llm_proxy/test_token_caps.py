@@ -18,6 +18,7 @@ from fulmen.settings import ProxySettings
 from fulmen.store import RedisStore
 from fulmen.tiny_model import DEFAULT_ALPHABET, SPECIAL_TOKENS, build_tiny_model
 from fulmen_llm_proxy import recording
+from fulmen_llm_proxy.backend_base import Call, Result
 
 CONTEXT = 48  # positions of this module's model: a short prompt reaches them
 DEFAULT_MAX_TOKENS = 5
@@ -84,3 +85,16 @@ async def test_cut_answers_say_which_limit_cut_them(
     assert len(warnings) == 2, warnings
     assert "cut by max_tokens" in warnings[0] and "FULMEN_DEFAULT_MAX_TOKENS" in warnings[0]
     assert "cut by context_length" in warnings[1]
+
+
+def test_upstream_cuts_are_inferred() -> None:
+    """A backend that cannot tell: the call's max_tokens when the answer reached it, Anthropic's own
+    max_tokens when the call set none, else the upstream's context."""
+    def call(max_tokens: int | None) -> Call:
+        return Call("chat", {}, "m", False, max_tokens, 1.0, 1.0, None, [])
+
+    cut = Result(finish_reason="length", output_tokens=16)
+    assert recording.truncation(call(16), cut, "vllm") == "max_tokens"
+    assert recording.truncation(call(100), cut, "vllm") == "context_length"
+    assert recording.truncation(call(None), cut, "openai") == "context_length"
+    assert recording.truncation(call(None), cut, "anthropic") == "max_tokens"
