@@ -1,9 +1,9 @@
 """Every long-running service exits within 5 s of SIGTERM, as `honcho start` stops them (it SIGKILLs
 after 5 s): the idle ones at once, the busy ones within their grace.
 
-All start together against the test's Redis; once each is up (its readiness probe answers), the
-torch proxy gets hundreds of calls and the runner agents that would run for minutes, the others idle;
-then all get SIGTERM at once.
+All start together against the test's Redis; once each is up (its readiness probe answers), a second
+trainer is stopped while loading; then the torch proxy gets hundreds of calls and the runner agents
+that would run for minutes, the others idle, and all get SIGTERM at once.
 """
 
 from __future__ import annotations
@@ -71,10 +71,12 @@ def _services(tmp_path: Path) -> list[Service]:
     ]
 
 
-def _start(services: list[Service], env: dict[str, str], tmp_path: Path, experiment: str) -> None:
+def _start(services: list[Service], env: dict[str, str], folder: Path, experiment: str) -> None:
+    folder.mkdir(exist_ok=True)
     for s in services:
-        s.log = tmp_path / f"{s.name}.log"
+        s.log = folder / f"{s.name}.log"
         own = {"FULMEN_DASHBOARD_PORT": str(s.port)} if s.name == "dashboard" else {"PORT": str(s.port)}
+        own["FULMEN_EXPERIMENT"] = experiment
         if s.name == "algorithm":  # its rollouts in an experiment of their own: the runner's stay the test's
             own["FULMEN_EXPERIMENT"] = experiment + "-run"
         with open(s.log, "wb") as out:
@@ -129,10 +131,29 @@ def _calls(port: int, n: int) -> list[object]:
     return ended
 
 
+def _stop_a_trainer_while_loading(env: dict[str, str], tmp_path: Path, experiment: str) -> None:
+    """A second trainer (another experiment's) SIGTERMed while it imports transformers and loads the
+    model, which takes seconds: it exits 0 at once, not once the load is done."""
+    trainer = Service("trainer", ["trainer"], free_port(), probe="/healthz")
+    _start([trainer], env, tmp_path / "loading", experiment + "-loading")
+    assert trainer.process is not None and trainer.log is not None
+    try:
+        _wait(trainer.up, [trainer], UP_TIMEOUT_S)  # its ops server is up: the setup starts
+        time.sleep(0.3)
+        sent = time.monotonic()
+        trainer.process.send_signal(signal.SIGTERM)
+        exits = _exits([trainer], sent, HONCHO_KILL_S)
+        log = trainer.log.read_text()
+        assert exits["trainer"] is not None and exits["trainer"][0] == 0, (exits, log[-1500:])
+        assert exits["trainer"][1] < 2.0 and "stopped while starting" in log, (exits, log[-1500:])
+    finally:
+        stop([trainer.process], kill=[trainer.process])
+
+
 async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore, redis_url: str, tmp_path: Path) -> None:
     """trainer, adapter, watchdog, evaluator, dashboard and algorithm idle, the torch proxy generating for
     hundreds of calls and the runner running agents: one SIGTERM to all, and each exits 0 within 5 s;
-    the runner hands its attempts back."""
+    the runner hands its attempts back. Before that, a trainer stopped while loading exits at once."""
     model = build_tiny_model(tmp_path / "tiny")
     env = service_env(redis_url, real_store.experiment, tmp_path, FULMEN_MODEL_DIR=str(model),
                       FULMEN_CHECKPOINT_DIR=str(tmp_path / "checkpoints"), FULMEN_TORCH_THREADS="1",
@@ -143,6 +164,7 @@ async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore,
     procs = [s.process for s in services if s.process is not None]
     try:
         await asyncio.to_thread(_wait, lambda: all(s.up() for s in services), services, UP_TIMEOUT_S)
+        await asyncio.to_thread(_stop_a_trainer_while_loading, env, tmp_path, real_store.experiment)
         ids = [(await real_store.enqueue_rollout({"sleep_s": 600}, mode="train")).rollout_id for _ in range(AGENTS)]
         while any(r.status is not RolloutStatus.RUNNING for r in await real_store.get_rollouts(ids)):
             await asyncio.sleep(0.1)
@@ -162,3 +184,4 @@ async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore,
         assert {r.status for r in await real_store.get_rollouts(ids)} == {RolloutStatus.REQUEUING}
     finally:
         stop(procs, kill=procs)
+

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+from collections.abc import Coroutine
 from typing import Any
 
 import typer
 
 from fulmen import keys as k
-from fulmen.service_cli import run_on_store, settings_command
+from fulmen.service_cli import leave, run_on_store, settings_command
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 
@@ -69,9 +71,14 @@ def command(settings: TrainerSettings) -> None:
 
     async def work(store: RedisStore) -> None:
         with start_ops(settings, "trainer", groups=[("samples", k.TRAINERS_GROUP)]) as ops:
-            await train(store, ops)
+            started = await train(store, ops)
+        if not started:
+            # stopped while loading: the import or the load goes on in its thread, which asyncio.run
+            # would wait for (seconds, past honcho's 5 s); nothing was trained, nothing is lost
+            leave(0)
 
-    async def train(store: RedisStore, ops: Any) -> None:
+    async def train(store: RedisStore, ops: Any) -> bool:
+        """Set up and train until SIGTERM; False if stopped before the setup was done."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -99,7 +106,9 @@ def command(settings: TrainerSettings) -> None:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
         try:
-            await trainer.setup()
+            if not await _unless_stopped(trainer.setup(), stop):
+                log.info("trainer rank %d stopped while starting", rank)
+                return False
             if trainer.metrics is not None:
                 ops.add(trainer.metrics.registry)
             if membership is not None:
@@ -123,5 +132,22 @@ def command(settings: TrainerSettings) -> None:
             if membership is not None:
                 await membership.release()
         log.info("trainer rank %d stopped at step %d (model version %s)", rank, trainer.step, trainer.version)
+        return True
 
     run_on_store(settings, work)
+
+
+async def _unless_stopped(setup: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:
+    """Run ``setup`` (imports and the model's load: seconds) unless ``stop`` is set first, which
+    cancels it; whether it finished."""
+    task = asyncio.ensure_future(setup)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        task.result()  # its error, if it failed
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
