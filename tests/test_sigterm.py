@@ -2,7 +2,7 @@
 after 5 s): the idle ones at once, the busy ones within their grace.
 
 All start together against the test's Redis; once each is up (its readiness probe answers), a second
-trainer is stopped while loading; then the torch proxy gets hundreds of calls and the runner agents
+trainer and proxy are stopped while loading; then the torch proxy gets hundreds of calls and the runner agents
 that would run for minutes, the others idle, and all get SIGTERM at once.
 """
 
@@ -131,29 +131,41 @@ def _calls(port: int, n: int) -> list[object]:
     return ended
 
 
-def _stop_a_trainer_while_loading(env: dict[str, str], tmp_path: Path, experiment: str) -> None:
-    """A second trainer (another experiment's) SIGTERMed while it imports transformers and loads the
-    model, which takes seconds: it exits 0 at once, not once the load is done."""
+def _stop_while_loading(env: dict[str, str], tmp_path: Path, experiment: str) -> None:
+    """A second trainer and a second torch proxy (another experiment's), each SIGTERMed while it loads
+    the model (seconds): each exits 0 at once, not once the load is done."""
+    proxy_port = free_port()
     trainer = Service("trainer", ["trainer"], free_port(), probe="/healthz")
-    _start([trainer], env, tmp_path / "loading", experiment + "-loading")
-    assert trainer.process is not None and trainer.log is not None
+    proxy = Service("llm-proxy", ["llm-proxy", "--backend", "torch", "--port", str(proxy_port)], proxy_port)
+    # when each has begun to load: the trainer's ops server is up (its setup starts), the proxy's
+    # lifespan has started (its engine loads), and neither says it is done
+    loading = {"trainer": "/healthz /readyz /metrics", "llm-proxy": "Waiting for application startup"}
+    done = {"trainer": "stopped at step", "llm-proxy": "serving tiny"}
+    _start([trainer, proxy], env, tmp_path / "loading", experiment + "-loading")
+    waiting = [trainer, proxy]
     try:
-        _wait(trainer.up, [trainer], UP_TIMEOUT_S)  # its ops server is up: the setup starts
-        time.sleep(0.3)
-        sent = time.monotonic()
-        trainer.process.send_signal(signal.SIGTERM)
-        exits = _exits([trainer], sent, HONCHO_KILL_S)
-        log = trainer.log.read_text()
-        assert exits["trainer"] is not None and exits["trainer"][0] == 0, (exits, log[-1500:])
-        assert exits["trainer"][1] < 2.0 and "stopped while starting" in log, (exits, log[-1500:])
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while waiting:
+            for s in list(waiting):
+                assert s.process is not None and s.log is not None
+                if loading[s.name] in s.log.read_text():
+                    s.process.send_signal(signal.SIGTERM)
+                    sent = time.monotonic()
+                    exits = _exits([s], sent, HONCHO_KILL_S)
+                    log = s.log.read_text()
+                    assert exits[s.name] is not None and exits[s.name][0] == 0, (exits, log[-1500:])
+                    assert exits[s.name][1] < 2.0 and done[s.name] not in log, (exits, log[-1500:])
+                    waiting.remove(s)
+            assert time.monotonic() < deadline, "never began to load: " + _tails(waiting, [s.name for s in waiting])
+            time.sleep(0.05)
     finally:
-        stop([trainer.process], kill=[trainer.process])
+        stop([s.process for s in (trainer, proxy) if s.process is not None], kill=[])
 
 
 async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore, redis_url: str, tmp_path: Path) -> None:
     """trainer, adapter, watchdog, evaluator, dashboard and algorithm idle, the torch proxy generating for
     hundreds of calls and the runner running agents: one SIGTERM to all, and each exits 0 within 5 s;
-    the runner hands its attempts back. Before that, a trainer stopped while loading exits at once."""
+    the runner hands its attempts back. Before that, a trainer and a proxy stopped while loading exit at once."""
     model = build_tiny_model(tmp_path / "tiny")
     env = service_env(redis_url, real_store.experiment, tmp_path, FULMEN_MODEL_DIR=str(model),
                       FULMEN_CHECKPOINT_DIR=str(tmp_path / "checkpoints"), FULMEN_TORCH_THREADS="1",
@@ -164,7 +176,7 @@ async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore,
     procs = [s.process for s in services if s.process is not None]
     try:
         await asyncio.to_thread(_wait, lambda: all(s.up() for s in services), services, UP_TIMEOUT_S)
-        await asyncio.to_thread(_stop_a_trainer_while_loading, env, tmp_path, real_store.experiment)
+        await asyncio.to_thread(_stop_while_loading, env, tmp_path, real_store.experiment)
         ids = [(await real_store.enqueue_rollout({"sleep_s": 600}, mode="train")).rollout_id for _ in range(AGENTS)]
         while any(r.status is not RolloutStatus.RUNNING for r in await real_store.get_rollouts(ids)):
             await asyncio.sleep(0.1)

@@ -20,6 +20,7 @@ from types import FrameType
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from fulmen.service_cli import leave
 from fulmen.settings import ProxySettings
 from fulmen_llm_proxy.app import ProxyApp
 from fulmen_llm_proxy.backend_base import Backend
@@ -129,6 +130,10 @@ class _NoCancelledTracebacks(logging.Filter):
 
 class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.started:
+            # still loading the model (seconds, which uvicorn would let finish before it stops): nothing
+            # is registered or served yet, so there is nothing to drain; leave now
+            leave(0)
         super().handle_exit(sig, frame)
         # uvicorn re-raises the stop signal once shut down (exit status -15); for Fulmen SIGTERM is
         # the normal way to stop a service, so the process exits 0 after its graceful shutdown.
