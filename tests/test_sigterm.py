@@ -1,9 +1,8 @@
-"""Every long-running service exits within 5 s of SIGTERM, as `honcho start` stops them (it SIGKILLs
-after 5 s): the idle ones at once, the busy ones within their grace.
+"""Every long-running service exits within 5 s of SIGTERM, as `honcho start` stops them (SIGKILL after
+5 s): idle ones at once, busy ones within their grace, and a trainer or proxy still loading at once.
 
-All start together against the test's Redis; once each is up (its readiness probe answers), a second
-trainer and proxy are stopped while loading; then the torch proxy gets hundreds of calls and the runner agents
-that would run for minutes, the others idle, and all get SIGTERM at once.
+All start together on the test's Redis; once up, the proxy gets hundreds of calls, the runner agents
+that run for minutes and the evaluator a validation pass; then one SIGTERM to all, as honcho sends it.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from ops_helpers import FULMEN, ROOT, get, service_env
@@ -25,8 +25,14 @@ from procs import stop
 
 from fulmen.embedded import free_port
 from fulmen.records.status import RolloutStatus
+from fulmen.settings import AlgorithmSettings
 from fulmen.store import RedisStore
 from fulmen.tiny_model import build_tiny_model
+from fulmen_algorithm.jobs import enqueue_validation, validation_queue
+from fulmen_algorithm.validation import requeue_abandoned
+
+if TYPE_CHECKING:
+    from rq import Queue
 
 pytestmark = pytest.mark.slow
 HONCHO_KILL_S = 5.0  # honcho's wait between SIGTERM and SIGKILL
@@ -162,11 +168,28 @@ def _stop_while_loading(env: dict[str, str], tmp_path: Path, experiment: str) ->
         stop([s.process for s in (trainer, proxy) if s.process is not None], kill=[])
 
 
+def _busy_evaluator(experiment: str, redis_url: str, tmp_path: Path) -> Queue:
+    """A validation pass for the evaluator, which waits on its rollouts (the runner's slots are all
+    taken): returns the eval queue once the pass has started."""
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps({"id": "v1", "question": "1+1=", "answer": "2"}) + "\n")
+    settings = AlgorithmSettings(experiment=experiment, redis_url=redis_url, val_data=val, val_timeout_s=600)
+    enqueue_validation(settings, 1)
+    queue = validation_queue(settings)
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while queue.started_job_registry.count == 0:
+        assert time.monotonic() < deadline, "the evaluator did not start the pass"
+        time.sleep(0.1)
+    return queue
+
+
 async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore, redis_url: str, tmp_path: Path) -> None:
-    """trainer, adapter, watchdog, evaluator, dashboard and algorithm idle, the torch proxy generating for
-    hundreds of calls and the runner running agents: one SIGTERM to all, and each exits 0 within 5 s;
-    the runner hands its attempts back. Before that, a trainer and a proxy stopped while loading exit at once."""
+    """trainer, adapter, watchdog, dashboard and algorithm idle, the torch proxy generating for hundreds of
+    calls, the runner running agents and the evaluator in a validation pass: one SIGTERM to all, and each
+    exits 0 within 5 s; the runner hands its attempts back, the pass is left for the next evaluator. Before that, a trainer and a proxy stopped while loading exit at once."""
     model = build_tiny_model(tmp_path / "tiny")
+    await real_store.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "base"}},
+                                   resources_id="policy")  # what a validation pass serves
     env = service_env(redis_url, real_store.experiment, tmp_path, FULMEN_MODEL_DIR=str(model),
                       FULMEN_CHECKPOINT_DIR=str(tmp_path / "checkpoints"), FULMEN_TORCH_THREADS="1",
                       FULMEN_METRICS_FILE=str(tmp_path / "metrics.jsonl"),
@@ -180,6 +203,7 @@ async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore,
         ids = [(await real_store.enqueue_rollout({"sleep_s": 600}, mode="train")).rollout_id for _ in range(AGENTS)]
         while any(r.status is not RolloutStatus.RUNNING for r in await real_store.get_rollouts(ids)):
             await asyncio.sleep(0.1)
+        queue = await asyncio.to_thread(_busy_evaluator, real_store.experiment, redis_url, tmp_path)
         ended = _calls(services[1].port, CALLS)
         await asyncio.sleep(IDLE_S)  # the proxy is generating, the others idle
         sent = time.monotonic()
@@ -194,6 +218,7 @@ async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore,
         unclean = [name for name, exit in exits.items() if exit is not None and exit[0] != 0]
         assert unclean == [], f"exit statuses and seconds {exits}\n" + _tails(services, unclean)
         assert {r.status for r in await real_store.get_rollouts(ids)} == {RolloutStatus.REQUEUING}
+        assert requeue_abandoned(queue) == ["val-v1"]  # the pass the evaluator left: the next one runs it
     finally:
         stop(procs, kill=procs)
 

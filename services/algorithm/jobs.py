@@ -103,11 +103,31 @@ def enqueue_validation(settings: AlgorithmSettings, version: int) -> None:
 
 def evaluator_worker(queue: Queue) -> SimpleWorker:
     """The rq worker of the eval queue: in this process (the jobs are asyncio passes), JSON only,
-    and running Fulmen's jobs only."""
+    and running Fulmen's jobs only. SIGTERM during a pass leaves at once (rq would wait for the pass,
+    minutes, and honcho SIGKILLs after 5 s): the job stays started, and the next evaluator runs it
+    again (`requeue_abandoned`), as after a kill."""
     from rq import SimpleWorker
     from rq.serializers import JSONSerializer
 
-    return SimpleWorker(
+    from fulmen.service_cli import leave
+
+    class EvaluatorWorker(SimpleWorker):
+        running: str | None = None  # the job under way (kept here: a signal handler asks no Redis)
+
+        def execute_job(self, job: Any, queue: Queue) -> None:
+            self.running = job.id
+            try:
+                super().execute_job(job, queue)
+            finally:
+                self.running = None
+
+        def request_stop(self, signum: Any, frame: Any) -> None:
+            if self.running is not None:
+                log.info("stopping during validation job %s: the next evaluator runs it again", self.running)
+                leave(0)  # in the `fulmen` program; in-process, rq's warm shutdown below
+            super().request_stop(signum, frame)
+
+    return EvaluatorWorker(
         [queue], connection=queue.connection, serializer=JSONSerializer, job_class=allowlisted_job_class()
     )
 
