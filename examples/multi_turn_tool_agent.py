@@ -9,7 +9,6 @@ Each tool call is recorded as a span (``fulmen.operation``), next to the proxy's
 calls, so the whole conversation is in the rollout's trace. Try it once from the repository's root::
 
     fulmen run-once --agent examples.multi_turn_tool_agent:agent \\
-        --llm-base-url http://127.0.0.1:8000/v1 \\
         --task '{"question": "What is 17 * 23?", "answer": 391}'
 
 and train it under the runner (the model and sampling parameters come from the "llm" resource)::
@@ -99,8 +98,6 @@ def score(reply: str | None, answer: float) -> float:
 @fulmen.rollout
 async def agent(task: dict[str, Any], llm: fulmen.LLM) -> float:
     """Talk to the model, running its tool calls, until it answers; score the answer."""
-    if llm is None:
-        raise RuntimeError('no LLM: publish an "llm" resource in the store, or pass --llm-base-url')
     client = llm.async_client  # ready-made for this attempt (ids and trace context ride along)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},

@@ -6,19 +6,15 @@ A task is an arithmetic question and its answer::
 
 The reward is 1.0 when the last number in the model's reply equals the answer, else 0.0.
 
-Try it once, in this process, against any OpenAI-compatible endpoint (a local vLLM, `fulmen
-llm-proxy`, ...); run it from the repository's root so that ``examples`` imports::
+Try it once from the repository's root (so that ``examples`` imports); with nothing running, run-once
+starts the embedded Redis and serves the tiny model itself (``--model-dir DIR`` for yours)::
 
     fulmen run-once --agent examples.single_turn_agent:agent \\
-        --llm-base-url http://127.0.0.1:8000/v1 \\
         --task '{"question": "What is 17 * 23?", "answer": 391}'
 
-The model name and sampling parameters come from the "llm" resource in the store, published once by
-you or by the trainer (``store.add_resources({"llm": {"kind": "llm", "model": "my-model"}})``). Then
-train it: queue tasks (``fulmen push tasks.jsonl``) and run the agent under as many runners as you
-like (without ``--llm-base-url`` they use the LLM proxies registered in the store)::
+Then train it end to end on a file of tasks::
 
-    fulmen runner --agent examples.single_turn_agent:agent --concurrency 16
+    fulmen train --agent examples.single_turn_agent:agent --tasks examples/tasks.jsonl
 """
 
 from __future__ import annotations
@@ -43,14 +39,9 @@ def score(reply: str | None, answer: float) -> float:
 @fulmen.rollout
 async def agent(task: dict[str, Any], llm: fulmen.LLM) -> float:
     """Ask the question once; the reward says whether the answer is exactly right."""
-    if llm is None:
-        raise RuntimeError('no LLM: publish an "llm" resource in the store, or pass --llm-base-url')
-    # A plain OpenAI client works as is: ``llm.base_url`` already points at this attempt's endpoint,
-    # and ``llm.headers`` say which rollout the call belongs to. (``llm.async_client`` is the same
-    # client ready-made, which also passes the trace context on; see multi_turn_tool_agent.py.)
-    async with openai.AsyncOpenAI(
-        base_url=llm.base_url, api_key=llm.api_key, default_headers=llm.headers
-    ) as client:
+    # A plain OpenAI client works as is: ``llm.base_url`` already points at this attempt's endpoint.
+    # (``llm.async_client`` is the same client ready-made, which also passes the trace context on.)
+    async with openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key) as client:
         response = await client.chat.completions.create(
             model=llm.model,
             messages=[

@@ -36,6 +36,27 @@ async def test_the_runs_end_stops_every_service() -> None:
     assert stopped == ["service", "service"]
 
 
+async def test_a_finished_run_stops_the_runners_before_the_rest(redis_url: str, monkeypatch) -> None:
+    """At the run's end the runners stop first (finishing what they hold), the adapter after: the
+    rollouts the last runner finished still become samples."""
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    stopped: list[str] = []
+
+    def service(name: str):
+        async def main(stop: asyncio.Event) -> None:
+            await stop.wait()
+            stopped.append(name)
+        return main
+
+    async def algorithm(stop: asyncio.Event) -> None:
+        await asyncio.sleep(0)
+
+    services = {"adapter": service("adapter"), "runner": service("runner"), "trainer": service("trainer"),
+                "algorithm": algorithm}
+    assert await dev.run_all(services) == 0
+    assert stopped[0] == "runner" and sorted(stopped[1:]) == ["adapter", "trainer"]
+
+
 async def test_a_failing_service_stops_the_others_with_code_1() -> None:
     """A service that raises ends the run: the others are stopped, the exit code is 1."""
     stopped: list[str] = []

@@ -100,3 +100,17 @@ def test_secrets_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
     for text in (repr(proxy), str(proxy), repr(apo), str(apo)):
         assert "k-123" not in text and "c-789" not in text
     assert "proxy_api_keys='<set>'" in repr(proxy)
+
+
+def test_each_experiment_checkpoints_and_logs_metrics_in_its_own_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second experiment on one host never resumes the first one's checkpoint nor appends to its
+    metrics; a folder or file the user names is kept as named."""
+    for name in ("FULMEN_CHECKPOINT_DIR", "FULMEN_METRICS_FILE", "FULMEN_DATA_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    a, b = load_settings(TrainerSettings, experiment="a"), load_settings(TrainerSettings, experiment="b")
+    assert a.checkpoint_dir != b.checkpoint_dir and a.metrics_file != b.metrics_file
+    assert (str(a.checkpoint_dir), str(a.metrics_file)) == (".fulmen/checkpoints/a", ".fulmen/run/a/trainer-metrics.jsonl")
+    assert load_settings(AlgorithmSettings, experiment="a").metrics_file == a.metrics_file  # both sides agree
+    monkeypatch.setenv("FULMEN_CHECKPOINT_DIR", "/ckpt")
+    assert str(load_settings(TrainerSettings, experiment="a", metrics_file="m.jsonl").checkpoint_dir) == "/ckpt"
+    assert str(load_settings(TrainerSettings, experiment="a", metrics_file="m.jsonl").metrics_file) == "m.jsonl"

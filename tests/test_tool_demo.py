@@ -85,7 +85,7 @@ def test_shortened_tool_demo_trains_on_tool_trajectories(tmp_path: Path) -> None
                               540)
     assert returncode == 0, log[-6000:]
     assert "run finished: curve" in log, log[-6000:]
-    records = [json.loads(line) for line in (tmp_path / ".fulmen" / "trainer-metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / ".fulmen" / "run" / "default" / "trainer-metrics.jsonl").read_text().splitlines()]
     assert len(records) >= steps, records
     for record in records:
         ids = record["sample_ids"]

@@ -11,7 +11,7 @@ sample whose mask covers only the model's tokens. A task::
 Run it from the repository's root (``pip install anthropic``), once::
 
     fulmen run-once --agent examples.anthropic.agent:agent \\
-        --llm-base-url http://127.0.0.1:8000/v1 --task '{"question": "What is 17 * 23?", "answer": 391}'
+        --task '{"question": "What is 17 * 23?", "answer": 391}'
 
 or under a runner, which gives it the proxy with this attempt in the path::
 
@@ -70,9 +70,7 @@ async def agent(task: dict[str, Any], llm: fulmen.LLM) -> float:
     """Call the model, run its tool calls, ask again for a bare number; score the final answer."""
     sampling = dict(llm.sampling_parameters)
     max_tokens = int(sampling.pop("max_tokens", MAX_TOKENS))
-    client = anthropic.AsyncAnthropic(
-        base_url=llm.base_url.removesuffix("/v1"), api_key=llm.api_key, default_headers=llm.headers
-    )
+    client = anthropic.AsyncAnthropic(base_url=llm.base_url.removesuffix("/v1"), api_key=llm.api_key)
     messages: list[dict[str, Any]] = [{"role": "user", "content": task["question"]}]
     async with client:
         for _ in range(MAX_TURNS):

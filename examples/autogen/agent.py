@@ -10,7 +10,7 @@ then asks the model once more to phrase the answer (``reflect_on_tool_use``). A 
 Run it from the repository's root (``pip install autogen-agentchat 'autogen-ext[openai]'``), once::
 
     fulmen run-once --agent examples.autogen.agent:agent \\
-        --llm-base-url http://127.0.0.1:8000/v1 --task '{"question": "What is 17 * 23?", "answer": 391}'
+        --task '{"question": "What is 17 * 23?", "answer": 391}'
 
 or under a runner::
 
@@ -51,7 +51,7 @@ async def calculator(expression: str) -> str:
 def model_client(llm: fulmen.LLM) -> OpenAIChatCompletionClient:
     sampling = {"max_tokens": MAX_TOKENS, **llm.sampling_parameters}
     return OpenAIChatCompletionClient(
-        model=llm.model, base_url=llm.base_url, api_key=llm.api_key, default_headers=llm.headers,
+        model=llm.model, base_url=llm.base_url, api_key=llm.api_key,
         model_info=MODEL_INFO, **sampling,
     )  # fmt: skip
 

@@ -11,7 +11,7 @@ A task::
 Run it from the repository's root (``pip install langgraph langchain-openai``), once::
 
     fulmen run-once --agent examples.langgraph.agent:agent \\
-        --llm-base-url http://127.0.0.1:8000/v1 --task '{"question": "What is 17 * 23?", "answer": 391}'
+        --task '{"question": "What is 17 * 23?", "answer": 391}'
 
 or under a runner::
 
@@ -51,7 +51,7 @@ def chat_model(llm: fulmen.LLM) -> ChatOpenAI:
     """ChatOpenAI on the attempt's endpoint, with the run's sampling parameters (greedy when validating)."""
     sampling = {"max_tokens": MAX_TOKENS, **llm.sampling_parameters}
     return ChatOpenAI(
-        model=llm.model, base_url=llm.base_url, api_key=llm.api_key, default_headers=llm.headers,
+        model=llm.model, base_url=llm.base_url, api_key=llm.api_key,
         model_kwargs={k: v for k, v in sampling.items() if k not in ("temperature", "max_tokens")},
         temperature=sampling.get("temperature"), max_tokens=sampling["max_tokens"],
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """The OpenAI Agents SDK: one agent with one function tool, ``calculator``, on the Fulmen proxy.
 
-Two entry points, one per model class of the SDK, both on the attempt's ready ``AsyncOpenAI`` client
-(``llm.async_client``: the proxy with this attempt in the path, the trace context, idempotency keys):
+Two entry points, one per model class of the SDK, both on an ``AsyncOpenAI`` client at ``llm.base_url``
+(the proxy, with this attempt in the path):
 
 - ``agent``: ``OpenAIResponsesModel``, the SDK's default, on the proxy's ``/v1/responses``;
 - ``chat_agent``: ``OpenAIChatCompletionsModel``, on ``/v1/chat/completions``.
@@ -14,7 +14,7 @@ A task::
 Run it from the repository's root (``pip install openai-agents``), once::
 
     fulmen run-once --agent examples.openai_agents.agent:agent \\
-        --llm-base-url http://127.0.0.1:8000/v1 --task '{"question": "What is 17 * 23?", "answer": 391}'
+        --task '{"question": "What is 17 * 23?", "answer": 391}'
 
 or under a runner (``examples.openai_agents.agent:chat_agent`` for the chat-completions model)::
 
@@ -40,6 +40,7 @@ from agents import (
     function_tool,
     set_tracing_disabled,
 )
+from openai import AsyncOpenAI
 
 import fulmen
 from examples import multi_turn_tool_agent
@@ -91,10 +92,12 @@ async def solve(task: dict[str, Any], llm: fulmen.LLM, model: Model) -> float:
 @fulmen.rollout
 async def agent(task: dict[str, Any], llm: fulmen.LLM) -> float:
     """The Responses API model (the SDK's default)."""
-    return await solve(task, llm, OpenAIResponsesModel(model=llm.model, openai_client=llm.async_client))
+    client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    return await solve(task, llm, OpenAIResponsesModel(model=llm.model, openai_client=client))
 
 
 @fulmen.rollout
 async def chat_agent(task: dict[str, Any], llm: fulmen.LLM) -> float:
     """The chat-completions model."""
-    return await solve(task, llm, OpenAIChatCompletionsModel(model=llm.model, openai_client=llm.async_client))
+    client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    return await solve(task, llm, OpenAIChatCompletionsModel(model=llm.model, openai_client=client))

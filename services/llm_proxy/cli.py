@@ -24,6 +24,12 @@ def command(settings: ProxySettings) -> None:
     FULMEN_UPSTREAM_API_KEY), never from a flag that `ps` would show."""
     from fulmen_llm_proxy.server import serve
 
+    if settings.proxy_backend == "torch" and settings.model_dir is None:
+        from fulmen.standalone import tiny_model_dir
+
+        settings = settings.model_copy(update={"model_dir": tiny_model_dir(settings)})
+        typer.echo(f"no --model-dir: serving the tiny model in {settings.model_dir} (random weights: a "
+                   "pipeline check)", err=True)
     if settings.proxy_backend == "torch" and settings.model_dir is not None:
         from fulmen.model_versions import wait_for_model_dir
 

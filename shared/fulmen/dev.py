@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ GROUP = "fulmen.dev"
 # The order tasks start in; the algorithm's end ends the whole run, as under honcho.
 ORDER = ("watchdog", "llm-proxy", "runner", "adapter", "trainer", "evaluator", "dashboard", "algorithm")
 STOP_GRACE_S = 10.0  # after stop, how long the services may take before they are cancelled
+DRAIN_S = 30.0  # at the end of a run, how long the runners and the adapter may take to finish their work
 MODEL_POLL_S = 0.5
+MODEL_HINT_EVERY_S = 30.0  # the demo's warm start takes minutes: say what is awaited, not often
 
 ServiceMain = Callable[[asyncio.Event], Awaitable[object]]
 
@@ -67,9 +70,15 @@ async def wait_for_model(folder: Path | None, stop: asyncio.Event) -> bool:
     """Wait for the demo's model folder without blocking the loop; False if stopped first."""
     if folder is None:
         return True
+    from fulmen.model_versions import model_dir_hint
+
+    said = 0.0
     while not (Path(folder) / "config.json").exists():
         if stop.is_set():
             return False
+        if time.monotonic() - said > MODEL_HINT_EVERY_S:
+            log.warning("%s", model_dir_hint(Path(folder)))
+            said = time.monotonic()
         await asyncio.sleep(MODEL_POLL_S)
     wait_for_model_dir(folder)  # there now: returns at once (kept for its single code path)
     return True
@@ -109,13 +118,15 @@ def load_services() -> dict[str, ServiceMain]:
 async def run_all(services: dict[str, ServiceMain], ends_run: str = "algorithm",
                   results: dict[str, object] | None = None) -> int:
     """Run every service until ``ends_run`` returns or one fails; 0 if the run ended normally.
-    ``results`` gets what each service that ended on its own returned."""
+    ``results`` gets what each service that ended on its own returned. A run that ended normally
+    drains first: the runners finish what they hold, the adapter samples every finished rollout."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tasks = {asyncio.create_task(main(stop), name=name): name for name, main in services.items()}
-    code = 0
+    events = {name: asyncio.Event() for name in services}
+    tasks = {asyncio.create_task(main(events[name]), name=name): name for name, main in services.items()}
+    code, ended = 0, False
     pending = set(tasks)
     while pending and not stop.is_set():
         stopping = asyncio.create_task(stop.wait())
@@ -135,7 +146,13 @@ async def run_all(services: dict[str, ServiceMain], ends_run: str = "algorithm",
                     results[name] = task.result()
                 if name != ends_run:
                     code = 1  # a service that ends on its own, unasked, is a failure (honcho says so too)
+                ended = ended or name == ends_run
             stop.set()
+    by_name = {name: task for task, name in tasks.items() if task in pending}
+    if code == 0 and ended and {"runner", "adapter"} <= by_name.keys():
+        pending -= await _drain(by_name, events)
+    for event in events.values():
+        event.set()
     if pending:
         done, late = await asyncio.wait(pending, timeout=STOP_GRACE_S)
         for task in late:
@@ -147,6 +164,53 @@ async def run_all(services: dict[str, ServiceMain], ends_run: str = "algorithm",
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*late, return_exceptions=True)
     return code
+
+
+async def _drain(tasks: dict[str, asyncio.Task[object]], events: dict[str, asyncio.Event]) -> set[asyncio.Task[object]]:
+    """The runners stop (finishing what they hold, within their grace), then the adapter gets until
+    DRAIN_S to sample every finished rollout, so none of the run's rollouts goes unused. The stopped
+    tasks."""
+    from fulmen.errors import FulmenError
+    from fulmen.settings import load_settings
+
+    events["runner"].set()
+    done, _ = await asyncio.wait({tasks["runner"]}, timeout=DRAIN_S)
+    try:
+        store = await open_store(load_settings(CommonSettings).model_copy(update={"redis_wait_s": 2.0}))
+    except FulmenError as e:
+        log.warning("the adapter could not be waited for (%s): the last rollouts may go unsampled", e)
+        return set(done)
+    deadline = time.monotonic() + DRAIN_S
+    try:
+        while time.monotonic() < deadline and not await _adapter_caught_up(store):
+            await asyncio.sleep(0.2)
+    finally:
+        await store.redis.aclose()
+    return set(done)
+
+
+async def _adapter_caught_up(store: RedisStore) -> bool:
+    """Whether the adapter's group has read and acknowledged every finished rollout, in every shard."""
+    from fulmen import keys as k
+
+    for shard in store.keys.shards:
+        last = await store.redis.xrevrange(shard.finished, count=1)
+        if not last:
+            continue
+        groups = {_text(g["name"]): g for g in await store.redis.xinfo_groups(shard.finished)}
+        group = groups.get(k.ADAPTER_GROUP)
+        if group is None or int(group["pending"]) or _entry_id(group["last-delivered-id"]) < _entry_id(last[0][0]):
+            return False
+    return True
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _entry_id(value: object) -> tuple[int, int]:
+    ms, _, seq = _text(value).partition("-")
+    return int(ms), int(seq or 0)
 
 
 async def watchdog(stop: asyncio.Event) -> None:

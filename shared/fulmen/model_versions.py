@@ -413,6 +413,12 @@ def wait_for_model_dir(folder: Path, log_every_s: float = 10.0) -> None:
     last = 0.0
     while not (Path(folder) / "config.json").exists():
         if time.monotonic() - last >= log_every_s:
-            log.info("waiting for the model folder %s to appear", folder)
+            log.warning("%s", model_dir_hint(folder))
             last = time.monotonic()
         time.sleep(0.5)
+
+
+def model_dir_hint(folder: Path) -> str:
+    """What a service waiting for its model folder says."""
+    return (f"waiting for the model folder {folder} (no config.json there yet): the demo's warm start writes "
+            "it; otherwise point --model-dir (FULMEN_MODEL_DIR) at a Hugging Face model folder on this machine")

@@ -59,6 +59,7 @@ def tiny_model_dir(settings: CommonSettings) -> Path:
     if not (folder / "config.json").exists():
         from fulmen.tiny_model import build_tiny_model
 
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=settings.data_dir))
         build_tiny_model(staging)
         with contextlib.suppress(OSError):  # another command built it meanwhile: theirs is as good

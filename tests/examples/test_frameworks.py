@@ -44,11 +44,17 @@ def _needs(module: str) -> None:
     pytest.importorskip(module, reason=f"{module} is not installed: pip install -e '.[dev]' (the frameworks extra)")
 
 
+async def _serve(procs: FulmenProcesses) -> None:
+    """`fulmen serve`: the policy resources name the model and the run's sampling, as a user publishes them."""
+    served = await procs.start("serve", "--model-name", "tiny", "--sampling", json.dumps(SAMPLING))
+    assert await served.wait(timeout_s=60) == 0, served.stderr
+
+
 async def _run_example(
     store: RedisStore, procs: FulmenProcesses, proxy: RunningProxy, agent: str
 ) -> tuple[Rollout, list[Span]]:
     """`fulmen run-once --agent <agent>` on QUESTION against the proxy: the ended rollout and its spans."""
-    await store.add_resources({"llm": {"kind": "llm", "model": "tiny", "sampling_parameters": SAMPLING}})
+    await _serve(procs)
     done = await procs.start(
         "run-once", "--agent", agent, "--task", json.dumps(QUESTION), "--llm-base-url", proxy.base(), "--json"
     )
@@ -66,7 +72,7 @@ async def _run_under_runner(
 ) -> tuple[Rollout, list[Span]]:
     """QUESTION queued and claimed by a `fulmen runner --agent <agent>` on the proxy: the ended rollout
     and its spans."""
-    await store.add_resources({"llm": {"kind": "llm", "model": "tiny", "sampling_parameters": SAMPLING}})
+    await _serve(procs)
     env = child_env(procs.redis_url, procs.experiment, FULMEN_LLM_BASE_URL=proxy.base())
     runner = await procs.runner(agent, "--concurrency", "1", env=env)
     await wait_until_ready(store, runner)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from fulmen.settings.base import CommonSettings, with_default
 
@@ -31,7 +31,17 @@ class TrainingRunSettings(CommonSettings):
 
     groups_per_step: int = Field(8, ge=1, description="Complete task groups in one optimizer step.")
     seed: int = Field(0, description="Random seed.")
-    metrics_file: Path = Field(Path(".fulmen/trainer-metrics.jsonl"), description="Per-step metrics, JSON lines.")
+    metrics_file: Path = Field(
+        Path(".fulmen/run/default/trainer-metrics.jsonl"),
+        description="Per-step metrics, JSON lines (unset: <data_dir>/run/<experiment>/trainer-metrics.jsonl).",
+    )
+
+    @model_validator(mode="after")
+    def _per_experiment_metrics(self) -> TrainingRunSettings:
+        """Each experiment its own metrics file, unless one is named: two runs never write one file."""
+        if "metrics_file" not in self.model_fields_set:
+            object.__setattr__(self, "metrics_file", self.data_dir / "run" / self.experiment / "trainer-metrics.jsonl")
+        return self
 
 
 class RolloutPolicySettings(CommonSettings):
@@ -217,7 +227,10 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
     checkpoint_every: int = Field(
         1, ge=1, description="Checkpoint every K steps (a step that publishes a version always checkpoints first)."
     )
-    checkpoint_dir: Path = Field(Path(".fulmen/checkpoints"), description="Where the trainer checkpoints.")
+    checkpoint_dir: Path = Field(
+        Path(".fulmen/checkpoints/default"),
+        description="Where the trainer checkpoints (unset: <data_dir>/checkpoints/<experiment>).",
+    )
     weights_dir: Path | None = Field(None, description="Shared folder for model versions (unset: via Redis).")
     keep_versions: int = Field(
         3, ge=1, description="Model versions whose weights stay stored (the newest; a version a proxy serves stays too)."
@@ -245,6 +258,14 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
     )
     rank_timeout_s: float = Field(10.0, gt=0, description="A rank silent this long is considered gone.")
     on_rank_loss: str = Field("continue", description="When a rank is gone: continue without it, or wait.")
+
+    @model_validator(mode="after")
+    def _per_experiment_checkpoints(self) -> TrainerSettings:
+        """Each experiment its own checkpoints, unless a folder is named: a new experiment never resumes
+        another one's weights and step."""
+        if "checkpoint_dir" not in self.model_fields_set:
+            object.__setattr__(self, "checkpoint_dir", self.data_dir / "checkpoints" / self.experiment)
+        return self
 
 
 class AlgorithmSettings(ServedModelSettings, TrainingRunSettings, ValidationSettings, TrainDataSettings):
