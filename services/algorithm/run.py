@@ -8,10 +8,11 @@ started again, it continues where it was and never enqueues a task twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -148,11 +149,14 @@ class Run:
         summary: dict[str, Any] = {"steps": await self.scheduler.trainer_step(), **self.scheduler.snapshot(),
                                    "wall_s": round(time.monotonic() - self.started, 1)}
         if self.val_tasks and not self.stopping.is_set():
-            final = await validate(self.store, self.val_tasks, label="final", step=await self.scheduler.trainer_step(),
-                                   timeout_s=self.settings.val_timeout_s, config=self.scheduler.rollout_config)
-            summary["final_val_accuracy"] = final["accuracy"]
-            summary["final_val_reward"] = final["mean_reward"]
-            summary["validations"] = [{k: v.get(k) for k in VALIDATION_FIELDS} for v in await recorded(self.store)]
+            final = await self._unless_stopped(validate(
+                self.store, self.val_tasks, label="final", step=await self.scheduler.trainer_step(),
+                timeout_s=self.settings.val_timeout_s, config=self.scheduler.rollout_config,
+            ))
+            if final is not None:
+                summary["final_val_accuracy"] = final["accuracy"]
+                summary["final_val_reward"] = final["mean_reward"]
+                summary["validations"] = [{k: v.get(k) for k in VALIDATION_FIELDS} for v in await recorded(self.store)]
         if self.stopping.is_set():
             # Stopped, not finished: started again, the run goes on from the store, and the report of
             # a run that had finished (its summary, curve and final model) stays as it was.
@@ -160,6 +164,20 @@ class Run:
             return summary
         summary.update(await self.write_report(summary))
         return summary
+
+    async def _unless_stopped(self, work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any] | None:
+        """``work`` (the final pass: up to val_timeout_s), cancelled if the run is stopped first (SIGTERM
+        must end the process within seconds); None then."""
+        task = asyncio.ensure_future(work)
+        stopped = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
 
     async def final_model(self, out: Path) -> tuple[Path | None, dict[str, Any]]:
         """The best validated version as the final model (the latest if no pass says otherwise, or if

@@ -14,6 +14,7 @@ from fulmen.records import TrainStep
 from fulmen.settings import AlgorithmSettings
 from fulmen.store import RedisStore
 from fulmen.train_steps import append_step, latest_step
+from fulmen_algorithm.dataset import task_id
 from fulmen_algorithm.run import Run
 from fulmen_algorithm.run_state import RunProgress
 from fulmen_algorithm.scheduler import Scheduler
@@ -101,3 +102,30 @@ async def test_total_steps_n_trains_exactly_n_steps_and_reports_per_experiment(
     assert await latest_step(real_store.redis, real_store.keys) == 4
     report = json.loads((tmp_path / "run" / real_store.experiment / "summary.json").read_text())
     assert report["steps"] == 4 and not (tmp_path / "run" / "summary.json").exists()
+
+
+async def test_a_run_stopped_during_its_final_validation_ends_at_once(
+    real_store: RedisStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM while the final pass waits for its rollouts (up to val_timeout_s): the run ends within
+    a second, says it stopped, and writes no report."""
+    async def at_the_end(_self: Scheduler) -> int:
+        return 1
+
+    monkeypatch.setattr(Scheduler, "trainer_step", at_the_end)
+    await real_store.add_resources({"llm": {"kind": "llm", "model": "m", "model_version": "base"}}, resources_id="policy")
+    settings = AlgorithmSettings(experiment=real_store.experiment, data_dir=tmp_path, total_steps=1, n_samples=2,
+                                 val_timeout_s=120)
+    run = Run(settings, TASKS, VAL)  # at step 1 of 1: straight to the final pass, which no runner serves
+    ending = asyncio.create_task(run.run(real_store))
+    final_pass = f"val-final-{task_id(VAL[0])}"  # the final pass's rollout: enqueued, never run
+    while (await real_store.get_rollouts([final_pass])) == [None]:
+        assert not ending.done(), ending.result()
+        await asyncio.sleep(0.05)
+    started = time.monotonic()
+    run.stop()
+    summary = await asyncio.wait_for(ending, 5)
+    assert time.monotonic() - started < 1.0
+    assert summary["stopped"] is True and "final_val_accuracy" not in summary
+    assert not (tmp_path / "run" / real_store.experiment / "summary.json").exists()
+
