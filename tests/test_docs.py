@@ -1,8 +1,10 @@
 """The documentation site: `mkdocs build --strict` passes (the CLI, settings and records reference
-pages are generated from the code by docs/hooks.py), every setting has a description."""
+pages are generated from the code by docs/hooks.py), every setting has a description, and the README
+stays a front door that links into docs/."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +67,27 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         "benchmarks/results/index.html",
     ]:
         assert (tmp_path / "site" / page).is_file()
+
+
+def test_readme_is_a_front_door() -> None:
+    """At most 250 lines, and every docs/ page it links to exists (the links work on GitHub too)."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    links = re.findall(r"\]\((docs/[^)#\s]+)", readme)
+    assert links
+    assert [link for link in links if not (REPO / link).exists()] == []
+
+
+def test_settings_grouped_by_their_group() -> None:
+    """A field whose json_schema_extra names a group is listed under that group's heading."""
+    from pydantic import Field
+
+    from fulmen.settings.base import CommonSettings
+
+    class Grouped(CommonSettings):
+        lr: float = Field(0.1, description="Step size.", json_schema_extra={"group": "optimiser"})
+        rank: int = Field(8, description="Adapter rank.", json_schema_extra={"group": "LoRA"})
+
+    page = "\n".join(hooks._class_section(Grouped, set(CommonSettings.model_fields)))
+    assert "### Grouped: LoRA" in page and "### Grouped: optimiser" in page
+    assert page.index("`FULMEN_RANK`") < page.index("### Grouped: optimiser") < page.index("`FULMEN_LR`")
