@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -36,14 +37,21 @@ def _fulmen_command() -> Any:
     return typer.main.get_command(cli.app)
 
 
+def _text(text: str) -> str:
+    """Prose from the code as Markdown: ``<data_dir>`` shown, not taken for an HTML tag (code spans kept)."""
+    parts = text.split("`")
+    parts[::2] = [part.replace("<", "&lt;").replace(">", "&gt;") for part in parts[::2]]
+    return "`".join(parts)
+
+
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    return _text(" ".join(text.split())).replace("|", "\\|")
 
 
 def _help_text(text: str) -> str:
     """A command's help as Markdown: typer's `\\b` markers dropped, paragraphs kept."""
     lines = [line for line in text.splitlines() if line.strip() != "\b"]
-    return "\n".join(lines).strip()
+    return _text("\n".join(lines).strip())
 
 
 def _command_section(name: str, command: Any, ctx_parent: Any) -> list[str]:
@@ -97,6 +105,10 @@ def cli_reference() -> str:
 
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return " | ".join(_type_name(arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return "None"
     if origin is typing.Literal:
         return " | ".join(repr(a) for a in typing.get_args(annotation))
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
@@ -120,9 +132,8 @@ def _default(field: Any) -> str:
         return "unset"
     if isinstance(value, enum.Enum):
         value = value.value
-    if isinstance(value, Path):
-        value = str(value)
-    return f"`{_cell(repr(value) if isinstance(value, str) else str(value))}`"
+    shown = (repr(value) if isinstance(value, str) else str(value)).replace("|", "\\|")
+    return f"`{shown}`"
 
 
 def _group(field: Any) -> str | None:
@@ -198,7 +209,12 @@ def settings_reference() -> str:
 
 
 def _first_paragraph(obj: Any) -> str:
-    return " ".join((obj.__doc__ or "").strip().split("\n\n")[0].split())
+    doc = (obj.__doc__ or "").strip()
+    if doc.startswith(
+        f"{getattr(obj, '__name__', '')}("
+    ):  # the signature dataclasses write when none is given
+        return ""
+    return _text(" ".join(doc.split("\n\n")[0].split()))
 
 
 def records_reference() -> str:
@@ -230,7 +246,8 @@ def records_reference() -> str:
             continue
         out += [f"## `{module.__name__}`", "", _first_paragraph(module), ""]
         for obj in own:
-            out += [f"### `{obj.__name__}`", "", _first_paragraph(obj), ""]
+            doc = _first_paragraph(obj)
+            out += [f"### `{obj.__name__}`", "", *([doc, ""] if doc else [])]
             if issubclass(obj, enum.Enum):
                 out += [", ".join(f"`{m.value}`" for m in obj), ""]
                 continue
