@@ -1,15 +1,7 @@
 """The adapter's loop: finished rollouts in, samples out, once per rollout.
 
-    read the finished stream (consumer group "adapter") → read the rollouts, their stored rewards and
-    their spans (one round trip for the whole batch) → samples per succeeded rollout → append the
-    samples, mark each rollout sampled and acknowledge the entries (one atomic Lua step for the batch)
-
-A rollout that failed, or yields no sample, gets a `SampleSkip` record on the samples stream instead
-(the trainer counts it towards its GRPO group) and a counter per reason. Nothing here can crash the
-loop on bad data: a malformed entry is dead-lettered by the store, a malformed span skips its
-rollout with the reason, an entry whose rollout is not terminal (forged: the store appends one only
-as a rollout ends) or whose adapting fails is dead-lettered with the reason. Delivery is at-least-once and the marker makes a redelivery a no-op.
-Entries left pending by an adapter that died are taken over after ``reclaim_idle_s``.
+Each batch is read from the finished stream, adapted by `fulmen_adapter.triplets`, and written,
+marked and acknowledged in one Lua step; a redelivery is a no-op. Why: docs/design/adapter.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """`fulmen replay`: archived or live spans → samples again, by the live adapter's own code.
 
-A rollout is read as the adapter reads it (`fulmen.store.samples.rollout_for_samples`, from an
-archive file's rollout hash and span entries or from Redis with `read_for_samples`) and adapted by
-`adapt_rollout`: with the same adapter settings the records are the live adapter's, byte for byte;
-after an adapter change (or with other settings) they are what the new adapter makes of the same spans.
-
-Idempotent: each rollout is replayed once per run (the first time it is met), and the samples
-stream gets a rollout's records once per replay name (`fulmen.store.replayed`); a file is written
-whole, atomically, so writing it again gives the same file.
+Entry point `replay`; it must stay idempotent per replay name. Why: docs/design/adapter.md.
 """
 
 from __future__ import annotations

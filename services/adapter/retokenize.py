@@ -1,14 +1,7 @@
-"""Token ids for an LLM call recorded without them — a text-only upstream, such as a stronger API model
-used as a teacher — made with the policy's own tokenizer and chat template, so that the call can be
-an SFT sample ("distil my agent's teacher into my model").
+"""Token ids for an LLM call recorded without them (a text-only teacher), made with the policy's
+tokenizer and chat template, so the call can be an SFT sample (marked ``retokenized``, no logprobs).
 
-Chat calls: the prompt is the request's messages (and tools) rendered with the generation prompt;
-the response is what rendering the conversation with the recorded answer adds after that prompt (the
-answer's text, its tool calls as the template writes them, and the template's end-of-turn tokens, so
-the model also learns to stop). Completion calls: the prompt text and the answer text, tokenised.
-
-Such samples are marked ``retokenized`` and carry no log-probabilities: RL objectives need the ids and
-log-probabilities the serving model itself produced, and the trainer refuses them with that reason.
+How prompts and responses are rendered: docs/design/adapter.md.
 """
 
 from __future__ import annotations

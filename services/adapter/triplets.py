@@ -1,27 +1,7 @@
 """Spans of one attempt → training samples (Agent Lightning's TracerTraceToTriplet, plus trajectories).
 
-    dedupe spans → span tree (missing parents repaired) → LLM calls (not nested in another call,
-    under a matching agent span) → rewards matched to calls → triplets → trajectories
-
-- An LLM call is a span the proxy recorded (``fulmen.span_kind == "llm_call"``) or, with
-  ``llm_call_match``, any span whose name matches. A call nested under another call is the same
-  response seen twice (a client library's span around the proxy's) and is left out, as is a second
-  span with the same ``gen_ai.response.id``. Calls that share a ``fulmen.call_key`` (the client's
-  idempotency key) are one logical call retried: only the last one, whose response the agent went
-  on with, is kept.
-- Rewards, in time order, go to the most recent earlier call that has none yet (a reward before any
-  call has no call to go to). The attempt's final reward, kept on every sample for trajectory-level
-  credit, is the one its runner stored with the rollout (`AttemptInfo.reward`); only for an attempt
-  stored without one (spans written by a tool, not a runner) is it the last reward span, which is
-  how the runner computes it too.
-- Turns whose prompt extends the previous turn's prompt and response (token-prefix match) are joined
-  into one trajectory sample, with a mask over the model's own tokens.
-- A call recorded without token ids (a text-only upstream: a teacher) is skipped, or, with
-  ``retokenize`` (`fulmen_adapter.retokenize`), tokenised with the policy's tokenizer into a sample
-  marked ``retokenized``, without log-probabilities: for SFT only.
-
-Everything here is pure: spans in, samples out, or `Skip` with the reason. The samples' token ids,
-log-probabilities and mask are the packed bytes (`fulmen.tokens`); `Sample.from_wire` gives lists.
+Pure: spans in, samples out, or `Skip` with the reason. How calls, rewards and trajectories are
+matched: docs/design/adapter.md; the wire format: `fulmen.tokens`.
 """
 
 from __future__ import annotations

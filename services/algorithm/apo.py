@@ -1,17 +1,7 @@
 """APO, automatic prompt optimisation: a beam search over prompt-template resources.
 
-    beam = [initial template]
-    each round:
-        score every template of the beam by rollouts on a minibatch of tasks
-        for each: a critic model reads the template and the tasks it failed → a critique ("textual
-        gradient") → ``branch_factor`` edited templates
-        score the edits on the same minibatch; keep the best ``beam_width`` (ties keep the elder)
-    return the best template seen
-
-Scoring is the normal pipeline: each template is a resources snapshot (``prompt_template``), and the
-rollouts of a `@fulmen.prompt_rollout` agent run on the runners with it (mode "val", so the trainer
-never trains on them). The critic is any OpenAI-compatible chat model. An edit that drops a
-placeholder of the original (``{question}``) could not be formatted, so it is discarded unscored.
+Templates are scored by the normal pipeline and edited by a critic model. The search, step by step:
+docs/design/algorithm.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The end of a run: the reward curve as a PNG, a JSON summary, and the final model as a folder.
 
-The curve plots the trainer's mean rollout reward per step (from the trainer's steps stream in
-Redis, `fulmen.train_steps.read_curve`, so the algorithm needs no access to the trainer's disk) and
-the validation accuracy of every pass. The final model is the best validated version (`best_pass`:
-the highest accuracy, the later pass on a tie, so the latest version unless an earlier one did
-better), fetched from Redis and written as a Hugging Face folder next to the base model's config and
-tokenizer files (`fulmen.version_folder`: a LoRA version is merged onto the base).
+The curve comes from `fulmen.train_steps.read_curve`; the folder from `fulmen.version_folder`.
+Which version is final: docs/design/algorithm.md.
 """
 
 from __future__ import annotations

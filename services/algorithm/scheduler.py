@@ -1,30 +1,7 @@
 """What to enqueue and when: GRPO groups, backpressure, the staleness bound, and resuming from the store.
 
-A group is one task's ``n_samples`` rollouts, with ids ``<run>-e<epoch>-<task id>-<k>``: enqueuing is
-idempotent, so a run restarted after a crash between enqueuing a group and recording it re-enqueues
-the same ids, which adds nothing. The run's position (epoch, cursor, groups and rollouts enqueued)
-lives in the store, never only in this process.
-
-Pacing, in rounds of ``groups_per_step`` groups (what the trainer needs for one step):
-
-- backpressure: at most ``max_inflight`` train rollouts enqueued and not yet terminal;
-- staleness bound S: round r is enqueued once the trainer has taken step r - S and every server
-  serves its weights, so no rollout is generated with weights more than S steps behind the ones
-  that train on it (S = 0 is synchronous, on-policy training). The trainer's progress is read from
-  its steps stream (`fulmen.train_steps`), never parsed out of a model version's name; what the
-  proxies and vLLM replicas serve, from the registry (`fulmen.serving`);
-- a group the trainer took without a step (dropped for fewer than two usable rollouts, or part of a
-  step skipped for a NaN) is replaced at once: the trainer lists such groups in the store
-  (`fulmen.train_steps.UntrainedGroups`) and each one allows one more group — up to as many as
-  the trainer has trained on plus one round, so a cause that drops every group (every sample too
-  stale, every rollout failing) does not turn into rollouts at full speed; it is logged instead;
-- a safety net: when nothing is in flight and the trainer's step has not moved for ``stall_s``, one
-  extra group is enqueued, so the run cannot stall whatever the cause;
-- the end: with ``total_steps`` N, never more than N rounds (plus the replacements), and nothing once
-  the trainer has taken step N, so the trainer takes exactly N steps and publishes up to v<N>.
-
-Train rollouts carry a heartbeat deadline and a retry policy (`recoverable_rollout_config`): the attempts
-of a runner that dies are ended by the watchdog and run again elsewhere, so their groups complete.
+Enqueuing is idempotent (stable rollout ids) and the run's position lives in the store. The pacing
+rules and why: docs/design/algorithm.md.
 """
 
 from __future__ import annotations

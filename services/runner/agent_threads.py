@@ -1,11 +1,6 @@
 """The threads sync agents run in: a bounded pool of the runner's own, with its hung threads counted.
 
-A thread cannot be stopped from outside. When a sync agent outlives its attempt (timed out,
-abandoned, handed back) its thread runs on until the agent returns, maybe never. On asyncio's
-default executor such threads would pile up until nothing else (DNS lookups, other ``to_thread``
-callers) gets a thread; here they fill only this pool, whose size is fixed by the runner's
-concurrency, and are counted (``hung`` now, ``abandoned`` ever: the runner's /metrics) so an
-operator sees an agent that ignores its timeout before the pool runs dry.
+Why not asyncio's default executor: docs/design/runner.md.
 """
 
 from __future__ import annotations

