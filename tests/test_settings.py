@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 
 from fulmen.connection import redact
@@ -14,6 +16,8 @@ from fulmen.settings import (
     ProxySettings,
     RunnerSettings,
     TrainerSettings,
+    VllmSyncSettings,
+    env_name,
     known_env_names,
     load_settings,
 )
@@ -114,3 +118,76 @@ def test_each_experiment_checkpoints_and_logs_metrics_in_its_own_folder(monkeypa
     monkeypatch.setenv("FULMEN_CHECKPOINT_DIR", "/ckpt")
     assert str(load_settings(TrainerSettings, experiment="a", metrics_file="m.jsonl").checkpoint_dir) == "/ckpt"
     assert str(load_settings(TrainerSettings, experiment="a", metrics_file="m.jsonl").metrics_file) == "m.jsonl"
+
+
+CHOICES = {
+    TrainerSettings: ("algorithm", "sample_shape", "reward_source", "stale_policy", "loss_aggregation", "publish_dtype",
+                      "publish_format", "reference_dtype", "reference_device", "parallel", "codec", "on_rank_loss",
+                      "dtype"),
+    ProxySettings: ("proxy_backend", "dtype"),
+    VllmSyncSettings: ("pause_mode", "lora_loading"),
+    DemoSettings: ("task",),
+    CommonSettings: ("log_level",),
+}
+
+
+@pytest.mark.parametrize(("cls", "field"), [(cls, f) for cls, fields in CHOICES.items() for f in fields])
+def test_a_bad_choice_fails_at_load_naming_the_allowed_values(
+    monkeypatch: pytest.MonkeyPatch, cls: type[CommonSettings], field: str
+) -> None:
+    """Every choice is a Literal: a value outside it fails at load with the field, the value and the choices."""
+    allowed = get_args(cls.model_fields[field].annotation)
+    assert allowed and cls.model_fields[field].default in allowed
+    monkeypatch.setenv(env_name(field), "bogus")
+    with pytest.raises(InvalidInput) as raised:
+        load_settings(cls)
+    message = str(raised.value)
+    assert f"{field} ({env_name(field)})" in message and "got 'bogus'" in message.lower()
+    assert all(repr(choice) in message for choice in allowed), message
+    monkeypatch.setenv(env_name(field), str(allowed[-1]))
+    assert getattr(load_settings(cls), field) == allowed[-1]
+
+
+def test_the_device_is_checked_by_its_pattern(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device is open-ended (cuda:N) but still checked at load: auto, cpu, cuda, cuda:N and nothing else."""
+    for good in ("auto", "cpu", "cuda", "cuda:3"):
+        assert load_settings(TrainerSettings, device=good).device == good
+    for bad in ("tpu", "cuda:", "cuda:x", "CPU"):
+        with pytest.raises(InvalidInput, match=f"device .*got '{bad}'"):
+            load_settings(ProxySettings, device=bad)
+
+
+def test_the_log_level_is_read_in_any_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FULMEN_LOG_LEVEL=debug is DEBUG, as logging reads it."""
+    monkeypatch.setenv("FULMEN_LOG_LEVEL", "debug")
+    assert load_settings().log_level == "DEBUG"
+
+
+def test_a_secret_bad_value_is_not_echoed() -> None:
+    """A validation error never prints a secret field's value."""
+    with pytest.raises(InvalidInput) as raised:
+        load_settings(ProxySettings, proxy_api_keys=["k-123"])
+    assert "proxy_api_keys" in str(raised.value) and "k-123" not in str(raised.value)
+
+
+def test_the_choices_are_what_the_services_register() -> None:
+    """Each Literal lists exactly the names its registry knows (codecs, objectives, backends, ...)."""
+    from fulmen.devices import DTYPES
+    from fulmen.records.samples import SHAPES
+    from fulmen_llm_proxy.backends import BACKENDS
+    from fulmen_trainer import codecs
+    from fulmen_trainer.objectives import algorithms
+    from fulmen_vllm_sync.admin import PAUSE_MODES
+    from fulmen_vllm_sync.sync import LORA_LOADINGS
+
+    def allowed(cls: type[CommonSettings], field: str) -> set[str]:
+        return set(get_args(cls.model_fields[field].annotation))
+
+    assert allowed(TrainerSettings, "codec") == set(codecs.available_codecs())
+    assert allowed(TrainerSettings, "algorithm") == set(algorithms())
+    assert allowed(TrainerSettings, "dtype") == allowed(TrainerSettings, "reference_dtype") == set(DTYPES)
+    assert allowed(TrainerSettings, "publish_dtype") == {"auto", *DTYPES}
+    assert allowed(TrainerSettings, "sample_shape") == set(SHAPES)
+    assert allowed(ProxySettings, "proxy_backend") == set(BACKENDS)
+    assert allowed(VllmSyncSettings, "pause_mode") == set(PAUSE_MODES)
+    assert allowed(VllmSyncSettings, "lora_loading") == set(LORA_LOADINGS)

@@ -25,12 +25,12 @@ def test_the_calculator_computes_and_never_raises() -> None:
 
 
 def test_the_demo_refuses_an_unknown_task(tmp_path: Path) -> None:
+    """An unknown demo task fails at load, naming the allowed ones, before any preparation."""
     from fulmen.errors import InvalidInput
-    from fulmen.settings import DemoSettings
-    from fulmen_algorithm.start import demo_inputs
+    from fulmen.settings import DemoSettings, load_settings
 
-    with pytest.raises(InvalidInput, match="arithmetic, tools"):
-        demo_inputs(DemoSettings(task="chess", data_dir=tmp_path))
+    with pytest.raises(InvalidInput, match=r"task .*'arithmetic' or 'tools', got 'chess'"):
+        load_settings(DemoSettings, task="chess", data_dir=tmp_path)
     assert not any(tmp_path.iterdir())  # refused before any preparation
 
 

@@ -12,8 +12,6 @@ from fulmen.errors import InvalidInput
 from fulmen.settings import AlgorithmSettings, DemoSettings
 from fulmen.store import RedisStore
 
-DEMO_TASKS = ("arithmetic", "tools")
-
 
 @dataclass
 class RunInputs:
@@ -50,8 +48,6 @@ def demo_inputs(settings: DemoSettings) -> RunInputs:
     from fulmen_algorithm.dataset import load_tasks
     from fulmen_algorithm.demo import DEMO_SAMPLING, prepare_demo, publish_base_policy
 
-    if settings.task not in DEMO_TASKS:
-        raise InvalidInput(f"the demo's task must be one of {', '.join(DEMO_TASKS)}, got {settings.task!r}")
     tools = settings.task == "tools"
     default = settings.data_dir / ("demo-tools" if tools else "demo")
     folder = settings.model_dir.parent if settings.model_dir is not None else default

@@ -19,9 +19,6 @@ from fulmen.store import RedisStore
 
 log = logging.getLogger("fulmen.trainer")
 
-ON_RANK_LOSS = ("continue", "wait")
-PARALLEL = ("redis", "ddp", "fsdp")
-
 
 @settings_command(TrainerSettings)
 def command(settings: TrainerSettings) -> None:
@@ -48,12 +45,6 @@ def command(settings: TrainerSettings) -> None:
     from fulmen_trainer.torch_ranks import TorchRanks, under_torchrun
     from fulmen_trainer.trainer import Trainer
 
-    if settings.on_rank_loss not in ON_RANK_LOSS:
-        typer.echo(f"error: on_rank_loss {settings.on_rank_loss!r} unknown; use continue or wait", err=True)
-        raise typer.Exit(2)
-    if settings.parallel not in PARALLEL:
-        typer.echo(f"error: parallel {settings.parallel!r} unknown; use redis, ddp or fsdp", err=True)
-        raise typer.Exit(2)
     if settings.parallel == "redis" and under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         typer.echo("error: started by torchrun with several processes but --parallel is redis: "
                    "add --parallel ddp (or start the ranks with honcho -c trainer=R)", err=True)

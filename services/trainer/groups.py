@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from fulmen.model_versions import ModelVersion
 from fulmen.records import Sample, SampleSkip
+from fulmen.settings.services import SampleShape, StalePolicy
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +55,14 @@ class GroupCollector:
     when a sample does not carry its own; a group is also complete once idle for ``idle_s``."""
 
     group_size: int | None = None
-    shape: str = "triplet"
+    shape: SampleShape = "triplet"
     max_staleness: int | None = None
-    stale_policy: str = "drop"  # drop | downweight
+    stale_policy: StalePolicy = "drop"
     idle_s: float = 120.0
     # an RL objective: samples re-tokenised from a text-only call (no log-probabilities) are refused
     rl: bool = True
     groups: dict[str, Group] = field(default_factory=dict)
     counts: Counter[str] = field(default_factory=Counter)
-
-    def __post_init__(self) -> None:
-        if self.shape not in ("triplet", "trajectory"):
-            raise ValueError(f"sample shape {self.shape!r} unknown; use triplet or trajectory")
-        if self.stale_policy not in ("drop", "downweight"):
-            raise ValueError(f"stale policy {self.stale_policy!r} unknown; use drop or downweight")
 
     def add(self, entry_id: str, item: Sample | SampleSkip) -> bool:
         """Take a samples-stream entry; False if it is not for training (a validation or APO rollout):

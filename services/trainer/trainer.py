@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from fulmen import keys as k
-from fulmen.devices import resolve_device, resolve_dtype
+from fulmen.devices import resolve_device
 from fulmen.model_versions import (
     BASE_VERSION,
     ModelVersion,
@@ -73,12 +73,7 @@ class Trainer:
         if settings.model_dir is None:
             raise ValueError("the trainer needs --model-dir (a Hugging Face model folder)")
         objective(settings.algorithm)  # unknown names fail here, at start
-        resolve_device(settings.device)  # likewise a device this machine does not have, or a bad dtype
-        resolve_dtype(settings.dtype)
-        resolve_dtype(settings.reference_dtype)
-        resolve_dtype(settings.dtype if settings.publish_dtype == "auto" else settings.publish_dtype)
-        if settings.publish_format not in ("full", "delta"):
-            raise ValueError(f"publish_format is {settings.publish_format!r}; use full or delta")
+        resolve_device(settings.device)  # likewise a device this machine does not have
         self.store = store
         self.s = settings
         self.rank = rank

@@ -420,7 +420,7 @@ def train(
     useful model). At the end it prints where the reward curve, the metrics and the models are;
     stopped early (Ctrl-C) and started again, it goes on where it was."""
     from fulmen import dev as dev_mode
-    from fulmen.settings import env_name
+    from fulmen.settings import env_name, env_setting
 
     if env_file is not None:
         if not env_file.is_file():
@@ -440,7 +440,11 @@ def train(
     if settings.total_steps is None and settings.epochs is None:
         settings = settings.model_copy(update={"total_steps": TRAIN_STEPS})
     os.environ["FULMEN_AGENT"] = agent
-    if not os.environ.get("FULMEN_PROXY_PORT"):  # the proxy's default 8000 may be taken: any free port
+    try:
+        proxy_port = env_setting("proxy_port")
+    except InvalidInput as e:
+        raise _exit_error(str(e)) from None
+    if proxy_port is None:  # the proxy's default 8000 may be taken: any free port
         from fulmen.standalone import free_port
 
         os.environ["FULMEN_PROXY_PORT"] = str(free_port())

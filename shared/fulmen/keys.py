@@ -21,7 +21,6 @@ distinct masters). Everything else (samples, resources, registry, trainer) stays
 
 from __future__ import annotations
 
-import os
 import re
 import zlib
 from functools import lru_cache
@@ -119,10 +118,11 @@ SHARDS = "shards"  # string in shard 0: the experiment's shard count, written on
 
 
 def shards_from_env() -> int:
-    raw = os.environ.get(SHARDS_ENV, "1").strip() or "1"
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_SHARDS:
-        raise InvalidInput(f"{SHARDS_ENV}={raw!r} is invalid: use a whole number from 1 to {MAX_SHARDS}")
-    return int(raw)
+    """``store_shards`` from the environment, checked as the settings check it (1 to `MAX_SHARDS`)."""
+    from fulmen.settings import env_setting  # fulmen.settings imports this module
+
+    shards: int = env_setting("store_shards")
+    return shards
 
 
 @lru_cache(maxsize=256)

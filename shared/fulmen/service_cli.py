@@ -39,6 +39,8 @@ CHATTY_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai")
 # Every command takes the experiment, with its short form; a service's own fields follow.
 ALWAYS_FLAGS = ("experiment",)
 SHORT_NAMES = {"experiment": "-e"}
+# Choices given in any case (as the environment may give them): `--log-level debug`.
+ANY_CASE = ("log_level",)
 
 
 def setup_logging(level: str) -> None:
@@ -150,7 +152,7 @@ def flag(cls: type[CommonSettings], field: str, names: Sequence[str] = ()) -> An
     decls = list(names) or [dashed]
     if field in SHORT_NAMES and SHORT_NAMES[field] not in decls:
         decls.append(SHORT_NAMES[field])
-    return Annotated[kind | None, typer.Option(*decls, help=_help(cls, field))]
+    return Annotated[kind | None, typer.Option(*decls, help=_help(cls, field), case_sensitive=field not in ANY_CASE)]
 
 
 def settings_command(

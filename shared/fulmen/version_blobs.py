@@ -63,7 +63,7 @@ if redis.replicate_commands then redis.replicate_commands() end
 if redis.set_repl then redis.set_repl(redis.REPL_NONE) end
 return redis.call('XADD', KEYS[1], ARGV[1], 'm', ARGV[2], 'd', ARGV[3])
 """
-WEIGHTS_IN_AOF_ENV = "FULMEN_WEIGHTS_IN_AOF"  # "1": the chunks go through the AOF as any write
+WEIGHTS_IN_AOF_ENV = "FULMEN_WEIGHTS_IN_AOF"  # the setting weights_in_aof: the chunks go through the AOF
 
 
 def _codes() -> dict[torch.dtype, str]:
@@ -163,7 +163,9 @@ async def _outside_aof_script(redis: Any) -> str | None:
     cluster, FULMEN_WEIGHTS_IN_AOF=1, a server that refuses scripts)."""
     from redis.asyncio.cluster import RedisCluster
 
-    if isinstance(redis, RedisCluster) or os.environ.get(WEIGHTS_IN_AOF_ENV, "").strip() in ("1", "true", "yes"):
+    from fulmen.settings import env_setting
+
+    if isinstance(redis, RedisCluster) or env_setting("weights_in_aof"):
         return None
     try:
         return str(await redis.script_load(XADD_OUTSIDE_AOF))

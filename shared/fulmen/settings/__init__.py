@@ -9,10 +9,13 @@ environment.
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Annotated, Any, TypeVar, get_args
 
-from pydantic import ValidationError
+from pydantic import SecretStr, TypeAdapter, ValidationError
+from pydantic_core import ErrorDetails
 
 from fulmen.errors import InvalidInput
 from fulmen.keys import check_experiment
@@ -36,7 +39,7 @@ from fulmen.settings.services import (
 __all__ = [
     "AdapterSettings", "AlgorithmSettings", "ApoSettings", "CommonSettings", "DashboardSettings", "DemoSettings", "EvalSettings",
     "EvaluatorSettings", "ProxySettings", "RunnerSettings", "TrainerSettings", "VllmSyncSettings", "WatchdogSettings",
-    "env_name", "known_env_names", "load_settings",
+    "env_name", "env_setting", "known_env_names", "load_settings",
 ]
 
 S = TypeVar("S", bound=CommonSettings)
@@ -47,19 +50,58 @@ def known_env_names() -> set[str]:
     return {env_name(f) for cls in SERVICE_SETTINGS for f in cls.model_fields if f != REDIS_URL_FIELD}
 
 
-def load_settings(cls: type[S] = CommonSettings, /, **overrides: Any) -> S:  # type: ignore[assignment]
-    """Build ``cls`` from flags (``overrides``; None means "not given") over the environment.
+@functools.cache
+def _field_adapter(field: str) -> tuple[TypeAdapter[Any], Any]:
+    for cls in SERVICE_SETTINGS:
+        info = cls.model_fields.get(field)
+        if info is not None:
+            return TypeAdapter(Annotated[info.annotation, info]), info.default
+    raise KeyError(f"no settings class has a field {field!r}")
+
+
+def env_setting(field: str) -> Any:
+    """One field's value from the environment (its default when unset), validated as the settings
+    validate it: for code deep inside (the store's keys) that has no settings object at hand."""
+    adapter, default = _field_adapter(field)
+    raw = os.environ.get(env_name(field))
+    if raw is None:
+        return default
+    try:
+        return adapter.validate_python(raw)
+    except ValidationError as e:
+        raise InvalidInput(f"{env_name(field)}={raw!r} is invalid: {e.errors()[0]['msg']}") from None
+
+
+def load_settings(
+    cls: type[S] = CommonSettings, /, *, dotenv: Mapping[str, str] | None = None, **overrides: Any  # type: ignore[assignment]
+) -> S:
+    """Build ``cls`` from flags (``overrides``; None means "not given") over the environment, over
+    ``dotenv`` (a .env file's values, which fill in what the environment does not set, as honcho).
 
     Unknown ``FULMEN_*`` environment variables are errors: a typo must not be silently ignored."""
+    dotenv = {name: value for name, value in (dotenv or {}).items() if name not in os.environ}
     known = known_env_names()
-    unknown = sorted(name for name in os.environ if name.startswith(ENV_PREFIX) and name not in known)
+    unknown = sorted(name for name in {*os.environ, *dotenv} if name.startswith(ENV_PREFIX) and name not in known)
     if unknown:
         raise InvalidInput(f"unknown environment variables {unknown}; known: {sorted(known)}")
-    given = {name: value for name, value in overrides.items() if value is not None}
+    given = {field: dotenv[env_name(field)] for field in cls.model_fields if env_name(field) in dotenv}
+    given.update({name: value for name, value in overrides.items() if value is not None})
     try:
         settings = cls(**given)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        problems = "; ".join(_problem(cls, err) for err in e.errors())
         raise InvalidInput(f"invalid settings: {problems}") from None
     check_experiment(settings.experiment)
     return settings
+
+
+def _problem(cls: type[CommonSettings], err: ErrorDetails) -> str:
+    """One validation error: the field, its variable, what is allowed (pydantic's message, which lists
+    a choice's values) and the value given, unless the field is a secret."""
+    name = ".".join(str(x) for x in err["loc"])
+    field = cls.model_fields.get(name)
+    if field is None:  # a model-wide check, an alias, an unknown name: no value shown
+        return f"{name}: {err['msg']}" if name else str(err["msg"])
+    secret = field.annotation is SecretStr or SecretStr in get_args(field.annotation)
+    got = "" if secret or err["type"] == "missing" else f", got {err['input']!r}"
+    return f"{name} ({env_name(name)}): {err['msg']}{got}"

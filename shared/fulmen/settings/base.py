@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from copy import copy
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, BeforeValidator, Field, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -20,6 +20,10 @@ from fulmen.embedded import DEFAULT_PORT
 ENV_PREFIX = "FULMEN_"
 # The one field read from an unprefixed name: REDIS_URL is what every Redis tool already reads.
 REDIS_URL_FIELD = "redis_url"
+# Log levels are read in any case (``info`` as ``INFO``), as `logging` reads them.
+LogLevel = Annotated[
+    Literal["DEBUG", "INFO", "WARNING", "ERROR"], BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)
+]
 
 
 class CommonSettings(BaseSettings):
@@ -53,7 +57,12 @@ class CommonSettings(BaseSettings):
         "(on a Redis Cluster: the number of masters). The same for every process of the experiment; "
         "the store reads it from the environment (fulmen.keys).",
     )
-    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
+    weights_in_aof: bool = Field(
+        False,
+        description="Write model versions' weight chunks through the AOF (and to replicas) like any other write "
+        "(off: outside it, as the trainer publishes them again after a restart; always on a cluster).",
+    )
+    log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
     metrics_port: int | None = Field(
         None, ge=0, le=65535,
         description="Port of this process's /healthz /readyz /metrics (unset: $PORT; neither: none; 0: any free port).",

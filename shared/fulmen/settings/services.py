@@ -10,10 +10,32 @@ process must also accept the variables meant for the others (honcho gives every 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 
 from fulmen.settings.base import CommonSettings, with_default
+
+# --- the choices: a value outside them fails at load, naming the allowed ones ----------------------
+
+Dtype = Literal["float32", "bfloat16"]
+Algorithm = Literal["grpo", "ppo", "reinforce", "sft"]  # the objectives fulmen_trainer.objectives registers
+SampleShape = Literal["triplet", "trajectory"]
+RewardSource = Literal["final", "matched"]
+StalePolicy = Literal["drop", "downweight"]
+LossAggregation = Literal["token", "sequence"]
+PublishDtype = Literal["auto", "float32", "bfloat16"]
+PublishFormat = Literal["full", "delta"]
+ReferenceDevice = Literal["same", "cpu"]
+Parallel = Literal["redis", "ddp", "fsdp"]
+Codec = Literal["none", "bf16", "topk", "dgc", "qsgd8", "qsgd4"]  # the codecs fulmen_trainer.codecs registers
+OnRankLoss = Literal["continue", "wait"]
+ProxyBackend = Literal["torch", "vllm", "openai", "anthropic"]  # fulmen_llm_proxy.backends.BACKENDS
+PauseMode = Literal["wait", "abort", "keep"]
+LoraLoading = Literal["auto", "dynamic", "merge"]
+DemoTask = Literal["arithmetic", "tools"]
+# auto, cpu, cuda or cuda:N (open-ended, so a pattern rather than a list)
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 
 # --- fields two or more services read ------------------------------------------------------------
 
@@ -103,8 +125,8 @@ class RunnerSettings(ProxyKeysSettings):
 class ComputeSettings(CommonSettings):
     """Where a model computes (the trainer, the proxy's torch backend): one pair of settings for both."""
 
-    device: str = Field("auto", description="auto (a GPU if there is one, else cpu), cpu, cuda or cuda:N.")
-    dtype: str = Field(
+    device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto (a GPU if there is one, else cpu), cpu, cuda or cuda:N.")
+    dtype: Dtype = Field(
         "float32",
         description="float32, or bfloat16: bf16 weights and compute on a GPU (fp32 compute on a CPU); "
         "the trainer keeps fp32 master weights.",
@@ -119,7 +141,7 @@ class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
     proxy_public_url: str | None = Field(
         None, description="Base URL the proxy registers for runners (unset: http://<host>:<port>)."
     )
-    proxy_backend: str = Field(
+    proxy_backend: ProxyBackend = Field(
         "torch", description="torch (in-process HF model), vllm, openai (an OpenAI-compatible upstream) or "
         "anthropic (an Anthropic Messages upstream).",
     )  # fmt: skip
@@ -180,22 +202,22 @@ class AdapterSettings(CommonSettings):
 
 
 class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings):
-    algorithm: str = Field("grpo", description="grpo, ppo, reinforce or sft.")
+    algorithm: Algorithm = Field("grpo", description="grpo, ppo, reinforce or sft.")
     learning_rate: float = Field(1e-4, ge=0, description="AdamW learning rate (0: a no-training baseline).")
     lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up.")
     lr_decay_steps: int | None = Field(None, ge=1, description="Steps of linear decay to lr_final after warm-up.")
     lr_final: float | None = Field(None, ge=0, description="Learning rate at the end of the decay.")
     group_size: int | None = Field(None, ge=1, description="Rollouts per task when samples do not say.")
-    sample_shape: str = Field("triplet", description="Train on triplet (per call) or trajectory samples.")
-    reward_source: str = Field("final", description="final (the rollout's last reward) or matched (per call).")
+    sample_shape: SampleShape = Field("triplet", description="Train on triplet (per call) or trajectory samples.")
+    reward_source: RewardSource = Field("final", description="final (the rollout's last reward) or matched (per call).")
     max_staleness: int | None = Field(None, ge=0, description="Model versions a sample may lag (unset: any).")
-    stale_policy: str = Field("drop", description="drop or downweight samples beyond max_staleness.")
+    stale_policy: StalePolicy = Field("drop", description="drop or downweight samples beyond max_staleness.")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range.")
     ppo_epochs: int = Field(1, ge=1, description="Optimizer updates per batch (PPO-clip passes over it).")
     tis_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight for stale samples.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial (reference) model.")
     ent_coef: float = Field(0.0, ge=0, description="Entropy bonus.")
-    loss_aggregation: str = Field("token", description="token or sequence mean of the per-token loss.")
+    loss_aggregation: LossAggregation = Field("token", description="token or sequence mean of the per-token loss.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     micro_batch: int = Field(64, ge=1, description="Most sequences per forward/backward pass.")
     micro_batch_tokens: int | None = Field(
@@ -212,16 +234,16 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
     lora_target_modules: str = Field(
         "all-linear", description="Modules that get an adapter: all-linear, or names such as q_proj,v_proj."
     )
-    publish_dtype: str = Field(
+    publish_dtype: PublishDtype = Field(
         "auto", description="dtype of published model versions: auto (the training dtype), float32 or bfloat16."
     )
-    publish_format: str = Field(
+    publish_format: PublishFormat = Field(
         "full", description="Model versions: full, or delta (what changed since the previous version; "
         "a full version every keyframe_every). A LoRA adapter is always published whole."
     )
     keyframe_every: int = Field(10, ge=1, description="delta: publish a full version every K versions.")
-    reference_dtype: str = Field("bfloat16", description="The KL reference copy's dtype (not used with LoRA).")
-    reference_device: str = Field("same", description="The KL reference copy's device: same, or cpu to offload it.")
+    reference_dtype: Dtype = Field("bfloat16", description="The KL reference copy's dtype (not used with LoRA).")
+    reference_device: ReferenceDevice = Field("same", description="The KL reference copy's device: same, or cpu to offload it.")
     sft_min_reward: float | None = Field(None, description="sft: train only on samples with reward >= this.")
     publish_every: int = Field(1, ge=1, description="Publish a model version every K steps.")
     checkpoint_every: int = Field(
@@ -237,13 +259,13 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
     )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: run until stopped).")
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads for the trainer.")
-    parallel: str = Field(
+    parallel: Parallel = Field(
         "redis", description="How trainer ranks share a step: redis (honcho -c trainer=R, with world_size), "
         "or under torchrun --nproc-per-node N: ddp (a model per GPU) or fsdp (the model sharded over them)."
     )
     ddp_bucket_mb: float = Field(25.0, gt=0, description="ddp: gradient bucket size (MB) of each all-reduce.")
     world_size: int = Field(1, ge=1, le=256, description="Data-parallel trainer ranks (honcho -c trainer=R).")
-    codec: str = Field("none", description="Gradient codec between ranks: none, bf16, topk, dgc, qsgd8, qsgd4.")
+    codec: Codec = Field("none", description="Gradient codec between ranks: none, bf16, topk, dgc, qsgd8, qsgd4.")
     codec_density: float = Field(0.01, gt=0, le=1, description="Kept fraction for topk and dgc.")
     full_sync_every: int | None = Field(
         None, ge=1, description="Send the gradient uncompressed (with what error feedback held back) every K steps."
@@ -257,7 +279,7 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
         10.0, gt=1, description="A gradient norm this many times the recent median is sent uncompressed (and logged)."
     )
     rank_timeout_s: float = Field(10.0, gt=0, description="A rank silent this long is considered gone.")
-    on_rank_loss: str = Field("continue", description="When a rank is gone: continue without it, or wait.")
+    on_rank_loss: OnRankLoss = Field("continue", description="When a rank is gone: continue without it, or wait.")
 
     @model_validator(mode="after")
     def _per_experiment_checkpoints(self) -> TrainerSettings:
@@ -288,7 +310,7 @@ class DemoSettings(AlgorithmSettings):
 
     total_steps: int | None = with_default(AlgorithmSettings, "total_steps", 300)
     val_every: int | None = with_default(AlgorithmSettings, "val_every", 25)
-    task: str = Field(
+    task: DemoTask = Field(
         "arithmetic", description="The demo's task: arithmetic (2-digit addition, one call) or tools (3-digit "
         "multiplication through a calculator tool, multi-turn; run it with Procfile.tools and .env.tools)."
     )
@@ -313,8 +335,8 @@ class VllmSyncSettings(ServedModelSettings):
     )
     sync_timeout_s: float = Field(120.0, gt=0, description="Each admin route's timeout (pause, load, verify, resume).")
     sync_retry_s: float = Field(5.0, gt=0, description="Wait before trying a failed sync again.")
-    pause_mode: str = Field("wait", description="How the server pauses for a load: wait (drain), abort, or keep.")
-    lora_loading: str = Field(
+    pause_mode: PauseMode = Field("wait", description="How the server pauses for a load: wait (drain), abort, or keep.")
+    lora_loading: LoraLoading = Field(
         "auto",
         description="LoRA versions: dynamic (load each adapter at run time, no pause; the server runs with --enable-lora "
         "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), merge (merge it onto the base and reload the weights), or auto "
