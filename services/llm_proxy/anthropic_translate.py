@@ -1,25 +1,7 @@
 """A chat call as an Anthropic Messages request, and the upstream's answer back as a chat body or chunks.
 
-The reverse of `fulmen_llm_proxy.messages_api` / `fulmen_llm_proxy.messages_events` (which take
-Messages requests from agents), for the ``anthropic`` backend (`fulmen_llm_proxy.backend_anthropic`).
-
-Request: ``system`` (and ``developer``) messages become ``system``; user text (and ``image_url``
-parts, as ``image`` blocks) become user blocks; an assistant's ``tool_calls`` become ``tool_use``
-blocks whose ``input`` is the parsed arguments; ``tool`` messages become ``tool_result`` blocks in a
-user turn; consecutive turns of one role are merged (Anthropic wants the roles to alternate). A turn
-of one text block is sent as a string. ``tools`` become custom tools with ``input_schema``;
-``tool_choice`` auto / none / required / named becomes auto / none / any / tool (with
-``disable_parallel_tool_use`` for ``parallel_tool_calls: false``); ``max_tokens`` (required there:
-the backend's default when absent), ``temperature`` (0-1 there), ``top_p``, ``stop`` as
-``stop_sequences``, ``user`` as ``metadata.user_id``. Chat fields Anthropic has no equivalent for
-that change the answer (``n > 1``, ``logprobs``, ``response_format``, ``logit_bias``, penalties,
-audio) are a 400; ``seed`` and ``stream_options`` have no effect.
-
-Answer: ``text`` blocks are the content, ``tool_use`` blocks the ``tool_calls`` (arguments as JSON),
-``thinking`` blocks are dropped; ``stop_reason`` end_turn / stop_sequence / max_tokens / tool_use /
-refusal is finish_reason stop / stop / length / tool_calls / content_filter; usage's input tokens
-(cache reads and writes included) and output tokens are the prompt and completion tokens. A block
-type not listed here is a 502 that names it, never a silent loss.
+The reverse of `fulmen_llm_proxy.messages_api`, for `fulmen_llm_proxy.backend_anthropic`. A block
+type it does not know is a 502 that names it, never a silent loss. The field mapping: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """The proxy as a plain ASGI app: no framework between uvicorn and the handlers.
 
-Routes (each ``/v1`` route also under the attribution prefix ``/rollout/{r}/attempt/{a}``):
-
-    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
-    POST /v1/responses (OpenAI Responses API)   POST /v1/messages (Anthropic Messages API)
-    GET /healthz   GET /readyz   GET /metrics
-
-Each completion route has its `Dialect` (`fulmen_llm_proxy.dialects`): the Responses and Messages
-APIs are translated into the one chat call every backend serves, and recorded as it is.
-
-A framework's routing, request objects and middleware would cost more CPU per request than the
-proxy's whole overhead budget (bench/RESULTS.md, "Proxy overhead"); here a request is a few dict
-lookups, one JSON parse, the backend call, one span write (auto-pipelined) and one JSON dump.
-Every error is a body in the route's API's shape with its status (`fulmen_llm_proxy.errors`),
-and no error stops the server.
-
-Each completion carries the model version that served it, in the ``x-fulmen-model-version``
-header and a ``model_version`` body field (in every chunk when streaming). Its span is stored
-before the response, or the last chunk, is sent.
+Routes: the OpenAI, Responses and Messages APIs (each a `fulmen_llm_proxy.dialects.Dialect`), models,
+health and metrics. Each call's span is stored before its response is sent. Why: docs/design/proxy.md.
 """
 
 from __future__ import annotations

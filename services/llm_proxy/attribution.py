@@ -1,14 +1,7 @@
 """Which attempt a request belongs to, and which trace its span joins.
 
-Attribution comes from the path prefix ``/rollout/{rollout_id}/attempt/{attempt_id}`` (the base URL
-a runner hands its agent) or, without it, from the ``x-fulmen-rollout-id`` / ``x-fulmen-attempt-id``
-headers; the prefix wins when both are present. A request with neither is *unattributed*: it is
-served, but its span cannot be stored (the store binds every span to an existing attempt), so it is
-counted in ``fulmen_proxy_unattributed_requests_total`` instead.
-
-Trace context comes from the W3C ``traceparent`` header (``00-<trace id>-<parent span id>-<flags>``);
-without one, an attributed call's trace id is derived from its rollout id, as the runner's tracer
-derives it (`fulmen.tracing.rollout_trace_id`), so the call still lands in the rollout's trace.
+From the ``/rollout/{r}/attempt/{a}`` prefix or the ``x-fulmen-*`` headers, and the W3C
+``traceparent``. The rules: docs/design/proxy.md.
 """
 
 from __future__ import annotations

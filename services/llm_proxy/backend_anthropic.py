@@ -1,14 +1,7 @@
 """The ``anthropic`` backend: an Anthropic-compatible upstream's ``POST /v1/messages``, text only.
 
-Every chat call (whatever API the agent called: chat, Responses or Messages all arrive as one) is
-sent as a Messages request and its answer comes back in the chat shape
-(`fulmen_llm_proxy.anthropic_translate` says what maps to what). Authentication is Anthropic's:
-the upstream key (``upstream_api_key``) as ``x-api-key`` with ``anthropic-version``, no bearer
-token. Text completions are a 400: Anthropic has no completions API.
-
-As on the openai backend, the upstream returns no token ids: spans are ``text_only`` (SFT
-distillation through the adapter's ``--tokenizer-dir``, never RL), and calls are retried (429,
-529 overloaded, 5xx, timeouts), rate limited and, at temperature 0, cached by the `UpstreamPolicy`.
+What maps to what: `fulmen_llm_proxy.anthropic_translate`; retries, rate limits and caching:
+`fulmen_llm_proxy.upstream_policy`. Why: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""What every backend (torch, vllm, openai) takes and gives back.
+"""What every backend (torch, vllm, openai, anthropic) takes and gives back: a `Call` in, a body and
+a `Result` out.
 
-A backend turns one validated `Call` into an OpenAI-compatible response body (or a stream of chunk
-bodies) and fills a `Result` with what the span needs: token ids, log-probabilities, text, finish
-reason, the model version that served the call and how faithful the token ids are. The app adds
-the fields every response carries (``model_version``) and records the span; a backend never
-touches the store.
-
-This module imports no backend: the backends, `formatting` and `parsing` import it, and
-`fulmen_llm_proxy.backends` picks a backend by name.
+A backend never touches the store; this module imports no backend (`fulmen_llm_proxy.backends`
+picks one by name). More: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The ``openai`` backend: any OpenAI-compatible upstream server, text only.
 
-The request goes upstream as the agent sent it and the response comes back as the upstream sent it
-(tool calls included). Such servers return no token ids, so spans are marked
-``fulmen.token_fidelity = "text_only"``: fine for prompt optimisation and SFT, not a training
-signal for RL (use the torch or vllm backend for that).
-
-Upstream calls are retried, rate limited and (temperature 0, when ``upstream_cache_entries`` is set)
-cached as `fulmen_llm_proxy.upstream_policy` says. Only this text-only backend caches: a vllm
-upstream serves a model that training changes, so its answers must not outlive a version.
+Its spans are ``text_only``: fine for prompt optimisation and SFT, not for RL. Retries, rate limits
+and the cache: `fulmen_llm_proxy.upstream_policy`; why only text-only backends cache: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """The ``torch`` backend: a Hugging Face causal LM in this process, batched by `TorchEngine`.
 
-Chat prompts are rendered with the tokenizer's chat template (``tools`` are passed to it; a
-template that ignores them ignores them) and tokenized without adding special tokens again;
-completion prompts are a string (tokenized as vLLM does, special tokens added) or token ids.
-The engine returns the exact token ids and their raw log-probabilities; the text is decoded from
-them (special tokens, such as the final eos, left out). With ``tools``, tool calls are parsed out of
-the text by `fulmen_llm_proxy.tool_calls` (the format, the rules and what ``tool_choice`` enforces are
-there); ``n > 1`` is `fulmen_llm_proxy.torch_choices`.
-
-Stop strings are applied on the decoded text: generation ends at the token that completes one,
-the text is cut before it, and ``token_ids`` keep every generated token (as vLLM does). While
-streaming, text that might be the start of a stop string is held back until it is not.
+Tool calls: `fulmen_llm_proxy.tool_calls`; ``n > 1``: `fulmen_llm_proxy.torch_choices`; the engine:
+`fulmen_llm_proxy.torch_engine`. Prompts, stop strings and why: docs/design/proxy.md.
 """
 
 from __future__ import annotations

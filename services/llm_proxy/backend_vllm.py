@@ -1,22 +1,7 @@
 """The ``vllm`` backend: a vLLM OpenAI-compatible server, asked for token ids and log-probabilities.
 
-Each request goes upstream with ``return_token_ids: true`` and ``logprobs`` switched on, and the
-response comes back in vLLM's own shape, which is the proxy's shape too:
-
-- chat: ``prompt_token_ids`` at the top level, ``token_ids`` in each choice,
-  ``choices[i].logprobs.content[*].logprob``;
-- ``/v1/completions``: ``prompt_token_ids`` and ``token_ids`` in each choice,
-  ``logprobs.token_logprobs``;
-- streaming: the same fields per chunk (``prompt_token_ids`` in the first, the chunk's
-  ``token_ids`` in each).
-
-A vLLM too old to know ``return_token_ids`` leaves the ids out: the call is then recorded as
-``text_only`` rather than with made-up ids.
-
-With `follow_replicas` (the proxy does it), calls go only to replicas their vllm-sync marks ready and
-carry the version the replica serves; a replica serving a LoRA version as an adapter gets the
-adapter's name as the request's ``model`` (the body is made for the replica it goes to); a call during which the replica may have changed weights is
-sent again (non-streaming) or recorded as ``text_only`` (streaming) — see `fulmen_llm_proxy.replicas`.
+Calls go only to ready replicas (`fulmen_llm_proxy.replicas`); a call that may have met two sets of
+weights is sent again or recorded ``text_only``. The fields and why: docs/design/proxy.md.
 """
 
 from __future__ import annotations

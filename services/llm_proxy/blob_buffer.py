@@ -1,13 +1,6 @@
 """One blob buffer kept from one model version to the next.
 
-A version read from Redis is copied into a buffer of the blob's size (`fulmen.version_stream`); once
-the backend has copied the weights into the model, the buffer is free. Freeing it hands its pages
-back to the system, and reading the next version into a new one faults every page in again: on a
-virtual machine that returns freed memory to its host that costs seconds per GB, on the event loop,
-in the middle of the read. So the follower keeps the last buffer and reads the next version of the
-same size into it — only when nothing else still holds it (a LoRA adapter served from it, tensors
-not yet swapped in): its reference count says so, torch's views of it included. The cost: the
-buffer's size in memory between two versions, which the read needs at its peak anyway.
+Reused only while nothing else holds it (its reference count says so). Why keep it: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Pause / drain / resume on the control stream, for synchronous weight updates.
 
-A trainer that wants no call served by stale weights sends ``drain``, waits until every proxy's
-registry entry (`ProxyEndpoint.metadata`) shows ``state == "drained"`` with its ``control_id``,
-publishes the new model version, and sends ``resume``. ``pause`` holds new calls without the
-report. Every proxy reads every message (a plain XREAD, no consumer group: it is a broadcast).
-
-The record is `fulmen.records.ControlMessage` (its wire form is described there).
-``timeout_s`` bounds a pause or drain: the proxy resumes by itself after it, so a trainer that dies
-mid-update cannot freeze the fleet. A proxy that starts while the latest message is a pause or drain
-still within its timeout starts paused.
+The record is `fulmen.records.ControlMessage`; a pause or drain ends by itself after ``timeout_s``.
+The protocol: docs/design/proxy.md.
 """
 
 from __future__ import annotations

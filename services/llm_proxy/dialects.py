@@ -1,14 +1,7 @@
 """The APIs the proxy speaks, each a `Dialect` over the one internal chat / completions call.
 
-A dialect turns its API's request into a `Call` (the chat shape every backend serves: torch,
-vllm, an OpenAI-compatible upstream) and the backend's chat body or chunks back into its API's
-response, stream events and error bodies. The app does the rest once for all of them: attribution,
-idempotency keys, the gate, the span (recorded from the translated chat request, so the adapter and
-`fulmen.llm_calls` read every API's calls alike), the model-version header.
-
-- `OPENAI_CHAT`, `OPENAI_COMPLETIONS`: the OpenAI API itself (bodies pass through);
-- `fulmen_llm_proxy.responses_api`: the OpenAI Responses API (``POST /v1/responses``);
-- `fulmen_llm_proxy.messages_api`: the Anthropic Messages API (``POST /v1/messages``).
+`OPENAI_CHAT`, `OPENAI_COMPLETIONS` here; `fulmen_llm_proxy.responses_api` and
+`fulmen_llm_proxy.messages_api` for the others. What the app does once for all: docs/design/proxy.md.
 """
 
 from __future__ import annotations

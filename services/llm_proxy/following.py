@@ -1,24 +1,7 @@
 """Model following: load each model version the store's resources announce.
 
-A trainer publishes a version with `fulmen.model_versions.publish_model_version` (weights chunks on
-a stream + a resources entry whose ``resources["llm"]["model_version"]`` names it). The proxy reads
-the latest resources at start (a restarted proxy serves the current version, not the base one),
-then follows every new resources version. Loading goes through ``backend.load_weights``, which
-swaps between batches: calls in flight finish on the weights they started with and every
-response names the version that served it. A version that fails to load is logged and counted;
-the proxy keeps serving the one it has.
-
-A delta version (`fulmen.version_delta`) is applied onto the weights being served when they are its
-base; otherwise (a restart, a skipped version, a delta that does not check out) the whole version is
-rebuilt from its chain in the store.
-
-While it serves ``v<n>``, the follower already reads the stream of ``v<n+1>``, the name the trainer
-publishes next (`next_name`), as the trainer writes it (`read_stream`'s ``follow_s``; checked on the way as any
-read is), so fetching overlaps publishing instead of following it. When versions come through a shared folder
-(the proxy's ``weights_dir``, or the folder the last announced version was in), it also follows that
-version's file as the trainer writes it (`fulmen.version_file_follow`). What it read is used only once
-a resources entry names that version with that blob's sha256 (and, for a file, that very file); a
-publish that stopped half way is never announced, and its read is dropped.
+A version that fails to load is logged and counted; the proxy keeps the one it has. Deltas and
+reading the next version ahead: docs/design/proxy.md.
 """
 
 from __future__ import annotations

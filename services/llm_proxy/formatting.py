@@ -1,14 +1,7 @@
 """OpenAI response bodies with vLLM's token-fidelity fields, for backends that produce tokens.
 
-Field names follow vLLM (``return_token_ids``), so clients written for vLLM read the proxy as is:
-
-- chat: ``prompt_token_ids`` at the top level, ``token_ids`` in the choice, log-probabilities in
-  ``choices[0].logprobs.content[*]`` (``token``, ``logprob``, ``bytes``, ``top_logprobs``);
-- ``/v1/completions``: ``prompt_token_ids`` and ``token_ids`` in the choice (the top level has
-  the prompt ids too), log-probabilities in ``choices[0].logprobs`` (``tokens``, ``token_logprobs``,
-  ``top_logprobs``, ``text_offset``);
-- streaming: one chunk per token with its ``token_ids`` and log-probability; the first chunk
-  carries ``prompt_token_ids``.
+Field names follow vLLM (``return_token_ids``), so clients written for vLLM read the proxy as is.
+The fields: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """A minimal HTTP/1.1 client for JSON POSTs: keep-alive connection pool, httptools parser.
 
-Why not aiohttp: per call, aiohttp's client builds request and response objects, header
-multidicts, a timer context and a payload writer, and that costs more CPU than the rest of the
-proxy's work on a call (bench/RESULTS.md, "Proxy overhead"). This client writes one pre-built
-header block and the body in one ``write``, and parses the reply with httptools (C, the parser
-uvicorn uses), delivering either the whole body or, for SSE, the body pieces as they arrive.
-
-Scope: POST only, ``http://`` and ``https://``, Content-Length or chunked replies, one request per
-connection at a time (no pipelining). A connection the server closed while idle is detected on
-reuse and the call is retried once on a fresh connection (nothing of it reached the server).
+POST only, one request per connection at a time. Why not aiohttp, and its scope: docs/design/proxy.md.
 """
 
 from __future__ import annotations

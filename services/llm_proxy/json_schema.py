@@ -1,15 +1,7 @@
 """A small validator for the subset of JSON Schema that tool ``parameters`` use.
 
-Checked: ``type`` (one name or a list: object, array, string, number, integer, boolean, null),
-``properties``, ``required``, ``additionalProperties`` (false or a schema), ``items`` (one schema),
-``enum``, ``const``, ``anyOf`` / ``oneOf`` (at least one branch must match), ``minItems`` /
-``maxItems``, ``minimum`` / ``maximum``, ``minLength`` / ``maxLength``. Every other keyword (``format``,
-``pattern``, ``$ref``, ``description``...) is ignored, so a schema using them accepts more than a
-full validator would; never less. Why not the ``jsonschema`` package: a model's tool call is checked
-on the event loop after every generation, the subset above is what OpenAI function schemas use in
-practice, and one dependency (with its own dependencies) less is one thing less to pin.
-
-`validate` returns the first violation as a message naming where it is (``$.a.b[2]``), or None.
+`validate` returns the first violation, naming where it is (``$.a.b[2]``), or None; unknown keywords
+are ignored (it accepts more than a full validator, never less). The subset and why: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The Anthropic Messages API (``POST /v1/messages``) as a chat call.
 
-Supported: ``system`` (a string or text blocks), ``messages`` whose content is a string or
-``text``, ``tool_use`` (assistant) and ``tool_result`` (user) blocks (``thinking`` blocks a client
-sends back are dropped), ``tools`` (custom tools: name, description, input_schema),
-``tool_choice`` (auto, any, tool, none; ``disable_parallel_tool_use``), ``max_tokens`` (required, as
-in that API), ``stop_sequences``, ``temperature`` (0-1) and ``top_p`` (which recent clients send
-only through ``extra_body``), ``stream``. Accepted without effect: ``metadata``, ``service_tier``,
-``cache_control`` (here and on blocks), ``inference_geo``, ``speed``, ``user_profile_id``,
-``workspace_id``, ``diagnostics``, ``output_config.effort``, ``thinking: {"type": "disabled"}``.
-Anything else (images, documents, server tools, ``top_k``, extended thinking, structured output,
-containers, an assistant prefill as the last message) is a 400 in Anthropic's error shape.
+Anything unsupported is a 400 in Anthropic's error shape. What is supported: docs/design/proxy.md;
+the response and events: `fulmen_llm_proxy.messages_events`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """The backend's chat body or chunks as an Anthropic Messages response or its stream of events.
 
-Content: a ``text`` block (also when empty and nothing else came), then one ``tool_use`` block per
-tool call whose arguments are a JSON object; a call whose arguments are not one comes back as a
-``text`` block holding the call as JSON, as the Anthropic client could not parse it as input.
-``stop_reason``: ``tool_use`` with tool calls, ``max_tokens`` for a chat ``length``,
-``stop_sequence`` when one of the request's stop sequences ended the text (seen from the tokens'
-text, so only backends that return log-probabilities name it), else ``end_turn``.
-
-Streaming sends Anthropic's events in its order: ``message_start``, the text block's
-``content_block_start`` and one ``content_block_delta`` per chunk of text, then (after the span is
-stored) its ``content_block_stop``, each tool call's start / ``input_json_delta`` / stop,
-``message_delta`` (stop reason, usage) and ``message_stop``. As in the chat body, the message also
-carries ``model_version``, ``prompt_token_ids`` and ``token_ids`` (in ``message_start`` and
-``message_delta`` when streaming).
+Blocks, stop reasons and the order of the events: docs/design/proxy.md.
 """
 
 from __future__ import annotations

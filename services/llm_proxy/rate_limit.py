@@ -1,14 +1,7 @@
 """A per-upstream rate limit: requests and tokens per minute, each a token bucket.
 
-A bucket refills continuously (``per_minute / 60`` a second) and holds up to a tenth of a minute's
-allowance (`BURST_FRACTION`): a burst that large goes at once, then calls are spaced (providers
-enforce a per-minute limit over shorter windows too). A call reserves what it needs at once (the
-bucket may go below zero, so a call larger than the burst goes too, and the calls after it wait for
-it) and waits until its reservation is covered: calls are served in the order they asked, and none
-starves. Tokens are not known before the upstream answers,
-so a call reserves an estimate (`estimate_tokens`) and `RateLimiter.settle` corrects the bucket by
-the usage the upstream reports. A wait longer than the call's budget is not waited: the call is a
-429 (retryable, and the openai client retries it), its reservation given back.
+Calls are served in the order they asked; `RateLimiter.settle` corrects by the reported usage. The
+bucket's rules: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The span of one LLM call: OpenTelemetry GenAI attributes plus Fulmen's token-level ones.
 
-The app stores it with ``store.add_spans`` *before* the response (or the last stream chunk) goes
-back, so a succeeded attempt always has all of its LLM spans. ``add_spans`` goes through the store's
-auto-pipeline: the spans of concurrent calls share one Redis round trip.
-
-With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, `OtlpExport` also sends each call's span to the collector
-(Jaeger), in the trace the runner's ``traceparent`` names, so one rollout is one trace across runner
-and proxy there too.
+Stored *before* the response goes back; also sent to an OTLP collector when one is set.
+Why: docs/design/proxy.md.
 """
 
 from __future__ import annotations

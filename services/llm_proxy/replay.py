@@ -1,13 +1,6 @@
 """A client's retry of a call the proxy already recorded is the same call, answered from its span.
 
-The openai client retries a call whose response it did not get (a proxy killed after storing the
-span, a dropped connection, a 5xx) up to ``max_retries`` times. Served again, the retry would be a
-second call in the store, and the adapter would train both with the attempt's reward. So a call
-that carries an idempotency key (the ``Idempotency-Key`` header, one value per logical call, the
-same on its retries; the SDK's clients send it) gets a span id derived from that key and its
-attempt: the store keeps one span per id, whichever proxy records it. A retry (the openai client's
-``x-stainless-retry-count`` above 0, or no such header) first looks for that span and, when it is
-there, answers with the recorded response, so the agent goes on with what will be trained on.
+The span id derives from the ``Idempotency-Key`` and the attempt. Why: docs/design/proxy.md.
 """
 
 from __future__ import annotations

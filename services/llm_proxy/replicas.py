@@ -1,15 +1,7 @@
 """What each upstream inference server serves, as its `fulmen vllm-sync` last recorded it.
 
-The proxy routes a call only to a replica that is ready (not loading, not after a failed load) and
-stamps the call with the version that replica serves. Exactness: the stamp is read when the call is
-sent (from a copy refreshed every ``REFRESH_S``) and checked against the store when its answer is
-back. vllm-sync raises a replica's ``generation`` before it pauses the server for a load, and the
-answer of a call that waited through the load comes back after the resume, so a call that may have
-met two sets of weights always sees a changed generation. Such a call is "uncertain": the vllm
-backend sends it again (non-streaming) or records it without token ids (streaming, already
-answered), so no sample ever mixes two versions.
-
-An upstream with no recorded state (a server without vllm-sync) is taken as ready, serving the base.
+Calls go only to ready replicas; a changed ``generation`` marks a call "uncertain". How no sample
+mixes two versions: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""An optional cache of temperature-0 upstream responses (APO critics and evaluations ask the same
-question again and again), keyed on the normalised request.
+"""An optional in-memory cache of temperature-0 upstream responses, keyed on the normalised request.
 
-Key: the path and the request body normalised — keys sorted, the API's defaults filled in (``n: 1``,
-``top_p: 1``, ...), ``null`` values and fields that do not change the answer (``stream_options``,
-``user``, ``metadata``) left out, a single ``stop`` string made a list. Headers never count (the
-idempotency key, the attempt's prefix or headers, the client's retry count): the same question from
-another rollout is a hit. Only non-streaming calls that ask for ``temperature: 0`` are cached, and
-only 200 answers.
-
-In the proxy's memory, LRU, bounded by entries and by `MAX_BYTES` of answers in all: a hit costs no round trip, a miss nothing, and the
-pipeline's Redis (sized for its streams) holds no cache; proxies do not share it, which costs a
-miss per proxy and question. A hit answers a copy with a fresh ``id``, so two calls in one
-attempt stay two calls for the adapter (it keeps one call per response id).
-
-The OpenAI backend uses it; an Anthropic backend passes its own defaults (`request_key`).
+A hit answers a copy with a fresh ``id``. The key, the bounds and why not Redis: docs/design/proxy.md.
 """
 
 from __future__ import annotations

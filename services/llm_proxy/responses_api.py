@@ -1,15 +1,7 @@
 """The OpenAI Responses API (``POST /v1/responses``) as a chat call.
 
-Supported: ``input`` as a string or a list of items (``message`` with text content parts,
-``function_call``, ``function_call_output``; ``reasoning`` items are dropped, as a chat model has
-none to read), ``instructions`` (a system message), function ``tools``, ``tool_choice``,
-``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``, ``stream`` and
-``include: ["message.output_text.logprobs"]``. Accepted without effect: ``store`` (nothing is
-stored: ``previous_response_id`` is refused), ``metadata`` (echoed), ``user``, ``safety_identifier``,
-``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options``, ``service_tier``,
-``stream_options``, ``truncation: "disabled"``, ``text.verbosity``.
-Anything else (images, built-in tools, structured output, reasoning, background) is a 400 in
-OpenAI's error shape that names the parameter, never silently ignored.
+Anything unsupported is a 400 in OpenAI's error shape that names the parameter. What is supported:
+docs/design/proxy.md; the response and events: `fulmen_llm_proxy.responses_events`.
 """
 
 from __future__ import annotations

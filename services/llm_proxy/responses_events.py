@@ -1,16 +1,6 @@
 """The backend's chat body or chunks as a Responses API response or its stream of events.
 
-Output items: one ``message`` (its ``output_text``) unless the model only called tools, then one
-``function_call`` per tool call. A chat ``finish_reason`` of ``length`` makes the response
-``incomplete`` (reason ``max_output_tokens``). Streaming sends what OpenAI sends, in its order:
-``response.created``, ``response.in_progress``, the message's ``output_item.added``,
-``content_part.added``, one ``output_text.delta`` per chunk of text, then (after the span is stored)
-``output_text.done``, ``content_part.done``, ``output_item.done``, each function call's
-``output_item.added`` / ``function_call_arguments.delta`` / ``.done`` / ``output_item.done``, and
-``response.completed`` (or ``response.incomplete``) with the whole response.
-
-Besides OpenAI's fields the response carries the proxy's: ``model_version``, ``prompt_token_ids``
-and ``token_ids`` (the output's), as the chat body does.
+Output items and the order of the events: docs/design/proxy.md.
 """
 
 from __future__ import annotations

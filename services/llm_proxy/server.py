@@ -1,12 +1,7 @@
 """Run the proxy app under uvicorn: httptools parser, uvloop when installed, no access log.
 
-The socket is bound here, before uvicorn starts, so ``--proxy-port 0`` works (the OS picks a port)
-and the registered base URL names the port actually bound.
-
-uvicorn has no read timeout of its own: a connection that sends nothing, half its headers or part of
-its body would be held forever (each one a socket and, once the headers are in, a task). `_Protocol`
-gives each request `REQUEST_READ_TIMEOUT_S` from its first byte (or the connection's opening) to
-its last; an idle keep-alive connection between requests is uvicorn's ``timeout_keep_alive``.
+The socket is bound here (so ``--proxy-port 0`` works); `_Protocol` adds a request read timeout.
+Why: docs/design/proxy.md.
 """
 
 from __future__ import annotations

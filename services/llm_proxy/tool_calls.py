@@ -1,33 +1,7 @@
 """Tool calls for backends that generate text (torch): which tools the template sees, and the parser.
 
-Format (Hermes / Qwen2.5 style): the model writes each call as one JSON object between tags,
-optionally with text before or after::
-
-    I will look it up.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
-
-``arguments`` is an object (a JSON string holding an object is accepted too). Whitespace around the
-JSON is allowed, several calls may follow each other.
-
-The parser is all-or-nothing: the output becomes OpenAI ``tool_calls`` (``finish_reason
-"tool_calls"``, ``content`` the text outside the tags, stripped, or null when empty) only when every
-``<tool_call>`` block is well formed: closed by ``</tool_call>``, valid JSON, an object with a
-``name`` of a tool offered in this request and ``arguments`` valid for that tool's ``parameters``
-schema (`fulmen_llm_proxy.json_schema`). Otherwise (invalid JSON, unknown tool, schema violation, a
-tag the output never closes, e.g. cut by ``max_tokens``) the whole output is plain ``content``
-(stripped) with the finish reason it ended with, and the choice carries ``fulmen_tool_error`` saying
-why: an agent sees the model's text, never a 5xx, and the recorded token ids are the model's own
-either way (the adapter trains on tokens, not on parsed calls).
-
-``tool_choice`` (validated; a bad one is a 400):
-
-- ``"none"``: the template gets no tools and the output is not parsed (plain text);
-- ``"auto"`` (the default with tools): every tool rendered, calls parsed as above;
-- ``"required"``: as auto, and an output without a valid call keeps its text and finish reason but
-  its ``fulmen_tool_error`` says the choice was not met (generation is not constrained);
-- ``{"type": "function", "function": {"name": N}}``: only tool N is rendered, so a call to any other
-  tool is an unknown tool; an output without a valid call to N is reported as for ``"required"``.
-
-``parallel_tool_calls: false``: an output with more than one call is plain text (with the reason).
+Hermes / Qwen2.5 ``<tool_call>`` JSON blocks, parsed all-or-nothing: otherwise the output is plain
+content with a ``fulmen_tool_error``. The format and ``tool_choice``: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The torch backend's choices: ``n`` samples of one prompt, each turned into an OpenAI choice, with
-tool calls parsed out of its text (`fulmen_llm_proxy.tool_calls`).
+"""The torch backend's choices: ``n`` samples of one prompt, each an OpenAI choice and a span of its own.
 
-``n > 1``: the n samples are n requests in the engine's batch, generated together; choice ``i``
-samples with ``seed + i`` when the call has a seed (the same seed for all would give n copies).
-Each choice is a `Result` of its own (``Result.more``), so each is recorded as a span of its own with
-its token ids (`fulmen_llm_proxy.recording.build_spans`). Usage counts the prompt once and the
-tokens of every choice, as OpenAI does. Streaming interleaves the choices' chunks as their tokens
-come; each chunk names its choice by ``index``.
+Seeds, usage and streaming: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,7 @@
 """The torch backend's generation engine: continuous batching of concurrent requests on one model.
 
-One engine thread owns the model. Each iteration it decodes one token for every running request in a
-single forward pass (left-padded KV cache, explicit attention mask and position ids), prefills newly
-arrived requests in one more pass and merges them into the running batch, so a request joins at the
-next token rather than waiting for the batch to finish (continuous batching). The event loop only
-submits requests and receives tokens (via ``call_soon_threadsafe``), so it stays free for HTTP.
-
-Streaming API — `TorchEngine.stream` returns a `GenerationStream`, an async iterator of `TokenStep`
-that is also an async context manager::
-
-    async with engine.stream(prompt_ids, SamplingParams(max_tokens=32)) as s:
-        async for step in s:        # each token as soon as it is decoded
-            s.model_version         # set before the first step is yielded: the weights serving it
-            ...
-    # leaving the block early (client gone) cancels the request; it leaves the batch at the next token
-
-``stream`` validates synchronously (an oversize prompt raises `InvalidInput` before anything runs)
-and submits the request at once. `TorchEngine.generate` is ``stream`` collected into a `Generation`.
-
-Token-faithfulness: ``logprob`` is the raw model log-probability of the chosen token (log_softmax of
-the unprocessed logits, before temperature and top-p), so the trainer can use it as the behaviour
-policy's logprob. A stop token (eos or one of ``stop_token_ids``) is the last of ``token_ids``, with
-``finish_reason="stop"``; the proxy leaves it out of the text. A request never makes prompt plus
-response longer than the model's ``max_position_embeddings`` (it finishes with "length").
-
-Hot swap: `TorchEngine.load_weights` queues new weights; the engine stops admitting requests, lets the
-running ones finish on the weights they started with, swaps, then admits the waiting ones. Each
-request reports the single version that produced all its tokens; none fails during a swap.
-Supported models: Hugging Face decoder-only LMs with full attention (Llama, Qwen2, Mistral without a
-sliding window), since the batch's KV cache is re-padded when requests join.
-
-Threads: the engine sets torch's (process-wide) thread count to ``num_threads``, by default all cores
-but one, so the event loop keeps a core. The constructor loads the model synchronously; build the
-engine with ``asyncio.to_thread`` where a large model would stall a running loop.
+Entry points `TorchEngine.stream`, `TorchEngine.generate` and `TorchEngine.load_weights` (hot swap
+between batches). Batching, token-faithfulness, threads and supported models: docs/design/proxy.md.
 """
 
 from __future__ import annotations

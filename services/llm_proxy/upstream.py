@@ -1,18 +1,7 @@
 """HTTP to upstream OpenAI-compatible servers: pooled keep-alive connections, sticky replicas.
 
-Several replicas serve one model; a rollout sticks to one of them (its KV/prefix cache stays warm
-across the turns of a multi-turn agent), chosen by rendezvous hashing of the rollout id as
-`fulmen.store.registry.pick_proxy` chooses proxies: when a replica is added or removed only the
-rollouts on it move. A replica that refuses the connection is skipped for the next one in the same
-order, so its rollouts fail over in a stable way. Unattributed calls go round robin.
-
-Every call goes through the `UpstreamPolicy` (`fulmen_llm_proxy.upstream_policy`): retries on 429,
-5xx and timeouts with backoff, a rate limit per upstream URL (`fulmen_llm_proxy.rate_limit`), and,
-for a call that passes a cache key, the response cache (`fulmen_llm_proxy.response_cache`). A
-non-streaming call whose connection breaks mid-reply is retried as a 502 would be. A streaming call
-is retried only until its reply's head arrives: once chunks went to the agent, a
-failure ends the stream. Nothing here is OpenAI-specific but the error body it reads: another API's
-backend (Anthropic) gives its paths, its headers (``headers``) and its cache keys.
+Every call goes through `fulmen_llm_proxy.upstream_policy.UpstreamPolicy`. Replica choice and
+failover: docs/design/proxy.md.
 """
 
 from __future__ import annotations

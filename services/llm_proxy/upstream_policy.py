@@ -1,17 +1,6 @@
 """How the proxy treats an upstream: retries with backoff, and the settings of the rate limit and cache.
 
-Retries (`with_retries`): an attempt answered 408, 429 or 5xx (but 501 and 505, which a retry will
-not change), or not answered within ``timeout_s``, is sent again, up to ``max_attempts`` sends, all
-within ``budget_s`` (attempts, backoffs and rate-limit waits together). The wait before retry ``k``
-(1, 2, ...) is the upstream's ``Retry-After`` when it sends one (seconds or an HTTP date), else
-exponential backoff with jitter: uniform in ``[b/2, b]`` for ``b = min(backoff_max_s, backoff_s ·
-2^(k-1))``, so clients that failed together do not retry together. A wait that would end past the
-budget is not waited: the last answer goes back at once (a 429 or 5xx as the proxy maps it, a
-timeout as a 504). A refused connection is not retried here: `fulmen_llm_proxy.upstream.Upstreams`
-fails it over to the next replica at once.
-
-Nothing here knows the OpenAI API: an Anthropic (or any HTTP JSON) upstream backend reuses it
-through `Upstreams`, with its own paths, headers and cache defaults.
+Entry point `with_retries`. Which answers are retried, the backoff and the budget: docs/design/proxy.md.
 """
 
 from __future__ import annotations
