@@ -21,6 +21,8 @@ from fulmen.settings import (
     known_env_names,
     load_settings,
 )
+from fulmen.settings.base import field_group
+from fulmen.settings.services import SERVICE_SETTINGS
 
 
 def test_flag_over_environment_over_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,3 +193,42 @@ def test_the_choices_are_what_the_services_register() -> None:
     assert allowed(ProxySettings, "proxy_backend") == set(BACKENDS)
     assert allowed(VllmSyncSettings, "pause_mode") == set(PAUSE_MODES)
     assert allowed(VllmSyncSettings, "lora_loading") == set(LORA_LOADINGS)
+
+
+def _every_field() -> list[tuple[type[CommonSettings], str]]:
+    return [(cls, name) for cls in (CommonSettings, *SERVICE_SETTINGS) for name in cls.model_fields]
+
+
+def test_every_setting_has_a_description() -> None:
+    """Every field of every service's class has a description: it is the --help text and the reference."""
+    missing = [f"{cls.__name__}.{name}" for cls, name in _every_field() if not cls.model_fields[name].description]
+    assert not missing, f"settings without a description: {missing}"
+
+
+def test_every_setting_belongs_to_a_group() -> None:
+    """Every field names its component (metadata only: the attribute and the variable stay flat)."""
+    missing = [f"{cls.__name__}.{name}" for cls, name in _every_field() if field_group(cls, name) == "general"]
+    assert not missing, f"settings without a group: {missing}"
+    assert field_group(TrainerSettings, "learning_rate") == "optimizer" and env_name("learning_rate") == "FULMEN_LEARNING_RATE"
+    assert load_settings(TrainerSettings, learning_rate=0.5).learning_rate == 0.5  # still settings.learning_rate
+    assert {field_group(TrainerSettings, f) for f in ("lora_rank", "publish_format", "checkpoint_every", "parallel", "codec")} \
+        == {"lora", "publishing", "checkpoints", "parallelism", "codec"}
+
+
+@pytest.mark.parametrize(("command", "panels"), [
+    ("trainer", ("Optimizer", "LoRA", "Publishing", "Checkpoints", "Parallelism", "Codec")),
+    ("llm-proxy", ("Server", "Backend", "Upstream policy", "Limits")),
+])
+def test_a_commands_help_shows_its_settings_by_group(command: str, panels: tuple[str, ...]) -> None:
+    """`fulmen trainer --help` puts each option in its group's panel (optimizer, LoRA, publishing, ...)."""
+    from typer.testing import CliRunner
+
+    from fulmen.cli import _add_service_commands, app
+
+    _add_service_commands()
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    titles = [line.split("─ ", 1)[1].split(" ─")[0] for line in result.output.splitlines() if line.startswith("╭─ ")]
+    assert set(panels) <= set(titles), titles
+    first = result.output.split(f"╭─ {panels[0]}")[1].split("╰")[0]
+    assert ("--learning-rate" if command == "trainer" else "--proxy-host") in first

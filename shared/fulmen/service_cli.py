@@ -25,6 +25,7 @@ from rich.console import Console
 from fulmen.connection import connect, connect_weights
 from fulmen.errors import FulmenError
 from fulmen.settings import CommonSettings, env_name, load_settings
+from fulmen.settings.base import field_group, group_title
 from fulmen.store import RedisStore
 
 out = Console()
@@ -152,7 +153,8 @@ def flag(cls: type[CommonSettings], field: str, names: Sequence[str] = ()) -> An
     decls = list(names) or [dashed]
     if field in SHORT_NAMES and SHORT_NAMES[field] not in decls:
         decls.append(SHORT_NAMES[field])
-    return Annotated[kind | None, typer.Option(*decls, help=_help(cls, field), case_sensitive=field not in ANY_CASE)]
+    return Annotated[kind | None, typer.Option(*decls, help=_help(cls, field), case_sensitive=field not in ANY_CASE,
+                                               rich_help_panel=group_title(field_group(cls, field)))]
 
 
 def settings_command(

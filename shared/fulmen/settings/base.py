@@ -22,7 +22,8 @@ ENV_PREFIX = "FULMEN_"
 REDIS_URL_FIELD = "redis_url"
 # Log levels are read in any case (``info`` as ``INFO``), as `logging` reads them.
 LogLevel = Annotated[
-    Literal["DEBUG", "INFO", "WARNING", "ERROR"], BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v)
+    Literal["DEBUG", "INFO", "WARNING", "ERROR"],
+    BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v),
 ]
 
 
@@ -35,44 +36,84 @@ class CommonSettings(BaseSettings):
         default=None,
         validation_alias=AliasChoices("REDIS_URL", REDIS_URL_FIELD),
         description="Redis to use (redis://, rediss:// for TLS, user:password@ for ACL). Unset: the embedded one.",
+        json_schema_extra={"group": "redis"},
     )
     weights_redis_url: SecretStr | None = Field(
         default=None,
         description="Opt-in: a Redis of its own for model versions' weight chunks, typically without AOF "
         "(unset: the main Redis). Faster for large full versions; the versions it holds are lost when it "
         "restarts (replicas keep their weights until the trainer's next version). Every process of the experiment sets the same.",
+        json_schema_extra={"group": "redis"},
     )
-    experiment: str = Field("default", description="Experiment name; several share one Redis in isolation.")
-    data_dir: Path = Field(Path(".fulmen"), description="Where the embedded Redis keeps its AOF (under redis/).")
-    redis_port: int = Field(DEFAULT_PORT, ge=1, le=65535, description="Port of the embedded Redis.")
-    redis_wait_s: float = Field(60.0, ge=0, description="How long to wait for Redis to come up before giving up.")
+    experiment: str = Field(
+        "default",
+        description="Experiment name; several share one Redis in isolation.",
+        json_schema_extra={"group": "experiment"},
+    )
+    data_dir: Path = Field(
+        Path(".fulmen"),
+        description="Where the embedded Redis keeps its AOF (under redis/).",
+        json_schema_extra={"group": "redis"},
+    )
+    redis_port: int = Field(
+        DEFAULT_PORT,
+        ge=1,
+        le=65535,
+        description="Port of the embedded Redis.",
+        json_schema_extra={"group": "redis"},
+    )
+    redis_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long to wait for Redis to come up before giving up.",
+        json_schema_extra={"group": "redis"},
+    )
     redis_outage_s: float = Field(
-        60.0, ge=0,
+        60.0,
+        ge=0,
         description="How long a running service rides out a Redis outage (reconnecting with backoff) before it gives up.",
+        json_schema_extra={"group": "redis"},
     )
-    max_record_bytes: int = Field(DEFAULT_MAX_RECORD_BYTES, ge=1024, description="Size limit of one record.")
+    max_record_bytes: int = Field(
+        DEFAULT_MAX_RECORD_BYTES,
+        ge=1024,
+        description="Size limit of one record.",
+        json_schema_extra={"group": "store"},
+    )
     store_shards: int = Field(
-        1, ge=1, le=64,
+        1,
+        ge=1,
+        le=64,
         description="Shards of an experiment's rollout lifecycle in the store, each with a hash tag of its own "
         "(on a Redis Cluster: the number of masters). The same for every process of the experiment; "
         "the store reads it from the environment (fulmen.keys).",
+        json_schema_extra={"group": "store"},
     )
     weights_in_aof: bool = Field(
         False,
         description="Write model versions' weight chunks through the AOF (and to replicas) like any other write "
         "(off: outside it, as the trainer publishes them again after a restart; always on a cluster).",
+        json_schema_extra={"group": "store"},
     )
-    log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
+    log_level: LogLevel = Field(
+        "INFO", description="DEBUG, INFO, WARNING or ERROR.", json_schema_extra={"group": "ops"}
+    )
     metrics_port: int | None = Field(
-        None, ge=0, le=65535,
+        None,
+        ge=0,
+        le=65535,
         description="Port of this process's /healthz /readyz /metrics (unset: $PORT; neither: none; 0: any free port).",
+        json_schema_extra={"group": "ops"},
     )
     metrics_host: str = Field(
         "127.0.0.1",
         description="Address /healthz /readyz /metrics listen on (containers set 0.0.0.0 for probes and scrapers).",
+        json_schema_extra={"group": "ops"},
     )
     metrics_token: SecretStr | None = Field(
-        None, description="Bearer token /metrics requires (unset: none); /healthz and /readyz stay open for probes.",
+        None,
+        description="Bearer token /metrics requires (unset: none); /healthz and /readyz stay open for probes.",
+        json_schema_extra={"group": "ops"},
     )
 
     @property
@@ -93,6 +134,23 @@ class CommonSettings(BaseSettings):
 def env_name(field: str) -> str:
     """The environment variable of a field (``REDIS_URL`` for the Redis URL)."""
     return "REDIS_URL" if field == REDIS_URL_FIELD else f"{ENV_PREFIX}{field.upper()}"
+
+
+# Panel titles that capitalising the group's name would misspell.
+GROUP_TITLES = {"lora": "LoRA", "vllm server": "vLLM server", "ops": "Ops (logging, health, metrics)"}
+
+
+def field_group(cls: type[BaseSettings], field: str) -> str:
+    """The component a field belongs to (``json_schema_extra={"group": ...}`` on the field): metadata
+    only, so the attribute and its environment name stay flat (docs/design/settings.md)."""
+    extra = cls.model_fields[field].json_schema_extra
+    group = extra.get("group") if isinstance(extra, dict) else None
+    return str(group) if group else "general"
+
+
+def group_title(group: str) -> str:
+    """A group as a heading: its `--help` panel, its section in `fulmen config`."""
+    return GROUP_TITLES.get(group, group[:1].upper() + group[1:])
 
 
 def with_default(owner: type[BaseSettings], field: str, default: Any) -> Any:

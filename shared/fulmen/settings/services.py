@@ -41,28 +41,39 @@ DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 
 
 class ModelDirSettings(CommonSettings):
-    model_dir: Path | None = Field(None, description="Hugging Face model folder (the policy).")
+    model_dir: Path | None = Field(
+        None, description="Hugging Face model folder (the policy).", json_schema_extra={"group": "model"}
+    )
 
 
 class ServedModelSettings(ModelDirSettings):
-    model_name: str | None = Field(None, description="Model name the policy is served as (default: the folder's name).")
+    model_name: str | None = Field(
+        None,
+        description="Model name the policy is served as (default: the folder's name).",
+        json_schema_extra={"group": "model"},
+    )
 
 
 class TrainingRunSettings(CommonSettings):
     """What the trainer and the algorithm must agree on."""
 
-    groups_per_step: int = Field(8, ge=1, description="Complete task groups in one optimizer step.")
-    seed: int = Field(0, description="Random seed.")
+    groups_per_step: int = Field(
+        8, ge=1, description="Complete task groups in one optimizer step.", json_schema_extra={"group": "run"}
+    )
+    seed: int = Field(0, description="Random seed.", json_schema_extra={"group": "run"})
     metrics_file: Path = Field(
         Path(".fulmen/run/default/trainer-metrics.jsonl"),
         description="Per-step metrics, JSON lines (unset: <data_dir>/run/<experiment>/trainer-metrics.jsonl).",
+        json_schema_extra={"group": "run"},
     )
 
     @model_validator(mode="after")
     def _per_experiment_metrics(self) -> TrainingRunSettings:
         """Each experiment its own metrics file, unless one is named: two runs never write one file."""
         if "metrics_file" not in self.model_fields_set:
-            object.__setattr__(self, "metrics_file", self.data_dir / "run" / self.experiment / "trainer-metrics.jsonl")
+            object.__setattr__(
+                self, "metrics_file", self.data_dir / "run" / self.experiment / "trainer-metrics.jsonl"
+            )
         return self
 
 
@@ -70,27 +81,46 @@ class RolloutPolicySettings(CommonSettings):
     """The retry policy of the rollouts the algorithm and the validation passes enqueue."""
 
     rollout_unresponsive_s: float = Field(
-        30.0, gt=0, description="A train rollout's attempt silent this long is ended by the watchdog and retried."
+        30.0,
+        gt=0,
+        description="A train rollout's attempt silent this long is ended by the watchdog and retried.",
+        json_schema_extra={"group": "rollouts"},
     )
     rollout_max_attempts: int = Field(
-        3, ge=1, description="Attempts per train rollout (retried when unresponsive or timed out)."
+        3,
+        ge=1,
+        description="Attempts per train rollout (retried when unresponsive or timed out).",
+        json_schema_extra={"group": "rollouts"},
     )
 
 
 class ValidationSettings(RolloutPolicySettings):
-    val_data: Path | None = Field(None, description="Validation tasks (held out).")
-    val_timeout_s: float = Field(600.0, gt=0, description="How long a validation pass may take.")
+    val_data: Path | None = Field(
+        None, description="Validation tasks (held out).", json_schema_extra={"group": "validation"}
+    )
+    val_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long a validation pass may take.",
+        json_schema_extra={"group": "validation"},
+    )
 
 
 class TrainDataSettings(CommonSettings):
-    train_data: Path | None = Field(None, description="Training tasks: JSON lines, or a datasets folder.")
+    train_data: Path | None = Field(
+        None,
+        description="Training tasks: JSON lines, or a datasets folder.",
+        json_schema_extra={"group": "data"},
+    )
 
 
 class ProxyKeysSettings(CommonSettings):
     """The keys the proxy accepts: the proxy checks them, a runner sends the first (one .env for all)."""
 
     proxy_api_keys: SecretStr | None = Field(
-        None, description="Comma-separated bearer keys the proxy accepts (unset: no auth)."
+        None,
+        description="Comma-separated bearer keys the proxy accepts (unset: no auth).",
+        json_schema_extra={"group": "auth"},
     )
 
 
@@ -98,18 +128,34 @@ class ProxyKeysSettings(CommonSettings):
 
 
 class RunnerSettings(ProxyKeysSettings):
-    agent: str | None = Field(None, description="The agent to run, as module:function or module:Class.")
-    concurrency: int = Field(8, ge=1, le=4096, description="Rollouts one runner process runs at once.")
+    agent: str | None = Field(
+        None,
+        description="The agent to run, as module:function or module:Class.",
+        json_schema_extra={"group": "agent"},
+    )
+    concurrency: int = Field(
+        8,
+        ge=1,
+        le=4096,
+        description="Rollouts one runner process runs at once.",
+        json_schema_extra={"group": "agent"},
+    )
     grace_s: float = Field(
-        3.0, ge=0, description="On SIGTERM, how long in-flight rollouts may run on before they are released."
+        3.0,
+        ge=0,
+        description="On SIGTERM, how long in-flight rollouts may run on before they are released.",
+        json_schema_extra={"group": "agent"},
     )
     llm_base_url: str | None = Field(
-        None, description="OpenAI-compatible base URL for agents; unset: the proxies registered in the store."
+        None,
+        description="OpenAI-compatible base URL for agents; unset: the proxies registered in the store.",
+        json_schema_extra={"group": "llm"},
     )
     proxy_api_key: SecretStr | None = Field(
         None,
         description="Bearer key agents send to the proxies and to llm_base_url (unset: the first of "
         "proxy_api_keys, else none).",
+        json_schema_extra={"group": "llm"},
     )
 
     def proxy_key(self) -> str | None:
@@ -125,161 +171,429 @@ class RunnerSettings(ProxyKeysSettings):
 class ComputeSettings(CommonSettings):
     """Where a model computes (the trainer, the proxy's torch backend): one pair of settings for both."""
 
-    device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto (a GPU if there is one, else cpu), cpu, cuda or cuda:N.")
+    device: str = Field(
+        "auto",
+        pattern=DEVICE_PATTERN,
+        description="auto (a GPU if there is one, else cpu), cpu, cuda or cuda:N.",
+        json_schema_extra={"group": "compute"},
+    )
     dtype: Dtype = Field(
         "float32",
         description="float32, or bfloat16: bf16 weights and compute on a GPU (fp32 compute on a CPU); "
         "the trainer keeps fp32 master weights.",
+        json_schema_extra={"group": "compute"},
     )
 
 
 class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
-    proxy_host: str = Field("127.0.0.1", description="Address the LLM proxy listens on.")
+    proxy_host: str = Field(
+        "127.0.0.1", description="Address the LLM proxy listens on.", json_schema_extra={"group": "server"}
+    )
     proxy_port: int | None = Field(
-        None, ge=0, le=65535, description="Port of the LLM proxy (unset: $PORT from honcho, else 8000)."
+        None,
+        ge=0,
+        le=65535,
+        description="Port of the LLM proxy (unset: $PORT from honcho, else 8000).",
+        json_schema_extra={"group": "server"},
     )
     proxy_public_url: str | None = Field(
-        None, description="Base URL the proxy registers for runners (unset: http://<host>:<port>)."
+        None,
+        description="Base URL the proxy registers for runners (unset: http://<host>:<port>).",
+        json_schema_extra={"group": "server"},
     )
     proxy_backend: ProxyBackend = Field(
         "torch", description="torch (in-process HF model), vllm, openai (an OpenAI-compatible upstream) or "
-        "anthropic (an Anthropic Messages upstream).",
+        "anthropic (an Anthropic Messages upstream).", json_schema_extra={"group": "backend"},
     )  # fmt: skip
     upstream_urls: str | None = Field(
-        None, description="Comma-separated base URLs of upstream vllm/openai/anthropic servers (sticky by rollout)."
+        None,
+        description="Comma-separated base URLs of upstream vllm/openai/anthropic servers (sticky by rollout).",
+        json_schema_extra={"group": "upstream"},
     )
     upstream_api_key: SecretStr | None = Field(
-        None, description="Key for the upstream server: a bearer token (vllm, openai), x-api-key (anthropic)."
+        None,
+        description="Key for the upstream server: a bearer token (vllm, openai), x-api-key (anthropic).",
+        json_schema_extra={"group": "upstream"},
     )
     upstream_max_tokens: int = Field(
-        4096, ge=1, description="max_tokens sent to an anthropic upstream when a call sets none (Anthropic requires it).",
+        4096,
+        ge=1,
+        description="max_tokens sent to an anthropic upstream when a call sets none (Anthropic requires it).",
+        json_schema_extra={"group": "upstream"},
     )
     # Calls to upstreams (vllm, openai, anthropic): retries, rate limit, cache (`fulmen_llm_proxy.upstream_policy`).
     upstream_max_attempts: int = Field(
-        3, ge=1, le=20, description="Sends of one upstream call at most, on 429, 5xx and timeouts (1: no retry)."
+        3,
+        ge=1,
+        le=20,
+        description="Sends of one upstream call at most, on 429, 5xx and timeouts (1: no retry).",
+        json_schema_extra={"group": "upstream policy"},
     )
     upstream_backoff_s: float = Field(
-        0.5, ge=0, description="First retry's backoff; doubled per retry, jittered, capped by upstream_backoff_max_s."
+        0.5,
+        ge=0,
+        description="First retry's backoff; doubled per retry, jittered, capped by upstream_backoff_max_s.",
+        json_schema_extra={"group": "upstream policy"},
     )
-    upstream_backoff_max_s: float = Field(20.0, ge=0, description="Longest backoff between two retries.")
+    upstream_backoff_max_s: float = Field(
+        20.0,
+        ge=0,
+        description="Longest backoff between two retries.",
+        json_schema_extra={"group": "upstream policy"},
+    )
     upstream_budget_s: float = Field(
-        120.0, gt=0, description="Most time one call spends on attempts, backoffs and rate-limit waits together."
+        120.0,
+        gt=0,
+        description="Most time one call spends on attempts, backoffs and rate-limit waits together.",
+        json_schema_extra={"group": "upstream policy"},
     )
     upstream_timeout_s: float = Field(
-        300.0, gt=0, description="One attempt's wait for the upstream's reply (streaming: for its first bytes)."
+        300.0,
+        gt=0,
+        description="One attempt's wait for the upstream's reply (streaming: for its first bytes).",
+        json_schema_extra={"group": "upstream policy"},
     )
-    upstream_rpm: int | None = Field(None, ge=1, description="Requests per minute to each upstream URL (unset: no limit).")
+    upstream_rpm: int | None = Field(
+        None,
+        ge=1,
+        description="Requests per minute to each upstream URL (unset: no limit).",
+        json_schema_extra={"group": "limits"},
+    )
     upstream_tpm: int | None = Field(
-        None, ge=1, description="Tokens per minute to each upstream URL, estimated then settled by usage (unset: no limit)."
+        None,
+        ge=1,
+        description="Tokens per minute to each upstream URL, estimated then settled by usage (unset: no limit).",
+        json_schema_extra={"group": "limits"},
     )
     upstream_cache_entries: int = Field(
-        0, ge=0, description="Temperature-0 responses of the openai and anthropic backends cached in the proxy, LRU (0: no cache)."
+        0,
+        ge=0,
+        description="Temperature-0 responses of the openai and anthropic backends cached in the proxy, LRU (0: no cache).",
+        json_schema_extra={"group": "upstream policy"},
     )
-    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the proxy accepts.")
-    max_batch: int = Field(16, ge=1, le=1024, description="Most requests the torch backend decodes together.")
+    max_request_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        description="Largest request body the proxy accepts.",
+        json_schema_extra={"group": "limits"},
+    )
+    max_batch: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="Most requests the torch backend decodes together.",
+        json_schema_extra={"group": "backend"},
+    )
     default_max_tokens: int = Field(
         256, ge=1, description="Tokens the torch backend generates at most when a call sets no max_tokens (an "
         "answer also ends at the model's context length); a cut answer finishes with 'length', and its span "
-        "and the log say which limit cut it.",
+        "and the log say which limit cut it.", json_schema_extra={"group": "backend"},
     )  # fmt: skip
     weights_dir: Path | None = Field(
-        None, description="The trainer's shared folder for model versions, if it uses one: the torch backend reads "
+        None,
+        description="The trainer's shared folder for model versions, if it uses one: the torch backend reads "
         "the next version there while it is written (else from the folder of the last version announced).",
+        json_schema_extra={"group": "publishing"},
     )
 
 
 class AdapterSettings(CommonSettings):
     llm_call_match: str | None = Field(
-        None, description="Regex on span names that marks LLM calls (default: the proxy's llm_call spans)."
+        None,
+        description="Regex on span names that marks LLM calls (default: the proxy's llm_call spans).",
+        json_schema_extra={"group": "matching"},
     )
-    agent_match: str | None = Field(None, description="Regex: only LLM calls under a span whose name matches.")
-    trajectories: bool = Field(True, description="Also join multi-turn calls into trajectory samples.")
+    agent_match: str | None = Field(
+        None,
+        description="Regex: only LLM calls under a span whose name matches.",
+        json_schema_extra={"group": "matching"},
+    )
+    trajectories: bool = Field(
+        True,
+        description="Also join multi-turn calls into trajectory samples.",
+        json_schema_extra={"group": "samples"},
+    )
     tokenizer_dir: Path | None = Field(
         None,
         description="The policy's model folder: LLM calls answered without token ids (a text-only teacher upstream) "
         "are tokenised with its tokenizer and chat template into samples marked retokenized, for SFT (unset: skipped).",
+        json_schema_extra={"group": "samples"},
     )
 
 
 class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings):
-    algorithm: Algorithm = Field("grpo", description="grpo, ppo, reinforce or sft.")
-    learning_rate: float = Field(1e-4, ge=0, description="AdamW learning rate (0: a no-training baseline).")
-    lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up.")
-    lr_decay_steps: int | None = Field(None, ge=1, description="Steps of linear decay to lr_final after warm-up.")
-    lr_final: float | None = Field(None, ge=0, description="Learning rate at the end of the decay.")
-    group_size: int | None = Field(None, ge=1, description="Rollouts per task when samples do not say.")
-    sample_shape: SampleShape = Field("triplet", description="Train on triplet (per call) or trajectory samples.")
-    reward_source: RewardSource = Field("final", description="final (the rollout's last reward) or matched (per call).")
-    max_staleness: int | None = Field(None, ge=0, description="Model versions a sample may lag (unset: any).")
-    stale_policy: StalePolicy = Field("drop", description="drop or downweight samples beyond max_staleness.")
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip range.")
-    ppo_epochs: int = Field(1, ge=1, description="Optimizer updates per batch (PPO-clip passes over it).")
-    tis_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight for stale samples.")
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial (reference) model.")
-    ent_coef: float = Field(0.0, ge=0, description="Entropy bonus.")
-    loss_aggregation: LossAggregation = Field("token", description="token or sequence mean of the per-token loss.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    micro_batch: int = Field(64, ge=1, description="Most sequences per forward/backward pass.")
+    algorithm: Algorithm = Field(
+        "grpo", description="grpo, ppo, reinforce or sft.", json_schema_extra={"group": "objective"}
+    )
+    learning_rate: float = Field(
+        1e-4,
+        ge=0,
+        description="AdamW learning rate (0: a no-training baseline).",
+        json_schema_extra={"group": "optimizer"},
+    )
+    lr_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Steps of linear learning-rate warm-up.",
+        json_schema_extra={"group": "optimizer"},
+    )
+    lr_decay_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Steps of linear decay to lr_final after warm-up.",
+        json_schema_extra={"group": "optimizer"},
+    )
+    lr_final: float | None = Field(
+        None,
+        ge=0,
+        description="Learning rate at the end of the decay.",
+        json_schema_extra={"group": "optimizer"},
+    )
+    group_size: int | None = Field(
+        None,
+        ge=1,
+        description="Rollouts per task when samples do not say.",
+        json_schema_extra={"group": "objective"},
+    )
+    sample_shape: SampleShape = Field(
+        "triplet",
+        description="Train on triplet (per call) or trajectory samples.",
+        json_schema_extra={"group": "objective"},
+    )
+    reward_source: RewardSource = Field(
+        "final",
+        description="final (the rollout's last reward) or matched (per call).",
+        json_schema_extra={"group": "objective"},
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="Model versions a sample may lag (unset: any).",
+        json_schema_extra={"group": "objective"},
+    )
+    stale_policy: StalePolicy = Field(
+        "drop",
+        description="drop or downweight samples beyond max_staleness.",
+        json_schema_extra={"group": "objective"},
+    )
+    clip_eps: float = Field(
+        0.2, gt=0, description="PPO clip range.", json_schema_extra={"group": "objective"}
+    )
+    ppo_epochs: int = Field(
+        1,
+        ge=1,
+        description="Optimizer updates per batch (PPO-clip passes over it).",
+        json_schema_extra={"group": "objective"},
+    )
+    tis_cap: float = Field(
+        2.0,
+        gt=0,
+        description="Cap of the truncated importance weight for stale samples.",
+        json_schema_extra={"group": "objective"},
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="KL penalty to the initial (reference) model.",
+        json_schema_extra={"group": "objective"},
+    )
+    ent_coef: float = Field(0.0, ge=0, description="Entropy bonus.", json_schema_extra={"group": "objective"})
+    loss_aggregation: LossAggregation = Field(
+        "token",
+        description="token or sequence mean of the per-token loss.",
+        json_schema_extra={"group": "objective"},
+    )
+    max_grad_norm: float = Field(
+        1.0, gt=0, description="Gradient clipping norm.", json_schema_extra={"group": "optimizer"}
+    )
+    micro_batch: int = Field(
+        64,
+        ge=1,
+        description="Most sequences per forward/backward pass.",
+        json_schema_extra={"group": "batching"},
+    )
     micro_batch_tokens: int | None = Field(
-        None, ge=1, description="Padded tokens per forward/backward pass (unset: micro_batch alone decides)."
+        None,
+        ge=1,
+        description="Padded tokens per forward/backward pass (unset: micro_batch alone decides).",
+        json_schema_extra={"group": "batching"},
     )
     logprob_chunk_tokens: int = Field(
-        1024, ge=1, description="Trained tokens per chunk of the output layer (bounds the fp32 logits in memory)."
+        1024,
+        ge=1,
+        description="Trained tokens per chunk of the output layer (bounds the fp32 logits in memory).",
+        json_schema_extra={"group": "batching"},
     )
-    entropy_metric: bool = Field(True, description="Compute the policy's entropy as a metric even with ent_coef 0.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass (less memory).")
-    lora_rank: int | None = Field(None, ge=1, description="Train a LoRA adapter of this rank (unset: full fine-tuning).")
-    lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha (the adapter is scaled by alpha / rank).")
-    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA adapter's input.")
+    entropy_metric: bool = Field(
+        True,
+        description="Compute the policy's entropy as a metric even with ent_coef 0.",
+        json_schema_extra={"group": "objective"},
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass (less memory).",
+        json_schema_extra={"group": "batching"},
+    )
+    lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="Train a LoRA adapter of this rank (unset: full fine-tuning).",
+        json_schema_extra={"group": "lora"},
+    )
+    lora_alpha: float = Field(
+        32.0,
+        gt=0,
+        description="LoRA alpha (the adapter is scaled by alpha / rank).",
+        json_schema_extra={"group": "lora"},
+    )
+    lora_dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the LoRA adapter's input.",
+        json_schema_extra={"group": "lora"},
+    )
     lora_target_modules: str = Field(
-        "all-linear", description="Modules that get an adapter: all-linear, or names such as q_proj,v_proj."
+        "all-linear",
+        description="Modules that get an adapter: all-linear, or names such as q_proj,v_proj.",
+        json_schema_extra={"group": "lora"},
     )
     publish_dtype: PublishDtype = Field(
-        "auto", description="dtype of published model versions: auto (the training dtype), float32 or bfloat16."
+        "auto",
+        description="dtype of published model versions: auto (the training dtype), float32 or bfloat16.",
+        json_schema_extra={"group": "publishing"},
     )
     publish_format: PublishFormat = Field(
-        "full", description="Model versions: full, or delta (what changed since the previous version; "
-        "a full version every keyframe_every). A LoRA adapter is always published whole."
+        "full",
+        description="Model versions: full, or delta (what changed since the previous version; "
+        "a full version every keyframe_every). A LoRA adapter is always published whole.",
+        json_schema_extra={"group": "publishing"},
     )
-    keyframe_every: int = Field(10, ge=1, description="delta: publish a full version every K versions.")
-    reference_dtype: Dtype = Field("bfloat16", description="The KL reference copy's dtype (not used with LoRA).")
-    reference_device: ReferenceDevice = Field("same", description="The KL reference copy's device: same, or cpu to offload it.")
-    sft_min_reward: float | None = Field(None, description="sft: train only on samples with reward >= this.")
-    publish_every: int = Field(1, ge=1, description="Publish a model version every K steps.")
+    keyframe_every: int = Field(
+        10,
+        ge=1,
+        description="delta: publish a full version every K versions.",
+        json_schema_extra={"group": "publishing"},
+    )
+    reference_dtype: Dtype = Field(
+        "bfloat16",
+        description="The KL reference copy's dtype (not used with LoRA).",
+        json_schema_extra={"group": "objective"},
+    )
+    reference_device: ReferenceDevice = Field(
+        "same",
+        description="The KL reference copy's device: same, or cpu to offload it.",
+        json_schema_extra={"group": "objective"},
+    )
+    sft_min_reward: float | None = Field(
+        None,
+        description="sft: train only on samples with reward >= this.",
+        json_schema_extra={"group": "objective"},
+    )
+    publish_every: int = Field(
+        1,
+        ge=1,
+        description="Publish a model version every K steps.",
+        json_schema_extra={"group": "publishing"},
+    )
     checkpoint_every: int = Field(
-        1, ge=1, description="Checkpoint every K steps (a step that publishes a version always checkpoints first)."
+        1,
+        ge=1,
+        description="Checkpoint every K steps (a step that publishes a version always checkpoints first).",
+        json_schema_extra={"group": "checkpoints"},
     )
     checkpoint_dir: Path = Field(
         Path(".fulmen/checkpoints/default"),
         description="Where the trainer checkpoints (unset: <data_dir>/checkpoints/<experiment>).",
+        json_schema_extra={"group": "checkpoints"},
     )
-    weights_dir: Path | None = Field(None, description="Shared folder for model versions (unset: via Redis).")
+    weights_dir: Path | None = Field(
+        None,
+        description="Shared folder for model versions (unset: via Redis).",
+        json_schema_extra={"group": "publishing"},
+    )
     keep_versions: int = Field(
-        3, ge=1, description="Model versions whose weights stay stored (the newest; a version a proxy serves stays too)."
+        3,
+        ge=1,
+        description="Model versions whose weights stay stored (the newest; a version a proxy serves stays too).",
+        json_schema_extra={"group": "publishing"},
     )
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (unset: run until stopped).")
-    torch_threads: int | None = Field(None, ge=1, description="torch CPU threads for the trainer.")
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Stop after this many steps (unset: run until stopped).",
+        json_schema_extra={"group": "run"},
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads for the trainer.", json_schema_extra={"group": "compute"}
+    )
     parallel: Parallel = Field(
-        "redis", description="How trainer ranks share a step: redis (honcho -c trainer=R, with world_size), "
-        "or under torchrun --nproc-per-node N: ddp (a model per GPU) or fsdp (the model sharded over them)."
+        "redis",
+        description="How trainer ranks share a step: redis (honcho -c trainer=R, with world_size), "
+        "or under torchrun --nproc-per-node N: ddp (a model per GPU) or fsdp (the model sharded over them).",
+        json_schema_extra={"group": "parallelism"},
     )
-    ddp_bucket_mb: float = Field(25.0, gt=0, description="ddp: gradient bucket size (MB) of each all-reduce.")
-    world_size: int = Field(1, ge=1, le=256, description="Data-parallel trainer ranks (honcho -c trainer=R).")
-    codec: Codec = Field("none", description="Gradient codec between ranks: none, bf16, topk, dgc, qsgd8, qsgd4.")
-    codec_density: float = Field(0.01, gt=0, le=1, description="Kept fraction for topk and dgc.")
+    ddp_bucket_mb: float = Field(
+        25.0,
+        gt=0,
+        description="ddp: gradient bucket size (MB) of each all-reduce.",
+        json_schema_extra={"group": "parallelism"},
+    )
+    world_size: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Data-parallel trainer ranks (honcho -c trainer=R).",
+        json_schema_extra={"group": "parallelism"},
+    )
+    codec: Codec = Field(
+        "none",
+        description="Gradient codec between ranks: none, bf16, topk, dgc, qsgd8, qsgd4.",
+        json_schema_extra={"group": "codec"},
+    )
+    codec_density: float = Field(
+        0.01, gt=0, le=1, description="Kept fraction for topk and dgc.", json_schema_extra={"group": "codec"}
+    )
     full_sync_every: int | None = Field(
-        None, ge=1, description="Send the gradient uncompressed (with what error feedback held back) every K steps."
+        None,
+        ge=1,
+        description="Send the gradient uncompressed (with what error feedback held back) every K steps.",
+        json_schema_extra={"group": "codec"},
     )
     density_schedule: str | None = Field(
-        None, description="topk/dgc density by phase: 'until_step:density,...,density', e.g. 50:0.1,900:0.01,0.05."
+        None,
+        description="topk/dgc density by phase: 'until_step:density,...,density', e.g. 50:0.1,900:0.01,0.05.",
+        json_schema_extra={"group": "codec"},
     )
-    adaptive_density: bool = Field(False, description="Scale the density (x1/4..x4) to keep comm/cosine near target_cosine.")
-    target_cosine: float = Field(0.8, gt=0, le=1, description="adaptive_density: the cosine to hold.")
+    adaptive_density: bool = Field(
+        False,
+        description="Scale the density (x1/4..x4) to keep comm/cosine near target_cosine.",
+        json_schema_extra={"group": "codec"},
+    )
+    target_cosine: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="adaptive_density: the cosine to hold.",
+        json_schema_extra={"group": "codec"},
+    )
     anomaly_factor: float = Field(
-        10.0, gt=1, description="A gradient norm this many times the recent median is sent uncompressed (and logged)."
+        10.0,
+        gt=1,
+        description="A gradient norm this many times the recent median is sent uncompressed (and logged).",
+        json_schema_extra={"group": "codec"},
     )
-    rank_timeout_s: float = Field(10.0, gt=0, description="A rank silent this long is considered gone.")
-    on_rank_loss: OnRankLoss = Field("continue", description="When a rank is gone: continue without it, or wait.")
+    rank_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A rank silent this long is considered gone.",
+        json_schema_extra={"group": "parallelism"},
+    )
+    on_rank_loss: OnRankLoss = Field(
+        "continue",
+        description="When a rank is gone: continue without it, or wait.",
+        json_schema_extra={"group": "parallelism"},
+    )
 
     @model_validator(mode="after")
     def _per_experiment_checkpoints(self) -> TrainerSettings:
@@ -291,17 +605,46 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
 
 
 class AlgorithmSettings(ServedModelSettings, TrainingRunSettings, ValidationSettings, TrainDataSettings):
-    n_samples: int = Field(8, ge=1, description="Rollouts per task (the GRPO group).")
-    max_inflight: int = Field(256, ge=1, description="Most train rollouts enqueued and unfinished.")
-    staleness: int = Field(0, ge=0, description="Model versions a rollout may lag (0: synchronous).")
-    epochs: int | None = Field(None, ge=1, description="Passes over the training tasks (unset: until total_steps).")
-    total_steps: int | None = Field(
-        None, ge=1, description="Trainer steps in the run: exactly N (nothing is enqueued past step N); the last model "
-        "version is then v<N> (the base is version 0; with publish_every K, v<N // K>).",
+    n_samples: int = Field(
+        8, ge=1, description="Rollouts per task (the GRPO group).", json_schema_extra={"group": "rollouts"}
     )
-    val_every: int | None = Field(None, ge=1, description="Validate every V trainer versions (needs val_data).")
+    max_inflight: int = Field(
+        256,
+        ge=1,
+        description="Most train rollouts enqueued and unfinished.",
+        json_schema_extra={"group": "rollouts"},
+    )
+    staleness: int = Field(
+        0,
+        ge=0,
+        description="Model versions a rollout may lag (0: synchronous).",
+        json_schema_extra={"group": "rollouts"},
+    )
+    epochs: int | None = Field(
+        None,
+        ge=1,
+        description="Passes over the training tasks (unset: until total_steps).",
+        json_schema_extra={"group": "run"},
+    )
+    total_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Trainer steps in the run: exactly N (nothing is enqueued past step N); the last model "
+        "version is then v<N> (the base is version 0; with publish_every K, v<N // K>).",
+        json_schema_extra={"group": "run"},
+    )
+    val_every: int | None = Field(
+        None,
+        ge=1,
+        description="Validate every V trainer versions (needs val_data).",
+        json_schema_extra={"group": "validation"},
+    )
     target_accuracy: float | None = Field(
-        None, gt=0, le=1, description="End the run early once two validation passes in a row reach this accuracy."
+        None,
+        gt=0,
+        le=1,
+        description="End the run early once two validation passes in a row reach this accuracy.",
+        json_schema_extra={"group": "validation"},
     )
 
 
@@ -311,8 +654,10 @@ class DemoSettings(AlgorithmSettings):
     total_steps: int | None = with_default(AlgorithmSettings, "total_steps", 300)
     val_every: int | None = with_default(AlgorithmSettings, "val_every", 25)
     task: DemoTask = Field(
-        "arithmetic", description="The demo's task: arithmetic (2-digit addition, one call) or tools (3-digit "
-        "multiplication through a calculator tool, multi-turn; run it with Procfile.tools and .env.tools)."
+        "arithmetic",
+        description="The demo's task: arithmetic (2-digit addition, one call) or tools (3-digit "
+        "multiplication through a calculator tool, multi-turn; run it with Procfile.tools and .env.tools).",
+        json_schema_extra={"group": "demo"},
     )
 
 
@@ -325,43 +670,84 @@ class EvalSettings(ValidationSettings):
 
 
 class VllmSyncSettings(ServedModelSettings):
-    vllm_url: str | None = Field(None, description="The vLLM server to keep in step (its base URL, as in upstream_urls).")
-    vllm_api_key: SecretStr | None = Field(None, description="Bearer key of that server's routes (never logged).")
+    vllm_url: str | None = Field(
+        None,
+        description="The vLLM server to keep in step (its base URL, as in upstream_urls).",
+        json_schema_extra={"group": "vllm server"},
+    )
+    vllm_api_key: SecretStr | None = Field(
+        None,
+        description="Bearer key of that server's routes (never logged).",
+        json_schema_extra={"group": "vllm server"},
+    )
     replica_url: str | None = Field(
-        None, description="The URL proxies reach that server at, as in their upstream_urls (unset: vllm_url)."
+        None,
+        description="The URL proxies reach that server at, as in their upstream_urls (unset: vllm_url).",
+        json_schema_extra={"group": "vllm server"},
     )
     sync_dir: Path = Field(
-        Path(".fulmen/vllm-sync"), description="Where versions are written for the server to load (it must see this path)."
+        Path(".fulmen/vllm-sync"),
+        description="Where versions are written for the server to load (it must see this path).",
+        json_schema_extra={"group": "sync"},
     )
-    sync_timeout_s: float = Field(120.0, gt=0, description="Each admin route's timeout (pause, load, verify, resume).")
-    sync_retry_s: float = Field(5.0, gt=0, description="Wait before trying a failed sync again.")
-    pause_mode: PauseMode = Field("wait", description="How the server pauses for a load: wait (drain), abort, or keep.")
+    sync_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Each admin route's timeout (pause, load, verify, resume).",
+        json_schema_extra={"group": "sync"},
+    )
+    sync_retry_s: float = Field(
+        5.0, gt=0, description="Wait before trying a failed sync again.", json_schema_extra={"group": "sync"}
+    )
+    pause_mode: PauseMode = Field(
+        "wait",
+        description="How the server pauses for a load: wait (drain), abort, or keep.",
+        json_schema_extra={"group": "sync"},
+    )
     lora_loading: LoraLoading = Field(
         "auto",
         description="LoRA versions: dynamic (load each adapter at run time, no pause; the server runs with --enable-lora "
         "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), merge (merge it onto the base and reload the weights), or auto "
         "(dynamic, else merge when the server cannot load adapters).",
+        json_schema_extra={"group": "sync"},
     )
 
 
 class ApoSettings(TrainDataSettings):
-    critic_base_url: str | None = Field(None, description="APO's critic: an OpenAI-compatible base URL.")
-    critic_model: str | None = Field(None, description="APO's critic model name.")
-    critic_api_key: SecretStr | None = Field(None, description="Bearer key for the critic (never logged).")
+    critic_base_url: str | None = Field(
+        None,
+        description="APO's critic: an OpenAI-compatible base URL.",
+        json_schema_extra={"group": "critic"},
+    )
+    critic_model: str | None = Field(
+        None, description="APO's critic model name.", json_schema_extra={"group": "critic"}
+    )
+    critic_api_key: SecretStr | None = Field(
+        None, description="Bearer key for the critic (never logged).", json_schema_extra={"group": "critic"}
+    )
 
 
 class DashboardSettings(CommonSettings):
-    dashboard_host: str = Field("127.0.0.1", description="Address the dashboard listens on.")
+    dashboard_host: str = Field(
+        "127.0.0.1", description="Address the dashboard listens on.", json_schema_extra={"group": "server"}
+    )
     dashboard_port: int | None = Field(
-        None, ge=0, le=65535, description="Port of the dashboard (unset: $PORT from honcho, else 8300; 0: any free port)."
+        None,
+        ge=0,
+        le=65535,
+        description="Port of the dashboard (unset: $PORT from honcho, else 8300; 0: any free port).",
+        json_schema_extra={"group": "server"},
     )
     dashboard_admin: bool = Field(
-        False, description="Allow admin actions (cancel a rollout, requeue a dead letter); off: read-only."
+        False,
+        description="Allow admin actions (cancel a rollout, requeue a dead letter); off: read-only.",
+        json_schema_extra={"group": "auth"},
     )
     dashboard_token: SecretStr | None = Field(
         None,
         description="Require this secret: as a bearer token, or as the password of HTTP basic auth (any user name). "
         "Unset: no auth.",
+        json_schema_extra={"group": "auth"},
     )
 
 
@@ -370,41 +756,88 @@ class WatchdogSettings(CommonSettings):
     and samples for good, so it runs only when asked, after whatever archives them."""
 
     retention_interval_s: float | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="Seconds between the watchdog's retention passes (unset: 300 once a retention limit is set; "
         "with none, the default, no retention loop runs and `fulmen trim` trims by hand).",
+        json_schema_extra={"group": "retention"},
     )
     retention_max_age_s: float | None = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="Retention: queue, finished and samples entries older than this go, once every consumer group "
         "acknowledged them (with a finished entry, its rollout's spans).",
+        json_schema_extra={"group": "retention"},
     )
     retention_max_count: int | None = Field(
-        None, ge=0, description="Retention: at most this many entries stay per queue, finished and samples stream "
+        None,
+        ge=0,
+        description="Retention: at most this many entries stay per queue, finished and samples stream "
         "(acknowledged ones go first; an unacknowledged one never goes).",
+        json_schema_extra={"group": "retention"},
     )
     retention_delete_rollouts: bool = Field(
-        False, description="Retention: delete the records of the rollouts whose finished entries go, too."
+        False,
+        description="Retention: delete the records of the rollouts whose finished entries go, too.",
+        json_schema_extra={"group": "retention"},
     )
     retention_resources: bool = Field(
-        False, description="Retention: trim the resources log by the same limits (never what a stored or served "
+        False,
+        description="Retention: trim the resources log by the same limits (never what a stored or served "
         "model version needs, never the newest entry).",
+        json_schema_extra={"group": "retention"},
     )
     retention_keep_versions: int | None = Field(
-        None, ge=1, description="Retention: the weights of the newest this many model versions stay, and any version "
+        None,
+        ge=1,
+        description="Retention: the weights of the newest this many model versions stay, and any version "
         "served (unset: the weights are left to the trainer's keep_versions).",
+        json_schema_extra={"group": "retention"},
     )
     retention_steps_max_count: int | None = Field(
-        None, ge=1, description="Retention: the trainer's newest this many step records stay (unset: all).",
+        None,
+        ge=1,
+        description="Retention: the trainer's newest this many step records stay (unset: all).",
+        json_schema_extra={"group": "retention"},
     )
     retention_dead_letters_max_age_s: float | None = Field(
-        None, ge=0, description="Retention: dead letters older than this go (unset: all stay).",
+        None,
+        ge=0,
+        description="Retention: dead letters older than this go (unset: all stay).",
+        json_schema_extra={"group": "retention"},
     )
     weights_dir: Path | None = with_default(TrainerSettings, "weights_dir", None)
 
 
+# Each command's class (`fulmen config SERVICE`); the proxy's command is llm-proxy.
+SERVICES: dict[str, type[CommonSettings]] = {
+    "runner": RunnerSettings,
+    "llm-proxy": ProxySettings,
+    "adapter": AdapterSettings,
+    "trainer": TrainerSettings,
+    "algorithm": AlgorithmSettings,
+    "demo": DemoSettings,
+    "evaluator": EvaluatorSettings,
+    "eval": EvalSettings,
+    "apo": ApoSettings,
+    "vllm-sync": VllmSyncSettings,
+    "dashboard": DashboardSettings,
+    "watchdog": WatchdogSettings,
+}
+
 # Every process's class: a FULMEN_* variable is known if one of them has the field.
 SERVICE_SETTINGS: tuple[type[CommonSettings], ...] = (
-    CommonSettings, RunnerSettings, ProxySettings, AdapterSettings, TrainerSettings, AlgorithmSettings,
-    DemoSettings, EvaluatorSettings, EvalSettings, ApoSettings, VllmSyncSettings, DashboardSettings, WatchdogSettings,
+    CommonSettings,
+    RunnerSettings,
+    ProxySettings,
+    AdapterSettings,
+    TrainerSettings,
+    AlgorithmSettings,
+    DemoSettings,
+    EvaluatorSettings,
+    EvalSettings,
+    ApoSettings,
+    VllmSyncSettings,
+    DashboardSettings,
+    WatchdogSettings,
 )
