@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,43 @@ def test_a_value_read_deep_inside_is_validated_as_a_setting(monkeypatch: pytest.
     monkeypatch.setenv("FULMEN_STORE_SHARDS", "65")
     with pytest.raises(InvalidInput, match=r"FULMEN_STORE_SHARDS='65' is invalid: .*64"):
         env_setting("store_shards")
+
+
+def test_config_shows_each_value_and_where_it_came_from(tmp_path: Path) -> None:
+    """`fulmen config trainer`: the environment beats .env beats the default, each row says which; secrets masked."""
+    (tmp_path / ".env").write_text(
+        "# read as honcho reads it\nFULMEN_LEARNING_RATE=0.25\nFULMEN_CODEC=topk\nFULMEN_PROXY_API_KEYS='k-secret-1'\n"
+    )
+    env = _env(FULMEN_CODEC="dgc", REDIS_URL="redis://alice:s3cret@db.example:6380/0")
+    result = _fulmen("config", "trainer", "--json", env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    rows = {row["setting"]: row for row in report["settings"]}
+    assert (rows["learning_rate"]["value"], rows["learning_rate"]["source"]) == (0.25, ".env")
+    assert (rows["codec"]["value"], rows["codec"]["source"]) == ("dgc", "environment")
+    assert (rows["max_grad_norm"]["value"], rows["max_grad_norm"]["source"]) == (1.0, "default")
+    assert rows["redis_url"] == {"group": "redis", "setting": "redis_url", "env": "REDIS_URL",
+                                 "value": "redis://alice:***@db.example:6380/0", "source": "environment"}
+    assert rows["learning_rate"]["group"] == "optimizer" and report["env_file"] == ".env"
+    assert "s3cret" not in result.stdout
+
+    proxy = _fulmen("config", "llm-proxy", "--json", env=env, cwd=tmp_path)
+    rows = {row["setting"]: row for row in json.loads(proxy.stdout)["settings"]}
+    assert (rows["proxy_api_keys"]["value"], rows["proxy_api_keys"]["source"]) == ("***", ".env")
+    assert "k-secret-1" not in proxy.stdout
+
+    table = _fulmen("config", "trainer", env=env, cwd=tmp_path)
+    assert table.returncode == 0, table.stderr
+    optimizer = table.stdout.split("Optimizer", 1)[1].split("\n\n", 1)[0]
+    assert re.search(r"FULMEN_LEARNING_RATE\s*│\s*0\.25\s*│\s*\.env", optimizer), table.stdout
+    assert "s3cret" not in table.stdout
+
+
+def test_config_refuses_a_bad_value_or_an_unknown_service(tmp_path: Path) -> None:
+    """A bad choice in the .env file fails naming the allowed values; an unknown service lists the known ones."""
+    (tmp_path / "run.env").write_text("FULMEN_PARALLEL=mpi\n")
+    result = _fulmen("config", "trainer", "--env-file", "run.env", env=_env(), cwd=tmp_path)
+    assert result.returncode == 2 and "parallel (FULMEN_PARALLEL)" in result.stderr
+    assert "'redis', 'ddp' or 'fsdp', got 'mpi'" in result.stderr
+    result = _fulmen("config", "trainr", env=_env(), cwd=tmp_path)
+    assert result.returncode == 2 and "trainer" in result.stderr

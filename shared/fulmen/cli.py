@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fulmen import archive_cli, inspect_cli, trim_cli
+from fulmen import archive_cli, config_cli, inspect_cli, trim_cli
 from fulmen.connection import redact
 from fulmen.errors import InvalidInput
 from fulmen.records.status import Priority, RolloutMode
@@ -260,6 +260,7 @@ def experiments(
 
 
 app.command("trim")(trim_cli.trim_command)
+app.command("config")(config_cli.config_command)
 
 
 @app.command("rollback")
