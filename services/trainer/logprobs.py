@@ -1,17 +1,7 @@
 """The policy's log-probabilities of the trained tokens, without full-vocabulary logits.
 
-A causal LM's forward builds logits for every position of every sequence: [B, T, V] floats (for a
-152k vocabulary that is the largest tensor of a step by far). The loss needs them only at the
-trained positions (``mask > 0``: the model's own response tokens), and there only the target token's
-log-probability and, when asked, the entropy. So the decoder runs alone, its hidden states are
-gathered at the trained positions, and the output layer runs on ``chunk_tokens`` of them at a time
-in fp32; with gradients, each chunk is recomputed in the backward pass (activation checkpointing),
-so at most one chunk's logits exist at any time. The result equals the log-softmax of the full
-logits (tests/trainer/test_logprobs.py).
-
-Models whose forward does more than ``lm_head(decoder(...))`` (a final logit soft-cap, a logit
-scale) get that applied per chunk; a model without a separate decoder and output layer falls back to
-its full forward.
+The output layer runs on ``chunk_tokens`` trained positions at a time, recomputed in the backward;
+the result equals the full log-softmax. Why and how: docs/design/trainer.md.
 """
 
 from __future__ import annotations

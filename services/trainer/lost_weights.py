@@ -1,18 +1,7 @@
 """Weights that Redis lost: the newest version announced, its chunks gone.
 
-A version's chunks on a Redis stream are not kept in Redis's append-only file (`fulmen.version_blobs`),
-nor by a weights-only Redis without one (FULMEN_WEIGHTS_REDIS_URL): after that server restarts, the
-versions written since its last rewrite are still named in the resources log but have no weights, or
-only some of their chunks. The proxies that loaded the newest one keep serving it; one that starts then
-cannot, serves its base weights, and with ``--staleness 0`` no rollout would start until it serves the
-newest version — while the trainer waits for rollouts to train the next one. So the trainer looks at its
-newest version's stream when it starts and every CHECK_EVERY_S while it runs, and if chunks are missing
-publishes its weights again as the next version: whole (a delta's base is gone too), under a new name
-(its weights may have moved since that version: ``publish_every`` > 1, or a step whose later pass was
-not finite), checkpointed first as every version is. Not while an operator's rollback or A/B test names
-the versions served (a publish would end it). Called by `Trainer.run` and `resume_from` with the trainer.
-
-Ranks that shard the model (FSDP) publish together, inside a step: they log what they found instead.
+Checked at start and every `CHECK_EVERY_S`; the trainer then publishes its weights again as the next
+version. Why, and when it must not: docs/design/trainer.md.
 """
 
 from __future__ import annotations

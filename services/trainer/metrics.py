@@ -1,12 +1,9 @@
-"""The trainer's step metrics: (on the leader) one record per step with all its metrics on the
-trainer's steps stream — what the algorithm paces itself on and the reward curve, `fulmen top` and
-the run's report draw — the last step's numbers as Prometheus gauges labelled by rank, and a local
-JSON-lines mirror.
+"""The trainer's step metrics: one record per step on the trainer's steps stream (on the leader), the last
+step's numbers as Prometheus gauges labelled by rank, and a local JSON-lines mirror.
 
-The gauges live in this object's own registry. `fulmen trainer` serves it through the process's ops
-server (`fulmen.ops_http`: ``/metrics`` with ``/healthz`` and ``/readyz`` on ``metrics_port``, else
-$PORT, so `honcho start -c trainer=2` gives each rank its own port) and hands the trainer no port.
-A `Trainer` built in-process with ``metrics_port`` set serves just this registry on that port."""
+The gauges live in this object's own registry, served by `fulmen.ops_http`.
+More: docs/design/trainer.md.
+"""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
 """Advantages and policy losses, as pure functions of tensors (registered by name, no if/elif chains).
 
-Shapes: B sequences, T positions. Every per-token tensor is [B, T] aligned so that position t holds
-the log-probability of token t+1 given tokens ≤ t (see `fulmen_trainer.batch`); ``mask`` is 1 on the
-tokens being trained (the model's own response tokens) and 0 elsewhere.
-
-The policy loss is decoupled PPO (Hilton et al., 2021) with truncated importance sampling:
-
-    w      = min(π_prox / π_behaviour, tis_cap)          # stale samples corrected, never blown up
-    ratio  = π_θ / π_prox
-    loss_t = -w · min(ratio · A, clip(ratio, 1 - ε, 1 + ε) · A)
-
-π_behaviour is what the proxy recorded when the sample was generated; π_prox is the policy at the
-start of this update (``logp.detach()`` for one pass, so ratio = 1 and the gradient is ∇log π_θ).
-With fresh samples w = 1 and this is plain PPO-clip; "grpo" and "reinforce" use it with their own
-advantages. "sft" is the negative log-likelihood of the masked tokens.
+Per-token tensors are ``[B, T]``, aligned as in `fulmen_trainer.batch`. The policy loss is decoupled
+PPO with truncated importance sampling; the formula: docs/design/trainer.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """The model the trainer trains: its device and precision, LoRA or full fine-tuning, the reference
 for the KL term, and what a model version publishes.
 
-Precision (``dtype``): ``float32`` keeps everything in fp32. ``bfloat16`` stores what is not trained
-(the base under a LoRA adapter, the KL reference) in bf16 and keeps the trained parameters and
-their optimizer state in fp32 (master weights). The forward then computes in bf16 under autocast
-where the device has bf16 arithmetic (CUDA), and in fp32 on a CPU: frozen bf16 weights are upcast
-layer by layer as they are used (`_compute_in_fp32`), because CPUs without native bf16 run bf16
-matrix products several times slower than fp32 (bench/RESULTS.md).
-
-LoRA (``lora_rank``): PEFT adapters on ``lora_target_modules``; only their parameters train. A model
-version is the adapter alone, in PEFT's layout (``base_model.model.<module>.lora_A.weight``), with
-``weights_format`` telling the proxies how to apply it (`fulmen.lora`). The KL reference is then the
-base itself, with the adapter switched off: no second copy. Without LoRA the reference is a frozen
-copy in ``reference_dtype`` on ``reference_device`` (``cpu``: offloaded).
+Precision, LoRA and the KL reference, and why: docs/design/trainer.md; figures: bench/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,8 @@
 """Data-parallel trainer ranks over Redis: leading and following a step.
 
-    leader (rank 0)                               every other rank
-    plan the step, XADD one share per live rank ─► read its share
-    per PPO epoch (ppo_epochs passes over the share, each a full exchange):
-      backward on its own share                   backward on its share, scale, encode
-      read the ranks' chunks  ◄────────────────── XADD its gradient chunks
-      sum, XADD the aggregate ───────────────────► read the aggregate
-      optimizer update                            optimizer update    (same weights everywhere)
-
-A star, not all-to-all: each rank uploads its gradient once and one aggregate comes back per step.
-Each rank scales its gradient by its share of the step's tokens before encoding, so the leader only
-sums and the result is the token-mean gradient of the whole batch, as one rank would compute it.
-The leader's own gradient goes through its codec too (it never crosses the network, but error
-feedback keeps what the codec drops for the next step): the aggregate is then `sum_decoded` of every
-rank's encoded gradient, in rank order — the same function of the same encodings as the DDP hook's
-`mean_decoded` — so the step does not depend on which rank leads, and the Redis path and the DDP
-hook give the same weights for the same codec, seeds and batches.
-
-Membership: rank n is a Redis key held with a TTL and refreshed by a heartbeat; a process takes the
-lowest free rank. A rank silent for ``rank_timeout_s`` is gone: the leader then continues without
-its share or waits for it to return, as configured — it never blocks forever on a dead rank. A rank
-that (re)joins behind the leader, or was left out of a step, loads the weights of the model version
-named in its next plan (the leader publishes one whenever the ranks of a step differ from the last's).
-``on_rank_loss=wait``: a step starts only when every rank is live; the leader waits (a stop request
-ends the wait, the step's samples stay pending) and resumes when the missing rank is back.
-Leader failover: there is none; rank 0 is the only leader. If it dies, the other ranks keep their
-rank and wait (blocked reads, heartbeats going on) until a process takes rank 0 again — honcho,
-systemd or Kubernetes restarts it — which resumes from rank 0's checkpoint; a rank waiting for the
-sum of a step the old leader never finished drops that step when the new leader's plan arrives and
-loads the weights that plan names. Electing another rank would need rank 0's checkpoint (its
-consumer's pending sample entries and its optimizer state) to be readable by that rank.
-
-The trainer loop and the ranks meet through `RankTrainer`: the public methods of
-`fulmen_trainer.trainer.Trainer` that a step needs (backward, update, publish, load a version,
-finish a step). The ranks never reach into the trainer's settings or private state.
+A star: each rank sends its token-scaled encoded gradient once, the leader (rank 0, never failed
+over) sums and sends one aggregate back. Ranks meet the trainer only through `RankTrainer`.
+The step, membership and failure handling: docs/design/trainer.md.
 """
 
 from __future__ import annotations

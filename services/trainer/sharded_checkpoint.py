@@ -1,15 +1,6 @@
 """Sharded checkpoints for FSDP ranks: each rank writes its own shard, nobody gathers the model.
 
-A checkpoint is a folder ``step-<n>/`` (as in `fulmen_trainer.checkpoint`, whose ``meta.json`` and
-``LATEST`` it shares, so `checkpoint.latest` finds either kind) holding ``shard-<rank>.safetensors``
-per rank: the rank's local part of every trained parameter and of its optimizer state, with the
-optimizer's layout as JSON in the file's metadata (no pickle). ``meta.json`` adds ``"world"``: a
-sharded checkpoint resumes on the same number of ranks (each loads its own shard), and says so
-clearly otherwise.
-
-Every rank calls `save` and `load` together; the barriers go through ``group`` (gloo):
-rank 0 makes the temporary folder → every rank writes its shard → rank 0 writes ``meta.json``,
-renames the folder into place and replaces ``LATEST``.
+Every rank calls `save` and `load` together; no pickle. The layout and the barriers: docs/design/trainer.md.
 """
 
 from __future__ import annotations

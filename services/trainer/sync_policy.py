@@ -1,22 +1,7 @@
 """When a rank's gradient goes compressed, and how much: the synchronisation policy both rank paths
 (the Redis ranks and the DDP hook) apply to each gradient they send.
 
-For a step, in this order:
-1. **Anomaly fallback**: a gradient whose norm is not finite, or above ``anomaly_factor`` × the median
-   norm of the last steps, is sent uncompressed and logged. The codec's error feedback is left as it
-   was: a NaN folded into the residual would poison every later step; an exploding gradient would stay
-   in it for many. A non-finite gradient then makes the summed gradient non-finite on every rank, and
-   every rank skips that update (`Trainer.update`), so a NaN never reaches the weights.
-2. **Periodic full sync** (``full_sync_every`` K): on every K-th step the gradient plus everything
-   error feedback still holds back is sent uncompressed, and the residual is cleared, so the ranks'
-   view of the gradient never drifts further than K steps of compression.
-3. **Density**: the scheduled density for the step's phase (``density_schedule``: "until:density"
-   pairs, e.g. ``50:0.1,900:0.01,0.05`` — 0.1 up to step 50, 0.01 up to step 900, then 0.05), times
-   an adaptive factor when ``adaptive_density`` is on: it grows while the compressed gradient's cosine
-   to the true one stays below ``target_cosine`` and shrinks while it is well above, within [1/4, 4].
-
-The policy only decides; the callers apply (`fulmen_trainer.gradients.RankCodec`,
-`fulmen_trainer.codecs.ddp_hook`). It is pure Python state, checkpointed with the codec.
+It only decides; the callers apply. Anomaly fallback, full sync, density: docs/design/trainer.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """Data-parallel trainer ranks on torch.distributed, under torchrun: DDP carries the gradients (through
 Fulmen's codecs as its communication hook), broadcasts carry the work.
 
-    torchrun --no-python --nproc-per-node 2 fulmen trainer --parallel ddp ...
-
-    rank 0 (reads samples, plans, publishes)         every other rank
-    broadcast STEP: one RankPlan per other rank ────► take its own share
-    per PPO pass: backward on its share  ◄── DDP all-reduce (codec hook) ──►  backward on its share
-    update                                            update (the same averaged gradient: same weights)
-    checkpoint, acknowledge, publish
-    broadcast STOP as it stops ──────────────────────► return
-
-Only rank 0 talks to the samples stream and publishes; it checkpoints for all (every rank holds the
-same weights and optimizer state), and a restarted group (torchrun restarts every rank together)
-resumes from rank 0's checkpoint on every rank — the ranks check at start that they resume the same
-step. The other ranks' codec error feedback starts afresh after a restart.
-
-Each rank scales its gradient by ``world / total_tokens`` (its tokens over the step's, times the
-world size): DDP averages over the ranks, so the result is the token-mean gradient of the whole step,
-as one rank would compute it (the Redis rank path sums instead, with the same result). Within a pass
-only the last micro-batch synchronises (`Policy.gradient_sync`), so every rank all-reduces exactly
-once per pass whatever its number of micro-batches; a rank whose share is empty (fewer samples than
-ranks) trains on a copy of a sample with no trained token, which adds nothing to the gradient.
-
-Control messages go through a gloo group of their own (NCCL's collectives need GPU tensors): a
-header ``[kind, bytes]`` then the msgpack payload. An idle leader sends IDLE now and then, so the
-other ranks' blocking receive never reaches the process group's timeout.
+Only rank 0 reads samples, checkpoints and publishes. The step and why: docs/design/trainer.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """The trainer's loop, top to bottom: samples → complete groups → advantages → loss → step →
 checkpoint → acknowledge → publish.
 
-Lineage: a step that publishes a model version takes the version's name first (`next_model_version`)
-and checkpoints under it, then publishes. A trainer killed in between publishes the checkpoint's
-weights under that name when it restarts, so every version a proxy serves is one the trainer's
-history contains.
-
-Exactly-once consumption: a sample-stream entry is acknowledged only after a checkpoint that
-includes the step that consumed it; the checkpoint lists the entries consumed since the previous
-one, so a trainer killed between the checkpoint and the acknowledgement acknowledges them on restart
-instead of training on them twice. Entries read but not yet consumed stay pending under the
-trainer's stable consumer name and are read again after a restart.
-
-Metrics: the leader appends each step's summary to the trainer's steps stream (`fulmen.train_steps`)
-as the step ends; the algorithm paces itself on it, and the reward curve, `fulmen top` and the run's
-report read it. The local JSON-lines file (``metrics_file``) mirrors the full metrics of each step,
-written after their checkpoint so it never counts a step twice; the checkpoint carries them too, so a
-trainer that died before writing them writes them on restart.
+An entry is acknowledged only after a checkpoint that includes its step; a version's name is taken
+and checkpointed before it is published. Lineage, exactly-once and metrics: docs/design/trainer.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,8 @@
 """Gradient codecs for data-parallel trainer ranks: codecs, chunk framing, aggregation, DDP hook.
 
-Only the trainer sends gradients, so the codecs live beside it; the wire records they frame
-(`fulmen.records.GradientChunk`, `GradientHeader`) live in `fulmen.records` with every other record.
-Modules, lowest first (each imports only those above it): ``framing`` (payload ↔ chunks),
-``base`` (the codec interface and registry), the codecs (``dense``, ``sparse``, ``dgc``, ``qsgd``),
-``aggregate`` (decode and sum), ``ddp_hook``.
-
-Codecs, by registered name (`make_codec(name, **knobs)`):
-
-    none    fp32, lossless                                       1×
-    bf16    bfloat16, round to nearest even                      2×
-    topk    exact top-k by magnitude, error feedback             ~100× at density 0.01
-    dgc     Deep Gradient Compression: sampled threshold,        ~100× at density 0.01
-            momentum correction and masking, error feedback,
-            density warm-up
-    qsgd8   QSGD, 8-bit codes, a max-norm per bucket, unbiased   ~4×
-    qsgd4   QSGD, 4-bit codes, two a byte, unbiased              ~8×
-
-The Redis path, one step on one rank (the trainer does the XADD/XREAD):
-
-    codec = make_codec("dgc", density=0.01, momentum=0.0)        # once; checkpoint codec.state_dict()
-    flat = torch.cat([p.grad.view(-1) for p in params])          # one flat buffer (or one per bucket name)
-    chunks = codec.encode(flat, name="grads", step=step, rank=rank)   # list[bytes], each <= 8 MiB
-    ... XADD each chunk; the leader XREADs every rank's chunks for this step, its own included ...
-    avg = mean_decoded([chunks_rank0, chunks_rank1, ...])        # fp32 sum in rank order / world size
-    ... (the trainer pre-scales each rank's gradient by its token share and uses sum_decoded) ...
-    torch._utils._unflatten_dense_tensors / a loop of p.grad.copy_(avg[o:o + n].view_as(p))
-    optimizer.step()
-
-Input: any float tensor (used as a flat fp32 vector; never modified). Output of decoding: fp32 with
-the encoded shape. Error-feedback state is per ``name`` and updated in place by ``encode``; it is
-in ``state_dict()``. Nobody divides by the world size before encoding; `mean_decoded` does after
-summing. `make_ddp_hook` offers the same codecs to ``DistributedDataParallel.register_comm_hook``.
+Entry points `make_codec(name, **knobs)`, `sum_decoded` / `mean_decoded`, `make_ddp_hook`. Input any
+float tensor (never modified), decoded output fp32; nobody divides by the world size before encoding.
+The codecs, the Redis path step by step and the module layers: docs/design/trainer.md.
 """
 
 from fulmen_trainer.codecs import dense, dgc, qsgd, sparse  # noqa: F401  (registers the codecs)

@@ -1,17 +1,8 @@
 """Decoding and aggregation: pure bytes in, fp32 tensors out (the trainer does the Redis I/O).
 
-Aggregation semantics:
-- Every rank encodes its own local gradient as is; nobody divides by the world size before encoding.
-- The aggregate is built from every rank's *decoded* chunks, its own included (never its raw
-  gradient), summed in fp32 in rank order: ``sum_decoded(chunk_lists)``, or ``mean_decoded`` for the
-  sum divided by ``len(chunk_lists)``. The trainer's Redis ranks (a star: the leader sums and sends
-  the sum back, losslessly) scale each rank's gradient by its share of the step's tokens and use
-  ``sum_decoded``; the DDP hook uses ``mean_decoded`` of local means. Same encodings in, same bits out:
-  the two paths reach the same weights (tests/trainer/test_ddp_parity.py).
-- Sparse payloads (topk, dgc) are added straight into the output (``out[indices] += values``, the
-  indices of one payload being unique) with no dense intermediate.
-- ``out`` (when given) is overwritten, in place; otherwise a new tensor is returned. Inputs are never
-  modified. The result has the shape in the chunk headers.
+`sum_decoded` sums every rank's decoded chunks (its own included) in fp32 in rank order;
+`mean_decoded` divides by their count. ``out`` is overwritten in place; inputs are never modified.
+Why: docs/design/trainer.md.
 """
 
 from __future__ import annotations

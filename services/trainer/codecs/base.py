@@ -1,13 +1,8 @@
 """The codec interface, the registry of codecs by name, and the statistics every codec keeps.
 
-A codec is a state object (PyTorch's ``PowerSGDState`` shape): knobs (validated in ``__init__``),
-internal state (error-feedback residuals and momenta, keyed by tensor/bucket name, and the random
-generator), and statistics. ``encode`` turns one gradient into framed chunks; decoding needs no state
-(`fulmen_trainer.codecs.aggregate.decode` reads the codec name from the chunk header), so any rank
-decodes any other rank's chunks; it counts its time in a codec's statistics when given them.
-
-What persists across ``state_dict``/``load_state_dict``: knobs (checked, not overwritten), residuals,
-momenta, the generator state and the warm-up start step. Statistics do not (they are per run).
+A codec is a state object (knobs, internal state, statistics, as ``PowerSGDState``); decoding needs
+no state. ``state_dict`` keeps knobs, residuals, momenta, generator and warm-up; not statistics.
+More: docs/design/trainer.md.
 """
 
 from __future__ import annotations

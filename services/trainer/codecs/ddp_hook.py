@@ -1,37 +1,8 @@
 """The same codecs as a torch.distributed DDP communication hook (for ranks on a fast network).
 
-    state, hook = make_ddp_hook("dgc", density=0.01)
-    ddp_model.register_comm_hook(state, hook)
-
-Contract of ``codec_hook(state, bucket) -> Future[Tensor]`` (see ``register_comm_hook``):
-- In: ``bucket.buffer()``, the flat local gradients of one bucket (any float dtype, usually fp32).
-- Out: a future of a tensor shaped like the buffer holding the average over the world size; DDP
-  copies it into the parameters' ``.grad``. The bucket buffer is modified in place.
-- Who divides: ``none`` and ``bf16`` divide each rank's buffer by the world size *before* the
-  all-reduce (as PyTorch's ``allreduce_hook`` / ``bf16_compress_hook`` do: it keeps the bf16 sum in
-  range); the other codecs all-gather every rank's encoded chunks, then every rank decodes and
-  averages them with `fulmen_trainer.codecs.mean_decoded` — the decode-and-sum of the Redis path
-  (`sum_decoded`), so both paths give the same bits for the same codec, inputs and seeds. (``none``
-  matches the Redis path exactly for 2 ranks; ``bf16`` sums in bf16 on the wire, so it matches to
-  bf16 precision.)
-- Layout: top-k's error feedback, DGC's sampled threshold and QSGD's buckets see the bucket's flat
-  layout. To reproduce the Redis path's one flat gradient bit for bit, use one bucket holding every
-  parameter in ``model.parameters()`` order: a bucket cap above the model's size, and
-  ``find_unused_parameters=True``, which stops DDP from rebuilding (reordering) its buckets after the
-  first iteration (then ``start_iter=0`` is safe too).
-- All-gather of variable-size payloads: each rank first all-gathers its payload length (a blocking
-  all-gather of one int64), then the payloads padded to the longest. Every tensor a collective of the
-  group sees lives on the bucket's device (NCCL takes only GPU tensors, gloo CPU ones: the group's
-  backend follows the gradients' device); encoding and decoding happen on the CPU, around them.
-- Sync policy (optional, `fulmen_trainer.sync_policy`): one per bucket, deciding per bucket whether
-  it goes compressed and at which density. An uncompressed decision (an anomaly on any rank, or the
-  periodic full sync) is agreed first — one all-reduce (MAX) of two flags — because every rank must
-  call the same collective; it then travels as a plain fp32 all-reduce (with the flushed residual on
-  a full sync). ``state.step`` is the trainer step, set by the caller before each pass.
-- State (`DDPCodecState`): the codec state (error feedback keyed by ``"bucket<index>"``), the
-  iteration count (advanced after the last bucket, as ``PowerSGDState`` does) and ``start_iter``: the
-  first ``start_iter`` iterations use a plain fp32 all-reduce, because DDP rebuilds its buckets after
-  the first iteration and error-feedback state must not be keyed by buckets that change.
+`make_ddp_hook(name, **knobs)` gives ``(state, hook)``: in, one bucket's flat local gradients; out, a
+future of their world-size average; the bucket buffer is modified in place. ``none`` / ``bf16``
+divide before the all-reduce, the others use `mean_decoded`. More: docs/design/trainer.md.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime

@@ -1,25 +1,8 @@
 """``dgc``: Deep Gradient Compression (Lin et al., ICLR 2018), selection in O(n) without a sort.
 
-Per step, for the tensor/bucket ``name`` (u = momentum, v = accumulated velocity, both persistent):
-
-    u = momentum * u + g          momentum correction: momentum is applied locally, before sparsifying
-    v = v + u                     error feedback: what was not sent keeps accumulating
-    thr ≈ quantile(|v|, 1 - d)    estimated from a random sample of v (~256/d elements), not a sort
-    send v[|v| > thr]             one comparison per element, in the same cache-sized pass as the above
-    v[sent] -= sent value         the residual keeps the fp16 rounding error of what was sent
-    u[sent] = 0                   momentum factor masking: stale momentum must not push sent entries again
-
-The sample's threshold gives about d·n elements. The count is kept in [0.8, 1.25] × target: above,
-the candidates are cut to exactly the target by an exact top-k among them (cheap: they are few);
-below, the threshold is re-estimated from the same sample and the comparison pass repeated (at most
-3 times, then exact top-k). Fewer non-zero elements than the target send them all.
-
-Density warm-up: over the first ``warmup_steps`` steps (counted from the first step this state
-encodes) the density decays exponentially from ``initial_density`` to ``density``
-(25% → 1% by default), as the paper does over its first epochs.
-
-With ``momentum > 0`` the optimizer must not apply momentum again: DGC's momentum correction
-replaces the optimizer's (use plain SGD). With Adam-type optimizers set ``momentum=0``.
+State per name: momentum and velocity (error feedback), persisted. With ``momentum > 0`` the
+optimizer must not apply momentum again (use plain SGD; ``momentum=0`` with Adam).
+The algorithm: docs/design/trainer.md.
 """
 
 from __future__ import annotations

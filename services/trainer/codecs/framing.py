@@ -1,17 +1,7 @@
 """Chunk framing: a codec payload ↔ a list of `fulmen.records.GradientChunk` wire records.
 
-The bottom of the codec package: codecs (`base`) produce a `Payload` and frame it here; decoders
-(`aggregate`) unframe it and look the codec up by the name in the header. Nothing here imports them.
-
-Each chunk is one msgpack record (schema version ``v``, kind ``grad_chunk``) with a small header —
-payload format version, step, rank, tensor/bucket name, codec, shape, dtype, the codec's ``meta``,
-chunk index and count, total payload size, zlib.crc32 of the chunk — and a slice of the payload. A
-chunk is at most ``max_record_bytes`` (default `fulmen.codec.DEFAULT_MAX_RECORD_BYTES`, 8 MiB) on
-the wire; the header is ~120 bytes plus the name and meta.
-
-`unframe` accepts the chunks of one payload in order and refuses, with RecordError, anything that
-is not exactly that: a corrupted (crc) or truncated record, another schema or payload version, a
-chunk missing, duplicated or out of order, or chunks of different gradients mixed together.
+The bottom of the codec package: it imports no codec. `unframe` refuses, with RecordError, anything
+but the chunks of one payload in order. The header and checks: docs/design/trainer.md.
 """
 
 from __future__ import annotations

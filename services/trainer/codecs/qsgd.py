@@ -1,19 +1,7 @@
 """``qsgd8`` and ``qsgd4``: QSGD stochastic quantisation (Alistarh et al., NeurIPS 2017), unbiased.
 
-The gradient is cut into buckets of ``bucket_size`` elements; each bucket b has a norm N_b (``norm=
-"max"``: max |x|, the default, lower variance; ``"l2"``: the paper's Euclidean norm) and each
-element is stochastically rounded to one of 2s + 1 levels:
-
-    q = floor(x * s / N_b + U),  U ~ Uniform[0, 1)        so E[q] = x * s / N_b  (unbiased)
-    decoded = q * N_b / s
-
-with s = 127 (8 bits, int8) or s = 7 (4 bits, q + 8 in 1..15, two values per byte: the first of a
-pair in the high nibble). Wire: ``norms float32[nbuckets]`` then the codes, exactly ``numel``
-of them (no padding sent). meta: ``{"bucket": int, "levels": s}``. With buckets of 512, the 4-byte
-norm per bucket leaves the ratio just under 4× (8 bits) and 8× (4 bits).
-
-No error feedback: the codec is unbiased, and the noise of independent ranks averages out (each
-rank draws from its own stream, seeded by ``seed`` and its rank).
+No error feedback; each rank draws from its own seeded stream. The levels, the norms and the wire
+layout: docs/design/trainer.md.
 """
 
 from __future__ import annotations

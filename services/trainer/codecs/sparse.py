@@ -1,21 +1,7 @@
 """Sparse gradients on the wire, error-feedback state, and the exact ``topk`` codec.
 
-Wire layout (shared by ``topk`` and ``dgc``), for a gradient of ``numel`` elements split into blocks
-of 65,536 elements so that an index inside a block fits in 16 bits:
-
-    counts   uint32[nblocks]   selected elements in each block
-    indices  uint16[nnz]       position inside its block, increasing within a block
-    values   float16[nnz]      (or float32[nnz] with value_dtype="float32")
-
-meta: ``{"nnz": int, "exp": int, "vdtype": "float16" | "float32"}``. fp16 values are scaled by
-2**exp before rounding (a power of two, so scaling is exact) so that the largest value lands in
-[2**14, 2**15): the whole fp16 range is used whatever the gradient's magnitude (gradients of 1e-6
-would otherwise be subnormal in fp16). Per selected element: 2 + 2 bytes against 4 dense, so at 1%
-density the wire ratio is ~100× (the counts add 4 bytes per 65,536 elements).
-
-Error feedback: each codec keeps one residual per name: what was not sent, including the fp16
-rounding error of what was sent, so that over any number of steps
-``sum(decoded) + residual == sum(gradients)`` (exactly, in exact arithmetic).
+The layout (block counts, uint16 indices, scaled fp16 values) is shared with ``dgc``; the residual
+keeps ``sum(decoded) + residual == sum(gradients)``. The layout and why: docs/design/trainer.md.
 """
 
 from __future__ import annotations
