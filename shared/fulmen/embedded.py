@@ -61,7 +61,7 @@ def server_args(port: int, data_dir: Path) -> list[str]:
         "--auto-aof-rewrite-min-size", "2gb",
         "--auto-aof-rewrite-percentage", str(SAFETY_NET_PERCENTAGE),
         # The rewrite's RDB part is mostly model weights, which LZF cannot shrink but spends a core on
-        # (bench/RESULTS.md, issue 16).
+        # (bench/RESULTS.md).
         "--rdbcompression", "no",
         # Redis preallocates a new stream node at this size (4 KB by default), and every rollout has
         # a span stream of one or two entries (its calls' compressed spans): most of that space would

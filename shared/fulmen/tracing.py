@@ -277,7 +277,8 @@ def bound_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
 class RootSpan:
     """An attempt's root span. When spans are exported (OTLP) it is an SDK span; otherwise only its
     context is real (so the agent's own spans and the emits parent to it) and its record is written
-    straight to the buffer when it ends — the SDK's ~40 µs a span matter at a thousand rollouts/s."""
+    straight to the buffer when it ends: the SDK's cost per span (bench/RESULTS.md) matters at a
+    thousand rollouts/s."""
 
     def __init__(self, name: str, attributes: dict[str, Any]) -> None:
         binding = _binding.get()

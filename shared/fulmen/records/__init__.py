@@ -1,21 +1,7 @@
 """Every record Fulmen stores or sends, each with its wire form. One schema version (`fulmen.codec`).
 
-Messages on streams are msgpack maps with ``v`` (schema version) and ``kind``; span records, read
-in bulk by the adapter, are positional arrays that start with the same two (`fulmen.records.spans`). Rollouts and attempts change status inside Lua scripts, so they live in
-Redis hashes whose plain fields the scripts can read; their free-form parts (input, metadata, error)
-are msgpack inside a field.
-
-One module per area, every record importable from here:
-
-    rollouts   RolloutConfig, Rollout, Attempt, AttemptedRollout (hashes)
-    spans      Span, SpanView
-    status     RolloutStatus, AttemptStatus, RolloutMode, Priority and their transition table
-    messages   QueueEntry, RolloutFinished, DeadLetter, ResourcesUpdate, Worker, ProxyEndpoint, WeightsChunk
-    samples    Sample, SampleSkip, pack_sample, RolloutForSamples (a finished rollout as the adapter reads it)
-    ranks      GradientChunk, GradientHeader, RankPlan
-    ops        ServiceBeat, TrainStep
-    control    ControlMessage, ControlAction (the proxies' control stream)
-    base       Record: the msgpack map form derived from a dataclass's fields
+One module per area (rollouts, spans, status, messages, samples, ranks, ops, control; `base` for
+`Record`), every record importable from here. Wire forms and why: docs/design/records.md.
 """
 
 from fulmen.records.base import Record

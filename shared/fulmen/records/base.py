@@ -1,28 +1,7 @@
 """`Record`: the msgpack map form of a frozen dataclass, derived from its fields.
 
-A record class names its ``KIND``; its wire form is ``{"v": SCHEMA_VERSION, "kind": KIND, <field>:
-<value>, ...}``. Decoding refuses with `RecordError`, naming the kind and the field, a missing
-record, another schema version (`SchemaVersionError`) or kind, a missing field that has no default,
-a field the class does not have, and a value of the wrong type. Types come from the annotations:
-``str``, ``int``, ``float`` (ints accepted, stored as float), ``bool``, ``bytes``, ``dict``,
-``list``, ``tuple`` (a msgpack array), ``Any``, ``X | None``, and `enum.StrEnum` types (from their
-value). Containers are checked at the top level only: their items are the reader's business.
-Values are checked by the class's `Record.check_wire`, run after decoding, with the helpers below it
-(`require`, `require_nonempty`, `require_id`, `require_finite`, `require_at_least`): ids non-empty,
-counts in range, numbers finite. A consumer group dead-letters a record that fails either check.
-
-Two kinds of field need more than their annotation (both go in the field's metadata):
-- ``field(default="", metadata=OFF_WIRE)``: a field the record does not carry, such as the stream
-  entry id Redis assigns; the reader passes it to `Record.from_wire` as a keyword argument.
-- ``field(metadata=wire_codec(encode, decode))``: a field with its own encoder and decoder (token
-  ids travel as packed arrays).
-
-A class's schema is built on first use and cached: decoding is a loop over prepared tuples.
-
-    @dataclass(frozen=True, slots=True)
-    class QueueEntry(Record):
-        KIND: ClassVar[str] = "queue"
-        rollout_id: str
+`Record.from_wire` refuses a wrong kind, version, field or type with `RecordError`; `check_wire`
+checks values. Off-wire and custom-coded fields, and the type rules: docs/design/records.md.
 """
 
 from __future__ import annotations

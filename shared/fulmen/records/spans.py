@@ -166,7 +166,7 @@ class SpanView(NamedTuple):
 # msgpack array, zlib-compressed at level 1 (stdlib; the fastest level, and the client pays it).
 # Per value and per field, not per byte, is where Redis spends its CPU on spans (Lua strings, AOF
 # lines, stream fields), and spans are most of Redis's memory: the prompts of one rollout's calls
-# repeat each other. Figures in bench/RESULTS.md (issue 18).
+# repeat each other. Why: docs/design/records.md; figures in bench/RESULTS.md.
 BATCH_FIELD = "z"
 # Decompressing more than this is refused (a corrupt or hostile entry must not exhaust memory).
 MAX_BATCH_BYTES = 256 * 1024 * 1024

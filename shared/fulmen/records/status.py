@@ -1,13 +1,7 @@
 """Rollout and attempt statuses (Agent Lightning 0.3 vocabulary) and the one table of their transitions.
 
-    enqueue ─► queuing ─claim─► preparing ─first span/heartbeat─► running ─► succeeded
-                  ▲                  │                                 │
-                  └── requeuing ◄────┴── failed / timeout / unresponsive (retry allowed)
-                                     └── otherwise: failed          any non-terminal ─► cancelled
-
-Every status set the code tests against (the Python frozensets below and the Lua tables in
-`fulmen.store.scripts`) is derived from the two transition tables, so a new status or transition is
-written once, here.
+Every status set (here and in the Lua of `fulmen.store.scripts`) is derived from the transition
+tables: a new status or transition is written once, here. The diagram: docs/design/records.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """`fulmen archive`: an experiment's finished rollouts (with their attempts and spans) and its samples,
 written to files (`fulmen.archive_files`) before retention trims them.
 
-The cursor is a consumer group, ``archive`` (`keys.ARCHIVE_GROUP`), on every shard's finished stream
-and on the samples stream. An entry is acknowledged only once the file holding it has been renamed
-into place, and retention never trims what a group has not acknowledged (`fulmen.store.retention`):
-archive-then-trim, in a loop or by hand, never loses an entry. Each run writes only what the group
-has not yet delivered: nothing is archived twice. A crash between a file's rename and its
-acknowledgement leaves the entries pending: the next run finds them at or below the last id its
-files hold and acknowledges them without writing them again.
-
-Once the group exists, retention keeps every entry the archive has not yet taken: run `fulmen
-archive` at least as often as `fulmen trim`. One archiver per experiment at a time (one consumer
-name), and one experiment per directory.
+An entry is acknowledged only once its file is in place: nothing is lost or archived twice.
+Why: docs/design/store.md.
 """
 
 from __future__ import annotations

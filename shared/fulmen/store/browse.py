@@ -1,15 +1,7 @@
 """Browsing an experiment's rollouts a page at a time, filtered, with bounded work per page.
 
-The rollout index (a sorted set: rollout id -> enqueue time) is walked newest first from a cursor,
-in chunks; each chunk's rollouts are read with one pipelined HMGET of the few fields a filter needs,
-and the walk stops once a page is full or ``scan_budget`` index entries were looked at. A page costs
-the same whether the experiment holds a thousand rollouts or a million, and a filter that matches
-little says how far it looked ("scanned N") with a cursor to look further, rather than reading
-everything. Nothing here scans the keyspace or writes.
-
-The cursor is the position in the index: the score (enqueue time) the next read starts at, and how
-many entries with exactly that score were already seen (rollouts queued in one batch can share a
-timestamp). New rollouts land above it, so paging on is stable while a run goes on.
+Walks the rollout index from a cursor, at most ``scan_budget`` entries a page; never scans the
+keyspace or writes. The cursor and why: docs/design/store.md.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ from fulmen.errors import InvalidInput, RecordError
 from fulmen.records.status import RolloutMode, RolloutStatus
 
 CHUNK = 500  # index entries per round trip
-SCAN_BUDGET = 2_000  # index entries one page may look at (about 100 ms of reads on the 2-core machine)
+SCAN_BUDGET = 2_000  # index entries one page may look at (its cost: bench/RESULTS.md)
 # A status filter whose sets hold at most this many rollouts reads them from the status sets instead
 # of walking the index: exact for the rare statuses one looks for (failed, running), however old.
 STATUS_SET_MAX = 5_000

@@ -1,11 +1,7 @@
 """Joining claims: the claims one process's coroutines make for one worker id in the same loop
 iteration become one claim of their summed count, whose rollouts are shared out among them.
 
-A runner process with several slots, each claiming one rollout when it frees up, wakes several slots
-together (their finishes come back in one auto-pipelined round trip). Claimed one by one, each pays
-a script call and an XREADGROUP on the server, and on a sharded store each walks the shards itself;
-joined, the server reads the queue once for all of them (the claim script takes a count), which is
-what a runner asking for several at once (``dequeue_rollouts(worker, n)``) already gets.
+Why: docs/design/store.md.
 """
 
 from __future__ import annotations

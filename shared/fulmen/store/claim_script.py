@@ -12,7 +12,7 @@ from fulmen.store.scripts import BEGIN, PRELUDE
 
 # The claim rule across priority lanes: position t of a cycle of CLAIM_CYCLE entries delivered from one
 # shard's queues tries the lanes in CLAIM_ORDER[t] (lane names, first choice first). Documented, with
-# what it guarantees, in `fulmen.store.queue`.
+# what it guarantees, in docs/design/store.md.
 CLAIM_ORDER: tuple[tuple[str, ...], ...] = (
     ("urgent", "normal", "low"),
     ("urgent", "normal", "low"),

@@ -1,30 +1,7 @@
 """Claiming rollouts from the queue: the runners' consumer group, each claim one round trip.
 
-The claim script (`claim_script.CLAIM_NEXT`) reads new entries with XREADGROUP NOACK inside Lua and
-begins an attempt for each in the same atomic step, so those entries are never pending; an entry is
-pending only between delivery and claim when the queue is read outside the script (the blocking read
-of an empty queue).
-Entries delivered to a consumer that died in that window are taken over with XAUTOCLAIM
-(`Stream.reclaim`). A claimed attempt that stops heartbeating is the watchdog's
-(`fulmen.store.watchdog`), which requeues or fails it.
-
-Priority lanes. A rollout's priority (`Priority`: urgent, normal, low) picks its lane, one queue
-stream per lane in each shard (`ShardKeys.queues`); a requeued rollout (a retry, the watchdog, a
-released attempt) goes back to its own lane. The claim rule, per shard: the entries a shard's queues
-deliver are numbered in a cycle of 8 (the counter lives in the shard, so all runners share it);
-position 3 tries the normal lane first, position 7 the low lane first, every other position the urgent
-lane first; a lane with nothing waiting passes the turn on, urgent before normal before low
-(`claim_script.CLAIM_ORDER`). So, counted in entries delivered from one shard:
-- an urgent rollout with no other urgent one waiting is among the next 2 delivered, however deep the
-  other lanes are (at most one normal- or low-first position comes before an urgent-first one);
-- while the low lane has entries, at least 1 in every 8 delivered is low, and while the normal lane
-  has entries at least 1 in 8 is normal, even under a flood of urgent ones (no lane starves);
-- with every lane full the shares are urgent 6/8, normal 1/8, low 1/8; with no urgent ones, normal
-  7/8 and low 1/8.
-A runner claiming one at a time visits the S shards in turn (below), so with all shards busy an
-urgent rollout is claimed within its next 2·S claims. While only the normal lane holds entries (the
-urgent and low lanes are empty: their claimed entries are deleted) the claim reads the normal lane
-alone, exactly as before lanes: one round trip, no counter written.
+The claim script (`claim_script.CLAIM_NEXT`) reads and begins attempts atomically; priority lanes are
+served in a cycle of 8 (`claim_script.CLAIM_ORDER`). The lane rule and its guarantees: docs/design/store.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """The store: Agent Lightning 0.3's LightningStore semantics on Redis Streams, as an async API.
 
-`RedisStore` is composed of parts, one per noun, each a small class in its own module sharing one
-`StoreContext` (connection, keys, record size limit, auto-pipeline):
-
-    rollouts      `Rollouts`     the rollout and attempt lifecycle (Lua scripts), reads
-    queue         `Queue`        claiming rollouts: the runners' consumer group
-    spans         `Spans`        spans and heartbeats
-    finished      `Finished`     the finished stream: consumer groups, waiting for rollouts
-    resources     `Resources`    immutable, versioned resources snapshots
-    samples       `Samples`      the adapter's bulk read and write, the trainers' group
-    registry      `Registry`     workers, LLM proxies and inference replicas
-    dead_letters  `DeadLetters`  poison messages, with the reason
-
-One rule for the API: every public method of a part is also a method of the store, under the same
-name (``store.add_spans`` is ``store.spans.add_spans``); the store itself adds only `statistics`
-and `aclose`. Callers use the store's names; the parts are how the store is built.
+`RedisStore` is composed of parts, one per noun, sharing one `StoreContext`; every public method of a
+part is also a method of the store, under the same name. The parts: docs/design/store.md.
 """
 
 from __future__ import annotations

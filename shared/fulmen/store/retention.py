@@ -1,43 +1,7 @@
-"""Retention: what may go from the store's streams, and `trim`, which removes it (or, as a dry run,
-counts it). Nothing a consumer group of a stream has not acknowledged is ever trimmed.
+"""Retention: what may go from the store's streams, and `trim`, which removes it (or counts it).
 
-Streams that consumer groups read go by age (``max_age_s``: older entries go) or count
-(``max_count``: the newest so many stay), but only below what every group of the stream has had
-delivered and acknowledged: an entry not yet delivered to some group, or delivered and still pending
-in it, stays, and so does everything after it. A stream with no group yet is not trimmed at all (a
-group created after a trim starts from what is left).
-``streams`` picks which of them (all by default):
-
-- ``queue``: every shard's queue streams (`ShardKeys.queues`: every priority lane), group
-  ``runners`` (an entry is acknowledged when claimed, or when dead-lettered).
-- ``finished``: every shard's finished stream, groups ``adapter`` and ``algorithm``. With an entry go
-  its rollout's spans and span-id set; with ``delete_rollouts``, its record and attempts too (a
-  terminal rollout's only), its place in the shard's indexes and its once-sampled marker.
-- ``samples``: group ``trainers`` (the trainer acknowledges a sample once a checkpoint holds its step).
-
-Streams no group reads go only by a rule of their own, each off unless the policy sets it:
-
-- the resources log (``resources``): by the same age and count, but never the newest entry, nor any
-  entry from the oldest one still needed on: the entry that published the oldest model version whose
-  weights are stored (the weights are found, and a rollback reads them, through it) and the newest
-  entry naming each version a proxy or replica serves or the policy names (a restarted proxy catches
-  up from it). With an entry goes its version of the resources hash, unless it is that resources
-  id's latest (what `get_resources` reads). See `fulmen.store.retention_resources`.
-- the weights streams (``keep_versions`` K): `fulmen.version_retention`'s rule, the one the trainer
-  applies after each publish: the newest K versions keep their weights, and every version a live proxy
-  or replica serves, the policy names, or a kept delta is built on; a folder version's folder goes
-  too (``weights_dir``).
-- the trainer's steps (``steps_max_count`` N): the newest N entries stay (at least one: the algorithm
-  paces on the last). The trainer caps it at 10,000 as it writes, too.
-- the dead letters (``dead_letters_max_age_s``): letters older than this go, looked at or not (they
-  are for a person: `fulmen dead-letters`).
-
-Not trimmed here: the control stream and the trainer's plans, gradients and aggregates (capped as
-they are written), the validations stream (an entry per validation pass), sets and indexes.
-
-`trim` is safe to run from several processes at once and to stop at any point: each step removes
-data before the entries that name it (a crash leaves entries to redo, never orphans), and the next
-run finishes the job. Archive first what must outlive the store (`fulmen archive`), then trim.
+Nothing a consumer group has not acknowledged is ever trimmed; `trim` is safe to interrupt and to run
+concurrently. The rule per stream: docs/design/store.md.
 """
 
 from __future__ import annotations

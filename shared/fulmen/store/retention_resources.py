@@ -1,16 +1,7 @@
-"""Retention of the model's side of the store: the weights streams (by `fulmen.version_retention`'s
-rule) and the resources log, which no consumer group reads (followers read it with a cursor) and which
-the served and stored versions need part of.
+"""Retention of the model's side of the store: the weights streams and the resources log.
 
-The resources log's needed part starts at the oldest of: the newest entry (`get_latest_resources`
-reads the tail); the entry that published the oldest model version whose weights stay stored (the
-weights entry of a version, and a rollback to it, are found on the log: `fulmen.model_versions`,
-`fulmen.rollback`); the newest entry naming each version that a live proxy or replica serves or the
-policy names, and the newest entry naming any version (a restarted proxy or vllm-sync catches up from
-it). Versions increase along the log, so everything needed lies from that entry on, and the cut never
-passes it whatever the age and count limits say.
-
-`fulmen.version_retention` is imported where it is used: it imports the store, which imports this.
+The log is never cut past the oldest entry a stored or served version still needs.
+Which one: docs/design/store.md.
 """
 
 from __future__ import annotations

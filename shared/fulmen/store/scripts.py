@@ -1,15 +1,7 @@
 """The Lua scripts behind every transition that touches several keys, so each is atomic.
 
-Contract shared by all scripts but SET_FIELDS_IF_EXISTS: KEYS[1] is the experiment prefix
-(``fulmen:{exp}:``), declared as the script's one key; ARGV holds only values. The scripts append the
-suffixes from `fulmen.keys` to KEYS[1] (interpolated below, never retyped), so every key a script
-touches carries the hash tag of KEYS[1] and lives in its slot: on Redis Cluster the client routes the
-script by KEYS[1] to the node that holds all of them. The keys are derived rather than listed because
-some are known only inside the script (CLAIM_NEXT reads its rollout ids from the queue; an attempt
-id is numbered there), and listing them from Python would cost the claim a round trip. Time is the
-server's (`TIME`), so workers on machines with skewed clocks still agree on deadlines.
-Return values are documented per script; the store's parts (`fulmen.store.rollouts`, ...) map them to results
-and errors. The status sets are generated from the transition table in `fulmen.records.status`.
+KEYS[1] is the experiment prefix and every key a script touches is derived from it (one slot on
+Redis Cluster); time is the server's. The contract and why: docs/design/store.md.
 """
 
 from __future__ import annotations
@@ -311,7 +303,7 @@ def joinable(head: str, body: str) -> tuple[str, str]:
     per call, the count of its arguments and then those arguments; it returns the calls' replies in
     order, a failed call's error in its place. What a script call costs the server besides its
     commands (the dispatch, the prelude's closures, the reply, the MULTI/EXEC around its writes in the
-    AOF) is then paid once for all of them (bench/RESULTS.md, issue 18)."""
+    AOF) is then paid once for all of them (figures in bench/RESULTS.md)."""
     item = f"local function item(ARGV)\n{body}\nend\n"
     # Each call runs under pcall: Redis does not undo a failed script's writes, so an error in one call
     # must fail that call alone, not the calls before it whose writes stand (nor those after it).

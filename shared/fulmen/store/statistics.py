@@ -1,18 +1,7 @@
 """One snapshot of an experiment's pipeline, read in two pipelined round trips.
 
-Shared by `RedisStore.statistics` (async client), the Prometheus collector and `fulmen top` (sync
-clients): commands are queued the same way on either kind of pipeline, only ``execute`` differs, so
-the command list and the parsing live here once.
-
-With several lifecycle shards (`fulmen.keys`) the per-shard keys (status sets, queue, finished,
-heartbeat set) are read in every shard and summed; a group's lag is the largest of its shards'. The
-queue is every priority lane's stream: the depth (rollouts queuing or requeuing) counts all lanes,
-and the runners' lag is that of the oldest waiting entry of any lane.
-
-Round trip 1: SCARD per status, XLEN of the streams, XINFO GROUPS of the consumed streams, ZCARD,
-HLEN, the latest resources, TIME. Round trip 2 (only for groups with a backlog): the oldest entry
-each group has not been delivered yet, whose id carries its enqueue time — the group's lag in seconds
-(Redis 6.2 has no ``lag`` field in XINFO GROUPS; 7.0+ adds it, and we report it as well).
+Shared by `RedisStore.statistics`, the Prometheus collector and `fulmen top`. What each round trip
+reads: docs/design/store.md.
 """
 
 from __future__ import annotations

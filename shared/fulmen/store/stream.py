@@ -1,16 +1,8 @@
 """One Redis stream and, optionally, one consumer group on it: the only place that speaks XREADGROUP,
 XACK, XAUTOCLAIM and the follow-with-XREAD loop. Every stream consumer in Fulmen goes through it.
 
-Two ways to read:
-- as a consumer group (work shared by the group's consumers, at least once): `ensure_group`, `read`
-  (new entries or this consumer's pending ones), `ack`, `reclaim` (entries a dead consumer left
-  pending) and `dead_letter` (an entry that can never be processed: moved aside with the reason and
-  acknowledged, so the group moves on);
-- as a broadcast (every reader sees every entry, no group): `last`, `cursor` and `follow`.
-
-Decoding is the caller's function, ``decode(entry_id, fields) -> record``, raising `RecordError` for an
-entry it cannot read: a group read dead-letters such an entry here, a broadcast read skips it with a
-log line, so malformed data is handled in one place.
+Read as a group (`read`, `ack`, `reclaim`, `dead_letter`) or as a broadcast (`follow`).
+More: docs/design/store.md.
 """
 
 from __future__ import annotations
