@@ -1,19 +1,7 @@
 """A/B serving: two model versions at once, rollouts split between them by a stable hash.
 
-`fulmen ab A B --split 0.3` publishes one more resources version of the policy whose ``llm`` entry
-serves A as usual and names B beside it::
-
-    {"model_version": "v9", "weights": {...}, "ab": {"b": {"model_version": "v12", "weights": {...}},
-                                                      "split": 0.3, "at": <unix time>}}
-
-A torch proxy then holds both (a second engine for B: twice the model's memory) and sends every call
-of a rollout to B when ``arm_of(rollout_id) == "b"`` — the first 8 bytes of the rollout id's sha256
-as a fraction below ``split`` — so all calls of a rollout see one version, the same one on every
-proxy and after a restart. Calls without a rollout id go to A. Each recorded call carries the version
-that served it, so the adapter counts reward per version (`fulmen.version_rewards`), shown by
-`fulmen status`. `fulmen ab --off` serves A alone again; a new version from the trainer ends the test
-too (its ``llm`` entry does not carry ``ab`` over), so run A/B with the trainer stopped. vLLM
-replicas serve A only (one version per server): use torch proxies for an A/B test.
+`fulmen ab A B --split 0.3` names B beside A in the policy's ``llm`` entry; `arm_of` picks a rollout's
+arm. torch proxies only; a new version from the trainer ends the test. More: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

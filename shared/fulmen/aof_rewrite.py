@@ -1,29 +1,7 @@
 """When Redis rewrites its append-only file: between model versions, not while one is written.
 
-Redis rewrites the AOF by itself once the file has grown by ``auto-aof-rewrite-percentage`` since
-the last rewrite. Nothing grows it as fast as a model version's weights (1 GB for a 0.5B model in
-bf16), so that threshold is crossed while a version is being written, nearly always: the server then
-forks and writes the whole dataset again (gigabytes) on the cores the publish and the proxies' reads
-need, and the version is served seconds later (issue 16: the publish → serving time of a full 0.5B
-version varied from 4.4 to 7.5 s with it).
-
-So the servers Fulmen starts (`fulmen.embedded`, deploy/redis.conf) leave their own rule a margin
-(``auto-aof-rewrite-percentage 300``: it stays the safety net that bounds the file when nothing calls
-this), and `rewrite_if_grown` applies the usual rule (grown by 100% since the last rewrite, at least
-512 MB) at the moment retention has just deleted old versions (`fulmen.version_retention`), when the
-dataset is smallest and no version is on its way to the proxies.
-
-Nor does a rewrite run while a version's weights are being written (`writing_weights`, around every
-publish to a Redis stream): the publisher claims its writes in ``WRITES_KEY``, which defers any
-rewrite `rewrite_if_grown` would start meanwhile to its next pass, and a publish that finds a rewrite
-already running waits for it to end (up to ``REWRITE_WAIT_S``) before its first chunk. Written during
-a rewrite, each chunk would also go to Redis's rewrite buffer (Redis 6: a second in-memory copy of
-the version, which the server's main thread then writes out at the end of the rewrite while every
-client waits), and the forked child would take a core from the publish. Waiting costs the publish at
-most what is left of the rewrite, and in a real run nothing: a training step separates versions.
-A claim lapses after ``WRITE_LEASE_S`` (a publisher killed mid-write defers nothing for long).
-The check and BGREWRITEAOF are two commands: a publish that claims between them can still meet
-a rewrite (a window of one round trip), and Redis's own rule (the safety net) does not look.
+Entry points `rewrite_if_grown` (called by retention) and `writing_weights` (around every publish to
+a stream). Why: docs/design/model-versions.md; figures: bench/RESULTS.md.
 """
 
 from __future__ import annotations

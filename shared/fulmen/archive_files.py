@@ -1,23 +1,7 @@
 """Archive files: what `fulmen archive` writes and `fulmen replay` / `fulmen export` read.
 
-One file is a gzip-compressed sequence of msgpack objects: a header (``format``, ``version``,
-``kind``, ``experiment``, ``shard``, ``first`` and ``last`` entry ids, ``count``), then one object
-per record. ``kind`` "rollouts": per finished entry, ``{"finished_id", "finished", "rollout",
-"attempts", "spans"}`` with the rollout's and attempts' hash fields and the span stream's entries
-exactly as Redis held them (``spans``: ``[[entry id, [field, value, ...]], ...]``); ``kind``
-"samples": ``[entry id, record]``, the samples stream's records (a replay's file has "" for the id).
-
-Why msgpack + gzip rather than Parquet: every record is already a msgpack blob on the wire; keeping
-the bytes as they were is what makes a replay byte-equal to the live adapter (a columnar re-encoding
-would have to round-trip every nested span attribute), it needs nothing beyond msgpack (a dependency
-already) and the standard library (pyarrow is ~40 MB), and it streams: a file is written and read one
-record at a time. Columnar analysis is what `fulmen export` is for (JSON lines that Hugging Face
-`datasets` loads).
-
-Crash safety: a file is written under a temporary name in the same directory, flushed to disk and
-renamed into place, so a file either exists whole or not at all; its name carries its stream, shard
-and id range (``rollouts-s0-<first>_<last>.msgpack.gz``), which is how `fulmen archive` knows where
-it stopped after a crash between the rename and the acknowledgement.
+Gzip-compressed msgpack, a header then one object per record, written whole under a temporary name.
+The format, and why not Parquet: docs/design/store.md.
 """
 
 from __future__ import annotations

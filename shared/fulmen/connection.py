@@ -1,20 +1,8 @@
 """Connecting to Redis: wait with backoff and a clear log line, never print a password; then ride out
 outages.
 
-Once connected, every command of the client goes through `OutageRetry`: a connection error (Redis
-restarting, a network blip, a server still loading its AOF) is retried with jittered exponential
-backoff for up to ``redis_outage_s``, with one log line when the outage starts and one when it ends.
-So a service's loops never see a short outage, whichever command it hits, and `/readyz` (its own
-client, no retry) says 503 meanwhile. Retrying is safe for what the services send: the Lua lifecycle
-scripts are idempotent on a repeat (a finished attempt reports ``already``, a stored span is ignored,
-samples are written once per rollout) — except a claim whose reply was lost, which leaves its attempt
-to the watchdog (rollouts with ``unresponsive_seconds``, as the algorithm's are, are recovered).
-
-Redis Cluster: a URL ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster``
-for TLS) names some of the cluster's nodes (any one answering is enough; the client learns the rest),
-and a plain ``redis://`` URL of a node whose ``INFO cluster`` says ``cluster_enabled:1`` is taken as
-that cluster too. Either way the client is redis-py's `RedisCluster` (`OutageCluster` for services:
-its single commands ride out an outage as above; its pipelines retry as redis-py does, a few times).
+`OutageRetry` retries every command through an outage of up to ``redis_outage_s``; Redis Cluster URLs
+are recognised here. Why retrying is safe: docs/design/store.md.
 """
 
 from __future__ import annotations

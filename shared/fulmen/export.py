@@ -1,30 +1,7 @@
-"""`fulmen export`: samples → a dataset that Hugging Face `datasets` loads directly.
+"""`fulmen export`: samples → a dataset that Hugging Face `datasets` loads directly (JSON lines).
 
-JSON lines, one sample a line, for ``datasets.load_dataset("json", data_files=path)`` (and TRL's
-SFT trainer, which reads the ``messages`` column):
-
-    messages       [{"role": str, "content": str}, ...]  the last call's request messages, then the answer
-    reward         float   the attempt's final reward (what RL trains on)
-    turn_reward    float or null  the reward matched to this call (a triplet's own)
-    sample_id, rollout_id, attempt_id, group_key, shape, model_version, mode   str ("" when unknown)
-    turn_index, num_turns   int
-
-With ``token_ids`` (``fulmen export --token-ids``), three more columns, what the trainer trains on:
-
-    prompt_token_ids, response_token_ids   list[int]
-    response_mask   list[int]  1 for the model's own tokens, 0 for what the environment added between turns
-
-Every line has every column, with one type per column, so the loader infers one schema: a message
-is always exactly role and content, both strings (content in parts is joined; an assistant turn
-that only called tools carries the calls as JSON text in its content).
-
-Why JSON lines rather than Parquet: `datasets` reads both, but Parquet would make pyarrow (~40 MB)
-a dependency of Fulmen for a file of a few thousand conversations; a JSON line is also what a person
-can read and `grep`.
-
-Sources: archive files (`fulmen archive`'s samples, `fulmen replay --to-file`'s file) or the samples
-stream still in Redis. Skip records are left out; a sample met twice (the same sample id in the
-stream and in a replay) is written once. The file is written whole, atomically.
+Every line has every column, one type per column; written whole, atomically. The columns, and why
+not Parquet: docs/design/store.md.
 """
 
 from __future__ import annotations

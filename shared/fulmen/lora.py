@@ -1,17 +1,7 @@
 """LoRA model versions: what the trainer publishes with ``lora_rank`` set, and how a backend applies it.
 
-The version's tensors are the adapter alone, in PEFT's layout::
-
-    base_model.model.<module>.lora_A.weight   [r, in]
-    base_model.model.<module>.lora_B.weight   [out, r]
-
-and the ``llm`` resource's ``weights`` entry says ``"format": "lora"`` with ``"lora": {"r", "alpha",
-"scaling"}``. The served weight of each adapted module is ``W = W_base + scaling · B @ A``, where
-``W_base`` is the weight of ``<module>.weight`` in the base model folder (the model the trainer
-started from, which every proxy serves as version ``base``). Merging always starts from the base, so
-versions never accumulate rounding.
-
-torch is imported inside the functions: ``import fulmen`` never needs it.
+The adapter alone, in PEFT's layout; ``W = W_base + scaling · B @ A``, always from the base. torch is
+imported inside the functions. More: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

@@ -1,46 +1,8 @@
 """Model versions through the store: the trainer publishes weights, the proxies fetch them.
 
-A version's weights travel as one safetensors blob (`safetensors.torch.save`; written and read by
-`fulmen.version_blobs`), in one of two ways:
-
-- **stream** (default): the blob is cut into chunks of at most ``chunk_bytes`` on the stream
-  ``keys.weights(<version>)`` (in ``store.weights_redis``: the main Redis unless
-  FULMEN_WEIGHTS_REDIS_URL names one of its own), each entry a `WeightsChunk` record (``m``) and the
-  chunk's bytes beside it (``d``), with entry ids ``0-1``, ``0-2``, … (chunk index + 1). Writing
-  chunk 0 with the explicit id ``0-1`` claims the version atomically: Redis refuses it on a stream
-  that already has entries, so two publishers can never mix their chunks under one name.
-- **shared folder** (``shared_dir=``): the blob is written to ``<shared_dir>/<version>/model.safetensors``
-  (a temporary file renamed into place), for a folder every proxy mounts at the same path.
-
-Then, and only then, the resources entry ``resources_id`` gets a new version whose ``"llm"`` entry
-names the model version, so whoever sees the version can always fetch it::
-
-    {"llm": {"kind": "llm", "model": <model>, "model_version": "v3",
-             "weights": {"stream": <key>, "chunks": 2, "sha256": <hex>, "bytes": 5_000_000}}}
-             # or "weights": {"path": "/shared/v3/model.safetensors", "sha256": <hex>, "bytes": ...}
-
-The new resources version starts from the previous one (other resources and other ``llm`` keys, such
-as proxy URLs, carry over; ``inherit=False`` starts empty); ``extra_resources`` overrides them.
-
-A version is one value, `ModelVersion` (number, name): the number orders versions (staleness, the
-``fulmen_model_version`` gauge), the name keys its weights and travels in resources and spans.
-`ModelVersion.parse` is the one place a name turns back into a number.
-
-Version names: an explicit ``model_version`` that exists already is refused (versions are immutable).
-By default the name is ``v<n+1>`` after the previous version ``v<n>`` of ``resources_id`` (``v1``
-first); a name already taken (by another resources id, or by a publish that crashed before the
-resources entry) is skipped for the next number. One publisher per resources id is expected.
-
-`fetch_model_version` reads whichever transport the version used: with ``resource`` (the ``llm``
-entry, or its ``weights``) it goes straight there; without, it reads the weights stream and, if the
-version has none, looks the version up in the resources log (a shared-folder version).
-
-Formats: every blob carries a manifest (`fulmen.version_manifest`: format, base version, and per
-tensor dtype, shape and sha256). ``full`` and ``lora`` versions are whole; a ``delta`` version holds
-what changed since its base (`fulmen.version_delta`): `fetch_version` returns it as stored, with its
-manifest, and `fetch_full_version` rebuilds the whole weights from the chain.
-
-torch and safetensors are imported inside the functions: ``import fulmen`` never needs torch.
+Entry points `publish_model_version`, `fetch_model_version`, `fetch_full_version`, `ModelVersion`.
+Weights are written before the resources entry names them; versions are immutable. Transports,
+names and formats: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """`fulmen rollback VERSION`: serve an older model version again.
 
-A rollback is one more resources version of the policy whose ``llm`` entry names the older version
-and its weights (as the resources version that published it named them), so every backend follows
-it the way it follows the trainer: the torch backend loads it between batches, `fulmen vllm-sync`
-loads it into its vLLM server, and each recorded call carries the version that served it. The
-entry says what happened: ``"rollback": {"from": "v12", "to": "v9", "at": <unix time>}``.
-
-Only a version whose weights are still stored can come back (`fulmen.version_retention` keeps the
-newest ``keep_versions`` ones and, from now on, the one the policy names). A running trainer goes on
-from its own weights: its next version replaces the rollback. Stop it first to keep the older
-version served (``honcho start`` without it, or scale it to 0); its next version is numbered after
-the newest one ever published, never reusing a name.
+One more resources version naming the older version's weights; every backend follows it as it
+follows the trainer. More: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """What the model servers serve (`served_by`, for `fulmen status`) and how far they are behind the
 trainer: the lag that makes ``--staleness 0`` on-policy.
 
-The trainer's newest version is the one its latest step record names (`fulmen.train_steps`). What
-is served is what every live torch-backend proxy reports (it loads versions itself) and what every
-ready vLLM replica's vllm-sync reports (`fulmen.records.ReplicaState`); a replica that is loading or
-failed takes no calls, so it does not count. The lag is in versions: with ``publish_every`` 1 (the
-default) a version per trainer step, so the scheduler can subtract it from the trainer's step.
+Who counts as serving, and the lag's unit: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

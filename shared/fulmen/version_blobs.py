@@ -1,29 +1,8 @@
-"""A model version's bytes: one safetensors blob (its manifest in the header), written to a Redis
-stream of chunks or a file in a shared folder, and checked on the way back (sha256, chunk order,
-finite values; the stream is read by `fulmen.version_stream`). `fulmen.model_versions` decides names
-and resources; this moves bytes.
+"""A model version's bytes: one safetensors blob, written to a Redis stream of chunks or a file in a
+shared folder, and checked on the way back. `fulmen.model_versions` decides names and resources.
 
-The sha256 a blob travels with (`blob_sha256`) is that of its header when the header's manifest
-describes the blob's own tensors (full and LoRA versions): the header holds every tensor's sha256, so
-checking the header and then each tensor against it (in parallel threads) proves every byte that
-matters with one hash pass on each side instead of two. A delta's blob, or one without a manifest, is
-hashed whole. A file in the shared folder is written without fsync (a torn file after a power loss
-fails that check and is refused; the trainer's checkpoint is the durable copy) and read through a
-memory map, so the weights are not copied on the way in.
-
-A stream's chunks stay out of Redis's append-only file (`XADD_OUTSIDE_AOF`: each XADD inside a script
-that stops its propagation): the AOF would write and fsync every version again (1 GB for a 0.5B model,
-the server's largest cost of a publish on a small machine, and a rewrite of the whole dataset every
-other version), while the trainer can always publish its weights again. What a rollout needs (the
-resources naming each version, the versions kept, spans, samples) still goes through the AOF. So after
-a Redis restart the weights written since its last AOF rewrite are gone: the proxies keep serving what
-they loaded (a proxy that restarts meanwhile logs the failed load and serves its base weights) until
-the trainer publishes them again, which it does when it sees them gone (`fulmen_trainer.lost_weights`),
-exactly as with a weights-only Redis without AOF (FULMEN_WEIGHTS_REDIS_URL).
-Not on a cluster (its replicas would not get the chunks either), nor with ``FULMEN_WEIGHTS_IN_AOF=1``,
-nor on a server that refuses scripts: plain XADDs there.
-
-torch and safetensors are imported inside the functions: ``import fulmen`` never needs torch.
+Chunks stay out of the AOF where the server allows it; torch is imported inside the functions.
+The one hash pass and why: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

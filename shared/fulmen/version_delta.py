@@ -1,18 +1,7 @@
 """A model version as a delta against the previous one: only the elements whose bits changed.
 
-Full fine-tuning changes every weight a little, but a step's update is smaller than the weights'
-rounding step for many of them — in bf16 (8 bits of mantissa) most elements keep their exact bits
-from one version to the next. A delta stores, per tensor, the flat indices of the elements whose
-bits changed (``<name>#idx``, int32) and their new values (``<name>#val``), or the whole tensor
-(``<name>``) where that is smaller; tensors that did not change are left out. Comparing bits, not
-values, makes the delta exact: applied onto the previous version it gives the new one bit for bit,
-which the manifest's per-tensor sha256 then proves (`fulmen.version_manifest`).
-
-A delta names its base version. A backend that serves the base applies it onto its own weights;
-one that does not (a restart, a skipped version) rebuilds the version from the chain: the nearest
-full version before it and every delta after that (`fulmen.model_versions.fetch_full_version`).
-The trainer publishes a full version every ``keyframe_every`` versions, so a chain stays short, and
-retention keeps a kept version's chain (`fulmen.version_retention`).
+Exact: applied onto its base it gives the new version bit for bit, which the manifest proves. Why
+and how chains are rebuilt: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

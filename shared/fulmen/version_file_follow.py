@@ -1,20 +1,7 @@
-"""Reading a model version's file in the shared folder while the trainer writes it (issue 16).
+"""Reading a model version's file in the shared folder while the trainer writes it.
 
-The folder's counterpart of `fulmen.version_stream.read_stream` following a stream. A publisher
-writes ``<folder>/<version>/model.safetensors.partial`` front to back — the header first (with
-placeholder hashes when they are computed meanwhile: `fulmen.version_file_write`), then each tensor
-in order — and renames it into place once the real header is written over the first one. A proxy
-that expects the version (`FileReadAhead`) opens that file, learns the layout from the first header,
-and hashes each tensor and checks its finiteness in a pool of threads as soon as the file's size
-shows it written: the reader's one pass over the weights runs while the writer still writes, not
-after it, and the memory maps share the page cache's pages (no copy).
-
-Nothing read this way is used before a resources entry names the version (`FileReadAhead.take`), and
-then only if the file it names is the very file that was read (the same inode), its header has the
-sha256 the entry names and declares the layout that was hashed, and every tensor matches the
-manifest in that header — what `fulmen.version_stream.check_whole` proves of a file read after its
-announcement. Otherwise (another file under that name, a delta, a publish that stopped, a corrupt
-file) the caller reads the file the usual way, which says what is wrong if anything is.
+`FileReadAhead`: nothing read is used before a resources entry names that very file with its sha256.
+Why: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""Weights files of deleted versions, kept to be written over by the next version (issue 16).
+"""Weights files of deleted versions, kept to be written over by the next version.
 
-Writing a version's file into new pages of the page cache is most of a folder publish's cost where
-memory given back is slow to get again (virtual machines that return freed memory to their host: a
-1 GB file takes seconds), while writing over a file whose pages are cached costs a fraction of that.
-So retention (`retire`) keeps the weights file of a version it deletes in ``<shared>/.spare/`` (the
-newest `SPARES_KEPT`), and a publisher (`take_spare`) renames one into its new version's folder and
-writes over it, its size set to the new version's.
-
-A spare is written over only when no process has it open or mapped — a proxy still reading the old
-version, a reader that kept its memory map — which the kernel tells on a local disk filesystem: a
-write lease (``F_SETLEASE``) is granted only on a file nobody else has open, a mapping counting as
-open. Elsewhere it cannot be told, so spares are used only on the filesystems in `LOCAL_FILESYSTEMS`:
-NFS grants no lease, a filesystem shared between hosts sees only this host's readers, and overlayfs
-grants one while a process that closed its descriptor still maps the file. Elsewhere every version
-gets a new file, as without spares. A spare found in use is dropped (unlinked: its readers keep the
-old bytes), never written.
+`retire` keeps them, `take_spare` reuses one; only on `LOCAL_FILESYSTEMS`, and never one still open
+or mapped. Why: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

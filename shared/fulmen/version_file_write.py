@@ -1,13 +1,7 @@
-"""A full or LoRA version written into the shared folder while its manifest is hashed (issue 16).
+"""A full or LoRA version written into the shared folder while its manifest is hashed.
 
-The file begins with its header, and the header holds every tensor's sha256 (the manifest), so the
-usual order is: hash every tensor, then write the file — two passes over the weights one after the
-other. But the header's length does not depend on the hashes (64 hex digits each), so
-`write_file_hashing` writes the header with placeholder hashes, then every tensor's bytes in order
-while a pool hashes them, then the real header over the placeholder one. The file is the same, byte
-for byte, as `fulmen.version_blobs.write_file` writes; what a reader checks is the same. A reader
-that expects the version (`fulmen.version_file_follow`) learns the layout from the placeholder header
-and hashes each tensor as soon as the file holds it.
+`write_file_hashing` writes placeholder hashes first; the file equals `fulmen.version_blobs.write_file`'s.
+Why: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

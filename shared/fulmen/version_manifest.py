@@ -1,21 +1,7 @@
 """What a model version holds, tensor by tensor: the manifest that travels inside its weights.
 
-Every published blob is a safetensors file whose metadata carries the manifest as JSON under
-``fulmen.manifest``::
-
-    {"format": "full" | "lora" | "delta", "base_version": "v7" | null,
-     "tensors": {"model.layers.0.mlp.up_proj.weight": ["bfloat16", [4864, 896], "<sha256 hex>"], ...}}
-
-``tensors`` describes the weights a backend ends up with: for ``full`` and ``lora`` the tensors in
-the blob; for ``delta`` every tensor of the whole new version (the ones the delta leaves unchanged
-included), so whoever applies a delta checks each tensor it rebuilt against the trainer's own bytes
-(`fulmen.version_delta`) — a delta applied onto the wrong weights is refused, never served. The
-sha256 is over the tensor's raw bytes (C order, its own dtype).
-
-The manifest also guards the transport (`fulmen.version_blobs`): where it describes the blob's own
-tensors (``full``, ``lora``) the sha256 a version is published with is that of the blob's header, and
-a reader checks every tensor against the manifest — one hash pass over the weights on each side, in
-parallel. A delta's bytes are not what its manifest describes, so its blob is hashed whole.
+JSON under ``fulmen.manifest`` in the safetensors metadata: format, base version, and per tensor
+dtype, shape and sha256. What it guards: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

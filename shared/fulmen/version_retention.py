@@ -1,23 +1,7 @@
 """Which model versions keep their weights: the newest ``keep`` ones, every one a live proxy or replica
 serves, and the one the policy names (after `fulmen rollback`, an old one).
 
-Every published version's weights stay in the store until this deletes them (Redis runs
-``noeviction``: a 0.5B model's versions would fill it in minutes). `publish_model_version` records
-each version in ``keys.stored_versions`` (a sorted set scored by the resources version that
-published it); `retain_versions` — which the trainer calls after each publish, and the store's
-retention (`fulmen trim --keep-versions`, the watchdog's retention loop) too — deletes the weights
-of all but the newest ``keep`` versions, never one that a live proxy reports serving, and drops them
-from the set. Each pass then starts Redis's AOF rewrite if it is due (`fulmen.aof_rewrite`) and no
-version is on its way to the proxies: the dataset is smallest then. Right after a publish the proxies
-are still reading, so the trainer checks again once they serve it (`rewrite_aof_after_publish`). The
-resources log keeps naming a deleted version (it is history); a proxy that asks
-for one finds it gone and moves on to a newer one (`fulmen_llm_proxy.following`).
-
-A version a proxy serves stays until no live proxy serves it: a proxy that is slow to follow keeps
-its weights (and could reload them after a restart). A delta version (`fulmen.version_delta`) keeps
-its whole chain: every version it is rebuilt from back to the nearest full one (``keys.version_bases``
-names each delta's base). A shared-folder version's folder is deleted the same way, its weights
-file kept for a later version to write over (`fulmen.version_file_spares`).
+Entry point `retain_versions`; a kept delta keeps its chain. The rule and why: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

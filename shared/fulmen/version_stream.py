@@ -1,19 +1,7 @@
 """Reading a model version's chunks from Redis, checked while they arrive.
 
-`read_stream` copies each chunk once, into a buffer of the blob's size that the caller chooses (a
-bytearray for a backend that loads the tensors, a memory-mapped file for vllm-sync, which hands the
-file to vLLM as it is). As soon as the header has arrived, a `BlobChecker` starts hashing every tensor
-whose bytes are complete in a pool of threads (hashlib and torch release the GIL), so the one hash
-pass over the weights runs while the next chunks are on the way instead of after the last one. The
-chunks come in XRANGE pages, two in flight at once, so the server builds the next reply while the
-client parses this one; after the first chunk, on a connection of the reader's own that receives each
-chunk's bytes at their place in the buffer, in a worker thread (`fulmen.version_stream_socket`).
-
-What is checked is what `fulmen.version_blobs.deserialize` checks, on the same bytes: when the header's
-sha256 is the one published and its manifest covers the blob's tensors (full, LoRA), each tensor's
-dtype, shape, sha256 and finiteness against the manifest; otherwise (a delta) the whole blob's sha256,
-hashed in order as it arrives. `BlobChecker.finish` raises RecordError on any difference and says what
-it proved, which `deserialize` then does not repeat.
+Entry point `read_stream` (into a buffer the caller chooses); `BlobChecker.finish` raises RecordError
+on any difference. How reading and hashing overlap: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

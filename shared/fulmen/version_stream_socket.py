@@ -1,16 +1,7 @@
-"""Reading a model version's chunks on a socket of its own, straight into the blob (issue 16).
+"""Reading a model version's chunks on a socket of its own, straight into the blob.
 
-redis-py hands each chunk to Python as a bytes object: the socket's bytes are copied into asyncio's
-buffer, into hiredis's, into a bytes object, then into the blob — four copies of every byte, on the
-event loop. For the pages `fulmen.version_stream.read_stream` asks for, `ChunkSocket` sends the same
-XRANGE on a blocking connection of its own, in a worker thread, and receives each chunk's bytes with
-``recv_into`` at their place in the blob: one copy, off the event loop. It speaks RESP2 (what a new
-connection speaks) and logs in and selects the database as the client's pool does; where it cannot
-connect the same way (TLS, a cluster, a credential provider, RESP3) `ChunkSocket.open` gives None and
-the caller keeps redis-py.
-
-What each chunk's record says is checked before its bytes are received (``place``): a chunk out of
-order or too large is refused before it touches the blob.
+`ChunkSocket.open` gives None where it cannot connect as the client does; the caller then keeps
+redis-py. Why: docs/design/model-versions.md.
 """
 
 from __future__ import annotations
