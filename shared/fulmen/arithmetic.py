@@ -1,37 +1,8 @@
 """Arithmetic tasks with an exactly checked reward: the task of the end-to-end demo and the trainer tests.
 
-A task is a JSON-serialisable dict::
-
-    {"id": "train-add-23-48", "question": "23+48=", "answer": "71",
-     "a": 23, "b": 48, "op": "+", "split": "train"}
-
-``question`` is the whole prompt the agent sends (the user message of a chat call, or the prompt of a
-plain completion); ``answer`` is the exact decimal string expected back. Every character of every
-question and answer is in `fulmen.tiny_model.DEFAULT_ALPHABET` (digits and ``+-*=``).
-
-Splits — train and validation are disjoint *by construction*: an operand pair ``(a, op, b)`` belongs
-to exactly one split, chosen by a hash of the pair (``sha256("a op b")``, first 8 bytes, modulo 1000
-below ``val_permille`` means validation). So no validation question ever appears in training
-whatever the seeds and sizes, a task keeps its split when the sizes change, and ``23+48`` may be in
-one split and ``48+23`` in the other (a model has to learn to add, not to remember pairs). The seed
-only picks which pairs of a split are drawn, and in which order; equal arguments give equal tasks.
-
-Difficulty is a knob: ``digits`` (operands have exactly that many digits: 10..99 for 2) and
-``ops`` (any of ``+``, ``-``, ``*``). The default (2-digit addition, answers of one to three digits)
-is what the demo trains on.
-
-Reward — `reward(task, completion)` is 1.0 when the completion *starts with* the exact answer as a
-whole number, else 0.0: leading spaces are skipped, then the answer is the longest run of an
-optional ``-``, digits and an optional decimal part (``.`` and digits); anything after that run (a
-newline, an end-of-turn token, more text) is ignored, but the run itself must equal ``answer``
-character for character (``"071"``, ``"71.0"``, ``"712"``, ``" 7 1"`` and ``"\\n71"`` are all wrong
-for ``"71"``; ``"71"``, ``" 71"``, ``"71\\n"``, ``"71."`` and ``"71<eos>..."`` are right). The model
-is meant to answer and then end its turn; what follows the number is never read, so a reward
-cannot be earned by listing several numbers.
-
-The recipe that makes the demo learn (model size, SFT warm start, GRPO settings) is in
-``bench/recipe_search.py``; its figures are under "Demo recipe search (issue 7)" in
-``bench/RESULTS.md``.
+Entry points `make_tasks` and `reward(task, completion)`; train and validation are
+disjoint by a hash of the operand pair. Why, and the reward's rules: docs/design/demo.md; the recipe:
+bench/recipe_search.py.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """The tool-use demo's task: three-digit multiplication that an agent answers by calling a calculator.
 
-A task is an `fulmen.arithmetic` task with ``digits=3, ops="*"`` (question ``"123*456="``, answer
-``"56088"``; train and validation disjoint by a hash of the operand pair). A tiny model cannot
-multiply, but it can learn to *use a tool*: the agent (``examples/calculator_agent.py``) offers the
-`CALCULATOR` tool, the model writes a call in the Hermes/Qwen format the proxy parses::
-
-    <tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>
-
-the agent runs `calculate` and sends the result back as a ``tool`` message, and the model answers
-with the number. The reward is `fulmen.arithmetic.reward` on that final answer: 1.0 only when the
-operands were copied into the call and the tool's result copied into the answer exactly.
-
-`demonstrations` are the whole conversation (user, assistant call, tool result, assistant answer)
-for the SFT warm start; rendered with the request's tools by the tiny model's chat template, they
-are exactly the token sequence the proxy records for a rollout that does it right, so a rollout
-joins into one trajectory sample.
+`CALCULATOR`, `calculate` and `demonstrations` (for the SFT warm start); the reward is
+`fulmen.arithmetic.reward`. Why it is shaped this way: docs/design/demo.md.
 """
 
 from __future__ import annotations

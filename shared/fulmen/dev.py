@@ -1,13 +1,7 @@
 """`fulmen dev`: every service of the Procfile as an asyncio task in this one process, on the embedded
 Redis, so a debugger can stop in the agent, the adapter or the loss and step through one rollout.
 
-Each service registers its task as an entry point (group ``fulmen.dev``: an ``async def main(stop)``
-that reads its own settings from the environment, as its command does, and returns once ``stop`` is
-set); `fulmen` imports no service. Behaviour follows `honcho start`: the same settings (``.env`` is
-read the same way: its values fill in what the environment does not set), the services start
-together and wait for what they need, and when one ends — the algorithm, when the run is over — or
-fails, the others are stopped. The evaluator's rq worker runs in a thread of this process (rq is
-synchronous); torch work runs in threads as it does in the services.
+Services register ``async def main(stop)`` under the ``fulmen.dev`` entry points. Why: docs/design/dev.md.
 """
 
 from __future__ import annotations

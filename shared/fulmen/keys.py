@@ -1,22 +1,7 @@
 """Every Redis key, stream and consumer-group name Fulmen uses. Nobody else formats key strings.
 
-Every key of an experiment starts with ``fulmen:{<experiment>}:``. The braces are a Redis Cluster hash
-tag: all keys of one experiment live in one slot, so the Lua scripts that move a rollout, its attempt,
-the queue and the finished stream in one atomic step are legal on a cluster too.
-
-Lua scripts receive the experiment prefix and append the suffixes below (as BullMQ's scripts do):
-the suffix constants are interpolated into the Lua source by ``fulmen.store.scripts``, so this module
-stays the only place where a key's shape is written.
-
-Shards: with S > 1 (``FULMEN_STORE_SHARDS``; 1 by default) the rollout lifecycle is split into S
-shards, each with a hash tag of its own, so one experiment spreads over the masters of a Redis
-Cluster. A rollout belongs to shard ``crc32(rollout id) % S``; its hash, attempts, spans, status
-indexes, queue, finished stream, index and watchdog sets carry that shard's tag (`ShardKeys`), so a
-lifecycle script still touches one slot. Shard 0 is the experiment's own tag ``{<experiment>}``, so
-with S = 1 every key is exactly what it always was; shard i > 0 is ``{<experiment>:shard<i>.<n>}``,
-with the smallest n whose slot falls in a part of the 16384 slots no other shard has taken (a
-cluster made by ``redis-cli --cluster create`` gives each master one such part, so the shards land on
-distinct masters). Everything else (samples, resources, registry, trainer) stays in shard 0's slot.
+Every key of an experiment starts with ``fulmen:{<experiment>}:`` (a Cluster hash tag); `ShardKeys`
+gives a lifecycle shard's keys. Hash tags and shards: docs/design/store.md.
 """
 
 from __future__ import annotations

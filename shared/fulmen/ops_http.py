@@ -1,22 +1,7 @@
 """`/healthz`, `/readyz` and Prometheus `/metrics` for any service, plus its heartbeat in the store.
 
-One background thread serves HTTP (the standard library's threading server) and one beats; both use
-their own synchronous Redis client, so they work the same beside an asyncio loop, a torch step in a
-thread or rq's blocking worker, and a busy loop never makes a service look dead.
-
-- ``/healthz``: 200 while the process runs (alive).
-- ``/readyz``: 200 when Redis answers and the service's consumer groups exist; else 503 with the
-  reason as JSON (``{"ready": false, "reason": "..."}``).
-- ``/metrics``: the process's own metrics (CPU, memory, fds, GC, from prometheus_client), the
-  service's counters, and the pipeline-wide gauges read from Redis at scrape time (`fulmen.ops_metrics`).
-
-The port is ``FULMEN_METRICS_PORT``, else ``$PORT`` (honcho gives each process its own, so
-``honcho start -c runner=4`` works), else no server — and no log line about it. The address is
-``FULMEN_METRICS_HOST``: loopback by default, so a laptop's services are not open to its network;
-the container images and manifests set 0.0.0.0 for probes and Prometheus. With
-``FULMEN_METRICS_TOKEN`` set, /metrics answers only ``Authorization: Bearer <token>`` (401 otherwise);
-the probes stay open (Kubernetes probes send no secret). The heartbeat (`fulmen.keys.SERVICES`, read
-by `fulmen top`) runs either way.
+Served from background threads with their own sync Redis client, so a busy loop never looks dead.
+Port, address and token rules: docs/design/telemetry.md.
 """
 
 from __future__ import annotations

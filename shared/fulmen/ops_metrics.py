@@ -1,13 +1,6 @@
 """Prometheus collectors: pipeline-wide gauges read from Redis at scrape time, per-process counters.
 
-Pipeline gauges (queue depth, rollouts per status, pending, lag, dead letters, stream lengths) are
-the same whichever process is scraped: they are read from Redis when Prometheus asks, in two
-pipelined round trips (`fulmen.store.statistics`), never kept in a process. Every service serves
-them, so one scrape target is enough; with several, aggregate with ``max`` (not ``sum``).
-
-Per-process counters (claims, attempts ended, spans, samples, skips) live in the service objects; a
-`CountersCollector` reads them at scrape time, so services keep plain integer attributes and need no
-Prometheus import on their hot paths.
+Aggregate the pipeline gauges across services with ``max``, not ``sum``. Why: docs/design/telemetry.md.
 """
 
 from __future__ import annotations

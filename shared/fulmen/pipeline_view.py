@@ -1,13 +1,7 @@
 """The live pipeline as data: what `fulmen top` draws in a terminal and the dashboard shows in a browser.
 
-One read of an experiment (a `Frame`): the pipeline snapshot (`fulmen.store.statistics`), the
-services' heartbeats, the runners' worker records, the proxies' registry, the inference replicas,
-the adapter's counters, the run's position and the tail of the trainer's step log. Then what both
-views derive from it: the services and their live replicas (`service_rows`) and rates between two
-frames (`rate`). Sync (`read_frame`, for `fulmen top`) and async (`aread_frame`, for the dashboard)
-queue the same commands on a pipeline; only ``execute`` differs, so the queries live here once.
-
-Every read is a fixed number of commands on known keys: no scan of the keyspace.
+`read_frame` / `aread_frame` read one `Frame`; `service_rows` and `rate` derive from it. Every read is a
+fixed number of commands on known keys. More: docs/design/telemetry.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """A tiny Llama with a character-level tokenizer, saved in Hugging Face format, for tests, demos, benches.
 
-`build_tiny_model(folder)` writes ``config.json``, ``model.safetensors``, ``generation_config.json``,
-``tokenizer.json`` and ``tokenizer_config.json`` (with a chat template), so that
-``AutoModelForCausalLM.from_pretrained(folder)`` and ``AutoTokenizer.from_pretrained(folder)`` work
-offline, exactly as they do for a real checkpoint. Building takes well under a second.
-
-The tokenizer has one token per character of the alphabet (ids follow the special tokens) and
-decodes without adding spaces, so ``decode(encode(text)) == text`` for any in-alphabet text.
-
-Chat format (one line per message, no spaces added)::
-
-    <bos><|user|>12+7=<eos><|assistant|>19<eos>
-
-``add_generation_prompt=True`` ends the prompt with ``<|assistant|>``; an assistant turn ends with
-``<eos>``, so the model's end-of-sequence token also ends its turn.
-
-Presets: ``default`` (the demo's shape) and ``vllm`` (heads vLLM serves on a CPU), both with 2048
-positions; ``python -m fulmen.tiny_model FOLDER [--preset vllm]`` builds one from the command line.
-
-torch and transformers are imported inside the functions: ``import fulmen`` never needs them.
+`build_tiny_model(folder)`; ``python -m fulmen.tiny_model FOLDER [--preset vllm]``. torch and
+transformers are imported inside the functions. The tokenizer and chat format: docs/design/demo.md.
 """
 
 from __future__ import annotations

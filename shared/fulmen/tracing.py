@@ -1,11 +1,7 @@
 """OpenTelemetry in a runner process: one TracerProvider whose spans are bound to rollout attempts.
 
-Every span started while an attempt runs (the agent's own, an auto-instrumented library's, Fulmen's
-``emit_*``) gets the attempt's ids as attributes and lands in `SpanBuffer`; the runner writes the
-buffer to the store in batches. With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, the same spans also go to
-an OTLP collector (Jaeger). A rollout is one trace: its trace id is derived from the rollout id, so
-every attempt, and the proxy's spans (which compute the same id when no ``traceparent`` arrives),
-land in it.
+Spans land in `SpanBuffer` (and an OTLP collector when set); a rollout is one trace, its id derived
+from the rollout id. More: docs/design/telemetry.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """The trainer's steps stream in Redis: one record per optimizer step (its metrics), the one record of
 progress.
 
-The trainer's leader appends one `TrainStep` per optimizer step. Readers: the algorithm paces its
-rollouts on the last step (`latest_step`), `fulmen top` draws the reward sparkline from the tail
-(`read_steps`), and the run's report plots the whole curve (`read_curve`) — all from any machine (the
-trainer's JSON-lines metrics file is only a local mirror). Capped (approximately, which lets Redis
-trim whole nodes cheaply) so a long run cannot grow it.
-
-A trainer restarted from a checkpoint trains the steps after it again, so a step number may appear
-twice; the later entry is the one that counts.
-
-Groups the trainer takes without a step — dropped (fewer than two usable rollouts) or part of a step
-skipped for a non-finite number — are added to a set (`record_untrained_groups`); the algorithm
-enqueues one more group for each (`UntrainedGroups`) at once, rather than waiting for the
-trainer to stall. A set, so a trainer that drops a group again after a restart counts it once.
+Readers: `latest_step`, `read_steps`, `read_curve`; untrained groups: `record_untrained_groups`,
+`UntrainedGroups`. Why: docs/design/trainer.md.
 """
 
 from __future__ import annotations
