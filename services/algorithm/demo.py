@@ -1,9 +1,7 @@
 """The demo's preparation: arithmetic tasks, a tiny Llama from scratch, and a brief SFT warm start.
 
-The warm start stops as soon as greedy accuracy on some training tasks reaches ``until``: the
-SFT curve is so steep that a fixed number of steps would land anywhere on it (see the recipe search
-in bench/RESULTS.md). Everything is written into ``folder``; the model folder appears last (renamed
-into place), so the proxy and the trainer, which wait for it, never read half a model.
+The model folder appears last (renamed into place), so nobody reads half a model. Why the warm
+start stops at ``until``: docs/design/demo.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Validation passes as rq jobs: the algorithm enqueues them, `fulmen evaluator` runs them.
 
-rq with its JSON serializer (never pickle): a job is a function name and JSON arguments. rq would
-import and call whatever function a job names, so anyone who can write to Redis could run code in
-the evaluator; the evaluator's job class (`AllowlistedJob`) runs only `FULMEN_JOBS` and fails any
-other job with a clear error, before importing anything it names (a callback included).
+JSON serializer, never pickle; `AllowlistedJob` runs only `FULMEN_JOBS`, before importing anything a
+job names. Why: docs/design/algorithm.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The tool-use demo's preparation (`fulmen demo --task tools`): three-digit multiplication tasks, a
 tiny Llama from scratch, and an SFT warm start on whole tool-using conversations.
 
-The warm start teaches the call format and stops, deliberately partial, as soon as greedy accuracy
-of the full agent loop (call, tool result, answer) on some training tasks reaches ``until``: GRPO
-on trajectories then has room to improve it. As in `fulmen_algorithm.demo`, the model folder appears
-last (renamed into place), so the proxy and the trainer, which wait for it, never read half a model.
+The warm start stops deliberately partial, at ``until``. Why: docs/design/demo.md.
 """
 
 from __future__ import annotations

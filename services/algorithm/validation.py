@@ -1,10 +1,7 @@
 """Validation: a greedy pass over held-out tasks as val-mode rollouts through the normal pipeline.
 
-The pass runs wherever it is called: inside an rq job (`validation_job`, JSON arguments and result,
-the `fulmen evaluator` worker runs it, so the algorithm keeps pacing the run meanwhile), or directly
-(`fulmen eval`). Greedy decoding comes from a "validation" resources entry: the policy's model with
-temperature 0. It names no model version, so publishing it never makes a proxy load weights; the
-spans record which version served each rollout, and the result lists them.
+Run as an rq job (`validation_job`) or directly (`fulmen eval`); its resources entry names no model
+version. Why: docs/design/algorithm.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Admission of new completions: serving, paused (new calls wait), or closing (new calls get 503).
 
-Pause and drain come from the control stream (`fulmen_llm_proxy.control`) for synchronous weight
-updates: calls already in flight always finish; new ones wait until ``resume`` (or answer 503 after
-``wait_s``). Closing is SIGTERM: new calls are refused at once so a load balancer moves on.
-The fast path (serving) is a flag test and an increment, no await.
+Calls in flight always finish; the serving fast path is a flag test and an increment, no await.
+More: docs/design/proxy.md.
 """
 
 from __future__ import annotations

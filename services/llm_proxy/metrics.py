@@ -1,9 +1,7 @@
 """Prometheus metrics of one proxy process, served on ``/metrics`` in the text format.
 
-With ``PROMETHEUS_MULTIPROC_DIR`` set (several worker processes behind one port), prometheus-client
-writes every value to files in that folder and ``/metrics`` aggregates them, so any worker answers
-for all (the in-flight gauge sums live processes). Label children are looked up once and cached:
-``labels()`` takes a lock and builds a tuple, on every request otherwise.
+Multi-process with ``PROMETHEUS_MULTIPROC_DIR``; label children are cached. Why:
+docs/design/proxy.md.
 """
 
 from __future__ import annotations

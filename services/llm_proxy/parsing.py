@@ -1,10 +1,7 @@
 """Turn a request body into a validated `Call`, or a 400 that names the bad parameter.
 
-Everything a client can send that would later fail (a 500) or cost the event loop time out of
-proportion is refused here, before any work: nesting deeper than `MAX_JSON_DEPTH`, strings holding
-lone surrogates (no tokenizer, UTF-8 encoder or msgpack accepts them), integers beyond 64 bits (the
-span's msgpack cannot hold them), and more or longer stop strings than the per-token stop check
-can afford (it runs on the event loop).
+Whatever would later fail or cost the event loop out of proportion is refused here, before any work.
+What and why: docs/design/proxy.md.
 """
 
 from __future__ import annotations

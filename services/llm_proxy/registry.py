@@ -1,9 +1,7 @@
 """The proxy's entry in the store's proxy registry: its base URL, refreshed as a heartbeat.
 
-Runners read the registry (`RedisStore.query_proxies`) and pick a proxy per rollout; an entry
-older than `fulmen.store.registry.PROXY_TTL_S` is skipped, so a proxy heartbeats well within it
-and removes its entry on shutdown. The metadata carries the control state (``serving``, ``paused``,
-``draining``, ``drained``) with the id of the control message that set it.
+Heartbeat well within `fulmen.store.registry.PROXY_TTL_S`; the metadata carries the control state.
+More: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Everything one proxy process owns, started and stopped together (by the ASGI lifespan).
 
-Start: connect to Redis (waiting with backoff, services start in any order), start the backend
-(load the model), register in the proxy registry, then follow the control stream and, for the torch
-backend, the model versions. Close (SIGTERM): refuse new calls, let calls in flight finish (uvicorn
-waits for them), unregister, stop the followers, close the backend and the Redis client.
+The start and close sequences: docs/design/proxy.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """One loop that heartbeats every running attempt of the process, and stops the abandoned ones.
 
-An attempt beats every ``unresponsive_seconds / 3`` (at most every `HEARTBEAT_MAX_S`); the beats due
-at one tick go to Redis in one round trip. The reply says whether the rollout was cancelled or the
-attempt given up on (timed out by a watchdog, superseded); then the attempt's task is cancelled with
-that reason, which `execute` reads back with `abandoned_reason` — not a shutdown, nothing to hand back.
+The beats due at one tick go in one round trip; an abandoned attempt's task is cancelled with the
+reason (`abandoned_reason`). More: docs/design/runner.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The runner's main loop: claim rollouts for the free slots, run each attempt, stop cleanly.
 
-One claim call asks for as many rollouts as there are free slots (the store claims them in one round
-trip), so a runner at concurrency 64 does not hold 64 blocking reads. Stopping (SIGTERM): claim
-nothing more, give in-flight attempts ``grace_s`` to finish, then hand the rest back to the queue so
-another runner starts them at once. A SIGKILLed runner needs nothing from here: the watchdog and the
-store's reclaim take its work back.
+One claim call for all free slots; on SIGTERM, ``grace_s`` for in-flight attempts, then the rest go
+back to the queue. More: docs/design/runner.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Checkpoints without pickle: safetensors for every tensor, JSON for everything else.
 
-A checkpoint is a folder ``step-<n>/`` with the model as a Hugging Face folder (``model/``), the
-optimizer's and the codec's tensors (``state.safetensors``) and ``meta.json`` (step, model version,
-the sample-stream entries consumed since the previous checkpoint, the optimizer's param groups,
-the settings). It is written to a temporary folder and renamed, then ``LATEST`` is replaced
-atomically, so a crash leaves the previous checkpoint intact.
+A folder ``step-<n>/`` renamed into place, then ``LATEST`` replaced atomically. The layout:
+docs/design/trainer.md.
 """
 
 from __future__ import annotations

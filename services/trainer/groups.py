@@ -1,9 +1,7 @@
 """Collecting samples into GRPO groups: a group is the n rollouts of one task, complete when all n
 are terminal (a rollout that yielded nothing arrives as a `SampleSkip`, so it still counts).
 
-Failed rollouts are left out; a complete group with fewer than two usable rollouts is dropped (its
-advantages would all be zero) and counted. Samples too many model versions behind the trainer are
-dropped or down-weighted, as configured, and counted.
+What is dropped and counted: docs/design/trainer.md.
 """
 
 from __future__ import annotations

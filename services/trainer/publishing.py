@@ -1,10 +1,7 @@
 """How the trainer publishes its weights: whole, or as a delta against the version before.
 
-``publish_format=full`` publishes every version whole (a LoRA adapter is always whole: it is
-small). ``publish_format=delta`` publishes a full version (a keyframe) first, after a restart and
-every ``keyframe_every`` versions, and a delta against the previous version in between
-(`fulmen.version_delta`), keeping the previous version's tensors in host memory to compare against.
-An ``exact`` version (fp32, for a rank catching up) is always a keyframe.
+``publish_format`` full or delta (keyframes every ``keyframe_every``); see docs/design/trainer.md and
+`fulmen.version_delta`.
 """
 
 from __future__ import annotations
