@@ -1,9 +1,8 @@
 """The dashboard's pages: experiments, a run, its rollouts (filtered, paged), one rollout with its
 attempts and span tree, the live pipeline, the curves, the dead letters.
 
-Read-only unless admin actions are enabled (`DashboardSettings.dashboard_admin`): then, and only
-then, two POST routes write (cancel a rollout, requeue a dead letter). The live view and the curves
-update in the browser by fetching a fragment / JSON again (`static/dashboard.js`).
+Read-only unless `DashboardSettings.dashboard_admin` enables the two POST routes. More:
+docs/design/telemetry.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Span names, attribute names and HTTP headers that the SDK, the runner, the proxy and the adapter share.
 
-LLM-call spans follow the OpenTelemetry GenAI semantic conventions (``gen_ai.*``); what those do not
-cover (token ids, log-probabilities, the model version, attribution) lives under ``fulmen.*``.
-Attribute values stay OTLP-friendly (str, bool, int, float, homogeneous lists of them), except the
-token arrays below, which are packed bytes (OTLP carries them as bytes values).
+OpenTelemetry GenAI conventions (``gen_ai.*``) plus Fulmen's own (``fulmen.*``). More:
+docs/design/telemetry.md.
 """
 
 from __future__ import annotations

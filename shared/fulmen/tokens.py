@@ -1,10 +1,7 @@
 """Token ids and log-probabilities on the wire: packed little-endian arrays, not msgpack lists.
 
-A 640-token call costs ~65 µs to decode and re-encode as msgpack lists of ints (one Python object
-per token), ~2 µs as packed bytes; the adapter handles two such calls per rollout at 5,000 rollouts
-a second. So the proxy stores ``fulmen.prompt_token_ids`` / ``fulmen.response_token_ids`` as int32
-bytes and ``fulmen.response_logprobs`` as float32 bytes, and samples travel the same way. In Python
-they are plain lists: `ids` and `floats` read either form (spans made by hand may hold lists).
+int32 ids, float32 log-probabilities; `ids` and `floats` read either form into plain lists. Why:
+docs/design/records.md; figures: bench/RESULTS.md.
 """
 
 from __future__ import annotations

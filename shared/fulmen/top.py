@@ -1,10 +1,7 @@
 """`fulmen top`: a live terminal view of one experiment's whole pipeline, refreshed in place.
 
-Everything comes from Redis, so it runs from any machine that reaches it, read through
-`fulmen.pipeline_view` (the dashboard's live page reads the same frame): the pipeline snapshot, the
-services' heartbeats, the runners' worker records, the proxies' registry, the adapter's counters and
-the trainer's step log (the reward curve).
-Rates are deltas between two refreshes, so the first frame (and ``--once``) has none.
+Reads `fulmen.pipeline_view` frames from Redis, so it runs from any machine that reaches it. More:
+docs/design/telemetry.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """A model version as a Hugging Face folder: what vLLM's ``reload_weights`` reads and what a run
 leaves as its final model.
 
-The folder is the base model's folder (config, tokenizer) with the version's full weights in
-``model.safetensors``. A LoRA version is merged onto the base weights first (`fulmen.lora`), so
-whatever loads the folder needs no LoRA support. It is written beside its final name and renamed
-into place: a reader sees a whole folder or none.
+LoRA versions are merged first; the folder is renamed into place. More: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

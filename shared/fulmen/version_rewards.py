@@ -1,9 +1,7 @@
 """Reward per model version: how each version does on the rollouts it served (rollback and A/B).
 
-The adapter counts, for each rollout it turns into samples, the version that served its last LLM call
-and the rollout's reward, in the adapter's counters hash, atomically with the samples (the counters
-are integers, so the reward is summed in millionths): ``version:<mode>:<version>:rollouts`` and
-``version:<mode>:<version>:reward_u``. `rewards_by_version` reads them back as means.
+The adapter counts them with the samples; `rewards_by_version` reads them back as means. The
+counters: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Agents: a decorated function (``@fulmen.rollout``) or a class with ``rollout()`` / ``rollout_async()``.
 
-Parameters are matched by name, as in Agent Lightning: the first is the task; the others may be
-``llm`` (an `LLM`), ``prompt_template`` (a `PromptTemplate`), ``rollout`` (the `Rollout` record) and
-``resources`` (every named resource of the snapshot). A signature that asks for anything else is
-refused when the agent is loaded, not when the first rollout runs.
+Parameters are matched by name (the task first, then ``llm``, ``prompt_template``, ``rollout``,
+``resources``); anything else is refused at load. More: docs/design/sdk.md.
 """
 
 from __future__ import annotations

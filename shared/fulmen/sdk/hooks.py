@@ -1,10 +1,7 @@
 """Hooks: code that runs around every rollout, outside the agent (Agent Lightning's ``Hook``).
 
-Order for one attempt: ``on_rollout_start`` → ``on_trace_start`` → the agent → ``on_trace_end`` →
-``on_rollout_end``. Each may be sync or async. An exception in a hook is recorded and logged but
-does not fail the rollout: hooks observe, they do not decide. That holds for a ``KeyboardInterrupt``,
-``SystemExit``, ``GeneratorExit`` or ``CancelledError`` a hook raises itself too: only a cancellation
-of the attempt's task (the runner stopping) goes through.
+Hooks observe, they do not decide: an exception in one is logged, never fails the rollout. The order
+and the rules: docs/design/sdk.md.
 """
 
 from __future__ import annotations

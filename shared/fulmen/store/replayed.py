@@ -1,9 +1,6 @@
 """Appending a replay's samples (`fulmen replay`) to the samples stream, once per rollout and replay.
 
-A replay has a name; the set ``replayed:<name>`` (in the samples stream's slot) holds the rollouts it
-has appended samples for, and one script checks the set and appends in one step. Replaying again
-under the same name appends nothing; a new name (after another adapter change) appends again.
-The adapter's own once-per-rollout marker is left alone: a replay is not the live adapter.
+One script checks the set ``replayed:<name>`` and appends in one step. More: docs/design/adapter.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Where a stream may be cut: the id below which retention removes entries, and removing them.
 
-A cut is a stream id: every entry below it goes, the cut itself and everything after stay. Two cuts
-meet in a consumed stream: what the policy wants gone (older than an age, beyond a count) and what
-every consumer group has acknowledged (`consumed_cut`); the lower one wins, so nothing a group still
-needs is ever removed.
+The lower of the policy's cut and `consumed_cut` wins, so nothing a group still needs is removed.
+More: docs/design/store.md.
 """
 
 from __future__ import annotations

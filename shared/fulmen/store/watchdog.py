@@ -1,9 +1,7 @@
 """The watchdog: ends attempts that ran past their timeout or stopped heartbeating, and, given a
 retention policy, trims the store by it every so often (`fulmen.store.retention`).
 
-Any number of processes may run it at once: each candidate is re-checked and transitioned inside one
-Lua script with the server's clock, so an attempt changes status exactly once whoever sees it first;
-retention is idempotent, so two watchdogs trimming at once remove nothing more than one would.
+Safe to run in any number of processes at once. Why: docs/design/store.md.
 """
 
 from __future__ import annotations
