@@ -225,9 +225,9 @@ _random = random.Random()
 def record_event_span(name: str, attributes: dict[str, Any], error: str | None = None) -> bool:
     """The fast path of ``fulmen.emit_*``: a point-in-time span written straight to the buffer.
 
-    The OpenTelemetry SDK spends ~40 µs on a span here; when no exporter other than the store wants
-    spans, the record the store would get is built directly (same ids, parent, attributes) for a
-    fifth of that. Returns False when the span must go through the SDK (an exporter is configured,
+    When no exporter other than the store wants spans, the record the store would get is built
+    directly (same ids, parent, attributes), for a fraction of the OpenTelemetry SDK's cost per span
+    (bench/RESULTS.md). Returns False when the span must go through the SDK (an exporter is configured,
     or no attempt is bound)."""
     buffer = _direct
     binding = _binding.get()

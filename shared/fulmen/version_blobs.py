@@ -409,7 +409,7 @@ def non_finite_tensors(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
     """The names of the tensors holding a NaN or an infinity (in the state dict's order): weights no
     backend may serve. Checked in parallel threads (torch releases the GIL): one tensor after the
     other, a loaded 2-core machine spent most of the pass handing each small tensor to torch's own
-    threads (a 0.5B model: 0.8-1.9 s, against 0.14-0.27 s in 4 threads)."""
+    threads."""
     names = list(state_dict)
     if len(names) < 2:
         return [name for name in names if not tensor_is_finite(state_dict[name])]
