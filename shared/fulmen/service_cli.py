@@ -1,9 +1,7 @@
 """What every `fulmen` command shares: its settings as flags, logging, and running work on the store.
 
-`settings_command` turns a service's settings class into the command's options: one flag per field,
-its help text the field's description with its environment name and its default (written once, on
-the field), its value None when not given so that `load_settings` applies flag > environment >
-default. Services import this module, never `fulmen.cli` (which registers them).
+`settings_command` turns a settings class into options, one flag per field (None when not given, so
+`load_settings` applies flag > environment > default). Services import this, never `fulmen.cli`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """One settings object per process, of its service's class. Precedence: CLI flag > environment >
 default, checked in one place (`load_settings`).
 
-Every class shares `CommonSettings` (Redis, experiment, logging, the ops port); each service's class
-adds only what it reads (`fulmen.settings.services`). A ``FULMEN_*`` variable that no class knows is
-an error, but one that belongs to another service is not: honcho gives every process the same
-environment.
+Every class shares `CommonSettings`; each service's class adds only what it reads
+(`fulmen.settings.services`). Why flat names and the unknown-name check: docs/design/settings.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Each service's settings: the common base plus only the fields that service reads.
 
-A field two services read is defined once, in a mixin both classes inherit (``groups_per_step`` is
-in `TrainingRunSettings`, which the trainer and the algorithm share), so its default, bounds and
-description cannot drift apart. The classes live here rather than in the services because every
-process must also accept the variables meant for the others (honcho gives every process the same
-``.env``): the check for unknown names needs all the fields, and `fulmen` imports no service.
+A field two services read is defined once, in a mixin both inherit. Why the classes live here and
+not in the services: docs/design/settings.md.
 """
 
 from __future__ import annotations
