@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fulmen.devices import resolve_device
+from fulmen.errors import InvalidInput
 from fulmen.records import Sample
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.tiny_model import build_tiny_model
@@ -181,9 +182,8 @@ def test_device_and_dtype_settings_fail_clearly() -> None:
             resolve_device("cuda:0")
     with pytest.raises(ValueError, match="not a torch device"):
         resolve_device("gpu-please")
-    settings = load_settings(TrainerSettings, model_dir=Path("."), dtype="float16")
-    with pytest.raises(ValueError, match="dtype 'float16' unknown"):
-        Trainer(None, settings)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match=r"dtype \(FULMEN_DTYPE\): .*'float32' or 'bfloat16', got 'float16'"):
+        load_settings(TrainerSettings, model_dir=Path("."), dtype="float16")  # refused at load, before any model
 
 
 @pytest.mark.gpu

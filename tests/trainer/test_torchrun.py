@@ -163,7 +163,11 @@ def test_ddp_outside_torchrun_and_redis_inside_it_fail_with_what_to_do(tiny: Pat
                             timeout=60)
     assert inside.returncode == 2 and b"add --parallel ddp" in inside.stderr
     unknown = subprocess.run([FULMEN, "trainer", "--parallel", "fsdp9"], env=env, capture_output=True, timeout=60)
-    assert unknown.returncode == 2 and b"parallel 'fsdp9' unknown" in unknown.stderr
+    assert unknown.returncode == 2 and b"--parallel" in unknown.stderr and b"'fsdp9'" in unknown.stderr
+    assert all(choice in unknown.stderr for choice in (b"'redis'", b"'ddp'", b"'fsdp'"))
+    unknown = subprocess.run([FULMEN, "trainer"], env={**env, "FULMEN_PARALLEL": "fsdp9"}, capture_output=True, timeout=60)
+    assert unknown.returncode == 2 and b"parallel (FULMEN_PARALLEL)" in unknown.stderr and b"got 'fsdp9'" in unknown.stderr
+    assert all(choice in unknown.stderr for choice in (b"'redis'", b"'ddp'", b"'fsdp'"))
 
 
 @pytest.mark.slow
