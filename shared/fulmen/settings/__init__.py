@@ -1,8 +1,7 @@
-"""One settings object per process, of its service's class. Precedence: CLI flag > environment >
-default, checked in one place (`load_settings`).
-
-Every class shares `CommonSettings`; each service's class adds only what it reads
-(`fulmen.settings.services`). Why flat names and the unknown-name check: docs/design/settings.md.
+"""One settings object per process, of its service's class: `load_settings` applies flag > environment >
+.env > default in one place, and refuses a ``FULMEN_*`` name no class knows (another service's is fine:
+honcho gives every process the same environment). `env_setting` reads one field where no settings
+object is at hand. The classes: `fulmen.settings.services`; the reasoning: docs/design/settings.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Each service's settings: the common base plus only the fields that service reads.
-
-A field two services read is defined once, in a mixin both inherit. Why the classes live here and
-not in the services: docs/design/settings.md.
-"""
+"""Each service's settings: the common base plus only the fields that service reads, each tagged with
+its group. A field two services read is defined once, in a mixin both inherit (`TrainingRunSettings`).
+Every class lives here, not in its service: each process must also accept the others' variables (one
+``.env`` for all), so the unknown-name check needs every field, and `fulmen` imports no service."""
 
 from __future__ import annotations
 
