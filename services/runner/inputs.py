@@ -39,6 +39,10 @@ def served_model(root: str, api_key: str | None) -> str:
                           timeout=10.0)
         reply.raise_for_status()
         return str(reply.json()["data"][0]["id"])
+    except httpx.TransportError as e:  # the proxy is unreachable: fails the attempt as the agent's call would
+        import openai
+
+        raise openai.APIConnectionError(message=f"{type(e).__name__}: {e}", request=e.request) from e
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
         raise RetryableError(
             f"no model name for the agent: the resources name none and {root}/v1/models did not say "
