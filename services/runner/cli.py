@@ -227,11 +227,13 @@ class _Serve:
         return folder.resolve().name if folder is not None else None
 
 
-async def _needs_proxy(store: RedisStore, settings: RunnerSettings, serve: _Serve, resources_id: str | None) -> bool:
-    """Whether run-once must serve a model itself: asked to, or nothing would answer the agent's calls."""
+async def _needs_proxy(store: RedisStore, settings: RunnerSettings, serve: _Serve, resources_id: str | None,
+                       the_agent: Any) -> bool:
+    """Whether run-once must serve a model itself: asked to, or the agent takes an `llm` and nothing would
+    answer its calls."""
     if serve.asked:
         return True
-    if settings.llm_base_url or await store.query_proxies():
+    if not the_agent.wants("llm") or settings.llm_base_url or await store.query_proxies():
         return False
     update = await (store.get_resources(resources_id) if resources_id else store.get_latest_resources())
     llm = (update.resources.get("llm") if update else None) or {}
@@ -250,7 +252,7 @@ async def _run_once(store: RedisStore, settings: RunnerSettings, the_agent: Any,
 
     async with contextlib.AsyncExitStack() as stack:
         base_url, model = settings.llm_base_url, None
-        if await _needs_proxy(store, settings, serve, resources_id):
+        if await _needs_proxy(store, settings, serve, resources_id, the_agent):
             folder = None if serve.upstream_url else (serve.model_dir or tiny_model_dir(settings))
             model = serve.served_name(folder)
             what = serve.upstream_url or str(folder)
