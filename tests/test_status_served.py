@@ -9,6 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from fulmen import service_cli
 from fulmen.cli import app
 from fulmen.connection import async_client
 from fulmen.records import ProxyEndpoint, ReplicaState
@@ -31,7 +32,8 @@ async def _servers(redis_url: str, experiment: str) -> None:
     await client.aclose()
 
 
-def test_status_shows_what_each_server_serves(env: None, redis_url: str, experiment: str) -> None:
+def test_status_shows_what_each_server_serves(env: None, redis_url: str, experiment: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A LoRA version served as an adapter reads "v3 (LoRA adapter)"; a loading replica says why."""
     asyncio.run(_servers(redis_url, experiment))
     runner = CliRunner()
@@ -41,7 +43,9 @@ def test_status_shows_what_each_server_serves(env: None, redis_url: str, experim
     assert rows["http://vllm-a:8100"]["model_version"] == "v3" and rows["http://vllm-a:8100"]["lora_adapter"]
     assert not rows["http://vllm-b:8100"]["ready"] and rows["http://vllm-b:8100"]["reason"] == "loading v4"
     assert rows["http://proxy:8000"]["model_version"] == "v3"
-    table = runner.invoke(app, ["status"], env={"COLUMNS": "200"}).stdout
+    # the console's width is read once, when fulmen.service_cli is first imported (80 under xdist): widen it
+    monkeypatch.setattr(service_cli.out, "width", 200)
+    table = runner.invoke(app, ["status"]).stdout
     assert "http://vllm-a:8100: v3 (LoRA adapter)" in table
     assert "http://vllm-b:8100: v2 — not ready: loading v4" in table
     assert "served by llm-proxy (torch)" in table
