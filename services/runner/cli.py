@@ -242,8 +242,9 @@ async def _needs_proxy(store: RedisStore, settings: RunnerSettings, serve: _Serv
 
 async def _run_once(store: RedisStore, settings: RunnerSettings, the_agent: Any, hooks: list[Any], buffer: Any,
                     the_task: Any, resources_id: str | None, serve: _Serve, as_json: bool) -> bool:
+    from fulmen.embedded import free_port
     from fulmen.sdk.resources import close_async_pool
-    from fulmen.standalone import free_port, proxy_command, running_proxy, tiny_model_dir
+    from fulmen.standalone import proxy_command, running_proxy, tiny_model_dir
     from fulmen_runner.execute import AttemptContext, execute
     from fulmen_runner.heartbeats import Heartbeats
     from fulmen_runner.inputs import InputResolver

@@ -446,7 +446,7 @@ def train(
     except InvalidInput as e:
         raise _exit_error(str(e)) from None
     if proxy_port is None:  # the proxy's default 8000 may be taken: any free port
-        from fulmen.standalone import free_port
+        from fulmen.embedded import free_port
 
         os.environ["FULMEN_PROXY_PORT"] = str(free_port())
     for field in TRAIN_FLAGS:

@@ -13,6 +13,7 @@ from functools import lru_cache
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from fulmen.errors import InvalidInput
+from fulmen.settings.base import check_experiment
 
 NAMESPACE = "fulmen"
 EXPERIMENTS = f"{NAMESPACE}:experiments"  # set of experiment names (the only key outside an experiment)
@@ -71,15 +72,8 @@ ALGORITHM_GROUP = "algorithm"  # consumer group on FINISHED
 ARCHIVE_GROUP = "archive"  # consumer group on every FINISHED and on SAMPLES, once `fulmen archive` ran
 
 # Matched with fullmatch: ``$`` also matches before a trailing newline, which let "r1\n" through
-# (and into log lines).
-_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+# (and into log lines). The experiment name's rule lives with the setting (`check_experiment`).
 _ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
-
-
-def check_experiment(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise InvalidInput(f"experiment name {name!r} is invalid: use 1-64 letters, digits, '_', '.' or '-'")
-    return name
 
 
 def check_id(kind: str, value: str) -> str:
@@ -104,7 +98,7 @@ SHARDS = "shards"  # string in shard 0: the experiment's shard count, written on
 
 def shards_from_env() -> int:
     """``store_shards`` from the environment, checked as the settings check it (1 to `MAX_SHARDS`)."""
-    from fulmen.settings import env_setting  # fulmen.settings imports this module
+    from fulmen.settings import env_setting
 
     shards: int = env_setting("store_shards")
     return shards

@@ -67,12 +67,6 @@ def tiny_model_dir(settings: CommonSettings) -> Path:
     return folder
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def proxy_command(experiment: str, port: int, model_dir: Path | None, upstream_url: str | None,
                   model_name: str | None) -> list[str]:
     """`fulmen llm-proxy` on loopback: the torch backend on ``model_dir``, or ``upstream_url`` (OpenAI API)."""

@@ -15,8 +15,7 @@ from pydantic import SecretStr, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
 
 from fulmen.errors import InvalidInput
-from fulmen.keys import check_experiment
-from fulmen.settings.base import ENV_PREFIX, REDIS_URL_FIELD, CommonSettings, env_name
+from fulmen.settings.base import ENV_PREFIX, REDIS_URL_FIELD, CommonSettings, check_experiment, env_name
 from fulmen.settings.services import (
     SERVICE_SETTINGS,
     AdapterSettings,

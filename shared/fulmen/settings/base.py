@@ -6,6 +6,7 @@ flag or a log line) and ``FULMEN_<FIELD>`` for every other field; the CLI flags 
 
 from __future__ import annotations
 
+import re
 from copy import copy
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -16,6 +17,17 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES
 from fulmen.embedded import DEFAULT_PORT
+from fulmen.errors import InvalidInput
+
+# An experiment's name, matched whole (``$`` would also match before a trailing newline): it goes
+# into every Redis key (`fulmen.keys`) and into log lines.
+_EXPERIMENT = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def check_experiment(name: str) -> str:
+    if not isinstance(name, str) or not _EXPERIMENT.fullmatch(name):
+        raise InvalidInput(f"experiment name {name!r} is invalid: use 1-64 letters, digits, '_', '.' or '-'")
+    return name
 
 ENV_PREFIX = "FULMEN_"
 # The one field read from an unprefixed name: REDIS_URL is what every Redis tool already reads.
