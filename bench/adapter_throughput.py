@@ -31,10 +31,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from fulmen import semconv, tokens
-from fulmen.embedded import EmbeddedRedis
+from fulmen import tokens
 from fulmen.records import Span
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.telemetry import semconv
 
 EXPERIMENT = "bench-adapter"
 

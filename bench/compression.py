@@ -1,11 +1,11 @@
 """Benchmark: gradient codecs on a 100 MB fp32 gradient, on one core.
 
-For a gradient of 25M random-normal fp32 elements (100 MB), each codec of `fulmen_trainer.codecs`:
+For a gradient of 25M random-normal fp32 elements (100 MB), each codec of `fulmen_trainer.distributed.codecs`:
 its compression ratio on the wire (fp32 bytes / framed chunk bytes, msgpack headers included, over
 the timed calls) and
 its encode and decode speed in GB/s of fp32 gradient (1 GB = 1e9 bytes), best of 3 after one untimed
 warm-up call (so error-feedback residuals are in their steady state). Encode = ``codec.encode``
-(selection, error feedback, framing, crc32); decode = ``fulmen_trainer.codecs.decode`` (parse, crc32,
+(selection, error feedback, framing, crc32); decode = ``fulmen_trainer.distributed.codecs.decode`` (parse, crc32,
 a new dense fp32 tensor). DGC at density 1% after its warm-up (``warmup_steps=0``), with momentum
 correction (0.9) and without; exact top-k at 1% beside it.
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from fulmen_trainer.codecs import decode, make_codec
+from fulmen_trainer.distributed.codecs import decode, make_codec
 
 NUMEL = 25_000_000
 RAW_BYTES = 4 * NUMEL
@@ -123,7 +123,7 @@ def bench_powersgd(grad: torch.Tensor, repeats: int) -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel
 
-    from fulmen.embedded import free_port
+    from fulmen.store.redis.embedded import free_port
 
     rank, side = 4, 5000
     assert side * side == NUMEL

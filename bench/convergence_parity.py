@@ -7,7 +7,7 @@ uncompressed ranks, by replaying one recorded sample stream of the arithmetic ta
    ``--steps × --groups-per-step`` tasks, each sampled ``--n`` times in-process by that model
    (temperature 1, up to 5 tokens). Each completion is a `fulmen.records.Sample` as the adapter
    writes it: prompt and response token ids, the sampling policy's log-probabilities (the behaviour
-   log-probs the proxy would record), reward by `fulmen.arithmetic.reward`. Saved as msgpack (the
+   log-probs the proxy would record), reward by `fulmen.demo.arithmetic.reward`. Saved as msgpack (the
    samples' wire records), never pickle. Nothing is downloaded.
 2. Replay, per seed and config (``none``, ``topk`` at ``--density`` with error feedback): a fresh
    experiment on an embedded Redis, the recorded groups pushed in an order shuffled by the seed (both
@@ -43,7 +43,7 @@ from typing import Any
 import msgpack
 import torch
 
-from fulmen import arithmetic
+from fulmen.demo import arithmetic
 from fulmen.errors import RecordError
 from fulmen.records import Sample
 
@@ -104,8 +104,8 @@ def greedy_accuracy(model: Any, tokenizer: Any, tasks: list[dict[str, Any]]) -> 
 def warm_start(folder: Path, train: list[dict[str, Any]], *, seed: int, until: float) -> dict[str, Any]:
     """The demo's warm start: SFT on demonstrations (batch 64, AdamW 3e-3) until greedy accuracy on
     200 training tasks reaches ``until`` — its curve is too steep for a fixed step count."""
-    from fulmen.tiny_model import build_tiny_model, load_tiny_model
-    from fulmen_algorithm.warm_start import sft_step  # the step both demos' warm starts take
+    from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
+    from fulmen.demo.warm_start import sft_step  # the step both demos' warm starts take
 
     torch.manual_seed(seed)
     build_tiny_model(folder, seed=seed, initializer_range=0.02)
@@ -137,7 +137,7 @@ def warm_start(folder: Path, train: list[dict[str, Any]], *, seed: int, until: f
 def record(cache: Path, args: argparse.Namespace) -> tuple[list[list[Sample]], dict[str, Any]]:
     """The recorded groups (each: the n samples of one task) and what was recorded, from the cache
     when it holds a stream recorded with the same arguments."""
-    from fulmen.tiny_model import load_tiny_model
+    from fulmen.demo.tiny_model import load_tiny_model
 
     wanted = {"format": FORMAT, "seed": args.record_seed, "groups": args.steps * args.groups_per_step,
               "n": args.n, "warm_until": args.warm_until}
@@ -197,10 +197,10 @@ async def replay(redis_url: str, model_dir: Path, groups: list[list[Sample]], *,
 
     from fulmen.settings import TrainerSettings, load_settings
     from fulmen.store import RedisStore
-    from fulmen_trainer.gradients import RankCodec
-    from fulmen_trainer.membership import Membership
-    from fulmen_trainer.rank_group import RankGroup
-    from fulmen_trainer.ranks import Exchange
+    from fulmen_trainer.distributed.exchange import Exchange
+    from fulmen_trainer.distributed.gradients import RankCodec
+    from fulmen_trainer.distributed.membership import Membership
+    from fulmen_trainer.distributed.rank_group import RankGroup
     from fulmen_trainer.trainer import Trainer
 
     client = aioredis.from_url(redis_url)
@@ -252,8 +252,8 @@ async def replay(redis_url: str, model_dir: Path, groups: list[list[Sample]], *,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from fulmen.embedded import EmbeddedRedis
-    from fulmen.tiny_model import load_tiny_model
+    from fulmen.demo.tiny_model import load_tiny_model
+    from fulmen.store.redis.embedded import EmbeddedRedis
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()

@@ -33,11 +33,11 @@ import httpx
 import redis.asyncio as aioredis
 
 from fulmen import keys as k
-from fulmen.embedded import EmbeddedRedis
 from fulmen.records import Rollout, RolloutConfig, RolloutMode, RolloutStatus
 from fulmen.settings import DashboardSettings
 from fulmen.store import RedisStore
-from fulmen.train_steps import MAX_STEPS, append_step, summarize
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.telemetry.steps import MAX_STEPS, append_step, summarize
 from fulmen_dashboard.app import DashboardApp
 
 EXPERIMENT = "bench"
@@ -78,8 +78,8 @@ async def seed(client: aioredis.Redis, n: int) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "dashboard"))
     from seed import llm_span
 
-    from fulmen import semconv
     from fulmen.records import Span
+    from fulmen.telemetry import semconv
 
     aid = claimed.attempt.attempt_id
     root = Span("traced", aid, "root", semconv.ROLLOUT_SPAN, start_time=time.time(), end_time=time.time(),

@@ -1,6 +1,6 @@
 """Benchmark: what batching buys the torch engine, and how early a stream's first token arrives.
 
-On a tiny model (`fulmen.tiny_model`, defaults, seed 0) in a temporary folder, closed-loop clients
+On a tiny model (`fulmen.demo.tiny_model`, defaults, seed 0) in a temporary folder, closed-loop clients
 (each sends its next request when the previous one returns) call `TorchEngine.generate` for
 ``--seconds`` each at concurrency 1 and 16. Every request is greedy, 32 tokens long (the prompts
 are ones the seed-0 model continues past 32 tokens without eos), so both runs do the same work per
@@ -20,8 +20,8 @@ import json
 import tempfile
 import time
 
-from fulmen.tiny_model import build_tiny_model
-from fulmen_llm_proxy.torch_engine import SamplingParams, TorchEngine
+from fulmen.demo.tiny_model import build_tiny_model
+from fulmen_llm_proxy.backends.torch.engine import SamplingParams, TorchEngine
 
 PROMPTS = ["12+7=", "ab", "hello", "0123456789", "zz top", "Q: 3*4="]
 PARAMS = SamplingParams(max_tokens=32, temperature=0)

@@ -19,8 +19,8 @@ from typing import Any
 
 import redis
 
-from fulmen.embedded import free_port
 from fulmen.keys import Keys
+from fulmen.store.redis.embedded import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 HONCHO = str(Path(sys.executable).with_name("honcho"))

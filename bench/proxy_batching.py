@@ -1,6 +1,6 @@
 """Benchmark: the torch backend batches concurrent calls, and streaming answers early.
 
-Builds the tiny model (`fulmen.tiny_model`) in a temporary folder, starts the embedded Redis and
+Builds the tiny model (`fulmen.demo.tiny_model`) in a temporary folder, starts the embedded Redis and
 `fulmen llm-proxy --backend torch` as a real process, then measures through the proxy's HTTP API:
 
 - throughput (completion tokens/s and requests/s) at concurrency 1 and 16, non-streaming chat calls
@@ -33,8 +33,8 @@ from typing import Any
 
 import httpx
 
-from fulmen.embedded import EmbeddedRedis, free_port
-from fulmen.tiny_model import build_tiny_model
+from fulmen.demo.tiny_model import build_tiny_model
+from fulmen.store.redis.embedded import EmbeddedRedis, free_port
 
 
 def log(message: str, *args: Any) -> None:
@@ -109,7 +109,7 @@ def main() -> None:
         env.update(REDIS_URL=redis_server.url, FULMEN_EXPERIMENT="bench-batching")
         proxy = subprocess.Popen(
             [
-                sys.executable, "-c", "from fulmen.cli import main; main()", "llm-proxy", "--backend", "torch",
+                sys.executable, "-c", "from fulmen.cli.main import main; main()", "llm-proxy", "--backend", "torch",
                 "--model-dir", str(model_dir), "--port", str(port), "--max-batch", str(args.concurrency),
                 "--log-level", "WARNING",
             ],

@@ -1,6 +1,6 @@
 """Benchmark: what the LLM proxy adds on top of an upstream that answers at once.
 
-Three processes besides this one: the embedded Redis (AOF on, as `fulmen.embedded` runs it), a fast
+Three processes besides this one: the embedded Redis (AOF on, as `fulmen.store.redis.embedded` runs it), a fast
 fake upstream (`tests/fakes/fake_openai.py --vllm`: a raw asyncio server returning a canned
 vLLM-style body with token ids and logprobs), and the proxy itself (`fulmen llm-proxy --backend
 vllm`, a real process started as honcho would), which records every call as a span of a real
@@ -41,8 +41,8 @@ from typing import Any
 import httptools
 import redis.asyncio as aioredis
 
-from fulmen.embedded import EmbeddedRedis, free_port
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = "bench-proxy"
@@ -230,7 +230,7 @@ def main() -> None:
         env.update(REDIS_URL=redis_server.url, FULMEN_EXPERIMENT=EXPERIMENT)
         proxy = subprocess.Popen(
             [
-                sys.executable, "-c", "from fulmen.cli import main; main()", "llm-proxy",
+                sys.executable, "-c", "from fulmen.cli.main import main; main()", "llm-proxy",
                 "--backend", "vllm", "--upstream-urls", upstream_url, "--port", str(proxy_port),
                 "--log-level", "WARNING",
             ],

@@ -7,9 +7,9 @@ searched and its compute measured apart from the pipeline's overheads.
 What one run does (every number below is a flag; the defaults are the recipe found for issue 7,
 see "Demo recipe search (issue 7)" in bench/RESULTS.md):
 
-1. Builds the tiny model with `fulmen.tiny_model.build_tiny_model` (character tokenizer, chat
+1. Builds the tiny model with `fulmen.demo.tiny_model.build_tiny_model` (character tokenizer, chat
    template; hidden 64, 2 layers, 4 heads, ``initializer_range=0.02``: 145k parameters).
-2. SFT warm start on `fulmen.arithmetic.demonstrations` of training tasks (2-digit addition), in the
+2. SFT warm start on `fulmen.demo.arithmetic.demonstrations` of training tasks (2-digit addition), in the
    chat format the demo agent uses through the proxy's ``/v1/chat/completions`` with one user
    message, i.e. the token sequence ``<bos><|user|>23+48=<eos><|assistant|>71<eos>`` (loss on
    ``71<eos>`` only); batch 64, AdamW lr 3e-3. It stops as soon as greedy accuracy on 200 *training*
@@ -18,7 +18,7 @@ see "Demo recipe search (issue 7)" in bench/RESULTS.md):
    on a measured accuracy lands the warm start at 0.38–0.43 on validation for the 3 seeds tried.
 3. GRPO: each step draws ``--prompts`` training tasks, samples ``--n`` completions of each at
    ``--temperature`` (at most ``--max-tokens`` tokens, stopping at eos), rewards them with
-   `fulmen.arithmetic.reward`, computes group-relative advantages ``(r - mean) / (std + 1e-4)`` and
+   `fulmen.demo.arithmetic.reward`, computes group-relative advantages ``(r - mean) / (std + 1e-4)`` and
    takes ``--updates`` AdamW steps on the PPO-clip (``--clip``) token-level loss with the behaviour
    logprobs of the sampling pass (the first update is plain policy gradient, ratio 1). Groups whose
    rewards are all equal carry no signal and are left out (they still count in the token
@@ -26,7 +26,7 @@ see "Demo recipe search (issue 7)" in bench/RESULTS.md):
    warms up linearly over ``--warmup`` steps, then decays linearly to ``--lr-final`` over
    ``--decay-steps``.
 4. Every ``--eval-every`` steps: greedy accuracy on ``--n-val`` held-out validation tasks (their
-   operand pairs never occur in training, see `fulmen.arithmetic.split_of`), with wall time since
+   operand pairs never occur in training, see `fulmen.demo.arithmetic.split_of`), with wall time since
    the start, GRPO compute seconds (sampling + training, evaluation excluded) and rollouts so far.
 
 ``--grpo off`` keeps the warm start and only evaluates it (the issue's baseline: GRPO switched off,
@@ -55,8 +55,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))
 
-from fulmen import arithmetic
-from fulmen.tiny_model import build_tiny_model, load_tiny_model
+from fulmen.demo import arithmetic
+from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
 
 
 @dataclass
@@ -76,7 +76,7 @@ class Config:
     sft_steps: int = 1000  # an upper bound; sft_until ends it
     sft_batch: int = 64
     sft_lr: float = 3e-3
-    carry_slip: float = 0.0  # careless-teacher demonstrations (fulmen.arithmetic.demonstrations)
+    carry_slip: float = 0.0  # careless-teacher demonstrations (fulmen.demo.arithmetic.demonstrations)
     sft_until: float = 0.4  # >0: stop SFT once greedy accuracy on 200 *training* tasks reaches this
     sft_check_every: int = 2
     warmup: int = 20  # GRPO lr warm-up steps (linear)

@@ -32,8 +32,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from fulmen.embedded import EmbeddedRedis
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 EXPERIMENT = "bench-runner"
 AGENT_MODULE = '''
@@ -120,7 +120,7 @@ async def bench_runner(url: str, redis_pid: int, n: int, concurrency: int, workd
 async def bench_spans(url: str, n_spans: int, attempts: int) -> dict[str, Any]:
     """Emit spans inside `attempts` bound attempts until ``n_spans`` are stored."""
     import fulmen
-    from fulmen.tracing import bind, setup_tracing
+    from fulmen.telemetry.tracing import bind, setup_tracing
     from fulmen_runner.span_writer import SpanWriter
 
     client = aioredis.from_url(url)

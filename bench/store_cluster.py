@@ -36,10 +36,10 @@ from redis_cluster import EmbeddedCluster
 from store_lifecycle import COMPLETIONS_GROUP, EXPERIMENT, cpu_probe_ms, log_commands, with_workers, workload
 
 from fulmen import keys as k
-from fulmen.connection import connect
-from fulmen.embedded import EmbeddedRedis
 from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore
+from fulmen.store.redis.connection import connect
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 CLUSTER_SHARDS = 3
 

@@ -32,11 +32,11 @@ import msgpack
 import redis.asyncio as aioredis
 from store_lifecycle import make_spans
 
-from fulmen.connection import connect
-from fulmen.embedded import EmbeddedRedis
 from fulmen.records.spans import pack_span_batch
 from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore
+from fulmen.store.redis.connection import connect
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 PHASES = ("enqueue", "claim", "finish", "read")
 BATCH = 8  # rollouts per claim and per finish round trip, as the runners of bench/store_cluster.py

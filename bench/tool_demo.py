@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import honcho_demo as run
 
-from fulmen.embedded import free_port
+from fulmen.store.redis.embedded import free_port
 
 VARIANTS: dict[str, dict[str, str]] = {
     "grpo": {},

@@ -25,7 +25,7 @@ figures are medians over the runs; a run's step time is its last step's (the fir
 ``overhead_vs_bare_torch`` = Fulmen LoRA step time / bare step time. ``tokens_per_s_lora`` =
 samples × (prompt + response tokens) / step time (every token goes through the model; the trained
 ones are ``trained_tokens_per_s_lora``). Version sizes are the safetensors blobs the trainer
-publishes (`Policy.published_state` through `fulmen.model_versions`' serialiser, 1 MB = 1e6 B).
+publishes (`Policy.published_state` through `fulmen.versions.model_version`' serialiser, 1 MB = 1e6 B).
 
     python bench/trainer_real_size.py            # = --steps 2 --samples 8 --prompt-tokens 192
                                                  #   --response-tokens 64 --repeats 3
@@ -213,8 +213,8 @@ def version_sizes(state: dict[str, Any]) -> tuple[float, float]:
     """MB of the published blob as it is (fp32) and if its tensors were bf16."""
     import torch
 
-    from fulmen.version_blobs import serialize as _serialize
-    from fulmen.version_manifest import FULL, Manifest, describe_all
+    from fulmen.versions.blobs import serialize as _serialize
+    from fulmen.versions.manifest import FULL, Manifest, describe_all
 
     as_is = len(_serialize(state, Manifest(FULL, None, describe_all(state))))
     bf16 = {name: t.to(torch.bfloat16) for name, t in state.items()}

@@ -2,7 +2,7 @@
 
 For the tiny model (two proxies' torch backends) and a randomly initialised model with
 Qwen2.5-0.5B's dimensions saved in bf16 (one torch backend: its fp32 copy alone is 2 GB), each
-version is published the way the trainer publishes it (`fulmen.model_versions.publish_model_version`)
+version is published the way the trainer publishes it (`fulmen.versions.model_version.publish_model_version`)
 into an embedded Redis (the demo's: append-only file on), while `ModelFollower`s — the proxy's own
 follower, subscribed to the resources log — load it into `TorchBackend`s. The clock runs from the
 call to publish until every backend reports the version (polled every 2 ms): serialising, hashing,
@@ -12,11 +12,11 @@ Formats and transports, each in the trained dtype (bf16):
 
 - ``full_redis``: the whole model as 4 MB chunks on a Redis stream (the default transport);
 - ``full_folder``: the whole model as one file in a shared folder (``weights_dir``);
-- ``delta_redis``: a delta against the version before (`fulmen.version_delta`) after an update of
+- ``delta_redis``: a delta against the version before (`fulmen.versions.delta`) after an update of
   an RL-sized learning rate (every weight moved by 1e-5 x a standard normal in fp32, then rounded);
 - ``full_redis_weights_db``: ``full_redis`` again through the opt-in weights-only Redis
   (FULMEN_WEIGHTS_REDIS_URL: a second embedded server, AOF off). Since session 12 the chunks stay out
-  of the main server's AOF too (`fulmen.version_blobs`; FULMEN_WEIGHTS_IN_AOF=1 puts them back), so
+  of the main server's AOF too (`fulmen.versions.blobs`; FULMEN_WEIGHTS_IN_AOF=1 puts them back), so
   the two should be alike; before, each 1 GB version was written to the AOF again;
 - ``lora``: a LoRA adapter of rank 16 on every linear layer (PEFT layout), on fresh replicas of an
   experiment of its own, as in a LoRA run (only adapters are published: the backend runs each beside
@@ -80,7 +80,7 @@ def build_qwen(folder: Path) -> Path:
 def folder_state(folder: Path) -> dict[str, Any]:
     import torch
 
-    from fulmen.version_folder import base_weights
+    from fulmen.versions.folder import base_weights
 
     return {n: t.to(torch.bfloat16) for n, t in base_weights(folder).items()}
 
@@ -128,7 +128,7 @@ class Replicas:
         self.tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> Replicas:
-        from fulmen_llm_proxy.backend_torch import TorchBackend
+        from fulmen_llm_proxy.backends.torch.backend import TorchBackend
         from fulmen_llm_proxy.following import ModelFollower
 
         for _ in range(self.count):
@@ -174,7 +174,7 @@ async def timed(replicas: Replicas, version: str, publish: Callable[[], Awaitabl
                 probes: list[dict[str, Any]] | None = None, probe_client: Any = None) -> tuple[float, int]:
     """Publish → every replica serving, in seconds, and the version's bytes. With ``probe_client``
     (a connection of its own to the main Redis), what its AOF did meanwhile goes to ``probes``."""
-    from fulmen.version_retention import retain_versions
+    from fulmen.versions.retention import retain_versions
 
     probe = AofProbe(probe_client) if probe_client is not None else contextlib.nullcontext()
     async with probe:
@@ -196,10 +196,10 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
     weights-only Redis without AOF, through which the full version goes once more
     (``full_redis_weights_db``). ``probe_client``: a connection of its own to the main Redis, to
     sample its AOF during every timed repeat (``<format>_aof``: one `AofProbe.summary` per repeat)."""
-    from fulmen.lora import lora_description
-    from fulmen.model_versions import publish_model_version
-    from fulmen.version_delta import encode_delta
-    from fulmen.version_manifest import DELTA, Manifest, describe_all
+    from fulmen.versions.delta import encode_delta
+    from fulmen.versions.lora import lora_description
+    from fulmen.versions.manifest import DELTA, Manifest, describe_all
+    from fulmen.versions.model_version import publish_model_version
 
     state = folder_state(model_dir)
     layers = 1 + max(int(n.split(".")[2]) for n in state if n.startswith("model.layers."))
@@ -285,8 +285,8 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
 
 
 async def retention(store: Any, model_dir: Path, versions: int) -> dict[str, Any]:
-    from fulmen.model_versions import publish_model_version
-    from fulmen.version_retention import retain_versions, stored_versions
+    from fulmen.versions.model_version import publish_model_version
+    from fulmen.versions.retention import retain_versions, stored_versions
 
     state = folder_state(model_dir)
     info = await store.redis.info("memory")
@@ -310,11 +310,11 @@ async def retention(store: Any, model_dir: Path, versions: int) -> dict[str, Any
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    from fulmen.connection import connect
-    from fulmen.embedded import EmbeddedRedis
+    from fulmen.demo.tiny_model import build_tiny_model
     from fulmen.settings import CommonSettings
     from fulmen.store import RedisStore
-    from fulmen.tiny_model import build_tiny_model
+    from fulmen.store.redis.connection import connect
+    from fulmen.store.redis.embedded import EmbeddedRedis
 
     started = time.perf_counter()
     figures: dict[str, Any] = {"bench": "weight_sync"}

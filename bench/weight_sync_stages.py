@@ -39,13 +39,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from weight_sync import build_qwen, folder_state, memcpy_s, updated
 
 WRAPPED = [  # (module, function): inner stages, summed per repeat
-    ("fulmen.version_manifest", "describe_all"),
-    ("fulmen.version_blobs", "serialize"),
-    ("fulmen.version_blobs", "blob_sha256"),
-    ("fulmen.version_blobs", "write_stream"),
-    ("fulmen.version_blobs", "read_stream"),
-    ("fulmen.version_blobs", "deserialize"),
-    ("fulmen.version_stream", "read_stream"),
+    ("fulmen.versions.manifest", "describe_all"),
+    ("fulmen.versions.blobs", "serialize"),
+    ("fulmen.versions.blobs", "blob_sha256"),
+    ("fulmen.versions.blobs", "write_stream"),
+    ("fulmen.versions.blobs", "read_stream"),
+    ("fulmen.versions.blobs", "deserialize"),
+    ("fulmen.versions.transport.stream", "read_stream"),
 ]
 TIMES: dict[str, float] = defaultdict(float)
 
@@ -90,20 +90,20 @@ async def vllm_folder(store: Any, version: str, llm: dict[str, Any], model_dir: 
         folder = await mat.materialize_full(store, version, llm["weights"], model_dir, sync_dir)
         assert folder is not None
         return folder
-    from fulmen.model_versions import fetch_version
+    from fulmen.versions.model_version import fetch_version
 
     found = await fetch_version(store, version, resource=llm)
     return await asyncio.to_thread(mat.materialize, version, found.state, llm["weights"], model_dir, sync_dir)
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    from fulmen.connection import connect
-    from fulmen.embedded import EmbeddedRedis
-    from fulmen.model_versions import fetch_version, publish_model_version
     from fulmen.settings import CommonSettings
     from fulmen.store import RedisStore
-    from fulmen.version_retention import retain_versions
-    from fulmen_llm_proxy.backend_torch import TorchBackend
+    from fulmen.store.redis.connection import connect
+    from fulmen.store.redis.embedded import EmbeddedRedis
+    from fulmen.versions.model_version import fetch_version, publish_model_version
+    from fulmen.versions.retention import retain_versions
+    from fulmen_llm_proxy.backends.torch.backend import TorchBackend
 
     for module_name, name in WRAPPED:
         wrap(module_name, name)

@@ -31,7 +31,7 @@ def _fulmen_command() -> Any:
     """The `fulmen` click group, with every service's command registered, as `fulmen --help` sees it."""
     import typer
 
-    import fulmen.cli as cli
+    import fulmen.cli.main as cli
 
     cli._add_service_commands()
     return typer.main.get_command(cli.app)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import fulmen
-from fulmen import arithmetic
+from fulmen.demo import arithmetic
 
 
 @fulmen.rollout

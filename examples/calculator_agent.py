@@ -1,5 +1,5 @@
 """The tool-use demo's agent: a multi-turn loop that answers three-digit multiplication by calling a
-`calculator` tool, then answering (`fulmen.calculator`; Procfile.tools trains it).
+`calculator` tool, then answering (`fulmen.demo.calculator`; Procfile.tools trains it).
 
     fulmen run-once --agent examples.calculator_agent:agent --task '{"question": "123*456=", "answer": "56088", "a": 123, "b": 456, "op": "*"}'
     honcho -f Procfile.tools -e .env.tools start
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import fulmen
-from fulmen import calculator
+from fulmen.demo import calculator
 
 MAX_TURNS = 3  # a call, the answer, and one spare call
 CALL_TOKENS = 12  # the demo model writes a call in 10 tokens (fulmen_algorithm.tool_demo); 96 for char-level

@@ -49,15 +49,15 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from fulmen import arithmetic
-from fulmen.embedded import free_port, wait_for_port
+from fulmen.demo import arithmetic
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.errors import NotFound
-from fulmen.model_versions import ModelVersion
 from fulmen.records import RolloutFinished, Sample, SampleSkip
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import free_port, wait_for_port
 from fulmen.store.samples import decode_sample
-from fulmen.tiny_model import build_tiny_model
+from fulmen.versions.model_version import ModelVersion
 from fulmen_algorithm.dataset import load_tasks, task_id
 from fulmen_algorithm.scheduler import Scheduler
 
@@ -663,7 +663,7 @@ class ChaosRun:
         """One succeeded attempt per rollout at most; an attempt's samples come from distinct logical
         LLM calls (a client's retry of a call is recorded once, so it is not a second sample)."""
         from fulmen.records.status import AttemptStatus
-        from fulmen.semconv import CALL_KEY, KIND_LLM_CALL, SPAN_KIND
+        from fulmen.telemetry.semconv import CALL_KEY, KIND_LLM_CALL, SPAN_KIND
 
         assert self.store is not None
         for r in rollouts:

@@ -12,9 +12,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis_cluster import EmbeddedCluster
 
-from fulmen.connection import async_client
-from fulmen.embedded import EmbeddedRedis
 from fulmen.store import RedisStore
+from fulmen.store.redis.connection import async_client
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 # The suite runs on two xdist workers (pyproject's addopts: most tests wait on sockets and child
 # processes, not on the CPU). These files train on every core or run a whole pipeline of processes
@@ -77,7 +77,7 @@ def experiment() -> str:
 @pytest.fixture
 async def real_store(redis_url: str, experiment: str) -> AsyncIterator[RedisStore]:
     client = async_client(redis_url)  # a cluster client for a redis+cluster:// URL
-    # as a service's `fulmen.connection.connect` does: one command before any concurrent use (redis-py
+    # as a service's `fulmen.store.redis.connection.connect` does: one command before any concurrent use (redis-py
     # 8.1's async cluster client can break a connection when its first commands race; CI saw it once)
     await client.ping()
     store = RedisStore(client, experiment)

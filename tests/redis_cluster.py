@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fulmen import keys as k
-from fulmen.embedded import redis_server_binary, server_args, wait_for_port
+from fulmen.store.redis.embedded import redis_server_binary, server_args, wait_for_port
 
 BUS_OFFSET = 10000  # Redis Cluster's bus port is the client port + 10000
 NODE_TIMEOUT_MS = 2000  # how long a silent master counts as up: short, so a killed node is seen soon

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from fulmen.ab import arm_of, start_ab, stop_ab
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.errors import InvalidInput
-from fulmen.model_versions import llm_resource, publish_model_version
+from fulmen.serving.ab import arm_of, start_ab, stop_ab
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
-from fulmen.version_folder import base_weights
-from fulmen.version_retention import retain_versions, stored_versions
-from fulmen_llm_proxy.backend_base import Call, Result
-from fulmen_llm_proxy.backend_torch import TorchBackend
+from fulmen.versions.folder import base_weights
+from fulmen.versions.model_version import llm_resource, publish_model_version
+from fulmen.versions.retention import retain_versions, stored_versions
+from fulmen_llm_proxy.backends.base import Call, Result
+from fulmen_llm_proxy.backends.torch.backend import TorchBackend
 from fulmen_llm_proxy.following import ModelFollower
 
 

@@ -1,8 +1,8 @@
-"""Redis's AOF is rewritten between model versions (`fulmen.aof_rewrite`), not in the middle of
+"""Redis's AOF is rewritten between model versions (`fulmen.store.redis.aof`), not in the middle of
 writing one: by the usual rule (grown by 100%, big enough), and only once every live proxy serves the
 newest version (a rewrite during their reads would slow them), and never while a version's weights
 are being written (a publish waits for a running one); the weights themselves stay out of the AOF
-(`fulmen.version_blobs`), what names them does not. Each test has a server of its own: a rewrite
+(`fulmen.versions.blobs`), what names them does not. Each test has a server of its own: a rewrite
 on the shared one would meet other tests' rewrites."""
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from fulmen import aof_rewrite, version_blobs
-from fulmen.aof_rewrite import rewrite_if_grown, wait_for_rewrite, weights_being_written, writing_weights
-from fulmen.embedded import EmbeddedRedis
 from fulmen.errors import InvalidInput, NotFound, RecordError
-from fulmen.model_versions import fetch_model_version, publish_model_version
 from fulmen.records import ProxyEndpoint
 from fulmen.store import RedisStore
-from fulmen.version_retention import retain_versions, rewrite_aof_between_versions, stored_versions
+from fulmen.store.redis import aof as aof_rewrite
+from fulmen.store.redis.aof import rewrite_if_grown, wait_for_rewrite, weights_being_written, writing_weights
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.versions import blobs as version_blobs
+from fulmen.versions.model_version import fetch_model_version, publish_model_version
+from fulmen.versions.retention import retain_versions, rewrite_aof_between_versions, stored_versions
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from fulmen import arithmetic
-from fulmen.arithmetic import (
+from fulmen.demo import arithmetic
+from fulmen.demo.arithmetic import (
     carryless_sum,
     demonstrations,
     make_tasks,
@@ -16,7 +16,7 @@ from fulmen.arithmetic import (
     split_of,
     write_jsonl,
 )
-from fulmen.tiny_model import DEFAULT_ALPHABET
+from fulmen.demo.tiny_model import DEFAULT_ALPHABET
 
 
 def test_same_arguments_give_the_same_tasks() -> None:

@@ -37,7 +37,7 @@ async def test_a_killed_service_restarts_and_the_run_loses_nothing(
 
 async def test_the_store_check_sees_a_lost_and_a_doubled_rollout(real_store: RedisStore, tmp_path: Path) -> None:
     """The checker fails a run whose group misses a rollout or whose rollout completed twice."""
-    from fulmen import arithmetic
+    from fulmen.demo import arithmetic
     from fulmen.records import SampleSkip
     from fulmen_algorithm.scheduler import Scheduler
 
@@ -79,8 +79,8 @@ async def test_the_store_check_sees_a_double_success_a_retried_call_and_stale_sa
     from chaos_harness import Verdict
 
     from fulmen import keys as k
-    from fulmen import semconv
     from fulmen.records import Span
+    from fulmen.telemetry import semconv
     from fulmen_algorithm.scheduler import Scheduler
 
     run = ChaosRun(tmp_path, real_store.experiment, ChaosConfig(max_staleness=1), redis_url="unused")

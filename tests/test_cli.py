@@ -16,11 +16,11 @@ import pytest
 import redis as syncredis
 from typer.testing import CliRunner
 
-from fulmen import cli
-from fulmen.cli import app
-from fulmen.connection import async_client
-from fulmen.embedded import free_port, wait_for_port
+from fulmen.cli import main as cli
+from fulmen.cli.main import app
 from fulmen.store import RedisStore
+from fulmen.store.redis.connection import async_client
+from fulmen.store.redis.embedded import free_port, wait_for_port
 
 runner = CliRunner()
 
@@ -173,7 +173,7 @@ def test_every_command_has_help() -> None:
         "experiments",
         "trim",
     ]:
-        args = [sys.executable, "-m", "fulmen.cli", *([command] if command else []), "--help"]
+        args = [sys.executable, "-m", "fulmen.cli.main", *([command] if command else []), "--help"]
         result = subprocess.run(args, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         assert "Usage" in result.stdout
@@ -216,7 +216,7 @@ def test_redis_command_runs_embedded_server_with_aof(tmp_path: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("FULMEN_")}
     env |= {"FULMEN_REDIS_PORT": str(port), "FULMEN_DATA_DIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "fulmen.cli", "redis"], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "fulmen.cli.main", "redis"], env=env)
     try:
         wait_for_port(port, 30, proc)
         client = syncredis.Redis(port=port)
@@ -233,7 +233,7 @@ def test_redis_command_idles_when_redis_url_is_set(tmp_path: Path, redis_url: st
     """With REDIS_URL set, `fulmen redis` starts nothing, stays up, and exits 0 on SIGTERM."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FULMEN_")} | {"REDIS_URL": redis_url}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fulmen.cli", "redis"], env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "fulmen.cli.main", "redis"], env=env, stderr=subprocess.PIPE, text=True
     )
     assert proc.stderr is not None
     # its message comes once it is up (imports take seconds on a busy machine): SIGTERM before

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from demo_runs import ROOT, assert_beat_the_warm_start, write_env
 
-from fulmen.embedded import free_port
+from fulmen.store.redis.embedded import free_port
 
 pytestmark = pytest.mark.slow
 HONCHO = str(Path(sys.executable).with_name("honcho"))

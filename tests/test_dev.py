@@ -1,4 +1,4 @@
-"""`fulmen.dev`: .env read as honcho reads it, and the run's end (or a failure) stopping every service."""
+"""`fulmen.cli.dev`: .env read as honcho reads it, and the run's end (or a failure) stopping every service."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fulmen import dev
+from fulmen.cli import dev
 
 
 def test_dotenv_fills_in_what_the_environment_does_not_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

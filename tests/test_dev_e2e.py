@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from demo_runs import FULMEN, assert_beat_the_warm_start, run_dev, user_env, write_env
 
-from fulmen.embedded import free_port
+from fulmen.store.redis.embedded import free_port
 
 pytestmark = pytest.mark.slow
 # 20 steps were too few for the margin: one CI run read 0.39 -> 0.45 (asynchronous RL is not
@@ -41,8 +41,8 @@ def test_shortened_demo_through_fulmen_dev_beats_the_warm_start(tmp_path: Path) 
 def test_fulmen_dev_runs_ones_own_tasks_and_model(tmp_path: Path) -> None:
     """`fulmen dev --tasks FILE` with a model folder of one's own: the run names the policy, rollouts
     succeed, the trainer's versions are served, and the run ends by itself."""
-    from fulmen import arithmetic
-    from fulmen.tiny_model import build_tiny_model
+    from fulmen.demo import arithmetic
+    from fulmen.demo.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "my-model")
     tasks = arithmetic.write_jsonl(tmp_path / "tasks.jsonl", arithmetic.make_tasks("train", 40, seed=3))

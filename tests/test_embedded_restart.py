@@ -13,9 +13,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from restart_checks import assert_back_as_before, kill_while_enqueuing, move_on
 
-from fulmen.embedded import EmbeddedRedis
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 
 def _non_loopback_address() -> str | None:
@@ -53,7 +53,7 @@ async def test_embedded_redis_is_durable_and_loopback_only(redis_server: Embedde
         "appendonly": "yes",
         "appendfsync": "everysec",
         "appendfilename": "fulmen.aof",
-        # the safety net only: fulmen.aof_rewrite starts rewrites between model versions
+        # the safety net only: fulmen.store.redis.aof starts rewrites between model versions
         "auto-aof-rewrite-min-size": str(2 * 1024 * 1024 * 1024),
         "auto-aof-rewrite-percentage": "300",
         "rdbcompression": "no",  # weights do not compress; LZF made each AOF rewrite several times slower

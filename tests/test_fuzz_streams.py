@@ -21,12 +21,13 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fulmen import codec, semconv
+from fulmen import codec
 from fulmen import keys as k
-from fulmen.embedded import EmbeddedRedis
 from fulmen.records import ControlMessage, ResourcesUpdate, RolloutFinished, RolloutStatus, Sample, Span
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.telemetry import semconv
 from fulmen_adapter.adapter import Adapter
 from fulmen_llm_proxy.control import ControlFollower
 from fulmen_llm_proxy.gate import Gate

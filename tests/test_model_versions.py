@@ -11,7 +11,10 @@ import torch
 from redis_cluster import EmbeddedCluster
 
 from fulmen.errors import InvalidInput, NotFound, RecordError
-from fulmen.model_versions import (
+from fulmen.records import TrainStep, WeightsChunk
+from fulmen.store import RedisStore
+from fulmen.telemetry.steps import append_step, latest_step, read_curve
+from fulmen.versions.model_version import (
     BASE_VERSION,
     CHUNK_HEADER_BYTES,
     POLICY_RESOURCES_ID,
@@ -21,9 +24,6 @@ from fulmen.model_versions import (
     publish_model_version,
     wait_until_served,
 )
-from fulmen.records import TrainStep, WeightsChunk
-from fulmen.store import RedisStore
-from fulmen.train_steps import append_step, latest_step, read_curve
 
 
 def _state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -106,12 +106,12 @@ async def test_resources_are_published_after_every_chunk(
 async def test_a_chunk_refused_with_others_in_flight_leaves_no_version(
     real_store: RedisStore, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Chunks go out several at a time before their replies are read (`fulmen.version_blobs`): one
+    """Chunks go out several at a time before their replies are read (`fulmen.versions.blobs`): one
     refused by Redis half-way (here an entry slipped in ahead of it) fails the publish, deletes what
     was written, publishes no resources version, and leaves the client usable."""
     import redis
 
-    from fulmen import version_blobs
+    from fulmen.versions import blobs as version_blobs
 
     chunks = version_blobs.Blob.chunks
     other = redis.Redis.from_url(redis_url)
@@ -180,10 +180,10 @@ async def test_missing_chunk_is_a_record_error(store: RedisStore) -> None:
 async def test_pages_read_ahead_come_back_in_order_and_gaps_are_refused(
     store: RedisStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With several XRANGE pages in flight at once (`fulmen.version_stream`), the chunks still come
+    """With several XRANGE pages in flight at once (`fulmen.versions.transport.stream`), the chunks still come
     back in order, bit for bit; a chunk missing from a page in the middle, or the stream's end, is
     refused as before."""
-    from fulmen import version_stream
+    from fulmen.versions.transport import stream as version_stream
 
     monkeypatch.setattr(version_stream, "READ_PAGE_BYTES", 1000)  # 2 chunks a page
     weights = _state_dict()
@@ -361,10 +361,10 @@ async def test_weights_round_trip_on_a_redis_cluster(
 ) -> None:
     """A cluster client has no single connection to send chunks on in order: they go in pipelines.
     Pages are read ahead the same, and retention's AOF check leaves the cluster's own rule alone."""
-    from fulmen import version_stream
-    from fulmen.aof_rewrite import rewrite_if_grown
-    from fulmen.connection import async_client
-    from fulmen.version_retention import retain_versions
+    from fulmen.store.redis.aof import rewrite_if_grown
+    from fulmen.store.redis.connection import async_client
+    from fulmen.versions.retention import retain_versions
+    from fulmen.versions.transport import stream as version_stream
 
     monkeypatch.setattr(version_stream, "READ_PAGE_BYTES", 1000)
     client = async_client(redis_cluster.url)

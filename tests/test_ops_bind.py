@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from fulmen.ops_http import OpsServer
 from fulmen.settings import load_settings
+from fulmen.telemetry.http import OpsServer
 
 
 def _get(port: int, path: str, token: str | None = None) -> int:

@@ -9,12 +9,12 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from fulmen import keys as k
-from fulmen.ops_metrics import CountersCollector, CounterValue, PipelineCollector
+from fulmen.cli.top import sparkline
 from fulmen.records import TrainStep
 from fulmen.store import RedisStore
 from fulmen.store.statistics import read_snapshot
-from fulmen.top import sparkline
-from fulmen.train_steps import read_steps
+from fulmen.telemetry.metrics import CountersCollector, CounterValue, PipelineCollector
+from fulmen.telemetry.steps import read_steps
 
 
 def _registry(collector: object) -> CollectorRegistry:
@@ -88,7 +88,7 @@ async def test_empty_experiment_and_unreachable_redis(real_store: RedisStore, re
         assert r.get_sample_value("fulmen_model_version") is None
     finally:
         client.close()
-    from fulmen.embedded import free_port
+    from fulmen.store.redis.embedded import free_port
 
     gone = redis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
     r = _registry(PipelineCollector(gone, real_store.keys))

@@ -11,11 +11,11 @@ import pytest
 import redis
 
 from fulmen import keys as k
-from fulmen.embedded import free_port
-from fulmen.ops_http import OpsServer, ops_port
 from fulmen.records import ServiceBeat
 from fulmen.settings import load_settings
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import free_port
+from fulmen.telemetry.http import OpsServer, ops_port
 
 
 def _get(port: int, path: str) -> tuple[int, str]:

@@ -9,11 +9,11 @@ from urllib.parse import urlsplit
 import pytest
 from ops_helpers import get, samples, service_env, start, stop, value, wait_for
 
-from fulmen import arithmetic
-from fulmen.embedded import free_port
+from fulmen.demo import arithmetic
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import ServiceBeat, TrainStep
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
+from fulmen.store.redis.embedded import free_port
 
 pytestmark = pytest.mark.slow
 

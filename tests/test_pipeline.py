@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from procs import stop
 
-from fulmen import arithmetic
-from fulmen.model_versions import ModelVersion
+from fulmen.demo import arithmetic
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
+from fulmen.versions.model_version import ModelVersion
 
 pytestmark = pytest.mark.slow
 FULMEN = str(Path(sys.executable).with_name("fulmen"))
@@ -63,7 +63,7 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
         # the run's report: a PNG, a JSON summary, the final model as a loadable Hugging Face folder
         assert Path(summary["curve"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert json.loads(Path(summary["summary"]).read_text())["steps"] == summary["steps"]
-        from fulmen.tiny_model import load_tiny_model
+        from fulmen.demo.tiny_model import load_tiny_model
 
         final_model, _ = load_tiny_model(summary["final_model"])
         assert final_model is not None

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from fulmen.cli import app
+from fulmen.cli.main import app
 
 runner = CliRunner()
 _LINE = (

@@ -30,7 +30,7 @@ from fulmen.records import (
     pack_sample,
 )
 from fulmen.records.base import OFF_WIRE
-from fulmen.train_steps import summarize
+from fulmen.telemetry.steps import summarize
 
 # Each record's bytes as the hand-written `to_wire` of commit ce35140 wrote them, and the record.
 OLD_WIRE: list[tuple[bytes, Record]] = [

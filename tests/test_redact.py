@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from fulmen.connection import connect, redact
 from fulmen.errors import RedisUnavailable
 from fulmen.settings import CommonSettings
+from fulmen.store.redis.connection import connect, redact
 
 SECRET = "s3cr"  # every password below contains it, with the characters a URL parser stops at
 

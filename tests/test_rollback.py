@@ -12,15 +12,20 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fulmen.cli import app
+from fulmen.cli.main import app
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.errors import InvalidInput
-from fulmen.model_versions import ModelVersion, llm_resource, next_model_version, publish_model_version
-from fulmen.rollback import rollback
+from fulmen.serving.rollback import rollback
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
-from fulmen.version_folder import base_weights
-from fulmen.version_manifest import tensor_sha256
-from fulmen.version_retention import retain_versions, stored_versions
+from fulmen.versions.folder import base_weights
+from fulmen.versions.manifest import tensor_sha256
+from fulmen.versions.model_version import (
+    ModelVersion,
+    llm_resource,
+    next_model_version,
+    publish_model_version,
+)
+from fulmen.versions.retention import retain_versions, stored_versions
 
 runner = CliRunner()
 
@@ -41,7 +46,7 @@ async def _publish(store: RedisStore, tiny: Path, count: int) -> None:
 
 
 async def test_a_rollback_is_followed_kept_and_never_renamed(real_store: RedisStore, tiny: Path) -> None:
-    from fulmen_llm_proxy.backend_torch import TorchBackend
+    from fulmen_llm_proxy.backends.torch.backend import TorchBackend
     from fulmen_llm_proxy.following import ModelFollower
 
     await _publish(real_store, tiny, 6)

@@ -6,7 +6,6 @@ from typing import get_args
 
 import pytest
 
-from fulmen.connection import redact
 from fulmen.errors import InvalidInput
 from fulmen.settings import (
     AlgorithmSettings,
@@ -23,6 +22,7 @@ from fulmen.settings import (
 )
 from fulmen.settings.base import field_group
 from fulmen.settings.services import SERVICE_SETTINGS
+from fulmen.store.redis.connection import redact
 
 
 def test_flag_over_environment_over_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,8 +176,8 @@ def test_the_choices_are_what_the_services_register() -> None:
     """Each Literal lists exactly the names its registry knows (codecs, objectives, backends, ...)."""
     from fulmen.devices import DTYPES
     from fulmen.records.samples import SHAPES
-    from fulmen_llm_proxy.backends import BACKENDS
-    from fulmen_trainer import codecs
+    from fulmen_llm_proxy.backends.registry import BACKENDS
+    from fulmen_trainer.distributed import codecs
     from fulmen_trainer.objectives import algorithms
     from fulmen_vllm_sync.admin import PAUSE_MODES
     from fulmen_vllm_sync.sync import LORA_LOADINGS
@@ -223,7 +223,7 @@ def test_a_commands_help_shows_its_settings_by_group(command: str, panels: tuple
     """`fulmen trainer --help` puts each option in its group's panel (optimizer, LoRA, publishing, ...)."""
     from typer.testing import CliRunner
 
-    from fulmen.cli import _add_service_commands, app
+    from fulmen.cli.main import _add_service_commands, app
 
     _add_service_commands()
     result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})

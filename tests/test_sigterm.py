@@ -23,11 +23,11 @@ import pytest
 from ops_helpers import FULMEN, ROOT, get, service_env
 from procs import stop
 
-from fulmen.embedded import free_port
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records.status import RolloutStatus
 from fulmen.settings import AlgorithmSettings
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
+from fulmen.store.redis.embedded import free_port
 from fulmen_algorithm.jobs import enqueue_validation, validation_queue
 from fulmen_algorithm.validation import requeue_abandoned
 

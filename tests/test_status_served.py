@@ -9,11 +9,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from fulmen import service_cli
-from fulmen.cli import app
-from fulmen.connection import async_client
+from fulmen.cli import service as service_cli
+from fulmen.cli.main import app
 from fulmen.records import ProxyEndpoint, ReplicaState
 from fulmen.store import RedisStore
+from fulmen.store.redis.connection import async_client
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_status_shows_what_each_server_serves(env: None, redis_url: str, experim
     assert rows["http://vllm-a:8100"]["model_version"] == "v3" and rows["http://vllm-a:8100"]["lora_adapter"]
     assert not rows["http://vllm-b:8100"]["ready"] and rows["http://vllm-b:8100"]["reason"] == "loading v4"
     assert rows["http://proxy:8000"]["model_version"] == "v3"
-    # the console's width is read once, when fulmen.service_cli is first imported (80 under xdist): widen it
+    # the console's width is read once, when fulmen.cli.service is first imported (80 under xdist): widen it
     monkeypatch.setattr(service_cli.out, "width", 200)
     table = runner.invoke(app, ["status"]).stdout
     assert "http://vllm-a:8100: v3 (LoRA adapter)" in table

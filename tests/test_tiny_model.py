@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fulmen.tiny_model import DEFAULT_ALPHABET, build_tiny_model, load_tiny_model
+from fulmen.demo.tiny_model import DEFAULT_ALPHABET, build_tiny_model, load_tiny_model
 
 TEXT = "12+7=19\nHello, World! {x: [1, 2]} ~`'\"\\"
 
@@ -42,9 +42,9 @@ def test_default_has_room_for_an_agents_prompt(folder: Path) -> None:
 
 
 def test_vllm_preset_from_the_command_line(tmp_path: Path) -> None:
-    """`python -m fulmen.tiny_model FOLDER --preset vllm` (the README's vLLM section) writes the preset's
+    """`python -m fulmen.demo.tiny_model FOLDER --preset vllm` (the README's vLLM section) writes the preset's
     model: heads of at least 32 dimensions (vLLM's CPU attention refuses 16), the same size otherwise."""
-    command = [sys.executable, "-m", "fulmen.tiny_model", str(tmp_path / "m"), "--preset", "vllm", "--seed", "3"]
+    command = [sys.executable, "-m", "fulmen.demo.tiny_model", str(tmp_path / "m"), "--preset", "vllm", "--seed", "3"]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == str(tmp_path / "m")
     a, _ = load_tiny_model(tmp_path / "m")
@@ -118,7 +118,7 @@ def test_build_is_fast_and_honours_sizes(tmp_path: Path) -> None:
 def test_fulmen_core_imports_without_torch() -> None:
     """Importing fulmen, its records, the tiny-model kit and model_versions does not import torch."""
     code = (
-        "import sys, fulmen, fulmen.records, fulmen.tiny_model, fulmen.model_versions; "
+        "import sys, fulmen, fulmen.records, fulmen.demo.tiny_model, fulmen.versions.model_version; "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from demo_runs import run_dev, user_env, write_env
 
-from fulmen import calculator
+from fulmen.demo import calculator
 
 
 def test_the_calculator_computes_and_never_raises() -> None:
@@ -38,9 +38,9 @@ def test_a_demonstration_is_what_the_proxy_parses_and_records(tmp_path: Path) ->
     """The demo model writes a call in 10 tokens whose text the proxy's parser turns into the
     calculator call, and the conversation re-rendered with the parsed call (as the agent sends it
     back) extends the tokens generated so far: one trajectory, the mask over the model's tokens."""
-    from fulmen.tiny_model import load_tiny_model
+    from fulmen.demo.tiny_model import load_tiny_model
     from fulmen_algorithm.tool_demo import build_tool_model, sequence_and_mask
-    from fulmen_llm_proxy import tool_calls
+    from fulmen_llm_proxy.backends.torch import tool_calls
 
     build_tool_model(tmp_path, seed=0)
     _, tokenizer = load_tiny_model(tmp_path)
@@ -68,7 +68,7 @@ def test_shortened_tool_demo_trains_on_tool_trajectories(tmp_path: Path) -> None
     """`fulmen dev` with the calculator agent and Procfile.tools' settings, after a short warm start:
     the model's calls are parsed and run, the trainer steps on trajectory samples (one per
     conversation: call, tool result, answer), publishes versions, and the run ends by itself."""
-    from fulmen.embedded import free_port
+    from fulmen.store.redis.embedded import free_port
     from fulmen_algorithm.tool_demo import prepare_tool_demo
 
     steps = 3

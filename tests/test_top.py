@@ -21,7 +21,7 @@ from ops_helpers import FULMEN, service_env, start, stop
 
 from fulmen.records import TrainStep
 from fulmen.store import RedisStore
-from fulmen.train_steps import append_step
+from fulmen.telemetry.steps import append_step
 
 pytestmark = pytest.mark.slow
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
@@ -144,7 +144,7 @@ async def test_top_once_prints_one_frame(real_store: RedisStore, redis_url: str,
 
 def test_top_says_when_redis_is_unreachable(tmp_path: Path) -> None:
     """--once with nothing at REDIS_URL: exit 1 and a clear line, no password shown."""
-    from fulmen.embedded import free_port
+    from fulmen.store.redis.embedded import free_port
 
     env = {**os.environ, "REDIS_URL": f"redis://u:s3cret@127.0.0.1:{free_port()}/0"}
     env.pop("PORT", None)

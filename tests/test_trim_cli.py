@@ -8,12 +8,12 @@ import asyncio
 import pytest
 from typer.testing import CliRunner
 
-from fulmen.cli import app
-from fulmen.connection import async_client
+from fulmen.cli.main import app
+from fulmen.cli.trim import retention_schedule
 from fulmen.errors import InvalidInput
 from fulmen.settings import WatchdogSettings, known_env_names
 from fulmen.store import RedisStore
-from fulmen.trim_cli import retention_schedule
+from fulmen.store.redis.connection import async_client
 
 runner = CliRunner()
 

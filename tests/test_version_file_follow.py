@@ -1,5 +1,5 @@
 """A proxy hashes a shared-folder version's file while the trainer writes it
-(`fulmen.version_file_follow`), and uses what it read only when the announced file is that very file
+(`fulmen.versions.transport.file_follow`), and uses what it read only when the announced file is that very file
 and every tensor checks out against the header written last."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fulmen import version_file_follow
-from fulmen.version_blobs import claimed_file, deserialize, serialize, write_all
-from fulmen.version_file_follow import FileReadAhead
-from fulmen.version_file_spares import retire
-from fulmen.version_file_write import PLACEHOLDER_SHA256, _with_manifest, write_file_hashing
-from fulmen.version_manifest import DELTA, FULL, Manifest, TensorEntry, describe_all, dtype_name
+from fulmen.versions.blobs import claimed_file, deserialize, serialize, write_all
+from fulmen.versions.manifest import DELTA, FULL, Manifest, TensorEntry, describe_all, dtype_name
+from fulmen.versions.transport import file_follow as version_file_follow
+from fulmen.versions.transport.file_follow import FileReadAhead
+from fulmen.versions.transport.file_spares import retire
+from fulmen.versions.transport.file_write import PLACEHOLDER_SHA256, _with_manifest, write_file_hashing
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -105,7 +105,7 @@ async def test_what_does_not_check_out_is_read_again_the_usual_way(
 
 
 async def test_a_delta_and_a_stalled_write_are_left_to_the_usual_read(tmp_path: Path) -> None:
-    from fulmen.version_blobs import blob_sha256, write_file
+    from fulmen.versions.blobs import blob_sha256, write_file
 
     ahead = FileReadAhead(tmp_path, "v1", stall_s=5.0)
     manifest = Manifest(DELTA, "v0", describe_all(_state(1)))
@@ -124,7 +124,7 @@ async def test_a_delta_and_a_stalled_write_are_left_to_the_usual_read(tmp_path: 
 async def test_a_file_written_over_a_spare_is_read_once_it_is_whole(tmp_path: Path) -> None:
     """A recycled file's size says nothing of what is written: it is read once renamed into place,
     never before (its old bytes would fail the check, and it would be read again)."""
-    from fulmen.version_blobs import blob_sha256, write_file
+    from fulmen.versions.blobs import blob_sha256, write_file
 
     write_file_hashing(tmp_path, "v1", _state(1), FULL)
     retire(tmp_path, "v1")

@@ -1,5 +1,5 @@
 """Retention keeps a deleted version's weights file, and the next publish writes over it
-(`fulmen.version_file_spares`) — never over one some process still has open or mapped."""
+(`fulmen.versions.transport.file_spares`) — never over one some process still has open or mapped."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fulmen.version_blobs import blob_sha256, read_file, serialize, write_file
-from fulmen.version_file_spares import SPARE_DIR, SPARES_KEPT, retire
-from fulmen.version_file_write import write_file_hashing
-from fulmen.version_manifest import FULL, Manifest, describe_all
-from fulmen.version_stream import check_whole
+from fulmen.versions.blobs import blob_sha256, read_file, serialize, write_file
+from fulmen.versions.manifest import FULL, Manifest, describe_all
+from fulmen.versions.transport.file_spares import SPARE_DIR, SPARES_KEPT, retire
+from fulmen.versions.transport.file_write import write_file_hashing
+from fulmen.versions.transport.stream import check_whole
 
 
 def _state(seed: int, rows: int = 64) -> dict[str, torch.Tensor]:
@@ -72,8 +72,8 @@ def test_a_spare_some_reader_still_maps_is_never_written(tmp_path: Path) -> None
 def test_no_spare_where_a_lease_cannot_tell_and_a_link_is_never_followed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fulmen import version_file_spares
-    from fulmen.version_file_spares import filesystem
+    from fulmen.versions.transport import file_spares as version_file_spares
+    from fulmen.versions.transport.file_spares import filesystem
 
     assert filesystem(tmp_path) in version_file_spares.LOCAL_FILESYSTEMS  # what the other tests rely on
     assert filesystem(Path("/proc/self")) == "proc"

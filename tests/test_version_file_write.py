@@ -1,4 +1,4 @@
-"""A shared-folder version hashed while it is written (`fulmen.version_file_write`) is the very file
+"""A shared-folder version hashed while it is written (`fulmen.versions.transport.file_write`) is the very file
 the hash-then-write path produces, and what that path refuses it refuses before writing anything."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fulmen.errors import InvalidInput
-from fulmen.version_blobs import VersionTaken, blob_sha256, read_file, serialize, write_file
-from fulmen.version_file_write import write_file_hashing
-from fulmen.version_manifest import FULL, LORA, Manifest, describe_all
-from fulmen.version_stream import check_whole
+from fulmen.versions.blobs import VersionTaken, blob_sha256, read_file, serialize, write_file
+from fulmen.versions.manifest import FULL, LORA, Manifest, describe_all
+from fulmen.versions.transport.file_write import write_file_hashing
+from fulmen.versions.transport.stream import check_whole
 
 
 def _state() -> dict[str, torch.Tensor]:

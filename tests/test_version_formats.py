@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from fulmen.errors import InvalidInput, NotFound, RecordError
-from fulmen.model_versions import fetch_full_version, fetch_version, publish_model_version
 from fulmen.store import RedisStore
-from fulmen.version_delta import IDX, VAL, apply_delta, encode_delta
-from fulmen.version_manifest import DELTA, FULL, Manifest, describe_all, tensor_sha256
-from fulmen.version_retention import retain_versions, stored_versions
+from fulmen.versions.delta import IDX, VAL, apply_delta, encode_delta
+from fulmen.versions.manifest import DELTA, FULL, Manifest, describe_all, tensor_sha256
+from fulmen.versions.model_version import fetch_full_version, fetch_version, publish_model_version
+from fulmen.versions.retention import retain_versions, stored_versions
 
 
 def _weights(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -133,7 +133,7 @@ def test_a_blob_is_standard_safetensors_read_back_without_copies() -> None:
     the originals (every dtype, an empty and a 0-d tensor) and view the blob's buffer."""
     from safetensors.torch import load
 
-    from fulmen.version_blobs import deserialize, serialize
+    from fulmen.versions.blobs import deserialize, serialize
 
     state = {"w": torch.randn(3, 5).to(torch.bfloat16), "d": torch.randn(4, dtype=torch.float64),
              "i": torch.arange(7, dtype=torch.int32), "b": torch.tensor([True, False]), "u": torch.arange(3, dtype=torch.uint8),
@@ -155,7 +155,7 @@ def test_a_blob_is_standard_safetensors_read_back_without_copies() -> None:
 
 def test_a_blob_is_written_from_the_tensors_own_memory() -> None:
     """Serialising copies nothing: every part after the header is a view of a tensor's storage."""
-    from fulmen.version_blobs import serialize
+    from fulmen.versions.blobs import serialize
 
     state = {"a": torch.randn(64, 32), "b": torch.randn(16).to(torch.bfloat16)}
     blob = serialize(state, Manifest(FULL, None, describe_all(state)))
@@ -168,7 +168,7 @@ def test_a_blob_is_written_from_the_tensors_own_memory() -> None:
 def test_a_malformed_blob_is_refused_with_the_reason(header: bytes) -> None:
     import struct
 
-    from fulmen.version_blobs import deserialize
+    from fulmen.versions.blobs import deserialize
 
     with pytest.raises(RecordError, match="v1"):
         deserialize("v1", struct.pack("<Q", len(header)) + header + bytes(16), None)

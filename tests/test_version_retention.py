@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fulmen.errors import NotFound
-from fulmen.model_versions import fetch_model_version, publish_model_version
 from fulmen.records import ProxyEndpoint, ResourcesUpdate
 from fulmen.store import RedisStore
-from fulmen.version_retention import retain_versions, stored_versions
+from fulmen.versions.model_version import fetch_model_version, publish_model_version
+from fulmen.versions.retention import retain_versions, stored_versions
 
 KEEP = 3
 VERSIONS = 300

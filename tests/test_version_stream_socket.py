@@ -1,5 +1,5 @@
 """The chunks of a model version come on a connection of the reader's own, straight into the blob
-(`fulmen.version_stream_socket`): the same bytes and checks as through redis-py, logged in and on the
+(`fulmen.versions.transport.socket`): the same bytes and checks as through redis-py, logged in and on the
 database the client uses, and redis-py where that connection cannot be made the same way."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from fulmen import version_stream
-from fulmen.embedded import EmbeddedRedis
 from fulmen.errors import RecordError
-from fulmen.model_versions import publish_model_version
 from fulmen.store import RedisStore
-from fulmen.version_stream import read_stream
-from fulmen.version_stream_socket import ChunkSocket
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.versions.model_version import publish_model_version
+from fulmen.versions.transport import stream as version_stream
+from fulmen.versions.transport.socket import ChunkSocket
+from fulmen.versions.transport.stream import read_stream
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -95,7 +95,7 @@ async def test_it_logs_in_and_selects_the_clients_database(tmp_path: Path, opene
 async def test_what_it_cannot_connect_like_the_client_it_leaves_to_redis_py(
     redis_server: EmbeddedRedis, redis_cluster: object, opened: list[bool]
 ) -> None:
-    from fulmen.connection import async_client
+    from fulmen.store.redis.connection import async_client
 
     port = redis_server.port
     plain = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/0")

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
-from fulmen.connection import connect_weights
-from fulmen.embedded import EmbeddedRedis
-from fulmen.model_versions import fetch_model_version, next_model_version, publish_model_version
 from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore
-from fulmen.version_retention import retain_versions, stored_versions
+from fulmen.store.redis.connection import connect_weights
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.versions.model_version import fetch_model_version, next_model_version, publish_model_version
+from fulmen.versions.retention import retain_versions, stored_versions
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:

@@ -104,7 +104,7 @@ def save_model_dir(folder: Path, shape: dict[str, Any], device: str) -> Path:
     a CPU) with the tiny model's character tokenizer beside it (ids are what is measured, not text)."""
     import torch
 
-    from fulmen.tiny_model import build_tiny_model
+    from fulmen.demo.tiny_model import build_tiny_model
 
     tokenizer_dir = build_tiny_model(folder / "tokenizer")
     model = build_on_device(shape, device, torch.float32 if device == "cpu" else torch.bfloat16)

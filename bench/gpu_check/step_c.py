@@ -21,11 +21,11 @@ from typing import Any
 from common import emit, log, parse, step_env
 
 from fulmen import keys as k
-from fulmen.connection import async_client
-from fulmen.embedded import EmbeddedRedis, free_port
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import Sample
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
+from fulmen.store.redis.connection import async_client
+from fulmen.store.redis.embedded import EmbeddedRedis, free_port
 
 STEPS = 3
 RUNS = [("ddp", "none"), ("ddp", "bf16"), ("ddp", "topk"), ("ddp", "dgc"), ("ddp", "qsgd8"), ("fsdp", "none")]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from common import QWEN25_05B, TINY, chip, emit, log, parse, save_model_dir
 
-from fulmen_llm_proxy.torch_engine import SamplingParams, TorchEngine
+from fulmen_llm_proxy.backends.torch.engine import SamplingParams, TorchEngine
 
 CONCURRENCY = (1, 32)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from common import ROOT, emit, log, parse, step_env
 
-from fulmen.embedded import free_port
+from fulmen.store.redis.embedded import free_port
 
 TARGET = 0.9
 ACCURACY = re.compile(r"(?<!train )accuracy (\d+\.\d+)")
@@ -36,8 +36,8 @@ def environment(folder: Path, device: str, dry_run: bool) -> tuple[dict[str, str
                  "FULMEN_DASHBOARD_PORT": "0", "FULMEN_SEED": "0", "FULMEN_DEVICE": device}
     args = ["--agent", "examples.arithmetic_agent:agent", "--no-dashboard"]
     if dry_run:
-        from fulmen import arithmetic
-        from fulmen.tiny_model import build_tiny_model
+        from fulmen.demo import arithmetic
+        from fulmen.demo.tiny_model import build_tiny_model
 
         model = build_tiny_model(folder / "my-model")
         tasks = arithmetic.write_jsonl(folder / "tasks.jsonl", arithmetic.make_tasks("train", 40, seed=3))

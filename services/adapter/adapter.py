@@ -21,14 +21,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fulmen import keys as k
-from fulmen import semconv
 from fulmen.codec import unpack
 from fulmen.errors import RecordError, RedisUnavailable
 from fulmen.records import Rollout, RolloutFinished, RolloutForSamples, RolloutStatus, SampleSkip, pack_sample
 from fulmen.records.status import TERMINAL_ROLLOUT
+from fulmen.serving.rewards import version_reward_stats
 from fulmen.store import RedisStore
 from fulmen.tasks import task_id
-from fulmen.version_rewards import version_reward_stats
+from fulmen.telemetry import semconv
 from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, sample_fields
 
 log = logging.getLogger(__name__)

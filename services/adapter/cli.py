@@ -11,8 +11,8 @@ from typing import Annotated, Any
 import typer
 
 from fulmen import keys as k
+from fulmen.cli.service import run_on_store, settings_command
 from fulmen.errors import FulmenError, InvalidInput
-from fulmen.service_cli import run_on_store, settings_command
 from fulmen.settings import AdapterSettings
 from fulmen.store import RedisStore
 
@@ -38,8 +38,8 @@ def command(
     ids and log-probabilities the proxy recorded, plus one trajectory sample per multi-turn
     conversation; any other rollout yields a skip record with the reason. Once per rollout, however
     often a completion is delivered. Several adapters may run (one consumer group)."""
-    from fulmen.ops_http import start_ops
-    from fulmen.ops_metrics import CountersCollector
+    from fulmen.telemetry.http import start_ops
+    from fulmen.telemetry.metrics import CountersCollector
     from fulmen_adapter.adapter import Adapter, tune_gc_for_batches
     from fulmen_adapter.config import adapter_config
 
@@ -116,7 +116,7 @@ def replay(
 
 def _adapter_counters(counters: Any) -> list[Any]:
     """The adapter's own counters for /metrics (rollouts adapted, samples emitted, skips per reason)."""
-    from fulmen.ops_metrics import CounterValue
+    from fulmen.telemetry.metrics import CounterValue
 
     values = [
         CounterValue("fulmen_adapter_rollouts", "Rollouts adapted (once each).", counters.rollouts),

@@ -1,13 +1,13 @@
-"""The adapter as a task of `fulmen dev` (see `fulmen.dev`)."""
+"""The adapter as a task of `fulmen dev` (see `fulmen.cli.dev`)."""
 
 from __future__ import annotations
 
 import asyncio
 
 from fulmen import keys as k
-from fulmen.dev import open_store
-from fulmen.ops_http import start_ops
+from fulmen.cli.dev import open_store
 from fulmen.settings import AdapterSettings, load_settings
+from fulmen.telemetry.http import start_ops
 from fulmen_adapter.adapter import Adapter
 from fulmen_adapter.config import adapter_config
 

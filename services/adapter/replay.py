@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fulmen.archive_files import ArchiveWriter, files_of, read_file
+from fulmen.archive.files import ArchiveWriter, files_of, read_file
 from fulmen.errors import RecordError
 from fulmen.records import RolloutFinished, RolloutForSamples
 from fulmen.records.status import TERMINAL_ROLLOUT
@@ -20,7 +20,7 @@ from fulmen_adapter.adapter import Adapted, adapt_rollout
 from fulmen_adapter.triplets import AdapterConfig
 
 BATCH = 128  # rollouts per read (live) and per append
-# The rollout hash fields the adapter reads, in READ_FOR_SAMPLES's order (`fulmen.store.data_scripts`).
+# The rollout hash fields the adapter reads, in READ_FOR_SAMPLES's order (`fulmen.store.lua.data`).
 ROW_FIELDS = ("status", "attempt_id", "mode", "metadata", "input", "reward")
 
 

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
-from fulmen import semconv, tokens
+from fulmen import tokens
 from fulmen.errors import RecordError
 from fulmen.records import Sample, Span, SpanView
+from fulmen.telemetry import semconv
 
 # The adapter hands in `SpanView`s (decoded cheaply from the store); tests and tools may use `Span`s.
 SpanLike = Span | SpanView

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fulmen import semconv
 from fulmen.errors import InvalidInput, NotFound
-from fulmen.model_versions import POLICY_RESOURCES_ID
 from fulmen.records.status import RolloutMode, RolloutStatus
 from fulmen.settings import ApoSettings
 from fulmen.store import RedisStore
+from fulmen.telemetry import semconv
+from fulmen.versions.model_version import POLICY_RESOURCES_ID
 from fulmen_algorithm.dataset import Task, task_id
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from fulmen import keys as k
-from fulmen.service_cli import own_fields, run_on_store, settings_command
+from fulmen.cli.service import own_fields, run_on_store, settings_command
 from fulmen.settings import AlgorithmSettings, ApoSettings, DemoSettings, EvalSettings, EvaluatorSettings
 from fulmen.store import RedisStore
 
@@ -79,7 +79,7 @@ def demo(settings: DemoSettings) -> None:
 
 def _run(settings: AlgorithmSettings, tasks: list[dict[str, object]], val_tasks: list[dict[str, object]],
          setup: Callable[[RedisStore], Awaitable[None]] | None = None) -> None:
-    from fulmen.ops_http import start_ops
+    from fulmen.telemetry.http import start_ops
     from fulmen_algorithm.run import Run
 
     run = Run(settings, tasks, val_tasks, setup=setup)
@@ -107,8 +107,8 @@ def evaluator(settings: EvaluatorSettings) -> None:
 
     The algorithm enqueues a validation pass every --val-every versions; this worker runs it (greedy
     val-mode rollouts through the normal pipeline) while the run goes on."""
-    from fulmen.connection import connect
-    from fulmen.ops_http import start_ops
+    from fulmen.store.redis.connection import connect
+    from fulmen.telemetry.http import start_ops
     from fulmen_algorithm.jobs import run_evaluator
 
     async def wait_for_redis() -> None:  # services start in any order: rq would exit at once

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fulmen import arithmetic
+from fulmen.demo import arithmetic
+from fulmen.demo.warm_start import install_model, sft_step
 from fulmen.errors import NotFound
-from fulmen.model_versions import BASE_VERSION, POLICY_RESOURCES_ID
 from fulmen.store import RedisStore
-from fulmen_algorithm.warm_start import install_model, sft_step
+from fulmen.versions.model_version import BASE_VERSION, POLICY_RESOURCES_ID
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: 
         return paths
     import torch
 
-    from fulmen.tiny_model import build_tiny_model, load_tiny_model
+    from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""The algorithm (or the demo's driver) and the evaluator as tasks of `fulmen dev` (see `fulmen.dev`).
+"""The algorithm (or the demo's driver) and the evaluator as tasks of `fulmen dev` (see `fulmen.cli.dev`).
 
 The evaluator's rq worker is synchronous: it works the eval queue in a thread, in bursts, with rq's
 thread-safe job timeout (its default is SIGALRM, which only the main thread may use)."""
@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fulmen import keys as k
-from fulmen.dev import open_store, when_stopped
-from fulmen.ops_http import start_ops
+from fulmen.cli.dev import open_store, when_stopped
 from fulmen.settings import AlgorithmSettings, DemoSettings, EvaluatorSettings, load_settings
 from fulmen.store import RedisStore
+from fulmen.telemetry.http import start_ops
 
 log = logging.getLogger("fulmen.algorithm")
 EVAL_POLL_S = 1.0  # between two bursts of the evaluator when the queue was empty

@@ -6,15 +6,15 @@ from pathlib import Path
 from typing import Any
 
 from fulmen.errors import FulmenError
-from fulmen.model_versions import (
+from fulmen.settings import EvalSettings
+from fulmen.store import RedisStore
+from fulmen.versions.model_version import (
     POLICY_RESOURCES_ID,
     SERVE_TIMEOUT_S,
     ModelVersion,
     publish_model_version,
     wait_until_served,
 )
-from fulmen.settings import EvalSettings
-from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task
 from fulmen_algorithm.scheduler import recoverable_rollout_config
 from fulmen_algorithm.validation import validate

@@ -107,7 +107,7 @@ def evaluator_worker(queue: Queue) -> SimpleWorker:
     from rq import SimpleWorker
     from rq.serializers import JSONSerializer
 
-    from fulmen.service_cli import leave
+    from fulmen.cli.service import leave
 
     class EvaluatorWorker(SimpleWorker):
         running: str | None = None  # the job under way (kept here: a signal handler asks no Redis)

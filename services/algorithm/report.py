@@ -1,6 +1,6 @@
 """The end of a run: the reward curve as a PNG, a JSON summary, and the final model as a folder.
 
-The curve comes from `fulmen.train_steps.read_curve`; the folder from `fulmen.version_folder`.
+The curve comes from `fulmen.telemetry.steps.read_curve`; the folder from `fulmen.versions.folder`.
 Which version is final: docs/design/algorithm.md.
 """
 
@@ -15,16 +15,16 @@ from typing import Any
 import matplotlib
 
 from fulmen.errors import FulmenError
-from fulmen.model_versions import (
+from fulmen.records import TrainStep
+from fulmen.store import RedisStore
+from fulmen.versions.folder import full_weights, write_model_folder
+from fulmen.versions.model_version import (
     BASE_VERSION,
     POLICY_RESOURCES_ID,
     ModelVersion,
     fetch_model_version,
     find_weights,
 )
-from fulmen.records import TrainStep
-from fulmen.store import RedisStore
-from fulmen.version_folder import full_weights, write_model_folder
 
 CURVE_SIZE_IN = (7, 4)
 CURVE_DPI = 120

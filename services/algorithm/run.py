@@ -213,7 +213,7 @@ class Run:
 
     async def write_report(self, summary: dict[str, Any]) -> dict[str, Any]:
         """The curve (PNG), the summary (JSON) and the final model, in this experiment's `run_dir`."""
-        from fulmen.train_steps import read_curve
+        from fulmen.telemetry.steps import read_curve
         from fulmen_algorithm.report import plot_curve
 
         s = self.settings

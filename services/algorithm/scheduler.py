@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fulmen import keys as k
-from fulmen.model_versions import POLICY_RESOURCES_ID
 from fulmen.records import RolloutConfig
 from fulmen.records.status import RolloutMode
-from fulmen.serving import serving_lag
+from fulmen.serving.lag import serving_lag
 from fulmen.store import RedisStore
-from fulmen.train_steps import UntrainedGroups, latest_step
+from fulmen.telemetry.steps import UntrainedGroups, latest_step
+from fulmen.versions.model_version import POLICY_RESOURCES_ID
 from fulmen_algorithm.dataset import Task, task_id
 
 log = logging.getLogger(__name__)

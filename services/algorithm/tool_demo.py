@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from fulmen import arithmetic, calculator
+from fulmen.demo import arithmetic, calculator
+from fulmen.demo.warm_start import install_model, sft_step
 from fulmen_algorithm.demo import DemoPaths
-from fulmen_algorithm.warm_start import install_model, sft_step
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ TOOLS_TURN = ("{% if tools %}<|system|>{% for tool in tools %}{{ (tool['function
 
 def build_tool_model(folder: Path, seed: int) -> None:
     """The tiny Llama with the demo's tokens and chat template, saved in ``folder``."""
-    from fulmen.tiny_model import CHAT_TEMPLATE, TOOLS_PREAMBLE, build_tiny_model, load_tiny_model
+    from fulmen.demo.tiny_model import CHAT_TEMPLATE, TOOLS_PREAMBLE, build_tiny_model, load_tiny_model
 
     build_tiny_model(folder, seed=seed, initializer_range=INITIALIZER_RANGE, max_position_embeddings=MAX_POSITIONS)
     model, tokenizer = load_tiny_model(folder)
@@ -146,7 +146,7 @@ def prepare_tool_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_
         return paths
     import torch
 
-    from fulmen.tiny_model import load_tiny_model
+    from fulmen.demo.tiny_model import load_tiny_model
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

@@ -13,12 +13,12 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from fulmen import semconv
 from fulmen.errors import NotFound
-from fulmen.model_versions import POLICY_RESOURCES_ID
 from fulmen.records import ResourcesUpdate, RolloutConfig
 from fulmen.records.status import Priority, RolloutMode, RolloutStatus
 from fulmen.store import RedisStore
+from fulmen.telemetry import semconv
+from fulmen.versions.model_version import POLICY_RESOURCES_ID
 from fulmen_algorithm.dataset import Task, load_tasks, task_id
 from fulmen_algorithm.scheduler import recoverable_rollout_config
 
@@ -137,8 +137,8 @@ def validation_job(
     experiment: str, val_data: str, label: str, timeout_s: float = 600.0, step: int | None = None
 ) -> dict[str, Any]:
     """The rq job (JSON in, JSON out): connects from the environment, like every service."""
-    from fulmen.connection import connect
     from fulmen.settings import EvaluatorSettings, load_settings
+    from fulmen.store.redis.connection import connect
 
     async def main() -> dict[str, Any]:
         settings = load_settings(EvaluatorSettings, experiment=experiment)

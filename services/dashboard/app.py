@@ -18,9 +18,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from fulmen import keys as k
-from fulmen.connection import async_client
 from fulmen.errors import FulmenError, InvalidInput, InvalidTransition, NotFound
-from fulmen.pipeline_view import (
+from fulmen.settings import DashboardSettings
+from fulmen.store import RedisStore
+from fulmen.store.browse import browse_rollouts
+from fulmen.store.experiments import list_experiments
+from fulmen.store.redis.connection import async_client
+from fulmen.telemetry.pipeline import (
     COUNTERS,
     Frame,
     aread_frame,
@@ -30,11 +34,7 @@ from fulmen.pipeline_view import (
     replica_liveness,
     service_rows,
 )
-from fulmen.settings import DashboardSettings
-from fulmen.store import RedisStore
-from fulmen.store.browse import browse_rollouts
-from fulmen.store.experiments import list_experiments
-from fulmen.train_steps import MAX_STEPS
+from fulmen.telemetry.steps import MAX_STEPS
 from fulmen_dashboard import params, queries
 from fulmen_dashboard.http import (
     Auth,

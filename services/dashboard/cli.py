@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from fulmen.service_cli import settings_command
+from fulmen.cli.service import settings_command
 from fulmen.settings import DashboardSettings
 
 NAMES = {"dashboard_host": ("--host", "--dashboard-host"), "dashboard_port": ("--port", "--dashboard-port")}

@@ -1,4 +1,4 @@
-"""The dashboard as a task of `fulmen dev` (see `fulmen.dev`)."""
+"""The dashboard as a task of `fulmen dev` (see `fulmen.cli.dev`)."""
 
 from __future__ import annotations
 

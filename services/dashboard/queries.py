@@ -1,4 +1,4 @@
-"""What the dashboard's pages read beyond the live frame (`fulmen.pipeline_view`) and the rollout
+"""What the dashboard's pages read beyond the live frame (`fulmen.telemetry.pipeline`) and the rollout
 pages (`fulmen.store.browse`): one rollout with its attempts and span tree, the curves, the
 validations, dead letters, the newest finished rollouts. Every read names its keys; none scans the
 keyspace, none writes."""
@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fulmen import keys as k
-from fulmen import semconv
 from fulmen.errors import NotFound, RecordError
-from fulmen.llm_calls import LlmCall, describe, is_llm_call
 from fulmen.records import Attempt, DeadLetter, Rollout, RolloutFinished, Span
 from fulmen.store import RedisStore
-from fulmen.train_steps import decode_steps
+from fulmen.telemetry import semconv
+from fulmen.telemetry.llm_calls import LlmCall, describe, is_llm_call
+from fulmen.telemetry.steps import decode_steps
 
 # The curves the curves page draws: (label, TrainStep metric keys, the first present wins).
 CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (

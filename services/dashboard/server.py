@@ -86,7 +86,7 @@ def serve(settings: DashboardSettings) -> None:
 
 async def serve_until(settings: DashboardSettings, stop: asyncio.Event) -> None:
     """Serve in the running loop until ``stop`` is set (`fulmen dev`, which owns the signals)."""
-    from fulmen.dev import serve_http
+    from fulmen.cli.dev import serve_http
 
     sock = listen(settings)
     _announce(settings, sock)

@@ -1,6 +1,6 @@
 """The proxy as a plain ASGI app: no framework between uvicorn and the handlers.
 
-Routes: the OpenAI, Responses and Messages APIs (each a `fulmen_llm_proxy.dialects.Dialect`), models,
+Routes: the OpenAI, Responses and Messages APIs (each a `fulmen_llm_proxy.api.dialects.Dialect`), models,
 health and metrics. Each call's span is stored before its response is sent. Why: docs/design/proxy.md.
 """
 
@@ -15,13 +15,14 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from fulmen import semconv
 from fulmen.errors import NotFound, RecordTooLarge
+from fulmen.telemetry import semconv
+from fulmen_llm_proxy.api.dialects import OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect, Parsed
+from fulmen_llm_proxy.api.messages import MESSAGES
+from fulmen_llm_proxy.api.responses import RESPONSES
 from fulmen_llm_proxy.attribution import Target, from_headers, new_span_id, split_path, trace_context
-from fulmen_llm_proxy.backend_base import Call, Result
-from fulmen_llm_proxy.dialects import OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect, Parsed
+from fulmen_llm_proxy.backends.base import Call, Result
 from fulmen_llm_proxy.errors import ProxyError
-from fulmen_llm_proxy.messages_api import MESSAGES
 from fulmen_llm_proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fulmen_llm_proxy.recording import build_spans
 from fulmen_llm_proxy.replay import (
@@ -32,7 +33,6 @@ from fulmen_llm_proxy.replay import (
     may_be_retry,
     recorded_choices,
 )
-from fulmen_llm_proxy.responses_api import RESPONSES
 from fulmen_llm_proxy.service import ProxyService
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from fulmen import semconv
-from fulmen.tracing import rollout_trace_id
+from fulmen.telemetry import semconv
+from fulmen.telemetry.tracing import rollout_trace_id
 from fulmen_llm_proxy.errors import bad_request
 
 _ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")  # fulmen.keys.check_id's alphabet; always fullmatch

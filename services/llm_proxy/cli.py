@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from fulmen.service_cli import settings_command
+from fulmen.cli.service import settings_command
 from fulmen.settings import ProxySettings
 
 # The proxy's flags keep their short historical names next to the settings' names.
@@ -25,13 +25,13 @@ def command(settings: ProxySettings) -> None:
     from fulmen_llm_proxy.server import serve
 
     if settings.proxy_backend == "torch" and settings.model_dir is None:
-        from fulmen.standalone import tiny_model_dir
+        from fulmen.cli.standalone import tiny_model_dir
 
         settings = settings.model_copy(update={"model_dir": tiny_model_dir(settings)})
         typer.echo(f"no --model-dir: serving the tiny model in {settings.model_dir} (random weights: a "
                    "pipeline check)", err=True)
     if settings.proxy_backend == "torch" and settings.model_dir is not None:
-        from fulmen.model_versions import wait_for_model_dir
+        from fulmen.versions.model_version import wait_for_model_dir
 
         wait_for_model_dir(settings.model_dir)  # the demo writes its model after the warm start
     try:

@@ -1,11 +1,11 @@
-"""The LLM proxy as a task of `fulmen dev` (see `fulmen.dev`): its uvicorn server in the shared loop."""
+"""The LLM proxy as a task of `fulmen dev` (see `fulmen.cli.dev`): its uvicorn server in the shared loop."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 
-from fulmen.dev import serve_http, wait_for_model
+from fulmen.cli.dev import serve_http, wait_for_model
 from fulmen.settings import ProxySettings, load_settings
 from fulmen_llm_proxy.server import DEFAULT_PORT, bind, build
 

@@ -16,8 +16,8 @@ from typing import Any
 from fulmen.errors import NotFound, RecordError
 from fulmen.records import ResourcesUpdate
 from fulmen.store import RedisStore
-from fulmen.version_file_follow import FileReadAhead
-from fulmen_llm_proxy.backend_base import Backend
+from fulmen.versions.transport.file_follow import FileReadAhead
+from fulmen_llm_proxy.backends.base import Backend
 from fulmen_llm_proxy.blob_buffer import ReusedBuffer
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class ModelFollower:
     def _prefetch_next(self, newest: str | None = None) -> None:
         """Start reading the version the trainer will publish after the one served (``v<n+1>``), or
         after ``newest`` (a rollback serves an older version than the newest published)."""
-        from fulmen.version_stream import read_stream
+        from fulmen.versions.transport.stream import read_stream
 
         following = next_name(newest or self.backend.model_version)
         if self._prefetch is not None and self._prefetch[0] == following:
@@ -90,7 +90,7 @@ class ModelFollower:
     async def _take_prefetch(self, version: str, llm: dict[str, Any]) -> tuple[Any, str, str | None] | None:
         """What the prefetch read of ``version``, if it read the blob (stream or file) ``llm`` names;
         else None (it was reading another version or transport, it failed or stalled)."""
-        from fulmen.model_versions import names_blob
+        from fulmen.versions.model_version import names_blob
 
         prefetch, self._prefetch = self._prefetch, None
         ahead, self._file_ahead = self._file_ahead, None
@@ -125,7 +125,7 @@ class ModelFollower:
         return found
 
     async def consider(self, update: ResourcesUpdate) -> None:
-        from fulmen.model_versions import llm_resource
+        from fulmen.versions.model_version import llm_resource
 
         llm = llm_resource(update)
         if not llm:
@@ -150,7 +150,7 @@ class ModelFollower:
             state_dict, weights = await self._weights(version, llm, await self._take_prefetch(version, llm))
             loaded = await self.backend.load_weights(state_dict, version, weights)
         except NotFound:
-            # its weights are deleted once newer versions exist (fulmen.version_retention): a newer
+            # its weights are deleted once newer versions exist (fulmen.versions.retention): a newer
             # announcement follows, or catch-up already named it
             log.info("model version %s is no longer stored (a newer one replaced it): skipped", version)
             return
@@ -168,10 +168,10 @@ class ModelFollower:
             self.on_loaded(version, "loaded")
 
     async def _follow_b(self, llm: dict[str, Any]) -> None:
-        """An A/B test's B version (`fulmen.ab`) on a backend that serves two; ended when not named."""
-        from fulmen.ab import ab_of
-        from fulmen.model_versions import fetch_full_version
-        from fulmen.version_manifest import DELTA
+        """An A/B test's B version (`fulmen.serving.ab`) on a backend that serves two; ended when not named."""
+        from fulmen.serving.ab import ab_of
+        from fulmen.versions.manifest import DELTA
+        from fulmen.versions.model_version import fetch_full_version
 
         arm = ab_of(llm)
         serve_b = getattr(self.backend, "serve_b", None)
@@ -208,9 +208,9 @@ class ModelFollower:
         version's stream as read while it was written (`fetch_version` checks it is the one named)."""
         import asyncio
 
-        from fulmen.model_versions import fetch_full_version, fetch_version
-        from fulmen.version_delta import apply_delta
-        from fulmen.version_manifest import DELTA
+        from fulmen.versions.delta import apply_delta
+        from fulmen.versions.manifest import DELTA
+        from fulmen.versions.model_version import fetch_full_version, fetch_version
 
         weights = llm.get("weights") if isinstance(llm.get("weights"), dict) else None
         found = await fetch_version(self.store, version, resource=llm, prefetched=prefetched)
@@ -232,7 +232,7 @@ class ModelFollower:
 
 def _model_version(update: ResourcesUpdate) -> str | None:
     """The model version an update's ``llm`` entry names, or None."""
-    from fulmen.model_versions import llm_resource
+    from fulmen.versions.model_version import llm_resource
 
     version = (llm_resource(update) or {}).get("model_version")
     return version if isinstance(version, str) and version else None

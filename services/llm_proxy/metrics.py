@@ -28,7 +28,7 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        # the process's CPU, memory, fds and GC, as every Fulmen service reports them (fulmen.ops_http)
+        # the process's CPU, memory, fds and GC, as every Fulmen service reports them (fulmen.telemetry.http)
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)

@@ -18,11 +18,12 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from fulmen import semconv, tokens
+from fulmen import tokens
 from fulmen.records import Span
-from fulmen.tracing import otlp_exporter_from_env
+from fulmen.telemetry import semconv
+from fulmen.telemetry.tracing import otlp_exporter_from_env
 from fulmen_llm_proxy.attribution import new_span_id
-from fulmen_llm_proxy.backend_base import Call, Result
+from fulmen_llm_proxy.backends.base import Call, Result
 from fulmen_llm_proxy.replay import choice_key, keyed_span_id
 
 log = logging.getLogger(__name__)

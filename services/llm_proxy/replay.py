@@ -11,9 +11,10 @@ import re
 import time
 from typing import Any
 
-from fulmen import semconv, tokens
+from fulmen import tokens
 from fulmen.records import Span
-from fulmen_llm_proxy.backend_base import Call
+from fulmen.telemetry import semconv
+from fulmen_llm_proxy.backends.base import Call
 from fulmen_llm_proxy.errors import bad_request
 
 _KEY_HEADER = semconv.HEADER_IDEMPOTENCY_KEY.encode()

@@ -15,10 +15,10 @@ from types import FrameType
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from fulmen.service_cli import leave
+from fulmen.cli.service import leave
 from fulmen.settings import ProxySettings
 from fulmen_llm_proxy.app import ProxyApp
-from fulmen_llm_proxy.backend_base import Backend
+from fulmen_llm_proxy.backends.base import Backend
 from fulmen_llm_proxy.registry import default_base_url
 from fulmen_llm_proxy.service import ProxyService
 

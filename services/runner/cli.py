@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from fulmen import keys as k
+from fulmen.cli.service import run_on_store, settings_command
 from fulmen.errors import FulmenError
-from fulmen.service_cli import run_on_store, settings_command
 from fulmen.settings import RunnerSettings
 from fulmen.store import RedisStore
 
@@ -68,10 +68,10 @@ def command(settings: RunnerSettings, hook: HookOpt = None) -> None:
     to the store (and to OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set). SIGTERM: stop claiming,
     let in-flight rollouts finish for --grace-s, hand back the rest."""
     the_agent, hooks = _load(settings.agent, hook)
-    from fulmen.ops_http import start_ops
-    from fulmen.ops_metrics import CountersCollector
     from fulmen.sdk.resources import close_async_pool
-    from fulmen.tracing import setup_tracing
+    from fulmen.telemetry.http import start_ops
+    from fulmen.telemetry.metrics import CountersCollector
+    from fulmen.telemetry.tracing import setup_tracing
     from fulmen_runner.runner import Runner
 
     provider, buffer = setup_tracing("fulmen-runner")
@@ -105,7 +105,7 @@ def command(settings: RunnerSettings, hook: HookOpt = None) -> None:
 
 def _runner_counters(runner: Any) -> list[Any]:
     """The runner's own counters for /metrics (claims, ends, spans)."""
-    from fulmen.ops_metrics import CounterValue
+    from fulmen.telemetry.metrics import CounterValue
 
     return [
         CounterValue("fulmen_runner_claims", "Rollouts claimed.", runner.claimed),
@@ -195,8 +195,8 @@ def run_once(
         err.print(f"[red]error:[/red] --model-dir {escape(str(model_dir))} is not a Hugging Face model folder "
                   "(no config.json)")
         raise typer.Exit(2)
-    from fulmen.standalone import ensure_redis
-    from fulmen.tracing import setup_tracing
+    from fulmen.cli.standalone import ensure_redis
+    from fulmen.telemetry.tracing import setup_tracing
 
     _, buffer = setup_tracing("fulmen-run-once")
     serve = _Serve(model_dir, upstream_url, model_name)
@@ -242,9 +242,9 @@ async def _needs_proxy(store: RedisStore, settings: RunnerSettings, serve: _Serv
 
 async def _run_once(store: RedisStore, settings: RunnerSettings, the_agent: Any, hooks: list[Any], buffer: Any,
                     the_task: Any, resources_id: str | None, serve: _Serve, as_json: bool) -> bool:
-    from fulmen.embedded import free_port
+    from fulmen.cli.standalone import proxy_command, running_proxy, tiny_model_dir
     from fulmen.sdk.resources import close_async_pool
-    from fulmen.standalone import proxy_command, running_proxy, tiny_model_dir
+    from fulmen.store.redis.embedded import free_port
     from fulmen_runner.execute import AttemptContext, execute
     from fulmen_runner.heartbeats import Heartbeats
     from fulmen_runner.inputs import InputResolver
@@ -300,8 +300,8 @@ def _clip(text: str) -> str:
 
 
 def _print_run(rollout_id: str, outcome: Any, spans: list[Any], as_json: bool) -> None:
-    from fulmen import semconv
-    from fulmen.llm_calls import describe
+    from fulmen.telemetry import semconv
+    from fulmen.telemetry.llm_calls import describe
 
     if not any(s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL for s in spans):
         err.print(f"[yellow]{escape(NO_CALL_WARNING)}[/yellow]")

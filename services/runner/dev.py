@@ -1,16 +1,16 @@
-"""The runner as a task of `fulmen dev` (see `fulmen.dev`): the same runner, in the shared loop."""
+"""The runner as a task of `fulmen dev` (see `fulmen.cli.dev`): the same runner, in the shared loop."""
 
 from __future__ import annotations
 
 import asyncio
 
 from fulmen import keys as k
-from fulmen.dev import open_store, when_stopped
-from fulmen.ops_http import start_ops
+from fulmen.cli.dev import open_store, when_stopped
 from fulmen.sdk.agent import load_agent
 from fulmen.sdk.resources import close_async_pool
 from fulmen.settings import RunnerSettings, load_settings
-from fulmen.tracing import setup_tracing
+from fulmen.telemetry.http import start_ops
+from fulmen.telemetry.tracing import setup_tracing
 from fulmen_runner.runner import Runner
 
 

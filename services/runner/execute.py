@@ -16,14 +16,14 @@ from typing import Any
 import openai
 from opentelemetry import trace
 
-from fulmen import semconv
 from fulmen.errors import InvalidInput, RecordError
 from fulmen.records import AttemptedRollout, AttemptStatus
 from fulmen.sdk.agent import Agent
 from fulmen.sdk.emit import emit_exception, emit_reward
 from fulmen.sdk.hooks import Hook, run_hooks
 from fulmen.store import RedisStore
-from fulmen.tracing import RootSpan, bind
+from fulmen.telemetry import semconv
+from fulmen.telemetry.tracing import RootSpan, bind
 from fulmen_runner.agent_threads import AgentThreads
 from fulmen_runner.heartbeats import Heartbeats
 from fulmen_runner.inputs import InputResolver

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from fulmen.sdk.agent import Agent
 from fulmen.sdk.hooks import Hook
 from fulmen.store import RedisStore
-from fulmen.tracing import SpanBuffer
+from fulmen.telemetry.tracing import SpanBuffer
 from fulmen_runner.agent_threads import AgentThreads, pool_size
 from fulmen_runner.execute import AttemptContext, Outcome, execute
 from fulmen_runner.heartbeats import Heartbeats

@@ -15,11 +15,11 @@ from collections.abc import Iterable, Sequence
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from fulmen import semconv
 from fulmen.errors import FulmenError, NotFound, RetryableError
 from fulmen.records import Span
 from fulmen.store import RedisStore
-from fulmen.tracing import SpanBuffer
+from fulmen.telemetry import semconv
+from fulmen.telemetry.tracing import SpanBuffer
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 import typer
 
 from fulmen import keys as k
-from fulmen.service_cli import leave, run_on_store, settings_command
+from fulmen.cli.service import leave, run_on_store, settings_command
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 
@@ -33,16 +33,16 @@ def command(settings: TrainerSettings) -> None:
     or `--parallel fsdp` (the model sharded over the ranks); under torchrun rank r serves its metrics
     on the metrics port + its local rank."""
     if settings.model_dir is not None:
-        from fulmen.model_versions import wait_for_model_dir
+        from fulmen.versions.model_version import wait_for_model_dir
 
         wait_for_model_dir(settings.model_dir)  # the demo writes its model after the warm start
-    from fulmen.ops_http import ops_port, start_ops
-    from fulmen_trainer.gradients import RankCodec
-    from fulmen_trainer.membership import Membership
-    from fulmen_trainer.rank_group import RankGroup
-    from fulmen_trainer.ranks import Exchange
-    from fulmen_trainer.sync_policy import SyncPolicy
-    from fulmen_trainer.torch_ranks import TorchRanks, under_torchrun
+    from fulmen.telemetry.http import ops_port, start_ops
+    from fulmen_trainer.distributed.exchange import Exchange
+    from fulmen_trainer.distributed.gradients import RankCodec
+    from fulmen_trainer.distributed.membership import Membership
+    from fulmen_trainer.distributed.rank_group import RankGroup
+    from fulmen_trainer.distributed.sync_policy import SyncPolicy
+    from fulmen_trainer.distributed.torch_ranks import TorchRanks, under_torchrun
     from fulmen_trainer.trainer import Trainer
 
     if settings.parallel == "redis" and under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -1,13 +1,13 @@
-"""The trainer as a task of `fulmen dev` (see `fulmen.dev`): one rank, its steps in a thread as always."""
+"""The trainer as a task of `fulmen dev` (see `fulmen.cli.dev`): one rank, its steps in a thread as always."""
 
 from __future__ import annotations
 
 import asyncio
 
 from fulmen import keys as k
-from fulmen.dev import open_store, wait_for_model
-from fulmen.ops_http import start_ops
+from fulmen.cli.dev import open_store, wait_for_model
 from fulmen.settings import TrainerSettings, load_settings
+from fulmen.telemetry.http import start_ops
 
 
 async def main(stop: asyncio.Event) -> None:

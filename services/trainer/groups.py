@@ -12,9 +12,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from fulmen.model_versions import ModelVersion
 from fulmen.records import Sample, SampleSkip
 from fulmen.settings.services import SampleShape, StalePolicy
+from fulmen.versions.model_version import ModelVersion
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any
 
-from fulmen.model_versions import llm_resource, next_model_version
+from fulmen.versions.model_version import llm_resource, next_model_version
 
 log = logging.getLogger(__name__)
 

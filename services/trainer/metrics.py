@@ -1,7 +1,7 @@
 """The trainer's step metrics: one record per step on the trainer's steps stream (on the leader), the last
 step's numbers as Prometheus gauges labelled by rank, and a local JSON-lines mirror.
 
-The gauges live in this object's own registry, served by `fulmen.ops_http`.
+The gauges live in this object's own registry, served by `fulmen.telemetry.http`.
 More: docs/design/trainer.md.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from fulmen.store import RedisStore
-from fulmen.train_steps import append_step, summarize
+from fulmen.telemetry.steps import append_step, summarize
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from fulmen.devices import resolve_device, resolve_dtype
-from fulmen.lora import LORA_FORMAT, lora_description
 from fulmen.settings import TrainerSettings
+from fulmen.versions.lora import LORA_FORMAT, lora_description
 from fulmen_trainer.batch import TokenBatch
-from fulmen_trainer.gradients import trained
+from fulmen_trainer.distributed.gradients import trained
 from fulmen_trainer.logprobs import token_logprobs
 
 

@@ -1,7 +1,7 @@
 """How the trainer publishes its weights: whole, or as a delta against the version before.
 
 ``publish_format`` full or delta (keyframes every ``keyframe_every``); see docs/design/trainer.md and
-`fulmen.version_delta`.
+`fulmen.versions.delta`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from fulmen.model_versions import publish_model_version
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
-from fulmen.version_delta import encode_delta
-from fulmen.version_manifest import DELTA, Manifest, describe_all
+from fulmen.versions.delta import encode_delta
+from fulmen.versions.manifest import DELTA, Manifest, describe_all
+from fulmen.versions.model_version import publish_model_version
 
 
 class VersionPublisher:

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from fulmen import keys as k
-from fulmen.model_versions import ModelVersion, is_published
-from fulmen.train_steps import latest_step
+from fulmen.telemetry.steps import latest_step
+from fulmen.versions.model_version import ModelVersion, is_published
 from fulmen_trainer import checkpoint as ckpt
+from fulmen_trainer.distributed.torch_ranks import TorchRanks
 from fulmen_trainer.lost_weights import republish_if_lost
-from fulmen_trainer.torch_ranks import TorchRanks
 
 log = logging.getLogger(__name__)
 

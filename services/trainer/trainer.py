@@ -18,20 +18,22 @@ import torch
 
 from fulmen import keys as k
 from fulmen.devices import resolve_device
-from fulmen.model_versions import (
+from fulmen.records import Sample, SampleSkip
+from fulmen.settings import TrainerSettings
+from fulmen.store import RedisStore
+from fulmen.telemetry.steps import record_untrained_groups
+from fulmen.versions.model_version import (
     BASE_VERSION,
     ModelVersion,
     fetch_model_version,
     next_model_version,
 )
-from fulmen.records import Sample, SampleSkip
-from fulmen.settings import TrainerSettings
-from fulmen.store import RedisStore
-from fulmen.train_steps import record_untrained_groups
-from fulmen.version_retention import retain_versions, rewrite_aof_after_publish
+from fulmen.versions.retention import retain_versions, rewrite_aof_after_publish
 from fulmen_trainer import checkpoint as ckpt
 from fulmen_trainer import sharded_checkpoint
 from fulmen_trainer.batch import TokenBatch, make_batch
+from fulmen_trainer.distributed.rank_group import RankGroup
+from fulmen_trainer.distributed.torch_ranks import TorchRanks
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
 from fulmen_trainer.loss import clip_range, learning_rate, micro_loss
 from fulmen_trainer.lost_weights import LostWeightsWatch, republish_if_lost
@@ -40,9 +42,7 @@ from fulmen_trainer.objectives import Baseline, objective
 from fulmen_trainer.plan import StepPlan, merge_passes, nonfinite_plan, plan_step
 from fulmen_trainer.policy import Policy, load_policy
 from fulmen_trainer.publishing import VersionPublisher
-from fulmen_trainer.rank_group import RankGroup
 from fulmen_trainer.resume import recover_pending, resume_from
-from fulmen_trainer.torch_ranks import TorchRanks
 
 log = logging.getLogger(__name__)
 

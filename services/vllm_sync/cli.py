@@ -8,7 +8,7 @@ import signal
 
 import typer
 
-from fulmen.service_cli import run_on_store, settings_command
+from fulmen.cli.service import run_on_store, settings_command
 from fulmen.settings import VllmSyncSettings
 from fulmen.store import RedisStore
 
@@ -34,7 +34,7 @@ def command(settings: VllmSyncSettings) -> None:
         raise typer.Exit(2)
 
     async def work(store: RedisStore) -> None:
-        from fulmen.ops_http import start_ops
+        from fulmen.telemetry.http import start_ops
         from fulmen_vllm_sync.admin import VllmAdmin
         from fulmen_vllm_sync.sync import VllmSync
 

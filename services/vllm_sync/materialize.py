@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from fulmen import version_blobs as blobs
 from fulmen.errors import NotFound, RecordError
-from fulmen.lora import adapter_targets
 from fulmen.store import RedisStore
-from fulmen.version_file_spares import retire, take_spare
-from fulmen.version_folder import WEIGHTS_FILE, full_weights, write_model_folder
-from fulmen.version_manifest import FULL, read_manifest
-from fulmen.version_stream import check_whole, read_stream
+from fulmen.versions import blobs
+from fulmen.versions.folder import WEIGHTS_FILE, full_weights, write_model_folder
+from fulmen.versions.lora import adapter_targets
+from fulmen.versions.manifest import FULL, read_manifest
+from fulmen.versions.transport.file_spares import retire, take_spare
+from fulmen.versions.transport.stream import check_whole, read_stream
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 

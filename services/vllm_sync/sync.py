@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from fulmen.errors import NotFound, RecordError
-from fulmen.lora import LORA_FORMAT
-from fulmen.model_versions import fetch_full_version, fetch_version, llm_resource
 from fulmen.records import ReplicaState, ResourcesUpdate
 from fulmen.store import RedisStore
-from fulmen.version_folder import apply_onto_folder
-from fulmen.version_manifest import DELTA, FULL
+from fulmen.versions.folder import apply_onto_folder
+from fulmen.versions.lora import LORA_FORMAT
+from fulmen.versions.manifest import DELTA, FULL
+from fulmen.versions.model_version import fetch_full_version, fetch_version, llm_resource
 from fulmen_vllm_sync.admin import AdminError, LoraNotEnabled, VllmAdmin
 from fulmen_vllm_sync.materialize import materialize, materialize_adapter, materialize_full
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from fulmen import keys as k
-from fulmen import semconv
 from fulmen.records import Sample, SampleSkip, Span
+from fulmen.serving.rewards import rewards_by_version
 from fulmen.store import RedisStore
-from fulmen.version_rewards import rewards_by_version
+from fulmen.telemetry import semconv
 from fulmen_adapter.adapter import Adapter, group_key
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from procs import stop
 
-from fulmen import semconv
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import Sample
 from fulmen.store import RedisStore
 from fulmen.store.samples import decode_sample
-from fulmen.tiny_model import build_tiny_model
+from fulmen.telemetry import semconv
 
 pytestmark = pytest.mark.slow
 FULMEN = str(Path(sys.executable).with_name("fulmen"))

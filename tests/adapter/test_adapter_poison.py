@@ -7,11 +7,12 @@ import asyncio
 
 import pytest
 
-from fulmen import codec, semconv
+from fulmen import codec
 from fulmen import keys as k
 from fulmen.records import RolloutFinished, RolloutStatus, Sample, Span
 from fulmen.store import RedisStore
 from fulmen.store.samples import decode_sample
+from fulmen.telemetry import semconv
 from fulmen_adapter.adapter import Adapter
 
 

@@ -13,15 +13,15 @@ from redis_cluster import store_url
 from typer.testing import CliRunner
 
 from fulmen import keys as k
-from fulmen import semconv
-from fulmen.archive_files import list_chunks, read_file
-from fulmen.cli import _add_service_commands, app
-from fulmen.export import archived_records, export
+from fulmen.archive.export import archived_records, export
+from fulmen.archive.files import list_chunks, read_file
+from fulmen.archive.write import archive
+from fulmen.cli.main import _add_service_commands, app
 from fulmen.records import Span
+from fulmen.retention.trim import RetentionPolicy, TrimReport, trim
 from fulmen.store import RedisStore
-from fulmen.store.archive import archive
 from fulmen.store.experiments import delete_experiment
-from fulmen.store.retention import RetentionPolicy, TrimReport, trim
+from fulmen.telemetry import semconv
 from fulmen_adapter.adapter import Adapter
 from fulmen_adapter.replay import replay
 from fulmen_adapter.triplets import AdapterConfig
@@ -168,7 +168,7 @@ async def test_archive_after_a_crash_neither_loses_nor_duplicates(
 ) -> None:
     """A crash before a file's rename leaves no file and the entries for the next run; a crash after
     the rename, before the acknowledgement, is recovered from the file names without a second copy."""
-    import fulmen.archive_files as files
+    import fulmen.archive.files as files
 
     ids = _ids("c", 6)
     for rid in ids[:3]:
@@ -305,7 +305,7 @@ async def test_the_commands_end_to_end(redis_server: object, tmp_path: Path, mon
     as a user runs them, with the shard count from the environment."""
     import uuid
 
-    from fulmen.connection import async_client
+    from fulmen.store.redis.connection import async_client
 
     experiment = f"t-cli-{uuid.uuid4().hex[:10]}"
     url = redis_server.url  # type: ignore[attr-defined]

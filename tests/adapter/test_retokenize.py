@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from fulmen import semconv
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import Sample, Span
 from fulmen.settings import AdapterSettings, TrainerSettings, load_settings
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
+from fulmen.telemetry import semconv
 from fulmen_adapter import triplets
 from fulmen_adapter.config import adapter_config
 from fulmen_adapter.retokenize import Retokenizer

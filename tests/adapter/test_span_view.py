@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from fulmen import codec, semconv
+from fulmen import codec
 from fulmen.errors import RecordError, SchemaVersionError
 from fulmen.records import Sample, Span, SpanView, pack_sample
 from fulmen.store.samples import _span_views
+from fulmen.telemetry import semconv
 
 SPAN = Span("r1", "r1.1", "s1", "chat tiny", "t" * 32, "root", 1.0, 2.0,
             attributes={semconv.SPAN_KIND: semconv.KIND_LLM_CALL, semconv.PROMPT_TOKEN_IDS: b"\x01\x00\x00\x00"})

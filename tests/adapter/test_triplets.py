@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from fulmen import semconv
 from fulmen.records import Sample, Span
+from fulmen.telemetry import semconv
 from fulmen_adapter import triplets
 from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip
 

@@ -10,7 +10,7 @@ import openai
 
 from fulmen.sdk.agent import load_agent
 from fulmen.store import RedisStore
-from fulmen.tracing import setup_tracing
+from fulmen.telemetry.tracing import setup_tracing
 from fulmen_algorithm.apo import APO, placeholders
 from fulmen_runner.runner import Runner
 

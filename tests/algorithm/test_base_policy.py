@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fulmen.cli import _add_service_commands, app
-from fulmen.model_versions import llm_resource
+from fulmen.cli.main import _add_service_commands, app
 from fulmen.store import RedisStore
+from fulmen.versions.model_version import llm_resource
 from fulmen_algorithm.demo import publish_base_policy
 
 

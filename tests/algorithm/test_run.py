@@ -13,7 +13,7 @@ import pytest
 from fulmen.records import TrainStep
 from fulmen.settings import AlgorithmSettings
 from fulmen.store import RedisStore
-from fulmen.train_steps import append_step, latest_step
+from fulmen.telemetry.steps import append_step, latest_step
 from fulmen_algorithm.dataset import task_id
 from fulmen_algorithm.run import Run
 from fulmen_algorithm.run_state import RunProgress

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from fulmen.errors import InvalidInput
-from fulmen.model_versions import POLICY_RESOURCES_ID
 from fulmen.records import TrainStep
 from fulmen.store import RedisStore
-from fulmen.train_steps import append_step
+from fulmen.telemetry.steps import append_step
+from fulmen.versions.model_version import POLICY_RESOURCES_ID
 from fulmen_algorithm.dataset import load_tasks, task_id
 from fulmen_algorithm.scheduler import Scheduler
 
@@ -117,7 +117,7 @@ async def test_a_stalled_trainer_gets_one_more_group(real_store: RedisStore) -> 
 async def test_groups_the_trainer_did_not_train_on_are_replaced_at_once(real_store: RedisStore) -> None:
     """The trainer lists the groups it took without a step: one more group each, with rollouts still
     in flight and no stall; another run's groups and a group listed twice do not count."""
-    from fulmen.train_steps import record_untrained_groups
+    from fulmen.telemetry.steps import record_untrained_groups
 
     s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, stall_s=3600)
     await s.load()
@@ -133,7 +133,7 @@ async def test_groups_the_trainer_did_not_train_on_are_replaced_at_once(real_sto
 async def test_replacing_untrained_groups_is_capped_by_what_the_trainer_trained(real_store: RedisStore) -> None:
     """Every group dropped (say, every sample too stale): at most one round of replacements per round
     trained, not rollouts at full speed."""
-    from fulmen.train_steps import record_untrained_groups
+    from fulmen.telemetry.steps import record_untrained_groups
 
     s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, stall_s=3600,
                   epochs=None)
@@ -180,7 +180,7 @@ async def test_completions_read_before_a_kill_are_counted_after_the_restart(real
 async def test_a_dead_runners_train_rollouts_are_retried(real_store: RedisStore) -> None:
     """Train rollouts carry a heartbeat deadline: the watchdog requeues the attempts of a runner that died."""
     from fulmen.records.status import RolloutStatus
-    from fulmen.store.watchdog import sweep
+    from fulmen.watchdog import sweep
     from fulmen_algorithm.scheduler import recoverable_rollout_config
 
     s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100,

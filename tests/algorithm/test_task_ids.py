@@ -8,11 +8,11 @@ from pathlib import Path
 import fakeredis.aioredis
 import pytest
 
+from fulmen.cli.tasks_file import BadLine, parse_tasks
 from fulmen.errors import InvalidInput
 from fulmen.records import Rollout
 from fulmen.store import RedisStore
 from fulmen.tasks import content_id, parse_task_lines, task_id
-from fulmen.tasks_file import BadLine, parse_tasks
 from fulmen_adapter.adapter import group_key
 from fulmen_algorithm.dataset import load_tasks
 from fulmen_algorithm.dataset import task_id as group_task_id

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fulmen.store import RedisStore
-from fulmen.store.watchdog import sweep
+from fulmen.watchdog import sweep
 from fulmen_algorithm.scheduler import recoverable_rollout_config
 from fulmen_algorithm.validation import validate
 

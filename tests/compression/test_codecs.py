@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fulmen.errors import InvalidInput
-from fulmen_trainer.codecs import available_codecs, decode, make_codec
+from fulmen_trainer.distributed.codecs import available_codecs, decode, make_codec
 
 
 def dyadic(n: int, seed: int = 0) -> torch.Tensor:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fulmen_trainer.codecs import make_codec, make_ddp_hook, mean_decoded
+from fulmen_trainer.distributed.codecs import make_codec, make_ddp_hook, mean_decoded
 
 WORLD = 2
 ITERS = 3  # iteration 0 is the plain fp32 all-reduce (start_iter=1); 1 and 2 use the codec

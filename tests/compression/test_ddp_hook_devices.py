@@ -14,8 +14,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from fulmen_trainer.codecs import DDPCodecState, codec_hook, make_codec
-from fulmen_trainer.sync_policy import SyncPolicy
+from fulmen_trainer.distributed.codecs import DDPCodecState, codec_hook, make_codec
+from fulmen_trainer.distributed.sync_policy import SyncPolicy
 
 ELSEWHERE = torch.device("meta")  # the stand-in for "cuda:0": not the CPU, and there on every build
 

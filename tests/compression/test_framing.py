@@ -9,7 +9,7 @@ import torch
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES
 from fulmen.errors import RecordError, SchemaVersionError
 from fulmen.records import GradientChunk
-from fulmen_trainer.codecs import decode, make_codec, mean_decoded, sum_decoded
+from fulmen_trainer.distributed.codecs import decode, make_codec, mean_decoded, sum_decoded
 
 SMALL = 64 * 1024 + 16 * 1024  # a record limit that forces several chunks on small tensors
 

@@ -9,10 +9,11 @@ from collections.abc import Callable
 
 import httpx
 
-from fulmen import semconv, tokens
+from fulmen import tokens
 from fulmen.records import Span
 from fulmen.store import RedisStore
-from fulmen.train_steps import append_step, summarize
+from fulmen.telemetry import semconv
+from fulmen.telemetry.steps import append_step, summarize
 
 Client = Callable[..., httpx.AsyncClient]  # the `dashboard` fixture: an httpx client on a dashboard app
 QUESTION = "What is 17 + 25?"

@@ -22,11 +22,11 @@ import pytest
 from ops_helpers import FULMEN, ROOT, get, service_env, wait_for
 from procs import stop
 
-from fulmen.embedded import free_port
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import TrainStep
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
-from fulmen.train_steps import append_step
+from fulmen.store.redis.embedded import free_port
+from fulmen.telemetry.steps import append_step
 
 pytestmark = pytest.mark.slow
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"

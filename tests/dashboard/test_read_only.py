@@ -11,9 +11,9 @@ import pytest
 import redis.asyncio as aioredis
 from seed import seed
 
-from fulmen.embedded import EmbeddedRedis
 from fulmen.settings import DashboardSettings
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
 from fulmen_dashboard.app import DashboardApp
 
 

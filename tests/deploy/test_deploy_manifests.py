@@ -20,7 +20,7 @@ import typer.main
 import yaml
 from packaging.requirements import Requirement
 
-from fulmen import cli
+from fulmen.cli import main as cli
 from fulmen.settings import known_env_names
 
 REPO = Path(__file__).resolve().parents[2]
@@ -229,7 +229,7 @@ def test_kubernetes_validate_catches_a_mistake() -> None:
 
 def test_every_fulmen_deployment_has_probes_settings_and_the_redis_secret() -> None:
     """Startup and liveness on /healthz, readiness on /readyz, on the port it serves ($PORT, which
-    fulmen.ops_http serves them on; the proxy's own port); settings from the ConfigMaps."""
+    fulmen.telemetry.http serves them on; the proxy's own port); settings from the ConfigMaps."""
     for name, deployment in k8s_objects("Deployment").items():
         if name in THIRD_PARTY:
             continue

@@ -16,8 +16,8 @@ sys.path[:0] = [str(TESTS / "runner"), str(TESTS / "llm_proxy")]  # runner_proce
 import proxy_fixtures  # noqa: E402
 from runner_processes import FulmenProcesses, fulmen_processes  # noqa: E402
 
-from fulmen.embedded import EmbeddedRedis  # noqa: E402
-from fulmen.tiny_model import build_tiny_model  # noqa: E402
+from fulmen.demo.tiny_model import build_tiny_model  # noqa: E402
+from fulmen.store.redis.embedded import EmbeddedRedis  # noqa: E402
 
 # one proxy per module (the model loads once): every example's calls go through it
 torch_proxy = proxy_fixtures.torch_proxy

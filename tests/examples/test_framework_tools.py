@@ -14,10 +14,10 @@ from fakes.fake_openai import FakeOpenAI
 from proxy_helpers import RunningProxy
 from runner_processes import FulmenProcesses
 
-from fulmen import semconv
-from fulmen.embedded import EmbeddedRedis
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.telemetry import semconv
 
 pytestmark = pytest.mark.slow
 

@@ -20,11 +20,12 @@ import pytest
 from proxy_helpers import RunningProxy
 from runner_processes import FulmenProcesses, child_env, wait_until_ready
 
-from fulmen import semconv, tokens
+from fulmen import tokens
+from fulmen.demo.tiny_model import load_tiny_model
 from fulmen.records import Rollout, Sample, Span
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
-from fulmen.tiny_model import load_tiny_model
+from fulmen.telemetry import semconv
 from fulmen_adapter.triplets import AttemptInfo, spans_to_samples
 from fulmen_llm_proxy.recording import API_ATTRIBUTE
 

@@ -11,10 +11,10 @@ import pytest
 from proxy_helpers import RunningProxy
 from runner_processes import FulmenProcesses, child_env, wait_until_ready
 
-from fulmen import semconv
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
+from fulmen.telemetry import semconv
 
 pytestmark = pytest.mark.slow
 

@@ -29,9 +29,9 @@ from typing import Any
 from aiohttp import web
 from safetensors.torch import load_file
 
-from fulmen.embedded import free_port
-from fulmen_llm_proxy.engine_request import SamplingParams
-from fulmen_llm_proxy.torch_engine import TorchEngine
+from fulmen.store.redis.embedded import free_port
+from fulmen_llm_proxy.backends.torch.engine import TorchEngine
+from fulmen_llm_proxy.backends.torch.request import SamplingParams
 
 
 class FakeVllm:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fulmen import semconv, tokens
+from fulmen import tokens
 from fulmen.records import Span
 from fulmen.store import RedisStore
+from fulmen.telemetry import semconv
 from fulmen_llm_proxy.recording import API_ATTRIBUTE
 
 

@@ -15,9 +15,9 @@ import pytest
 from fakes.fake_openai import FakeOpenAI
 from proxy_helpers import RunningProxy
 
-from fulmen.embedded import EmbeddedRedis
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 # shared with the framework examples' tests (tests/examples/conftest.py): pytest finds them by these names
 torch_proxy = proxy_fixtures.torch_proxy

@@ -11,8 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 from proxy_helpers import RunningProxy
 
-from fulmen.embedded import EmbeddedRedis
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 
 @pytest.fixture(scope="module")

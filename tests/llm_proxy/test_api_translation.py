@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fulmen_llm_proxy.backend_base import Result
-from fulmen_llm_proxy.dialects import Dialect
+from fulmen_llm_proxy.api.dialects import Dialect
+from fulmen_llm_proxy.api.messages import MESSAGES
+from fulmen_llm_proxy.api.responses import RESPONSES
+from fulmen_llm_proxy.backends.base import Result
 from fulmen_llm_proxy.errors import ProxyError
-from fulmen_llm_proxy.messages_api import MESSAGES
-from fulmen_llm_proxy.responses_api import RESPONSES
 
 _TEXT = st.text(max_size=12)
 _SCALARS = st.none() | st.booleans() | _TEXT | st.floats(allow_nan=False) | st.integers()

@@ -16,10 +16,10 @@ from api_helpers import llm_spans
 from fakes.fake_anthropic import FakeAnthropic
 from proxy_helpers import RunningProxy
 
-from fulmen import semconv
-from fulmen.embedded import EmbeddedRedis
-from fulmen.model_versions import BASE_VERSION
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.telemetry import semconv
+from fulmen.versions.model_version import BASE_VERSION
 
 KEY = "sk-ant-upstream"
 WEATHER = {"type": "function", "function": {
@@ -229,7 +229,7 @@ def test_an_error_event_mid_stream_reaches_the_client(proxy: RunningProxy, fake:
 
 def test_the_builder_gives_the_key_as_x_api_key_and_the_default_max_tokens() -> None:
     from fulmen.settings import ProxySettings
-    from fulmen_llm_proxy.backends import make_backend
+    from fulmen_llm_proxy.backends.registry import make_backend
 
     settings = ProxySettings(proxy_backend="anthropic", upstream_urls="https://api.example/v1", upstream_api_key=KEY,
                              upstream_max_tokens=99)  # fmt: skip

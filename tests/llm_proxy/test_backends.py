@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from fulmen.settings import ProxySettings as Settings
-from fulmen_llm_proxy.backend_base import BASE_MODEL_VERSION
-from fulmen_llm_proxy.backends import BACKENDS, backend_class, make_backend
+from fulmen_llm_proxy.backends.base import BASE_MODEL_VERSION
+from fulmen_llm_proxy.backends.registry import BACKENDS, backend_class, make_backend
 
 
 def test_every_registered_name_resolves_to_a_backend_class() -> None:
@@ -47,7 +47,7 @@ def test_upstream_backend_is_built_from_the_urls() -> None:
 def test_choosing_a_backend_imports_no_torch() -> None:
     """The registry and the torch backend's module load without torch (it comes with the engine)."""
     code = (
-        "import sys; from fulmen_llm_proxy.backends import backend_class; backend_class('torch'); "
+        "import sys; from fulmen_llm_proxy.backends.registry import backend_class; backend_class('torch'); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,9 +11,9 @@ import pytest
 from fakes.fake_openai import FakeOpenAI
 from proxy_helpers import RunningProxy
 
-from fulmen.embedded import EmbeddedRedis
 from fulmen.records import ControlMessage, ProxyEndpoint
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
 from fulmen_llm_proxy.control import send_control
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

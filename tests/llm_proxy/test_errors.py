@@ -10,7 +10,7 @@ import pytest
 from fakes.fake_openai import FakeOpenAI
 from proxy_helpers import RunningProxy
 
-from fulmen.embedded import EmbeddedRedis
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

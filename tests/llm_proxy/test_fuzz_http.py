@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from proxy_helpers import RunningProxy
 
-from fulmen import semconv
+from fulmen.telemetry import semconv
 
 # Every character, lone surrogates included (json.dumps escapes them as \udXXX).
 _TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=40)

@@ -13,8 +13,8 @@ from fakes.fake_openai import FakeOpenAI
 from proxy_helpers import RunningProxy
 
 from fulmen import keys
-from fulmen.embedded import EmbeddedRedis
 from fulmen.errors import InvalidInput
+from fulmen.store.redis.embedded import EmbeddedRedis
 from fulmen_llm_proxy import server
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -12,10 +12,10 @@ import pytest
 import torch
 from proxy_helpers import RunningProxy
 
-from fulmen.embedded import EmbeddedRedis
-from fulmen.model_versions import publish_model_version
+from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model, load_tiny_model
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.versions.model_version import publish_model_version
 
 MESSAGES = [{"role": "user", "content": "3*4="}]
 

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from proxy_helpers import RunningProxy
 
-from fulmen import semconv
 from fulmen.records import Span
 from fulmen.sdk.resources import llm_for_attempt
 from fulmen.store import RedisStore
+from fulmen.telemetry import semconv
 from fulmen_adapter.triplets import AttemptInfo, spans_to_samples
 from fulmen_llm_proxy.app import ProxyApp
 

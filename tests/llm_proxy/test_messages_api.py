@@ -16,9 +16,10 @@ from api_helpers import check_torch_span, llm_spans
 from fakes.fake_openai import FakeOpenAI, fake_logprobs, token_ids
 from proxy_helpers import RunningProxy
 
-from fulmen import semconv, tokens
+from fulmen import tokens
+from fulmen.demo.tiny_model import load_tiny_model
 from fulmen.store import RedisStore
-from fulmen.tiny_model import load_tiny_model
+from fulmen.telemetry import semconv
 from fulmen_adapter.triplets import AttemptInfo, spans_to_samples
 
 USER = [{"role": "user", "content": "12+7="}]

@@ -8,8 +8,9 @@ import openai
 import pytest
 from proxy_helpers import RunningProxy
 
-from fulmen import semconv, tokens
+from fulmen import tokens
 from fulmen.store import RedisStore
+from fulmen.telemetry import semconv
 from fulmen_adapter.triplets import AdapterConfig, find_llm_calls, repaired_parents
 
 MESSAGES = [{"role": "user", "content": "12+7="}]
@@ -104,8 +105,8 @@ async def test_text_completions_take_n_too(
 
 
 async def test_the_vllm_backend_refuses_n_rather_than_record_one_choice_of_n() -> None:
-    from fulmen_llm_proxy.backend_base import Call, Result
-    from fulmen_llm_proxy.backend_vllm import VllmBackend
+    from fulmen_llm_proxy.backends.base import Call, Result
+    from fulmen_llm_proxy.backends.upstream.vllm import VllmBackend
     from fulmen_llm_proxy.errors import ProxyError
 
     backend = VllmBackend(["http://127.0.0.1:1"])  # never reached: refused before sending

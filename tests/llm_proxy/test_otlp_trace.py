@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from fakes.otlp_receiver import OtlpReceiver, ReceivedSpan
 
-from fulmen import semconv
 from fulmen.store import RedisStore
-from fulmen.tracing import rollout_trace_id
+from fulmen.telemetry import semconv
+from fulmen.telemetry.tracing import rollout_trace_id
 
 pytestmark = pytest.mark.slow
 FULMEN = str(Path(sys.executable).with_name("fulmen"))

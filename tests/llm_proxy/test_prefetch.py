@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fulmen.model_versions import publish_model_version
+from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
 from fulmen.records import ResourcesUpdate
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model, load_tiny_model
-from fulmen.version_stream import read_stream
+from fulmen.versions.model_version import publish_model_version
+from fulmen.versions.transport.stream import read_stream
 from fulmen_llm_proxy import following
-from fulmen_llm_proxy.backend_torch import TorchBackend
+from fulmen_llm_proxy.backends.torch.backend import TorchBackend
 from fulmen_llm_proxy.following import ModelFollower
 
 CHUNK = 16 << 10  # several chunks for the tiny model's 0.3 MB
@@ -70,7 +70,7 @@ async def test_the_follower_serves_the_version_it_read_while_it_was_written(
             whole_reads.append(version)
         return await real_read(store, version, *args, **kwargs)
 
-    monkeypatch.setattr("fulmen.version_stream.read_stream", counting_read)
+    monkeypatch.setattr("fulmen.versions.transport.stream.read_stream", counting_read)
     try:
         await follower.catch_up()
         follower._prefetch_next()
@@ -138,8 +138,8 @@ async def test_a_proxy_reads_a_folder_version_while_it_is_written(
     """With the trainer's shared folder known, the follower reads the next version's file as it is
     written and serves exactly the published weights, read once; then it knows the folder from the
     announcement alone, and a file written over a retired version's is served as published too."""
-    from fulmen import model_versions
-    from fulmen.version_retention import retain_versions
+    from fulmen.versions import model_version as model_versions
+    from fulmen.versions.retention import retain_versions
 
     shared = tmp_path / "shared"
     backend = TorchBackend(tiny_model)

@@ -32,7 +32,7 @@ async def test_command_serves_registers_and_stops_on_sigterm(
     """The command serves on the port it registers, and SIGTERM exits 0 and unregisters it."""
     env = {**os.environ, "REDIS_URL": redis_url, "FULMEN_EXPERIMENT": experiment}
     env = {k: v for k, v in env.items() if not k.startswith("FULMEN_") or k == "FULMEN_EXPERIMENT"}
-    command = [sys.executable, "-c", "from fulmen.cli import main; main()", "llm-proxy"]
+    command = [sys.executable, "-c", "from fulmen.cli.main import main; main()", "llm-proxy"]
     args = ["--backend", "vllm", "--upstream-urls", fake.base_url, "--port", "0", "--log-level", "WARNING"]
     process = subprocess.Popen([*command, *args], env=env, stderr=subprocess.PIPE, text=True)
     try:

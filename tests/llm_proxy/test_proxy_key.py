@@ -10,12 +10,12 @@ from fakes.fake_openai import FakeOpenAI
 from proxy_helpers import RunningProxy
 
 import fulmen
-from fulmen.embedded import EmbeddedRedis
 from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.sdk.resources import LLM
 from fulmen.settings import RunnerSettings
 from fulmen.store import RedisStore
-from fulmen.tracing import setup_tracing
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.telemetry.tracing import setup_tracing
 from fulmen_runner.runner import Runner
 
 KEYS = "key-one,key-two"

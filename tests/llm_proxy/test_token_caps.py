@@ -12,13 +12,13 @@ import httpx
 import pytest
 from proxy_helpers import RunningProxy
 
-from fulmen import semconv
-from fulmen.embedded import EmbeddedRedis
+from fulmen.demo.tiny_model import DEFAULT_ALPHABET, SPECIAL_TOKENS, build_tiny_model
 from fulmen.settings import ProxySettings
 from fulmen.store import RedisStore
-from fulmen.tiny_model import DEFAULT_ALPHABET, SPECIAL_TOKENS, build_tiny_model
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.telemetry import semconv
 from fulmen_llm_proxy import recording
-from fulmen_llm_proxy.backend_base import Call, Result
+from fulmen_llm_proxy.backends.base import Call, Result
 
 CONTEXT = 48  # positions of this module's model: a short prompt reaches them
 DEFAULT_MAX_TOKENS = 5

@@ -1,4 +1,4 @@
-"""The tool-call parser (`fulmen_llm_proxy.tool_calls`) and its schema checker, without a model."""
+"""The tool-call parser (`fulmen_llm_proxy.backends.torch.tool_calls`) and its schema checker, without a model."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from fulmen_llm_proxy.backends.torch.json_schema import validate
+from fulmen_llm_proxy.backends.torch.tool_calls import ContentGate, parse, plan, safe_prefix
 from fulmen_llm_proxy.errors import ProxyError
-from fulmen_llm_proxy.json_schema import validate
-from fulmen_llm_proxy.tool_calls import ContentGate, parse, plan, safe_prefix
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x"],

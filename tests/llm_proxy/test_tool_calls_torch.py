@@ -15,9 +15,10 @@ import pytest
 from proxy_helpers import RunningProxy
 from scripted_model import script
 
-from fulmen import semconv, tokens
-from fulmen.embedded import EmbeddedRedis
+from fulmen import tokens
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.telemetry import semconv
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}  # fmt: skip

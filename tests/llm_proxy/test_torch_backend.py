@@ -12,10 +12,11 @@ import pytest
 import torch
 from proxy_helpers import RunningProxy
 
-from fulmen import semconv, tokens
+from fulmen import tokens
+from fulmen.demo.tiny_model import load_tiny_model
 from fulmen.store import RedisStore
-from fulmen.tiny_model import load_tiny_model
-from fulmen.tracing import rollout_trace_id
+from fulmen.telemetry import semconv
+from fulmen.telemetry.tracing import rollout_trace_id
 
 MESSAGES = [{"role": "user", "content": "12+7="}]
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
 from fulmen.errors import InvalidInput, RetryableError
-from fulmen.tiny_model import build_tiny_model, load_tiny_model
-from fulmen_llm_proxy.torch_engine import Generation, GenerationStream, SamplingParams, TorchEngine
+from fulmen_llm_proxy.backends.torch.engine import Generation, GenerationStream, SamplingParams, TorchEngine
 
 TEXTS = ["1", "12+7=", "hello there, big world! 0123456789", "ab"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0)

@@ -11,9 +11,10 @@ import pytest
 from fakes.fake_openai import FakeOpenAI, fake_logprobs, token_ids
 from proxy_helpers import RunningProxy
 
-from fulmen import semconv, tokens
-from fulmen.embedded import EmbeddedRedis
+from fulmen import tokens
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.telemetry import semconv
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
 TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}

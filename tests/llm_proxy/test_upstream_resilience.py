@@ -16,12 +16,12 @@ import pytest
 from flaky_upstream import FlakyUpstream
 from proxy_helpers import RunningProxy
 
-from fulmen.embedded import EmbeddedRedis
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen_llm_proxy.backends.upstream.cache import ResponseCache, request_key
+from fulmen_llm_proxy.backends.upstream.policy import UpstreamPolicy, retry_after
+from fulmen_llm_proxy.backends.upstream.rate_limit import RateLimiter, TokenBucket
+from fulmen_llm_proxy.backends.upstream.upstreams import Upstreams
 from fulmen_llm_proxy.errors import ProxyError
-from fulmen_llm_proxy.rate_limit import RateLimiter, TokenBucket
-from fulmen_llm_proxy.response_cache import ResponseCache, request_key
-from fulmen_llm_proxy.upstream import Upstreams
-from fulmen_llm_proxy.upstream_policy import UpstreamPolicy, retry_after
 
 PATH = "/v1/chat/completions"
 BODY = {"model": "up-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

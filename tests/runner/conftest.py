@@ -13,7 +13,7 @@ from runner_processes import FulmenProcesses, fulmen_processes
 
 from fulmen.sdk.agent import load_agent
 from fulmen.store import RedisStore
-from fulmen.tracing import setup_tracing
+from fulmen.telemetry.tracing import setup_tracing
 from fulmen_runner.runner import Runner
 
 AGENTS_DIR = Path(__file__).parent

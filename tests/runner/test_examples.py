@@ -14,11 +14,11 @@ from runner_processes import (
     wait_until_ready,
 )
 
-from fulmen import semconv
 from fulmen.records import Rollout
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
-from fulmen.tracing import rollout_trace_id
+from fulmen.telemetry import semconv
+from fulmen.telemetry.tracing import rollout_trace_id
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ import pytest
 from fakes.otlp_receiver import OtlpReceiver, ReceivedSpan
 from runner_processes import FulmenProcesses, child_env, wait_until_ready
 
-from fulmen import semconv
 from fulmen.store import RedisStore
-from fulmen.tracing import rollout_trace_id
+from fulmen.telemetry import semconv
+from fulmen.telemetry.tracing import rollout_trace_id
 
 pytestmark = pytest.mark.slow
 

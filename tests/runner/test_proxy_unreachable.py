@@ -4,8 +4,8 @@ again whatever its retry policy (a bounded number of times) and the error names 
 
 from __future__ import annotations
 
-from fulmen.embedded import free_port
 from fulmen.records.status import AttemptStatus, RolloutStatus
+from fulmen.store.redis.embedded import free_port
 from fulmen_runner.execute import PROXY_RETRIES
 
 

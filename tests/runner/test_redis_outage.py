@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from runner_processes import fulmen_processes, wait_until_ready
 
-from fulmen.connection import connect
-from fulmen.embedded import EmbeddedRedis
 from fulmen.records.status import RolloutStatus
 from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore
+from fulmen.store.redis.connection import connect
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 OUTAGE_S = 2.0  # how long Redis stays down: several backoff rounds, well inside redis_outage_s
 
@@ -29,7 +29,7 @@ async def _outage(server: EmbeddedRedis) -> None:
 
 async def test_store_calls_ride_out_a_redis_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A claim blocked when Redis dies returns the rollout queued after it is back; one log line each way."""
-    caplog.set_level(logging.WARNING, logger="fulmen.connection")
+    caplog.set_level(logging.WARNING, logger="fulmen.store.redis.connection")
     with EmbeddedRedis(tmp_path / "redis", port=None) as server:
         client = await connect(CommonSettings(redis_url=server.url, redis_outage_s=30), wait_s=10)
         store = RedisStore(client, "outage")

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from fulmen import semconv, tokens
+from fulmen import tokens
 from fulmen.records import Span
+from fulmen.telemetry import semconv
 from fulmen_runner import cli as runner_cli
 
 

@@ -6,10 +6,10 @@ import asyncio
 
 import runner_test_agents as agents
 
-from fulmen import semconv
 from fulmen.records import RolloutConfig
 from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore
+from fulmen.telemetry import semconv
 
 
 async def _finish(store: RedisStore, ids: list[str], timeout_s: float = 20.0) -> None:

@@ -16,11 +16,11 @@ from runner_processes import (
     worker_id_of,
 )
 
-from fulmen import semconv
-from fulmen.embedded import free_port
 from fulmen.records import RolloutConfig
 from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import free_port
+from fulmen.telemetry import semconv
 
 pytestmark = pytest.mark.slow
 

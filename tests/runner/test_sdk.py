@@ -7,13 +7,13 @@ import math
 import pytest
 
 import fulmen
-from fulmen import semconv
 from fulmen.errors import FulmenError, InvalidInput
 from fulmen.records import ProxyEndpoint
 from fulmen.sdk.agent import load_agent, wanted_parameters
 from fulmen.sdk.resources import MissingLLM, PromptTemplate, llm_for_attempt, prompt_template_of
 from fulmen.store.registry import pick_proxy
-from fulmen.tracing import bind, rollout_trace_id, setup_tracing
+from fulmen.telemetry import semconv
+from fulmen.telemetry.tracing import bind, rollout_trace_id, setup_tracing
 
 
 def test_parameters_are_matched_by_name() -> None:

@@ -92,7 +92,7 @@ async def test_rollouts_claimed_for_a_cancelled_caller_go_to_the_next_claim(stor
 def test_a_join_left_on_a_closed_loop_does_not_block_the_next_loop() -> None:
     """A claim made just before its loop stopped (the join never started) leaves nothing that makes a
     claim on a later loop wait forever (as a sync wrapper running each call in its own loop would)."""
-    from fulmen.store.claim_join import ClaimJoin
+    from fulmen.store.redis.claim_join import ClaimJoin
 
     async def fake_claim(worker_id: str, count: int, block_s: float | None) -> list[str]:
         return [worker_id] * count

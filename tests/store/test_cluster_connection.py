@@ -7,10 +7,10 @@ import pytest
 import redis
 from redis_cluster import EmbeddedCluster
 
-from fulmen.connection import OutageCluster, cluster_options, connect, sync_client
-from fulmen.embedded import EmbeddedRedis
 from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore
+from fulmen.store.redis.connection import OutageCluster, cluster_options, connect, sync_client
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 
 def test_cluster_url_names_nodes_and_credentials() -> None:

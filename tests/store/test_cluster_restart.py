@@ -16,9 +16,9 @@ from redis_cluster import EmbeddedCluster
 from restart_checks import assert_back_as_before, kill_while_enqueuing, move_on
 
 from fulmen import keys as k
-from fulmen.connection import async_client
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
+from fulmen.store.redis.connection import async_client
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ import pytest
 from redis_cluster import store_url
 
 from fulmen import keys as k
-from fulmen.connection import async_client
 from fulmen.records import RolloutConfig, RolloutFinished
 from fulmen.records.status import AttemptStatus, RolloutStatus
 from fulmen.store import RedisStore, run_watchdog
+from fulmen.store.redis.connection import async_client
 
 
 @pytest.fixture(params=["single", "cluster", "cluster-3-shards"])

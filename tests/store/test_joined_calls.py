@@ -12,12 +12,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis_cluster import store_url
 
-from fulmen.embedded import EmbeddedRedis
 from fulmen.errors import NotFound
 from fulmen.records import Span
 from fulmen.store import RedisStore
-from fulmen.store.autopipeline import AutoPipeline
-from fulmen.store.scripts import joinable
+from fulmen.store.lua.scripts import joinable
+from fulmen.store.redis.autopipeline import AutoPipeline
+from fulmen.store.redis.embedded import EmbeddedRedis
 
 
 @pytest.fixture(params=["single", "cluster", "cluster-3-shards"])

@@ -11,7 +11,7 @@ import pytest
 from fulmen import codec
 from fulmen import keys as k
 from fulmen.store import RedisStore
-from fulmen.store.stream import DEAD_LETTER_TRUNCATED_BYTES
+from fulmen.store.redis.stream import DEAD_LETTER_TRUNCATED_BYTES
 
 
 async def test_a_dead_letter_too_large_for_a_record_keeps_a_truncated_copy(store: RedisStore) -> None:

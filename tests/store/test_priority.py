@@ -13,13 +13,13 @@ import pytest
 from redis_cluster import EmbeddedCluster
 
 from fulmen import keys as k
-from fulmen.connection import async_client
 from fulmen.errors import InvalidInput
 from fulmen.records import Priority, QueueEntry
 from fulmen.records.status import RolloutMode, RolloutStatus
 from fulmen.store import RedisStore, sweep
-from fulmen.store.claim_script import CLAIM_CYCLE
 from fulmen.store.experiments import delete_experiment
+from fulmen.store.lua.claim import CLAIM_CYCLE
+from fulmen.store.redis.connection import async_client
 from fulmen.store.statistics import aread_snapshot
 
 URGENT_BOUND = 2  # entries delivered from the urgent rollout's shard (the queue module's docstring)

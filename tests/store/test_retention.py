@@ -6,8 +6,8 @@ import pytest
 
 from fulmen.errors import InvalidInput, NotFound
 from fulmen.records import Span
+from fulmen.retention.trim import RetentionPolicy, trim
 from fulmen.store import RedisStore
-from fulmen.store.retention import RetentionPolicy, trim
 
 
 async def _finish(store: RedisStore, rollout_ids: list[str]) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from fulmen.records import Span
+from fulmen.retention.trim import RetentionPolicy
 from fulmen.store import RedisStore, run_watchdog
-from fulmen.store.retention import RetentionPolicy
-from fulmen.store.watchdog import RetentionSchedule
+from fulmen.watchdog import RetentionSchedule
 
 
 async def _until(check, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]

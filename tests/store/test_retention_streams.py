@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator
 import pytest
 from shard_ids import ids_per_shard
 
-from fulmen.connection import async_client
 from fulmen.errors import InvalidInput, NotFound
 from fulmen.keys import POLICY_RESOURCES_ID
 from fulmen.records import ProxyEndpoint, Span
+from fulmen.retention.trim import RetentionPolicy, trim
 from fulmen.store import RedisStore
-from fulmen.store.retention import RetentionPolicy, trim
-from fulmen.version_retention import record_stored, stored_versions
+from fulmen.store.redis.connection import async_client
+from fulmen.versions.retention import record_stored, stored_versions
 
 SHARDS = 3
 

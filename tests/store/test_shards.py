@@ -13,11 +13,11 @@ from redis_cluster import EmbeddedCluster
 from shard_ids import ids_per_shard
 
 from fulmen import keys as k
-from fulmen.connection import async_client, sync_client
 from fulmen.errors import InvalidInput
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore
 from fulmen.store.browse import RolloutFilter, browse_rollouts
+from fulmen.store.redis.connection import async_client, sync_client
 from fulmen.store.rollouts import ENQUEUE_CHUNK
 from fulmen.store.statistics import read_snapshot
 

@@ -10,7 +10,7 @@ import pytest
 from fulmen.errors import RecordError
 from fulmen.records import DeadLetter
 from fulmen.store import RedisStore
-from fulmen.store.stream import Stream
+from fulmen.store.redis.stream import Stream
 
 
 def _decode(entry_id: str, fields: Mapping[bytes, bytes]) -> str:

@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from fulmen.connection import async_client
 from fulmen.records.status import RolloutStatus
 from fulmen.store import RedisStore, sweep
+from fulmen.store.redis.connection import async_client
 
 SCRIPT = Path(__file__).resolve()
 

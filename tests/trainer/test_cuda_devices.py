@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import Sample
 from fulmen.settings import TrainerSettings, load_settings
-from fulmen.tiny_model import build_tiny_model
 from fulmen_trainer.plan import StepPlan
 from fulmen_trainer.policy import load_policy
 from fulmen_trainer.publishing import _on_host

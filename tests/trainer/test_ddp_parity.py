@@ -32,18 +32,18 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.nn.parallel import DistributedDataParallel
 
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import Sample
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
-from fulmen_trainer.codecs import DDPCodecState, codec_hook
-from fulmen_trainer.gradients import RankCodec
+from fulmen_trainer.distributed.codecs import DDPCodecState, codec_hook
+from fulmen_trainer.distributed.exchange import Exchange
+from fulmen_trainer.distributed.gradients import RankCodec
+from fulmen_trainer.distributed.membership import Membership
+from fulmen_trainer.distributed.rank_group import RankGroup
 from fulmen_trainer.groups import ReadyGroup
-from fulmen_trainer.membership import Membership
 from fulmen_trainer.objectives import Baseline
 from fulmen_trainer.plan import plan_step
-from fulmen_trainer.rank_group import RankGroup
-from fulmen_trainer.ranks import Exchange
 from fulmen_trainer.trainer import Trainer
 
 WORLD, STEPS, GROUPS_PER_STEP, LR = 2, 3, 2, 1e-3

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from fulmen import keys as k
-from fulmen.model_versions import fetch_full_version, fetch_version
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import Sample
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
-from fulmen.version_manifest import DELTA, FULL, tensor_sha256
-from fulmen_llm_proxy.backend_torch import TorchBackend
+from fulmen.versions.manifest import DELTA, FULL, tensor_sha256
+from fulmen.versions.model_version import fetch_full_version, fetch_version
+from fulmen_llm_proxy.backends.torch.backend import TorchBackend
 from fulmen_llm_proxy.following import ModelFollower
 from fulmen_trainer.trainer import Trainer
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from fulmen import keys as k
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.errors import InvalidInput
-from fulmen.lora import merge_lora
-from fulmen.model_versions import fetch_model_version, llm_resource
 from fulmen.records import Sample
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
-from fulmen_llm_proxy.engine_request import SamplingParams
-from fulmen_llm_proxy.torch_engine import TorchEngine
+from fulmen.versions.lora import merge_lora
+from fulmen.versions.model_version import fetch_model_version, llm_resource
+from fulmen_llm_proxy.backends.torch.engine import TorchEngine
+from fulmen_llm_proxy.backends.torch.request import SamplingParams
 from fulmen_trainer.trainer import Trainer
 
 RANK = 4
@@ -154,7 +154,7 @@ async def test_a_lora_version_runs_beside_the_base_weights_like_the_merged_model
     serves what the merged model serves; after a full version it is merged instead."""
     from safetensors.torch import load_file
 
-    from fulmen.lora import lora_description
+    from fulmen.versions.lora import lora_description
 
     base = load_file(str(tiny / "model.safetensors"))
     g = torch.Generator().manual_seed(7)

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.devices import resolve_device
 from fulmen.errors import InvalidInput
 from fulmen.records import Sample
 from fulmen.settings import TrainerSettings, load_settings
-from fulmen.tiny_model import build_tiny_model
 from fulmen_trainer.batch import make_batch
-from fulmen_trainer.gradients import flat_gradient
+from fulmen_trainer.distributed.gradients import flat_gradient
 from fulmen_trainer.logprobs import token_logprobs
 from fulmen_trainer.objectives import entropy_from_logits
 from fulmen_trainer.plan import StepPlan

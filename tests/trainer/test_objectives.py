@@ -121,7 +121,7 @@ def test_batch_aligns_response_tokens_with_their_predicting_position() -> None:
 
 def test_token_logprobs_match_unpadded_forward_passes(tmp_path) -> None:
     """Batched, right-padded log-probabilities equal each sequence's own forward pass."""
-    from fulmen.tiny_model import build_tiny_model, load_tiny_model
+    from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
 
     model, _ = load_tiny_model(build_tiny_model(tmp_path / "m"))
     samples = [_sample("a", [1, 5, 6, 7], [8, 9, 10], [0, 0, 0]), _sample("b", [1, 5], [6], [0])]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import Sample
 from fulmen.settings import TrainerSettings, load_settings
-from fulmen.tiny_model import build_tiny_model
 from fulmen_trainer.batch import make_batch
 from fulmen_trainer.logprobs import token_logprobs
 from fulmen_trainer.objectives import policy_gradient

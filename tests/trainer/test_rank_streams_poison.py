@@ -9,8 +9,8 @@ import torch
 from fulmen import codec, tokens
 from fulmen.records import RankPlan, Sample
 from fulmen.store import RedisStore
-from fulmen_trainer.gradients import RankCodec
-from fulmen_trainer.ranks import Exchange
+from fulmen_trainer.distributed.exchange import Exchange
+from fulmen_trainer.distributed.gradients import RankCodec
 
 
 class _AllLive:

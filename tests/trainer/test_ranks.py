@@ -14,11 +14,11 @@ from rank_procs import FULMEN, metrics_lines, push, ready, start_two_ranks, trai
 from safetensors.torch import load_file
 
 from fulmen import keys as k
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.errors import RecordError
 from fulmen.records import Sample
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
-from fulmen_trainer.gradients import RankCodec
+from fulmen_trainer.distributed.gradients import RankCodec
 
 
 def test_rank_chunks_round_trip_and_refuse_damage() -> None:
@@ -194,9 +194,9 @@ async def test_a_leader_waiting_for_a_missing_rank_stops_when_asked(real_store: 
     """on_rank_loss=wait with a rank missing: no step is taken, and a stop (SIGTERM) ends the wait at
     once, the step's samples left pending for the next start."""
     from fulmen.settings import TrainerSettings, load_settings
-    from fulmen_trainer.membership import Membership
-    from fulmen_trainer.rank_group import RankGroup
-    from fulmen_trainer.ranks import Exchange
+    from fulmen_trainer.distributed.exchange import Exchange
+    from fulmen_trainer.distributed.membership import Membership
+    from fulmen_trainer.distributed.rank_group import RankGroup
     from fulmen_trainer.trainer import Trainer
 
     settings = load_settings(TrainerSettings, model_dir=tiny, experiment=real_store.experiment, world_size=2, on_rank_loss="wait",
@@ -262,8 +262,8 @@ async def test_a_rank_waiting_for_a_sum_that_never_comes_gives_up_on_a_newer_pla
     instead: the wait ends (None) and the plan is next. A sum sent before the plan is still taken."""
     from fulmen import tokens
     from fulmen.records import RankPlan
-    from fulmen_trainer.membership import Membership
-    from fulmen_trainer.ranks import Exchange
+    from fulmen_trainer.distributed.exchange import Exchange
+    from fulmen_trainer.distributed.membership import Membership
 
     members = Membership(real_store, 2, 5.0)
     members.rank = 1

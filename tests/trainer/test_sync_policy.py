@@ -16,9 +16,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fulmen.errors import InvalidInput
-from fulmen_trainer.codecs import DDPCodecState, codec_hook, make_codec
-from fulmen_trainer.gradients import RankCodec
-from fulmen_trainer.sync_policy import SyncPolicy, parse_schedule
+from fulmen_trainer.distributed.codecs import DDPCodecState, codec_hook, make_codec
+from fulmen_trainer.distributed.gradients import RankCodec
+from fulmen_trainer.distributed.sync_policy import SyncPolicy, parse_schedule
 
 N = 10_000
 

@@ -17,10 +17,10 @@ from rank_procs import FULMEN, push, start_two_ranks, trainer_env
 from safetensors.torch import load_file
 
 from fulmen import keys as k
-from fulmen.embedded import free_port
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import Sample
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
+from fulmen.store.redis.embedded import free_port
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 STEPS = 3
@@ -138,7 +138,7 @@ async def test_lora_trains_under_ddp_like_on_one_rank(redis_url: str, tiny: Path
     """LoRA: only the adapter crosses DDP; 2 ranks publish the adapter one rank reaches (atol 1e-5)."""
     import redis.asyncio as aioredis
 
-    from fulmen.model_versions import fetch_model_version
+    from fulmen.versions.model_version import fetch_model_version
 
     client = aioredis.from_url(redis_url)
     lora = {"FULMEN_LORA_RANK": "4"}
@@ -177,7 +177,7 @@ async def test_two_fsdp_ranks_train_like_one_and_resume_from_their_shards(redis_
     the third, and publish the weights one rank reaches in 3 steps (atol 1e-5)."""
     import redis.asyncio as aioredis
 
-    from fulmen.model_versions import fetch_model_version
+    from fulmen.versions.model_version import fetch_model_version
 
     client = aioredis.from_url(redis_url)
     one, two, _ = await _one_rank_reference(client, redis_url, tiny, tmp_path, "fsdp")

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from fulmen import keys as k
-from fulmen.model_versions import ModelVersion
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import Sample, SampleSkip
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
+from fulmen.versions.model_version import ModelVersion
 from fulmen_trainer.groups import GroupCollector
 from fulmen_trainer.resume import recover_pending
 from fulmen_trainer.trainer import Trainer
@@ -96,7 +96,7 @@ async def test_a_step_trains_publishes_checkpoints_and_acknowledges(real_store: 
     """Two complete groups make one step: version v1 published, checkpoint written, entries acked, metrics logged."""
     await real_store.ensure_samples_group(k.TRAINERS_GROUP)
     await _push(real_store, _group("a", [1.0, 0.0, 1.0, 0.0]) + _group("b", [1.0, 1.0, 0.0, 1.0]))
-    from fulmen.embedded import free_port
+    from fulmen.store.redis.embedded import free_port
 
     port = free_port()
     settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=2, checkpoint_dir=tmp_path / "ck",
@@ -262,8 +262,8 @@ async def test_every_served_version_is_in_the_lineage_a_restart_resumes_from(
 ) -> None:
     """A trainer killed just before or just after publishing a version: after the restart, v1 is
     published with exactly the weights the trainer resumed from (step 1), and the next step is v2."""
-    from fulmen.model_versions import fetch_model_version
-    from fulmen.train_steps import read_curve
+    from fulmen.telemetry.steps import read_curve
+    from fulmen.versions.model_version import fetch_model_version
 
     await real_store.ensure_samples_group(k.TRAINERS_GROUP)
     await _push(real_store, _group("a", [1.0, 0.0, 1.0, 0.0]) + _group("b", [1.0, 1.0, 0.0, 1.0]))

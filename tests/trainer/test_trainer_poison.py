@@ -13,10 +13,10 @@ import torch
 
 from fulmen import codec, tokens
 from fulmen import keys as k
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import Sample
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
 from fulmen_trainer.groups import ReadyGroup
 from fulmen_trainer.trainer import Trainer
 

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from fulmen.errors import RecordError
-from fulmen.model_versions import llm_resource, publish_model_version
 from fulmen.store import RedisStore
-from fulmen.version_delta import encode_delta
-from fulmen.version_manifest import DELTA, Manifest, describe_all
+from fulmen.versions.delta import encode_delta
+from fulmen.versions.manifest import DELTA, Manifest, describe_all
+from fulmen.versions.model_version import llm_resource, publish_model_version
 from fulmen_vllm_sync.materialize import materialize_full
 
 

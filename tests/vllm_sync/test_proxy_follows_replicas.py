@@ -12,16 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fulmen.model_versions import publish_model_version
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import ReplicaState
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
-from fulmen_llm_proxy.backend_base import Call, Result
-from fulmen_llm_proxy.backend_vllm import VllmBackend
-from fulmen_llm_proxy.engine_request import SamplingParams
+from fulmen.versions.model_version import publish_model_version
+from fulmen_llm_proxy.backends.base import Call, Result
+from fulmen_llm_proxy.backends.torch.engine import TorchEngine
+from fulmen_llm_proxy.backends.torch.request import SamplingParams
+from fulmen_llm_proxy.backends.upstream.replicas import ReplicaView
+from fulmen_llm_proxy.backends.upstream.vllm import VllmBackend
 from fulmen_llm_proxy.errors import ProxyError
-from fulmen_llm_proxy.replicas import ReplicaView
-from fulmen_llm_proxy.torch_engine import TorchEngine
 from fulmen_vllm_sync.admin import VllmAdmin
 from fulmen_vllm_sync.sync import VllmSync
 
@@ -122,7 +122,7 @@ async def test_a_replica_serving_an_adapter_gets_calls_under_the_adapters_name(r
     the model the agent named."""
     from safetensors.torch import save_file
 
-    from fulmen.lora import lora_description
+    from fulmen.versions.lora import lora_description
 
     base = models[0]
     fake = FakeVllm(base)

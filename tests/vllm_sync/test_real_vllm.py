@@ -19,13 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fulmen.embedded import free_port
-from fulmen.lora import lora_description
-from fulmen.model_versions import publish_model_version
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
-from fulmen_llm_proxy.engine_request import SamplingParams
-from fulmen_llm_proxy.torch_engine import TorchEngine
+from fulmen.store.redis.embedded import free_port
+from fulmen.versions.lora import lora_description
+from fulmen.versions.model_version import publish_model_version
+from fulmen_llm_proxy.backends.torch.engine import TorchEngine
+from fulmen_llm_proxy.backends.torch.request import SamplingParams
 from fulmen_vllm_sync.admin import VllmAdmin
 from fulmen_vllm_sync.sync import VllmSync
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fulmen.model_versions import llm_resource, publish_model_version
+from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.store import RedisStore
-from fulmen.tiny_model import build_tiny_model
-from fulmen_llm_proxy.engine_request import SamplingParams
-from fulmen_llm_proxy.torch_engine import TorchEngine
+from fulmen.versions.model_version import llm_resource, publish_model_version
+from fulmen_llm_proxy.backends.torch.engine import TorchEngine
+from fulmen_llm_proxy.backends.torch.request import SamplingParams
 from fulmen_vllm_sync.admin import VllmAdmin
 from fulmen_vllm_sync.sync import VllmSync
 
@@ -177,7 +177,7 @@ async def test_a_restarted_server_leaves_routing_and_gets_its_version_back(real_
 
 
 async def test_a_lora_version_is_served_merged_onto_the_base(real_store: RedisStore, models, tmp_path):
-    from fulmen.lora import lora_description
+    from fulmen.versions.lora import lora_description
 
     base, _ = models
     weights = load_file(str(base / "model.safetensors"))
@@ -208,8 +208,8 @@ async def test_a_lora_version_is_served_merged_onto_the_base(real_store: RedisSt
 
 async def test_delta_versions_are_applied_onto_the_last_folder_or_rebuilt_from_the_chain(
         real_store: RedisStore, models, tmp_path):
-    from fulmen.version_delta import encode_delta
-    from fulmen.version_manifest import DELTA, Manifest, describe_all
+    from fulmen.versions.delta import encode_delta
+    from fulmen.versions.manifest import DELTA, Manifest, describe_all
 
     base, trained = models
     states = [load_file(str(trained / "model.safetensors"))]
@@ -259,7 +259,7 @@ async def test_lora_versions_load_as_adapters_without_a_pause(real_store: RedisS
     with no pause and no reload; the replica serves it under that name (``served_model``) with the
     proxy's own greedy ids, and /weight_info names it; the previous adapter stays loaded for calls that still name it, older ones
     are unloaded; a restarted server that lost its adapter leaves routing and gets it back."""
-    from fulmen.lora import lora_description
+    from fulmen.versions.lora import lora_description
 
     base, _ = models
     lora = lora_description(4, 8.0)
@@ -305,7 +305,7 @@ async def test_lora_versions_load_as_adapters_without_a_pause(real_store: RedisS
 async def test_dynamic_lora_on_a_server_without_it_says_what_to_do(real_store: RedisStore, models, tmp_path, caplog):
     """``lora_loading`` dynamic against a server that cannot load adapters: the replica stays out of
     routing and the log names the flags; auto merges the adapter instead (the merge test above)."""
-    from fulmen.lora import lora_description
+    from fulmen.versions.lora import lora_description
 
     base, _ = models
     fake = FakeVllm(base)  # lora_enabled False: /v1/load_lora_adapter is a 404

@@ -149,7 +149,7 @@ class WeightsChunk(Record):
     model_version: str
     index: int  # 0-based; entry id "0-<index + 1>", so the chunks are in order on the stream
     total: int  # chunks in the whole blob
-    sha256: str  # the blob's, as published (`fulmen.version_blobs.blob_sha256`), not this chunk's
+    sha256: str  # the blob's, as published (`fulmen.versions.blobs.blob_sha256`), not this chunk's
     size: int  # bytes in the whole blob
     data: bytes
 

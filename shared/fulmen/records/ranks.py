@@ -34,12 +34,12 @@ class GradientHeader:
 @dataclass(frozen=True, slots=True)
 class GradientChunk(Record):
     """One piece of one rank's compressed gradient for one tensor or bucket at one step
-    (the trainer's codecs, `fulmen_trainer.codecs`, write and read these; ``data`` is a slice of the
+    (the trainer's codecs, `fulmen_trainer.distributed.codecs`, write and read these; ``data`` is a slice of the
     codec's payload)."""
 
     KIND: ClassVar[str] = "grad_chunk"
 
-    fmt: int  # layout version of the codec payloads (fulmen_trainer.codecs.FORMAT_VERSION)
+    fmt: int  # layout version of the codec payloads (fulmen_trainer.distributed.codecs.FORMAT_VERSION)
     step: int
     rank: int
     name: str  # the tensor or bucket this gradient belongs to

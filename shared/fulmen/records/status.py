@@ -1,6 +1,6 @@
 """Rollout and attempt statuses (Agent Lightning 0.3 vocabulary) and the one table of their transitions.
 
-Every status set (here and in the Lua of `fulmen.store.scripts`) is derived from the transition
+Every status set (here and in the Lua of `fulmen.store.lua.scripts`) is derived from the transition
 tables: a new status or transition is written once, here. The diagram: docs/design/records.md.
 """
 

@@ -19,9 +19,9 @@ from typing import Any, TypeVar, overload
 
 from opentelemetry import trace
 
-from fulmen import semconv
 from fulmen.errors import InvalidInput
-from fulmen.tracing import bound_attributes, current_binding, record_event_span, tracer
+from fulmen.telemetry import semconv
+from fulmen.telemetry.tracing import bound_attributes, current_binding, record_event_span, tracer
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fulmen import semconv
+from fulmen.telemetry import semconv
 
 # What the OpenAI client sends when the runner has no key (it refuses an empty one); a proxy without
 # FULMEN_PROXY_API_KEYS accepts any.

@@ -16,12 +16,13 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES
-from fulmen.embedded import DEFAULT_PORT
 from fulmen.errors import InvalidInput
 
 # An experiment's name, matched whole (``$`` would also match before a trailing newline): it goes
 # into every Redis key (`fulmen.keys`) and into log lines.
 _EXPERIMENT = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+DEFAULT_PORT = 6399  # the embedded Redis's: not 6379, so a system Redis on the default port is left alone
 
 
 def check_experiment(name: str) -> str:

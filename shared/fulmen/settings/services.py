@@ -24,9 +24,9 @@ PublishDtype = Literal["auto", "float32", "bfloat16"]
 PublishFormat = Literal["full", "delta"]
 ReferenceDevice = Literal["same", "cpu"]
 Parallel = Literal["redis", "ddp", "fsdp"]
-Codec = Literal["none", "bf16", "topk", "dgc", "qsgd8", "qsgd4"]  # the codecs fulmen_trainer.codecs registers
+Codec = Literal["none", "bf16", "topk", "dgc", "qsgd8", "qsgd4"]  # the codecs fulmen_trainer.distributed.codecs registers
 OnRankLoss = Literal["continue", "wait"]
-ProxyBackend = Literal["torch", "vllm", "openai", "anthropic"]  # fulmen_llm_proxy.backends.BACKENDS
+ProxyBackend = Literal["torch", "vllm", "openai", "anthropic"]  # fulmen_llm_proxy.backends.registry.BACKENDS
 PauseMode = Literal["wait", "abort", "keep"]
 LoraLoading = Literal["auto", "dynamic", "merge"]
 DemoTask = Literal["arithmetic", "tools"]
@@ -217,7 +217,7 @@ class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
         description="max_tokens sent to an anthropic upstream when a call sets none (Anthropic requires it).",
         json_schema_extra={"group": "upstream"},
     )
-    # Calls to upstreams (vllm, openai, anthropic): retries, rate limit, cache (`fulmen_llm_proxy.upstream_policy`).
+    # Calls to upstreams (vllm, openai, anthropic): retries, rate limit, cache (`fulmen_llm_proxy.backends.upstream.policy`).
     upstream_max_attempts: int = Field(
         3,
         ge=1,
@@ -748,7 +748,7 @@ class DashboardSettings(CommonSettings):
 
 
 class WatchdogSettings(CommonSettings):
-    """The watchdog's retention loop (`fulmen.store.retention`). Off by default: trimming drops spans
+    """The watchdog's retention loop (`fulmen.retention.trim`). Off by default: trimming drops spans
     and samples for good, so it runs only when asked, after whatever archives them."""
 
     retention_interval_s: float | None = Field(

@@ -14,8 +14,8 @@ from redis.commands.core import AsyncScript
 
 from fulmen import keys as k
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES
-from fulmen.store.autopipeline import AutoPipeline
-from fulmen.store.stream import Decode, Stream, T
+from fulmen.store.redis.autopipeline import AutoPipeline
+from fulmen.store.redis.stream import Decode, Stream, T
 
 
 @dataclass(eq=False)
@@ -42,7 +42,7 @@ class StoreContext:
         replies (a connection goes back to its pool twice, and a script may run twice), and on any
         server a round trip whose calls find only some of their scripts loaded sends the others again
         after them, out of the order they were made in (calls on one key are joined and ordered:
-        `fulmen.store.autopipeline`). A server restarted since has lost them all: the auto-pipeline
+        `fulmen.store.redis.autopipeline`). A server restarted since has lost them all: the auto-pipeline
         then reloads them all (`reload_scripts`); a direct call loads its own, one at a time."""
         if self._scripts_loaded:
             return
@@ -78,7 +78,7 @@ class StoreContext:
 
     def joinable_script(self, source: str, joined: str) -> AsyncScript:
         """`script` for a script whose calls on one key the auto-pipeline sends as one call of
-        ``joined``, its joined form (`fulmen.store.scripts.joinable`)."""
+        ``joined``, its joined form (`fulmen.store.lua.scripts.joinable`)."""
         script = self.script(source)
         self.pipeline.join(script, self.script(joined))
         return script

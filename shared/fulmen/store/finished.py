@@ -10,8 +10,8 @@ from fulmen.errors import NotFound
 from fulmen.records import Rollout, RolloutFinished
 from fulmen.records.status import TERMINAL_ROLLOUT
 from fulmen.store.context import StoreContext
+from fulmen.store.redis.stream import MAX_BLOCK_S, Fields, Stream
 from fulmen.store.rollouts import Rollouts
-from fulmen.store.stream import MAX_BLOCK_S, Fields, Stream
 
 # With several shards, the longest a read blocks on one shard before it looks at the next.
 SHARD_BLOCK_S = 0.05

@@ -14,12 +14,12 @@ from redis.exceptions import ResponseError
 from fulmen import keys as k
 from fulmen.errors import InvalidInput, RecordError
 from fulmen.records import AttemptedRollout, QueueEntry
-from fulmen.store import scripts
-from fulmen.store.claim_join import ClaimJoin
-from fulmen.store.claim_script import CLAIM_NEXT
 from fulmen.store.context import StoreContext
+from fulmen.store.lua import scripts
+from fulmen.store.lua.claim import CLAIM_NEXT
+from fulmen.store.redis.claim_join import ClaimJoin
+from fulmen.store.redis.stream import Fields, block_ms, entry_id_text
 from fulmen.store.rollouts import attempted, pairs
-from fulmen.store.stream import Fields, block_ms, entry_id_text
 
 # A queue entry is pending only between delivery and claim (milliseconds), so one idle this long
 # belongs to a consumer that died in between.

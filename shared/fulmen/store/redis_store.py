@@ -42,7 +42,7 @@ class RedisStore:
         """``shards``: the rollout lifecycle's shard count (`fulmen.keys`; None: FULMEN_STORE_SHARDS,
         default 1). Every process of an experiment must use the same: `ensure` checks it.
         ``weights_redis``: where model versions' weight chunks live (FULMEN_WEIGHTS_REDIS_URL,
-        `fulmen.connection.connect_weights`); None: ``redis``."""
+        `fulmen.store.redis.connection.connect_weights`); None: ``redis``."""
         self.ctx = ctx = StoreContext(redis, experiment, max_record_bytes, shards)
         self.redis, self.keys, self.experiment, self.max_record_bytes = redis, ctx.keys, experiment, max_record_bytes
         self.weights_redis = weights_redis if weights_redis is not None else redis

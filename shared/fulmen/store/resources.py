@@ -10,9 +10,9 @@ from typing import Any
 from fulmen import keys as k
 from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.records import ResourcesUpdate
-from fulmen.store import data_scripts
 from fulmen.store.context import StoreContext
-from fulmen.store.stream import Fields, Stream, entry_id_text
+from fulmen.store.lua import data as data_scripts
+from fulmen.store.redis.stream import Fields, Stream, entry_id_text
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Rollouts and attempts: creating them, reporting their status, reading them back.
 
-Every status change is one Lua script (`fulmen.store.scripts`), so it is atomic; the statuses and
+Every status change is one Lua script (`fulmen.store.lua.scripts`), so it is atomic; the statuses and
 where each may go next are the table in `fulmen.records.status`. Claiming from the queue is
 `fulmen.store.queue`.
 """
@@ -29,8 +29,9 @@ from fulmen.records import (
     Span,
 )
 from fulmen.records.status import TERMINAL_ROLLOUT
-from fulmen.store import scripts, span_scripts
 from fulmen.store.context import StoreContext
+from fulmen.store.lua import scripts
+from fulmen.store.lua import spans as span_scripts
 from fulmen.store.spans import SpanBatch
 
 FinishResult = Literal["running", "succeeded", "requeued", "failed", "already", "superseded", "ignored"]

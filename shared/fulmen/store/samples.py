@@ -13,10 +13,10 @@ from fulmen import keys as k
 from fulmen.codec import unpack
 from fulmen.errors import RecordError
 from fulmen.records import RolloutForSamples, RolloutStatus, Sample, SampleSkip, SpanView
-from fulmen.store import data_scripts
 from fulmen.store.context import StoreContext
 from fulmen.store.finished import split_entry_id
-from fulmen.store.stream import Fields, Stream
+from fulmen.store.lua import data as data_scripts
+from fulmen.store.redis.stream import Fields, Stream
 
 SampleEntry = tuple[str, Sample | SampleSkip]
 DEFAULT_READ_COUNT = 256  # sample entries per read unless the trainer asks for another number

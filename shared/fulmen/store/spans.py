@@ -11,8 +11,8 @@ from typing import Any
 from fulmen.errors import NotFound
 from fulmen.records import AttemptStatus, RolloutStatus, Span
 from fulmen.records.spans import entry_records, pack_span_batch
-from fulmen.store import span_scripts
 from fulmen.store.context import StoreContext
+from fulmen.store.lua import spans as span_scripts
 
 # Every Span field but sequence_id, in order: building a Span positionally is much cheaper than
 # dataclasses.replace, which add_spans would otherwise call for every stored span.

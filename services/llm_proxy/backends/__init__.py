@@ -1,0 +1,3 @@
+"""Backends that answer a `Call`: `torch/` in this process, `upstream/` over HTTP (OpenAI, vLLM,
+Anthropic); `registry` picks one by name.
+"""

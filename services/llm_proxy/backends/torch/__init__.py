@@ -1,0 +1,3 @@
+"""The torch backend: a Hugging Face model in this process, continuous batching, LoRA, `n` choices,
+and tool-call parsing.
+"""

@@ -1,0 +1,149 @@
+"""The ``vllm`` backend: a vLLM OpenAI-compatible server, asked for token ids and log-probabilities.
+
+Calls go only to ready replicas (`fulmen_llm_proxy.backends.upstream.replicas`); a call that may have met two sets of
+weights is sent again or recorded ``text_only``. The fields and why: docs/design/proxy.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fulmen_llm_proxy.backends.base import Call, Fidelity, Result
+from fulmen_llm_proxy.backends.upstream.openai import OpenAIBackend
+from fulmen_llm_proxy.backends.upstream.replicas import ReplicaView, Stamp
+from fulmen_llm_proxy.backends.upstream.upstreams import Payload
+from fulmen_llm_proxy.errors import ProxyError
+
+log = logging.getLogger(__name__)
+
+SENDS_PER_CALL = 2  # a call the replica's weights changed under is sent once more
+
+
+class VllmBackend(OpenAIBackend):
+    system = "vllm"
+    fidelity: Fidelity = "exact"
+    replicas: ReplicaView | None = None
+
+    def follow_replicas(self, view: ReplicaView) -> None:
+        self.replicas = view
+        self.upstreams.routable = view.routable
+
+    async def complete(self, call: Call, result: Result) -> dict[str, Any]:
+        view = self.replicas
+        if view is None:
+            return await self._complete(call, result)
+        for _ in range(SENDS_PER_CALL):
+            stamps: list[Stamp] = []
+            body = await self._complete(call, result, stamps_into(stamps, view))
+            version = await view.confirm(stamps[-1])
+            if version is not None:
+                result.model_version = version or result.model_version
+                return body
+            log.info("the replica %s changed weights during a call: sending it again", stamps[-1].url)
+        raise ProxyError(503, "the upstream replica changed weights during the call, twice: retry it",
+                         code="upstream_loading")
+
+    def payload(self, call: Call) -> dict[str, Any]:
+        body = dict(call.body)
+        body["return_token_ids"] = True
+        if call.operation == "chat":
+            body["logprobs"] = True
+        elif not isinstance(body.get("logprobs"), int):
+            body["logprobs"] = 0  # vLLM: the sampled token's log-probability, no alternatives
+        if call.stream and not call.include_usage:
+            # Usage (token counts) for the span; the extra last chunk is passed on to the agent too,
+            # which OpenAI clients accept (choices = []).
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        return body
+
+    def encode(self, call: Call) -> Payload:
+        view = self.replicas
+        plain = json.dumps(self.payload(call)).encode()
+        if view is None:
+            return plain
+
+        def for_replica(url: str) -> bytes:
+            state = view.states.get(url)
+            if state is None or not state.served_model:
+                return plain
+            return json.dumps({**self.payload(call), "model": state.served_model}).encode()
+
+        return for_replica
+
+    def read_response(self, call: Call, body: dict[str, Any], result: Result) -> None:
+        super().read_response(call, body, result)
+        choice = (body.get("choices") or [{}])[0]
+        prompt_ids = body.get("prompt_token_ids") or choice.get("prompt_token_ids")
+        token_ids = choice.get("token_ids")
+        if prompt_ids is None or token_ids is None:
+            result.fidelity = "text_only"
+            return
+        result.prompt_token_ids = list(prompt_ids)
+        result.token_ids = list(token_ids)
+        result.logprobs = _logprobs(call, choice.get("logprobs"))
+
+    def read_stream_choice(
+        self,
+        call: Call,
+        choice: dict[str, Any],
+        result: Result,
+        parts: list[str],
+        tools: dict[int, dict[str, Any]],
+    ) -> None:
+        super().read_stream_choice(call, choice, result, parts, tools)
+        if choice.get("prompt_token_ids") is not None:
+            result.prompt_token_ids = list(choice["prompt_token_ids"])
+        token_ids = choice.get("token_ids")
+        if token_ids is not None:
+            (result.token_ids if result.token_ids is not None else _set(result, "token_ids")).extend(
+                token_ids
+            )
+        logprobs = _logprobs(call, choice.get("logprobs"))
+        if logprobs is not None:
+            (result.logprobs if result.logprobs is not None else _set(result, "logprobs")).extend(logprobs)
+
+    def read_header(self, body: dict[str, Any], result: Result) -> None:
+        super().read_header(body, result)
+        if body.get("prompt_token_ids") is not None:
+            result.prompt_token_ids = list(body["prompt_token_ids"])
+
+    async def stream(self, call: Call, result: Result) -> AsyncIterator[dict[str, Any]]:  # type: ignore[override]
+        view = self.replicas
+        stamps: list[Stamp] = []
+        on_send = None if view is None else stamps_into(stamps, view)
+        async for chunk in self._stream(call, result, on_send):
+            yield chunk
+        if result.prompt_token_ids is None or result.token_ids is None:
+            result.fidelity = "text_only"
+        if view is not None and stamps:
+            version = await view.confirm(stamps[-1])
+            if version is None:  # already answered: keep the text, never train on its token ids
+                log.info("the replica %s changed weights during a streamed call: recorded as text only",
+                         stamps[-1].url)
+                result.fidelity = "text_only"
+            elif version:
+                result.model_version = version
+
+
+def stamps_into(stamps: list[Stamp], view: ReplicaView) -> Callable[[str], None]:
+    """An ``on_send`` that keeps the replica's state as the call leaves for it."""
+    return lambda url: stamps.append(view.stamp(url))
+
+
+def _set(result: Result, name: str) -> list[Any]:
+    value: list[Any] = []
+    setattr(result, name, value)
+    return value
+
+
+def _logprobs(call: Call, logprobs: Any) -> list[float] | None:
+    if not isinstance(logprobs, dict):
+        return None
+    if call.operation == "chat":
+        content = logprobs.get("content")
+        return None if content is None else [float(item["logprob"]) for item in content]
+    values = logprobs.get("token_logprobs")
+    return None if values is None else [float(x) for x in values]

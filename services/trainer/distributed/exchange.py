@@ -1,0 +1,216 @@
+"""The Redis rank exchange: the leader's step plans, each rank's gradient chunks, the leader's sum.
+
+Three capped streams (``trainer_plans``, ``trainer_grads``, ``trainer_aggregates``), each read from
+where this rank joined. Every "follow a stream" read of the rank path is here (`Exchange`); what the
+ranks do with what they read is `fulmen_trainer.distributed.rank_group`, membership `fulmen_trainer.distributed.membership`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+from fulmen.errors import RecordError
+from fulmen.records import GradientChunk, RankPlan
+from fulmen.store import RedisStore
+from fulmen.store.redis.stream import MAX_BLOCK_S, Cursor, Fields
+from fulmen_trainer.distributed.membership import Membership
+
+log = logging.getLogger(__name__)
+
+STREAM_MAXLEN = 2000  # plans, gradients and aggregates of old steps are not needed again
+READ_COUNT = 100  # entries per XREAD: a step's chunks and plans, with room for a rank that fell behind
+# Reads block at most MAX_BLOCK_S (a dead connection is noticed); between two reads the leader checks
+# whether a rank it waits for is gone, and a follower whether a newer plan made its wait moot.
+PLAN_BLOCK_S = GATHER_BLOCK_S = AGGREGATE_BLOCK_S = MAX_BLOCK_S
+POLL_S = 0.001  # a read that only takes what is already there
+
+
+class Exchange:
+    """The three streams of the rank exchange, read from where this rank joined."""
+
+    def __init__(self, store: RedisStore, membership: Membership) -> None:
+        self.store = store
+        self.keys = store.keys
+        self.members = membership
+        self._cursors: dict[str, Cursor[Fields]] = {}
+        self.reports: dict[tuple[int, int, int], dict[str, float]] = {}
+        # Entries read but not yet asked for: one XREAD may return a later plan or aggregate than the
+        # one awaited (a rank that fell behind), and dropping it would leave that rank waiting forever.
+        self._plans: list[RankPlan] = []
+        self._aggregates: dict[tuple[int, int], list[bytes]] = {}
+
+    async def _xadd(self, stream: str, fields: dict[str, Any]) -> None:
+        await self.store.redis.xadd(stream, fields, maxlen=STREAM_MAXLEN, approximate=True)
+
+    async def _read(self, stream: str, block_s: float) -> list[tuple[str, Fields]]:
+        return await self._cursors[stream].read(block_s, READ_COUNT)
+
+    async def start_reading(self) -> None:
+        """Read what is sent from now on: call it before anything this rank waits for can be sent.
+        Entries stay raw here: a rank decodes only the plans and chunks meant for it."""
+        for key in (self.keys.trainer_plans, self.keys.trainer_grads, self.keys.trainer_aggregates):
+            self._cursors[key] = await self.store.ctx.stream(key, _raw).cursor()
+
+    # leader → ranks
+    async def send_plan(self, plan: RankPlan) -> None:
+        await self._xadd(self.keys.trainer_plans, {"rank": plan.rank, "m": plan.to_wire()})
+
+    async def next_plan(self, rank: int) -> RankPlan:
+        while not self._plans:
+            self._take_plans(await self._read(self.keys.trainer_plans, PLAN_BLOCK_S), rank)
+        return self._plans.pop(0)
+
+    def _take_plans(self, entries: list[tuple[str, Fields]], rank: int) -> None:
+        """Keep the plans for ``rank``; the others' shares are not decoded at all. An entry that is
+        not a plan (garbage on the stream) is skipped with a log line: waiting on is all a rank can do."""
+        for entry_id, fields in entries:
+            try:
+                if _int_field(fields, b"rank") == rank:
+                    self._plans.append(RankPlan.from_wire(fields.get(b"m")))
+            except RecordError as e:
+                log.warning("skipping %s entry %s: %s", self.keys.trainer_plans, entry_id, e)
+
+    # ranks → leader
+    async def send_gradient(self, step: int, rank: int, chunks: Sequence[bytes], report: dict[str, float],
+                            epoch: int = 0) -> None:
+        """The chunks of one pass (``epoch``) of ``step``; the first entry also carries the rank's
+        report (cosine to its true gradient, encode time), which the leader logs."""
+        for i, chunk in enumerate(chunks):
+            extra = {"report": msgpack.packb(report)} if i == 0 else {}
+            await self._xadd(self.keys.trainer_grads,
+                             {"step": step, "epoch": epoch, "rank": rank, "m": chunk, **extra})
+
+    async def gather(self, step: int, ranks: Sequence[int], deadline_s: float,
+                     epoch: int = 0) -> dict[int, list[bytes]]:
+        """The chunks of every rank in ``ranks`` for pass ``epoch`` of ``step``. A rank that left the membership, or that
+        has sent nothing for ``deadline_s``, is left out of this step: waiting on it could last forever
+        (a rank that restarts has missed the plan). Whether the *next* step waits for the world to be
+        whole again is the leader's choice (``on_rank_loss``)."""
+        wanted = set(ranks)
+        got: dict[int, list[bytes]] = {}
+        complete: set[int] = set()
+        deadline = time.monotonic() + deadline_s
+        while wanted - complete:
+            entries = await self._read(self.keys.trainer_grads, GATHER_BLOCK_S)
+            for entry_id, f in entries:
+                try:
+                    if _pass_of(f) != (step, epoch):
+                        continue  # a late pass of a rank that was left out: its step went on without it
+                    rank, chunk = _int_field(f, b"rank"), _chunk(f, step)
+                    report = _report(f)
+                except RecordError as e:
+                    log.warning("skipping %s entry %s: %s", self.keys.trainer_grads, entry_id, e)
+                    continue
+                if rank in complete or chunk.rank != rank:
+                    log.warning("skipping %s entry %s: a chunk of rank %d sent as rank %d's, or one too many",
+                                self.keys.trainer_grads, entry_id, chunk.rank, rank)
+                    continue
+                got.setdefault(rank, []).append(f[b"m"])
+                if report is not None:
+                    self.reports[(step, epoch, rank)] = report
+                if len(got[rank]) >= chunk.count:
+                    complete.add(rank)
+            if entries:
+                deadline = time.monotonic() + deadline_s  # progress: give the others time too
+                continue
+            gone = (wanted - complete) - set(await self.members.live())
+            silent = wanted - complete if time.monotonic() > deadline else set()
+            if gone or silent:
+                log.warning("step %d: no gradient from rank(s) %s (%s); stepping without them", step,
+                            sorted(gone or silent), "gone" if gone else "silent")
+                wanted -= gone or silent
+        return {r: got[r] for r in complete}
+
+    # leader → ranks
+    async def send_aggregate(self, step: int, chunks: Sequence[bytes], epoch: int = 0) -> None:
+        for chunk in chunks:
+            await self._xadd(self.keys.trainer_aggregates, {"step": step, "epoch": epoch, "m": chunk})
+
+    async def next_aggregate(self, step: int, epoch: int = 0, rank: int | None = None) -> list[bytes] | None:
+        """The leader's sum for pass ``epoch`` of ``step``; None if a newer plan for ``rank`` arrives
+        first (the leader went on without this rank, or restarted): that sum may never come."""
+        key = (step, epoch)
+        newer_plan = False
+        while True:
+            chunks = self._aggregates.get(key, [])
+            if chunks and len(chunks) >= _chunk_count(chunks[-1]):
+                # older ones can no longer be asked for: this rank applies aggregates in order
+                self._aggregates = {k: v for k, v in self._aggregates.items() if k > key}
+                return chunks
+            if newer_plan:
+                return None
+            entries = await self._read(self.keys.trainer_aggregates, AGGREGATE_BLOCK_S)
+            self._take_aggregates(entries, key)
+            if rank is not None and not entries:
+                # The leader sends a step's sums before the next plan, so once a plan is visible, one
+                # more (non-blocking) read of the sums settles whether ours was sent.
+                newer_plan = await self._poll_plans(rank)
+                if newer_plan:
+                    self._take_aggregates(await self._read(self.keys.trainer_aggregates, POLL_S), key)
+
+    def _take_aggregates(self, entries: list[tuple[str, Fields]], key: tuple[int, int]) -> None:
+        """Keep the sums' chunks of pass ``key`` and later ones; garbage is skipped with a log line."""
+        for entry_id, f in entries:
+            try:
+                got = _pass_of(f)
+                if got >= key:
+                    _chunk(f, got[0])
+                    self._aggregates.setdefault(got, []).append(f[b"m"])
+            except RecordError as e:
+                log.warning("skipping %s entry %s: %s", self.keys.trainer_aggregates, entry_id, e)
+
+    async def _poll_plans(self, rank: int) -> bool:
+        self._take_plans(await self._read(self.keys.trainer_plans, POLL_S), rank)
+        return bool(self._plans)
+
+
+def _chunk_count(chunk: bytes) -> int:
+    try:
+        return int(GradientChunk.from_wire(chunk).count)
+    except RecordError:
+        return 1  # a broken chunk: decoding it will say what is wrong
+
+
+# Reading the plain fields of the rank streams' entries: anything unreadable is a RecordError, so the
+# reader skips the entry (the streams are written by the ranks alone; garbage there is foreign).
+
+
+def _int_field(fields: Fields, name: bytes) -> int:
+    try:
+        return int(fields[name])
+    except (KeyError, ValueError, TypeError) as e:
+        raise RecordError(f"field {name.decode()} is missing or not an integer ({e!r})") from None
+
+
+def _pass_of(fields: Fields) -> tuple[int, int]:
+    """(step, epoch) of a gradient or aggregate entry."""
+    return _int_field(fields, b"step"), (_int_field(fields, b"epoch") if b"epoch" in fields else 0)
+
+
+def _chunk(fields: Fields, step: int) -> GradientChunk:
+    """The entry's chunk, decoded to check it (the codec decodes the payload later)."""
+    chunk = GradientChunk.from_wire(fields.get(b"m"))
+    if chunk.step != step:
+        raise RecordError(f"a chunk of step {chunk.step} in an entry of step {step}")
+    return chunk
+
+
+def _report(fields: Fields) -> dict[str, float] | None:
+    if b"report" not in fields:
+        return None
+    try:
+        report = msgpack.unpackb(fields[b"report"])
+    except (ValueError, msgpack.UnpackException) as e:
+        raise RecordError(f"unreadable report: {e}") from None
+    if not isinstance(report, dict):
+        raise RecordError("a report must be a map")
+    return report
+
+
+def _raw(entry_id: str, fields: Fields) -> Fields:
+    return fields
