@@ -106,10 +106,10 @@ async def fill(store: RedisStore, n: int) -> None:
     done = 0
 
     async def one(i: int) -> None:
-        claimed = await store.start_rollout({"task": i}, "bench-runner", metadata={"group_key": f"g{i // 8}"})
+        claimed = await store.rollouts.start_rollout({"task": i}, "bench-runner", metadata={"group_key": f"g{i // 8}"})
         rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
-        await store.add_spans(trace(rid, aid, rng))
-        await store.update_attempt(rid, aid, status="succeeded")
+        await store.spans.add_spans(trace(rid, aid, rng))
+        await store.rollouts.update_attempt(rid, aid, status="succeeded")
 
     for start in range(0, n, 100):
         await asyncio.gather(*(one(i) for i in range(start, min(n, start + 100))))
@@ -126,7 +126,7 @@ async def main() -> None:
         client = aioredis.from_url(server.url)
         store = RedisStore(client, EXPERIMENT)
         await fill(store, args.n)
-        span_bytes = sum(len(v) for _, f in await client.xrange(store.keys.spans((await store.query_rollouts(limit=1))[0].rollout_id)) for v in f.values())
+        span_bytes = sum(len(v) for _, f in await client.xrange(store.keys.spans((await store.rollouts.query_rollouts(limit=1))[0].rollout_id)) for v in f.values())
         log("store filled: %d rollouts, %d bytes of spans each; starting `fulmen adapter`", args.n, span_bytes)
         env = {**os.environ, "REDIS_URL": server.url, "FULMEN_EXPERIMENT": EXPERIMENT, "FULMEN_LOG_LEVEL": "WARNING"}
         fulmen_bin = shutil.which("fulmen") or str(Path(sys.executable).with_name("fulmen"))
@@ -136,7 +136,7 @@ async def main() -> None:
             first = None
             cpu0 = redis0 = delay0 = 0.0
             while True:
-                stats = await store.adapter_stats()
+                stats = await store.samples.adapter_stats()
                 adapted = stats.get("rollouts", 0)
                 if first is None and adapted:
                     first, cpu0, redis0 = time.perf_counter(), cpu_s(proc.pid), cpu_s(server.process.pid)

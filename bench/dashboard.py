@@ -73,8 +73,8 @@ async def seed(client: aioredis.Redis, n: int) -> str:
     print(file=sys.stderr)
     # one rollout as a runner and a proxy leave it: an attempt and a span tree with two LLM calls
     store = RedisStore(client, EXPERIMENT)
-    await store.enqueue_rollout({"question": "2 + 2 = ?"}, rollout_id="traced", mode="train")
-    [claimed] = await store.dequeue_rollouts("bench-worker", count=1, block_s=1)
+    await store.rollouts.enqueue_rollout({"question": "2 + 2 = ?"}, rollout_id="traced", mode="train")
+    [claimed] = await store.queue.dequeue_rollouts("bench-worker", count=1, block_s=1)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "dashboard"))
     from seed import llm_span
 
@@ -89,8 +89,8 @@ async def seed(client: aioredis.Redis, n: int) -> str:
         spans.append(Span("traced", aid, f"op-{j}", "fulmen.operation", parent_id="root", start_time=time.time(),
                           end_time=time.time(), attributes={semconv.SPAN_KIND: semconv.KIND_OPERATION}))
     spans += [replace(llm_span("traced", aid, f"op-{j}"), span_id=f"llm-{j}") for j in range(2)]
-    await store.add_spans(spans)
-    await store.update_attempt("traced", aid, status="succeeded", reward=1.0)
+    await store.spans.add_spans(spans)
+    await store.rollouts.update_attempt("traced", aid, status="succeeded", reward=1.0)
     for step in range(1, MAX_STEPS + 1):
         if step % 1000 == 1:
             print(f"steps {step}/{MAX_STEPS}", file=sys.stderr, end="\r")

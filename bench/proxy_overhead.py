@@ -188,7 +188,7 @@ async def make_attempts(redis_url: str, n: int) -> list[tuple[str, str]]:
     store = RedisStore(client, EXPERIMENT)
     attempts = []
     for _ in range(n):
-        started = await store.start_rollout({"bench": True}, "bench-worker")
+        started = await store.rollouts.start_rollout({"bench": True}, "bench-worker")
         attempts.append((started.rollout.rollout_id, started.attempt.attempt_id))
     await client.aclose()
     return attempts

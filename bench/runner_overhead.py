@@ -60,11 +60,11 @@ def cpu_s(pid: int) -> float:
 async def bench_runner(url: str, redis_pid: int, n: int, concurrency: int, workdir: Path) -> dict[str, Any]:
     client = aioredis.from_url(url)
     store = RedisStore(client, EXPERIMENT)
-    await store.ensure_finished_group("bench")
+    await store.finished.ensure_finished_group("bench")
     ids = []
     for start in range(0, n, 1000):
-        batch = [store.new_rollout({"i": i}) for i in range(start, min(n, start + 1000))]
-        await store.enqueue_rollouts(batch)
+        batch = [store.rollouts.new_rollout({"i": i}) for i in range(start, min(n, start + 1000))]
+        await store.rollouts.enqueue_rollouts(batch)
         ids += [r.rollout_id for r in batch]
     log("queued %d rollouts; starting `fulmen runner --concurrency %d`", n, concurrency)
     (workdir / "bench_agents.py").write_text(AGENT_MODULE)
@@ -87,13 +87,13 @@ async def bench_runner(url: str, redis_pid: int, n: int, concurrency: int, workd
         first = None
         cpu_at_first = redis_at_first = 0.0
         while seen < n:
-            batch = await store.read_finished("bench", "bench", count=1000, block_s=30)
+            batch = await store.finished.read_finished("bench", "bench", count=1000, block_s=30)
             if not batch:
                 raise SystemExit(f"no completion for 30 s ({seen}/{n}); is the runner alive? rc={proc.poll()}")
             if first is None:
                 first, cpu_at_first, redis_at_first = time.perf_counter(), cpu_s(proc.pid), cpu_s(redis_pid)
             seen += len(batch)
-            await store.ack_finished("bench", [c.entry_id for c in batch])
+            await store.finished.ack_finished("bench", [c.entry_id for c in batch])
             if seen % 1000 < len(batch):
                 log("%d/%d done", seen, n)
         elapsed = time.perf_counter() - (first or time.perf_counter())
@@ -125,7 +125,7 @@ async def bench_spans(url: str, n_spans: int, attempts: int) -> dict[str, Any]:
 
     client = aioredis.from_url(url)
     store = RedisStore(client, EXPERIMENT + "-spans")
-    claimed = [await store.start_rollout({"i": i}, "bench") for i in range(attempts)]
+    claimed = [await store.rollouts.start_rollout({"i": i}, "bench") for i in range(attempts)]
     _, buffer = setup_tracing("bench-spans")
     writer = SpanWriter(store, buffer)
     flusher = asyncio.create_task(writer.run())
@@ -146,7 +146,7 @@ async def bench_spans(url: str, n_spans: int, attempts: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     flusher.cancel()
-    stored = sum([len(await store.query_spans(c.rollout.rollout_id)) for c in claimed[:3]])
+    stored = sum([len(await store.spans.query_spans(c.rollout.rollout_id)) for c in claimed[:3]])
     await client.aclose()
     total = per_attempt * attempts
     assert writer.written == total, (writer.written, total)

@@ -79,8 +79,8 @@ async def drive(url: str, ports: list[int], args: argparse.Namespace, workers: l
     client = await connect(CommonSettings(redis_url=url), wait_s=10)
     try:
         store = RedisStore(client, EXPERIMENT)
-        await store.ensure()
-        await store.ensure_finished_group(COMPLETIONS_GROUP, start="$")
+        await store.queue.ensure()
+        await store.finished.ensure_finished_group(COMPLETIONS_GROUP, start="$")
         cpu0, reads0, _, memory0 = node_totals(ports, reset=True)
         elapsed = await workload(store, args.n, args.batch, args.window, workers, tag=f"{len(ports)} node(s) ")
         cpu1, reads1, commands, memory1 = node_totals(ports)

@@ -99,28 +99,28 @@ def store_phases(redis: aioredis.Redis, experiment: str, n: int) -> list[Callabl
     claimed: list[Any] = []
 
     async def enqueue() -> None:
-        await store.ensure()
-        await store.ensure_finished_group("bench", start="$")
-        rollouts = [store.new_rollout({"task": i, "question": f"what is {i} + {i}?"}) for i in range(n)]
+        await store.queue.ensure()
+        await store.finished.ensure_finished_group("bench", start="$")
+        rollouts = [store.rollouts.new_rollout({"task": i, "question": f"what is {i} + {i}?"}) for i in range(n)]
         for i in range(0, n, 500):
-            await store.enqueue_rollouts(rollouts[i:i + 500])
+            await store.rollouts.enqueue_rollouts(rollouts[i:i + 500])
 
     async def claim() -> None:
         while len(claimed) < n:
-            claimed.extend(await store.dequeue_rollouts("w", BATCH))
+            claimed.extend(await store.queue.dequeue_rollouts("w", BATCH))
 
     async def finish() -> None:
         for i in range(0, n, BATCH):
             await asyncio.gather(*(
-                store.update_attempt(a.rollout.rollout_id, a.attempt.attempt_id, status="succeeded",
+                store.rollouts.update_attempt(a.rollout.rollout_id, a.attempt.attempt_id, status="succeeded",
                                      spans=make_spans(a.rollout.rollout_id, a.attempt.attempt_id))
                 for a in claimed[i:i + BATCH]))
 
     async def read() -> None:
         got = 0
         while got < n:
-            finished = await store.read_finished("bench", "reader", count=1000, block_s=1.0)
-            await store.ack_finished("bench", [f.entry_id for f in finished])
+            finished = await store.finished.read_finished("bench", "reader", count=1000, block_s=1.0)
+            await store.finished.ack_finished("bench", [f.entry_id for f in finished])
             got += len(finished)
 
     return [enqueue, claim, finish, read]

@@ -1,6 +1,6 @@
 """Benchmark: a runner's full lifecycle on the store, end to end.
 
-The enqueuing side (this process) queues N rollouts in batches with `RedisStore.enqueue_rollouts`,
+The enqueuing side (this process) queues N rollouts in batches with `store.rollouts.enqueue_rollouts`,
 keeping at most ``--window`` of them unfinished, and observes their completions on the completions
 stream through a consumer group (`read_finished` + `ack_finished`), as the algorithm does.
 ``--workers`` separate OS processes, each with its own asyncio loop and Redis client (made by
@@ -93,7 +93,7 @@ async def run_worker(index: int, url: str, concurrency: int, ready: Any, stop: A
     """One runner process: ``concurrency`` slots, each claiming and running one rollout at a time."""
     client = await connect(CommonSettings(redis_url=url), wait_s=10)
     store = RedisStore(client, EXPERIMENT)
-    await store.ensure()
+    await store.queue.ensure()
     worker_id = f"bench-w{index}"
     claim_ms: list[float] = []
     add_spans_ms: list[float] = []
@@ -105,7 +105,7 @@ async def run_worker(index: int, url: str, concurrency: int, ready: Any, stop: A
         clock = time.perf_counter
         while True:
             t0 = clock()
-            claimed = await store.dequeue_rollouts(worker_id, 1, block_s=0.2)
+            claimed = await store.queue.dequeue_rollouts(worker_id, 1, block_s=0.2)
             if not claimed:
                 if stop.is_set():
                     return
@@ -116,14 +116,14 @@ async def run_worker(index: int, url: str, concurrency: int, ready: Any, stop: A
                 spans = make_spans(rollout_id, attempt_id)
                 t1 = clock()
                 if separate:  # the spans, then the status: two round trips
-                    stored = len(await store.add_spans(spans))
+                    stored = len(await store.spans.add_spans(spans))
                     t2 = clock()
                     add_spans_ms.append((t2 - t1) * 1000)
-                    result = await store.update_attempt(rollout_id, attempt_id, status="succeeded")
+                    result = await store.rollouts.update_attempt(rollout_id, attempt_id, status="succeeded")
                 else:  # as the runner does it: the last spans and the status in one step
                     t2 = t1
                     stored = len(spans)
-                    result = await store.update_attempt(rollout_id, attempt_id, status="succeeded", spans=spans)
+                    result = await store.rollouts.update_attempt(rollout_id, attempt_id, status="succeeded", spans=spans)
                 finish_ms.append((clock() - t2) * 1000)
                 if stored != SPANS_PER_ROLLOUT or result != "succeeded":
                     raise RuntimeError(f"{rollout_id}: {stored} spans stored, finish said {result!r}")
@@ -148,7 +148,7 @@ async def workload(store: RedisStore, n: int, batch: int, window: int, workers: 
     """Enqueue N rollouts in batches, keeping at most ``window`` unfinished, until N completions are
     observed on the completions group (which must exist). Returns the elapsed seconds. Shared with
     bench/store_cluster.py."""
-    rollouts = [store.new_rollout({"task": i, "question": f"what is {i} + {i}?"}) for i in range(n)]
+    rollouts = [store.rollouts.new_rollout({"task": i, "question": f"what is {i} + {i}?"}) for i in range(n)]
     enqueued = completed = 0
     room = asyncio.Event()
 
@@ -160,7 +160,7 @@ async def workload(store: RedisStore, n: int, batch: int, window: int, workers: 
                 await room.wait()
                 continue
             chunk = rollouts[enqueued : enqueued + min(batch, n - enqueued)]
-            if not all(await store.enqueue_rollouts(chunk)):
+            if not all(await store.rollouts.enqueue_rollouts(chunk)):
                 raise RuntimeError("a rollout id existed already")
             enqueued += len(chunk)
 
@@ -168,10 +168,10 @@ async def workload(store: RedisStore, n: int, batch: int, window: int, workers: 
         nonlocal completed
         next_report = last_progress = time.perf_counter()
         while completed < n:
-            finished = await store.read_finished(COMPLETIONS_GROUP, "driver", count=1000, block_s=1.0)
+            finished = await store.finished.read_finished(COMPLETIONS_GROUP, "driver", count=1000, block_s=1.0)
             now = time.perf_counter()
             if finished:
-                await store.ack_finished(COMPLETIONS_GROUP, [c.entry_id for c in finished])
+                await store.finished.ack_finished(COMPLETIONS_GROUP, [c.entry_id for c in finished])
                 completed += sum(1 for c in finished if c.status == "succeeded")
                 room.set()
                 last_progress = now
@@ -193,8 +193,8 @@ async def drive(url: str, n: int, batch: int, window: int, workers: list[Any]) -
     over the run."""
     client = await connect(CommonSettings(redis_url=url), wait_s=10)
     store = RedisStore(client, EXPERIMENT)
-    await store.ensure()
-    await store.ensure_finished_group(COMPLETIONS_GROUP, start="$")
+    await store.queue.ensure()
+    await store.finished.ensure_finished_group(COMPLETIONS_GROUP, start="$")
     await client.config_resetstat()
     server_cpu0 = await server_cpu_s(client)
     cpu0 = time.process_time()

@@ -257,7 +257,7 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
     from fulmen.store import RedisStore
 
     lora_store = RedisStore(store.redis, f"{store.experiment}-lora")
-    await lora_store.ensure()
+    await lora_store.queue.ensure()
     async with Replicas(lora_store, model_dir, replicas_count) as replicas:
         for repeat in range(repeats):
             adapter = lora_adapter(state, layers, seed=300 + repeat)
@@ -303,7 +303,7 @@ async def retention(store: Any, model_dir: Path, versions: int) -> dict[str, Any
                 log("retention: %d versions published, Redis used %.1f MB", i + 1, peak / 1e6)
         await replicas.serving(f"r{versions}")
     after = (await store.redis.info("memory"))["used_memory"]
-    one = (await store.get_latest_resources()).resources["llm"]["weights"]["bytes"]
+    one = (await store.resources.get_latest_resources()).resources["llm"]["weights"]["bytes"]
     return {"redis_used_mb_before_versions": round(before / 1e6, 2), f"redis_used_mb_after_{versions}_versions": round(after / 1e6, 2),
             "redis_used_mb_peak": round(peak / 1e6, 2), "tiny_version_mb": round(one / 1e6, 3),
             "versions_stored_after": len(await stored_versions(store)), "versions_published": versions}
@@ -324,7 +324,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         with EmbeddedRedis(tmp / "redis", port=None) as server:
             client = await connect(CommonSettings(redis_url=server.url), wait_s=30)
             store = RedisStore(client, "bench-sync")
-            await store.ensure()
+            await store.queue.ensure()
             try:
                 for key, value in (await formats(store, tiny, 2, args.repeats, tmp / "shared", "t")).items():
                     figures[f"tiny_{key}"] = value

@@ -117,7 +117,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         with EmbeddedRedis(tmp / "redis", port=None) as server:
             client = await connect(CommonSettings(redis_url=server.url), wait_s=30)
             store = RedisStore(client, "stages")
-            await store.ensure()
+            await store.queue.ensure()
             if args.aof == "off":
                 await client.config_set("appendonly", "no")
             try:

@@ -292,7 +292,7 @@ class ChaosRun:
         self.client = aioredis.from_url(url)
         self.store = RedisStore(self.client, self.experiment)
         # the policy the runners use: the tiny model's base weights, sampled at temperature 1
-        await self.store.add_resources(
+        await self.store.resources.add_resources(
             {"llm": {"kind": "llm", "model": "tiny", "model_version": "base",
                      "sampling_parameters": {"temperature": 1.0}}},
             resources_id="policy",
@@ -308,7 +308,7 @@ class ChaosRun:
         store = self.store
 
         async def proxy_registered() -> bool:
-            return bool(await store.query_proxies())
+            return bool(await store.registry.query_proxies())
 
         await self.wait_for("an LLM proxy registered", proxy_registered, 240.0)
         self.services["algorithm"].start()
@@ -427,7 +427,7 @@ class ChaosRun:
     async def version(self) -> int:
         assert self.store is not None
         try:
-            update = await self.store.get_resources("policy")
+            update = await self.store.resources.get_resources("policy")
         except NotFound:
             return 0
         return ModelVersion.of(update).number
@@ -557,7 +557,7 @@ class ChaosRun:
         if extra:
             v.problems.append(f"{len(extra)} rollouts the run's groups do not account for, e.g. {sorted(extra)[:3]}")
 
-        rollouts = await store.get_rollouts(train)
+        rollouts = await store.rollouts.get_rollouts(train)
         for r in rollouts:
             assert r is not None
             if r.status not in TERMINAL:
@@ -667,12 +667,12 @@ class ChaosRun:
 
         assert self.store is not None
         for r in rollouts:
-            attempts = await self.store.query_attempts(r.rollout_id)
+            attempts = await self.store.rollouts.query_attempts(r.rollout_id)
             if sum(a.status is AttemptStatus.SUCCEEDED for a in attempts) > 1:
                 v.succeeded_twice += 1
         for attempt_id, samples in self._samples_of.items():
             rollout_id = attempt_id.rsplit(".", 1)[0]
-            spans = await self.store.query_spans(rollout_id, attempt_id)
+            spans = await self.store.spans.query_spans(rollout_id, attempt_id)
             calls = [sp for sp in spans if sp.attributes.get(SPAN_KIND) == KIND_LLM_CALL]
             keyed = Counter(sp.attributes[CALL_KEY] for sp in calls if sp.attributes.get(CALL_KEY))
             logical = len(keyed) + sum(1 for sp in calls if not sp.attributes.get(CALL_KEY))
@@ -702,14 +702,14 @@ class ChaosRun:
 
         async def all_newest() -> bool:
             assert self.store is not None
-            proxies = await self.store.query_proxies()
+            proxies = await self.store.registry.query_proxies()
             return bool(proxies) and all(p.model_version == newest for p in proxies)
 
         try:
             await self.wait_for(f"every proxy serving {newest}", all_newest, timeout_s)
         except TimeoutError:
             assert self.store is not None
-            served = {p.proxy_id: p.model_version for p in await self.store.query_proxies()}
+            served = {p.proxy_id: p.model_version for p in await self.store.registry.query_proxies()}
             v.problems.append(f"proxies do not all serve the newest version {newest}: {served}")
 
     async def _check_validations(self, v: Verdict) -> None:

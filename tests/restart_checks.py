@@ -21,15 +21,15 @@ async def move_on(store: RedisStore, ids: list[str], *, claimed: int, running: i
     """``ids`` enqueued, then moved on: the first ``claimed`` dequeued (preparing), the first ``running``
     of those heartbeating, the first ``succeeded`` succeeded; the last ``cancelled`` ids cancelled.
     The claims."""
-    await store.enqueue_rollouts([store.new_rollout(i, rollout_id=i) for i in ids])
-    claims = await store.dequeue_rollouts("w1", claimed)
+    await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout(i, rollout_id=i) for i in ids])
+    claims = await store.queue.dequeue_rollouts("w1", claimed)
     assert len(claims) == claimed
     for c in claims[:running]:
-        await store.heartbeat(c.rollout.rollout_id, c.attempt.attempt_id)
+        await store.spans.heartbeat(c.rollout.rollout_id, c.attempt.attempt_id)
     for c in claims[:succeeded]:
-        await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
+        await store.rollouts.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
     for rid in ids[-cancelled:]:
-        assert await store.cancel_rollout(rid)
+        assert await store.rollouts.cancel_rollout(rid)
     return claims
 
 
@@ -40,7 +40,7 @@ async def kill_while_enqueuing(store: RedisStore, snapshot_at: float, kill: Call
 
     async def keep_enqueuing() -> None:
         for n in range(10_000):
-            await store.enqueue_rollouts([store.new_rollout(n, rollout_id=f"c{n:05d}-{i}") for i in range(5)])
+            await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout(n, rollout_id=f"c{n:05d}-{i}") for i in range(5)])
             await asyncio.sleep(0.005)
 
     writer = asyncio.create_task(keep_enqueuing())
@@ -57,7 +57,7 @@ async def assert_back_as_before(store: RedisStore, snapshot: dict[str, RolloutSt
     """After the restart, every rollout of ``snapshot`` is there in the state it had then or the one
     ``later`` moved it to; the status indexes agree with the hashes; the queue hands out, once, exactly
     what is queuing."""
-    after = {r.rollout_id: r.status for r in await store.query_rollouts()}
+    after = {r.rollout_id: r.status for r in await store.rollouts.query_rollouts()}
     went_back = {
         rid: (status, after.get(rid))
         for rid, status in snapshot.items()
@@ -70,7 +70,7 @@ async def assert_back_as_before(store: RedisStore, snapshot: dict[str, RolloutSt
     # The queue's consumer group survived too: what is queuing is claimed, once, and nothing else.
     queuing = sorted(rid for rid, status in after.items() if status is RolloutStatus.QUEUING)
     reclaimed = []
-    while batch := await store.dequeue_rollouts("w3", 500):
+    while batch := await store.queue.dequeue_rollouts("w3", 500):
         reclaimed += batch
     assert sorted(c.rollout.rollout_id for c in reclaimed) == queuing
     assert {c.attempt.attempt_id for c in reclaimed} == {f"{rid}.1" for rid in queuing}

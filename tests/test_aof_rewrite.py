@@ -76,9 +76,9 @@ async def test_retention_rewrites_only_once_the_proxies_serve_the_newest_version
 ) -> None:
     monkeypatch.setattr(aof_rewrite, "MIN_BYTES", 1)
     store = RedisStore(server, f"aof-{uuid.uuid4().hex[:8]}")
-    await store.ensure()
+    await store.queue.ensure()
     proxy = ProxyEndpoint("p1", "http://127.0.0.1:1", "m", "base", time.time())
-    await store.register_proxy(proxy)
+    await store.registry.register_proxy(proxy)
     for i in (1, 2):
         await publish_model_version(store, {"w": torch.full((256, 256), float(i))}, model="m")
     before = await _rewritten(server)
@@ -90,7 +90,7 @@ async def test_retention_rewrites_only_once_the_proxies_serve_the_newest_version
     waiting = asyncio.create_task(rewrite_aof_between_versions(store, wait_s=30, poll_s=0.01))
     await asyncio.sleep(0.05)
     assert not waiting.done()
-    await store.register_proxy(replace(proxy, model_version="v2"))
+    await store.registry.register_proxy(replace(proxy, model_version="v2"))
     assert await asyncio.wait_for(waiting, 30)
     assert await _rewritten(server) != before
 
@@ -125,7 +125,7 @@ async def test_a_publish_waits_for_a_running_rewrite_before_its_first_chunk(
     server: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = RedisStore(server, f"aof-{uuid.uuid4().hex[:8]}")
-    await store.ensure()
+    await store.queue.ensure()
     rewriting_at_write: list[int] = []
     write_stream = version_blobs.write_stream
 
@@ -161,7 +161,7 @@ async def test_weights_stay_out_of_the_aof_unless_asked(
     if in_aof:
         monkeypatch.setenv(version_blobs.WEIGHTS_IN_AOF_ENV, "1")
     store = RedisStore(server, f"aof-{uuid.uuid4().hex[:8]}")
-    await store.ensure()
+    await store.queue.ensure()
     before = await _aof_size(server)
     update = await publish_model_version(store, {"w": torch.ones(512, 1024)}, model="m", model_version="v1")
     blob_bytes = update.resources["llm"]["weights"]["bytes"]  # 2 MB
@@ -179,7 +179,7 @@ async def test_after_a_crash_the_versions_resources_survive_and_the_next_version
         client = aioredis.from_url(embedded.url)
         await client.config_set("appendfsync", "always")  # no second of writes lost to the kill
         store = RedisStore(client, "crash")
-        await store.ensure()
+        await store.queue.ensure()
         await publish_model_version(store, {"w": torch.ones(64, 64)}, model="m", model_version="v1")
         await client.aclose()
         embedded.kill()
@@ -187,7 +187,7 @@ async def test_after_a_crash_the_versions_resources_survive_and_the_next_version
         client = aioredis.from_url(embedded.url)
         try:
             store = RedisStore(client, "crash")
-            latest = await store.get_latest_resources()
+            latest = await store.resources.get_latest_resources()
             assert latest is not None and latest.resources["llm"]["model_version"] == "v1"
             assert await stored_versions(store) == ["v1"]
             assert not await client.exists(store.keys.weights("v1"))

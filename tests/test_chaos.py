@@ -49,11 +49,11 @@ async def test_the_store_check_sees_a_lost_and_a_doubled_rollout(real_store: Red
                           rollout_config=RolloutConfig())
     await scheduler.load()
     ids = await scheduler.enqueue_group()
-    for claimed in await real_store.dequeue_rollouts("w", 2):
-        await real_store.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+    for claimed in await real_store.queue.dequeue_rollouts("w", 2):
+        await real_store.rollouts.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")
     await scheduler.count_finished()
     # the adapter's part: a rollout with nothing to train on still gets a skip record
-    await real_store.append_samples([
+    await real_store.samples.append_samples([
         (rid, [SampleSkip(rid, f"{rid}.1", rid.rsplit("-", 1)[0], "succeeded", "no LLM call").to_wire()], {})
         for rid in ids
     ])
@@ -89,12 +89,12 @@ async def test_the_store_check_sees_a_double_success_a_retried_call_and_stale_sa
                           rollout_config=RolloutConfig(max_attempts=2))
     await scheduler.load()
     (rid,) = await scheduler.enqueue_group()
-    (claimed,) = await real_store.dequeue_rollouts("w", 1)
+    (claimed,) = await real_store.queue.dequeue_rollouts("w", 1)
     attempt = claimed.attempt.attempt_id
-    await real_store.update_attempt(rid, attempt, status="succeeded")
-    rollouts = await real_store.get_rollouts([rid])
+    await real_store.rollouts.update_attempt(rid, attempt, status="succeeded")
+    rollouts = await real_store.rollouts.get_rollouts([rid])
     call = {semconv.SPAN_KIND: semconv.KIND_LLM_CALL, semconv.CALL_KEY: "key-1"}
-    await real_store.add_spans([Span(rid, attempt, "s1", "chat", attributes=call)])
+    await real_store.spans.add_spans([Span(rid, attempt, "s1", "chat", attributes=call)])
     run._samples_of[attempt] = 1
 
     clean = Verdict("none")
@@ -109,7 +109,7 @@ async def test_the_store_check_sees_a_double_success_a_retried_call_and_stale_sa
                                 mapping={**await real_store.redis.hgetall(real_store.keys.attempt(attempt)),
                                          b"attempt_id": second, b"sequence_id": 2})
     await real_store.redis.hset(real_store.keys.rollout(rid), "attempt_n", 2)
-    await real_store.add_spans([Span(rid, attempt, "s2", "chat", attributes=call)])
+    await real_store.spans.add_spans([Span(rid, attempt, "s2", "chat", attributes=call)])
     broken = Verdict("none")
     await run._check_attempts_and_calls(broken, rollouts)
     run._check_staleness(broken, [{"step": 1, "model_version": "v1", "sample_ids": []},

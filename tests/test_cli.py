@@ -124,7 +124,7 @@ def test_push_priority_and_its_validation(env: dict[str, str], tmp_path: Path) -
     async def lanes() -> dict[str, str]:
         store = RedisStore(async_client(env["REDIS_URL"]), env["FULMEN_EXPERIMENT"])
         try:
-            return {r.rollout_id: r.priority.value for r in await store.query_rollouts()}
+            return {r.rollout_id: r.priority.value for r in await store.rollouts.query_rollouts()}
         finally:
             await store.aclose()
 

@@ -81,13 +81,13 @@ async def test_the_dev_watchdog_trims_by_the_retention_settings(
     monkeypatch.setenv("FULMEN_EXPERIMENT", experiment)
     monkeypatch.setenv("FULMEN_RETENTION_MAX_COUNT", "0")
     store = real_store
-    await store.ensure_finished_group("adapter")
+    await store.finished.ensure_finished_group("adapter")
     for rid in ("a", "b"):
-        await store.enqueue_rollout({}, rollout_id=rid)
-    for c in await store.dequeue_rollouts("w", 2):
-        await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
-    a, _ = await store.read_finished("adapter", "x", count=2)
-    await store.ack_finished("adapter", [a.entry_id])
+        await store.rollouts.enqueue_rollout({}, rollout_id=rid)
+    for c in await store.queue.dequeue_rollouts("w", 2):
+        await store.rollouts.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
+    a, _ = await store.finished.read_finished("adapter", "x", count=2)
+    await store.finished.ack_finished("adapter", [a.entry_id])
     stop = asyncio.Event()
     task = asyncio.create_task(dev.watchdog(stop))
     try:

@@ -89,7 +89,7 @@ async def test_rollouts_survive_sigkill_and_restart(tmp_path: Path, servers: lis
     # Wave 1, then moved on: claimed (preparing), heartbeating (running), succeeded, cancelled.
     wave1 = [f"a{i:03d}" for i in range(120)]
     claimed = await move_on(store, wave1, claimed=60, running=40, succeeded=20, cancelled=10)
-    snapshot = {r.rollout_id: r.status for r in await store.query_rollouts()}
+    snapshot = {r.rollout_id: r.status for r in await store.rollouts.query_rollouts()}
     snapshot_at = time.monotonic()
     assert sorted(snapshot.values()) == sorted(
         [RolloutStatus.SUCCEEDED] * 20
@@ -102,15 +102,15 @@ async def test_rollouts_survive_sigkill_and_restart(tmp_path: Path, servers: lis
     # Wave 2, within the last 2 s: more rollouts, and wave 1 moved on again.
     later: dict[str, RolloutStatus] = {}
     for c in claimed[20:40]:
-        await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="failed")
+        await store.rollouts.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="failed")
         later[c.rollout.rollout_id] = RolloutStatus.FAILED
     for c in claimed[40:60]:
-        await store.heartbeat(c.rollout.rollout_id, c.attempt.attempt_id)
+        await store.spans.heartbeat(c.rollout.rollout_id, c.attempt.attempt_id)
         later[c.rollout.rollout_id] = RolloutStatus.RUNNING
-    for c in await store.dequeue_rollouts("w2", 20):
+    for c in await store.queue.dequeue_rollouts("w2", 20):
         later[c.rollout.rollout_id] = RolloutStatus.PREPARING
     wave2 = [f"b{i:03d}" for i in range(100)]
-    await store.enqueue_rollouts([store.new_rollout(i, rollout_id=i) for i in wave2])
+    await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout(i, rollout_id=i) for i in wave2])
 
     # Wave 3 is still being written when the server dies.
     await kill_while_enqueuing(store, snapshot_at, servers[0].kill, (RedisConnectionError,))

@@ -84,20 +84,20 @@ def _run(redis_server: EmbeddedRedis, body: Callable[[RedisStore], Awaitable[Non
 
 
 async def _letters_have_reasons(store: RedisStore, source: str) -> list[str]:
-    letters = await store.query_dead_letters(limit=10)
+    letters = await store.dead_letters.query_dead_letters(limit=10)
     assert all(letter.reason and letter.source == source for letter in letters)
     return [letter.entry_id for letter in letters]
 
 
 async def _succeeded_rollout(store: RedisStore, task: str) -> str:
-    claimed = await store.start_rollout(task, "w1")
+    claimed = await store.rollouts.start_rollout(task, "w1")
     rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
-    await store.add_spans([
+    await store.spans.add_spans([
         Span(rid, aid, "c0", "chat", start_time=1.0, end_time=1.5,
              attributes={semconv.SPAN_KIND: semconv.KIND_LLM_CALL, semconv.PROMPT_TOKEN_IDS: [1, 2],
                          semconv.RESPONSE_TOKEN_IDS: [3], semconv.RESPONSE_LOGPROBS: [-0.5]}),
     ])
-    await store.update_attempt(rid, aid, status="succeeded", reward=1.0)
+    await store.rollouts.update_attempt(rid, aid, status="succeeded", reward=1.0)
     return rid
 
 
@@ -110,11 +110,11 @@ def test_fuzz_queue(redis_server: EmbeddedRedis, entry: dict[bytes, bytes]) -> N
     """Runners (claiming from the queue) dead-letter the hostile entry and claim the valid rollout."""
 
     async def body(store: RedisStore) -> None:
-        await store.ensure()
+        await store.queue.ensure()
         poison_id = (await store.redis.xadd(store.keys.queue, entry)).decode()
-        await store.enqueue_rollout("task", rollout_id="good")
-        claimed = [c.rollout.rollout_id for c in await store.dequeue_rollouts("w1", count=10)]
-        claimed += [c.rollout.rollout_id for c in await store.dequeue_rollouts("w1", count=10)]
+        await store.rollouts.enqueue_rollout("task", rollout_id="good")
+        claimed = [c.rollout.rollout_id for c in await store.queue.dequeue_rollouts("w1", count=10)]
+        claimed += [c.rollout.rollout_id for c in await store.queue.dequeue_rollouts("w1", count=10)]
         assert claimed == ["good"]
         assert await _letters_have_reasons(store, store.keys.queue) == [poison_id]
         assert (await store.redis.xpending(store.keys.queue, k.RUNNERS_GROUP))["pending"] == 0
@@ -129,8 +129,8 @@ def test_fuzz_finished(redis_server: EmbeddedRedis, entry: dict[bytes, bytes]) -
     the rollout the template names is running, so an entry that still decodes is a forged one."""
 
     async def body(store: RedisStore) -> None:
-        await store.ensure_finished_group(k.ADAPTER_GROUP)
-        await store.start_rollout("running", "w1", rollout_id="ghost")
+        await store.finished.ensure_finished_group(k.ADAPTER_GROUP)
+        await store.rollouts.start_rollout("running", "w1", rollout_id="ghost")
         await store.redis.xadd(store.keys.finished, entry)
         good = await _succeeded_rollout(store, "task")
         await Adapter(store).run(asyncio.Event(), until_idle=True, lanes=1)
@@ -153,13 +153,13 @@ def test_fuzz_samples(redis_server: EmbeddedRedis, tmp_path_factory: Any, entry:
     model_dir = Path(tmp_path_factory.getbasetemp())
 
     async def body(store: RedisStore) -> None:
-        await store.ensure_samples_group(k.TRAINERS_GROUP)
+        await store.samples.ensure_samples_group(k.TRAINERS_GROUP)
         poison_id = (await store.redis.xadd(store.keys.samples, entry)).decode()
         good = Sample("good.1/t0", "triplet", "good", "good.1", "valid", 0, [1], [2], [-1.0], [1], 0.5, 0.5, "base")
         await store.redis.xadd(store.keys.samples, {"m": good.to_wire()})
         trainer = Trainer(store, load_settings(TrainerSettings, model_dir=model_dir))
         trainer.vocab_size = 64
-        await trainer.take(await store.read_samples(k.TRAINERS_GROUP, trainer.consumer, count=10))
+        await trainer.take(await store.samples.read_samples(k.TRAINERS_GROUP, trainer.consumer, count=10))
         assert [s.sample_id for _, s in trainer.collector.groups["valid"].samples["good"]] == ["good.1/t0"]
         letters = await _letters_have_reasons(store, store.keys.samples)
         grouped = {e for g in trainer.collector.groups.values() for e in g.entry_ids()}
@@ -182,10 +182,10 @@ def test_fuzz_resources_log(redis_server: EmbeddedRedis, entry: dict[bytes, byte
     async def body(store: RedisStore) -> None:
         cursor = await store.resources.log.cursor("0-0")
         await store.redis.xadd(store.keys.resources_log, entry)
-        latest = await store.get_latest_resources()
+        latest = await store.resources.get_latest_resources()
         assert latest is None or isinstance(latest, ResourcesUpdate)
-        update = await store.add_resources({"llm": {"model_version": "v7"}}, "mine")
-        assert await store.get_latest_resources() == update
+        update = await store.resources.add_resources({"llm": {"model_version": "v7"}}, "mine")
+        assert await store.resources.get_latest_resources() == update
         seen = [u for _, u in await cursor.read(None)]
         assert seen[-1] == update and len(seen) <= 2
 

@@ -63,7 +63,7 @@ async def test_chunked_round_trip_is_bit_exact(store: RedisStore) -> None:
 
 async def test_default_versions_count_up_and_resources_carry_over(store: RedisStore) -> None:
     """Default names go v1, v2, …; earlier resources and llm keys carry over; extras and metadata apply."""
-    await store.add_resources({"prompt": "Q: {q}", "llm": {"endpoint": "http://proxy"}}, "policy")
+    await store.resources.add_resources({"prompt": "Q: {q}", "llm": {"endpoint": "http://proxy"}}, "policy")
     first = await publish_model_version(store, _state_dict(0), model="tiny", metadata={"step": 1})
     second = await publish_model_version(
         store, _state_dict(1), model="tiny", extra_resources={"prompt": "new"}, metadata={"step": 2}
@@ -72,7 +72,7 @@ async def test_default_versions_count_up_and_resources_carry_over(store: RedisSt
     assert first.resources["prompt"] == "Q: {q}" and second.resources["prompt"] == "new"
     assert second.resources["llm"]["endpoint"] == "http://proxy"
     assert second.metadata == {"step": 2} and second.version > first.version
-    latest = await store.get_resources("policy")
+    latest = await store.resources.get_resources("policy")
     assert latest == second
     _assert_bitwise_equal(await fetch_model_version(store, "v1"), _state_dict(0))
     _assert_bitwise_equal(await fetch_model_version(store, "v2"), _state_dict(1))
@@ -92,13 +92,13 @@ async def test_resources_are_published_after_every_chunk(
 ) -> None:
     """When the resources entry is published, all the version's chunks are already on the stream."""
     seen: list[int] = []
-    publish = store.add_resources
+    publish = store.resources.add_resources
 
     async def spy(resources: dict, resources_id: str | None = None, metadata: dict | None = None):  # type: ignore[no-untyped-def]
         seen.append(await store.redis.xlen(resources["llm"]["weights"]["stream"]))
         return await publish(resources, resources_id, metadata)
 
-    monkeypatch.setattr(store, "add_resources", spy)
+    monkeypatch.setattr(store.resources, "add_resources", spy)
     update = await publish_model_version(store, _state_dict(), model="tiny", chunk_bytes=300)
     assert seen == [llm_resource(update)["weights"]["chunks"]]  # type: ignore[index]
 
@@ -130,7 +130,7 @@ async def test_a_chunk_refused_with_others_in_flight_leaves_no_version(
         other.close()
     assert not await real_store.redis.exists(real_store.keys.weights("v1"))
     with pytest.raises(NotFound):
-        await real_store.get_resources(POLICY_RESOURCES_ID)
+        await real_store.resources.get_resources(POLICY_RESOURCES_ID)
     monkeypatch.undo()
     await publish_model_version(real_store, _state_dict(), model="tiny", chunk_bytes=100)
     _assert_bitwise_equal(await fetch_model_version(real_store, "v1"), _state_dict())
@@ -255,7 +255,7 @@ async def test_oversize_chunk_is_refused_before_writing(store: RedisStore) -> No
         await publish_model_version(small, _state_dict(), model="tiny", chunk_bytes=64 * 1024)
     assert not await store.redis.exists(store.keys.weights("v1"))
     with pytest.raises(NotFound):
-        await store.get_resources("policy")
+        await store.resources.get_resources("policy")
     update = await publish_model_version(
         small, _state_dict(), model="tiny", chunk_bytes=64 * 1024 - CHUNK_HEADER_BYTES
     )
@@ -288,7 +288,7 @@ async def test_tied_and_non_contiguous_tensors_publish(store: RedisStore) -> Non
 
 async def test_llm_resource_is_none_without_llm(store: RedisStore) -> None:
     """llm_resource returns None for resources without an llm entry."""
-    update = await store.add_resources({"prompt": "hi"})
+    update = await store.resources.add_resources({"prompt": "hi"})
     assert llm_resource(update) is None
 
 
@@ -305,7 +305,7 @@ async def test_published_versions_are_numbered_from_the_previous_one(store: Redi
     first = await publish_model_version(store, _state_dict(0), model="tiny")
     second = await publish_model_version(store, _state_dict(1), model="tiny")
     assert [ModelVersion.of(u) for u in (first, second)] == [ModelVersion(1, "v1"), ModelVersion(2, "v2")]
-    assert ModelVersion.of(await store.get_resources(POLICY_RESOURCES_ID)) == ModelVersion(2, "v2")
+    assert ModelVersion.of(await store.resources.get_resources(POLICY_RESOURCES_ID)) == ModelVersion(2, "v2")
 
 
 async def test_waiting_for_proxies_gives_up_when_none_serves_the_version(store: RedisStore) -> None:
@@ -330,7 +330,7 @@ async def test_non_finite_versions_are_refused(store: RedisStore, tmp_path: Path
     weights = {**_state_dict(), "layer.0.bias": torch.tensor([0.0, bad]).to(torch.float16)}
     with pytest.raises(InvalidInput, match="NaN or infinite"):
         await publish_model_version(store, weights, model="tiny")
-    assert await store.get_latest_resources() is None
+    assert await store.resources.get_latest_resources() is None
     # written by hand, past the publisher's check (a foreign writer): every fetch refuses it
     from safetensors.torch import save
 

@@ -27,17 +27,17 @@ async def _known_contents(store: RedisStore) -> None:
     """5 rollouts: 2 claimed (1 of them succeeded), 3 queued; 1 dead letter; 1 completion read by the
     adapter and not acknowledged; 1 worker; model version v3."""
     for i in range(5):
-        await store.enqueue_rollout({"q": i}, rollout_id=f"r{i}")
-    claimed = await store.dequeue_rollouts("w1", 2)
+        await store.rollouts.enqueue_rollout({"q": i}, rollout_id=f"r{i}")
+    claimed = await store.queue.dequeue_rollouts("w1", 2)
     assert len(claimed) == 2
     done = claimed[0]
-    await store.update_attempt(done.rollout.rollout_id, done.attempt.attempt_id, status="succeeded")
-    await store.dead_letter(store.keys.queue, "1-0", "poison", {b"m": b"junk"})
-    await store.ensure_finished_group(k.ADAPTER_GROUP)
-    assert len(await store.read_finished(k.ADAPTER_GROUP, "adapter-1", count=10)) == 1
-    await store.ensure_samples_group()
-    await store.update_worker("w1", "busy")
-    await store.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "v3"}}, resources_id="policy")
+    await store.rollouts.update_attempt(done.rollout.rollout_id, done.attempt.attempt_id, status="succeeded")
+    await store.dead_letters.dead_letter(store.keys.queue, "1-0", "poison", {b"m": b"junk"})
+    await store.finished.ensure_finished_group(k.ADAPTER_GROUP)
+    assert len(await store.finished.read_finished(k.ADAPTER_GROUP, "adapter-1", count=10)) == 1
+    await store.samples.ensure_samples_group()
+    await store.registry.update_worker("w1", "busy")
+    await store.resources.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "v3"}}, resources_id="policy")
 
 
 async def test_pipeline_gauges_match_the_store(real_store: RedisStore, redis_url: str) -> None:

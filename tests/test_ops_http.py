@@ -36,7 +36,7 @@ async def test_ready_only_once_the_consumer_group_exists(real_store: RedisStore,
         assert status == 503
         reason = json.loads(body)["reason"]
         assert "'runners'" in reason and "missing" in reason
-        await real_store.ensure()  # creates the queue's group
+        await real_store.queue.ensure()  # creates the queue's group
         assert _get(ops.port, "/readyz") == (200, '{"ready": true}')
         status, text = _get(ops.port, "/metrics")
         assert status == 200

@@ -27,7 +27,7 @@ async def test_every_service_serves_health_readiness_and_metrics(
     service the pipeline gauges and its process metrics; the proxy its latency histogram."""
     model = build_tiny_model(tmp_path / "tiny")
     tasks = arithmetic.write_jsonl(tmp_path / "train.jsonl", arithmetic.make_tasks("train", 20, seed=2))
-    await real_store.add_resources(
+    await real_store.resources.add_resources(
         {"llm": {"kind": "llm", "model": "tiny", "model_version": "base", "sampling_parameters": {"temperature": 1.0}}},
         resources_id="policy",
     )
@@ -84,7 +84,7 @@ async def test_every_service_serves_health_readiness_and_metrics(
         assert value(trainer, "fulmen_trainer_loss_total", rank="0") is not None
         assert value(trainer, "fulmen_trainer_perf_samples", rank="0") >= 8
 
-        (proxy,) = await real_store.query_proxies()
+        (proxy,) = await real_store.registry.query_proxies()
         proxy_port = urlsplit(proxy.base_url).port
         assert proxy_port is not None
         assert get(proxy_port, "/healthz")[0] == 200 and get(proxy_port, "/readyz")[0] == 200

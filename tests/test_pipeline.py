@@ -32,7 +32,7 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
     model = build_tiny_model(tmp_path / "tiny")
     tasks = arithmetic.write_jsonl(tmp_path / "train.jsonl", arithmetic.make_tasks("train", 20, seed=1))
     val = arithmetic.write_jsonl(tmp_path / "val.jsonl", arithmetic.make_tasks("val", 6, seed=1))
-    await real_store.add_resources(
+    await real_store.resources.add_resources(
         {"llm": {"kind": "llm", "model": "tiny", "model_version": "base", "sampling_parameters": {"temperature": 1.0}}},
         resources_id="policy",
     )
@@ -71,7 +71,7 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
         trainer = services[3]  # stopped first: a version it published mid-pass would serve part of it
         trainer.send_signal(signal.SIGTERM)
         assert trainer.wait(timeout=30) == 0
-        trained = (await real_store.get_resources("policy")).resources["llm"]["model_version"]
+        trained = (await real_store.resources.get_resources("policy")).resources["llm"]["model_version"]
         evaluation = subprocess.run([FULMEN, "eval", summary["final_model"], "--val-data", str(val)],
                                     env=env, capture_output=True, text=True, timeout=180)
         assert evaluation.returncode == 0, evaluation.stderr[-2000:]
@@ -85,6 +85,6 @@ async def test_a_short_run_goes_through_every_service(real_store: RedisStore, re
         stop(services)
     steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) >= 3 and all(s["perf/samples"] > 0 for s in steps)
-    latest = await real_store.get_resources("policy")
+    latest = await real_store.resources.get_resources("policy")
     assert ModelVersion.parse(latest.resources["llm"]["model_version"]).number >= ModelVersion.parse(evaluated).number
     assert latest.resources["llm"]["sampling_parameters"] == {"temperature": 1.0}  # carried over by publishing

@@ -188,7 +188,7 @@ async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore,
     calls, the runner running agents and the evaluator in a validation pass: one SIGTERM to all, and each
     exits 0 within 5 s; the runner hands its attempts back, the pass is left for the next evaluator. Before that, a trainer and a proxy stopped while loading exit at once."""
     model = build_tiny_model(tmp_path / "tiny")
-    await real_store.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "base"}},
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "base"}},
                                    resources_id="policy")  # what a validation pass serves
     env = service_env(redis_url, real_store.experiment, tmp_path, FULMEN_MODEL_DIR=str(model),
                       FULMEN_CHECKPOINT_DIR=str(tmp_path / "checkpoints"), FULMEN_TORCH_THREADS="1",
@@ -200,8 +200,8 @@ async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore,
     try:
         await asyncio.to_thread(_wait, lambda: all(s.up() for s in services), services, UP_TIMEOUT_S)
         await asyncio.to_thread(_stop_while_loading, env, tmp_path, real_store.experiment)
-        ids = [(await real_store.enqueue_rollout({"sleep_s": 600}, mode="train")).rollout_id for _ in range(AGENTS)]
-        while any(r.status is not RolloutStatus.RUNNING for r in await real_store.get_rollouts(ids)):
+        ids = [(await real_store.rollouts.enqueue_rollout({"sleep_s": 600}, mode="train")).rollout_id for _ in range(AGENTS)]
+        while any(r.status is not RolloutStatus.RUNNING for r in await real_store.rollouts.get_rollouts(ids)):
             await asyncio.sleep(0.1)
         queue = await asyncio.to_thread(_busy_evaluator, real_store.experiment, redis_url, tmp_path)
         ended = _calls(services[1].port, CALLS)
@@ -217,7 +217,7 @@ async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore,
         assert late == [], f"still running {HONCHO_KILL_S} s after SIGTERM: {late} ({exits})\n" + _tails(services, late)
         unclean = [name for name, exit in exits.items() if exit is not None and exit[0] != 0]
         assert unclean == [], f"exit statuses and seconds {exits}\n" + _tails(services, unclean)
-        assert {r.status for r in await real_store.get_rollouts(ids)} == {RolloutStatus.REQUEUING}
+        assert {r.status for r in await real_store.rollouts.get_rollouts(ids)} == {RolloutStatus.REQUEUING}
         assert requeue_abandoned(queue) == ["val-v1"]  # the pass the evaluator left: the next one runs it
     finally:
         stop(procs, kill=procs)

@@ -25,9 +25,9 @@ def env(redis_url: str, experiment: str, monkeypatch: pytest.MonkeyPatch) -> Non
 async def _servers(redis_url: str, experiment: str) -> None:
     client = async_client(redis_url)
     store = RedisStore(client, experiment)
-    await store.set_replica(ReplicaState("http://vllm-a:8100", "v3", ready=True, served_model="v3"))
-    await store.set_replica(ReplicaState("http://vllm-b:8100", "v2", ready=False, reason="loading v4"))
-    await store.register_proxy(ProxyEndpoint("p1", "http://proxy:8000", "tiny", model_version="v3",
+    await store.registry.set_replica(ReplicaState("http://vllm-a:8100", "v3", ready=True, served_model="v3"))
+    await store.registry.set_replica(ReplicaState("http://vllm-b:8100", "v2", ready=False, reason="loading v4"))
+    await store.registry.register_proxy(ProxyEndpoint("p1", "http://proxy:8000", "tiny", model_version="v3",
                                              metadata={"backend": "torch"}))
     await client.aclose()
 

@@ -104,7 +104,7 @@ async def test_top_shows_the_queue_depth_live(real_store: RedisStore, redis_url:
     term = None
     try:
         for i in range(7):  # no runner: the depth stays what was queued
-            await real_store.enqueue_rollout({"q": i}, rollout_id=f"r{i}")
+            await real_store.rollouts.enqueue_rollout({"q": i}, rollout_id=f"r{i}")
         await _steps(real_store)
         term = Terminal([FULMEN, "top", "--interval", "0.5"], env)
         depth = term.read_until(r"queue depth\W+(\d+)", 30)
@@ -113,7 +113,7 @@ async def test_top_shows_the_queue_depth_live(real_store: RedisStore, redis_url:
         term.read_until(r"adapter\W+1\W.*\n(?:.*\n)*?.*watchdog\W+1\W", 60)
         term.read_until("reward over the last 3 steps +▁▅█ +step 3", 10)
         for i in range(7, 10):
-            await real_store.enqueue_rollout({"q": i}, rollout_id=f"r{i}")
+            await real_store.rollouts.enqueue_rollout({"q": i}, rollout_id=f"r{i}")
         assert term.read_until(r"queue depth\W+(10)\W", 15).group(1) == "10"
         os.write(term.master, b"\x03")  # Ctrl-C
         assert term.wait(15) == 0
@@ -126,9 +126,9 @@ async def test_top_shows_the_queue_depth_live(real_store: RedisStore, redis_url:
 async def test_top_once_prints_one_frame(real_store: RedisStore, redis_url: str, tmp_path: Path) -> None:
     """--once prints the queue depth, the curve and the model version, then exits 0."""
     for i in range(4):
-        await real_store.enqueue_rollout({"q": i}, rollout_id=f"r{i}")
+        await real_store.rollouts.enqueue_rollout({"q": i}, rollout_id=f"r{i}")
     await _steps(real_store)
-    await real_store.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "v3"}}, resources_id="policy")
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "v3"}}, resources_id="policy")
     # the adapter's counters of reward per served version (rollback, A/B): a mean below 0 included
     await real_store.redis.hset(real_store.keys.adapter_stats, mapping={
         "version:train:v2:rollouts": 2, "version:train:v2:reward_u": -1_000_000,

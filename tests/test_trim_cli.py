@@ -37,8 +37,8 @@ async def _two_queued_one_claimed(url: str, experiment: str) -> None:
     client = async_client(url)
     store = RedisStore(client, experiment)
     for rid in ("a", "b"):
-        await store.enqueue_rollout({}, rollout_id=rid)
-    await store.dequeue_rollouts("w", 1)
+        await store.rollouts.enqueue_rollout({}, rollout_id=rid)
+    await store.queue.dequeue_rollouts("w", 1)
     await client.aclose()
 
 

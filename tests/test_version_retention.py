@@ -24,7 +24,7 @@ def _state(i: int) -> dict[str, torch.Tensor]:
 
 
 async def test_three_hundred_versions_keep_redis_flat_and_never_delete_a_served_one(real_store: RedisStore) -> None:
-    await real_store.register_proxy(ProxyEndpoint("slow-proxy", "http://127.0.0.1:1", "m", "v5", time.time()))
+    await real_store.registry.register_proxy(ProxyEndpoint("slow-proxy", "http://127.0.0.1:1", "m", "v5", time.time()))
     used_at_10 = 0
     for i in range(1, VERSIONS + 1):
         await publish_model_version(real_store, _state(i), model="m")
@@ -39,7 +39,7 @@ async def test_three_hundred_versions_keep_redis_flat_and_never_delete_a_served_
         await fetch_model_version(real_store, "v6")
     assert torch.equal((await fetch_model_version(real_store, "v5"))["w"], _state(5)["w"])  # still served
     assert torch.equal((await fetch_model_version(real_store, "v300"))["w"], _state(300)["w"])
-    await real_store.unregister_proxy("slow-proxy")
+    await real_store.registry.unregister_proxy("slow-proxy")
     assert await retain_versions(real_store, KEEP) == ["v5"]  # served no more: it goes too
     with pytest.raises(ValueError, match="at least 1"):
         await retain_versions(real_store, 0)
@@ -63,7 +63,7 @@ async def test_a_follower_skips_a_version_whose_weights_are_gone(real_store: Red
     await retain_versions(real_store, 2)
     outcomes: list[tuple[str, str]] = []
     follower = ModelFollower(real_store, Backend(), lambda v, outcome: outcomes.append((v, outcome)))  # type: ignore[arg-type]
-    updates: list[ResourcesUpdate] = await real_store.query_resources()
+    updates: list[ResourcesUpdate] = await real_store.resources.query_resources()
     for update in updates:  # a proxy that replays every announcement, old ones included
         await follower.consider(update)
     assert follower.backend.loads == ["v4", "v5"]  # type: ignore[attr-defined]

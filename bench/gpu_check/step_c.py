@@ -51,7 +51,7 @@ async def push_all(url: str, experiments: list[str]) -> None:
     try:
         for experiment in experiments:
             store = RedisStore(client, experiment)
-            await store.ensure_samples_group(k.TRAINERS_GROUP)
+            await store.samples.ensure_samples_group(k.TRAINERS_GROUP)
             for s in samples(2 * STEPS):
                 await store.redis.xadd(store.keys.samples, {"m": s.to_wire()})
     finally:

@@ -107,14 +107,14 @@ class Adapter:
         batches rather than a few large ones: Redis runs one command at a time, so a large batch's
         read or write holds it while the other lanes' commands queue behind it (bench/RESULTS.md,
         "Adapter throughput", has the measurements behind the defaults)."""
-        await self.store.ensure_finished_group(k.ADAPTER_GROUP)
+        await self.store.finished.ensure_finished_group(k.ADAPTER_GROUP)
         log.info("adapter %s on experiment %s", self.consumer, self.store.experiment)
         await asyncio.gather(*(self._lane(stop, until_idle, report=i == 0) for i in range(lanes)))
 
     async def _lane(self, stop: asyncio.Event, until_idle: bool, report: bool) -> None:
         last_report, reported = time.monotonic(), 0
         while not stop.is_set():
-            finished = await self._reclaim() or await self.store.read_finished(
+            finished = await self._reclaim() or await self.store.finished.read_finished(
                 k.ADAPTER_GROUP, self.consumer, self.batch, None if until_idle else READ_BLOCK_S
             )
             if finished:
@@ -134,7 +134,7 @@ class Adapter:
             return []
         interval_s = max(MIN_RECLAIM_INTERVAL_S, self.reclaim_idle_ms / 1000 / RECLAIMS_PER_IDLE_PERIOD)
         self._next_reclaim = time.monotonic() + interval_s
-        return await self.store.reclaim_finished(k.ADAPTER_GROUP, self.consumer, self.reclaim_idle_ms, self.batch)
+        return await self.store.finished.reclaim_finished(k.ADAPTER_GROUP, self.consumer, self.reclaim_idle_ms, self.batch)
 
     async def process(self, finished: Sequence[RolloutFinished]) -> None:
         """Adapt one batch, then acknowledge it (only once every sample is stored). If the batch fails
@@ -151,16 +151,16 @@ class Adapter:
                 return
             reason = f"could not adapt rollout {finished[0].rollout_id}: {type(e).__name__}: {e}"
             log.exception("%s", reason)
-            await self.store.dead_letter_finished(k.ADAPTER_GROUP, finished[0].entry_id, reason)
+            await self.store.finished.dead_letter_finished(k.ADAPTER_GROUP, finished[0].entry_id, reason)
 
     async def _process(self, finished: Sequence[RolloutFinished]) -> None:
-        rollouts = await self.store.read_for_samples(list(dict.fromkeys(f.rollout_id for f in finished)))
+        rollouts = await self.store.samples.read_for_samples(list(dict.fromkeys(f.rollout_id for f in finished)))
         # Only a terminal rollout has all its spans: an entry for one still running was not written by
         # the store (which appends it as the rollout ends) and must not mark it sampled with a skip.
         early = {r.rollout_id: r.status for r in rollouts if r is not None and r.status not in TERMINAL_ROLLOUT}
         for entry in finished:
             if entry.rollout_id in early:
-                await self.store.dead_letter_finished(
+                await self.store.finished.dead_letter_finished(
                     k.ADAPTER_GROUP, entry.entry_id,
                     f"rollout {entry.rollout_id} is {early[entry.rollout_id]}, not terminal: nothing to adapt",
                 )
@@ -172,7 +172,7 @@ class Adapter:
 
     async def _append(self, results: Sequence[Adapted], entry_ids: list[str]) -> None:
         """Write the batch's samples and acknowledge their finished entries, in one atomic step."""
-        appended = await self.store.append_samples(
+        appended = await self.store.samples.append_samples(
             [(r.rollout_id, r.records, r.stats, r.model_version) for r in results], ack_group=k.ADAPTER_GROUP, ack_entry_ids=entry_ids
         )
         for result, n in zip(results, appended, strict=True):

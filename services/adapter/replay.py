@@ -66,7 +66,7 @@ async def live_rollouts(store: RedisStore) -> AsyncIterator[list[RolloutForSampl
                     ids.append(RolloutFinished.from_wire(fields.get(b"m")).rollout_id)
                 except RecordError:
                     continue
-            rows = await store.read_for_samples(list(dict.fromkeys(ids)))
+            rows = await store.samples.read_for_samples(list(dict.fromkeys(ids)))
             yield [r for r in rows if r is not None and r.status in TERMINAL_ROLLOUT]
 
 

@@ -102,22 +102,22 @@ class APO:
         base: dict[str, Any] = {}
         if self.base_resources_id:
             try:
-                base = dict((await self.store.get_resources(self.base_resources_id)).resources)
+                base = dict((await self.store.resources.get_resources(self.base_resources_id)).resources)
             except NotFound:  # no policy resources: the agent may not need an LLM
                 base = {}
         with contextlib.suppress(InvalidInput):  # published before: the same snapshot serves again
-            await self.store.add_resources({**base, "prompt_template": {"template": candidate.template}}, resources_id=rid)
+            await self.store.resources.add_resources({**base, "prompt_template": {"template": candidate.template}}, resources_id=rid)
         return rid
 
     async def score(self, candidate: Candidate) -> float:
         """Mean reward of the template over the tasks, by rollouts through the runners."""
         rid = await self._resources_id(candidate)
         rollouts = [
-            self.store.new_rollout(t, rollout_id=f"{rid}-{task_id(t)}", mode=RolloutMode.VAL, resources_id=rid)
+            self.store.rollouts.new_rollout(t, rollout_id=f"{rid}-{task_id(t)}", mode=RolloutMode.VAL, resources_id=rid)
             for t in self.tasks
         ]
-        await self.store.enqueue_rollouts(rollouts)
-        finished = {r.rollout_id: r for r in await self.store.wait_for_rollouts(
+        await self.store.rollouts.enqueue_rollouts(rollouts)
+        finished = {r.rollout_id: r for r in await self.store.finished.wait_for_rollouts(
             [r.rollout_id for r in rollouts], timeout_s=self.timeout_s)}
         rewards = []
         candidate.failures = []
@@ -125,7 +125,7 @@ class APO:
             reward = 0.0
             done = finished.get(rollout.rollout_id)
             if done is not None and done.status is RolloutStatus.SUCCEEDED:
-                spans = await self.store.query_spans(rollout.rollout_id, "latest", name=semconv.REWARD_SPAN)
+                spans = await self.store.spans.query_spans(rollout.rollout_id, "latest", name=semconv.REWARD_SPAN)
                 if spans:
                     reward = float(spans[-1].attributes.get(semconv.REWARD, 0.0))
             rewards.append(reward)
@@ -193,6 +193,6 @@ async def optimise(
     search = APO(store, tasks, critic, settings.critic_model or "", beam_width=beam_width,
                  branch_factor=branch_factor, rounds=rounds)
     best = await search.run(template)
-    await store.add_resources({"prompt_template": {"template": best.template}}, resources_id=f"apo-best-{best.digest}")
+    await store.resources.add_resources({"prompt_template": {"template": best.template}}, resources_id=f"apo-best-{best.digest}")
     return {"template": best.template, "score": best.score,
             "history": [{"template": c.template, "score": c.score, "round": c.round} for c in search.history]}

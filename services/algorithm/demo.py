@@ -121,9 +121,9 @@ async def publish_base_policy(store: RedisStore, model_name: str,
     some before: a restarted run continues with the trainer's latest version. Rollouts name these
     resources; without them every rollout fails."""
     try:
-        await store.get_resources(POLICY_RESOURCES_ID)
+        await store.resources.get_resources(POLICY_RESOURCES_ID)
     except NotFound:
         llm: dict[str, Any] = {"kind": "llm", "model": model_name, "model_version": BASE_VERSION.name}
         if sampling:
             llm["sampling_parameters"] = dict(sampling)
-        await store.add_resources({"llm": llm}, resources_id=POLICY_RESOURCES_ID)
+        await store.resources.add_resources({"llm": llm}, resources_id=POLICY_RESOURCES_ID)

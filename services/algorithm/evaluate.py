@@ -37,7 +37,7 @@ async def evaluate_checkpoint(store: RedisStore, checkpoint: Path, tasks: list[T
     and run a validation pass on it; the pass's result."""
     from safetensors.torch import load_file
 
-    policy = await store.get_resources(POLICY_RESOURCES_ID)
+    policy = await store.resources.get_resources(POLICY_RESOURCES_ID)
     model = (policy.resources.get("llm") or {}).get("model", checkpoint.name)
     update = await publish_model_version(store, load_file(str(checkpoint / WEIGHTS_FILE)), model=model)
     version = ModelVersion.of(update)

@@ -58,7 +58,7 @@ async def export_final_model(store: RedisStore, base_model_dir: Path, out: Path,
                              resources_id: str = POLICY_RESOURCES_ID) -> Path | None:
     """The latest published weights as a Hugging Face folder (config and tokenizer from the base)."""
     try:
-        update = await store.get_resources(resources_id)
+        update = await store.resources.get_resources(resources_id)
     except Exception:
         return None
     llm = update.resources.get("llm") or {}

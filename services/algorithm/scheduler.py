@@ -94,7 +94,7 @@ class Scheduler:
 
     async def load(self) -> RunState:
         self.state = RunState.from_hash(await self.store.redis.hgetall(self.store.keys.algorithm_state))
-        await self.store.ensure_finished_group(k.ALGORITHM_GROUP)
+        await self.store.finished.ensure_finished_group(k.ALGORITHM_GROUP)
         # Completions a killed predecessor read but did not acknowledge are pending under our consumer
         # name, and a read of new entries never returns them: count them now, or their rollouts stay
         # "in flight" for the rest of the run (backpressure shrinks, an epoch-bounded run never ends).
@@ -127,7 +127,7 @@ class Scheduler:
         ``pending``: instead, the entries read before a restart and never acknowledged."""
         done = 0
         while True:
-            batch = await self.store.read_finished(
+            batch = await self.store.finished.read_finished(
                 k.ALGORITHM_GROUP, "algorithm", count=FINISHED_READ_COUNT, block_s=block_s, pending=pending
             )
             block_s = None
@@ -136,7 +136,7 @@ class Scheduler:
             ours = [c.rollout_id for c in batch if c.rollout_id.startswith(self.run + "-e")]
             if ours:
                 done += await self.store.redis.sadd(self.store.keys.algorithm_done, *ours)
-            await self.store.ack_finished(k.ALGORITHM_GROUP, [c.entry_id for c in batch])
+            await self.store.finished.ack_finished(k.ALGORITHM_GROUP, [c.entry_id for c in batch])
 
     async def inflight(self) -> int:
         return self.state.enqueued - await self.store.redis.scard(self.store.keys.algorithm_done)
@@ -197,7 +197,7 @@ class Scheduler:
         tid = task_id(task)
         group = f"e{s.epoch}-{tid}"
         rollouts = [
-            self.store.new_rollout(
+            self.store.rollouts.new_rollout(
                 task,
                 rollout_id=f"{self.run}-{group}-{i}",
                 mode=RolloutMode.TRAIN,
@@ -207,7 +207,7 @@ class Scheduler:
             )
             for i in range(self.n)
         ]
-        await self.store.enqueue_rollouts(rollouts)  # idempotent: a replay after a crash adds nothing
+        await self.store.rollouts.enqueue_rollouts(rollouts)  # idempotent: a replay after a crash adds nothing
         cursor, epoch = s.cursor + 1, s.epoch
         if cursor >= len(self.tasks):
             cursor, epoch = 0, epoch + 1

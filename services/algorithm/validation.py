@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 async def _greedy_resources(store: RedisStore, policy_id: str) -> ResourcesUpdate:
-    policy = await store.get_resources(policy_id)
+    policy = await store.resources.get_resources(policy_id)
     llm = dict(policy.resources.get("llm") or {})
     greedy = {
         "llm": {
@@ -40,15 +40,15 @@ async def _greedy_resources(store: RedisStore, policy_id: str) -> ResourcesUpdat
         }
     }
     try:
-        return await store.update_resources(RESOURCES_ID, greedy)
+        return await store.resources.update_resources(RESOURCES_ID, greedy)
     except NotFound:
-        return await store.add_resources(greedy, resources_id=RESOURCES_ID)
+        return await store.resources.add_resources(greedy, resources_id=RESOURCES_ID)
 
 
 async def _served_by(store: RedisStore, rollout_id: str) -> str | None:
     """The model version that answered the latest attempt's last LLM call."""
     version = None
-    for s in await store.query_spans(rollout_id, "latest"):
+    for s in await store.spans.query_spans(rollout_id, "latest"):
         if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL:
             version = s.attributes.get(semconv.MODEL_VERSION)
     return version
@@ -65,13 +65,13 @@ async def validate(
     await _greedy_resources(store, policy_id)
     config = config or recoverable_rollout_config()
     rollouts = [
-        store.new_rollout(t, rollout_id=f"val-{label}-{task_id(t)}", mode=RolloutMode.VAL, resources_id=RESOURCES_ID,
+        store.rollouts.new_rollout(t, rollout_id=f"val-{label}-{task_id(t)}", mode=RolloutMode.VAL, resources_id=RESOURCES_ID,
                           config=config, priority=Priority.URGENT)  # a training step waits on its result
         for t in tasks
     ]
-    await store.enqueue_rollouts(rollouts)  # idempotent: a retried job does not run a task twice
+    await store.rollouts.enqueue_rollouts(rollouts)  # idempotent: a retried job does not run a task twice
     ids = [r.rollout_id for r in rollouts]
-    finished = await store.wait_for_rollouts(ids, timeout_s=timeout_s)
+    finished = await store.finished.wait_for_rollouts(ids, timeout_s=timeout_s)
     results = []
     versions: Counter[str] = Counter()
     for r in finished:

@@ -263,8 +263,8 @@ class DashboardApp:
         self._require_admin()
         store = await self._existing(request)
         rollout_id = params.identifier(request, "rollout_id", "rollout id")
-        await store.get_rollout(rollout_id)  # 404 for an unknown one
-        done = await store.cancel_rollout(rollout_id, reason="cancelled from the dashboard")
+        await store.rollouts.get_rollout(rollout_id)  # 404 for an unknown one
+        done = await store.rollouts.cancel_rollout(rollout_id, reason="cancelled from the dashboard")
         log.info("dashboard: rollout %s of %s %s", rollout_id, store.experiment,
                  "cancelled" if done else "had already finished")
         return Response(b"", 303, headers={"location": f"/e/{store.experiment}/rollouts/{rollout_id}"})
@@ -275,6 +275,6 @@ class DashboardApp:
         letter_id = request.params["dead_letter_id"]
         if not re.fullmatch(r"\d{1,20}-\d{1,20}", letter_id):
             raise HttpError(400, f"dead letter id {letter_id!r} is malformed")
-        new_id = await store.requeue_dead_letter(letter_id)
+        new_id = await store.dead_letters.requeue_dead_letter(letter_id)
         log.info("dashboard: dead letter %s of %s requeued as %s", letter_id, store.experiment, new_id)
         return Response(b"", 303, headers={"location": f"/e/{store.experiment}/dead-letters"})

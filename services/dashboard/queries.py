@@ -81,9 +81,9 @@ def span_tree(spans: list[Span]) -> list[SpanNode]:
 
 async def rollout_view(store: RedisStore, rollout_id: str) -> RolloutView:
     """NotFound if the rollout is not in the experiment."""
-    rollout = await store.get_rollout(rollout_id)
-    attempts = await store.query_attempts(rollout_id)
-    spans = await store.query_spans(rollout_id, limit=MAX_SPANS + 1)
+    rollout = await store.rollouts.get_rollout(rollout_id)
+    attempts = await store.rollouts.query_attempts(rollout_id)
+    spans = await store.spans.query_spans(rollout_id, limit=MAX_SPANS + 1)
     truncated = len(spans) > MAX_SPANS
     spans = spans[:MAX_SPANS]
     raw = await store.redis.hget(store.keys.rollout(rollout_id), "model_version")

@@ -252,7 +252,7 @@ class ProxyApp:
         store = self.service.store
         assert store is not None
         try:
-            spans = await store.query_spans(call.rollout_id, call.attempt_id)
+            spans = await store.spans.query_spans(call.rollout_id, call.attempt_id)
         except NotFound:
             return False  # no such rollout: served (unrecorded), as any call for an unknown attempt
         except (RedisError, OSError) as e:
@@ -297,7 +297,7 @@ class ProxyApp:
         store = self.service.store
         assert store is not None
         try:
-            await store.add_spans(spans)
+            await store.spans.add_spans(spans)
         except NotFound:
             # No such attempt: nothing can succeed without this span, so the call is served anyway.
             self.service.metrics.span_failures.labels("unknown_attempt").inc()

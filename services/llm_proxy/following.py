@@ -44,11 +44,11 @@ class ModelFollower:
 
         The newest entry may name no version (the algorithm's validation resources, published after
         the policy's): then the newest one that does counts."""
-        latest = await self.store.get_latest_resources()
+        latest = await self.store.resources.get_latest_resources()
         if latest is None:
             return None
         named = latest if _model_version(latest) else next(
-            (u for u in await self.store.query_resources(descending=True) if _model_version(u)), None
+            (u for u in await self.store.resources.query_resources(descending=True) if _model_version(u)), None
         )
         if named is not None:
             await self.consider(named)
@@ -59,7 +59,7 @@ class ModelFollower:
         try:
             after = await self.catch_up()
             self._prefetch_next()
-            async for update in self.store.subscribe_resources(after_version=after):
+            async for update in self.store.resources.subscribe_resources(after_version=after):
                 await self.consider(update)
         finally:
             self._drop_prefetch()

@@ -56,7 +56,7 @@ class Registration:
 
     async def register(self) -> None:
         d = self.describe()
-        await self.store.register_proxy(
+        await self.store.registry.register_proxy(
             ProxyEndpoint(
                 self.proxy_id, self.base_url, d["model"], d["model_version"], metadata=d["metadata"]
             )
@@ -74,6 +74,6 @@ class Registration:
 
     async def unregister(self) -> None:
         try:
-            await self.store.unregister_proxy(self.proxy_id)
+            await self.store.registry.unregister_proxy(self.proxy_id)
         except (RedisError, OSError) as e:
             log.warning("could not unregister proxy %s: %s", self.proxy_id, e)

@@ -233,9 +233,9 @@ async def _needs_proxy(store: RedisStore, settings: RunnerSettings, serve: _Serv
     answer its calls."""
     if serve.asked:
         return True
-    if not the_agent.wants("llm") or settings.llm_base_url or await store.query_proxies():
+    if not the_agent.wants("llm") or settings.llm_base_url or await store.registry.query_proxies():
         return False
-    update = await (store.get_resources(resources_id) if resources_id else store.get_latest_resources())
+    update = await (store.resources.get_resources(resources_id) if resources_id else store.resources.get_latest_resources())
     llm = (update.resources.get("llm") if update else None) or {}
     return not (isinstance(llm, dict) and llm.get("endpoint"))
 
@@ -261,7 +261,7 @@ async def _run_once(store: RedisStore, settings: RunnerSettings, the_agent: Any,
             command = proxy_command(settings.experiment, free_port(), folder, serve.upstream_url, serve.model_name)
             base_url = await stack.enter_async_context(running_proxy(store, command, say=_say))
         worker_id = default_worker_id().replace("runner-", "run-once-")
-        claimed = await store.start_rollout(
+        claimed = await store.rollouts.start_rollout(
             the_task, worker_id, resources_id=resources_id, metadata={"run_once": True}
         )
         heartbeats = Heartbeats(store)
@@ -273,7 +273,7 @@ async def _run_once(store: RedisStore, settings: RunnerSettings, the_agent: Any,
         finally:
             beating.cancel()
             await close_async_pool()
-        spans = await store.query_spans(claimed.rollout.rollout_id)
+        spans = await store.spans.query_spans(claimed.rollout.rollout_id)
     _print_run(claimed.rollout.rollout_id, outcome, spans, as_json)
     return outcome.status is not None and outcome.status.value == "succeeded"
 

@@ -164,18 +164,18 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
                 # policy, as a runner that stops hands its attempts back (bounded, so a proxy that is
                 # gone for good still ends the rollout).
                 await ctx.writer.write(spans)
-                released = await ctx.store.release_attempt(rid, aid, reason=str(unreachable))
+                released = await ctx.store.rollouts.release_attempt(rid, aid, reason=str(unreachable))
                 log.warning("attempt %s: %s; rollout %s", aid, unreachable, "requeued" if released else "already over")
                 status = None
         if status is not None:
             try:  # the last spans, the status and the reward in one atomic step
-                outcome = await ctx.store.update_attempt(
+                outcome = await ctx.store.rollouts.update_attempt(
                     rid, aid, status=status, error=error, spans=spans, reward=reward
                 )
                 ctx.writer.written += len(spans)  # stored with the status: they count as written (/metrics)
             except RecordError:  # a span the store refuses (too large): store the rest, then report
                 await ctx.writer.write(spans)
-                outcome = await ctx.store.update_attempt(rid, aid, status=status, error=error, reward=reward)
+                outcome = await ctx.store.rollouts.update_attempt(rid, aid, status=status, error=error, reward=reward)
             log.debug("attempt %s %s -> %s in %.3f s", aid, status.value, outcome, time.monotonic() - started)
         elif unreachable is None:
             await ctx.writer.write(spans)
@@ -228,7 +228,7 @@ async def _hand_back(ctx: AttemptContext, rollout_id: str, attempt_id: str) -> N
     try:
         await asyncio.shield(ctx.writer.flush(attempt_id))
         released = await asyncio.shield(
-            ctx.store.release_attempt(rollout_id, attempt_id, reason=f"runner {ctx.worker_id} stopped")
+            ctx.store.rollouts.release_attempt(rollout_id, attempt_id, reason=f"runner {ctx.worker_id} stopped")
         )
         log.info("attempt %s handed back (%s)", attempt_id, "requeued" if released else "already over")
     except Exception as e:

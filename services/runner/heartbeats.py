@@ -59,7 +59,7 @@ class Heartbeats:
             for _, w in due:
                 w.due = now + w.interval_s
             replies = await asyncio.gather(
-                *(self.store.heartbeat(w.rollout_id, aid) for aid, w in due), return_exceptions=True
+                *(self.store.spans.heartbeat(w.rollout_id, aid) for aid, w in due), return_exceptions=True
             )
             for (aid, w), reply in zip(due, replies, strict=True):
                 if isinstance(reply, BaseException):

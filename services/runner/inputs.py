@@ -76,10 +76,10 @@ class InputResolver:
         if cached is not None and time.monotonic() - cached[0] < 1.0:
             return cached[1]
         if resources_id is None:
-            update = await self.store.get_latest_resources()
+            update = await self.store.resources.get_latest_resources()
         else:
             try:
-                update = await self.store.get_resources(resources_id)
+                update = await self.store.resources.get_resources(resources_id)
             except NotFound:
                 raise NotFound(
                     f"the rollout names resources {resources_id!r}, which do not exist in the store"
@@ -92,7 +92,7 @@ class InputResolver:
     async def _live_proxies(self) -> list[Any]:
         fetched_at, proxies = self._proxies
         if not proxies or time.monotonic() - fetched_at > 2.0:
-            proxies = await self.store.query_proxies()
+            proxies = await self.store.registry.query_proxies()
             self._proxies = (time.monotonic(), proxies)
         return proxies
 

@@ -79,7 +79,7 @@ class Runner:
 
     async def run(self, max_rollouts: int | None = None) -> None:
         """Claim and run until `stop` (or ``max_rollouts`` claimed, for tests and benchmarks)."""
-        await self.store.ensure()
+        await self.store.queue.ensure()
         log.info("runner %s: %d slot(s) on experiment %s", self.worker_id, self.concurrency, self.store.experiment)
         background = [
             asyncio.create_task(self.writer.run(), name="span-writer"),
@@ -97,7 +97,7 @@ class Runner:
                     continue
                 if max_rollouts is not None:
                     free = min(free, max_rollouts - claimed_total)
-                claimed = await self.store.dequeue_rollouts(self.worker_id, free, block_s=CLAIM_BLOCK_S)
+                claimed = await self.store.queue.dequeue_rollouts(self.worker_id, free, block_s=CLAIM_BLOCK_S)
                 claimed_total += len(claimed)
                 self.claimed += len(claimed)
                 for c in claimed:
@@ -111,7 +111,7 @@ class Runner:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self.writer.flush_all()
-            await self.store.update_worker(self.worker_id, "stopped", self._worker_metadata())
+            await self.store.registry.update_worker(self.worker_id, "stopped", self._worker_metadata())
 
     def _done(self, task: asyncio.Task[Outcome]) -> None:
         self.running.discard(task)
@@ -160,7 +160,7 @@ class Runner:
         while True:
             try:
                 status = "stopping" if self.stopping.is_set() else ("busy" if self.running else "idle")
-                await self.store.update_worker(self.worker_id, status, self._worker_metadata())
+                await self.store.registry.update_worker(self.worker_id, status, self._worker_metadata())
             except Exception as e:
                 log.warning("worker heartbeat failed: %s", e)
             await asyncio.sleep(WORKER_HEARTBEAT_S)

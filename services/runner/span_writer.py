@@ -108,7 +108,7 @@ class SpanWriter:
         delay = 0.1
         while True:
             try:
-                await self.store.add_spans(spans)
+                await self.store.spans.add_spans(spans)
                 self.written += len(spans)
                 return
             except (RedisConnectionError, RedisTimeoutError, RetryableError) as e:
@@ -119,7 +119,7 @@ class SpanWriter:
                 break  # a bad span in the batch: write them one by one below
         for span in spans:
             try:
-                await self.store.add_spans([span])
+                await self.store.spans.add_spans([span])
                 self.written += 1
             except FulmenError as e:
                 self.dropped += 1

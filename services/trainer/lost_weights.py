@@ -31,10 +31,10 @@ class LostWeightsWatch:
         again if ``fresh``)."""
         if fresh or self.version != trainer.version.name:
             self.version, self.announced = trainer.version.name, None
-            latest = await trainer.store.get_latest_resources()  # the newest entry; the whole log only
+            latest = await trainer.store.resources.get_latest_resources()  # the newest entry; the whole log only
             updates = [latest] if latest is not None else []  # when it names no version (validation's)
             if latest is not None and not (llm_resource(latest) or {}).get("model_version"):
-                updates = await trainer.store.query_resources(descending=True)
+                updates = await trainer.store.resources.query_resources(descending=True)
             for update in updates:
                 llm = llm_resource(update)
                 if llm is not None and llm.get("model_version"):

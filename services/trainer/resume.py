@@ -61,13 +61,13 @@ async def recover_pending(trainer: Any, already_done: set[str]) -> None:
     acked = requeued = 0
     after = "0"
     while True:
-        entries = await trainer.store.read_samples(k.TRAINERS_GROUP, trainer.consumer, count=RECOVER_READ_COUNT,
+        entries = await trainer.store.samples.read_samples(k.TRAINERS_GROUP, trainer.consumer, count=RECOVER_READ_COUNT,
                                                    pending=True, after=after)
         if not entries:
             break
         after = entries[-1][0]
         done = [e for e, _ in entries if e in already_done]
-        await trainer.store.ack_samples(k.TRAINERS_GROUP, done)
+        await trainer.store.samples.ack_samples(k.TRAINERS_GROUP, done)
         acked += len(done)
         rest = [(entry_id, item) for entry_id, item in entries if entry_id not in already_done]
         await trainer.take(rest)

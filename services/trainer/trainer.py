@@ -125,7 +125,7 @@ class Trainer:
         if self.ranks is not None:
             self.ranks.wrap(self.policy)  # DDP or FSDP: before the optimizer (FSDP replaces the parameters)
         self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=self.s.learning_rate)
-        await self.store.ensure_samples_group(k.TRAINERS_GROUP)
+        await self.store.samples.ensure_samples_group(k.TRAINERS_GROUP)
         already_done = await resume_from(self, path, sharded) if path is not None else set()
         await recover_pending(self, already_done)
 
@@ -136,7 +136,7 @@ class Trainer:
         while not stop.is_set() and (self.s.max_steps is None or self.step < self.s.max_steps):
             if self.ranks is not None:
                 await self.ranks.idle()
-            entries = await self.store.read_samples(k.TRAINERS_GROUP, self.consumer, count=READ_COUNT,
+            entries = await self.store.samples.read_samples(k.TRAINERS_GROUP, self.consumer, count=READ_COUNT,
                                                     block_s=READ_BLOCK_S)
             await self.take(entries)
             await republish_if_lost(self)
@@ -170,7 +170,7 @@ class Trainer:
                     continue
                 except Exception as e:  # one bad entry must not stop the trainer
                     reason = f"could not group the sample: {type(e).__name__}: {e}"
-            await self.store.dead_letter_samples(k.TRAINERS_GROUP, entry_id, reason)
+            await self.store.samples.dead_letter_samples(k.TRAINERS_GROUP, entry_id, reason)
             self.collector.counts["samples/dead_lettered"] += 1
 
     def unusable(self, item: Sample | SampleSkip) -> str | None:
@@ -404,7 +404,7 @@ class Trainer:
             await asyncio.to_thread(self.ranks.save_checkpoint, directory, checkpoint, self)
         else:
             await asyncio.to_thread(ckpt.save, directory, checkpoint, self.model, self.optimizer, codec_state)
-        await self.store.ack_samples(k.TRAINERS_GROUP, self.consumed_since_checkpoint)
+        await self.store.samples.ack_samples(k.TRAINERS_GROUP, self.consumed_since_checkpoint)
         self.consumed_since_checkpoint = []
         self.checkpointed_step = self.step
         if self.rank == 0:

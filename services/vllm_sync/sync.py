@@ -60,7 +60,7 @@ class VllmSync:
         self.syncs = {"ok": 0, "failed": 0}
 
     async def _mark(self, **changes: Any) -> None:
-        self.state = await self.store.set_replica(dataclasses.replace(self.state, **changes))
+        self.state = await self.store.registry.set_replica(dataclasses.replace(self.state, **changes))
 
     # --- following the versions ------------------------------------------------------------------
 
@@ -122,7 +122,7 @@ class VllmSync:
     async def _newest(self) -> tuple[int | None, tuple[str, Mapping[str, Any]] | None]:
         """The latest resources version, and the newest model version any entry names with its
         ``llm`` entry (the latest entry may name none: the algorithm's validation resources)."""
-        updates = await self.store.query_resources(descending=True)
+        updates = await self.store.resources.query_resources(descending=True)
         seen = updates[0].version if updates else None
         return seen, next((found for u in updates if (found := _named(u)) is not None), None)
 
@@ -131,7 +131,7 @@ class VllmSync:
         Polled (one small read per ``POLL_S``): nothing to cancel mid-read when it returns."""
         deadline = time.monotonic() + self.check_s
         while not stop.is_set() and time.monotonic() < deadline:
-            latest = await self.store.get_latest_resources()
+            latest = await self.store.resources.get_latest_resources()
             if latest is not None and (after is None or latest.version > after):
                 return
             with contextlib.suppress(TimeoutError):

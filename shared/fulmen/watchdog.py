@@ -40,7 +40,7 @@ async def sweep(store: RedisStore, limit: int = SWEEP_LIMIT) -> Counter[str]:
         for raw in overdue:
             attempt_id = raw.decode()
             rollout_id = k.rollout_of_attempt(attempt_id)
-            code = await store.expire_attempt(rollout_id, attempt_id, kind)
+            code = await store.rollouts.expire_attempt(rollout_id, attempt_id, kind)
             outcomes[code] += 1
             if code not in ("fresh", "already"):
                 log.debug("attempt %s: %s -> rollout %s", attempt_id, kind.value, code)

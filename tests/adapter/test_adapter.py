@@ -25,7 +25,7 @@ async def _rollout_with_spans(store: RedisStore, task: object, *, reward: float 
                               stored_reward: float | None = None) -> str:
     """A rollout with LLM-call spans and a reward span; ``stored_reward``: the final reward reported
     with the status, as a runner does."""
-    claimed = await store.start_rollout(task, "w1", metadata=metadata or {})
+    claimed = await store.rollouts.start_rollout(task, "w1", metadata=metadata or {})
     rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
     spans = []
     for i in range(calls):
@@ -38,8 +38,8 @@ async def _rollout_with_spans(store: RedisStore, task: object, *, reward: float 
     if reward is not None:
         spans.append(Span(rid, aid, "w", semconv.REWARD_SPAN, start_time=20.0, end_time=20.0,
                           attributes={semconv.SPAN_KIND: semconv.KIND_REWARD, semconv.REWARD: reward}))
-    await store.add_spans(spans)
-    await store.update_attempt(rid, aid, status=status, reward=stored_reward)
+    await store.spans.add_spans(spans)
+    await store.rollouts.update_attempt(rid, aid, status=status, reward=stored_reward)
     return rid
 
 
@@ -69,7 +69,7 @@ async def test_each_succeeded_rollout_yields_its_samples_once(real_store: RedisS
     await again.run(asyncio.Event(), until_idle=True)
     assert len(await _entries(real_store)) == 3
     assert again.counters.rollouts == 0
-    stats = await real_store.adapter_stats()
+    stats = await real_store.samples.adapter_stats()
     assert stats == {"rollouts": 1, "samples": 3, "version:train:v3:rollouts": 1, "version:train:v3:reward_u": 1_000_000}
     assert rewards_by_version(stats) == {"train": {"v3": {"rollouts": 1, "mean_reward": 1.0}}}
 
@@ -90,13 +90,13 @@ async def test_failed_and_unrewarded_rollouts_are_skipped_with_reasons(real_stor
     skips = {s.rollout_id: s for s in await _entries(real_store)}
     assert isinstance(skips[failed], SampleSkip) and skips[failed].reason == "rollout failed"
     assert isinstance(skips[silent], SampleSkip) and skips[silent].reason == "no reward"
-    assert skips[silent].group_key == group_key(await real_store.get_rollout(silent))
-    assert await real_store.adapter_stats() == {"rollouts": 2, "skipped": 2, "skip:failed": 1, "skip:no_reward": 1}
+    assert skips[silent].group_key == group_key(await real_store.rollouts.get_rollout(silent))
+    assert await real_store.samples.adapter_stats() == {"rollouts": 2, "skipped": 2, "skip:failed": 1, "skip:no_reward": 1}
 
 
 async def test_poison_completion_and_malformed_span_do_not_stop_the_adapter(real_store: RedisStore) -> None:
     """A garbage completion is dead-lettered, a garbage span skips its rollout, the rest is adapted."""
-    await real_store.ensure_finished_group(k.ADAPTER_GROUP)
+    await real_store.finished.ensure_finished_group(k.ADAPTER_GROUP)
     await real_store.redis.xadd(real_store.keys.finished, {"m": b"\xc1garbage"})
     broken = await _rollout_with_spans(real_store, "c")
     await real_store.redis.xadd(real_store.keys.spans(broken), {"m": b"\x93not a span"}, id="99-0")
@@ -105,7 +105,7 @@ async def test_poison_completion_and_malformed_span_do_not_stop_the_adapter(real
     entries = {s.rollout_id: s for s in await _entries(real_store)}
     assert isinstance(entries[good], Sample)
     assert isinstance(entries[broken], SampleSkip) and entries[broken].reason.startswith("malformed span record")
-    (dead,) = await real_store.query_dead_letters()
+    (dead,) = await real_store.dead_letters.query_dead_letters()
     assert dead.source == real_store.keys.finished
     pending = await real_store.redis.xpending(real_store.keys.finished, k.ADAPTER_GROUP)
     assert pending["pending"] == 0
@@ -114,8 +114,8 @@ async def test_poison_completion_and_malformed_span_do_not_stop_the_adapter(real
 async def test_completions_of_a_dead_adapter_are_taken_over(real_store: RedisStore) -> None:
     """Completions read but never acknowledged are adapted by another adapter once idle."""
     rid = await _rollout_with_spans(real_store, "e")
-    await real_store.ensure_finished_group(k.ADAPTER_GROUP)
-    await real_store.read_finished(k.ADAPTER_GROUP, "dead-adapter", count=10)  # read, then "died"
+    await real_store.finished.ensure_finished_group(k.ADAPTER_GROUP)
+    await real_store.finished.read_finished(k.ADAPTER_GROUP, "dead-adapter", count=10)  # read, then "died"
     survivor = Adapter(real_store, consumer="survivor", reclaim_idle_s=0.05)
     await asyncio.sleep(0.1)
     await survivor.run(asyncio.Event(), until_idle=True)

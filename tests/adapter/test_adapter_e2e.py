@@ -42,8 +42,8 @@ async def test_each_successful_rollout_yields_its_samples_once_with_the_proxys_t
         "FULMEN_EXPERIMENT": real_store.experiment,
         "PYTHONPATH": str(Path(__file__).parent),
     }
-    await real_store.add_resources({"llm": {"kind": "llm", "model": "tiny"}}, resources_id="policy")
-    ids = [(await real_store.enqueue_rollout({"q": f"{i}+{i}="})).rollout_id for i in range(6)]
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "tiny"}}, resources_id="policy")
+    ids = [(await real_store.rollouts.enqueue_rollout({"q": f"{i}+{i}="})).rollout_id for i in range(6)]
     for command in (
         ["llm-proxy", "--backend", "torch", "--model-dir", str(model), "--port", "0"],
         ["runner", "--agent", "e2e_agents:chat_once", "--concurrency", "3"],
@@ -51,7 +51,7 @@ async def test_each_successful_rollout_yields_its_samples_once_with_the_proxys_t
     ):
         processes.append(subprocess.Popen([FULMEN, *command], env=env, text=True))
     for _ in range(1200):
-        if (await real_store.adapter_stats()).get("rollouts", 0) >= len(ids):
+        if (await real_store.samples.adapter_stats()).get("rollouts", 0) >= len(ids):
             break
         assert all(p.poll() is None for p in processes), "a service exited early"
         await asyncio.sleep(0.05)
@@ -60,7 +60,7 @@ async def test_each_successful_rollout_yields_its_samples_once_with_the_proxys_t
     assert sorted(e.rollout_id for e in entries) == sorted(ids)  # exactly one sample per rollout
     for sample in entries:
         assert isinstance(sample, Sample)
-        (returned,) = await real_store.query_spans(sample.rollout_id, name=semconv.OBJECT_SPAN)
+        (returned,) = await real_store.spans.query_spans(sample.rollout_id, name=semconv.OBJECT_SPAN)
         ids_seen = json.loads(returned.attributes[semconv.OBJECT_JSON])
         assert sample.prompt_token_ids == ids_seen["prompt_token_ids"]
         assert sample.response_token_ids == ids_seen["token_ids"]
@@ -68,7 +68,7 @@ async def test_each_successful_rollout_yields_its_samples_once_with_the_proxys_t
         assert sample.reward in (1.0, 0.5)
         assert sample.model_version is not None
         # the trace context travelled with the call: the proxy's span sits under the attempt's root span
-        spans = await real_store.query_spans(sample.rollout_id)
+        spans = await real_store.spans.query_spans(sample.rollout_id)
         (root,) = [s for s in spans if s.name == semconv.ROLLOUT_SPAN]
         (call,) = [s for s in spans if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL]
         assert (call.trace_id, call.parent_id) == (root.trace_id, root.span_id)

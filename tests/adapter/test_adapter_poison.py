@@ -17,7 +17,7 @@ from fulmen_adapter.adapter import Adapter
 
 
 async def _call_and_reward(store: RedisStore, rid: str, aid: str) -> None:
-    await store.add_spans([
+    await store.spans.add_spans([
         Span(rid, aid, "c0", "chat tiny", start_time=10.0, end_time=10.5,
              attributes={semconv.SPAN_KIND: semconv.KIND_LLM_CALL, semconv.PROMPT_TOKEN_IDS: [1, 2],
                          semconv.RESPONSE_TOKEN_IDS: [3], semconv.RESPONSE_LOGPROBS: [-0.1]}),
@@ -27,10 +27,10 @@ async def _call_and_reward(store: RedisStore, rid: str, aid: str) -> None:
 
 
 async def _succeeded(store: RedisStore, task: object) -> str:
-    claimed = await store.start_rollout(task, "w1")
+    claimed = await store.rollouts.start_rollout(task, "w1")
     rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
     await _call_and_reward(store, rid, aid)
-    await store.update_attempt(rid, aid, status="succeeded")
+    await store.rollouts.update_attempt(rid, aid, status="succeeded")
     return rid
 
 
@@ -41,16 +41,16 @@ async def _samples(store: RedisStore) -> list:
 async def test_a_forged_finished_entry_for_a_running_rollout_is_dead_lettered(real_store: RedisStore) -> None:
     """The running rollout is not marked sampled: once it really ends, its samples are written."""
     store = real_store
-    claimed = await store.start_rollout("task", "w1")
+    claimed = await store.rollouts.start_rollout("task", "w1")
     rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
     await store.redis.xadd(store.keys.finished, {"m": RolloutFinished(rid, RolloutStatus.SUCCEEDED, aid).to_wire()})
     adapter = Adapter(store)
     await adapter.run(asyncio.Event(), until_idle=True)
     assert await _samples(store) == []
-    (letter,) = await store.query_dead_letters()
+    (letter,) = await store.dead_letters.query_dead_letters()
     assert "not terminal" in letter.reason and letter.source == store.keys.finished
     await _call_and_reward(store, rid, aid)
-    await store.update_attempt(rid, aid, status="succeeded")
+    await store.rollouts.update_attempt(rid, aid, status="succeeded")
     await adapter.run(asyncio.Event(), until_idle=True)
     assert [type(s) for s in await _samples(store)] == [Sample]
     assert (await store.redis.xpending(store.keys.finished, k.ADAPTER_GROUP))["pending"] == 0
@@ -62,12 +62,12 @@ async def test_a_finished_entry_with_an_unusable_rollout_id_is_dead_lettered(
 ) -> None:
     """A number, null, empty or invalid rollout id: dead-lettered with the reason, the next rollout adapted."""
     store = real_store
-    await store.ensure_finished_group(k.ADAPTER_GROUP)
+    await store.finished.ensure_finished_group(k.ADAPTER_GROUP)
     poison = codec.pack_record("rollout_finished", {"rollout_id": rollout_id, "status": "succeeded"})
     await store.redis.xadd(store.keys.finished, {"m": poison})
     await _succeeded(store, "next")
     await Adapter(store).run(asyncio.Event(), until_idle=True)
-    (letter,) = await store.query_dead_letters()
+    (letter,) = await store.dead_letters.query_dead_letters()
     assert "rollout_id" in letter.reason
     assert [type(s) for s in await _samples(store)] == [Sample]
 
@@ -90,7 +90,7 @@ async def test_a_rollout_that_fails_to_adapt_is_dead_lettered_alone(
     monkeypatch.setattr(adapter, "_adapt", failing)
     await adapter.run(asyncio.Event(), until_idle=True, lanes=1)
     assert [s.rollout_id for s in await _samples(store)] == [good]
-    (letter,) = await store.query_dead_letters()
+    (letter,) = await store.dead_letters.query_dead_letters()
     assert bad in letter.reason and "KeyError" in letter.reason
     assert (await store.redis.xpending(store.keys.finished, k.ADAPTER_GROUP))["pending"] == 0
 
@@ -98,10 +98,10 @@ async def test_a_rollout_that_fails_to_adapt_is_dead_lettered_alone(
 async def test_an_oversize_finished_entry_does_not_stop_the_adapter(real_store: RedisStore) -> None:
     """200 fields of 70 KB: its dead letter is truncated, and the adapter goes on to the next rollout."""
     store = real_store
-    await store.ensure_finished_group(k.ADAPTER_GROUP)
+    await store.finished.ensure_finished_group(k.ADAPTER_GROUP)
     await store.redis.xadd(store.keys.finished, {f"f{i}".encode(): b"x" * 70_000 for i in range(200)})
     await _succeeded(store, "next")
     await Adapter(store).run(asyncio.Event(), until_idle=True)
-    (letter,) = await store.query_dead_letters()
+    (letter,) = await store.dead_letters.query_dead_letters()
     assert "truncated" in letter.reason
     assert [type(s) for s in await _samples(store)] == [Sample]

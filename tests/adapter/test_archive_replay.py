@@ -55,7 +55,7 @@ def _ids(prefix: str, n: int) -> list[str]:
 async def _finish(store: RedisStore, rid: str, *, calls: int = 2, status: str = "succeeded",
                   reward: float | None = 0.75) -> None:
     """A rollout that ran ``calls`` chained LLM calls (one trajectory), then a reward span."""
-    claimed = await store.start_rollout({"q": rid}, "w1", rollout_id=rid, metadata={"group_key": "g", "group_size": 2})
+    claimed = await store.rollouts.start_rollout({"q": rid}, "w1", rollout_id=rid, metadata={"group_key": "g", "group_size": 2})
     aid = claimed.attempt.attempt_id
     spans = []
     prompt: list[int] = [1, 2, 3]
@@ -71,8 +71,8 @@ async def _finish(store: RedisStore, rid: str, *, calls: int = 2, status: str = 
     if reward is not None:
         spans.append(Span(rid, aid, "w", semconv.REWARD_SPAN, start_time=30.0, end_time=30.0,
                           attributes={semconv.SPAN_KIND: semconv.KIND_REWARD, semconv.REWARD: reward}))
-    await store.add_spans(spans)
-    await store.update_attempt(rid, aid, status=status, reward=reward)
+    await store.spans.add_spans(spans)
+    await store.rollouts.update_attempt(rid, aid, status=status, reward=reward)
 
 
 async def _adapt(store: RedisStore) -> None:

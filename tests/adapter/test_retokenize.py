@@ -131,7 +131,7 @@ async def test_sft_trains_on_retokenized_samples(real_store: RedisStore, tiny: P
     from fulmen import keys as k
     from fulmen_trainer.trainer import Trainer
 
-    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    await real_store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     for i in range(2):
         await real_store.redis.xadd(real_store.keys.samples, {"m": _retokenized(f"r{i}").to_wire()})
     settings = load_settings(TrainerSettings, model_dir=tiny, algorithm="sft", groups_per_step=1, max_steps=1,

@@ -17,10 +17,10 @@ from fulmen_algorithm.demo import publish_base_policy
 
 async def test_the_base_policy_is_published_once(real_store: RedisStore) -> None:
     await publish_base_policy(real_store, "my-model", sampling=None)
-    first = await real_store.get_resources("policy")
+    first = await real_store.resources.get_resources("policy")
     assert llm_resource(first) == {"kind": "llm", "model": "my-model", "model_version": "base"}
     await publish_base_policy(real_store, "other", sampling=None)  # a restarted run keeps what is there
-    assert (await real_store.get_resources("policy")).version == first.version
+    assert (await real_store.resources.get_resources("policy")).version == first.version
 
 
 def test_the_algorithm_needs_the_model_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

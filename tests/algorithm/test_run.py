@@ -36,7 +36,7 @@ async def test_run_ends_validates_on_schedule_and_resumes(
         return 1
 
     monkeypatch.setattr(Scheduler, "trainer_step", at_step_one)
-    await real_store.add_resources({"llm": {"kind": "llm", "model": "m", "model_version": "base"}}, resources_id="policy")
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "m", "model_version": "base"}}, resources_id="policy")
     settings = AlgorithmSettings(
         experiment=real_store.experiment, data_dir=tmp_path, metrics_file=tmp_path / "m.jsonl", n_samples=2,
         groups_per_step=1, max_inflight=4, total_steps=1, val_every=5, val_timeout_s=0.5,
@@ -73,8 +73,8 @@ async def _runner_and_trainer(store: RedisStore, groups_per_step: int, group_siz
     done: Counter[str] = Counter()
     step = 0
     while True:
-        for claimed in await store.dequeue_rollouts("w", 100):
-            await store.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+        for claimed in await store.queue.dequeue_rollouts("w", 100):
+            await store.rollouts.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")
             done[claimed.rollout.metadata["group_key"]] += 1
         complete = sum(1 for n in done.values() if n == group_size)
         while complete >= (step + 1) * groups_per_step:
@@ -113,13 +113,13 @@ async def test_a_run_stopped_during_its_final_validation_ends_at_once(
         return 1
 
     monkeypatch.setattr(Scheduler, "trainer_step", at_the_end)
-    await real_store.add_resources({"llm": {"kind": "llm", "model": "m", "model_version": "base"}}, resources_id="policy")
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "m", "model_version": "base"}}, resources_id="policy")
     settings = AlgorithmSettings(experiment=real_store.experiment, data_dir=tmp_path, total_steps=1, n_samples=2,
                                  val_timeout_s=120)
     run = Run(settings, TASKS, VAL)  # at step 1 of 1: straight to the final pass, which no runner serves
     ending = asyncio.create_task(run.run(real_store))
     final_pass = f"val-final-{task_id(VAL[0])}"  # the final pass's rollout: enqueued, never run
-    while (await real_store.get_rollouts([final_pass])) == [None]:
+    while (await real_store.rollouts.get_rollouts([final_pass])) == [None]:
         assert not ending.done(), ending.result()
         await asyncio.sleep(0.05)
     started = time.monotonic()

@@ -26,8 +26,8 @@ async def _trainer_step(store: RedisStore, step: int) -> None:
 
 async def _finish(store: RedisStore, count: int) -> None:
     """A stand-in runner: claim and succeed ``count`` rollouts."""
-    for claimed in await store.dequeue_rollouts("w", count):
-        await store.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+    for claimed in await store.queue.dequeue_rollouts("w", count):
+        await store.rollouts.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")
 
 
 async def test_groups_are_n_rollouts_of_one_task_with_group_metadata(real_store: RedisStore) -> None:
@@ -35,7 +35,7 @@ async def test_groups_are_n_rollouts_of_one_task_with_group_metadata(real_store:
     s = Scheduler(real_store, TASKS, n_samples=3, groups_per_step=1, max_inflight=100)
     await s.load()
     ids = await s.enqueue_group()
-    rollouts = await real_store.get_rollouts(ids)
+    rollouts = await real_store.rollouts.get_rollouts(ids)
     assert len({r.input["id"] for r in rollouts}) == 1
     assert {r.metadata["group_key"] for r in rollouts} == {ids[0].rsplit("-", 1)[0]}
     assert {r.metadata["group_size"] for r in rollouts} == {3}
@@ -82,14 +82,14 @@ async def test_a_restarted_scheduler_continues_and_never_enqueues_a_task_twice(r
     await replayed.load()
     s = replayed.state
     task = TASKS[replayed.order(s.epoch)[s.cursor]]
-    await real_store.enqueue_rollouts([real_store.new_rollout(task, rollout_id=f"run-e0-{task_id(task)}-{i}") for i in range(2)])
+    await real_store.rollouts.enqueue_rollouts([real_store.rollouts.new_rollout(task, rollout_id=f"run-e0-{task_id(task)}-{i}") for i in range(2)])
     second = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, seed=7)
     assert (await second.load()).groups == 2
     await _trainer_step(real_store, 1)
     assert await second.fill() == 2
     stats = await real_store.statistics()
     assert stats["total_rollouts"] == second.state.enqueued == 8
-    ids = [r.rollout_id for r in await real_store.query_rollouts()]
+    ids = [r.rollout_id for r in await real_store.rollouts.query_rollouts()]
     assert len(ids) == len(set(ids)) == 8
 
 
@@ -99,7 +99,7 @@ async def test_epochs_wrap_and_end(real_store: RedisStore) -> None:
     await s.load()
     assert await s.fill() == 10
     assert s.exhausted and await s.fill() == 0
-    inputs = [r.input["id"] for r in await real_store.query_rollouts() if r.rollout_id.endswith("-0")]
+    inputs = [r.input["id"] for r in await real_store.rollouts.query_rollouts() if r.rollout_id.endswith("-0")]
     assert sorted(inputs) == sorted([t["id"] for t in TASKS] * 2)
 
 
@@ -170,7 +170,7 @@ async def test_completions_read_before_a_kill_are_counted_after_the_restart(real
     assert await first.fill() == 1
     await _finish(real_store, 2)
     # what the killed process did: the completions were delivered to it, never counted nor acknowledged
-    assert len(await real_store.read_finished(k.ALGORITHM_GROUP, "algorithm", count=10)) == 2
+    assert len(await real_store.finished.read_finished(k.ALGORITHM_GROUP, "algorithm", count=10)) == 2
     second = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100)
     await second.load()
     assert await second.inflight() == 0
@@ -187,13 +187,13 @@ async def test_a_dead_runners_train_rollouts_are_retried(real_store: RedisStore)
                   rollout_config=recoverable_rollout_config(unresponsive_s=0.1))
     await s.load()
     ids = await s.enqueue_group()
-    claimed = await real_store.dequeue_rollouts("runner-that-dies", 2)
+    claimed = await real_store.queue.dequeue_rollouts("runner-that-dies", 2)
     assert len(claimed) == 2  # ...and its process is SIGKILLed: no heartbeat, no report
     await asyncio.sleep(0.3)
     assert (await sweep(real_store))["requeued"] == 2
-    rollouts = await real_store.get_rollouts(ids)
+    rollouts = await real_store.rollouts.get_rollouts(ids)
     assert all(r is not None and r.status is RolloutStatus.REQUEUING for r in rollouts)
-    retried = await real_store.dequeue_rollouts("another-runner", 2)
+    retried = await real_store.queue.dequeue_rollouts("another-runner", 2)
     assert sorted(c.attempt.attempt_id for c in retried) == sorted(f"{rid}.2" for rid in ids)
 
 
@@ -205,17 +205,17 @@ async def test_staleness_zero_waits_for_every_server_to_serve_the_trainers_versi
     s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, staleness=0)
     await s.load()
     proxy = ProxyEndpoint("p0", "http://127.0.0.1:1", "m", "base", time.time(), {"backend": "torch"})
-    await real_store.register_proxy(proxy)
-    await real_store.register_proxy(ProxyEndpoint("up", "http://127.0.0.1:2", "m", "base", time.time(),
+    await real_store.registry.register_proxy(proxy)
+    await real_store.registry.register_proxy(ProxyEndpoint("up", "http://127.0.0.1:2", "m", "base", time.time(),
                                                   {"backend": "vllm"}))  # forwards: not counted itself
-    await real_store.set_replica(ReplicaState("http://127.0.0.1:3", "base", ready=True))
-    await real_store.set_replica(ReplicaState("http://127.0.0.1:4", "v0", ready=False, reason="loading v1"))
+    await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:3", "base", ready=True))
+    await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:4", "v0", ready=False, reason="loading v1"))
     assert await s.fill() == 1
     await _trainer_step(real_store, 1)
     assert await s.fill() == 0  # trained, not yet served
-    await real_store.register_proxy(ProxyEndpoint(**{**_fields(proxy), "model_version": "v1"}))
+    await real_store.registry.register_proxy(ProxyEndpoint(**{**_fields(proxy), "model_version": "v1"}))
     assert await s.fill() == 0  # the replica still serves the base
-    await real_store.set_replica(ReplicaState("http://127.0.0.1:3", "v1", ready=True))
+    await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:3", "v1", ready=True))
     assert await s.fill() == 1
 
 

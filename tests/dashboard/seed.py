@@ -44,19 +44,19 @@ async def seed(store: RedisStore, succeeded: int = 3, queued: int = 2) -> list[s
     """Returns the ids of the succeeded rollouts (each with an LLM call, reward 1.0)."""
     ids = []
     for i in range(succeeded):
-        await store.enqueue_rollout({"question": QUESTION, "n": i}, rollout_id=f"ok-{i}", mode="train")
-        [claimed] = await store.dequeue_rollouts("worker-1", count=1, block_s=1)
+        await store.rollouts.enqueue_rollout({"question": QUESTION, "n": i}, rollout_id=f"ok-{i}", mode="train")
+        [claimed] = await store.queue.dequeue_rollouts("worker-1", count=1, block_s=1)
         rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
         root = Span(rid, aid, f"root-{aid}", semconv.ROLLOUT_SPAN, start_time=time.time() - 1, end_time=time.time(),
                     attributes={semconv.SPAN_KIND: semconv.KIND_ROLLOUT})
         reward = Span(rid, aid, f"reward-{aid}", semconv.REWARD_SPAN, parent_id=root.span_id,
                       start_time=time.time(), end_time=time.time(),
                       attributes={semconv.SPAN_KIND: semconv.KIND_REWARD, semconv.REWARD: 1.0})
-        await store.add_spans([root, llm_span(rid, aid, root.span_id), reward])
-        await store.update_attempt(rid, aid, status="succeeded", reward=1.0)
+        await store.spans.add_spans([root, llm_span(rid, aid, root.span_id), reward])
+        await store.rollouts.update_attempt(rid, aid, status="succeeded", reward=1.0)
         ids.append(rid)
     for i in range(queued):
-        await store.enqueue_rollout({"question": "later", "n": i}, rollout_id=f"wait-{i}", mode="val")
+        await store.rollouts.enqueue_rollout({"question": "later", "n": i}, rollout_id=f"wait-{i}", mode="val")
     for step in range(1, 6):
         metrics = {"model_version": f"v{step}", "rollout/reward_mean": 0.1 * step, "loss/total": 1.0 / step,
                    "loss/kl": 0.01 * step, "loss/entropy": 2.0 - 0.1 * step, "perf/tokens_per_s": 100.0 + step}
@@ -65,6 +65,6 @@ async def seed(store: RedisStore, succeeded: int = 3, queued: int = 2) -> list[s
         {"label": "v0", "step": 0, "accuracy": 0.45, "mean_reward": 0.45, "served_by": {"v0": 3}})})
     await store.redis.xadd(store.keys.validations, {"m": json.dumps(
         {"label": "v5", "step": 5, "accuracy": 0.7, "mean_reward": 0.7, "served_by": {"v5": 3}})})
-    await store.dead_letter(store.keys.samples, "1-0", "sample record unreadable: <script>alert(1)</script>",
+    await store.dead_letters.dead_letter(store.keys.samples, "1-0", "sample record unreadable: <script>alert(1)</script>",
                             {b"m": b"\x00garbage"})
     return ids

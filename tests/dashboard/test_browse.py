@@ -22,7 +22,7 @@ async def test_pages_cover_every_rollout_once_newest_first(real_store: RedisStor
     """Paging on from each cursor lists every rollout once, newest first, with or without a status filter."""
     ids = [f"r-{i:02d}" for i in range(23)]
     for rid in ids:
-        await real_store.enqueue_rollout({"i": rid}, rollout_id=rid)
+        await real_store.rollouts.enqueue_rollout({"i": rid}, rollout_id=rid)
     assert await _all_pages(real_store, RolloutFilter(), limit=5) == list(reversed(ids))
     queued = RolloutFilter(statuses=frozenset({RolloutStatus.QUEUING}))
     assert await _all_pages(real_store, queued, limit=4) == list(reversed(ids))
@@ -31,7 +31,7 @@ async def test_pages_cover_every_rollout_once_newest_first(real_store: RedisStor
 async def test_a_filter_that_matches_little_looks_a_bounded_number_of_entries(real_store: RedisStore) -> None:
     """With a scan budget of 7, each page reads at most 7 index entries and hands on a cursor."""
     for i in range(20):
-        await real_store.enqueue_rollout({"i": i}, rollout_id=f"r-{i:02d}", mode="val" if i == 3 else "train")
+        await real_store.rollouts.enqueue_rollout({"i": i}, rollout_id=f"r-{i:02d}", mode="val" if i == 3 else "train")
     page = await browse_rollouts(real_store.redis, real_store.keys, RolloutFilter(mode="val"), limit=5, scan_budget=7)
     assert page.rows == [] and page.scanned == 7 and page.next_cursor is not None
     assert await _all_pages(real_store, RolloutFilter(mode="val"), limit=5, budget=7) == ["r-03"]

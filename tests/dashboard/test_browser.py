@@ -88,10 +88,10 @@ async def test_dashboard_in_a_browser_during_a_live_run(
     model = build_tiny_model(tmp_path / "tiny")
     port = free_port()
     env = service_env(redis_url, real_store.experiment, tmp_path, FULMEN_DASHBOARD_PORT=str(port))
-    await real_store.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "v0"}},
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "tiny", "model_version": "v0"}},
                                    resources_id="policy")
     for i, task in enumerate(TASKS):
-        await real_store.enqueue_rollout(task, rollout_id=f"first-{i}", mode="train")
+        await real_store.rollouts.enqueue_rollout(task, rollout_id=f"first-{i}", mode="train")
     services = [
         subprocess.Popen([FULMEN, *args], env=env, cwd=ROOT)
         for args in (["llm-proxy", "--backend", "torch", "--model-dir", str(model), "--port", "0"],
@@ -127,7 +127,7 @@ async def test_dashboard_in_a_browser_during_a_live_run(
         links[0].click()
         call = WebDriverWait(driver, WAIT_S).until(
             lambda d: d.find_element(By.CSS_SELECTOR, "ul.span-tree li.kind-llm_call"))
-        served = {p.model_version for p in await real_store.query_proxies()}
+        served = {p.model_version for p in await real_store.registry.query_proxies()}
         assert call.find_element(By.CSS_SELECTOR, ".served-version").text in served  # the proxy's version
         assert "prompt +" in call.find_element(By.CSS_SELECTOR, ".token-counts").text
         assert "+" in call.find_element(By.CSS_SELECTOR, ".messages").text  # the question the agent sent
@@ -148,7 +148,7 @@ async def test_dashboard_in_a_browser_during_a_live_run(
         shown = int(driver.find_element(By.ID, "finished-count").text)  # type: ignore[attr-defined]
         assert shown == len(TASKS)
         for i, task in enumerate(TASKS):
-            await real_store.enqueue_rollout(task, rollout_id=f"later-{i}", mode="train")
+            await real_store.rollouts.enqueue_rollout(task, rollout_id=f"later-{i}", mode="train")
         WebDriverWait(driver, WAIT_S).until(
             lambda d: int(d.find_element(By.ID, "finished-count").text) == 2 * len(TASKS))
         assert "later-" in driver.find_element(By.ID, "recent-finished").text  # type: ignore[attr-defined]

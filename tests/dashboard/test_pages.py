@@ -104,11 +104,11 @@ async def test_admin_actions_are_refused_unless_enabled(real_store: RedisStore, 
     await seed(real_store, succeeded=1, queued=1)
     e = real_store.experiment
     assert (await client.post(f"/e/{e}/rollouts/wait-0/cancel")).status_code == 403
-    letter = (await real_store.query_dead_letters())[0].dead_letter_id
+    letter = (await real_store.dead_letters.query_dead_letters())[0].dead_letter_id
     assert (await client.post(f"/e/{e}/dead-letters/{letter}/requeue")).status_code == 403
     assert (await client.get(f"/e/{e}/rollouts/wait-0/cancel")).status_code == 405
-    assert (await real_store.get_rollout("wait-0")).status.value == "queuing"
-    assert len(await real_store.query_dead_letters()) == 1
+    assert (await real_store.rollouts.get_rollout("wait-0")).status.value == "queuing"
+    assert len(await real_store.dead_letters.query_dead_letters()) == 1
 
 
 async def test_admin_actions_when_enabled(real_store: RedisStore, dashboard: Client) -> None:
@@ -120,11 +120,11 @@ async def test_admin_actions_when_enabled(real_store: RedisStore, dashboard: Cli
         assert refused.status_code == 403
         done = await client.post(f"/e/{e}/rollouts/wait-0/cancel", headers={"origin": "http://dash.test"})
         assert done.status_code == 303
-        assert (await real_store.get_rollout("wait-0")).status.value == "cancelled"
+        assert (await real_store.rollouts.get_rollout("wait-0")).status.value == "cancelled"
         assert (await client.post(f"/e/{e}/rollouts/nobody/cancel")).status_code == 404
-        letter = (await real_store.query_dead_letters())[0].dead_letter_id
+        letter = (await real_store.dead_letters.query_dead_letters())[0].dead_letter_id
         assert (await client.post(f"/e/{e}/dead-letters/{letter}/requeue")).status_code == 303
-        assert await real_store.query_dead_letters() == []
+        assert await real_store.dead_letters.query_dead_letters() == []
         entries = await real_store.redis.xrange(real_store.keys.samples)
         assert entries[-1][1] == {b"m": b"\x00garbage"}
         assert (await client.post(f"/e/{e}/dead-letters/1-0/requeue")).status_code == 404

@@ -24,7 +24,7 @@ async def test_a_replica_no_vllm_sync_keeps_is_shown_gone(real_store: RedisStore
     fresh one reads "serving"; with a vllm-sync beating, an old state is only one that did not change."""
     await seed(real_store, succeeded=1, queued=0)
     e = real_store.experiment
-    await real_store.set_replica(ReplicaState("http://fresh:8001", "v3", ready=True))
+    await real_store.registry.set_replica(ReplicaState("http://fresh:8001", "v3", ready=True))
     stopped = ReplicaState("http://stopped:8002", "v2", ready=True, updated_time=time.time() - 600)
     await real_store.redis.hset(real_store.keys.replicas, stopped.url, stopped.to_wire())
     page = (await client.get(f"/e/{e}/live?fragment=1")).text

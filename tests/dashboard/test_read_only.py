@@ -45,7 +45,7 @@ async def test_no_write_without_admin(own_redis: aioredis.Redis) -> None:
     """All pages, bad input and refused POSTs: the server ran no command flagged 'write'."""
     store = RedisStore(own_redis, "ro")
     ids = await seed(store)
-    letter = (await store.query_dead_letters())[0].dead_letter_id
+    letter = (await store.dead_letters.query_dead_letters())[0].dead_letter_id
     await own_redis.config_resetstat()
     app = DashboardApp(DashboardSettings(experiment="ro"), client=own_redis)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dash.test") as client:

@@ -19,9 +19,9 @@ async def test_model_version_reads_base_where_the_proxy_says_base(real_store: Re
     """Resources whose llm names no version and a proxy serving base: every view says "base", not "-"."""
     await seed(real_store, succeeded=1, queued=0)
     e = real_store.experiment
-    await real_store.add_resources({"llm": {"kind": "llm", "model": "tiny"}})
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "tiny"}})
     assert _card((await client.get(f"/e/{e}/live?fragment=1")).text) == "base"  # no proxy up yet: what it will serve
-    await real_store.register_proxy(ProxyEndpoint("p1", "http://proxy:8000", "tiny", model_version="base"))
+    await real_store.registry.register_proxy(ProxyEndpoint("p1", "http://proxy:8000", "tiny", model_version="base"))
     assert _card((await client.get(f"/e/{e}/live?fragment=1")).text) == "base"
     assert _card((await client.get(f"/e/{e}")).text) == "base"
     row = next(r for r in (await client.get("/")).text.split("<tr") if f"/e/{e}\"" in r)
@@ -32,8 +32,8 @@ async def test_a_replica_serving_a_lora_version_shows_it(real_store: RedisStore,
     """A replica serving v3 as a LoRA adapter: its row says "v3 (LoRA adapter)" and the card says v3."""
     await seed(real_store, succeeded=1, queued=0)
     e = real_store.experiment
-    await real_store.add_resources({"llm": {"kind": "llm", "model": "tiny", "sampling_parameters": {}}})
-    await real_store.set_replica(ReplicaState("http://vllm:8100", "v3", ready=True, served_model="v3"))
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "tiny", "sampling_parameters": {}}})
+    await real_store.registry.set_replica(ReplicaState("http://vllm:8100", "v3", ready=True, served_model="v3"))
     page = (await client.get(f"/e/{e}/live?fragment=1")).text
     assert _card(page) == "v3"
     row = next(r for r in page.split("<tr") if "vllm:8100" in r)

@@ -64,21 +64,21 @@ async def test_the_example_runs_the_tool_the_model_calls(
     pytest.importorskip(needs, reason=f"{needs} is not installed: pip install -e '.[dev]' (the frameworks extra)")
     upstream.requests.clear()
     upstream.script({"tool_calls": [CALCULATOR_CALL]}, "391")
-    await proxy_store.add_resources({"llm": {"kind": "llm", "model": upstream.model, "sampling_parameters": {"temperature": 0.0}}})
+    await proxy_store.resources.add_resources({"llm": {"kind": "llm", "model": upstream.model, "sampling_parameters": {"temperature": 0.0}}})
     done = await procs.start(
         "run-once", "--agent", agent, "--task", json.dumps(QUESTION), "--llm-base-url", upstream_proxy.base(), "--json"
     )
     assert await done.wait(timeout_s=180) == 0, done.stderr[-6000:]
     result = json.loads(done.stdout)
     assert (result["status"], result["reward"]) == ("succeeded", 1.0)
-    rollout = await proxy_store.get_rollout(result["rollout_id"])
+    rollout = await proxy_store.rollouts.get_rollout(result["rollout_id"])
     assert rollout is not None and rollout.status is RolloutStatus.SUCCEEDED and rollout.reward == 1.0
 
     first, second, *_ = upstream.requests
     assert first.body["tools"][0]["function"]["name"] == "calculator"
     tool_results = [m for m in second.body["messages"] if m["role"] == "tool"]
     assert [(m["tool_call_id"], m["content"]) for m in tool_results] == [("call_1", "391")]
-    spans = await proxy_store.query_spans(rollout.rollout_id)
+    spans = await proxy_store.spans.query_spans(rollout.rollout_id)
     (tool,) = [s for s in spans if s.name == "calculator" and semconv.OPERATION_INPUT in s.attributes]
     assert json.loads(tool.attributes[semconv.OPERATION_INPUT])["kwargs"] == {"expression": "17 * 23"}
     assert tool.attributes[semconv.OPERATION_OUTPUT] == '"391"'

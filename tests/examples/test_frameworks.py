@@ -62,10 +62,10 @@ async def _run_example(
     code = await done.wait(timeout_s=180)
     assert code == 0, done.stderr[-6000:] + "\nSTDOUT " + done.stdout[-700:]
     result = json.loads(done.stdout)
-    rollout = await store.get_rollout(result["rollout_id"])
+    rollout = await store.rollouts.get_rollout(result["rollout_id"])
     assert rollout is not None and rollout.status is RolloutStatus.SUCCEEDED
     assert rollout.reward in (0.0, 1.0) and result["reward"] == rollout.reward
-    return rollout, await store.query_spans(rollout.rollout_id)
+    return rollout, await store.spans.query_spans(rollout.rollout_id)
 
 
 async def _run_under_runner(
@@ -77,11 +77,11 @@ async def _run_under_runner(
     env = child_env(procs.redis_url, procs.experiment, FULMEN_LLM_BASE_URL=proxy.base())
     runner = await procs.runner(agent, "--concurrency", "1", env=env)
     await wait_until_ready(store, runner)
-    queued = await store.enqueue_rollout(QUESTION)
-    (rollout,) = await store.wait_for_rollouts([queued.rollout_id], timeout_s=120)
+    queued = await store.rollouts.enqueue_rollout(QUESTION)
+    (rollout,) = await store.finished.wait_for_rollouts([queued.rollout_id], timeout_s=120)
     assert rollout.status is RolloutStatus.SUCCEEDED, runner.stderr[-6000:]
     assert rollout.reward in (0.0, 1.0)
-    return rollout, await store.query_spans(rollout.rollout_id)
+    return rollout, await store.spans.query_spans(rollout.rollout_id)
 
 
 def _llm_calls(rollout: Rollout, spans: list[Span], api: str | None) -> list[Span]:

@@ -35,15 +35,15 @@ async def test_responses_agent_with_the_defaults_meets_no_hidden_token_cap(
     tokens the agent sent, none by the context length."""
     pytest.importorskip("agents", reason="agents is not installed: pip install -e '.[dev]' (the frameworks extra)")
     assert torch_proxy.settings.default_max_tokens == 256  # the documented default, not a test's choice
-    await proxy_store.add_resources({"llm": {"kind": "llm", "model": "tiny"}})  # no sampling parameters
+    await proxy_store.resources.add_resources({"llm": {"kind": "llm", "model": "tiny"}})  # no sampling parameters
     env = child_env(procs.redis_url, procs.experiment, FULMEN_LLM_BASE_URL=torch_proxy.base())
     runner = await procs.runner("examples.openai_agents.agent:agent", "--concurrency", "2", env=env)
     await wait_until_ready(proxy_store, runner)
-    queued = [await proxy_store.enqueue_rollout({**QUESTION, "attempt": i}) for i in range(ROLLOUTS)]
-    rollouts = await proxy_store.wait_for_rollouts([q.rollout_id for q in queued], timeout_s=600)
+    queued = [await proxy_store.rollouts.enqueue_rollout({**QUESTION, "attempt": i}) for i in range(ROLLOUTS)]
+    rollouts = await proxy_store.finished.wait_for_rollouts([q.rollout_id for q in queued], timeout_s=600)
     assert [r.status for r in rollouts] == [RolloutStatus.SUCCEEDED] * ROLLOUTS, runner.stderr[-6000:]
     for rollout in rollouts:
-        calls = [s.attributes for s in await proxy_store.query_spans(rollout.rollout_id)
+        calls = [s.attributes for s in await proxy_store.spans.query_spans(rollout.rollout_id)
                  if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL]
         assert calls, f"rollout {rollout.rollout_id} recorded no LLM call"
         for call in calls:

@@ -13,7 +13,7 @@ from fulmen_llm_proxy.recording import API_ATTRIBUTE
 
 
 async def llm_spans(store: RedisStore, rollout_id: str) -> list[Span]:
-    spans = await store.query_spans(rollout_id)
+    spans = await store.spans.query_spans(rollout_id)
     return [s for s in spans if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL]
 
 

@@ -38,7 +38,7 @@ def module_experiment() -> str:
 @pytest.fixture
 async def attempt(proxy_store: RedisStore) -> tuple[str, str]:
     """A running attempt to attribute calls to: (rollout id, attempt id)."""
-    started = await proxy_store.start_rollout({"task": "test"}, "test-worker")
+    started = await proxy_store.rollouts.start_rollout({"task": "test"}, "test-worker")
     return started.rollout.rollout_id, started.attempt.attempt_id
 
 

@@ -39,7 +39,7 @@ def proxy(redis_server: EmbeddedRedis, experiment: str, fake: FakeOpenAI) -> Ite
 async def _entry(store: RedisStore, state: str, control_id: str) -> ProxyEndpoint:
     deadline = time.monotonic() + 5
     while True:
-        (endpoint,) = await store.query_proxies()
+        (endpoint,) = await store.registry.query_proxies()
         if endpoint.metadata["state"] == state and endpoint.metadata["control_id"] == control_id:
             return endpoint
         assert time.monotonic() < deadline, endpoint.metadata
@@ -72,7 +72,7 @@ async def test_pause_times_out_by_itself_and_only_for_named_proxies(
     """A pause for another proxy changes nothing; a pause with timeout_s ends on its own."""
     other = await send_control(real_store, "pause", proxy_ids=("someone-else",))
     await asyncio.sleep(0.2)
-    (endpoint,) = await real_store.query_proxies()
+    (endpoint,) = await real_store.registry.query_proxies()
     assert endpoint.metadata["state"] == "serving" and endpoint.metadata["control_id"] != other.control_id
     pause = await send_control(real_store, "pause", timeout_s=0.5)
     await _entry(real_store, "paused", pause.control_id)
@@ -106,7 +106,7 @@ async def test_proxy_starting_during_a_pause_starts_paused(
         await _entry(real_store, "paused", pause.control_id)
     finally:
         proxy.stop()
-    assert await real_store.query_proxies() == []  # unregistered on shutdown
+    assert await real_store.registry.query_proxies() == []  # unregistered on shutdown
 
 
 def test_control_record_round_trips() -> None:

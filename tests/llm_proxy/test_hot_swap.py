@@ -75,7 +75,7 @@ async def test_weight_update_with_32_calls_in_flight(
     # a call the old weights answered: which of the 32 those were depends on the machine's speed).
     by_base = [r for r in results if r.model_extra["model_version"] == "base"]
     assert not by_base or later[0].choices[0].model_extra["token_ids"] != by_base[0].choices[0].model_extra["token_ids"]
-    (endpoint,) = await real_store.query_proxies()
+    (endpoint,) = await real_store.registry.query_proxies()
     assert endpoint.model_version == "v1"
 
 
@@ -113,13 +113,13 @@ async def test_a_restarted_proxy_answers_its_first_call_with_the_latest_version(
     new_model, _ = load_tiny_model(build_tiny_model(tmp_path / "other", seed=7))
     await publish_model_version(real_store, new_model.state_dict(), model="tiny", model_version="trained-2")
     if then == "validation resources":
-        await real_store.add_resources({"llm": {"kind": "llm", "model": "tiny", "sampling_parameters": {}}},
+        await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "tiny", "sampling_parameters": {}}},
                                        resources_id="validation")
     proxy = RunningProxy(
         redis_url=redis_server.url, experiment=experiment, proxy_backend="torch", model_dir=tiny_model
     )
     try:
-        (endpoint,) = await real_store.query_proxies()  # registered once started: with that version
+        (endpoint,) = await real_store.registry.query_proxies()  # registered once started: with that version
         assert endpoint.model_version == "trained-2"
         client = openai.OpenAI(base_url=proxy.base(), api_key="unused", max_retries=0)
         response = client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=4)

@@ -41,7 +41,7 @@ def lose_first_response(torch_proxy: RunningProxy) -> Iterator[list[str]]:
 
 
 async def _llm_spans(store: RedisStore, rollout_id: str, attempt_id: str) -> list[Span]:
-    spans = await store.query_spans(rollout_id, attempt_id)
+    spans = await store.spans.query_spans(rollout_id, attempt_id)
     return [s for s in spans if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL]
 
 
@@ -67,7 +67,7 @@ async def test_retry_after_a_lost_response_is_one_call(
     assert json.loads(span.attributes[semconv.RESPONSE_JSON])["content"] == text
     assert span.attributes[semconv.CALL_KEY]
     info = AttemptInfo(rollout_id, attempt_id, "g", mode="train", group_size=1, reward=1.0)
-    assert len(spans_to_samples(await proxy_store.query_spans(rollout_id, attempt_id), info)) == 1
+    assert len(spans_to_samples(await proxy_store.spans.query_spans(rollout_id, attempt_id), info)) == 1
 
 
 async def test_each_logical_call_is_recorded(

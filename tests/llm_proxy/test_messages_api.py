@@ -282,7 +282,7 @@ async def test_the_adapter_turns_the_calls_into_samples(
     first = await _create(base, True, messages=USER, **kwargs)
     history = [*USER, {"role": "assistant", "content": first.content}, {"role": "user", "content": "And 3+3?"}]
     second = await _create(base, False, messages=history, **kwargs)
-    spans = await proxy_store.query_spans(*attempt)
+    spans = await proxy_store.spans.query_spans(*attempt)
     info = AttemptInfo(attempt[0], attempt[1], "g", mode="train", group_size=1, reward=1.0)
     samples = spans_to_samples(spans, info)
     turns = [first.model_extra["token_ids"], second.model_extra["token_ids"]]

@@ -36,7 +36,7 @@ async def test_n_samples_are_n_choices_and_n_spans_the_adapter_reads(
         assert len(choice.logprobs.content) == len(choice_ids)
     assert response.usage.completion_tokens == sum(len(i) for i in ids)
     assert response.usage.prompt_tokens == len(response.model_extra["prompt_token_ids"])
-    spans = by_choice(await proxy_store.query_spans(attempt[0]))
+    spans = by_choice(await proxy_store.spans.query_spans(attempt[0]))
     assert [tokens.ids(s.attributes[semconv.RESPONSE_TOKEN_IDS]) for s in spans] == ids
     assert [s.attributes.get(semconv.CHOICE_INDEX) for s in spans] == [0, 1, 2]
     assert all(tokens.ids(s.attributes[semconv.PROMPT_TOKEN_IDS]) == response.model_extra["prompt_token_ids"]
@@ -61,7 +61,7 @@ async def test_streaming_n_interleaves_choices_by_index(
             texts[choice.index] += choice.delta.content or ""
             ids[choice.index] += choice.model_extra["token_ids"]
             finishes[choice.index] = choice.finish_reason or finishes[choice.index]
-    spans = by_choice(await proxy_store.query_spans(attempt[0]))
+    spans = by_choice(await proxy_store.spans.query_spans(attempt[0]))
     assert [tokens.ids(s.attributes[semconv.RESPONSE_TOKEN_IDS]) for s in spans] == ids
     tokenizer = torch_proxy.app.service.backend.engine.tokenizer
     assert [tokenizer.decode(i, skip_special_tokens=True) for i in ids] == texts
@@ -80,7 +80,7 @@ async def test_a_retried_n_call_is_answered_from_its_spans(
     assert first.status_code == again.status_code == 200
     token_ids = [[c["token_ids"] for c in r.json()["choices"]] for r in (first, again)]
     assert token_ids[0] == token_ids[1] and len(token_ids[0]) == 2  # the same two samples, not new ones
-    assert len(await proxy_store.query_spans(attempt[0])) == 2
+    assert len(await proxy_store.spans.query_spans(attempt[0])) == 2
 
 
 @pytest.mark.parametrize("n", [0, 17, 1.5, True])
@@ -97,7 +97,7 @@ async def test_text_completions_take_n_too(
     response = client.completions.create(model="tiny", prompt="12+", n=2, temperature=1.0, seed=1, max_tokens=6)
     assert [c.index for c in response.choices] == [0, 1]
     tokenizer = torch_proxy.app.service.backend.engine.tokenizer
-    spans = by_choice(await proxy_store.query_spans(attempt[0]))
+    spans = by_choice(await proxy_store.spans.query_spans(attempt[0]))
     for choice, span in zip(response.choices, spans, strict=True):
         ids = tokens.ids(span.attributes[semconv.RESPONSE_TOKEN_IDS])
         assert choice.model_extra["token_ids"] == ids

@@ -89,14 +89,14 @@ async def test_each_rollout_is_one_trace_across_runner_and_proxy(
     """Per rollout: one trace id, = rollout_trace_id, holding runner spans and the proxy's call spans
     whose parents are runner spans (the root for the first call, the operation for the second)."""
     env = _env(redis_url, real_store.experiment, receiver.endpoint)
-    await real_store.add_resources({"llm": {"kind": "llm", "model": "tiny"}}, resources_id="policy")
-    ids = [(await real_store.enqueue_rollout({"q": f"{i}+{i}="})).rollout_id for i in range(3)]
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "tiny"}}, resources_id="policy")
+    ids = [(await real_store.rollouts.enqueue_rollout({"q": f"{i}+{i}="})).rollout_id for i in range(3)]
     for args in (
         ["llm-proxy", "--backend", "torch", "--model-dir", str(tiny_model), "--port", "0"],
         ["runner", "--agent", "otlp_trace_agents:two_calls", "--concurrency", "3"],
     ):
         children.append(Child(args, env, tmp_path))
-    waiting = asyncio.ensure_future(real_store.wait_for_rollouts(ids, timeout_s=240))
+    waiting = asyncio.ensure_future(real_store.finished.wait_for_rollouts(ids, timeout_s=240))
     while not waiting.done():  # a child that dies must fail the test now, not after the timeout
         for child in children:
             assert child.popen.poll() is None, f"{child.name} exited early: {child.stderr}"
@@ -128,7 +128,7 @@ async def test_each_rollout_is_one_trace_across_runner_and_proxy(
         parents = sorted(runner_spans[c.parent_span_id].name for c in calls if c.parent_span_id in runner_spans)
         assert parents == sorted([semconv.ROLLOUT_SPAN, "second-turn"]), "a call's parent is not a runner span"
         # The trace viewer shows what the store holds: the same call spans, same ids.
-        stored = await real_store.query_spans(rid)
+        stored = await real_store.spans.query_spans(rid)
         stored_calls = {s.span_id for s in stored if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL}
         assert stored_calls == {c.span_id for c in calls}
     assert len({s.trace_id for s in spans}) == len(ids)  # one trace per rollout, nothing else

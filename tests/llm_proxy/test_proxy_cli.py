@@ -37,7 +37,7 @@ async def test_command_serves_registers_and_stops_on_sigterm(
     process = subprocess.Popen([*command, *args], env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
-        while not (proxies := await real_store.query_proxies()):
+        while not (proxies := await real_store.registry.query_proxies()):
             assert process.poll() is None, process.stderr.read() if process.stderr else ""
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)
@@ -50,7 +50,7 @@ async def test_command_serves_registers_and_stops_on_sigterm(
             assert b"fulmen_proxy_requests_total" in (await client.get("/metrics")).content
         process.send_signal(signal.SIGTERM)
         assert process.wait(10) == 0
-        assert await real_store.query_proxies() == []
+        assert await real_store.registry.query_proxies() == []
     finally:
         if process.poll() is None:
             process.kill()

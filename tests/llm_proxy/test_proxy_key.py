@@ -44,13 +44,13 @@ def keyed_proxy(redis_server: EmbeddedRedis, experiment: str) -> Iterator[Runnin
 
 
 async def _run_one(store: RedisStore, key: str | None) -> tuple[RolloutStatus, Any]:
-    await store.add_resources({"llm": {"kind": "llm", "model": "fake"}})
-    r = await store.enqueue_rollout("x")
+    await store.resources.add_resources({"llm": {"kind": "llm", "model": "fake"}})
+    r = await store.rollouts.enqueue_rollout("x")
     _, buffer = setup_tracing("test-runner", set_global=False)
     runner = Runner(store, calls_the_llm, buffer, proxy_api_key=key)
     await runner.run(max_rollouts=1)
-    (attempt,) = await store.query_attempts(r.rollout_id)
-    return (await store.get_rollout(r.rollout_id)).status, attempt
+    (attempt,) = await store.rollouts.query_attempts(r.rollout_id)
+    return (await store.rollouts.get_rollout(r.rollout_id)).status, attempt
 
 
 @pytest.mark.parametrize(

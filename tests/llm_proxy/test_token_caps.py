@@ -47,7 +47,7 @@ def test_default_max_tokens_is_a_documented_setting(monkeypatch: pytest.MonkeyPa
 
 
 async def _span(store: RedisStore, rollout_id: str) -> dict:
-    (span,) = [s for s in await store.query_spans(rollout_id)
+    (span,) = [s for s in await store.spans.query_spans(rollout_id)
                if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL]
     return span.attributes
 
@@ -59,7 +59,7 @@ async def test_cut_answers_say_which_limit_cut_them(
     context_length; an answer that stops by itself: no truncated_by; one log warning per cause."""
     recording._WARNED.clear()
     caplog.set_level(logging.WARNING, logger=recording.__name__)
-    attempts = [(await proxy_store.start_rollout({"task": i}, "w")) for i in range(4)]
+    attempts = [(await proxy_store.rollouts.start_rollout({"task": i}, "w")) for i in range(4)]
     bodies = [
         {"model": "tiny", "prompt": "12+7=", "temperature": 0},  # the proxy's default max tokens
         {"model": "tiny", "prompt": "1" * (CONTEXT - 4), "max_tokens": 30, "temperature": 0},  # the context

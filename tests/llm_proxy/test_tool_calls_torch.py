@@ -55,7 +55,7 @@ def chat(proxy: RunningProxy, attempt: tuple[str, str], user: str, **kwargs: obj
 
 
 async def one_span(store: RedisStore, attempt: tuple[str, str]):
-    [span] = await store.query_spans(attempt[0])
+    [span] = await store.spans.query_spans(attempt[0])
     return span
 
 

@@ -56,7 +56,7 @@ async def test_sync_chat_returns_faithful_tokens_and_stores_span_first(
     assert logprobs == pytest.approx(forward_logprobs(model, prompt_ids, token_ids), abs=1e-4)
     assert extra["model_version"] == "base"
     # No wait: the span was stored before the response was sent.
-    spans = await proxy_store.query_spans(attempt[0])
+    spans = await proxy_store.spans.query_spans(attempt[0])
     assert len(spans) == 1
     span = spans[0]
     a = span.attributes
@@ -95,7 +95,7 @@ async def test_async_streaming_chat_carries_ids_in_chunks(
     assert decode(tokenizer, token_ids) == text
     assert logprobs == pytest.approx(forward_logprobs(model, prompt_ids, token_ids), abs=1e-4)
     assert all(c.model_extra["model_version"] == "base" for c in chunks)
-    spans = await proxy_store.query_spans(attempt[0])
+    spans = await proxy_store.spans.query_spans(attempt[0])
     assert [tokens.ids(s.attributes[semconv.RESPONSE_TOKEN_IDS]) for s in spans] == [token_ids]
     assert spans[0].attributes[semconv.STREAM] is True
     assert spans[0].attributes[semconv.GEN_AI_SEED] == 3
@@ -126,7 +126,7 @@ async def test_sync_streaming_completion_and_async_completion_of_token_ids(
     assert choice.model_extra["token_ids"] == token_ids  # greedy: the same continuation
     assert choice.text == text
     assert choice.logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-5)
-    spans = await proxy_store.query_spans(attempt[0])
+    spans = await proxy_store.spans.query_spans(attempt[0])
     assert [s.name for s in spans] == ["text_completion tiny"] * 2
 
 
@@ -146,7 +146,7 @@ async def test_headers_attribute_and_traceparent_joins_the_trace(
         },
     )
     client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
-    (span,) = await proxy_store.query_spans(rollout_id)
+    (span,) = await proxy_store.spans.query_spans(rollout_id)
     assert (span.attempt_id, span.trace_id, span.parent_id) == (attempt_id, trace_id, parent_id)
 
 
@@ -192,7 +192,7 @@ def test_models_health_ready_and_registry(torch_proxy: RunningProxy) -> None:
 
 async def test_proxy_registers_its_base_url(torch_proxy: RunningProxy, proxy_store: RedisStore) -> None:
     """The proxy is in the store's registry with its base URL, model and version."""
-    (endpoint,) = await proxy_store.query_proxies()
+    (endpoint,) = await proxy_store.registry.query_proxies()
     assert endpoint.base_url == torch_proxy.url
     assert (endpoint.model, endpoint.model_version) == ("tiny", "base")
     assert endpoint.metadata["state"] == "serving"

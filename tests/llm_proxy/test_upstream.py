@@ -75,7 +75,7 @@ async def test_vllm_chat_returns_and_records_upstream_token_ids(
     assert [c.logprob for c in response.choices[0].logprobs.content] == fake_logprobs(4)
     sent = [r.body for f in vllm_fakes for r in f.requests][-1]
     assert sent["return_token_ids"] is True and sent["logprobs"] is True
-    (span,) = await proxy_store.query_spans(attempt[0])
+    (span,) = await proxy_store.spans.query_spans(attempt[0])
     a = span.attributes
     assert a[semconv.GEN_AI_SYSTEM] == "vllm" and a[semconv.TOKEN_FIDELITY] == "exact"
     assert tokens.ids(a[semconv.PROMPT_TOKEN_IDS]) == prompt_ids and tokens.ids(a[semconv.RESPONSE_TOKEN_IDS]) == token_ids("four")
@@ -99,7 +99,7 @@ async def test_vllm_streaming_chat_and_completion(
     chunks = [c async for c in stream]
     await client.close()
     assert chunks[0].choices[0].model_extra["prompt_token_ids"] == token_ids("2+2=")
-    chat_span, completion_span = await proxy_store.query_spans(attempt[0])
+    chat_span, completion_span = await proxy_store.spans.query_spans(attempt[0])
     for span, prompt in ((chat_span, "Be brief.2+2?"), (completion_span, "2+2=")):
         a = span.attributes
         assert tokens.ids(a[semconv.PROMPT_TOKEN_IDS]) == token_ids(prompt)
@@ -114,7 +114,7 @@ async def test_replicas_are_sticky_by_rollout(
     """Every call of a rollout goes to the same replica; rollouts spread over both."""
     served: dict[str, set[str]] = {}
     for i in range(12):
-        started = await proxy_store.start_rollout({}, "w", rollout_id=f"sticky-{i}-{proxy_store.experiment}")
+        started = await proxy_store.rollouts.start_rollout({}, "w", rollout_id=f"sticky-{i}-{proxy_store.experiment}")
         rid, aid = started.rollout.rollout_id, started.attempt.attempt_id
         client = openai.OpenAI(base_url=vllm_proxy.base(rid, aid), api_key="unused")
         for _ in range(3):
@@ -143,7 +143,7 @@ async def test_openai_backend_is_text_only_and_passes_tool_calls(
     assert any(ch.delta.tool_calls for c in chunks for ch in c.choices)
     text = client.chat.completions.create(model="fake-model", messages=MESSAGES).choices[0].message.content
     assert text == "plain"
-    spans = await proxy_store.query_spans(attempt[0])
+    spans = await proxy_store.spans.query_spans(attempt[0])
     assert len(spans) == 3
     for span in spans:
         assert span.attributes[semconv.TOKEN_FIDELITY] == "text_only"
@@ -211,7 +211,7 @@ async def test_a_teachers_text_only_answers_become_retokenized_samples(
     first = client.chat.completions.create(model="fake-model", messages=MESSAGES).choices[0].message.content
     follow_up = [*MESSAGES, {"role": "assistant", "content": first}, {"role": "user", "content": "and 2+3?"}]
     client.chat.completions.create(model="fake-model", messages=follow_up)
-    spans = await proxy_store.query_spans(attempt[0])
+    spans = await proxy_store.spans.query_spans(attempt[0])
     retokenize = Retokenizer(tiny_model)
     info = AttemptInfo(attempt[0], attempt[1], "task", mode="train", reward=1.0)
     samples = [Sample.from_wire(s.to_wire()) for s in spans_to_samples(spans, info, AdapterConfig(retokenize=retokenize))]

@@ -234,14 +234,14 @@ async def test_the_proxy_serves_a_repeated_temperature_0_call_from_its_cache(
     messages = [{"role": "user", "content": "what is 2+2?"}]
     answers = []
     for i in range(2):  # two attempts, two idempotency keys: the same question
-        started = await proxy_store.start_rollout({"task": i}, "w")  # type: ignore[attr-defined]
+        started = await proxy_store.rollouts.start_rollout({"task": i}, "w")  # type: ignore[attr-defined]
         client = openai.AsyncOpenAI(
             base_url=cached_proxy.base(started.rollout.rollout_id, started.attempt.attempt_id), api_key="x",
             max_retries=0,
         )  # fmt: skip
         answers.append(await client.chat.completions.create(
             model="up-model", messages=messages, temperature=0, extra_headers={"Idempotency-Key": f"k{i}"}))
-        spans = await proxy_store.query_spans(started.rollout.rollout_id)  # type: ignore[attr-defined]
+        spans = await proxy_store.spans.query_spans(started.rollout.rollout_id)  # type: ignore[attr-defined]
         assert len(spans) == 1  # a cached answer is recorded as any other
     assert len(upstream.requests) == 1
     assert answers[0].choices[0].message.content == answers[1].choices[0].message.content == "ok"

@@ -133,7 +133,7 @@ async def wait_until_ready(store: RedisStore, *runners: FulmenProcess, timeout_s
     wanted = {r.pid: r for r in runners}
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        pids = {w.metadata.get("pid") for w in await store.query_workers()}
+        pids = {w.metadata.get("pid") for w in await store.registry.query_workers()}
         if wanted.keys() <= pids:
             return
         for pid, runner in wanted.items():
@@ -145,6 +145,6 @@ async def wait_until_ready(store: RedisStore, *runners: FulmenProcess, timeout_s
 
 
 def worker_id_of(store_workers: list, pid: int) -> str:
-    """The worker id of the runner process ``pid`` among `RedisStore.query_workers()`."""
+    """The worker id of the runner process ``pid`` among `store.registry.query_workers()`."""
     (worker_id,) = [w.worker_id for w in store_workers if w.metadata.get("pid") == pid]
     return worker_id

@@ -46,7 +46,7 @@ async def _run_example(
     store: RedisStore, procs: FulmenProcesses, fake: FakeOpenAI, example: str, *args: str
 ) -> tuple[FulmenProcess, Rollout]:
     """`fulmen run-once` of ``examples.<example>:agent`` on QUESTION, with an "llm" resource published."""
-    await store.add_resources(
+    await store.resources.add_resources(
         {"llm": {"kind": "llm", "model": "fake", "sampling_parameters": {"temperature": 0.0}}}
     )
     process = await procs.start(
@@ -57,7 +57,7 @@ async def _run_example(
         *args,
     )  # fmt: skip
     await process.wait()
-    (rollout,) = await store.query_rollouts()
+    (rollout,) = await store.rollouts.query_rollouts()
     return process, rollout
 
 
@@ -83,7 +83,7 @@ async def test_single_turn_example_scores_a_right_answer(real_store, procs, fake
     (request,) = fake.requests
     assert [m["role"] for m in request.body["messages"]] == ["system", "user"]
     assert request.body["messages"][1]["content"] == QUESTION["question"]
-    spans = await real_store.query_spans(rollout.rollout_id)
+    spans = await real_store.spans.query_spans(rollout.rollout_id)
     assert [s.name for s in spans] == [semconv.MESSAGE_SPAN, semconv.ROLLOUT_SPAN, semconv.REWARD_SPAN]
     assert spans[0].attributes[semconv.MESSAGE] == "reply: 17 * 23 = 391"
     assert spans[-1].attributes[semconv.REWARD] == 1.0
@@ -96,7 +96,7 @@ async def test_single_turn_example_scores_a_wrong_answer_zero(real_store, procs,
     assert done.process.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert (result["status"], result["reward"]) == ("succeeded", 0.0)
-    (reward,) = await real_store.query_spans(rollout.rollout_id, name=semconv.REWARD_SPAN)
+    (reward,) = await real_store.spans.query_spans(rollout.rollout_id, name=semconv.REWARD_SPAN)
     assert reward.attributes[semconv.REWARD] == 0.0
 
 
@@ -119,7 +119,7 @@ async def test_multi_turn_example_runs_the_tool_and_scores_the_answer(real_store
         trace_id = request.headers["traceparent"].split("-")[1]
         assert int(trace_id, 16) == rollout_trace_id(rollout.rollout_id)
 
-    spans = await real_store.query_spans(rollout.rollout_id)
+    spans = await real_store.spans.query_spans(rollout.rollout_id)
     assert [s.name for s in spans] == [
         "calculator",
         semconv.MESSAGE_SPAN,
@@ -139,18 +139,18 @@ async def test_multi_turn_example_runs_the_tool_and_scores_the_answer(real_store
 
 async def test_multi_turn_example_under_a_runner_process(real_store, procs, fake) -> None:
     """Under `fulmen runner` (FULMEN_LLM_BASE_URL), the tool example's rollouts succeed with reward 1.0."""
-    await real_store.add_resources({"llm": {"kind": "llm", "model": "fake"}})
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "fake"}})
     env = child_env(procs.redis_url, procs.experiment, FULMEN_LLM_BASE_URL=f"{fake.base_url}/v1")
     # One slot: the fake answers in script order, so rollouts must not interleave their turns.
     runner = await procs.runner("examples.multi_turn_tool_agent:agent", "--concurrency", "1", env=env)
     await wait_until_ready(real_store, runner)
     fake.script({"tool_calls": [CALCULATOR_CALL]}, "391", {"tool_calls": [CALCULATOR_CALL]}, "390")
-    ids = [(await real_store.enqueue_rollout(QUESTION)).rollout_id for _ in range(2)]
-    assert len(await real_store.wait_for_rollouts(ids, timeout_s=120)) == 2
+    ids = [(await real_store.rollouts.enqueue_rollout(QUESTION)).rollout_id for _ in range(2)]
+    assert len(await real_store.finished.wait_for_rollouts(ids, timeout_s=120)) == 2
     rewards = []
     for rid in ids:
-        assert (await real_store.get_rollout(rid)).status is RolloutStatus.SUCCEEDED
-        spans = await real_store.query_spans(rid)
+        assert (await real_store.rollouts.get_rollout(rid)).status is RolloutStatus.SUCCEEDED
+        spans = await real_store.spans.query_spans(rid)
         assert [s.name for s in spans] == [
             "calculator", semconv.MESSAGE_SPAN, semconv.ROLLOUT_SPAN, semconv.REWARD_SPAN
         ]

@@ -47,8 +47,8 @@ async def _run_and_stop(
     )
     runner = await procs.runner(agent, env=env)
     await wait_until_ready(store, runner)
-    ids = [(await store.enqueue_rollout({"i": i})).rollout_id for i in range(3)]
-    assert len(await store.wait_for_rollouts(ids, timeout_s=120)) == 3
+    ids = [(await store.rollouts.enqueue_rollout({"i": i})).rollout_id for i in range(3)]
+    assert len(await store.finished.wait_for_rollouts(ids, timeout_s=120)) == 3
     runner.signal(signal.SIGTERM)
     assert await runner.wait(timeout_s=30) == 0, runner.stderr
     return ids
@@ -58,12 +58,12 @@ async def _assert_exported_as_stored(store: RedisStore, receiver: OtlpReceiver, 
     """Every stored span of each rollout arrived over OTLP, with the rollout's ids, in the rollout's trace."""
     grouped = _by_rollout(receiver.snapshot())
     for rid in ids:
-        stored = await store.query_spans(rid)
+        stored = await store.spans.query_spans(rid)
         exported = grouped[rid]
         assert sorted(s.span_id for s in exported) == sorted(s.span_id for s in stored), (
             f"rollout {rid}: {len(exported)} of {len(stored)} span(s) exported"
         )
-        rollout = await store.get_rollout(rid)
+        rollout = await store.rollouts.get_rollout(rid)
         assert {s.attributes[semconv.ATTEMPT_ID] for s in exported} == {rollout.attempt_id}
         (trace_id,) = {s.trace_id_int for s in exported}
         assert trace_id == rollout_trace_id(rid)
@@ -104,8 +104,8 @@ async def test_sigterm_exports_the_spans_of_a_handed_back_sync_agent(real_store,
     )
     runner = await procs.runner("runner_test_agents:sync_sleeps", "--grace-s", "0.5", env=env)
     await wait_until_ready(real_store, runner)
-    rid = (await real_store.enqueue_rollout({"sleep_s": 60.0})).rollout_id
-    while not await real_store.query_spans(rid, name=semconv.MESSAGE_SPAN):  # the agent is asleep
+    rid = (await real_store.rollouts.enqueue_rollout({"sleep_s": 60.0})).rollout_id
+    while not await real_store.spans.query_spans(rid, name=semconv.MESSAGE_SPAN):  # the agent is asleep
         await asyncio.sleep(0.05)
     runner.signal(signal.SIGTERM)
     assert await runner.wait(timeout_s=10.0) == 0, runner.stderr  # long before the thread's 60 s are up

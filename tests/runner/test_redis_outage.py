@@ -34,16 +34,16 @@ async def test_store_calls_ride_out_a_redis_restart(tmp_path: Path, caplog: pyte
         client = await connect(CommonSettings(redis_url=server.url, redis_outage_s=30), wait_s=10)
         store = RedisStore(client, "outage")
         try:
-            await store.ensure()
-            claim = asyncio.create_task(store.dequeue_rollouts("w1", 1, block_s=30))
+            await store.queue.ensure()
+            claim = asyncio.create_task(store.queue.dequeue_rollouts("w1", 1, block_s=30))
             await asyncio.sleep(0.3)  # the claim is blocked on the empty queue
             await _outage(server)
-            await store.enqueue_rollout({"q": 1}, rollout_id="after-outage")
+            await store.rollouts.enqueue_rollout({"q": 1}, rollout_id="after-outage")
             [claimed] = await asyncio.wait_for(claim, 30)
             assert claimed.rollout.rollout_id == "after-outage"
-            outcome = await store.update_attempt("after-outage", claimed.attempt.attempt_id, status="succeeded")
+            outcome = await store.rollouts.update_attempt("after-outage", claimed.attempt.attempt_id, status="succeeded")
             assert outcome == "succeeded"
-            [done] = await store.wait_for_rollouts(["after-outage"], timeout_s=10)
+            [done] = await store.finished.wait_for_rollouts(["after-outage"], timeout_s=10)
             assert done.status is RolloutStatus.SUCCEEDED
         finally:
             await client.aclose()
@@ -80,20 +80,20 @@ async def test_runner_adapter_and_watchdog_stay_up_through_a_redis_restart(tmp_p
                 watchdog = await procs.start("watchdog")
                 await wait_until_ready(store, runner)
                 before = [f"before-{i}" for i in range(10)]
-                await store.enqueue_rollouts([store.new_rollout({"i": i}, rollout_id=r) for i, r in enumerate(before)])
-                assert len(await store.wait_for_rollouts(before, timeout_s=60)) == len(before)
+                await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout({"i": i}, rollout_id=r) for i, r in enumerate(before)])
+                assert len(await store.finished.wait_for_rollouts(before, timeout_s=60)) == len(before)
 
                 await _outage(server)
 
                 after = [f"after-{i}" for i in range(10)]
-                await store.enqueue_rollouts([store.new_rollout({"i": i}, rollout_id=r) for i, r in enumerate(after)])
-                finished = await store.wait_for_rollouts(after, timeout_s=60)
+                await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout({"i": i}, rollout_id=r) for i, r in enumerate(after)])
+                finished = await store.finished.wait_for_rollouts(after, timeout_s=60)
                 assert [r.status for r in finished] == [RolloutStatus.SUCCEEDED] * len(after)
                 for _ in range(600):  # the adapter takes each finished rollout in turn
-                    if (await store.adapter_stats()).get("rollouts", 0) >= len(before) + len(after):
+                    if (await store.samples.adapter_stats()).get("rollouts", 0) >= len(before) + len(after):
                         break
                     await asyncio.sleep(0.1)
-                assert (await store.adapter_stats()).get("rollouts", 0) >= len(before) + len(after)
+                assert (await store.samples.adapter_stats()).get("rollouts", 0) >= len(before) + len(after)
                 for process, name in ((runner, "runner"), (adapter, "adapter"), (watchdog, "watchdog")):
                     # A process logs "is back" on its first command that succeeds after the restart:
                     # the watchdog's next sweep may come after the work above is already done.

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 
 async def _finish(store: RedisStore, ids: list[str], timeout_s: float = 120.0) -> None:
-    done = await store.wait_for_rollouts(ids, timeout_s=timeout_s)
+    done = await store.finished.wait_for_rollouts(ids, timeout_s=timeout_s)
     assert len(done) == len(ids), f"only {len(done)} of {len(ids)} rollouts finished"
 
 
@@ -38,7 +38,7 @@ async def _wait_for_spans(store: RedisStore, ids: list[str], name: str, timeout_
     """Return once every rollout has stored a span named ``name`` (its agent has started)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        found = [bool(await store.query_spans(rid, name=name)) for rid in ids]
+        found = [bool(await store.spans.query_spans(rid, name=name)) for rid in ids]
         if all(found):
             return
         assert asyncio.get_running_loop().time() < deadline, f"{found.count(False)} rollout(s) never started"
@@ -62,23 +62,23 @@ async def test_200_rollouts_through_4_runner_processes_all_succeed(real_store, p
     """200 rollouts through 4 runner processes all succeed, spans in sequence order, reward last, spread."""
     runners = [await procs.runner("runner_test_agents:noop", "--concurrency", "8") for _ in range(4)]
     await wait_until_ready(real_store, *runners)
-    rollouts = [real_store.new_rollout({"i": i}) for i in range(200)]
-    assert all(await real_store.enqueue_rollouts(rollouts))
+    rollouts = [real_store.rollouts.new_rollout({"i": i}) for i in range(200)]
+    assert all(await real_store.rollouts.enqueue_rollouts(rollouts))
     ids = [r.rollout_id for r in rollouts]
     await _finish(real_store, ids)
 
     workers = set()
-    for rollout in await real_store.get_rollouts(ids):
+    for rollout in await real_store.rollouts.get_rollouts(ids):
         assert rollout is not None and rollout.status is RolloutStatus.SUCCEEDED
-        (attempt,) = await real_store.query_attempts(rollout.rollout_id)
+        (attempt,) = await real_store.rollouts.query_attempts(rollout.rollout_id)
         assert attempt.status is AttemptStatus.SUCCEEDED
         workers.add(attempt.worker_id)
-        spans = await real_store.query_spans(rollout.rollout_id)
+        spans = await real_store.spans.query_spans(rollout.rollout_id)
         assert [s.sequence_id for s in spans] == list(range(1, len(spans) + 1))
         assert [s.name for s in spans] == [semconv.MESSAGE_SPAN] * 7 + [semconv.ROLLOUT_SPAN, semconv.REWARD_SPAN]
         assert spans[-1].attributes[semconv.REWARD] == 1.0
         assert {s.attempt_id for s in spans} == {attempt.attempt_id}
-    runner_ids = {worker_id_of(await real_store.query_workers(), r.pid) for r in runners}
+    runner_ids = {worker_id_of(await real_store.registry.query_workers(), r.pid) for r in runners}
     assert workers <= runner_ids
     assert len(workers) > 1, "one runner took every rollout"
 
@@ -92,7 +92,7 @@ async def test_rollout_of_a_sigkilled_runner_completes_on_another(real_store, pr
     await procs.start("watchdog", "--interval-s", "0.2")
     await wait_until_ready(real_store, doomed)
     config = RolloutConfig(unresponsive_seconds=1.5, max_attempts=2, retry_condition=("unresponsive",))
-    ids = [(await real_store.enqueue_rollout({"sleep_s": 2.0}, config=config)).rollout_id for _ in range(3)]
+    ids = [(await real_store.rollouts.enqueue_rollout({"sleep_s": 2.0}, config=config)).rollout_id for _ in range(3)]
     await _wait_for_spans(real_store, ids, semconv.MESSAGE_SPAN)  # every agent is running on `doomed`
     doomed.signal(signal.SIGKILL)
     assert await doomed.wait() == -signal.SIGKILL
@@ -100,13 +100,13 @@ async def test_rollout_of_a_sigkilled_runner_completes_on_another(real_store, pr
     await _finish(real_store, ids)
 
     for rid in ids:
-        assert (await real_store.get_rollout(rid)).status is RolloutStatus.SUCCEEDED
-        first, second = await real_store.query_attempts(rid)
+        assert (await real_store.rollouts.get_rollout(rid)).status is RolloutStatus.SUCCEEDED
+        first, second = await real_store.rollouts.query_attempts(rid)
         assert first.status is AttemptStatus.UNRESPONSIVE
         assert second.status is AttemptStatus.SUCCEEDED
-        assert _pid_of(await real_store.query_spans(rid, first.attempt_id)) == doomed.pid
-        assert _pid_of(await real_store.query_spans(rid, second.attempt_id)) == survivor.pid
-        spans = await real_store.query_spans(rid, second.attempt_id)
+        assert _pid_of(await real_store.spans.query_spans(rid, first.attempt_id)) == doomed.pid
+        assert _pid_of(await real_store.spans.query_spans(rid, second.attempt_id)) == survivor.pid
+        spans = await real_store.spans.query_spans(rid, second.attempt_id)
         assert spans[-1].name == semconv.REWARD_SPAN
 
 
@@ -114,32 +114,32 @@ async def test_sigterm_finishes_or_hands_back_in_flight_rollouts(real_store, pro
     """SIGTERM: the runner exits 0, short rollouts finish, long ones are requeued (none stuck); another runner completes them."""
     first = await procs.runner("runner_test_agents:slow", "--concurrency", "4", "--grace-s", "0.5")
     await wait_until_ready(real_store, first)
-    short = [(await real_store.enqueue_rollout({"sleep_s": 0.2})).rollout_id for _ in range(2)]
-    long = [(await real_store.enqueue_rollout({"sleep_s": 3.0})).rollout_id for _ in range(2)]
+    short = [(await real_store.rollouts.enqueue_rollout({"sleep_s": 0.2})).rollout_id for _ in range(2)]
+    long = [(await real_store.rollouts.enqueue_rollout({"sleep_s": 3.0})).rollout_id for _ in range(2)]
     await _wait_for_spans(real_store, short + long, semconv.MESSAGE_SPAN)
     first.signal(signal.SIGTERM)
     assert await first.wait(timeout_s=10.0) == 0, first.stderr
 
-    statuses = {r.rollout_id: r.status for r in await real_store.get_rollouts(short + long) if r}
+    statuses = {r.rollout_id: r.status for r in await real_store.rollouts.get_rollouts(short + long) if r}
     assert set(statuses.values()) <= {RolloutStatus.SUCCEEDED, RolloutStatus.REQUEUING}, statuses
     assert [statuses[rid] for rid in short] == [RolloutStatus.SUCCEEDED] * 2
     assert [statuses[rid] for rid in long] == [RolloutStatus.REQUEUING] * 2
     for rid in long:
-        (attempt,) = await real_store.query_attempts(rid)
+        (attempt,) = await real_store.rollouts.query_attempts(rid)
         assert attempt.status is AttemptStatus.FAILED
         assert "stopped" in (attempt.error or {}).get("message", "")
-        names = {s.name for s in await real_store.query_spans(rid, attempt.attempt_id)}
+        names = {s.name for s in await real_store.spans.query_spans(rid, attempt.attempt_id)}
         assert {semconv.MESSAGE_SPAN, semconv.ROLLOUT_SPAN} <= names  # what it traced was flushed
-    (worker,) = await real_store.query_workers()
+    (worker,) = await real_store.registry.query_workers()
     assert worker.status == "stopped"
 
     second = await procs.runner("runner_test_agents:slow", "--concurrency", "4")
     await _finish(real_store, long)
     for rid in long:
-        assert (await real_store.get_rollout(rid)).status is RolloutStatus.SUCCEEDED
-        handed_back, completed = await real_store.query_attempts(rid)
+        assert (await real_store.rollouts.get_rollout(rid)).status is RolloutStatus.SUCCEEDED
+        handed_back, completed = await real_store.rollouts.query_attempts(rid)
         assert completed.status is AttemptStatus.SUCCEEDED
-        assert completed.worker_id == worker_id_of(await real_store.query_workers(), second.pid)
+        assert completed.worker_id == worker_id_of(await real_store.registry.query_workers(), second.pid)
         assert handed_back.worker_id == worker.worker_id
 
 
@@ -147,11 +147,11 @@ async def test_sigterm_with_a_sync_agent_still_running_hands_back_and_exits(real
     """SIGTERM while a sync agent sleeps in its thread: the runner hands the attempt back and exits 0 at once."""
     runner = await procs.runner("runner_test_agents:sync_sleeps", "--grace-s", "0.5")
     await wait_until_ready(real_store, runner)
-    rid = (await real_store.enqueue_rollout({"sleep_s": 60.0})).rollout_id
+    rid = (await real_store.rollouts.enqueue_rollout({"sleep_s": 60.0})).rollout_id
     await _wait_for_spans(real_store, [rid], semconv.MESSAGE_SPAN)  # the agent's thread is sleeping
     runner.signal(signal.SIGTERM)
     assert await runner.wait(timeout_s=10.0) == 0, runner.stderr  # long before the thread's 60 s are up
-    assert (await real_store.get_rollout(rid)).status is RolloutStatus.REQUEUING
+    assert (await real_store.rollouts.get_rollout(rid)).status is RolloutStatus.REQUEUING
 
 
 # --- bad agents -------------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ async def test_run_once_prints_spans_and_reward(real_store, procs) -> None:
     assert out.count(semconv.MESSAGE_SPAN) == 7
     assert "reward 1.0" in out  # the reward span's line
     assert "status: succeeded  reward: 1.0" in out
-    (rollout,) = await real_store.query_rollouts()
+    (rollout,) = await real_store.rollouts.query_rollouts()
     assert rollout.rollout_id in out
     assert rollout.input == {"x": 1}
     assert rollout.status is RolloutStatus.SUCCEEDED

@@ -12,7 +12,7 @@ async def test_wait_for_rollouts_outlasts_the_clients_socket_timeout(redis_url: 
     client = aioredis.from_url(redis_url, socket_timeout=1.0)
     try:
         store = RedisStore(client, experiment)
-        rollout = await store.enqueue_rollout({"never": "claimed"})
-        assert await store.wait_for_rollouts([rollout.rollout_id], timeout_s=2.5) == []
+        rollout = await store.rollouts.enqueue_rollout({"never": "claimed"})
+        assert await store.finished.wait_for_rollouts([rollout.rollout_id], timeout_s=2.5) == []
     finally:
         await client.aclose()

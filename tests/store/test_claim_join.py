@@ -33,10 +33,10 @@ async def test_concurrent_claims_of_one_worker_are_one_claim_and_each_gets_its_o
     """Eight slots of one worker claiming one each at once: one claim of 8, eight distinct rollouts in
     enqueue order, each begun once; another worker's claim is not joined with them."""
     for i in range(10):
-        await store.enqueue_rollout({"i": i}, rollout_id=f"r{i}")
+        await store.rollouts.enqueue_rollout({"i": i}, rollout_id=f"r{i}")
     counts = _counting_claims(store)
     results = await asyncio.gather(
-        *(store.dequeue_rollouts("w1", 1, block_s=1.0) for _ in range(8)), store.dequeue_rollouts("w2", 2)
+        *(store.queue.dequeue_rollouts("w1", 1, block_s=1.0) for _ in range(8)), store.queue.dequeue_rollouts("w2", 2)
     )
     assert counts in ([8, 2], [2, 8])
     slots = [[c.rollout.rollout_id for c in r] for r in results]
@@ -47,18 +47,18 @@ async def test_concurrent_claims_of_one_worker_are_one_claim_and_each_gets_its_o
         order = [int(s[0][1:]) for s in slots[:8]]
         assert order == sorted(order)  # callers served in call order, from the claim's enqueue order
     for rid in claimed:
-        assert (await store.get_rollout(rid)).status == "preparing"
+        assert (await store.rollouts.get_rollout(rid)).status == "preparing"
 
 
 async def test_a_joined_caller_left_without_work_still_waits_for_it(store: RedisStore) -> None:
     """Three slots join a claim that finds one rollout: the two left over keep waiting (as each would
     alone) and get the rollouts enqueued while they wait; none returns early with nothing."""
-    await store.enqueue_rollout("x", rollout_id="first")
-    slots = [asyncio.create_task(store.dequeue_rollouts("w1", 1, block_s=5.0)) for _ in range(3)]
+    await store.rollouts.enqueue_rollout("x", rollout_id="first")
+    slots = [asyncio.create_task(store.queue.dequeue_rollouts("w1", 1, block_s=5.0)) for _ in range(3)]
     done, _ = await asyncio.wait(slots, timeout=0.5)
     assert [t.result()[0].rollout.rollout_id for t in done] == ["first"]
-    await store.enqueue_rollout("x", rollout_id="second")
-    await store.enqueue_rollout("x", rollout_id="third")
+    await store.rollouts.enqueue_rollout("x", rollout_id="second")
+    await store.rollouts.enqueue_rollout("x", rollout_id="third")
     results = await asyncio.gather(*slots)
     assert sorted(r[0].rollout.rollout_id for r in results) == ["first", "second", "third"]
 
@@ -67,7 +67,7 @@ async def test_rollouts_claimed_for_a_cancelled_caller_go_to_the_next_claim(stor
     """A caller cancelled while its joined claim runs loses nothing: the worker's next claim gets the
     attempt that was begun for it, before anything from the queue."""
     for i in range(4):
-        await store.enqueue_rollout("x", rollout_id=f"r{i}")
+        await store.rollouts.enqueue_rollout("x", rollout_id=f"r{i}")
     inner = store.queue._join._claim
     tasks: list[asyncio.Task[Any]] = []
 
@@ -78,14 +78,14 @@ async def test_rollouts_claimed_for_a_cancelled_caller_go_to_the_next_claim(stor
         return result
 
     store.queue._join._claim = claim
-    tasks += [asyncio.create_task(store.dequeue_rollouts("w1", n)) for n in (2, 1)]
+    tasks += [asyncio.create_task(store.queue.dequeue_rollouts("w1", n)) for n in (2, 1)]
     got = await tasks[1]
     assert tasks[0].cancelled() and len(got) == 1
     store.queue._join._claim = inner
-    spare = await store.dequeue_rollouts("w1", 5)  # the two begun for the first caller, alone
+    spare = await store.queue.dequeue_rollouts("w1", 5)  # the two begun for the first caller, alone
     assert len(spare) == 2
-    assert {(await store.get_rollout(c.rollout.rollout_id)).status for c in spare} == {"preparing"}
-    rest = await store.dequeue_rollouts("w1", 5)
+    assert {(await store.rollouts.get_rollout(c.rollout.rollout_id)).status for c in spare} == {"preparing"}
+    rest = await store.queue.dequeue_rollouts("w1", 5)
     assert sorted(c.rollout.rollout_id for c in got + spare + rest) == ["r0", "r1", "r2", "r3"]
 
 

@@ -34,8 +34,8 @@ async def test_a_cluster_gets_the_cluster_client(redis_cluster: EmbeddedCluster,
     try:
         assert isinstance(client, OutageCluster) and client.outage is not None
         store = RedisStore(client, f"conn-{form}")
-        await store.enqueue_rollout({"q": 1}, rollout_id="r1")
-        claimed = await store.dequeue_rollout("w")
+        await store.rollouts.enqueue_rollout({"q": 1}, rollout_id="r1")
+        claimed = await store.queue.dequeue_rollout("w")
         assert claimed is not None and claimed.rollout.rollout_id == "r1"
     finally:
         await client.aclose()

@@ -45,9 +45,9 @@ async def test_rollouts_survive_sigkill_of_a_cluster_node(cluster: EmbeddedClust
     store, other_store = RedisStore(client, name), RedisStore(client, other)
 
     ids = [f"a{i:03d}" for i in range(90)]
-    await other_store.enqueue_rollouts([other_store.new_rollout(i, rollout_id=i) for i in ids[:10]])
+    await other_store.rollouts.enqueue_rollouts([other_store.rollouts.new_rollout(i, rollout_id=i) for i in ids[:10]])
     claimed = await move_on(store, ids, claimed=40, running=30, succeeded=15, cancelled=5)
-    snapshot = {r.rollout_id: r.status for r in await store.query_rollouts()}
+    snapshot = {r.rollout_id: r.status for r in await store.rollouts.query_rollouts()}
     snapshot_at = time.monotonic()
     assert sorted(snapshot.values()) == sorted(
         [RolloutStatus.SUCCEEDED] * 15 + [RolloutStatus.RUNNING] * 15 + [RolloutStatus.PREPARING] * 10
@@ -55,7 +55,7 @@ async def test_rollouts_survive_sigkill_of_a_cluster_node(cluster: EmbeddedClust
     )
     later: dict[str, RolloutStatus] = {}
     for c in claimed[15:25]:
-        await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="failed")
+        await store.rollouts.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="failed")
         later[c.rollout.rollout_id] = RolloutStatus.FAILED
     await kill_while_enqueuing(store, snapshot_at, lambda: cluster.kill(victim), (RedisError,))
     # The writer's last enqueue may already be on the store's auto-pipeline, whose own task goes on
@@ -71,6 +71,6 @@ async def test_rollouts_survive_sigkill_of_a_cluster_node(cluster: EmbeddedClust
     try:
         await assert_back_as_before(store, snapshot, later)
         # The experiment on another master was never touched by the crash.
-        assert sorted(r.rollout_id for r in await other_store.query_rollouts(status="queuing")) == ids[:10]
+        assert sorted(r.rollout_id for r in await other_store.rollouts.query_rollouts(status="queuing")) == ids[:10]
     finally:
         await client.aclose()

@@ -43,7 +43,7 @@ async def _watchdog(store: RedisStore) -> AsyncIterator[None]:
 
 async def _hold(store: RedisStore, spawn: Spawn, redis_url: str, ids: list[str]) -> Any:
     """A worker process that claimed every rollout and heartbeats them (all running now)."""
-    await store.enqueue_rollouts([store.new_rollout(i, rollout_id=i, config=CONFIG) for i in ids])
+    await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout(i, rollout_id=i, config=CONFIG) for i in ids])
     holder = await spawn(
         "hold",
         url=redis_url,
@@ -54,7 +54,7 @@ async def _hold(store: RedisStore, spawn: Spawn, redis_url: str, ids: list[str])
     )
     held = (await holder.event())["held"]
     assert sorted(held) == [[rid, f"{rid}.1"] for rid in ids]
-    attempts = [await store.get_attempt(f"{rid}.1") for rid in ids]
+    attempts = [await store.rollouts.get_attempt(f"{rid}.1") for rid in ids]
     assert {(a.status, a.worker_id) for a in attempts} == {(AttemptStatus.RUNNING, "doomed")}
     return holder
 
@@ -80,7 +80,7 @@ async def _assert_recovered_once(store: RedisStore, ids: list[str]) -> None:
         (rid, RolloutStatus.SUCCEEDED, f"{rid}.2") for rid in ids
     ]
     for rid in ids:
-        attempts = await store.query_attempts(rid)
+        attempts = await store.rollouts.query_attempts(rid)
         assert [(a.attempt_id, a.status, a.worker_id) for a in attempts] == [
             (f"{rid}.1", AttemptStatus.UNRESPONSIVE, "doomed"),
             (f"{rid}.2", AttemptStatus.SUCCEEDED, "rescuer"),
@@ -134,7 +134,7 @@ async def test_entries_of_a_dead_consumer_are_taken_over_once(
 ) -> None:
     """Queue entries read by a consumer that died before claiming them are XAUTOCLAIMed once idle, each once."""
     ids = [f"r{i:02d}" for i in range(20)]
-    await real_store.enqueue_rollouts([real_store.new_rollout(i, rollout_id=i) for i in ids])
+    await real_store.rollouts.enqueue_rollouts([real_store.rollouts.new_rollout(i, rollout_id=i) for i in ids])
     # The dead consumer read every entry (so they are pending to it) and never ran the claim script.
     shards = real_store.keys.shards
     read = [await real_store.redis.xreadgroup(k.RUNNERS_GROUP, "dead", {s.queue: ">"}, count=100) for s in shards]
@@ -143,7 +143,7 @@ async def test_entries_of_a_dead_consumer_are_taken_over_once(
     takers = [RedisStore(c, experiment, reclaim_idle_s=0.2) for c in clients]
     try:
         # Not idle long enough yet: nothing is taken over, and nothing new is on the queue.
-        assert await takers[0].dequeue_rollouts("w0", 5) == []
+        assert await takers[0].queue.dequeue_rollouts("w0", 5) == []
         pending = [await real_store.redis.xpending(s.queue, k.RUNNERS_GROUP) for s in shards]
         assert sum(p["pending"] for p in pending) == len(ids)
         assert {c["name"] for p in pending for c in p["consumers"]} == {b"dead"}
@@ -152,12 +152,12 @@ async def test_entries_of_a_dead_consumer_are_taken_over_once(
         claimed = []
         for _ in range(10):
             await asyncio.sleep(0.25)  # past the idle time and each taker's reclaim interval
-            batches = await asyncio.gather(*(t.dequeue_rollouts(f"w{n}", 5) for n, t in enumerate(takers)))
+            batches = await asyncio.gather(*(t.queue.dequeue_rollouts(f"w{n}", 5) for n, t in enumerate(takers)))
             claimed += [c for batch in batches for c in batch]
             if len(claimed) >= len(ids):
                 break
         await asyncio.sleep(0.25)
-        assert [await t.dequeue_rollouts(f"w{n}", 5) for n, t in enumerate(takers)] == [[], []]
+        assert [await t.queue.dequeue_rollouts(f"w{n}", 5) for n, t in enumerate(takers)] == [[], []]
     finally:
         for c in clients:
             await c.aclose()
@@ -165,5 +165,5 @@ async def test_entries_of_a_dead_consumer_are_taken_over_once(
     assert sorted(c.attempt.attempt_id for c in claimed) == [f"{rid}.1" for rid in ids]
     assert {c.attempt.worker_id for c in claimed} <= {"w0", "w1"}
     assert [(await real_store.redis.xpending(s.queue, k.RUNNERS_GROUP))["pending"] for s in shards] == [0] * len(shards)
-    rollouts = await real_store.get_rollouts(ids)
+    rollouts = await real_store.rollouts.get_rollouts(ids)
     assert {(r.status, r.attempt_count) if r else None for r in rollouts} == {(RolloutStatus.PREPARING, 1)}

@@ -54,15 +54,15 @@ def _payload(fields: dict[bytes, bytes]) -> dict[str, bytes]:
 @pytest.mark.parametrize(("fields", "reason"), POISON_QUEUE_ENTRIES)
 async def test_poison_queue_entry_is_dead_lettered(store: RedisStore, fields: dict, reason: str) -> None:
     """A malformed queue entry is dead-lettered with the reason and acked; the same call claims on."""
-    await store.ensure()
+    await store.queue.ensure()
     poison_id = (await store.redis.xadd(store.keys.queue, fields)).decode()
-    await store.enqueue_rollout("x", rollout_id="good")
+    await store.rollouts.enqueue_rollout("x", rollout_id="good")
 
-    claimed = await store.dequeue_rollouts("w1", count=1)  # non-blocking, yet not stopped by poison
+    claimed = await store.queue.dequeue_rollouts("w1", count=1)  # non-blocking, yet not stopped by poison
     assert [c.rollout.rollout_id for c in claimed] == ["good"]
-    assert await store.dequeue_rollouts("w1", count=1) == []
+    assert await store.queue.dequeue_rollouts("w1", count=1) == []
 
-    letters = await store.query_dead_letters()
+    letters = await store.dead_letters.query_dead_letters()
     assert len(letters) == 1
     letter = letters[0]
     assert (letter.source, letter.entry_id) == (store.keys.queue, poison_id)
@@ -80,25 +80,25 @@ async def test_poison_entry_does_not_block_the_same_call(
 ) -> None:
     """A dequeue that reads a poison entry goes on to claim the valid rollout after it."""
     store = real_store
-    await store.ensure()
+    await store.queue.ensure()
     await store.redis.xadd(store.keys.queue, fields)
-    await store.enqueue_rollout("x", rollout_id="good")
-    claimed = await store.dequeue_rollout("w1", block_s=2)
+    await store.rollouts.enqueue_rollout("x", rollout_id="good")
+    claimed = await store.queue.dequeue_rollout("w1", block_s=2)
     assert claimed is not None and claimed.rollout.rollout_id == "good"
-    assert [reason in d.reason for d in await store.query_dead_letters()] == [True]
+    assert [reason in d.reason for d in await store.dead_letters.query_dead_letters()] == [True]
     assert await _queue_pending(store) == 0
 
 
 async def test_poison_entries_skipped_within_one_batch(store: RedisStore) -> None:
     """Poison entries among valid ones are dead-lettered while the valid ones are claimed."""
-    await store.ensure()
-    await store.enqueue_rollout("a", rollout_id="a")
+    await store.queue.ensure()
+    await store.rollouts.enqueue_rollout("a", rollout_id="a")
     await store.redis.xadd(store.keys.queue, {b"m": b"\xc1"})
     await store.redis.xadd(store.keys.queue, {b"m": QueueEntry("ghost").to_wire()})
-    await store.enqueue_rollout("b", rollout_id="b")
-    claimed = await store.dequeue_rollouts("w1", count=10)
+    await store.rollouts.enqueue_rollout("b", rollout_id="b")
+    claimed = await store.queue.dequeue_rollouts("w1", count=10)
     assert [c.rollout.rollout_id for c in claimed] == ["a", "b"]
-    reasons = [d.reason for d in await store.query_dead_letters()]  # newest first
+    reasons = [d.reason for d in await store.dead_letters.query_dead_letters()]  # newest first
     assert len(reasons) == 2
     assert "rollout ghost does not exist" in reasons[0]
     assert "not a valid msgpack record" in reasons[1]
@@ -107,11 +107,11 @@ async def test_poison_entries_skipped_within_one_batch(store: RedisStore) -> Non
 
 async def test_dead_letters_newest_first_with_limit(store: RedisStore) -> None:
     """query_dead_letters lists the newest first, up to the limit."""
-    await store.ensure()
+    await store.queue.ensure()
     ids = [(await store.redis.xadd(store.keys.queue, {b"n": str(i).encode()})).decode() for i in range(3)]
-    await store.dequeue_rollouts("w1", count=10)
-    assert [d.entry_id for d in await store.query_dead_letters()] == ids[::-1]
-    assert [d.entry_id for d in await store.query_dead_letters(limit=1)] == [ids[2]]
+    await store.queue.dequeue_rollouts("w1", count=10)
+    assert [d.entry_id for d in await store.dead_letters.query_dead_letters()] == ids[::-1]
+    assert [d.entry_id for d in await store.dead_letters.query_dead_letters(limit=1)] == [ids[2]]
 
 
 @pytest.mark.parametrize(
@@ -138,21 +138,21 @@ async def test_dead_letters_newest_first_with_limit(store: RedisStore) -> None:
 )
 async def test_poison_completion_is_dead_lettered(store: RedisStore, fields: dict, reason: str) -> None:
     """A malformed finished entry is dead-lettered and acked; the valid ones are still read."""
-    await store.ensure_finished_group("adapter")
+    await store.finished.ensure_finished_group("adapter")
     poison_id = (await store.redis.xadd(store.keys.finished, fields)).decode()
-    await store.enqueue_rollout("x", rollout_id="r1")
-    await store.cancel_rollout("r1")
+    await store.rollouts.enqueue_rollout("x", rollout_id="r1")
+    await store.rollouts.cancel_rollout("r1")
 
-    got = await store.read_finished("adapter", "c1")
+    got = await store.finished.read_finished("adapter", "c1")
     assert [(c.rollout_id, c.status) for c in got] == [("r1", RolloutStatus.CANCELLED)]
-    letters = await store.query_dead_letters()
+    letters = await store.dead_letters.query_dead_letters()
     assert [(d.source, d.entry_id) for d in letters] == [(store.keys.finished, poison_id)]
     assert reason in letters[0].reason
     assert letters[0].payload == _payload(fields)
     pending = await store.redis.xpending_range(store.keys.finished, "adapter", "-", "+", 10)
     assert [p["message_id"].decode() for p in pending] == [got[0].entry_id]  # the poison one is acked
     # wait_for_rollouts reads past the poison entry without failing.
-    assert [r.rollout_id for r in await store.wait_for_rollouts(["r1"], timeout_s=0)] == ["r1"]
+    assert [r.rollout_id for r in await store.finished.wait_for_rollouts(["r1"], timeout_s=0)] == ["r1"]
 
 
 # --- decoders refuse unknown schema versions -----------------------------------------------------
@@ -215,10 +215,10 @@ def test_hash_decoders_refuse_unknown_version(decode) -> None:
 
 async def test_store_refuses_rollout_hash_of_unknown_version(store: RedisStore) -> None:
     """Reading a rollout stored by another schema version raises instead of misreading it."""
-    await store.enqueue_rollout("x", rollout_id="r1")
+    await store.rollouts.enqueue_rollout("x", rollout_id="r1")
     await store.redis.hset(store.keys.rollout("r1"), "v", 2)
     with pytest.raises(SchemaVersionError, match="rollout record has schema version 2"):
-        await store.get_rollout("r1")
+        await store.rollouts.get_rollout("r1")
 
 
 def test_other_decoding_errors_are_record_errors_not_version_errors() -> None:

@@ -26,31 +26,31 @@ async def _all(store: RedisStore) -> list[tuple[str, str, str | None]]:
 
 async def _run(store: RedisStore, rollout_id: str, outcome: str = "succeeded") -> None:
     """Enqueue, claim and report one rollout."""
-    await store.enqueue_rollout(rollout_id, rollout_id=rollout_id)
-    claimed = await store.dequeue_rollouts("w1", count=10)  # count > 1: steps over stale entries
+    await store.rollouts.enqueue_rollout(rollout_id, rollout_id=rollout_id)
+    claimed = await store.queue.dequeue_rollouts("w1", count=10)  # count > 1: steps over stale entries
     assert [c.rollout.rollout_id for c in claimed] == [rollout_id]
-    await store.update_attempt(rollout_id, claimed[0].attempt.attempt_id, status=outcome)
+    await store.rollouts.update_attempt(rollout_id, claimed[0].attempt.attempt_id, status=outcome)
 
 
 async def test_each_terminal_rollout_is_appended_once(store: RedisStore) -> None:
     """Every way of ending a rollout appends exactly one finished entry, whatever is repeated after."""
     await _run(store, "ok")
-    await store.update_attempt("ok", "ok.1", status="succeeded")  # duplicate report
-    await store.cancel_rollout("ok")  # too late
+    await store.rollouts.update_attempt("ok", "ok.1", status="succeeded")  # duplicate report
+    await store.rollouts.cancel_rollout("ok")  # too late
 
     config = {"max_attempts": 3, "retry_condition": ["failed"]}
-    await store.enqueue_rollout("retried", rollout_id="retried", config=config)
+    await store.rollouts.enqueue_rollout("retried", rollout_id="retried", config=config)
     for n in (1, 2, 3):
-        assert (await store.dequeue_rollout("w1")).attempt.attempt_id == f"retried.{n}"
-        await store.update_attempt("retried", f"retried.{n}", status="failed")
-    await store.update_attempt("retried", "retried.3", status="failed")  # duplicate report
+        assert (await store.queue.dequeue_rollout("w1")).attempt.attempt_id == f"retried.{n}"
+        await store.rollouts.update_attempt("retried", f"retried.{n}", status="failed")
+    await store.rollouts.update_attempt("retried", "retried.3", status="failed")  # duplicate report
 
-    await store.enqueue_rollout("gone", rollout_id="gone")
-    await store.cancel_rollout("gone")
-    await store.cancel_rollout("gone")
+    await store.rollouts.enqueue_rollout("gone", rollout_id="gone")
+    await store.rollouts.cancel_rollout("gone")
+    await store.rollouts.cancel_rollout("gone")
 
     await _run(store, "bad", "failed")
-    await store.update_rollout("bad", status="succeeded")
+    await store.rollouts.update_rollout("bad", status="succeeded")
 
     assert await _all(store) == [
         ("ok", "succeeded", "ok.1"),
@@ -65,7 +65,7 @@ async def test_read_and_ack_with_a_consumer_group(store: RedisStore) -> None:
     """A group reads each finished entry once; unacked ones stay pending until acked."""
     await _run(store, "a")
     await _run(store, "b", "failed")
-    got = await store.read_finished("adapter", "c1")
+    got = await store.finished.read_finished("adapter", "c1")
     assert [(c.rollout_id, c.status, c.attempt_id) for c in got] == [
         ("a", RolloutStatus.SUCCEEDED, "a.1"),
         ("b", RolloutStatus.FAILED, "b.1"),
@@ -73,26 +73,26 @@ async def test_read_and_ack_with_a_consumer_group(store: RedisStore) -> None:
     assert [c.entry_id for c in got] == [
         eid.decode() for eid, _ in await store.redis.xrange(store.keys.finished)
     ]
-    assert await store.read_finished("adapter", "c1") == []
+    assert await store.finished.read_finished("adapter", "c1") == []
     assert (await store.redis.xpending(store.keys.finished, "adapter"))["pending"] == 2
-    assert await store.ack_finished("adapter", [got[0].entry_id]) == 1
-    assert await store.ack_finished("adapter", [got[0].entry_id]) == 0  # already acked
-    assert await store.ack_finished("adapter", []) == 0
+    assert await store.finished.ack_finished("adapter", [got[0].entry_id]) == 1
+    assert await store.finished.ack_finished("adapter", [got[0].entry_id]) == 0  # already acked
+    assert await store.finished.ack_finished("adapter", []) == 0
     assert (await store.redis.xpending(store.keys.finished, "adapter"))["pending"] == 1
-    await store.ack_finished("adapter", [got[1].entry_id])
+    await store.finished.ack_finished("adapter", [got[1].entry_id])
     assert (await store.redis.xpending(store.keys.finished, "adapter"))["pending"] == 0
 
     await _run(store, "c")
-    assert [c.rollout_id for c in await store.read_finished("adapter", "c2")] == ["c"]
+    assert [c.rollout_id for c in await store.finished.read_finished("adapter", "c2")] == ["c"]
 
 
 async def test_groups_are_independent_and_consumers_share(store: RedisStore) -> None:
     """Each group sees every finished entry; consumers of one group split them."""
     for rid in ["a", "b", "c"]:
         await _run(store, rid)
-    assert [c.rollout_id for c in await store.read_finished("algorithm", "x")] == ["a", "b", "c"]
-    first = await store.read_finished("adapter", "c1", count=2)
-    second = await store.read_finished("adapter", "c2", count=2)
+    assert [c.rollout_id for c in await store.finished.read_finished("algorithm", "x")] == ["a", "b", "c"]
+    first = await store.finished.read_finished("adapter", "c1", count=2)
+    second = await store.finished.read_finished("adapter", "c2", count=2)
     assert [c.rollout_id for c in first] == ["a", "b"]
     assert [c.rollout_id for c in second] == ["c"]
 
@@ -100,16 +100,16 @@ async def test_groups_are_independent_and_consumers_share(store: RedisStore) -> 
 async def test_group_created_late_reads_from_the_start(store: RedisStore) -> None:
     """A group created after finished entries were appended still reads them all."""
     await _run(store, "a")
-    await store.ensure_finished_group("late")
-    await store.ensure_finished_group("late")  # idempotent
-    assert [c.rollout_id for c in await store.read_finished("late", "x")] == ["a"]
+    await store.finished.ensure_finished_group("late")
+    await store.finished.ensure_finished_group("late")  # idempotent
+    assert [c.rollout_id for c in await store.finished.read_finished("late", "x")] == ["a"]
 
 
 async def test_wait_returns_at_once_for_finished_rollouts(store: RedisStore) -> None:
     """Waiting on rollouts that already ended returns them, in the order asked."""
     await _run(store, "a")
     await _run(store, "b", "failed")
-    finished = await store.wait_for_rollouts(["b", "a"], timeout_s=0)
+    finished = await store.finished.wait_for_rollouts(["b", "a"], timeout_s=0)
     assert [(r.rollout_id, r.status) for r in finished] == [
         ("b", RolloutStatus.FAILED),
         ("a", RolloutStatus.SUCCEEDED),
@@ -122,14 +122,14 @@ async def test_wait_unblocks_when_rollouts_finish(
     """A waiter blocked on the finished stream returns once every rollout it waits on ends."""
     store = real_store
     for rid in ["a", "b"]:
-        await store.enqueue_rollout(rid, rollout_id=rid)
-    waiter = asyncio.create_task(store.wait_for_rollouts(["a", "b"], timeout_s=30))
+        await store.rollouts.enqueue_rollout(rid, rollout_id=rid)
+    waiter = asyncio.create_task(store.finished.wait_for_rollouts(["a", "b"], timeout_s=30))
     await blocked_reader(store.redis)
-    claimed = await store.dequeue_rollout("w1")
-    await store.update_attempt("a", claimed.attempt.attempt_id, status="succeeded")
+    claimed = await store.queue.dequeue_rollout("w1")
+    await store.rollouts.update_attempt("a", claimed.attempt.attempt_id, status="succeeded")
     await blocked_reader(store.redis)  # still waiting for b
     assert not waiter.done()
-    await store.cancel_rollout("b")
+    await store.rollouts.cancel_rollout("b")
     finished = await asyncio.wait_for(waiter, 5)
     assert [(r.rollout_id, r.status) for r in finished] == [
         ("a", RolloutStatus.SUCCEEDED),
@@ -141,10 +141,10 @@ async def test_wait_returns_partial_list_on_timeout(real_store: RedisStore) -> N
     """On timeout, the waiter returns only the rollouts that ended."""
     store = real_store
     await _run(store, "a")
-    await store.enqueue_rollout("b", rollout_id="b")
-    finished = await store.wait_for_rollouts(["a", "b"], timeout_s=0.3)
+    await store.rollouts.enqueue_rollout("b", rollout_id="b")
+    finished = await store.finished.wait_for_rollouts(["a", "b"], timeout_s=0.3)
     assert [(r.rollout_id, r.status) for r in finished] == [("a", RolloutStatus.SUCCEEDED)]
-    assert (await store.get_rollout("b")).status is RolloutStatus.QUEUING
+    assert (await store.rollouts.get_rollout("b")).status is RolloutStatus.QUEUING
 
 
 async def test_wait_ignores_other_rollouts_completions(
@@ -152,19 +152,19 @@ async def test_wait_ignores_other_rollouts_completions(
 ) -> None:
     """Completions of other rollouts do not end the wait early."""
     store = real_store
-    await store.enqueue_rollout("mine", rollout_id="mine")
-    waiter = asyncio.create_task(store.wait_for_rollouts(["mine"], timeout_s=30))
+    await store.rollouts.enqueue_rollout("mine", rollout_id="mine")
+    waiter = asyncio.create_task(store.finished.wait_for_rollouts(["mine"], timeout_s=30))
     await blocked_reader(store.redis)
-    await store.enqueue_rollout("other", rollout_id="other")
-    await store.cancel_rollout("other")
+    await store.rollouts.enqueue_rollout("other", rollout_id="other")
+    await store.rollouts.cancel_rollout("other")
     await blocked_reader(store.redis)
     assert not waiter.done()
-    await store.cancel_rollout("mine")
+    await store.rollouts.cancel_rollout("mine")
     assert [r.rollout_id for r in await asyncio.wait_for(waiter, 5)] == ["mine"]
 
 
 async def test_wait_for_unknown_rollouts_raises_not_found(store: RedisStore) -> None:
     """Waiting on ids that do not exist raises NotFound naming them."""
-    await store.enqueue_rollout("a", rollout_id="a")
+    await store.rollouts.enqueue_rollout("a", rollout_id="a")
     with pytest.raises(NotFound, match=r"rollouts \['nope'\] do not exist"):
-        await store.wait_for_rollouts(["a", "nope"], timeout_s=0)
+        await store.finished.wait_for_rollouts(["a", "nope"], timeout_s=0)

@@ -25,38 +25,38 @@ async def _keys(store: RedisStore) -> set[bytes]:
 
 async def test_queue_is_per_experiment(store: RedisStore, other: RedisStore) -> None:
     """A rollout enqueued in one experiment is neither visible nor claimable in the other."""
-    await store.enqueue_rollout("x", rollout_id="r1")
-    assert await other.dequeue_rollouts("w1", count=10) == []
+    await store.rollouts.enqueue_rollout("x", rollout_id="r1")
+    assert await other.queue.dequeue_rollouts("w1", count=10) == []
     with pytest.raises(NotFound, match=f"rollout r1 does not exist in experiment {other.experiment}"):
-        await other.get_rollout("r1")
-    assert await other.query_rollouts() == []
-    claimed = await store.dequeue_rollouts("w1", count=10)
+        await other.rollouts.get_rollout("r1")
+    assert await other.rollouts.query_rollouts() == []
+    claimed = await store.queue.dequeue_rollouts("w1", count=10)
     assert [c.rollout.rollout_id for c in claimed] == ["r1"]
 
 
 async def test_same_rollout_id_in_two_experiments(store: RedisStore, other: RedisStore) -> None:
     """The same rollout id names two independent rollouts in two experiments."""
-    await store.enqueue_rollout({"exp": "a"}, rollout_id="r1")
-    assert (await other.enqueue_rollout({"exp": "b"}, rollout_id="r1")).input == {"exp": "b"}
-    a = await store.dequeue_rollout("wa")
+    await store.rollouts.enqueue_rollout({"exp": "a"}, rollout_id="r1")
+    assert (await other.rollouts.enqueue_rollout({"exp": "b"}, rollout_id="r1")).input == {"exp": "b"}
+    a = await store.queue.dequeue_rollout("wa")
     assert a is not None and a.rollout.input == {"exp": "a"}
-    await store.update_attempt("r1", "r1.1", status="succeeded")
-    assert (await other.get_rollout("r1")).status is RolloutStatus.QUEUING
-    b = await other.dequeue_rollout("wb")
+    await store.rollouts.update_attempt("r1", "r1.1", status="succeeded")
+    assert (await other.rollouts.get_rollout("r1")).status is RolloutStatus.QUEUING
+    b = await other.queue.dequeue_rollout("wb")
     assert b is not None and (b.rollout.input, b.attempt.attempt_id) == ({"exp": "b"}, "r1.1")
-    assert await other.cancel_rollout("r1") is True
-    assert (await store.get_rollout("r1")).status is RolloutStatus.SUCCEEDED
+    assert await other.rollouts.cancel_rollout("r1") is True
+    assert (await store.rollouts.get_rollout("r1")).status is RolloutStatus.SUCCEEDED
 
 
 async def test_statistics_are_per_experiment(store: RedisStore, other: RedisStore) -> None:
     """Statistics count only the experiment's own rollouts, finished entries and dead letters."""
     for rid in ["a", "b", "c"]:
-        await store.enqueue_rollout(rid, rollout_id=rid)
-    await store.cancel_rollout("a")
-    await store.ensure()
+        await store.rollouts.enqueue_rollout(rid, rollout_id=rid)
+    await store.rollouts.cancel_rollout("a")
+    await store.queue.ensure()
     await store.redis.xadd(store.keys.queue, {b"m": b"\xc1"})
-    await store.dequeue_rollouts("w1", count=10)
-    await other.enqueue_rollout("z", rollout_id="z")
+    await store.queue.dequeue_rollouts("w1", count=10)
+    await other.rollouts.enqueue_rollout("z", rollout_id="z")
 
     mine, theirs = await store.statistics(), await other.statistics()
     assert mine["rollouts"] == {
@@ -79,48 +79,48 @@ async def test_statistics_are_per_experiment(store: RedisStore, other: RedisStor
 async def test_spans_are_per_experiment(store: RedisStore, other: RedisStore) -> None:
     """Spans and their sequence ids are separate per experiment, even for the same rollout id."""
     for s in (store, other):
-        await s.enqueue_rollout("x", rollout_id="r1")
-        await s.dequeue_rollout("w1")
-    await store.add_spans([Span("r1", "r1.1", n, "llm") for n in ["a", "b"]])
-    assert await other.query_spans("r1") == []
-    stored = await other.add_span(Span("r1", "r1.1", "a", "llm"))  # not a duplicate: other experiment
+        await s.rollouts.enqueue_rollout("x", rollout_id="r1")
+        await s.queue.dequeue_rollout("w1")
+    await store.spans.add_spans([Span("r1", "r1.1", n, "llm") for n in ["a", "b"]])
+    assert await other.spans.query_spans("r1") == []
+    stored = await other.spans.add_span(Span("r1", "r1.1", "a", "llm"))  # not a duplicate: other experiment
     assert stored is not None and stored.sequence_id == 1
-    assert [s.span_id for s in await store.query_spans("r1")] == ["a", "b"]
+    assert [s.span_id for s in await store.spans.query_spans("r1")] == ["a", "b"]
 
 
 async def test_resources_are_per_experiment(store: RedisStore, other: RedisStore) -> None:
     """Resources, their versions and 'latest' are separate per experiment."""
-    await store.add_resources({"p": 1}, "main")
-    await store.update_resources("main", {"p": 2})
-    assert await other.get_latest_resources() is None
-    assert await other.query_resources() == []
+    await store.resources.add_resources({"p": 1}, "main")
+    await store.resources.update_resources("main", {"p": 2})
+    assert await other.resources.get_latest_resources() is None
+    assert await other.resources.query_resources() == []
     with pytest.raises(NotFound):
-        await other.get_resources("main")
-    theirs = await other.add_resources({"p": "b"}, "main")  # the same id is free there
+        await other.resources.get_resources("main")
+    theirs = await other.resources.add_resources({"p": "b"}, "main")  # the same id is free there
     assert theirs.version == 1
-    assert (await store.get_latest_resources()).version == 2
+    assert (await store.resources.get_latest_resources()).version == 2
 
 
 async def test_completions_and_dead_letters_are_per_experiment(store: RedisStore, other: RedisStore) -> None:
     """A finished entry or dead letter in one experiment never shows in the other."""
-    await store.enqueue_rollout("x", rollout_id="r1")
-    await store.cancel_rollout("r1")
-    await store.ensure()
+    await store.rollouts.enqueue_rollout("x", rollout_id="r1")
+    await store.rollouts.cancel_rollout("r1")
+    await store.queue.ensure()
     await store.redis.xadd(store.keys.queue, {b"junk": b"1"})
-    await store.dequeue_rollouts("w1", count=10)
-    assert await other.read_finished("adapter", "c1") == []
-    assert await other.query_dead_letters() == []
-    assert [c.rollout_id for c in await store.read_finished("adapter", "c1")] == ["r1"]
-    assert len(await store.query_dead_letters()) == 1
+    await store.queue.dequeue_rollouts("w1", count=10)
+    assert await other.finished.read_finished("adapter", "c1") == []
+    assert await other.dead_letters.query_dead_letters() == []
+    assert [c.rollout_id for c in await store.finished.read_finished("adapter", "c1")] == ["r1"]
+    assert len(await store.dead_letters.query_dead_letters()) == 1
 
 
 async def test_keys_stay_inside_the_experiment_prefix(store: RedisStore, other: RedisStore) -> None:
     """Every key an experiment writes carries its own prefix; both are registered as experiments."""
-    await store.enqueue_rollout("x", rollout_id="r1")
-    await store.dequeue_rollout("w1")
-    await store.add_span(Span("r1", "r1.1", "a", "llm"))
-    await store.add_resources({"p": 1})
-    await other.enqueue_rollout("x", rollout_id="r1")
+    await store.rollouts.enqueue_rollout("x", rollout_id="r1")
+    await store.queue.dequeue_rollout("w1")
+    await store.spans.add_span(Span("r1", "r1.1", "a", "llm"))
+    await store.resources.add_resources({"p": 1})
+    await other.rollouts.enqueue_rollout("x", rollout_id="r1")
     mine, theirs = await _keys(store), await _keys(other)
     assert mine and theirs and not mine & theirs
     assert all(key.decode().startswith(store.keys.prefix) for key in mine)

@@ -49,19 +49,19 @@ async def test_concurrent_finishes_are_joined_and_each_gets_its_own_outcome(stor
     report, a success without spans. They go out joined, and each caller sees what it would alone."""
     retry = {"max_attempts": 2, "retry_condition": ["failed"]}
     for i in range(6):
-        await store.enqueue_rollout({"i": i}, rollout_id=f"r{i}", config=retry if i == 1 else None)
-    claimed = {c.rollout.rollout_id: c.attempt.attempt_id for c in await store.dequeue_rollouts("w", 6)}
+        await store.rollouts.enqueue_rollout({"i": i}, rollout_id=f"r{i}", config=retry if i == 1 else None)
+    claimed = {c.rollout.rollout_id: c.attempt.attempt_id for c in await store.queue.dequeue_rollouts("w", 6)}
     assert len(claimed) == 6
-    await store.add_spans([_span(claimed["r2"], "s-old")])
+    await store.spans.add_spans([_span(claimed["r2"], "s-old")])
     rounds = _record_groups(store.ctx.pipeline)
 
     outcomes = await asyncio.gather(
-        store.update_attempt("r0", claimed["r0"], status="succeeded", spans=[_span(claimed["r0"], "a"), _span(claimed["r0"], "b")]),
-        store.update_attempt("r1", claimed["r1"], status="failed", error="boom"),
-        store.update_attempt("r2", claimed["r2"], status="succeeded", spans=[_span(claimed["r2"], "s-old"), _span(claimed["r2"], "s-new")]),
-        store.update_attempt("r3", "r3.9", status="succeeded", spans=[_span("r3.9", "x")]),
-        store.update_attempt("r4", claimed["r4"], status="running"),
-        store.update_attempt("r5", claimed["r5"], status="succeeded", reward=0.5),
+        store.rollouts.update_attempt("r0", claimed["r0"], status="succeeded", spans=[_span(claimed["r0"], "a"), _span(claimed["r0"], "b")]),
+        store.rollouts.update_attempt("r1", claimed["r1"], status="failed", error="boom"),
+        store.rollouts.update_attempt("r2", claimed["r2"], status="succeeded", spans=[_span(claimed["r2"], "s-old"), _span(claimed["r2"], "s-new")]),
+        store.rollouts.update_attempt("r3", "r3.9", status="succeeded", spans=[_span("r3.9", "x")]),
+        store.rollouts.update_attempt("r4", claimed["r4"], status="running"),
+        store.rollouts.update_attempt("r5", claimed["r5"], status="succeeded", reward=0.5),
         return_exceptions=True,
     )
 
@@ -69,13 +69,13 @@ async def test_concurrent_finishes_are_joined_and_each_gets_its_own_outcome(stor
     assert isinstance(outcomes[3], NotFound)
     assert outcomes[4:] == ["running", "succeeded"]
     assert any(len(group) > 1 for groups in rounds for group in groups), rounds  # some calls really were joined
-    statuses = {rid: (await store.get_rollout(rid)).status for rid in claimed}
+    statuses = {rid: (await store.rollouts.get_rollout(rid)).status for rid in claimed}
     assert statuses == {"r0": "succeeded", "r1": "requeuing", "r2": "succeeded", "r3": "preparing",
                         "r4": "running", "r5": "succeeded"}
-    assert [s.span_id for s in await store.query_spans("r0")] == ["a", "b"]
-    assert [s.span_id for s in await store.query_spans("r2")] == ["s-old", "s-new"]  # s-old once
-    assert await store.query_spans("r3") == []
-    assert (await store.get_rollout("r5")).reward == 0.5
+    assert [s.span_id for s in await store.spans.query_spans("r0")] == ["a", "b"]
+    assert [s.span_id for s in await store.spans.query_spans("r2")] == ["s-old", "s-new"]  # s-old once
+    assert await store.spans.query_spans("r3") == []
+    assert (await store.rollouts.get_rollout("r5")).reward == 0.5
 
 
 @pytest.fixture

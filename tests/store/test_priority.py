@@ -27,13 +27,13 @@ DEADLINE_S = 0.3  # the watchdog test's deadline, with a sleep well past it (ser
 
 
 async def _fill(store: RedisStore, lane: str, n: int) -> list[str]:
-    rollouts = [store.new_rollout(i, rollout_id=f"{lane}-{i:03d}", priority=lane) for i in range(n)]
-    await store.enqueue_rollouts(rollouts)
+    rollouts = [store.rollouts.new_rollout(i, rollout_id=f"{lane}-{i:03d}", priority=lane) for i in range(n)]
+    await store.rollouts.enqueue_rollouts(rollouts)
     return [r.rollout_id for r in rollouts]
 
 
 async def _claim_one(store: RedisStore) -> tuple[str, Priority]:
-    [claimed] = await store.dequeue_rollouts("w1", 1)
+    [claimed] = await store.queue.dequeue_rollouts("w1", 1)
     return claimed.rollout.rollout_id, claimed.rollout.priority
 
 
@@ -45,12 +45,12 @@ def test_lanes_are_the_priorities() -> None:
 
 async def test_priority_on_enqueue_and_its_default(store: RedisStore) -> None:
     """A rollout keeps the priority it was queued with; validation rollouts are urgent unless told."""
-    assert store.new_rollout("x").priority is Priority.NORMAL
-    assert store.new_rollout("x", mode=RolloutMode.VAL).priority is Priority.URGENT
-    assert store.new_rollout("x", mode="val", priority="low").priority is Priority.LOW
+    assert store.rollouts.new_rollout("x").priority is Priority.NORMAL
+    assert store.rollouts.new_rollout("x", mode=RolloutMode.VAL).priority is Priority.URGENT
+    assert store.rollouts.new_rollout("x", mode="val", priority="low").priority is Priority.LOW
     with pytest.raises(InvalidInput, match="priority 'high' unknown"):
-        store.new_rollout("x", priority="high")
-    stored = await store.enqueue_rollout("x", rollout_id="r1", priority="low")
+        store.rollouts.new_rollout("x", priority="high")
+    stored = await store.rollouts.enqueue_rollout("x", rollout_id="r1", priority="low")
     assert stored.priority is Priority.LOW
     assert [await store.redis.xlen(q) for q in store.keys.shard("r1").queues] == [0, 0, 1]
     snap = await aread_snapshot(store.redis, store.keys)  # what status, top and the metrics show
@@ -67,7 +67,7 @@ async def test_urgent_pushed_last_is_claimed_within_the_bound(store: RedisStore)
     waits = []
     for phase in range(CLAIM_CYCLE):  # every position of the cycle, in turn
         urgent = f"urgent-{phase}"
-        await store.enqueue_rollouts([store.new_rollout(phase, rollout_id=urgent, priority="urgent")])
+        await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout(phase, rollout_id=urgent, priority="urgent")])
         for n in range(1, CLAIM_CYCLE + 1):
             if (await _claim_one(store))[0] == urgent:
                 waits.append(n)
@@ -99,20 +99,20 @@ async def test_normal_lane_alone_claims_as_before(store: RedisStore) -> None:
     """Only normal rollouts: a batch claim takes them in order and writes no turn counter; claimed
     urgent entries leave their lane empty (so the claim is back to the one read)."""
     ids = await _fill(store, "normal", 5)
-    claimed = await store.dequeue_rollouts("w1", 5)
+    claimed = await store.queue.dequeue_rollouts("w1", 5)
     assert [c.rollout.rollout_id for c in claimed] == ids
     turn = store.keys.shards[0].prefix + k.QUEUE_TURN
     assert await store.redis.exists(turn) == 0
     await _fill(store, "urgent", 3)
-    assert len(await store.dequeue_rollouts("w1", 5)) == 3
+    assert len(await store.queue.dequeue_rollouts("w1", 5)) == 3
     assert await store.redis.xlen(store.keys.shards[0].lane_queue("urgent")) == 0
     assert await store.redis.exists(turn) == 1
 
 
 async def test_blocked_claim_wakes_for_an_urgent_rollout(store: RedisStore) -> None:
     """A runner blocked on an empty queue reads every lane: an urgent rollout wakes it."""
-    await store.ensure()
-    waiter = asyncio.create_task(store.dequeue_rollouts("w1", 1, block_s=3))
+    await store.queue.ensure()
+    waiter = asyncio.create_task(store.queue.dequeue_rollouts("w1", 1, block_s=3))
     await asyncio.sleep(0.2)  # let it block
     await _fill(store, "urgent", 1)
     claimed = await waiter  # [] if the blocking read had not looked at the urgent lane
@@ -122,13 +122,13 @@ async def test_blocked_claim_wakes_for_an_urgent_rollout(store: RedisStore) -> N
 async def test_entries_beyond_the_count_are_held_for_the_next_claim(store: RedisStore) -> None:
     """A blocking read answered by two lanes at once delivers more than asked: the urgent entry is
     claimed now, the other on the next claim, and none is left pending."""
-    await store.ensure()
+    await store.queue.ensure()
     await _fill(store, "low", 1)
     await _fill(store, "urgent", 1)
     entries = await store.queue._read_lanes(0, "w1", 1, None)
     assert [(lane, item[0]) for lane, _, item in entries] == [(0, "urgent-000")]
     first = await store.queue._claim_entries(0, "w1", entries)
-    second = await store.dequeue_rollouts("w1", 5)
+    second = await store.queue.dequeue_rollouts("w1", 5)
     assert [c.rollout.rollout_id for c in first + second] == ["urgent-000", "low-000"]
     for queue in store.keys.shards[0].queues:
         assert (await store.redis.xpending(queue, k.RUNNERS_GROUP))["pending"] == 0
@@ -138,22 +138,22 @@ async def test_lanes_recover_after_the_experiment_is_deleted(store: RedisStore) 
     """Deleted under a running store (its groups gone), the experiment's lanes work again: a low and
     an urgent rollout queued afterwards are both claimed, urgent first."""
     await _fill(store, "normal", 1)
-    assert len(await store.dequeue_rollouts("w1", 1)) == 1
+    assert len(await store.queue.dequeue_rollouts("w1", 1)) == 1
     await delete_experiment(store.redis, store.experiment)
     await _fill(store, "low", 1)
     await _fill(store, "urgent", 1)
-    claimed = await store.dequeue_rollouts("w1", 2) or await store.dequeue_rollouts("w1", 2)
+    claimed = await store.queue.dequeue_rollouts("w1", 2) or await store.queue.dequeue_rollouts("w1", 2)
     assert [c.rollout.rollout_id for c in claimed] == ["urgent-000", "low-000"]
 
 
 async def test_a_poison_entry_on_a_lane_is_dead_lettered_and_leaves_it(store: RedisStore) -> None:
     """An urgent-lane entry whose rollout does not exist goes to the dead letters and off the lane,
     so the lane is empty again (and the claim back to reading the normal lane alone)."""
-    await store.ensure()
+    await store.queue.ensure()
     urgent = store.keys.shards[0].lane_queue("urgent")
     ghost = (await store.redis.xadd(urgent, {"m": QueueEntry("ghost").to_wire()})).decode()
-    assert await store.dequeue_rollouts("w1", 1) == []
-    [letter] = await store.query_dead_letters()
+    assert await store.queue.dequeue_rollouts("w1", 1) == []
+    [letter] = await store.dead_letters.query_dead_letters()
     assert (letter.source, letter.entry_id) == (urgent, ghost)
     assert await store.redis.xlen(urgent) == 0
 
@@ -161,18 +161,18 @@ async def test_a_poison_entry_on_a_lane_is_dead_lettered_and_leaves_it(store: Re
 async def test_requeue_keeps_the_priority(store: RedisStore) -> None:
     """The watchdog's requeue and a released attempt put a low rollout back on the low lane."""
     config = {"timeout_seconds": DEADLINE_S, "max_attempts": 3, "retry_condition": ["timeout"]}
-    await store.enqueue_rollout("x", rollout_id="r1", priority="low", config=config)
+    await store.rollouts.enqueue_rollout("x", rollout_id="r1", priority="low", config=config)
     low, normal = store.keys.shard("r1").lane_queue("low"), store.keys.shard("r1").queue
-    claimed = await store.dequeue_rollout("w1")
+    claimed = await store.queue.dequeue_rollout("w1")
     assert claimed is not None and await store.redis.xlen(low) == 0
     await asyncio.sleep(DEADLINE_S * 1.5)
     assert await sweep(store) == Counter({"requeued": 1})
-    assert (await store.get_rollout("r1")).status is RolloutStatus.REQUEUING
+    assert (await store.rollouts.get_rollout("r1")).status is RolloutStatus.REQUEUING
     assert (await store.redis.xlen(low), await store.redis.xlen(normal)) == (1, 0)
-    claimed = await store.dequeue_rollout("w1")
+    claimed = await store.queue.dequeue_rollout("w1")
     assert claimed is not None and claimed.attempt.attempt_id == "r1.2"
     assert claimed.rollout.priority is Priority.LOW
-    assert await store.release_attempt("r1", "r1.2")
+    assert await store.rollouts.release_attempt("r1", "r1.2")
     assert (await store.redis.xlen(low), await store.redis.xlen(normal)) == (1, 0)
 
 
@@ -191,7 +191,7 @@ async def test_urgent_bound_across_shards(sharded: RedisStore) -> None:
     await _fill(store, "low", 60)
     for phase in range(6):
         urgent = f"urgent-{phase}"
-        await store.enqueue_rollouts([store.new_rollout(phase, rollout_id=urgent, priority="urgent")])
+        await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout(phase, rollout_id=urgent, priority="urgent")])
         for n in range(1, 4 * shards * URGENT_BOUND):
             if (await _claim_one(store))[0] == urgent:
                 assert n <= URGENT_BOUND * shards, (phase, n)

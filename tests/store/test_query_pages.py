@@ -20,15 +20,15 @@ async def test_pages_of_equal_enqueue_times_cover_every_rollout_once(
     the same on every call, so pages by offset cover each rollout exactly once."""
     store = RedisStore(real_store.redis, real_store.experiment, shards=3)
     ids = [f"ro-{i:04d}-{(i * 7919) % 1000:03d}" for i in range(ROLLOUTS)]
-    await store.enqueue_rollouts([store.new_rollout({"i": i}, rollout_id=rid) for i, rid in enumerate(ids)])
-    await store.dequeue_rollouts("w", 5)  # a few in another status set
-    listed = await store.query_rollouts(status=status, descending=descending)
+    await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout({"i": i}, rollout_id=rid) for i, rid in enumerate(ids)])
+    await store.queue.dequeue_rollouts("w", 5)  # a few in another status set
+    listed = await store.rollouts.query_rollouts(status=status, descending=descending)
     assert len({r.enqueue_time for r in listed}) <= 3  # a clock read per shard: ~50 rollouts per time
     by_time_then_id = sorted(listed, key=lambda r: (r.enqueue_time, r.rollout_id), reverse=descending)
     assert [r.rollout_id for r in listed] == [r.rollout_id for r in by_time_then_id]
     assert sorted(r.rollout_id for r in listed) == sorted(ids)
     pages: list[str] = []
     for offset in range(0, ROLLOUTS, PAGE):
-        page = await store.query_rollouts(status=status, descending=descending, limit=PAGE, offset=offset)
+        page = await store.rollouts.query_rollouts(status=status, descending=descending, limit=PAGE, offset=offset)
         pages += [r.rollout_id for r in page]
     assert pages == [r.rollout_id for r in listed] and len(set(pages)) == ROLLOUTS

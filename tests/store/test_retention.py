@@ -12,11 +12,11 @@ from fulmen.store import RedisStore
 
 async def _finish(store: RedisStore, rollout_ids: list[str]) -> None:
     for rid in rollout_ids:
-        await store.enqueue_rollout({"task": rid}, rollout_id=rid)
-    for claimed in await store.dequeue_rollouts("w", len(rollout_ids)):
+        await store.rollouts.enqueue_rollout({"task": rid}, rollout_id=rid)
+    for claimed in await store.queue.dequeue_rollouts("w", len(rollout_ids)):
         aid = claimed.attempt.attempt_id
-        await store.add_spans([Span(claimed.rollout.rollout_id, aid, "s1", "llm")])
-        await store.update_attempt(claimed.rollout.rollout_id, aid, status="succeeded")
+        await store.spans.add_spans([Span(claimed.rollout.rollout_id, aid, "s1", "llm")])
+        await store.rollouts.update_attempt(claimed.rollout.rollout_id, aid, status="succeeded")
 
 
 async def test_policy_needs_a_limit() -> None:
@@ -31,62 +31,62 @@ async def test_nothing_trimmed_without_consumer_groups(store: RedisStore) -> Non
     report = await trim(store, RetentionPolicy(max_age_s=0))
     assert report.finished == 0
     assert await store.redis.xlen(store.keys.finished) == 2
-    assert len(await store.query_spans("a")) == 1
+    assert len(await store.spans.query_spans("a")) == 1
 
 
 async def test_trims_only_acknowledged_completions(store: RedisStore) -> None:
     """With two groups, only entries both acknowledged go, and their spans with them."""
-    await store.ensure_finished_group("adapter")
-    await store.ensure_finished_group("algorithm")
+    await store.finished.ensure_finished_group("adapter")
+    await store.finished.ensure_finished_group("algorithm")
     await _finish(store, ["a", "b", "c"])
-    adapter = await store.read_finished("adapter", "x", count=10)
-    await store.ack_finished("adapter", [c.entry_id for c in adapter])
-    algorithm = await store.read_finished("algorithm", "y", count=2)  # reads a, b; acks only a
+    adapter = await store.finished.read_finished("adapter", "x", count=10)
+    await store.finished.ack_finished("adapter", [c.entry_id for c in adapter])
+    algorithm = await store.finished.read_finished("algorithm", "y", count=2)  # reads a, b; acks only a
     assert [c.rollout_id for c in algorithm] == ["a", "b"]
-    await store.ack_finished("algorithm", [algorithm[0].entry_id])
+    await store.finished.ack_finished("algorithm", [algorithm[0].entry_id])
 
     report = await trim(store, RetentionPolicy(max_age_s=0))
 
     assert (report.finished, report.span_streams) == (1, 1)
-    assert await store.query_spans("a") == []
-    assert [s.span_id for s in await store.query_spans("b")] == ["s1"]  # pending in algorithm: kept
+    assert await store.spans.query_spans("a") == []
+    assert [s.span_id for s in await store.spans.query_spans("b")] == ["s1"]  # pending in algorithm: kept
     remaining = await store.redis.xrange(store.keys.finished)
     assert len(remaining) == 2
-    assert (await store.get_rollout("a")).status == "succeeded"  # records kept unless asked
+    assert (await store.rollouts.get_rollout("a")).status == "succeeded"  # records kept unless asked
 
 
 async def test_count_policy_and_delete_rollouts(store: RedisStore) -> None:
     """max_count keeps the newest entries; delete_rollouts removes the trimmed rollouts too."""
-    await store.ensure_finished_group("adapter")
+    await store.finished.ensure_finished_group("adapter")
     await _finish(store, ["a", "b", "c"])
-    done = await store.read_finished("adapter", "x", count=10)
-    await store.ack_finished("adapter", [c.entry_id for c in done])
+    done = await store.finished.read_finished("adapter", "x", count=10)
+    await store.finished.ack_finished("adapter", [c.entry_id for c in done])
 
     report = await trim(store, RetentionPolicy(max_count=1, delete_rollouts=True))
 
     assert (report.finished, report.rollouts) == (2, 2)
     with pytest.raises(NotFound):
-        await store.get_rollout("a")
-    assert [r.rollout_id for r in await store.query_rollouts()] == ["c"]
+        await store.rollouts.get_rollout("a")
+    assert [r.rollout_id for r in await store.rollouts.query_rollouts()] == ["c"]
     assert (await store.statistics())["rollouts"]["succeeded"] == 1
 
 
 async def test_queue_keeps_unclaimed_entries(store: RedisStore) -> None:
     """Claimed queue entries are trimmed; entries not yet claimed stay."""
-    await store.enqueue_rollout({}, rollout_id="a")
-    await store.enqueue_rollout({}, rollout_id="b")
-    await store.dequeue_rollouts("w", 1)
+    await store.rollouts.enqueue_rollout({}, rollout_id="a")
+    await store.rollouts.enqueue_rollout({}, rollout_id="b")
+    await store.queue.dequeue_rollouts("w", 1)
     report = await trim(store, RetentionPolicy(max_age_s=0))
     assert report.queue_entries == 1
-    assert [c.rollout.rollout_id for c in await store.dequeue_rollouts("w", 5)] == ["b"]
+    assert [c.rollout.rollout_id for c in await store.queue.dequeue_rollouts("w", 5)] == ["b"]
 
 
 async def test_pending_entry_is_kept(store: RedisStore) -> None:
     """An entry delivered but not acknowledged (pending) blocks trimming from it on."""
-    await store.ensure_finished_group("adapter")
+    await store.finished.ensure_finished_group("adapter")
     await _finish(store, ["a", "b"])
-    done = await store.read_finished("adapter", "x", count=10)
-    await store.ack_finished("adapter", [done[1].entry_id])  # a still pending
+    done = await store.finished.read_finished("adapter", "x", count=10)
+    await store.finished.ack_finished("adapter", [done[1].entry_id])  # a still pending
     report = await trim(store, RetentionPolicy(max_age_s=0))
     assert report.finished == 0
-    assert len(await store.query_spans("a")) == 1
+    assert len(await store.spans.query_spans("a")) == 1

@@ -22,24 +22,24 @@ async def _until(check, timeout_s: float = 10.0) -> None:  # type: ignore[no-unt
 async def test_watchdog_trims_by_policy_and_again_each_interval(store: RedisStore) -> None:
     """With a schedule, the watchdog trims acknowledged finished entries (and their spans), keeps
     the one the adapter has not acknowledged, and trims it on a later pass once acknowledged."""
-    await store.ensure_finished_group("adapter")
+    await store.finished.ensure_finished_group("adapter")
     for rid in ("a", "b"):
-        await store.enqueue_rollout({}, rollout_id=rid)
-    for c in await store.dequeue_rollouts("w", 2):
-        await store.add_spans([Span(c.rollout.rollout_id, c.attempt.attempt_id, "s1", "llm")])
-        await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
-    a, b = await store.read_finished("adapter", "x", count=2)
-    await store.ack_finished("adapter", [a.entry_id])
+        await store.rollouts.enqueue_rollout({}, rollout_id=rid)
+    for c in await store.queue.dequeue_rollouts("w", 2):
+        await store.spans.add_spans([Span(c.rollout.rollout_id, c.attempt.attempt_id, "s1", "llm")])
+        await store.rollouts.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
+    a, b = await store.finished.read_finished("adapter", "x", count=2)
+    await store.finished.ack_finished("adapter", [a.entry_id])
     stop = asyncio.Event()
     schedule = RetentionSchedule(RetentionPolicy(max_count=0), interval_s=0.05)
     task = asyncio.create_task(run_watchdog(store, interval_s=0.05, stop=stop, retention=schedule))
     try:
         await _until(lambda: _finished_left(store, 1))
-        assert await store.query_spans(a.rollout_id) == []
-        assert len(await store.query_spans(b.rollout_id)) == 1  # not acknowledged: kept, pass after pass
-        await store.ack_finished("adapter", [b.entry_id])
+        assert await store.spans.query_spans(a.rollout_id) == []
+        assert len(await store.spans.query_spans(b.rollout_id)) == 1  # not acknowledged: kept, pass after pass
+        await store.finished.ack_finished("adapter", [b.entry_id])
         await _until(lambda: _finished_left(store, 0))
-        assert await store.query_spans(b.rollout_id) == []
+        assert await store.spans.query_spans(b.rollout_id) == []
     finally:
         stop.set()
         await task

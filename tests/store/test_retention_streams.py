@@ -40,27 +40,27 @@ async def test_every_shard_keeps_what_a_group_has_not_acknowledged(sharded: Redi
     acknowledged go with their spans, the first one the algorithm has not acknowledged stays with
     everything after it."""
     store = sharded
-    await store.ensure_finished_group("adapter")
-    await store.ensure_finished_group("algorithm")
+    await store.finished.ensure_finished_group("adapter")
+    await store.finished.ensure_finished_group("algorithm")
     by_shard = _ids_per_shard(store, 3)
     for ids in by_shard.values():
         for rid in ids[:2]:
-            await store.enqueue_rollout({"task": rid}, rollout_id=rid)
-    claimed = await store.dequeue_rollouts("w", 6)
+            await store.rollouts.enqueue_rollout({"task": rid}, rollout_id=rid)
+    claimed = await store.queue.dequeue_rollouts("w", 6)
     assert len(claimed) == 6
     for ids in by_shard.values():  # one more per shard, never claimed
-        await store.enqueue_rollout({"task": ids[2]}, rollout_id=ids[2])
+        await store.rollouts.enqueue_rollout({"task": ids[2]}, rollout_id=ids[2])
     for c in claimed:
         aid = c.attempt.attempt_id
-        await store.add_spans([Span(c.rollout.rollout_id, aid, "s1", "llm")])
-        await store.update_attempt(c.rollout.rollout_id, aid, status="succeeded")
-    done = await store.read_finished("adapter", "a", count=10)
-    await store.ack_finished("adapter", [f.entry_id for f in done])
-    algorithm = await store.read_finished("algorithm", "b", count=10)
+        await store.spans.add_spans([Span(c.rollout.rollout_id, aid, "s1", "llm")])
+        await store.rollouts.update_attempt(c.rollout.rollout_id, aid, status="succeeded")
+    done = await store.finished.read_finished("adapter", "a", count=10)
+    await store.finished.ack_finished("adapter", [f.entry_id for f in done])
+    algorithm = await store.finished.read_finished("algorithm", "b", count=10)
     assert len(algorithm) == 6
     # the algorithm leaves shard 1's first finished entry unacknowledged
     held = next(f for f in algorithm if store.keys.shard(f.rollout_id).index == 1)
-    await store.ack_finished("algorithm", [f.entry_id for f in algorithm if f is not held])
+    await store.finished.ack_finished("algorithm", [f.entry_id for f in algorithm if f is not held])
 
     report = await trim(store, RetentionPolicy(max_count=0))
 
@@ -73,8 +73,8 @@ async def test_every_shard_keeps_what_a_group_has_not_acknowledged(sharded: Redi
         assert await store.redis.xlen(store.keys.shards[index].finished) == 0
     for c in claimed:
         rid = c.rollout.rollout_id
-        assert (len(await store.query_spans(rid)) == 1) == (store.keys.shard(rid).index == 1)
-    unclaimed = await store.dequeue_rollouts("w", 10)
+        assert (len(await store.spans.query_spans(rid)) == 1) == (store.keys.shard(rid).index == 1)
+    unclaimed = await store.queue.dequeue_rollouts("w", 10)
     assert sorted(c.rollout.rollout_id for c in unclaimed) == sorted(ids[2] for ids in by_shard.values())
 
 
@@ -127,26 +127,26 @@ async def test_resources_log_keeps_what_stored_and_served_versions_need(sharded:
     of the resources hash; the newest entry and each id's latest version stay."""
     store = sharded
     for n in range(1, 5):  # resources versions 1..4 publish model versions v1..v4
-        await store.update_resources(POLICY_RESOURCES_ID, {"llm": {"model_version": f"v{n}"}})
-    await store.add_resources({"prompt": "x"}, resources_id="prompts")  # version 5, names no model
+        await store.resources.update_resources(POLICY_RESOURCES_ID, {"llm": {"model_version": f"v{n}"}})
+    await store.resources.add_resources({"prompt": "x"}, resources_id="prompts")  # version 5, names no model
     await record_stored(store, "v3", 3)
     await record_stored(store, "v4", 4)
-    await store.register_proxy(ProxyEndpoint("p1", "http://127.0.0.1:1", "m", "v2", time.time()))
+    await store.registry.register_proxy(ProxyEndpoint("p1", "http://127.0.0.1:1", "m", "v2", time.time()))
 
     dry = await trim(store, RetentionPolicy(max_count=0, resources=True, streams=frozenset()), dry_run=True)
     assert dry.resources == 1 and await store.redis.xlen(store.keys.resources_log) == 5
     report = await trim(store, RetentionPolicy(max_count=0, resources=True, streams=frozenset()))
 
     assert report.resources == 1  # v1's entry: older than the served v2's
-    assert [u.version for u in await store.query_resources()] == [2, 3, 4, 5]
+    assert [u.version for u in await store.resources.query_resources()] == [2, 3, 4, 5]
     with pytest.raises(NotFound):
-        await store.get_resources(POLICY_RESOURCES_ID, 1)
-    assert (await store.get_resources(POLICY_RESOURCES_ID, 2)).version == 2
+        await store.resources.get_resources(POLICY_RESOURCES_ID, 1)
+    assert (await store.resources.get_resources(POLICY_RESOURCES_ID, 2)).version == 2
 
-    await store.unregister_proxy("p1")  # nobody serves v2 now: the stored v3 is the oldest needed
+    await store.registry.unregister_proxy("p1")  # nobody serves v2 now: the stored v3 is the oldest needed
     await trim(store, RetentionPolicy(max_count=0, resources=True, streams=frozenset()))
-    assert [u.version for u in await store.query_resources()] == [3, 4, 5]
-    assert (await store.get_resources("prompts")).version == 5  # the latest of each id stays
+    assert [u.version for u in await store.resources.query_resources()] == [3, 4, 5]
+    assert (await store.resources.get_resources("prompts")).version == 5  # the latest of each id stays
 
 
 async def test_weights_keep_the_newest_and_every_served_version(sharded: RedisStore) -> None:
@@ -156,7 +156,7 @@ async def test_weights_keep_the_newest_and_every_served_version(sharded: RedisSt
     for n in range(1, 5):
         await store.redis.xadd(store.keys.weights(f"v{n}"), {"m": b"chunk"}, id="0-1")
         await record_stored(store, f"v{n}", n)
-    await store.register_proxy(ProxyEndpoint("p1", "http://127.0.0.1:1", "m", "v1", time.time()))
+    await store.registry.register_proxy(ProxyEndpoint("p1", "http://127.0.0.1:1", "m", "v1", time.time()))
 
     dry = await trim(store, RetentionPolicy(keep_versions=1), dry_run=True)
     assert dry.weight_versions == ("v2", "v3") and len(await stored_versions(store)) == 4
@@ -189,26 +189,26 @@ async def test_steps_by_count_and_dead_letters_by_age(sharded: RedisStore) -> No
 async def test_dry_run_counts_what_a_trim_removes_and_removes_nothing(sharded: RedisStore) -> None:
     """A dry run reports the same counts as the trim that follows, and leaves every stream whole."""
     store = sharded
-    await store.ensure_finished_group("adapter")
+    await store.finished.ensure_finished_group("adapter")
     for rid in [rid for ids in _ids_per_shard(store, 2).values() for rid in ids]:
-        await store.enqueue_rollout({}, rollout_id=rid)
-    for c in await store.dequeue_rollouts("w", 6):
-        await store.add_spans([Span(c.rollout.rollout_id, c.attempt.attempt_id, "s1", "llm")])
-        await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
-    acked = await store.read_finished("adapter", "a", count=4)
-    await store.ack_finished("adapter", [f.entry_id for f in acked])
-    all_ids = [r.rollout_id for r in await store.query_rollouts()]
+        await store.rollouts.enqueue_rollout({}, rollout_id=rid)
+    for c in await store.queue.dequeue_rollouts("w", 6):
+        await store.spans.add_spans([Span(c.rollout.rollout_id, c.attempt.attempt_id, "s1", "llm")])
+        await store.rollouts.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
+    acked = await store.finished.read_finished("adapter", "a", count=4)
+    await store.finished.ack_finished("adapter", [f.entry_id for f in acked])
+    all_ids = [r.rollout_id for r in await store.rollouts.query_rollouts()]
     await store.redis.sadd(store.keys.sampled, *all_ids)  # the adapter's once-sampled markers (sharded)
     policy = RetentionPolicy(max_count=0, delete_rollouts=True)
 
     dry = await trim(store, policy, dry_run=True)
     assert (dry.queue_entries, dry.finished, dry.span_streams, dry.rollouts) == (6, 4, 4, 4)
     assert sum([await store.redis.xlen(s.finished) for s in store.keys.shards]) == 6
-    assert len(await store.query_rollouts()) == 6
+    assert len(await store.rollouts.query_rollouts()) == 6
     real = await trim(store, policy)
     assert (real.queue_entries, real.finished, real.span_streams, real.rollouts) == (6, 4, 4, 4)
     assert real.streams == dry.streams
-    kept = sorted(r.rollout_id for r in await store.query_rollouts())
+    kept = sorted(r.rollout_id for r in await store.rollouts.query_rollouts())
     assert kept == sorted(set(all_ids) - {f.rollout_id for f in acked})
     assert sorted(m.decode() for m in await store.redis.smembers(store.keys.sampled)) == kept  # markers go too
 
@@ -226,12 +226,12 @@ async def test_unclaimed_entries_of_every_priority_lane_survive(sharded: RedisSt
     """The urgent and low lanes are trimmed by the same rule as the normal one: what the runners
     have not claimed stays and is claimed after the trim, urgent first."""
     store = sharded
-    await store.enqueue_rollout({}, rollout_id="n0")
-    assert [c.rollout.rollout_id for c in await store.dequeue_rollouts("w", 1)] == ["n0"]
-    await store.enqueue_rollout({}, rollout_id="n", priority="normal")
-    await store.enqueue_rollout({}, rollout_id="l", priority="low")
-    await store.enqueue_rollout({}, rollout_id="u", priority="urgent")
+    await store.rollouts.enqueue_rollout({}, rollout_id="n0")
+    assert [c.rollout.rollout_id for c in await store.queue.dequeue_rollouts("w", 1)] == ["n0"]
+    await store.rollouts.enqueue_rollout({}, rollout_id="n", priority="normal")
+    await store.rollouts.enqueue_rollout({}, rollout_id="l", priority="low")
+    await store.rollouts.enqueue_rollout({}, rollout_id="u", priority="urgent")
     report = await trim(store, RetentionPolicy(max_count=0))
     assert report.queue_entries == 1  # n0, claimed
-    claimed = [c.rollout.rollout_id for c in await store.dequeue_rollouts("w", 3)]
+    claimed = [c.rollout.rollout_id for c in await store.queue.dequeue_rollouts("w", 3)]
     assert sorted(claimed) == ["l", "n", "u"]

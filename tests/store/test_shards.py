@@ -56,54 +56,54 @@ def test_one_shard_keeps_todays_keys_and_shards_land_on_distinct_masters(redis_c
 async def test_claims_rotate_over_shards_and_views_sum_them(sharded: RedisStore) -> None:
     store = sharded
     ids = _ids_per_shard(store, 4)
-    await store.enqueue_rollouts([store.new_rollout(i, rollout_id=i) for i in ids])
+    await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout(i, rollout_id=i) for i in ids])
     stats = await store.statistics()
     assert (stats["queue_depth"], stats["rollouts"]["queuing"]) == (len(ids), len(ids))
     # Each call starts one shard further: three single claims take one rollout from each shard.
-    firsts = [await store.dequeue_rollout("w") for _ in range(SHARDS)]
+    firsts = [await store.queue.dequeue_rollout("w") for _ in range(SHARDS)]
     assert sorted(store.keys.shard(c.rollout.rollout_id).index for c in firsts if c) == [0, 1, 2]
     # A larger claim fills up from every shard; all are claimed exactly once.
-    rest = await store.dequeue_rollouts("w", 100)
+    rest = await store.queue.dequeue_rollouts("w", 100)
     claimed = [c.rollout.rollout_id for c in firsts if c] + [c.rollout.rollout_id for c in rest]
     assert sorted(claimed) == sorted(ids)
     stats = await store.statistics()
     assert (stats["queue_depth"], stats["rollouts"]["preparing"], stats["active_attempts"]) == (0, 12, 12)
     assert stats["pending"] == {"w": 0}
-    assert sorted(r.rollout_id for r in await store.query_rollouts(status="preparing")) == sorted(ids)
+    assert sorted(r.rollout_id for r in await store.rollouts.query_rollouts(status="preparing")) == sorted(ids)
 
 
 async def test_finished_groups_and_the_adapter_span_shards(sharded: RedisStore) -> None:
     store = sharded
     ids = _ids_per_shard(store, 2)
-    await store.enqueue_rollouts([store.new_rollout(i, rollout_id=i) for i in ids])
-    await store.ensure_finished_group(k.ADAPTER_GROUP)
-    for c in await store.dequeue_rollouts("w", len(ids)):
-        await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
-    assert {r.rollout_id for r in await store.wait_for_rollouts(ids, timeout_s=5)} == set(ids)
+    await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout(i, rollout_id=i) for i in ids])
+    await store.finished.ensure_finished_group(k.ADAPTER_GROUP)
+    for c in await store.queue.dequeue_rollouts("w", len(ids)):
+        await store.rollouts.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
+    assert {r.rollout_id for r in await store.finished.wait_for_rollouts(ids, timeout_s=5)} == set(ids)
 
-    finished = await store.read_finished(k.ADAPTER_GROUP, "a1", count=100, block_s=1)
+    finished = await store.finished.read_finished(k.ADAPTER_GROUP, "a1", count=100, block_s=1)
     assert sorted(f.rollout_id for f in finished) == sorted(ids)
-    rows = await store.read_for_samples([f.rollout_id for f in finished])
+    rows = await store.samples.read_for_samples([f.rollout_id for f in finished])
     assert [r.rollout_id if r else None for r in rows] == [f.rollout_id for f in finished]
     assert {r.status for r in rows if r} == {RolloutStatus.SUCCEEDED}
     batch: list[Any] = [(f.rollout_id, [b"sample-" + f.rollout_id.encode()], {"adapted": 1}, "v1") for f in finished]
     ack = [f.entry_id for f in finished]
-    assert await store.append_samples(batch, ack_group=k.ADAPTER_GROUP, ack_entry_ids=ack) == [1] * len(ids)
+    assert await store.samples.append_samples(batch, ack_group=k.ADAPTER_GROUP, ack_entry_ids=ack) == [1] * len(ids)
     # Once per rollout, the entries acknowledged in every shard, the model version with each rollout.
-    assert await store.append_samples(batch) == [0] * len(ids)
-    assert await store.read_finished(k.ADAPTER_GROUP, "a1", count=100, pending=True) == []
-    assert (await store.adapter_stats())["adapted"] == len(ids)
+    assert await store.samples.append_samples(batch) == [0] * len(ids)
+    assert await store.finished.read_finished(k.ADAPTER_GROUP, "a1", count=100, pending=True) == []
+    assert (await store.samples.adapter_stats())["adapted"] == len(ids)
     assert await store.redis.xlen(store.keys.samples) == len(ids)
     assert {(await store.redis.hget(store.keys.rollout(rid), "model_version")) for rid in ids} == {b"v1"}
-    assert await store.append_samples([("ghost", [b"x"], {})]) == [-1]
+    assert await store.samples.append_samples([("ghost", [b"x"], {})]) == [-1]
 
 
 async def test_a_process_with_another_shard_count_is_refused(redis_cluster: EmbeddedCluster, experiment: str) -> None:
     client = async_client(redis_cluster.url)
     try:
-        await RedisStore(client, experiment, shards=SHARDS).enqueue_rollout("x", rollout_id="r1")
+        await RedisStore(client, experiment, shards=SHARDS).rollouts.enqueue_rollout("x", rollout_id="r1")
         with pytest.raises(InvalidInput, match="FULMEN_STORE_SHARDS=3"):
-            await RedisStore(client, experiment, shards=1).dequeue_rollout("w")
+            await RedisStore(client, experiment, shards=1).queue.dequeue_rollout("w")
     finally:
         await client.aclose()
 
@@ -121,7 +121,7 @@ async def test_the_rollout_browser_pages_over_every_shard(sharded: RedisStore, s
     store = sharded
     ids = _ids_per_shard(store, 5)
     for i in range(0, len(ids), 4):  # several rollouts per enqueue: some share an enqueue time
-        await store.enqueue_rollouts([store.new_rollout(rid, rollout_id=rid) for rid in ids[i:i + 4]])
+        await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout(rid, rollout_id=rid) for rid in ids[i:i + 4]])
     seen: list[str] = []
     times: list[float] = []
     cursor = None
@@ -144,8 +144,8 @@ async def test_the_sync_snapshot_of_top_and_metrics_sums_the_shards(
     """`fulmen top` and the metrics read with a sync client: on the cluster, over every shard."""
     store = sharded
     ids = _ids_per_shard(store, 2)
-    await store.enqueue_rollouts([store.new_rollout(i, rollout_id=i) for i in ids])
-    claimed = await store.dequeue_rollouts("w", 2)
+    await store.rollouts.enqueue_rollouts([store.rollouts.new_rollout(i, rollout_id=i) for i in ids])
+    claimed = await store.queue.dequeue_rollouts("w", 2)
     client = sync_client(redis_cluster.url)
     try:
         snap = await asyncio.to_thread(read_snapshot, client, store.keys)
@@ -159,15 +159,15 @@ async def test_the_sync_snapshot_of_top_and_metrics_sums_the_shards(
 async def test_poison_on_another_shard_is_dead_lettered_and_requeued(sharded: RedisStore) -> None:
     """A bad entry on a shard's queue goes to the experiment's dead letters (another slot) and back."""
     store = sharded
-    await store.ensure()
+    await store.queue.ensure()
     shard = store.keys.shards[2]
     await store.redis.xadd(shard.queue, {"m": b"not msgpack"})
-    assert await store.dequeue_rollouts("w", 5) == []
-    [letter] = await store.query_dead_letters()
+    assert await store.queue.dequeue_rollouts("w", 5) == []
+    [letter] = await store.dead_letters.query_dead_letters()
     assert letter.source == shard.queue
     assert (await store.redis.xpending(shard.queue, k.RUNNERS_GROUP))["pending"] == 0
-    await store.requeue_dead_letter(letter.dead_letter_id)
-    assert await store.query_dead_letters() == []
+    await store.dead_letters.requeue_dead_letter(letter.dead_letter_id)
+    assert await store.dead_letters.query_dead_letters() == []
     assert await store.redis.xlen(shard.queue) == 2
 
 
@@ -175,13 +175,13 @@ async def test_a_large_enqueue_reports_each_rollout_in_order(sharded: RedisStore
     """enqueue_rollouts sends one script call per shard and chunk of rollouts: the flags still come back
     in the caller's order, a rollout repeated within the batch is created once, each is queued once."""
     ids = [f"big{i:04d}" for i in range(ENQUEUE_CHUNK * 2 + 7)]
-    await sharded.enqueue_rollouts([sharded.new_rollout("old", rollout_id=ids[150])])
-    batch = [sharded.new_rollout(i, rollout_id=i) for i in ids] + [sharded.new_rollout("again", rollout_id=ids[3])]
-    flags = await sharded.enqueue_rollouts(batch)
+    await sharded.rollouts.enqueue_rollouts([sharded.rollouts.new_rollout("old", rollout_id=ids[150])])
+    batch = [sharded.rollouts.new_rollout(i, rollout_id=i) for i in ids] + [sharded.rollouts.new_rollout("again", rollout_id=ids[3])]
+    flags = await sharded.rollouts.enqueue_rollouts(batch)
     assert flags == [i != 150 for i in range(len(ids))] + [False]
-    assert (await sharded.get_rollout(ids[3])).input == ids[3]
-    assert (await sharded.get_rollout(ids[150])).input == "old"
+    assert (await sharded.rollouts.get_rollout(ids[3])).input == ids[3]
+    assert (await sharded.rollouts.get_rollout(ids[150])).input == "old"
     stats = await sharded.statistics()
     assert stats["rollouts"]["queuing"] == len(ids)
-    claimed = await sharded.dequeue_rollouts("w", count=len(ids) + 5)
+    claimed = await sharded.queue.dequeue_rollouts("w", count=len(ids) + 5)
     assert sorted(c.rollout.rollout_id for c in claimed) == ids

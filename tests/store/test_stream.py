@@ -53,7 +53,7 @@ async def test_reclaim_step_by_step(real_store: RedisStore) -> None:
     # 6. a poison entry reclaimed is dead-lettered with the reason and acked
     poison = (await redis.xadd(stream.key, {"m": "poison"})).decode()
     assert await stream.read("dead2", count=10) == []  # dead-lettered on read already
-    (letter,) = await real_store.query_dead_letters()
+    (letter,) = await real_store.dead_letters.query_dead_letters()
     assert isinstance(letter, DeadLetter) and (letter.source, letter.entry_id) == (stream.key, poison)
     assert letter.reason == "not a test record"
     assert poison not in [p["message_id"].decode() for p in await redis.xpending_range(stream.key, "g", "-", "+", 10)]

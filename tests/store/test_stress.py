@@ -52,8 +52,8 @@ async def test_claims_are_exclusive_across_processes(
     # "read-and-steal": every claim also XAUTOCLAIMs entries idle for 1 ms, so workers take over
     # entries delivered to each other before those are claimed; the claim script must still let one win.
     ids = [f"r{i:04d}" for i in range(2000)]
-    assert await real_store.enqueue_rollouts(
-        [real_store.new_rollout({"i": i}, rollout_id=i) for i in ids]
+    assert await real_store.rollouts.enqueue_rollouts(
+        [real_store.rollouts.new_rollout({"i": i}, rollout_id=i) for i in ids]
     ) == [True] * len(ids)
     names = [f"w{n}" for n in range(8)]
     processes = [
@@ -79,14 +79,14 @@ async def test_claims_are_exclusive_across_processes(
     assert [(a.attempt_id, a.status, a.worker_id) for a in attempts] == [
         (aid, AttemptStatus.PREPARING, name) for _, aid, _, name in claims
     ]
-    rollouts = await real_store.get_rollouts(ids)
+    rollouts = await real_store.rollouts.get_rollouts(ids)
     assert {(r.status, r.attempt_count) if r else None for r in rollouts} == {(RolloutStatus.PREPARING, 1)}
     stats = await real_store.statistics()
     assert stats["rollouts"] == _per_status(preparing=len(ids))
     assert set(stats["pending"].values()) == {0}
     for shard in real_store.keys.shards:
         assert (await real_store.redis.xpending(shard.queue, k.RUNNERS_GROUP))["pending"] == 0
-    assert await real_store.dequeue_rollouts("late", 10) == []
+    assert await real_store.queue.dequeue_rollouts("late", 10) == []
 
 
 @pytest.mark.slow
@@ -106,8 +106,8 @@ async def test_racing_watchdogs_end_each_stale_attempt_once(
         unresponsive_seconds=0.5, max_attempts=max_attempts, retry_condition=("unresponsive",)
     )
     ids = [f"r{i:03d}" for i in range(500)]
-    await real_store.enqueue_rollouts([real_store.new_rollout(i, rollout_id=i, config=config) for i in ids])
-    claimed = await real_store.dequeue_rollouts("sleeper", len(ids))
+    await real_store.rollouts.enqueue_rollouts([real_store.rollouts.new_rollout(i, rollout_id=i, config=config) for i in ids])
+    claimed = await real_store.queue.dequeue_rollouts("sleeper", len(ids))
     assert sorted(c.attempt.attempt_id for c in claimed) == [f"{rid}.1" for rid in ids]
     processes = [await spawn("watchdog", url=redis_url, experiment=experiment) for _ in range(3)]
     for process in processes:
@@ -137,11 +137,11 @@ async def test_racing_watchdogs_end_each_stale_attempt_once(
         assert (await real_store.statistics())["rollouts"] == _per_status(requeuing=len(ids))
         assert completions == []
         # Requeued once each: the queue holds one new entry per rollout, claimed as attempt 2.
-        again = await real_store.dequeue_rollouts("second", 2 * len(ids))
+        again = await real_store.queue.dequeue_rollouts("second", 2 * len(ids))
         assert sorted(c.attempt.attempt_id for c in again) == [f"{rid}.2" for rid in ids]
     else:
         assert (await real_store.statistics())["rollouts"] == _per_status(failed=len(ids))
         assert sorted((c.rollout_id, c.status, c.attempt_id) for c in completions) == [
             (rid, RolloutStatus.FAILED, f"{rid}.1") for rid in ids
         ]
-        assert await real_store.dequeue_rollouts("second", 10) == []
+        assert await real_store.queue.dequeue_rollouts("second", 10) == []

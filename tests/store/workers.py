@@ -42,7 +42,7 @@ async def _wait_line() -> str:
 
 async def _store(url: str, experiment: str, reclaim_idle_s: float = 10.0) -> RedisStore:
     store = RedisStore(async_client(url), experiment, reclaim_idle_s=reclaim_idle_s)
-    await store.ensure()
+    await store.queue.ensure()
     await store.redis.ping()
     return store
 
@@ -54,7 +54,7 @@ async def claim(url: str, experiment: str, worker_id: str, batch: int, reclaim_i
     await _wait_line()
     claimed: list[list[str]] = []
     while True:
-        got = await store.dequeue_rollouts(worker_id, batch)
+        got = await store.queue.dequeue_rollouts(worker_id, batch)
         claimed += [[c.rollout.rollout_id, c.attempt.attempt_id, c.attempt.worker_id or ""] for c in got]
         # An empty batch is not the end when reclaim stole our entries: the status index is.
         if not got and not await store.redis.scard(store.keys.status(RolloutStatus.QUEUING)):
@@ -80,11 +80,11 @@ async def hold(url: str, experiment: str, worker_id: str, count: int, heartbeat_
     held: list[tuple[str, str]] = []
     deadline = time.monotonic() + 30
     while len(held) < count and time.monotonic() < deadline:
-        got = await store.dequeue_rollouts(worker_id, count - len(held), block_s=1.0)
+        got = await store.queue.dequeue_rollouts(worker_id, count - len(held), block_s=1.0)
         held += [(c.rollout.rollout_id, c.attempt.attempt_id) for c in got]
 
     async def beat_all() -> None:
-        await asyncio.gather(*(store.heartbeat(rid, aid) for rid, aid in held))
+        await asyncio.gather(*(store.spans.heartbeat(rid, aid) for rid, aid in held))
 
     await beat_all()
     _emit(held=held)
@@ -98,7 +98,7 @@ async def hold(url: str, experiment: str, worker_id: str, count: int, heartbeat_
     order = await _wait_line()
     beating.cancel()
     if order == "finish":
-        codes = [await store.update_attempt(rid, aid, status="succeeded") for rid, aid in held]
+        codes = [await store.rollouts.update_attempt(rid, aid, status="succeeded") for rid, aid in held]
         _emit(finished=[[rid, aid, code] for (rid, aid), code in zip(held, codes, strict=True)])
     await store.aclose()
 
@@ -110,8 +110,8 @@ async def run(url: str, experiment: str, worker_id: str, count: int, timeout_s: 
     ran: list[list[str]] = []
     deadline = time.monotonic() + timeout_s
     while len(ran) < count and time.monotonic() < deadline:
-        for c in await store.dequeue_rollouts(worker_id, count - len(ran), block_s=0.5):
-            code = await store.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
+        for c in await store.queue.dequeue_rollouts(worker_id, count - len(ran), block_s=0.5):
+            code = await store.rollouts.update_attempt(c.rollout.rollout_id, c.attempt.attempt_id, status="succeeded")
             ran.append([c.rollout.rollout_id, c.attempt.attempt_id, code or ""])
     _emit(ran=ran)
     await store.aclose()

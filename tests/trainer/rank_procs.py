@@ -21,7 +21,7 @@ FULMEN = str(Path(sys.executable).with_name("fulmen"))
 
 
 async def push(store: RedisStore, samples: list[Sample]) -> None:
-    await store.ensure_samples_group(k.TRAINERS_GROUP)
+    await store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     for s in samples:
         await store.redis.xadd(store.keys.samples, {"m": s.to_wire()})
 

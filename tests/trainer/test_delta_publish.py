@@ -40,7 +40,7 @@ def _group(name: str) -> list[Sample]:
 
 
 async def _train(store: RedisStore, tiny: Path, tmp_path: Path) -> Trainer:
-    await store.ensure_samples_group(k.TRAINERS_GROUP)
+    await store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     for name in "abcd"[:STEPS]:
         for sample in _group(name):
             await store.redis.xadd(store.keys.samples, {"m": sample.to_wire()})
@@ -67,8 +67,8 @@ async def test_deltas_between_keyframes_end_on_the_trainers_weights(real_store: 
     manifests = [(await fetch_version(real_store, f"v{i}")).manifest for i in range(1, STEPS + 1)]
     assert [(m.format, m.base_version) for m in manifests] == [
         (FULL, None), (DELTA, "v1"), (DELTA, "v2"), (FULL, None)]
-    delta_bytes = (await real_store.get_resources("policy", 3)).resources["llm"]["weights"]["bytes"]
-    full_bytes = (await real_store.get_resources("policy", 1)).resources["llm"]["weights"]["bytes"]
+    delta_bytes = (await real_store.resources.get_resources("policy", 3)).resources["llm"]["weights"]["bytes"]
+    full_bytes = (await real_store.resources.get_resources("policy", 1)).resources["llm"]["weights"]["bytes"]
     assert delta_bytes < full_bytes / 2  # at an RL learning rate most bf16 elements keep their bits
 
     # a proxy that follows every version: v1 whole, v2 and v3 applied onto what it serves, v4 whole
@@ -85,7 +85,7 @@ async def test_deltas_between_keyframes_end_on_the_trainers_weights(real_store: 
 
     backend.engine.load_weights = spy  # type: ignore[method-assign]
     served_v3 = None
-    for update in await real_store.query_resources():
+    for update in await real_store.resources.query_resources():
         await follower.consider(update)
         if backend.model_version == "v3":
             served_v3 = {n: t.clone() for n, t in backend.current_weights().items()}
@@ -101,6 +101,6 @@ async def test_deltas_between_keyframes_end_on_the_trainers_weights(real_store: 
     late = TorchBackend(tiny)
     await late.start()
     follower = ModelFollower(real_store, late, lambda v, outcome: None)
-    await follower.consider(await real_store.get_resources("policy", 3))
+    await follower.consider(await real_store.resources.get_resources("policy", 3))
     assert late.model_version == "v3" and _same_bits(late.current_weights(), v3.state)
     await late.close()

@@ -40,7 +40,7 @@ def _group(name: str, rewards: list[float]) -> list[Sample]:
 
 
 async def _trained(store: RedisStore, tiny: Path, tmp_path: Path, **knobs) -> Trainer:
-    await store.ensure_samples_group(k.TRAINERS_GROUP)
+    await store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     for sample in _group("a", [1.0, 0.0, 1.0, 0.0]) + _group("b", [0.0, 1.0, 1.0, 0.0]):
         await store.redis.xadd(store.keys.samples, {"m": sample.to_wire()})
     settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=2, checkpoint_dir=tmp_path / "ck",
@@ -68,7 +68,7 @@ async def test_only_the_adapter_trains_and_the_version_is_the_adapter(real_store
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert changed and all(".lora_B." in n or ".lora_A." in n for n in changed)
     assert all(p.requires_grad == (".lora_" in n) for n, p in trainer.model.named_parameters())
-    latest = await real_store.get_latest_resources()
+    latest = await real_store.resources.get_latest_resources()
     assert latest is not None
     weights = llm_resource(latest)["weights"]
     assert weights["format"] == "lora" and weights["lora"] == {"r": RANK, "alpha": 8, "scaling": 2.0}
@@ -82,7 +82,7 @@ async def test_the_proxy_serves_base_plus_adapter_with_the_trainers_greedy_ids(r
                                                                               tmp_path: Path) -> None:
     trainer = await _trained(real_store, tiny, tmp_path)
     await asyncio.wait_for(trainer.run(asyncio.Event()), 60)
-    latest = await real_store.get_latest_resources()
+    latest = await real_store.resources.get_latest_resources()
     assert latest is not None
     weights = llm_resource(latest)["weights"]
     adapter = await fetch_model_version(real_store, "v1", resource=llm_resource(latest))

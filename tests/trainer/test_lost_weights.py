@@ -60,7 +60,7 @@ async def _served_after_catch_up(store: RedisStore, tiny: Path) -> tuple[str, di
 async def test_lost_weights_are_published_again_while_waiting_and_at_start(real_store: RedisStore, tiny: Path,
                                                                             tmp_path: Path) -> None:
     store = real_store
-    await store.ensure_samples_group(k.TRAINERS_GROUP)
+    await store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     for name in "ab":
         await _push_group(store, name)
     trainer = _trainer(store, tiny, tmp_path, max_steps=2)
@@ -89,7 +89,7 @@ async def test_lost_weights_are_published_again_while_waiting_and_at_start(real_
         stop.set()
         await asyncio.wait_for(running, 30)
     assert trainer.version.name == "v3"
-    newest = (await store.get_latest_resources()).resources["llm"]
+    newest = (await store.resources.get_latest_resources()).resources["llm"]
     assert newest["model_version"] == "v3" and newest["weights"].get("format", FULL) == FULL
     assert await _served_after_catch_up(store, tiny) == ("v3", published)
     assert not await republish_if_lost(trainer, now=True)  # stored again: nothing to do

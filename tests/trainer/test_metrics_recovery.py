@@ -28,7 +28,7 @@ async def test_a_step_checkpointed_but_not_logged_is_logged_on_restart(
 ) -> None:
     """Redis gone at the acknowledgement after a checkpoint: the restarted trainer writes that step's line."""
     tiny = build_tiny_model(tmp_path / "tiny")
-    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    await real_store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     for name in ("a", "b"):
         for sample in _group(name):
             await real_store.redis.xadd(real_store.keys.samples, {"m": sample.to_wire()})
@@ -41,7 +41,7 @@ async def test_a_step_checkpointed_but_not_logged_is_logged_on_restart(
     async def redis_gone(*_: object) -> int:
         raise RedisConnectionError("Connection closed by server.")
 
-    monkeypatch.setattr(real_store, "ack_samples", redis_gone)
+    monkeypatch.setattr(real_store.samples, "ack_samples", redis_gone)
     with pytest.raises(RedisConnectionError):
         await asyncio.wait_for(first.run(asyncio.Event()), 60)
     assert first.step == 1 and not metrics.exists()  # checkpointed, not logged

@@ -97,7 +97,7 @@ async def test_two_ddp_ranks_reach_the_weights_of_one_rank(redis_url: str, tiny:
     assert [line["comm/ranks"] for line in lines] == [2] * STEPS
     assert sorted(i for line in lines for i in line["sample_ids"]) == sorted(s.sample_id for s in samples)
     assert (await client.xpending(two.keys.samples, k.TRAINERS_GROUP))["pending"] == 0
-    assert (await two.get_latest_resources()).resources["llm"]["model_version"] == f"v{STEPS}"
+    assert (await two.resources.get_latest_resources()).resources["llm"]["model_version"] == f"v{STEPS}"
     await client.aclose()
 
 

@@ -94,7 +94,7 @@ def test_stale_samples_are_dropped_or_downweighted() -> None:
 
 async def test_a_step_trains_publishes_checkpoints_and_acknowledges(real_store: RedisStore, tiny: Path, tmp_path: Path) -> None:
     """Two complete groups make one step: version v1 published, checkpoint written, entries acked, metrics logged."""
-    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    await real_store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     await _push(real_store, _group("a", [1.0, 0.0, 1.0, 0.0]) + _group("b", [1.0, 1.0, 0.0, 1.0]))
     from fulmen.store.redis.embedded import free_port
 
@@ -108,7 +108,7 @@ async def test_a_step_trains_publishes_checkpoints_and_acknowledges(real_store: 
     await asyncio.wait_for(trainer.run(asyncio.Event()), 60)
     assert trainer.step == 1 and trainer.version == ModelVersion(1, "v1")
     assert any(not (p.detach() == before[n]).all() for n, p in trainer.model.named_parameters())
-    latest = await real_store.get_latest_resources()
+    latest = await real_store.resources.get_latest_resources()
     assert latest is not None and latest.resources["llm"]["model_version"] == "v1"
     (line,) = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert sorted(line["sample_ids"]) == sorted(f"{g}-r{i}.1/t0" for g in "ab" for i in range(4))
@@ -127,7 +127,7 @@ async def test_a_step_trains_publishes_checkpoints_and_acknowledges(real_store: 
 async def test_a_dropped_group_is_listed_for_the_algorithm(real_store: RedisStore, tiny: Path, tmp_path: Path) -> None:
     """A complete group with one usable rollout is dropped and listed in the store (the algorithm
     replaces it); the trained group is not listed."""
-    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    await real_store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     failed = SampleSkip("d-r1", "d-r1.1", "d", "failed", "rollout failed", group_size=2)
     await _push(real_store, [_sample("d-r0", "d", 1.0, size=2), failed, *_group("t", [1.0, 0.0])])
     settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=1, checkpoint_dir=tmp_path / "ck",
@@ -145,7 +145,7 @@ async def test_a_group_that_waits_for_a_later_step_is_weighed_against_that_step(
     """Three groups of base-version samples complete at once and a step takes two: the third waits,
     and once v1 is out it is one version behind, past a bound of 0, so it is dropped (and listed for
     the algorithm), never trained on by the weights after v1."""
-    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    await real_store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     await _push(real_store, _group("a", [1.0, 0.0]) + _group("b", [1.0, 0.0]) + _group("c", [1.0, 0.0]))
     fresh = [_sample(f"{g}-r{i}", g, float(i), size=2, version="v1") for g in "de" for i in range(2)]
     settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=2, checkpoint_dir=tmp_path / "ck",
@@ -173,7 +173,7 @@ async def test_restart_after_a_kill_consumes_every_sample_exactly_once(
 ) -> None:
     """SIGKILL mid-run, restart: the sample ids trained on equal the ids produced, each once — also
     when checkpoints (and versions) come every 3 steps and the steps since the last one are lost."""
-    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    await real_store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     produced = []
     for g in range(8):
         items = _group(f"g{g}", [1.0, 0.0, float(g % 2), 1.0])
@@ -218,9 +218,9 @@ async def test_restart_recovers_every_pending_sample_past_the_first_page(real_st
     """More entries pending than one read returns (1,000): a restarted trainer puts all of them back."""
     groups = [_group(f"p{g}", [1.0, 0.0, 1.0]) for g in range(600)]
     await _push(real_store, [s for g in groups for s in g[:2]] + [g[2] for g in groups[:10]])
-    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    await real_store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     read = []
-    while batch := await real_store.read_samples(k.TRAINERS_GROUP, "trainer-0", count=500):
+    while batch := await real_store.samples.read_samples(k.TRAINERS_GROUP, "trainer-0", count=500):
         read += batch  # the trainer read them all, then died before any checkpoint
     assert len(read) == 1210
     settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=1000)
@@ -265,7 +265,7 @@ async def test_every_served_version_is_in_the_lineage_a_restart_resumes_from(
     from fulmen.telemetry.steps import read_curve
     from fulmen.versions.model_version import fetch_model_version
 
-    await real_store.ensure_samples_group(k.TRAINERS_GROUP)
+    await real_store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     await _push(real_store, _group("a", [1.0, 0.0, 1.0, 0.0]) + _group("b", [1.0, 1.0, 0.0, 1.0]))
     settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=1, checkpoint_dir=tmp_path / "ck",
                              metrics_file=tmp_path / "m.jsonl", max_steps=2, experiment=real_store.experiment,
@@ -275,7 +275,7 @@ async def test_every_served_version_is_in_the_lineage_a_restart_resumes_from(
     restarted = Trainer(real_store, settings)
     await restarted.setup()
     assert restarted.step == 1 and restarted.version == ModelVersion(1, "v1")
-    latest = await real_store.get_latest_resources()
+    latest = await real_store.resources.get_latest_resources()
     assert latest is not None and latest.resources["llm"]["model_version"] == "v1"
     await restarted.metrics.flush()
     (logged,) = await read_curve(real_store.redis, real_store.keys)  # the algorithm paces on it

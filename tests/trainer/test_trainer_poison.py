@@ -60,7 +60,7 @@ async def test_poison_samples_are_dead_lettered_and_training_goes_on(
 ) -> None:
     """Each unusable sample is dead-lettered with a reason and acknowledged; the good groups make a step."""
     store = real_store
-    await store.ensure_samples_group(k.TRAINERS_GROUP)
+    await store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     for data in POISON.values():
         await store.redis.xadd(store.keys.samples, {"m": data})
     for item in [_sample("a0", "a", 1.0), _sample("a1", "a", 0.0)]:
@@ -71,7 +71,7 @@ async def test_poison_samples_are_dead_lettered_and_training_goes_on(
     await trainer.setup()
     await asyncio.wait_for(trainer.run(asyncio.Event()), 60)
     assert trainer.step == 1
-    letters = await store.query_dead_letters(limit=100)
+    letters = await store.dead_letters.query_dead_letters(limit=100)
     assert len(letters) == len(POISON) and all(letter.reason for letter in letters)
     assert any("vocabulary" in letter.reason for letter in letters)
     assert (await store.redis.xpending(store.keys.samples, k.TRAINERS_GROUP))["pending"] == 0
@@ -90,7 +90,7 @@ async def test_a_step_with_a_non_finite_reward_is_skipped_and_publishes_nothing(
     assert await trainer.train_step([ReadyGroup("a", samples, [1.0, 1.0], ["1-0", "1-1"])]) == {}
     assert trainer.step == 0 and trainer.collector.counts["steps/skipped_nonfinite"] == 1
     assert trainer.consumed_since_checkpoint == ["1-0", "1-1"]
-    assert await real_store.get_latest_resources() is None
+    assert await real_store.resources.get_latest_resources() is None
     # the algorithm replaces the group at once
     assert await real_store.redis.smembers(real_store.keys.trainer_untrained) == {b"a"}
     assert all((p.detach() == before[n]).all() for n, p in trainer.model.named_parameters())

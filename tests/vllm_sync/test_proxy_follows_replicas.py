@@ -47,10 +47,10 @@ async def test_calls_go_to_ready_replicas_only(real_store: RedisStore) -> None:
     backend = VllmBackend(["http://127.0.0.1:1", "http://127.0.0.1:2"])
     view = ReplicaView(real_store)
     backend.follow_replicas(view)
-    await real_store.set_replica(ReplicaState("http://127.0.0.1:1/v1", "v3", ready=False, reason="loading v3"))
+    await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:1/v1", "v3", ready=False, reason="loading v3"))
     await view.refresh()
     assert [p.base_url for p in backend.upstreams.order("r1")] == ["http://127.0.0.1:2"]  # untracked: routable
-    await real_store.set_replica(ReplicaState("http://127.0.0.1:2", "v2", ready=False, reason="loading failed"))
+    await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:2", "v2", ready=False, reason="loading failed"))
     await view.refresh()
     with pytest.raises(ProxyError) as caught:
         backend.upstreams.order("r1")
@@ -143,11 +143,11 @@ async def test_a_replica_serving_an_adapter_gets_calls_under_the_adapters_name(r
     view = ReplicaView(real_store)
     backend.follow_replicas(view)
     try:
-        await real_store.set_replica(ReplicaState(url, "v4", ready=True, served_model="v4"))
+        await real_store.registry.set_replica(ReplicaState(url, "v4", ready=True, served_model="v4"))
         await view.refresh()
         adapted = Result()
         await backend.complete(_call("r1"), adapted)
-        await real_store.set_replica(ReplicaState(url, "v3", ready=True))
+        await real_store.registry.set_replica(ReplicaState(url, "v3", ready=True))
         await view.refresh()
         plain = Result()
         await backend.complete(_call("r2"), plain)

@@ -128,7 +128,7 @@ async def _synced(store: RedisStore, sync: VllmSync, version: str) -> None:
     task = asyncio.create_task(sync.run(stop))
     try:
         for _ in range(1200):
-            state = (await store.query_replicas()).get(sync.url)
+            state = (await store.registry.query_replicas()).get(sync.url)
             if state is not None and state.ready and state.model_version == version:
                 return
             await asyncio.sleep(0.1)
@@ -154,14 +154,14 @@ async def test_vllm_serves_a_lora_and_a_full_version_like_the_torch_backend(real
         lora = lora_description(8, 16.0)
         await publish_model_version(real_store, adapter, model="tiny", weights_format={"format": "lora", "lora": lora})
         await _synced(real_store, sync, "v1")
-        assert (await real_store.query_replicas())[url].served_model == "v1"  # an adapter, not a reload
+        assert (await real_store.registry.query_replicas())[url].served_model == "v1"  # an adapter, not a reload
         assert httpx.get(f"{url}/weight_info").json()["weight_version"] == "v1 (LoRA adapter)"  # what a person sees
         _agree(await _vllm_greedy(url, "v1"), await _torch_greedy(base, adapter, lora))
 
         trained = load_file(str(_tiny(root / "trained", seed=1) / "model.safetensors"))
         await publish_model_version(real_store, trained, model="tiny")
         await _synced(real_store, sync, "v2")
-        assert (await real_store.query_replicas())[url].served_model == ""
+        assert (await real_store.registry.query_replicas())[url].served_model == ""
         assert httpx.get(f"{url}/weight_info").json()["weight_version"] == "v2"
         _agree(await _vllm_greedy(url, model), await _torch_greedy(base, trained))
     finally:

@@ -64,7 +64,7 @@ async def _until(predicate, timeout_s: float = 30.0) -> None:  # type: ignore[no
 
 
 async def _replica(store: RedisStore, url: str):  # type: ignore[no-untyped-def]
-    return (await store.query_replicas()).get(url)
+    return (await store.registry.query_replicas()).get(url)
 
 
 async def test_a_published_version_is_loaded_verified_and_marked_ready(real_store: RedisStore, models, tmp_path):

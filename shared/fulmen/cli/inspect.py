@@ -113,7 +113,7 @@ def rollouts(
     settings = settings_from_flags(experiment=experiment)
     found = run_on_store(
         settings,
-        lambda store: store.query_rollouts(
+        lambda store: store.rollouts.query_rollouts(
             status=status_ or None, mode=mode, descending=not oldest_first, limit=limit, offset=offset
         ),
     )
@@ -155,7 +155,7 @@ def spans(
 ) -> None:
     """Show a rollout's spans in sequence order."""
     settings = settings_from_flags(experiment=experiment)
-    found = run_on_store(settings, lambda store: store.query_spans(rollout_id, None if attempt == "all" else attempt))
+    found = run_on_store(settings, lambda store: store.spans.query_spans(rollout_id, None if attempt == "all" else attempt))
     if as_json:
         out.print_json(
             json.dumps(
@@ -191,7 +191,7 @@ def dead_letters(
 ) -> None:
     """Show poison messages and why they were set aside."""
     settings = settings_from_flags(experiment=experiment)
-    letters = run_on_store(settings, lambda store: store.query_dead_letters(limit))
+    letters = run_on_store(settings, lambda store: store.dead_letters.query_dead_letters(limit))
     table = Table("id", "source", "entry", "reason")
     for d in letters:
         table.add_row(d.dead_letter_id, d.source, d.entry_id, d.reason)

@@ -148,7 +148,7 @@ def push(
         raise typer.Exit(2) from None
 
     async def work(store: RedisStore) -> tuple[int, int, list[BadLine]]:
-        await store.ensure()
+        await store.queue.ensure()
         bad: list[BadLine] = []
         created = existed = 0
         items = parse_tasks(stream, store, id_field=id_field or None, defaults=defaults, strict=strict,
@@ -174,7 +174,7 @@ def push(
                 if item is not None:
                     batch.append(item)
                 if batch and (item is None or len(batch) >= batch_size):
-                    results = await store.enqueue_rollouts(batch)
+                    results = await store.rollouts.enqueue_rollouts(batch)
                     created += sum(results)
                     existed += len(results) - sum(results)
                     progress.advance(task, len(batch))
@@ -386,11 +386,11 @@ def serve(
 
     async def work(store: RedisStore) -> None:
         try:
-            current = await store.get_resources(POLICY_RESOURCES_ID)
+            current = await store.resources.get_resources(POLICY_RESOURCES_ID)
         except NotFound:
-            update = await store.add_resources({"llm": llm}, resources_id=POLICY_RESOURCES_ID)
+            update = await store.resources.add_resources({"llm": llm}, resources_id=POLICY_RESOURCES_ID)
         else:
-            update = await store.update_resources(POLICY_RESOURCES_ID, {**current.resources, "llm": llm})
+            update = await store.resources.update_resources(POLICY_RESOURCES_ID, {**current.resources, "llm": llm})
         out.print(f"published resources [bold]{update.resources_id}[/bold] (version {update.version}): "
                   f"agents call model [bold]{name}[/bold]")
         if settings.model_dir is not None:

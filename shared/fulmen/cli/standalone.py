@@ -113,7 +113,7 @@ async def _wait_registered(store: RedisStore, process: asyncio.subprocess.Proces
     started = time.monotonic()
     next_hint = started + PROXY_HINT_EVERY_S
     while True:
-        if any(p.base_url.rstrip("/") == base_url for p in await store.query_proxies()):
+        if any(p.base_url.rstrip("/") == base_url for p in await store.registry.query_proxies()):
             return
         if process.returncode is not None:
             raise FulmenError(f"the LLM proxy exited with code {process.returncode} before it came up; its log:\n"

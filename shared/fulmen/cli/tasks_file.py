@@ -75,7 +75,7 @@ def parse_tasks(
             options = defaults
             if priority_field and priority_field in task:
                 options = {**defaults, "priority": Priority.parse(task[priority_field])}
-            rollout = store.new_rollout(task, rollout_id=rollout_id, **options)
+            rollout = store.rollouts.new_rollout(task, rollout_id=rollout_id, **options)
             rollout.to_hash(store.max_record_bytes)  # size check now, not halfway through the push
         except _ENCODING_ERRORS as e:
             yield BadLine(number, _reason(e))

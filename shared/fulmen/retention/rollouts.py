@@ -64,7 +64,7 @@ async def _count_rollout_data(store: RedisStore, rollout_ids: list[str], delete_
     spans = sum(int(x) for x in await pipe.execute())
     if not delete_rollouts:
         return spans, 0
-    rollouts = await store.get_rollouts(rollout_ids)
+    rollouts = await store.rollouts.get_rollouts(rollout_ids)
     return spans, sum(1 for r in rollouts if r is not None and r.status in TERMINAL_ROLLOUT)
 
 
@@ -82,7 +82,7 @@ async def _delete_rollout_data(store: RedisStore, rollout_ids: list[str], delete
     deleted_streams = sum(int(x) for x in results[0::2])
     deleted_rollouts = 0
     if delete_rollouts:
-        rollouts = await store.get_rollouts(rollout_ids)
+        rollouts = await store.rollouts.get_rollouts(rollout_ids)
         pipe = store.redis.pipeline(transaction=False)
         for rid, rollout in zip(rollout_ids, rollouts, strict=True):
             if rollout is None or rollout.status not in TERMINAL_ROLLOUT:

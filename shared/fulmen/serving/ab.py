@@ -52,7 +52,7 @@ async def start_ab(store: RedisStore, a: str, b: str, split: float = 0.5,
         entry.update(model_version=a, weights=await stored_weights(store, a, resources_id))
     entry["ab"] = {"b": {"model_version": b, "weights": await stored_weights(store, b, resources_id)},
                    "split": split, "at": time.time()}
-    return await store.update_resources(resources_id, {**current.resources, "llm": entry}, {"ab": f"{a} | {b} {split}"})
+    return await store.resources.update_resources(resources_id, {**current.resources, "llm": entry}, {"ab": f"{a} | {b} {split}"})
 
 
 async def stop_ab(store: RedisStore, resources_id: str = POLICY_RESOURCES_ID) -> ResourcesUpdate:
@@ -60,12 +60,12 @@ async def stop_ab(store: RedisStore, resources_id: str = POLICY_RESOURCES_ID) ->
     if "ab" not in llm:
         raise InvalidInput(f"{resources_id!r} is not in A/B mode")
     entry = {k: v for k, v in llm.items() if k != "ab"}
-    return await store.update_resources(resources_id, {**current.resources, "llm": entry}, {"ab": "off"})
+    return await store.resources.update_resources(resources_id, {**current.resources, "llm": entry}, {"ab": "off"})
 
 
 async def _current(store: RedisStore, resources_id: str) -> tuple[ResourcesUpdate, dict[str, Any]]:
     try:
-        current = await store.get_resources(resources_id)
+        current = await store.resources.get_resources(resources_id)
     except NotFound:
         raise InvalidInput(f"nothing was published to {resources_id!r} yet") from None
     return current, dict(llm_resource(current) or {})

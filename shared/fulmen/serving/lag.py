@@ -24,9 +24,9 @@ async def served_by(store: RedisStore) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = [
         {"server": p.base_url, "kind": f"llm-proxy ({p.metadata.get('backend', '?')})",
          "model_version": p.model_version or "-", "lora_adapter": False, "ready": True, "reason": ""}
-        for p in await store.query_proxies()
+        for p in await store.registry.query_proxies()
     ]  # fmt: skip
-    for r in sorted((await store.query_replicas()).values(), key=lambda r: r.url):
+    for r in sorted((await store.registry.query_replicas()).values(), key=lambda r: r.url):
         rows.append({"server": r.url, "kind": "vllm", "model_version": r.model_version,
                      "lora_adapter": bool(r.served_model), "ready": r.ready, "reason": r.reason})
     return rows
@@ -38,7 +38,7 @@ async def serving_lag(store: RedisStore) -> int:
     if summary is None:
         return 0
     newest = ModelVersion.parse(summary.model_version).number
-    served = [ModelVersion.parse(p.model_version).number for p in await store.query_proxies()
+    served = [ModelVersion.parse(p.model_version).number for p in await store.registry.query_proxies()
               if p.metadata.get("backend") in SELF_LOADING_BACKENDS]
-    served += [ModelVersion.parse(r.model_version).number for r in (await store.query_replicas()).values() if r.ready]
+    served += [ModelVersion.parse(r.model_version).number for r in (await store.registry.query_replicas()).values() if r.ready]
     return max(0, newest - min(served)) if served else 0

@@ -43,10 +43,10 @@ async def version_report(store: Any, last: int = 10) -> dict[str, Any]:
     from fulmen.versions.retention import stored_versions
 
     try:
-        llm = llm_resource(await store.get_resources(POLICY_RESOURCES_ID)) or {}
+        llm = llm_resource(await store.resources.get_resources(POLICY_RESOURCES_ID)) or {}
     except NotFound:
         llm = {}
-    rewards = rewards_by_version(await store.adapter_stats())
+    rewards = rewards_by_version(await store.samples.adapter_stats())
     newest = {mode: dict(sorted(by.items(), key=lambda kv: ModelVersion.parse(kv[0]).number)[-last:])
               for mode, by in rewards.items()}
     from fulmen.serving.ab import ab_of

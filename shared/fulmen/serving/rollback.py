@@ -19,7 +19,7 @@ from fulmen.versions.retention import stored_versions
 async def rollback(store: RedisStore, version: str, resources_id: str = POLICY_RESOURCES_ID) -> ResourcesUpdate:
     """Make ``version`` the served one (see the module docstring); InvalidInput says why it cannot."""
     try:
-        current = await store.get_resources(resources_id)
+        current = await store.resources.get_resources(resources_id)
     except NotFound:
         raise InvalidInput(f"nothing was published to {resources_id!r} yet: there is no version to go back to") from None
     llm = llm_resource(current) or {}
@@ -30,7 +30,7 @@ async def rollback(store: RedisStore, version: str, resources_id: str = POLICY_R
     newest = max(serving.number, ModelVersion.parse(llm.get("newest_version")).number)
     entry = {**llm, "model_version": version, "weights": weights, "newest_version": ModelVersion.numbered(newest).name,
              "rollback": {"from": serving.name, "to": version, "at": time.time()}}
-    return await store.update_resources(resources_id, {**current.resources, "llm": entry},
+    return await store.resources.update_resources(resources_id, {**current.resources, "llm": entry},
                                         {"rollback": f"{serving.name} -> {version}"})
 
 
@@ -38,7 +38,7 @@ async def stored_weights(store: RedisStore, version: str, resources_id: str = PO
     """The ``weights`` entry that published ``version``; InvalidInput when it never was or its
     weights are no longer stored."""
     weights = None
-    for update in await store.query_resources(descending=True):
+    for update in await store.resources.query_resources(descending=True):
         llm = llm_resource(update) or {}
         if update.resources_id != resources_id:
             continue

@@ -1,7 +1,8 @@
 """The store: Agent Lightning 0.3's LightningStore semantics on Redis Streams, as an async API.
 
-`RedisStore` is composed of parts, one per noun, sharing one `StoreContext`; every public method of a
-part is also a method of the store, under the same name. The parts: docs/design/store.md.
+`RedisStore` is composed of parts, one per noun, sharing one `StoreContext`: ``store.queue``,
+``store.rollouts``, ``store.spans``, ``store.finished``, ``store.resources``, ``store.samples``,
+``store.registry``, ``store.dead_letters``. One spelling per call; the parts: docs/design/store.md.
 """
 
 from __future__ import annotations
@@ -48,72 +49,13 @@ class RedisStore:
         self.weights_redis = weights_redis if weights_redis is not None else redis
 
         self.queue = queue = Queue(ctx, reclaim_idle_s)
-        self.ensure = queue.ensure
-        self.dequeue_rollouts = queue.dequeue_rollouts
-        self.dequeue_rollout = queue.dequeue_rollout
-
         self.rollouts = rollouts = Rollouts(ctx, queue.ensure)
-        self.new_rollout = rollouts.new_rollout
-        self.enqueue_rollouts = rollouts.enqueue_rollouts
-        self.enqueue_rollout = rollouts.enqueue_rollout
-        self.start_rollout = rollouts.start_rollout
-        self.start_attempt = rollouts.start_attempt
-        self.update_attempt = rollouts.update_attempt
-        self.expire_attempt = rollouts.expire_attempt
-        self.update_rollout = rollouts.update_rollout
-        self.release_attempt = rollouts.release_attempt
-        self.cancel_rollout = rollouts.cancel_rollout
-        self.get_rollout = rollouts.get_rollout
-        self.get_rollouts = rollouts.get_rollouts
-        self.get_attempt = rollouts.get_attempt
-        self.get_latest_attempt = rollouts.get_latest_attempt
-        self.query_attempts = rollouts.query_attempts
-        self.query_rollouts = rollouts.query_rollouts
-
-        self.spans = spans = Spans(ctx)
-        self.add_spans = spans.add_spans
-        self.add_span = spans.add_span
-        self.heartbeat = spans.heartbeat
-        self.query_spans = spans.query_spans
-
-        self.finished = finished = Finished(ctx, rollouts)
-        self.wait_for_rollouts = finished.wait_for_rollouts
-        self.ensure_finished_group = finished.ensure_finished_group
-        self.read_finished = finished.read_finished
-        self.ack_finished = finished.ack_finished
-        self.reclaim_finished = finished.reclaim_finished
-        self.dead_letter_finished = finished.dead_letter_finished
-
-        self.resources = resources = Resources(ctx)
-        self.add_resources = resources.add_resources
-        self.update_resources = resources.update_resources
-        self.get_resources = resources.get_resources
-        self.get_latest_resources = resources.get_latest_resources
-        self.query_resources = resources.query_resources
-        self.subscribe_resources = resources.subscribe_resources
-
-        self.samples = samples = Samples(ctx)
-        self.read_for_samples = samples.read_for_samples
-        self.append_samples = samples.append_samples
-        self.adapter_stats = samples.adapter_stats
-        self.ensure_samples_group = samples.ensure_samples_group
-        self.read_samples = samples.read_samples
-        self.ack_samples = samples.ack_samples
-        self.dead_letter_samples = samples.dead_letter_samples
-
-        self.registry = registry = Registry(ctx)
-        self.update_worker = registry.update_worker
-        self.query_workers = registry.query_workers
-        self.register_proxy = registry.register_proxy
-        self.unregister_proxy = registry.unregister_proxy
-        self.query_proxies = registry.query_proxies
-        self.set_replica = registry.set_replica
-        self.query_replicas = registry.query_replicas
-
-        self.dead_letters = dead_letters = DeadLetters(ctx)
-        self.dead_letter = dead_letters.dead_letter
-        self.query_dead_letters = dead_letters.query_dead_letters
-        self.requeue_dead_letter = dead_letters.requeue_dead_letter
+        self.spans = Spans(ctx)
+        self.finished = Finished(ctx, rollouts)
+        self.resources = Resources(ctx)
+        self.samples = Samples(ctx)
+        self.registry = Registry(ctx)
+        self.dead_letters = DeadLetters(ctx)
 
     def __repr__(self) -> str:
         return f"RedisStore(experiment={self.experiment!r})"
@@ -124,7 +66,7 @@ class RedisStore:
     async def statistics(self) -> dict[str, Any]:
         """One snapshot of the experiment: rollouts per status, queue depth, pending, dead letters
         (`fulmen.store.statistics`, which the metrics and `fulmen top` read too)."""
-        await self.ensure()
+        await self.queue.ensure()
         def consumers_of_each_queue(pipe: Any) -> None:
             for shard in self.keys.shards:
                 for queue in shard.queues:  # every priority lane

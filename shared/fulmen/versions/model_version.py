@@ -132,7 +132,7 @@ async def publish_model_version(
             f"max_record_bytes {store.max_record_bytes:,} minus {CHUNK_HEADER_BYTES} for the record header)"
         )
     try:
-        previous: ResourcesUpdate | None = await store.get_resources(resources_id)
+        previous: ResourcesUpdate | None = await store.resources.get_resources(resources_id)
     except NotFound:
         previous = None
     fmt = (weights_format or {}).get("format", FULL)
@@ -185,9 +185,9 @@ async def publish_model_version(
     published: ResourcesUpdate | None = None
     if previous is None:
         with contextlib.suppress(InvalidInput):  # created meanwhile: fall through to a new version
-            published = await store.add_resources(resources, resources_id, metadata)
+            published = await store.resources.add_resources(resources, resources_id, metadata)
     if published is None:
-        published = await store.update_resources(resources_id, resources, metadata)
+        published = await store.resources.update_resources(resources_id, resources, metadata)
     # retention may delete it once it is old, but not while a kept delta needs it as its base
     assert manifest is not None  # computed above, or while the file was written
     await record_stored(store, version, published.version, base=manifest.base_version)
@@ -201,7 +201,7 @@ async def next_model_version(
     version, past names whose weights exist already. A caller that must record the name before the
     weights exist (the trainer's checkpoint) reserves it this way and publishes it by name."""
     try:
-        previous: ResourcesUpdate | None = await store.get_resources(resources_id)
+        previous: ResourcesUpdate | None = await store.resources.get_resources(resources_id)
     except NotFound:
         previous = None
     for name in _default_versions(previous):
@@ -296,7 +296,7 @@ async def wait_until_served(
     ``timeout_s`` (no proxy running, or one that cannot load it)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        proxies = await store.query_proxies()
+        proxies = await store.registry.query_proxies()
         if proxies and all(p.model_version == version.name for p in proxies):
             return True
         if time.monotonic() >= deadline:
@@ -358,7 +358,7 @@ async def find_weights(store: RedisStore, version: str) -> Mapping[str, Any] | N
 
 async def _find_weights(store: RedisStore, version: str) -> Mapping[str, Any] | None:
     """The weights entry of the latest resources version that publishes ``version``."""
-    for update in await store.query_resources(descending=True):
+    for update in await store.resources.query_resources(descending=True):
         llm = llm_resource(update)
         if (
             llm is not None

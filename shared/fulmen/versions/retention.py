@@ -83,8 +83,8 @@ async def rewrite_aof_after_publish(store: RedisStore, wait_s: float = 60.0) -> 
 
 async def _versions_settled(store: RedisStore) -> bool:
     newest = await store.redis.zrange(store.keys.stored_versions, -1, -1)
-    served = {p.model_version for p in await store.query_proxies()} | {
-        r.model_version for r in (await store.query_replicas()).values()}
+    served = {p.model_version for p in await store.registry.query_proxies()} | {
+        r.model_version for r in (await store.registry.query_replicas()).values()}
     return not newest or served <= {_text(newest[0])}
 
 
@@ -106,8 +106,8 @@ async def versions_to_delete(store: RedisStore, keep: int) -> list[str]:
 async def served_versions(store: RedisStore) -> set[str]:
     """The versions live proxies and replicas serve, and those the policy names (what proxies are
     about to load: an old one after a rollback, B of an A/B test)."""
-    served = {p.model_version for p in await store.query_proxies()} | {
-        r.model_version for r in (await store.query_replicas()).values() if r.model_version}
+    served = {p.model_version for p in await store.registry.query_proxies()} | {
+        r.model_version for r in (await store.registry.query_replicas()).values() if r.model_version}
     return {v for v in served if v} | await _policy_versions(store)
 
 
@@ -116,7 +116,7 @@ async def _policy_versions(store: RedisStore) -> set[str]:
     from fulmen.errors import NotFound
 
     try:
-        update = await store.get_resources(POLICY_RESOURCES_ID)
+        update = await store.resources.get_resources(POLICY_RESOURCES_ID)
     except NotFound:
         return set()
     llm = update.resources.get("llm")

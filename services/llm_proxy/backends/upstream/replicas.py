@@ -33,7 +33,7 @@ class ReplicaView:
         self.states: dict[str, ReplicaState] = {}
 
     async def refresh(self) -> None:
-        self.states = {normalize(url): state for url, state in (await self.store.query_replicas()).items()}
+        self.states = {normalize(url): state for url, state in (await self.store.registry.query_replicas()).items()}
 
     async def run(self) -> None:
         while True:
