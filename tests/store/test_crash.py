@@ -15,8 +15,9 @@ from redis_cluster import store_url
 from fulmen import keys as k
 from fulmen.records import RolloutConfig, RolloutFinished
 from fulmen.records.status import AttemptStatus, RolloutStatus
-from fulmen.store import RedisStore, run_watchdog
+from fulmen.store import RedisStore
 from fulmen.store.redis.connection import async_client
+from fulmen.watchdog import run_watchdog
 
 
 @pytest.fixture(params=["single", "cluster", "cluster-3-shards"])

@@ -16,11 +16,12 @@ from fulmen import keys as k
 from fulmen.errors import InvalidInput
 from fulmen.records import Priority, QueueEntry
 from fulmen.records.status import RolloutMode, RolloutStatus
-from fulmen.store import RedisStore, sweep
+from fulmen.store import RedisStore
 from fulmen.store.experiments import delete_experiment
 from fulmen.store.lua.claim import CLAIM_CYCLE
 from fulmen.store.redis.connection import async_client
 from fulmen.store.statistics import aread_snapshot
+from fulmen.watchdog import sweep
 
 URGENT_BOUND = 2  # entries delivered from the urgent rollout's shard (the queue module's docstring)
 DEADLINE_S = 0.3  # the watchdog test's deadline, with a sleep well past it (server clock)

@@ -7,8 +7,8 @@ import asyncio
 
 from fulmen.records import Span
 from fulmen.retention.trim import RetentionPolicy
-from fulmen.store import RedisStore, run_watchdog
-from fulmen.watchdog import RetentionSchedule
+from fulmen.store import RedisStore
+from fulmen.watchdog import RetentionSchedule, run_watchdog
 
 
 async def _until(check, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]

@@ -9,7 +9,8 @@ import pytest
 
 from fulmen.records import RolloutFinished
 from fulmen.records.status import AttemptStatus, RolloutStatus
-from fulmen.store import RedisStore, run_watchdog, sweep
+from fulmen.store import RedisStore
+from fulmen.watchdog import run_watchdog, sweep
 
 # Deadlines short enough to keep the suite fast, with sleeps well past them so a slow machine
 # cannot make a test flaky. Time is the Redis server's clock, so the sleeps only need to be long.

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from fulmen.records.status import RolloutStatus
-from fulmen.store import RedisStore, sweep
+from fulmen.store import RedisStore
 from fulmen.store.redis.connection import async_client
+from fulmen.watchdog import sweep
 
 SCRIPT = Path(__file__).resolve()
 

@@ -212,9 +212,8 @@ async def watchdog(stop: asyncio.Event) -> None:
     settings as `fulmen watchdog` (a bad one stops `fulmen dev` with its message)."""
     from fulmen.cli import trim as trim_cli
     from fulmen.settings import WatchdogSettings, load_settings
-    from fulmen.store import run_watchdog
     from fulmen.telemetry.http import start_ops
-    from fulmen.watchdog import INTERVAL_S
+    from fulmen.watchdog import INTERVAL_S, run_watchdog
 
     settings = load_settings(WatchdogSettings)
     retention = trim_cli.retention_schedule(settings)

@@ -32,10 +32,11 @@ from fulmen.errors import InvalidInput
 from fulmen.records.status import Priority, RolloutMode
 from fulmen.settings import AlgorithmSettings, CommonSettings, WatchdogSettings
 from fulmen.settings.services import ServedModelSettings
-from fulmen.store import RedisStore, run_watchdog
+from fulmen.store import RedisStore
 from fulmen.store.experiments import delete_experiment, list_experiments
 from fulmen.store.redis.connection import redact
 from fulmen.watchdog import INTERVAL_S as WATCHDOG_INTERVAL_S
+from fulmen.watchdog import run_watchdog
 
 app = typer.Typer(
     help="Fulmen: train any agent with RL, prompt optimisation and SFT over Redis Streams.\n\n"
