@@ -160,14 +160,7 @@ def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], co
         request, answer = attributes.get(semconv.REQUEST_JSON), attributes.get(semconv.RESPONSE_JSON)
         request, answer = request if type(request) is str else "", answer if type(answer) is str else ""
         if semconv.PROMPT_TOKEN_IDS not in attributes or semconv.RESPONSE_TOKEN_IDS not in attributes:
-            if config.retokenize is None:
-                fidelity = attributes.get(semconv.TOKEN_FIDELITY, "unknown")
-                raise Skip("no_token_ids", f"LLM call {s.name!r} has no token ids (token fidelity {fidelity}; "
-                                           "for SFT on such calls give the adapter the policy's --tokenizer-dir)")
-            prompt_ids, response_ids = config.retokenize(request, answer)
-            response = tokens.pack_ids(response_ids)
-            calls.append(LlmCall(s, tokens.pack_ids(prompt_ids), response, bytes(len(response)), None, request,
-                                 answer, retokenized=True))
+            calls.append(_retokenized_call(s, request, answer, config))
             continue
         prompt = _packed(attributes[semconv.PROMPT_TOKEN_IDS], "prompt token ids", tokens.pack_ids)
         response = _packed(attributes[semconv.RESPONSE_TOKEN_IDS], "response token ids", tokens.pack_ids)
@@ -177,6 +170,19 @@ def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], co
                        f"malformed span: {len(logprobs) // 4} logprobs for {len(response) // 4} response tokens")
         calls.append(LlmCall(s, prompt, response, logprobs, None, request, answer))
     return calls
+
+
+def _retokenized_call(span: SpanLike, request: str, answer: str, config: AdapterConfig) -> LlmCall:
+    """A call recorded without token ids, tokenized from its text by ``config.retokenize``; without
+    one, `Skip`."""
+    if config.retokenize is None:
+        fidelity = span.attributes.get(semconv.TOKEN_FIDELITY, "unknown")
+        raise Skip("no_token_ids", f"LLM call {span.name!r} has no token ids (token fidelity {fidelity}; "
+                                   "for SFT on such calls give the adapter the policy's --tokenizer-dir)")
+    prompt_ids, response_ids = config.retokenize(request, answer)
+    response = tokens.pack_ids(response_ids)
+    return LlmCall(span, tokens.pack_ids(prompt_ids), response, bytes(len(response)), None, request, answer,
+                   retokenized=True)
 
 
 def _last_per_call_key(call_spans: list[SpanLike]) -> list[SpanLike]:
@@ -247,6 +253,27 @@ def _trajectories(calls: list[LlmCall]) -> list[list[int]]:
     return [c for c in chains if len(c) > 1]
 
 
+def _joined(calls: list[LlmCall], chain: list[int], reward: float) -> tuple[LlmCall, bytes]:
+    """The calls of ``chain`` as one call rewarded ``reward``, and its response mask: the first prompt,
+    then each response and what the environment said before the next (masked out, log-probability 0);
+    the last call's span (its model version) and JSON."""
+    first, last = calls[chain[0]], calls[chain[-1]]
+    response, logprobs = first.response, first.logprobs
+    mask = b"\x01" * (len(first.response) // 4)
+    sequence_len = len(first.prompt) + len(first.response)
+    for j in chain[1:]:
+        c = calls[j]
+        added = c.prompt[sequence_len:]  # what the environment said between the turns
+        response += added + c.response
+        logprobs += bytes(len(added)) + c.logprobs  # float32 0.0 is four zero bytes
+        mask += b"\x00" * (len(added) // 4) + b"\x01" * (len(c.response) // 4)
+        sequence_len = len(c.prompt) + len(c.response)
+    retokenized = any(calls[j].retokenized for j in chain)
+    joined = LlmCall(last.span, first.prompt, response, logprobs, reward, last.request_json, last.response_json,
+                     retokenized)
+    return joined, mask
+
+
 def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterConfig | None = None
                   ) -> list[dict[str, Any]]:
     """The samples of one attempt's spans as `Sample` fields (token arrays as packed bytes), ready for
@@ -264,45 +291,28 @@ def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterC
     rollout_id, attempt_id, group_key = info.rollout_id, info.attempt_id, info.group_key
     mode, group_size = info.mode, info.group_size
 
-    def sample(sample_id: str, shape: str, first: int, prompt: bytes, response: bytes,
-               logprobs: bytes, mask: bytes, reward: float | None, last: LlmCall,
-               turns: int, retokenized: bool) -> dict[str, Any]:
+    def sample(sample_id: str, shape: str, first: int, call: LlmCall, mask: bytes, turns: int) -> dict[str, Any]:
         # a dict literal in `Sample`'s field order: the wire bytes are those `Sample.to_wire` writes
         return {
             "sample_id": sample_id, "shape": shape, "rollout_id": rollout_id, "attempt_id": attempt_id,
             "group_key": group_key, "turn_index": first,
-            "prompt_token_ids": prompt, "response_token_ids": response,
-            "response_logprobs": logprobs, "response_mask": mask,
-            "reward": reward, "final_reward": final,
-            "model_version": last.span.attributes.get(semconv.MODEL_VERSION), "mode": mode,
+            "prompt_token_ids": call.prompt, "response_token_ids": call.response,
+            "response_logprobs": call.logprobs, "response_mask": mask,
+            "reward": call.reward, "final_reward": final,
+            "model_version": call.span.attributes.get(semconv.MODEL_VERSION), "mode": mode,
             "group_size": group_size, "num_turns": turns,
-            "request_json": last.request_json, "response_json": last.response_json,
-            "retokenized": retokenized,
+            "request_json": call.request_json, "response_json": call.response_json,
+            "retokenized": call.retokenized,
         }
 
     samples = [
-        sample(f"{attempt_id}/t{i}", "triplet", i, c.prompt, c.response, c.logprobs,
-               b"\x01" * (len(c.response) // 4), c.reward, c, 1, c.retokenized)
+        sample(f"{attempt_id}/t{i}", "triplet", i, c, b"\x01" * (len(c.response) // 4), 1)
         for i, c in enumerate(calls)
     ]
     if config.trajectories and len(calls) > 1:
         for chain in _trajectories(calls):
-            first = calls[chain[0]]
-            response, logprobs = first.response, first.logprobs
-            mask = b"\x01" * (len(first.response) // 4)
-            sequence_len = len(first.prompt) + len(first.response)
-            for j in chain[1:]:
-                c = calls[j]
-                added = c.prompt[sequence_len:]  # what the environment said between the turns
-                response += added + c.response
-                logprobs += bytes(len(added)) + c.logprobs  # float32 0.0 is four zero bytes
-                mask += b"\x00" * (len(added) // 4) + b"\x01" * (len(c.response) // 4)
-                sequence_len = len(c.prompt) + len(c.response)
-            samples.append(
-                sample(f"{attempt_id}/traj{chain[0]}", "trajectory", chain[0], first.prompt,
-                       response, logprobs, mask, final, calls[chain[-1]], len(chain),
-                       any(calls[j].retokenized for j in chain))
-            )
+            joined, mask = _joined(calls, chain, final)
+            samples.append(sample(f"{attempt_id}/traj{chain[0]}", "trajectory", chain[0], joined, mask, len(chain)))
     return samples
 
 
