@@ -24,7 +24,7 @@ from fulmen_llm_proxy.attribution import Target, from_headers, new_span_id, spli
 from fulmen_llm_proxy.backends.base import Call, Result
 from fulmen_llm_proxy.errors import ProxyError
 from fulmen_llm_proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from fulmen_llm_proxy.recording import build_spans
+from fulmen_llm_proxy.recording import Exchange, build_spans
 from fulmen_llm_proxy.replay import (
     body_of,
     call_key,
@@ -287,9 +287,10 @@ class ProxyApp:
             return
         trace_id, parent_id = trace_context(headers.get(b"traceparent"), call.rollout_id)
         spans = build_spans(
-            call, result, system=self.service.backend.system, raw_request=raw,
+            call, result,
             span_id=keyed_span_id(call.attempt_id, call.call_key) if call.call_key else new_span_id(),
-            trace_id=trace_id, parent_id=parent_id, start_time=start_time, end_time=time.time(),
+            exchange=Exchange(system=self.service.backend.system, raw_request=raw, trace_id=trace_id,
+                              parent_id=parent_id, start_time=start_time, end_time=time.time()),
         )  # fmt: skip
         if self.service.otlp is not None:
             for span in spans:

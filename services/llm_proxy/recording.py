@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from opentelemetry import trace
@@ -33,27 +33,47 @@ SERVICE_NAME = "fulmen-llm-proxy"
 API_ATTRIBUTE = "fulmen.api"
 
 
-def build_span(
-    call: Call,
-    result: Result,
-    *,
-    system: str,
-    raw_request: bytes,
-    span_id: str,
-    trace_id: str,
-    parent_id: str | None,
-    start_time: float,
-    end_time: float,
-    status_code: str = "OK",
-    status_message: str = "",
-) -> Span:
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """What every span of one call shares: the backend that served it, the body as the agent sent
+    it, the trace it belongs to, when it ran and how it ended."""
+
+    system: str
+    raw_request: bytes
+    trace_id: str
+    parent_id: str | None
+    start_time: float
+    end_time: float
+    status_code: str = "OK"
+    status_message: str = ""
+
+
+def build_span(call: Call, result: Result, span_id: str, exchange: Exchange) -> Span:
     """One `Span` bound to the call's attempt (the caller checks that the call is attributed)."""
+    return Span(
+        rollout_id=call.rollout_id,
+        attempt_id=call.attempt_id,
+        span_id=span_id,
+        name=f"{call.operation} {call.model}",
+        trace_id=exchange.trace_id,
+        parent_id=exchange.parent_id,
+        start_time=exchange.start_time,
+        end_time=exchange.end_time,
+        status_code=exchange.status_code,
+        status_message=exchange.status_message,
+        attributes=_attributes(call, result, exchange),
+        resource={"service.name": SERVICE_NAME},
+    )
+
+
+def _attributes(call: Call, result: Result, exchange: Exchange) -> dict[str, Any]:
+    """The span's attributes: what the call asked for, then (`_add_answer`) what it got."""
     attributes: dict[str, Any] = {
         semconv.ROLLOUT_ID: call.rollout_id,
         semconv.ATTEMPT_ID: call.attempt_id,
         semconv.SPAN_KIND: semconv.KIND_LLM_CALL,
         semconv.GEN_AI_OPERATION: call.operation,
-        semconv.GEN_AI_SYSTEM: system,
+        semconv.GEN_AI_SYSTEM: exchange.system,
         semconv.GEN_AI_REQUEST_MODEL: call.model,
         semconv.GEN_AI_RESPONSE_MODEL: result.response_model or call.model,
         semconv.GEN_AI_TEMPERATURE: call.temperature,
@@ -61,9 +81,9 @@ def build_span(
         semconv.MODEL_VERSION: result.model_version,
         semconv.TOKEN_FIDELITY: result.fidelity,
         semconv.STREAM: call.stream,
-        semconv.LATENCY_MS: round((end_time - start_time) * 1000, 3),
+        semconv.LATENCY_MS: round((exchange.end_time - exchange.start_time) * 1000, 3),
         # The body as the agent sent it: messages or prompt, tools, every sampling parameter.
-        semconv.REQUEST_JSON: raw_request.decode("utf-8", "replace"),
+        semconv.REQUEST_JSON: exchange.raw_request.decode("utf-8", "replace"),
     }
     if result.response_id:
         attributes[semconv.GEN_AI_RESPONSE_ID] = result.response_id
@@ -75,6 +95,12 @@ def build_span(
         attributes[semconv.GEN_AI_MAX_TOKENS] = call.max_tokens
     if call.seed is not None:
         attributes[semconv.GEN_AI_SEED] = call.seed
+    _add_answer(attributes, call, result, exchange.system)
+    return attributes
+
+
+def _add_answer(attributes: dict[str, Any], call: Call, result: Result, system: str) -> None:
+    """Adds the answer's attributes: why it finished, its token counts, ids and log-probabilities, its body."""
     if result.finish_reason:
         attributes[semconv.GEN_AI_FINISH_REASONS] = [result.finish_reason]
     if result.finish_reason == "length":
@@ -92,20 +118,6 @@ def build_span(
         attributes[semconv.RESPONSE_LOGPROBS] = tokens.pack_floats(result.logprobs)
     response = result.message() if call.operation == "chat" else {"text": result.text}
     attributes[semconv.RESPONSE_JSON] = json.dumps(response, ensure_ascii=False)
-    return Span(
-        rollout_id=call.rollout_id,
-        attempt_id=call.attempt_id,
-        span_id=span_id,
-        name=f"{call.operation} {call.model}",
-        trace_id=trace_id,
-        parent_id=parent_id,
-        start_time=start_time,
-        end_time=end_time,
-        status_code=status_code,
-        status_message=status_message,
-        attributes=attributes,
-        resource={"service.name": SERVICE_NAME},
-    )
 
 
 _WARNED: set[str] = set()  # the causes already logged: one warning per cause per process
@@ -128,17 +140,17 @@ def truncation(call: Call, result: Result, system: str = "") -> str:
     return cause
 
 
-def build_spans(call: Call, result: Result, *, span_id: str, **fields: Any) -> list[Span]:
+def build_spans(call: Call, result: Result, *, span_id: str, exchange: Exchange) -> list[Span]:
     """The call's spans: `build_span` of choice 0 (``result``), then one per further choice of an
     ``n > 1`` call (``result.more``), each with its own token ids, so the adapter gets every sample.
     A further choice's span id is keyed on its call key like choice 0's (a retry finds them all),
     else random."""
-    spans = [build_span(call, result, span_id=span_id, **fields)]
+    spans = [build_span(call, result, span_id, exchange)]
     for index, more in enumerate(result.more, 1):
         key = choice_key(call.call_key, index)
         sid = keyed_span_id(call.attempt_id, key) if key else new_span_id()
         span = build_span(replace(call, call_key=key), replace(more, response_id=choice_key(more.response_id, index)),
-                          span_id=sid, **fields)  # fmt: skip
+                          sid, exchange)  # fmt: skip
         span.attributes[semconv.CHOICE_INDEX] = index
         spans.append(span)
     if result.more:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fulmen_llm_proxy.backends.base import Call
@@ -82,10 +83,17 @@ def full_body(
     }
 
 
+@dataclass(frozen=True, slots=True)
+class StreamHead:
+    """What every chunk of one stream repeats: the call, the response id and when it was created."""
+
+    call: Call
+    rid: str
+    created: int
+
+
 def chunk(
-    call: Call,
-    rid: str,
-    created: int,
+    head: StreamHead,
     *,
     text: str,
     token_ids: list[int],
@@ -96,6 +104,7 @@ def chunk(
     text_offset: int = 0,
 ) -> dict[str, Any]:
     """One streaming chunk; ``prompt_ids`` only in the first."""
+    call = head.call
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": token_ids}
     if call.operation == "chat":
         delta: dict[str, Any] = {"content": text}
@@ -109,9 +118,9 @@ def chunk(
         if prompt_ids is not None:
             choice["prompt_token_ids"] = prompt_ids
     body: dict[str, Any] = {
-        "id": rid,
+        "id": head.rid,
         "object": _object(call, chunk=True),
-        "created": created,
+        "created": head.created,
         "model": call.model,
         "choices": [choice],
     }
@@ -120,11 +129,9 @@ def chunk(
     return body
 
 
-def usage_chunk(
-    call: Call, rid: str, created: int, prompt_tokens: int, completion_tokens: int
-) -> dict[str, Any]:
+def usage_chunk(head: StreamHead, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     """The last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
     return {
-        "id": rid, "object": _object(call, chunk=True), "created": created, "model": call.model,
+        "id": head.rid, "object": _object(head.call, chunk=True), "created": head.created, "model": head.call.model,
         "choices": [], "usage": usage(prompt_tokens, completion_tokens),
     }  # fmt: skip

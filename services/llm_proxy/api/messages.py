@@ -31,6 +31,25 @@ def unsupported(name: str, why: str = "is not supported by this proxy") -> Proxy
 
 def translate(body: dict[str, Any]) -> dict[str, Any]:
     """The chat request a Messages request asks for; a 400 for what the proxy cannot serve."""
+    limit = _check(body)
+    chat: dict[str, Any] = {"messages": messages(body.get("system"), body.get("messages")), "max_tokens": limit}
+    for name in ("model", "temperature", "top_p"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("stop_sequences") is not None:
+        chat["stop"] = body["stop_sequences"]
+    if body.get("tools"):
+        chat["tools"] = tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        tool_choice(body["tool_choice"], chat)
+    if body.get("stream"):
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}  # usage for message_delta, from upstreams too
+    return chat
+
+
+def _check(body: dict[str, Any]) -> int:
+    """A 400 for a field the proxy cannot serve or a value out of range; else the request's max_tokens."""
     for name in body:
         if name not in _HANDLED and name not in _IGNORED:
             raise unsupported(name)
@@ -48,20 +67,7 @@ def translate(body: dict[str, Any]) -> dict[str, Any]:
         isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature <= 1
     ):
         raise bad_request(f"temperature: must be in [0, 1], got {temperature!r}", "temperature")
-    chat: dict[str, Any] = {"messages": messages(body.get("system"), body.get("messages")), "max_tokens": limit}
-    for name in ("model", "temperature", "top_p"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
-    if body.get("stop_sequences") is not None:
-        chat["stop"] = body["stop_sequences"]
-    if body.get("tools"):
-        chat["tools"] = tools(body["tools"])
-    if body.get("tool_choice") is not None:
-        tool_choice(body["tool_choice"], chat)
-    if body.get("stream"):
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}  # usage for message_delta, from upstreams too
-    return chat
+    return limit
 
 
 def messages(system: Any, given: Any) -> list[dict[str, Any]]:

@@ -86,13 +86,7 @@ def messages(items: Any, instructions: Any) -> list[dict[str, Any]]:
                 raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}", "input")
             out.append({"role": role, "content": content_text(item.get("content"), where)})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}  # fmt: skip
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)  # one assistant turn: its text, then its calls
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            _add_function_call(out, item, where)
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else content_text(output, f"{where}.output")
@@ -101,6 +95,17 @@ def messages(items: Any, instructions: Any) -> list[dict[str, Any]]:
             raise unsupported(f"{where}.type {kind!r}", "is not supported (message, function_call and "
                               "function_call_output items are)")  # fmt: skip
     return out
+
+
+def _add_function_call(out: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
+    """Adds a function_call item to the assistant turn it follows, else as a turn of its own."""
+    call = {"id": _string(item, "call_id", where), "type": "function",
+            "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}  # fmt: skip
+    last = out[-1] if out else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)  # one assistant turn: its text, then its calls
+    else:
+        out.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
 def content_text(content: Any, where: str) -> str:

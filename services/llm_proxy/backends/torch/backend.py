@@ -206,7 +206,7 @@ class TorchBackend:
 
     async def stream(self, call: Call, result: Result) -> AsyncIterator[dict[str, Any]]:
         tools, prompt, choices = self._prepare(call, result)
-        created = int(time.time())
+        head = formatting.StreamHead(call, result.response_id, int(time.time()))
         offsets = [0] * len(choices)
         texts = [""] * len(choices)
         gates = [ContentGate() for _ in choices] if tools is not None else None
@@ -220,9 +220,8 @@ class TorchBackend:
                 texts[index] += text
                 text = gates[index].feed(texts[index])
             body = formatting.chunk(
-                call, result.response_id, created, text=text, token_ids=[token_id], tokens=tokens,
-                logprobs=[logprob], finish_reason=None, prompt_ids=prompt if first else None,
-                text_offset=offsets[index],
+                head, text=text, token_ids=[token_id], tokens=tokens, logprobs=[logprob], finish_reason=None,
+                prompt_ids=prompt if first else None, text_offset=offsets[index],
             )  # fmt: skip
             yield as_choice(body, index, not started[index])
             first, started[index] = False, True
@@ -238,15 +237,13 @@ class TorchBackend:
                     delta["tool_calls"] = tool_calls.stream_deltas(choice.tool_calls)
             # The finish reason travels in a chunk of its own, as OpenAI sends it.
             body = formatting.chunk(
-                call, result.response_id, created, text="", token_ids=[], tokens=[], logprobs=[],
-                finish_reason=choice.finish_reason, text_offset=offsets[index],
+                head, text="", token_ids=[], tokens=[], logprobs=[], finish_reason=choice.finish_reason,
+                text_offset=offsets[index],
             )  # fmt: skip
             for piece in final_chunks(as_choice(body, index, not started[index]), delta, choice):
                 yield piece
         if call.include_usage:
-            yield formatting.usage_chunk(
-                call, result.response_id, created, len(prompt), sum(c.output_tokens or 0 for c in choices)
-            )
+            yield formatting.usage_chunk(head, len(prompt), sum(c.output_tokens or 0 for c in choices))
 
     async def _generate(
         self, call: Call, result: Result, prompt: list[int], index: int = 0

@@ -37,6 +37,22 @@ def validate(value: Any, schema: Any, where: str = "$", depth: int = 0) -> str |
         return None  # {} or true: anything goes
     if depth > MAX_DEPTH:
         return f"{where}: nested deeper than {MAX_DEPTH}"
+    problem = _any_value(value, schema, where, depth)
+    if problem is not None:
+        return problem
+    if isinstance(value, dict):
+        return _object(value, schema, where, depth)
+    if isinstance(value, list):
+        return _array(value, schema, where, depth)
+    if isinstance(value, str):
+        return _bounds(len(value), schema, "minLength", "maxLength", where, "characters")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return _number(value, schema, where)
+    return None
+
+
+def _any_value(value: Any, schema: dict[str, Any], where: str, depth: int) -> str | None:
+    """The keywords for a value of any type: type, enum, const, anyOf and oneOf."""
     types = schema.get("type")
     if types is not None:
         names = types if isinstance(types, list) else [types]
@@ -52,18 +68,15 @@ def validate(value: Any, schema: Any, where: str = "$", depth: int = 0) -> str |
             validate(value, b, where, depth + 1) is not None for b in branches
         ):
             return f"{where}: matches none of {key}"
-    if isinstance(value, dict):
-        return _object(value, schema, where, depth)
-    if isinstance(value, list):
-        return _array(value, schema, where, depth)
-    if isinstance(value, str):
-        return _bounds(len(value), schema, "minLength", "maxLength", where, "characters")
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        low, high = schema.get("minimum"), schema.get("maximum")
-        if isinstance(low, int | float) and value < low:
-            return f"{where}: {value} is below the minimum {low}"
-        if isinstance(high, int | float) and value > high:
-            return f"{where}: {value} is above the maximum {high}"
+    return None
+
+
+def _number(value: float, schema: dict[str, Any], where: str) -> str | None:
+    low, high = schema.get("minimum"), schema.get("maximum")
+    if isinstance(low, int | float) and value < low:
+        return f"{where}: {value} is below the minimum {low}"
+    if isinstance(high, int | float) and value > high:
+        return f"{where}: {value} is above the maximum {high}"
     return None
 
 

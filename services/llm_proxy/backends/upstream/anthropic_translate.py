@@ -37,15 +37,9 @@ def unsupported(name: str, why: str) -> ProxyError:
 
 def messages_request(call: Call, default_max_tokens: int) -> dict[str, Any]:
     """The ``POST /v1/messages`` body for a chat call; a 400 for what Anthropic cannot do."""
+    _check(call)
     body = call.body
-    if call.n > 1:
-        raise unsupported("n", "Anthropic returns one choice per call; send n calls")
-    for name, matters in _REFUSED:
-        if body.get(name) is not None and matters(body[name]):
-            raise unsupported(name, "not supported")
     temperature = body.get("temperature")
-    if temperature is not None and call.temperature > 1:
-        raise bad_request(f"temperature: Anthropic takes [0, 1], got {temperature!r}", "temperature")
     system, turns = _turns(call.messages)
     out: dict[str, Any] = {"model": call.model, "max_tokens": call.max_tokens or default_max_tokens}
     if system:
@@ -67,6 +61,19 @@ def messages_request(call: Call, default_max_tokens: int) -> dict[str, Any]:
     if call.stream:
         out["stream"] = True
     return out
+
+
+def _check(call: Call) -> None:
+    """A 400 for what Anthropic cannot honour: several choices, a refused field, a temperature above 1."""
+    body = call.body
+    if call.n > 1:
+        raise unsupported("n", "Anthropic returns one choice per call; send n calls")
+    for name, matters in _REFUSED:
+        if body.get(name) is not None and matters(body[name]):
+            raise unsupported(name, "not supported")
+    temperature = body.get("temperature")
+    if temperature is not None and call.temperature > 1:
+        raise bad_request(f"temperature: Anthropic takes [0, 1], got {temperature!r}", "temperature")
 
 
 def _turns(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:

@@ -170,11 +170,12 @@ class Upstreams:
             self.cache.put(cache_key, reply.data)
         return body
 
-    async def post_sse(
-        self, path: str, payload: Payload, rollout_id: str, on_send: Callable[[str], None] | None = None, *,
-        cost: int | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
-        """POST a streaming request and yield each ``data:`` event as JSON until ``[DONE]``."""
+    async def _open_stream(
+        self, path: str, payload: Payload, rollout_id: str, on_send: Callable[[str], None] | None,
+        cost: int | None,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
+        """POST a streaming request (retried as the policy says) and return the body of its 200 answer;
+        any other answer is a ProxyError."""
         tokens = cost if cost is not None else estimate_tokens(_body(payload, None), None)
 
         async def attempt(deadline: float) -> Sent:
@@ -196,6 +197,14 @@ class Upstreams:
         body = reply.pool.stream_body(reply.value)
         if reply.status != 200:
             raise upstream_error(reply.status, b"".join([piece async for piece in body]))
+        return body
+
+    async def post_sse(
+        self, path: str, payload: Payload, rollout_id: str, on_send: Callable[[str], None] | None = None, *,
+        cost: int | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+        """POST a streaming request and yield each ``data:`` event as JSON until ``[DONE]``."""
+        body = await self._open_stream(path, payload, rollout_id, on_send, cost)
         buffer = b""
         try:
             async for piece in body:
