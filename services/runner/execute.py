@@ -17,7 +17,7 @@ import openai
 from opentelemetry import trace
 
 from fulmen.errors import InvalidInput, RecordError
-from fulmen.records import AttemptedRollout, AttemptStatus
+from fulmen.records import AttemptedRollout, AttemptStatus, Span
 from fulmen.sdk.agent import Agent
 from fulmen.sdk.emit import emit_exception, emit_reward
 from fulmen.sdk.hooks import Hook, run_hooks
@@ -110,7 +110,6 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
         await run_hooks("on_rollout_start", ctx.agent, ctx.hooks, rollout)
         await run_hooks("on_trace_start", ctx.agent, ctx.hooks, rollout)
         status: AttemptStatus | None = AttemptStatus.SUCCEEDED
-        reward: float | None = None
         error: BaseException | None = None
         root = RootSpan(
             semconv.ROLLOUT_SPAN,
@@ -120,6 +119,9 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
                 "fulmen.attempt_sequence": attempt.sequence_id,
             },
         )
+        # The agent runs under handlers in this coroutine, the attempt task's own: an exception of a
+        # thread's agent is thrown into the task's coroutine, and a GeneratorExit thrown so closes the
+        # coroutines it awaits instead of entering them, so a handler there would never see it.
         try:
             with trace.use_span(root.span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                 ctx.heartbeats.watch(claimed, asyncio.current_task())  # type: ignore[arg-type]
@@ -153,35 +155,52 @@ async def execute(ctx: AttemptContext, claimed: AttemptedRollout) -> Outcome:
         finally:
             root.end()
         await run_hooks("on_trace_end", ctx.agent, ctx.hooks, rollout)
-        spans = await ctx.writer.drain(aid)
-        final = ctx.writer.final_reward(aid)
-        reward = final if status is AttemptStatus.SUCCEEDED else None
-        unreachable = proxy_unreachable(error) if status is AttemptStatus.FAILED else None
-        if unreachable is not None:
-            error = unreachable
-            if attempt.sequence_id < PROXY_RETRIES:
-                # The infrastructure failed, not the agent: run the rollout again whatever its retry
-                # policy, as a runner that stops hands its attempts back (bounded, so a proxy that is
-                # gone for good still ends the rollout).
-                await ctx.writer.write(spans)
-                released = await ctx.store.rollouts.release_attempt(rid, aid, reason=str(unreachable))
-                log.warning("attempt %s: %s; rollout %s", aid, unreachable, "requeued" if released else "already over")
-                status = None
-        if status is not None:
-            try:  # the last spans, the status and the reward in one atomic step
-                outcome = await ctx.store.rollouts.update_attempt(
-                    rid, aid, status=status, error=error, spans=spans, reward=reward
-                )
-                ctx.writer.written += len(spans)  # stored with the status: they count as written (/metrics)
-            except RecordError:  # a span the store refuses (too large): store the rest, then report
-                await ctx.writer.write(spans)
-                outcome = await ctx.store.rollouts.update_attempt(rid, aid, status=status, error=error, reward=reward)
-            log.debug("attempt %s %s -> %s in %.3f s", aid, status.value, outcome, time.monotonic() - started)
-        elif unreachable is None:
+        outcome = await _report(ctx, claimed, status, error, started)
+        await run_hooks("on_rollout_end", ctx.agent, ctx.hooks, rollout, outcome.reward)
+    return outcome
+
+
+async def _report(
+    ctx: AttemptContext, claimed: AttemptedRollout, status: AttemptStatus | None, error: BaseException | None,
+    started: float,
+) -> Outcome:
+    """Store the attempt's last spans with its status and reward in one step; or, the proxy being
+    unreachable, hand the rollout back (see `_requeue`); or, abandoned, store the spans alone."""
+    rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
+    spans = await ctx.writer.drain(aid)
+    final = ctx.writer.final_reward(aid)
+    reward = final if status is AttemptStatus.SUCCEEDED else None
+    unreachable = proxy_unreachable(error) if status is AttemptStatus.FAILED else None
+    if unreachable is not None:
+        error = unreachable
+        if claimed.attempt.sequence_id < PROXY_RETRIES:
+            await _requeue(ctx, claimed, spans, unreachable)
+            status = None
+    if status is not None:
+        try:  # the last spans, the status and the reward in one atomic step
+            stored = await ctx.store.rollouts.update_attempt(
+                rid, aid, status=status, error=error, spans=spans, reward=reward
+            )
+            ctx.writer.written += len(spans)  # stored with the status: they count as written (/metrics)
+        except RecordError:  # a span the store refuses (too large): store the rest, then report
             await ctx.writer.write(spans)
-            log.info("attempt %s abandoned: %s", aid, error)
-        await run_hooks("on_rollout_end", ctx.agent, ctx.hooks, rollout, reward)
+            stored = await ctx.store.rollouts.update_attempt(rid, aid, status=status, error=error, reward=reward)
+        log.debug("attempt %s %s -> %s in %.3f s", aid, status.value, stored, time.monotonic() - started)
+    elif unreachable is None:
+        await ctx.writer.write(spans)
+        log.info("attempt %s abandoned: %s", aid, error)
     return Outcome(status, reward, error)
+
+
+async def _requeue(ctx: AttemptContext, claimed: AttemptedRollout, spans: list[Span], unreachable: ProxyUnreachable
+                   ) -> None:
+    """The infrastructure failed, not the agent: run the rollout again whatever its retry policy, as a
+    runner that stops hands its attempts back (bounded by ``PROXY_RETRIES``, so a proxy that is gone
+    for good still ends the rollout)."""
+    rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
+    await ctx.writer.write(spans)
+    released = await ctx.store.rollouts.release_attempt(rid, aid, reason=str(unreachable))
+    log.warning("attempt %s: %s; rollout %s", aid, unreachable, "requeued" if released else "already over")
 
 
 class ProxyUnreachable(Exception):

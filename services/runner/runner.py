@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from fulmen.sdk.agent import Agent
 from fulmen.sdk.hooks import Hook
+from fulmen.settings import RunnerSettings
 from fulmen.store import RedisStore
 from fulmen.telemetry.tracing import SpanBuffer
 from fulmen_runner.agent_threads import AgentThreads, pool_size
@@ -39,26 +40,24 @@ class Runner:
         store: RedisStore,
         agent: Agent,
         buffer: SpanBuffer,
+        settings: RunnerSettings,
         *,
         hooks: Sequence[Hook] = (),
-        concurrency: int = 8,
-        grace_s: float = 3.0,
         worker_id: str | None = None,
-        llm_base_url: str | None = None,
-        proxy_api_key: str | None = None,
     ) -> None:
+        """``settings``: its concurrency, grace_s, llm_base_url and proxy key (`RunnerSettings.proxy_key`)."""
         self.store = store
-        self.concurrency = concurrency
-        self.grace_s = grace_s
+        self.concurrency = settings.concurrency
+        self.grace_s = settings.grace_s
         self.worker_id = worker_id or default_worker_id()
         self.writer = SpanWriter(store, buffer)
         self.heartbeats = Heartbeats(store)
-        self.threads = AgentThreads(pool_size(concurrency))  # sync agents', never the default executor
+        self.threads = AgentThreads(pool_size(self.concurrency))  # sync agents', never the default executor
         self.ctx = AttemptContext(
             store,
             agent,
             hooks,
-            InputResolver(store, llm_base_url=llm_base_url, api_key=proxy_api_key),
+            InputResolver(store, llm_base_url=settings.llm_base_url, api_key=settings.proxy_key()),
             self.writer,
             self.heartbeats,
             self.worker_id,

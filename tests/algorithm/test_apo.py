@@ -9,6 +9,7 @@ from pathlib import Path
 import openai
 
 from fulmen.sdk.agent import load_agent
+from fulmen.settings import RunnerSettings
 from fulmen.store import RedisStore
 from fulmen.telemetry.tracing import setup_tracing
 from fulmen_algorithm.apo import APO, placeholders
@@ -28,7 +29,7 @@ async def test_apo_keeps_the_good_edit_and_drops_the_bad(real_store: RedisStore)
     critic = FakeOpenAI(replies=["The template never asks for reasoning.", GOOD, BAD, "wrong {placeholder}"])
     base_url = critic.start_in_thread()
     _, buffer = setup_tracing("apo-test", set_global=False)
-    runner = Runner(real_store, load_agent("apo_agents:template_judge"), buffer, concurrency=8)
+    runner = Runner(real_store, load_agent("apo_agents:template_judge"), buffer, RunnerSettings(concurrency=8))
     running = asyncio.create_task(runner.run())
     try:
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="test")

@@ -47,7 +47,7 @@ async def _run_one(store: RedisStore, key: str | None) -> tuple[RolloutStatus, A
     await store.resources.add_resources({"llm": {"kind": "llm", "model": "fake"}})
     r = await store.rollouts.enqueue_rollout("x")
     _, buffer = setup_tracing("test-runner", set_global=False)
-    runner = Runner(store, calls_the_llm, buffer, proxy_api_key=key)
+    runner = Runner(store, calls_the_llm, buffer, RunnerSettings(proxy_api_key=key))
     await runner.run(max_rollouts=1)
     (attempt,) = await store.rollouts.query_attempts(r.rollout_id)
     return (await store.rollouts.get_rollout(r.rollout_id)).status, attempt

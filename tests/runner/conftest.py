@@ -12,6 +12,7 @@ import pytest
 from runner_processes import FulmenProcesses, fulmen_processes
 
 from fulmen.sdk.agent import load_agent
+from fulmen.settings import RunnerSettings
 from fulmen.store import RedisStore
 from fulmen.telemetry.tracing import setup_tracing
 from fulmen_runner.runner import Runner
@@ -37,7 +38,7 @@ async def start_runner(real_store: RedisStore) -> AsyncIterator[StartRunner]:
     async def start(agent: str | Any, **kwargs: Any) -> Runner:
         the_agent = load_agent(f"runner_test_agents:{agent}") if isinstance(agent, str) else agent
         _, buffer = setup_tracing("test-runner", set_global=False)
-        runner = Runner(real_store, the_agent, buffer, **kwargs)
+        runner = Runner(real_store, the_agent, buffer, RunnerSettings(**kwargs))
         started.append((runner, asyncio.create_task(runner.run())))
         return runner
 
