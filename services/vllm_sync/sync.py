@@ -17,6 +17,7 @@ from typing import Any
 
 from fulmen.errors import NotFound, RecordError
 from fulmen.records import ReplicaState, ResourcesUpdate
+from fulmen.settings import VllmSyncSettings
 from fulmen.store import RedisStore
 from fulmen.versions.folder import apply_onto_folder
 from fulmen.versions.lora import LORA_FORMAT
@@ -38,23 +39,26 @@ class SyncFailed(Exception):
 
 
 class VllmSync:
-    def __init__(self, store: RedisStore, admin: VllmAdmin, *, url: str, model: str | None, model_dir: Path,
-                 sync_dir: Path, pause_mode: str = "wait", retry_s: float = 5.0, check_s: float = 5.0,
-                 canary_prompt: list[int] | None = None, lora_loading: str = "auto") -> None:
+    def __init__(self, store: RedisStore, admin: VllmAdmin, settings: VllmSyncSettings, *, check_s: float = 5.0,
+                 canary_prompt: list[int] | None = None) -> None:
+        """From ``settings``: the replica's URL (replica_url, else vllm_url), model_name, model_dir,
+        sync_dir, pause_mode, sync_retry_s and lora_loading."""
+        if settings.model_dir is None:
+            raise ValueError("vllm-sync needs model_dir: the base model the server started from")
         self.store = store
         self.admin = admin
-        self.url = url
-        self.model = model
-        self.model_dir = model_dir
-        self.sync_dir = sync_dir
-        self.pause_mode = pause_mode
-        self.retry_s = retry_s
+        self.url = settings.replica_url or settings.vllm_url or ""
+        self.model = settings.model_name
+        self.model_dir: Path = settings.model_dir
+        self.sync_dir = settings.sync_dir
+        self.pause_mode = settings.pause_mode
+        self.retry_s = settings.sync_retry_s
         self.check_s = check_s
         self.canary_prompt = canary_prompt or CANARY_PROMPT
-        self.state = ReplicaState(url, "base", ready=False, reason="starting")
+        self.state = ReplicaState(self.url, "base", ready=False, reason="starting")
         self.served_sha: str | None = None
         self.weights_known = True  # False from a failed load until a sync succeeds: what it serves is unknown
-        self.lora_loading = lora_loading
+        self.lora_loading: str = settings.lora_loading
         self.base_loaded = True  # the server's own weights are the base model's (adapters apply onto them)
         self.adapters: list[str] = []  # loaded adapters, oldest first
         self.syncs = {"ok": 0, "failed": 0}

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import ReplicaState
+from fulmen.settings import VllmSyncSettings
 from fulmen.store import RedisStore
 from fulmen.versions.model_version import publish_model_version
 from fulmen_llm_proxy.backends.base import Call, Result
@@ -64,8 +65,9 @@ async def test_no_call_mixes_two_versions_while_versions_load(real_store: RedisS
     fake = FakeVllm(base)
     url = await fake.start()
     admin = VllmAdmin(url, 10.0)
-    sync = VllmSync(real_store, admin, url=url, model="tiny", model_dir=base, sync_dir=tmp_path / "sync",
-                    retry_s=0.2, check_s=0.2)
+    settings = VllmSyncSettings(vllm_url=url, model_name="tiny", model_dir=base, sync_dir=tmp_path / "sync",
+                                sync_retry_s=0.2)
+    sync = VllmSync(real_store, admin, settings, check_s=0.2)
     stop = asyncio.Event()
     syncing = asyncio.create_task(sync.run(stop))
     backend = VllmBackend([url])

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from fulmen.demo.tiny_model import build_tiny_model
+from fulmen.settings import VllmSyncSettings
 from fulmen.store import RedisStore
 from fulmen.store.redis.embedded import free_port
 from fulmen.versions.lora import lora_description
@@ -142,7 +143,8 @@ async def test_vllm_serves_a_lora_and_a_full_version_like_the_torch_backend(real
     url, base, root = vllm
     admin = VllmAdmin(url, 120.0)
     model = await admin.model_name()
-    sync = VllmSync(real_store, admin, url=url, model=None, model_dir=base, sync_dir=root / "sync", retry_s=1.0)
+    sync = VllmSync(real_store, admin, VllmSyncSettings(vllm_url=url, model_dir=base, sync_dir=root / "sync",
+                                                        sync_retry_s=1.0))
     try:
         weights = load_file(str(base / "model.safetensors"))
         g = torch.Generator().manual_seed(5)

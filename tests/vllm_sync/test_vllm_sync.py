@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from fulmen.demo.tiny_model import build_tiny_model
+from fulmen.settings import VllmSyncSettings
 from fulmen.store import RedisStore
 from fulmen.versions.model_version import llm_resource, publish_model_version
 from fulmen_llm_proxy.backends.torch.engine import TorchEngine
@@ -48,8 +49,9 @@ async def _served_ids(fake: FakeVllm) -> list[int]:
 
 async def _run(store: RedisStore, fake: FakeVllm, base: Path, tmp: Path, **knobs):  # type: ignore[no-untyped-def]
     admin = VllmAdmin(fake.url, knobs.pop("timeout_s", 10.0))
-    sync = VllmSync(store, admin, url=fake.url, model="tiny", model_dir=base, sync_dir=tmp / "sync",
-                    retry_s=knobs.pop("retry_s", 0.2), check_s=0.2, **knobs)
+    settings = VllmSyncSettings(vllm_url=fake.url, model_name="tiny", model_dir=base, sync_dir=tmp / "sync",
+                                sync_retry_s=knobs.pop("retry_s", 0.2), **knobs)
+    sync = VllmSync(store, admin, settings, check_s=0.2)
     stop = asyncio.Event()
     task = asyncio.create_task(sync.run(stop))
     return sync, stop, task, admin
