@@ -59,7 +59,7 @@ from fulmen.store.redis.embedded import free_port, wait_for_port
 from fulmen.store.samples import decode_sample
 from fulmen.versions.model_version import ModelVersion
 from fulmen_algorithm.dataset import load_tasks, task_id
-from fulmen_algorithm.scheduler import Scheduler
+from fulmen_algorithm.scheduler import Scheduler, SchedulerOptions
 
 REPO = Path(__file__).resolve().parents[1]
 FULMEN = str(Path(sys.executable).with_name("fulmen"))
@@ -536,7 +536,7 @@ class ChaosRun:
         state = {key.decode(): int(value) for key, value in (await store.redis.hgetall(store.keys.algorithm_state)).items()
                  if key in (b"epoch", b"cursor", b"groups", b"enqueued")}
         tasks = load_tasks(self.workdir / "train.jsonl")
-        order = Scheduler(store, tasks, n_samples=c.n_samples, seed=c.seed, run=RUN)
+        order = Scheduler(store, tasks, SchedulerOptions(n_samples=c.n_samples, seed=c.seed), run=RUN)
         expected: list[str] = []
         for g in range(state.get("groups", 0)):
             epoch, position = divmod(g, len(tasks))

@@ -39,14 +39,14 @@ async def test_the_store_check_sees_a_lost_and_a_doubled_rollout(real_store: Red
     """The checker fails a run whose group misses a rollout or whose rollout completed twice."""
     from fulmen.demo import arithmetic
     from fulmen.records import SampleSkip
-    from fulmen_algorithm.scheduler import Scheduler
+    from fulmen_algorithm.scheduler import Scheduler, SchedulerOptions
 
     config = ChaosConfig(n_samples=2, train_tasks=4)
     arithmetic.write_jsonl(tmp_path / "train.jsonl", arithmetic.make_tasks("train", 4, seed=config.seed))
     from fulmen_algorithm.dataset import load_tasks
 
-    scheduler = Scheduler(real_store, load_tasks(tmp_path / "train.jsonl"), n_samples=2, seed=config.seed, run=RUN,
-                          rollout_config=RolloutConfig())
+    scheduler = Scheduler(real_store, load_tasks(tmp_path / "train.jsonl"),
+                          SchedulerOptions(n_samples=2, seed=config.seed), run=RUN, rollout_config=RolloutConfig())
     await scheduler.load()
     ids = await scheduler.enqueue_group()
     for claimed in await real_store.queue.dequeue_rollouts("w", 2):
@@ -81,12 +81,12 @@ async def test_the_store_check_sees_a_double_success_a_retried_call_and_stale_sa
     from fulmen import keys as k
     from fulmen.records import Span
     from fulmen.telemetry import semconv
-    from fulmen_algorithm.scheduler import Scheduler
+    from fulmen_algorithm.scheduler import Scheduler, SchedulerOptions
 
     run = ChaosRun(tmp_path, real_store.experiment, ChaosConfig(max_staleness=1), redis_url="unused")
     run.store = real_store
-    scheduler = Scheduler(real_store, [{"id": "t", "question": "1+1=", "answer": "2"}], n_samples=1, run=RUN,
-                          rollout_config=RolloutConfig(max_attempts=2))
+    scheduler = Scheduler(real_store, [{"id": "t", "question": "1+1=", "answer": "2"}],
+                          SchedulerOptions(n_samples=1), run=RUN, rollout_config=RolloutConfig(max_attempts=2))
     await scheduler.load()
     (rid,) = await scheduler.enqueue_group()
     (claimed,) = await real_store.queue.dequeue_rollouts("w", 1)

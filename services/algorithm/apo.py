@@ -72,6 +72,15 @@ def placeholders(template: str) -> set[str]:
     return {name for _, name, _, _ in string.Formatter().parse(template) if name}
 
 
+@dataclass(frozen=True)
+class BeamSearch:
+    """The search's shape: templates kept per round, edits asked per template, rounds."""
+
+    beam_width: int = 2
+    branch_factor: int = 2
+    rounds: int = 2
+
+
 class APO:
     def __init__(
         self,
@@ -79,10 +88,8 @@ class APO:
         tasks: Sequence[Task],
         critic: Any,  # an openai.AsyncOpenAI
         critic_model: str,
+        search: BeamSearch,
         *,
-        beam_width: int = 2,
-        branch_factor: int = 2,
-        rounds: int = 2,
         base_resources_id: str | None = POLICY_RESOURCES_ID,
         timeout_s: float = 300.0,
     ) -> None:
@@ -90,9 +97,9 @@ class APO:
         self.tasks = list(tasks)
         self.critic = critic
         self.critic_model = critic_model
-        self.beam_width = beam_width
-        self.branch_factor = branch_factor
-        self.rounds = rounds
+        self.beam_width = search.beam_width
+        self.branch_factor = search.branch_factor
+        self.rounds = search.rounds
         self.base_resources_id = base_resources_id
         self.timeout_s = timeout_s
         self.history: list[Candidate] = []
@@ -190,8 +197,8 @@ async def optimise(
 
     key = settings.critic_api_key.get_secret_value() if settings.critic_api_key else NO_API_KEY
     critic = openai.AsyncOpenAI(base_url=settings.critic_base_url, api_key=key)
-    search = APO(store, tasks, critic, settings.critic_model or "", beam_width=beam_width,
-                 branch_factor=branch_factor, rounds=rounds)
+    shape = BeamSearch(beam_width=beam_width, branch_factor=branch_factor, rounds=rounds)
+    search = APO(store, tasks, critic, settings.critic_model or "", shape)
     best = await search.run(template)
     await store.resources.add_resources({"prompt_template": {"template": best.template}}, resources_id=f"apo-best-{best.digest}")
     return {"template": best.template, "score": best.score,

@@ -21,7 +21,7 @@ from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task
 from fulmen_algorithm.jobs import enqueue_validation
 from fulmen_algorithm.run_state import RunProgress
-from fulmen_algorithm.scheduler import Scheduler, recoverable_rollout_config
+from fulmen_algorithm.scheduler import Scheduler, SchedulerOptions, recoverable_rollout_config
 from fulmen_algorithm.validation import reached_target, recorded, validate
 
 log = logging.getLogger("fulmen.algorithm")
@@ -72,10 +72,12 @@ class Run:
             await self.setup(store)
         self.store, self.progress = store, RunProgress(store)
         s = self.settings
+        options = SchedulerOptions(
+            n_samples=s.n_samples, groups_per_step=s.groups_per_step, max_inflight=s.max_inflight,
+            staleness=s.staleness, epochs=s.epochs, seed=s.seed, total_steps=s.total_steps,
+        )
         self.scheduler = Scheduler(
-            store, self.tasks, n_samples=s.n_samples, groups_per_step=s.groups_per_step,
-            max_inflight=s.max_inflight, staleness=s.staleness, epochs=s.epochs, seed=s.seed,
-            total_steps=s.total_steps,
+            store, self.tasks, options,
             rollout_config=recoverable_rollout_config(s.rollout_unresponsive_s, s.rollout_max_attempts),
         )
         await self.scheduler.load()

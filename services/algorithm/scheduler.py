@@ -49,39 +49,48 @@ class RunState:
         return cls(**{f: int(raw.get(f.encode(), 0)) for f in ("epoch", "cursor", "groups", "enqueued")})
 
 
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """What the scheduler enqueues and when (the algorithm's settings of the same names)."""
+
+    n_samples: int = 8  # rollouts per task: one group
+    groups_per_step: int = 8
+    max_inflight: int = 256  # rollouts queued or running at once
+    staleness: int = 0  # rounds of groups enqueued ahead of the trainer's step
+    epochs: int | None = None  # None: no end by epochs
+    seed: int = 0  # the task order of each epoch
+    stall_s: float = 3.0  # the trainer still this long with nothing in flight: one extra group
+    total_steps: int | None = None  # no group enqueued for rounds past this trainer step
+
+
 class Scheduler:
     def __init__(
         self,
         store: RedisStore,
         tasks: Sequence[Task],
+        options: SchedulerOptions,
         *,
         run: str = "run",
-        n_samples: int = 8,
-        groups_per_step: int = 8,
-        max_inflight: int = 256,
-        staleness: int = 0,
-        epochs: int | None = None,
-        seed: int = 0,
         resources_id: str = POLICY_RESOURCES_ID,
         rollout_config: RolloutConfig | None = None,
-        stall_s: float = 3.0,
-        total_steps: int | None = None,
     ) -> None:
-        if max_inflight < n_samples:
-            raise ValueError(f"max_inflight ({max_inflight}) must hold at least one group of {n_samples}")
+        if options.max_inflight < options.n_samples:
+            raise ValueError(
+                f"max_inflight ({options.max_inflight}) must hold at least one group of {options.n_samples}"
+            )
         self.store = store
         self.tasks = list(tasks)
         self.run = run
-        self.n = n_samples
-        self.groups_per_step = groups_per_step
-        self.max_inflight = max_inflight
-        self.staleness = staleness
-        self.epochs = epochs
-        self.seed = seed
+        self.n = options.n_samples
+        self.groups_per_step = options.groups_per_step
+        self.max_inflight = options.max_inflight
+        self.staleness = options.staleness
+        self.epochs = options.epochs
+        self.seed = options.seed
         self.resources_id = resources_id
         self.rollout_config = rollout_config or recoverable_rollout_config()
-        self.stall_s = stall_s
-        self.total_steps = total_steps
+        self.stall_s = options.stall_s
+        self.total_steps = options.total_steps
         self.state = RunState()
         self._order: list[int] = []
         self._order_epoch = -1

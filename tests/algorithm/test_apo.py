@@ -12,7 +12,7 @@ from fulmen.sdk.agent import load_agent
 from fulmen.settings import RunnerSettings
 from fulmen.store import RedisStore
 from fulmen.telemetry.tracing import setup_tracing
-from fulmen_algorithm.apo import APO, placeholders
+from fulmen_algorithm.apo import APO, BeamSearch, placeholders
 from fulmen_runner.runner import Runner
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -33,7 +33,7 @@ async def test_apo_keeps_the_good_edit_and_drops_the_bad(real_store: RedisStore)
     running = asyncio.create_task(runner.run())
     try:
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="test")
-        apo = APO(real_store, TASKS, client, "critic", beam_width=1, branch_factor=3, rounds=1, timeout_s=60)
+        apo = APO(real_store, TASKS, client, "critic", BeamSearch(beam_width=1, branch_factor=3, rounds=1), timeout_s=60)
         best = await apo.run("Answer: {question}")
     finally:
         runner.stop()

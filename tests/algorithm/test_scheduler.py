@@ -14,7 +14,7 @@ from fulmen.store import RedisStore
 from fulmen.telemetry.steps import append_step
 from fulmen.versions.model_version import POLICY_RESOURCES_ID
 from fulmen_algorithm.dataset import load_tasks, task_id
-from fulmen_algorithm.scheduler import Scheduler
+from fulmen_algorithm.scheduler import Scheduler, SchedulerOptions
 
 TASKS = [{"id": f"q{i}", "question": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
 
@@ -32,7 +32,7 @@ async def _finish(store: RedisStore, count: int) -> None:
 
 async def test_groups_are_n_rollouts_of_one_task_with_group_metadata(real_store: RedisStore) -> None:
     """A group is n train rollouts of one task, sharing a group key, with the group size."""
-    s = Scheduler(real_store, TASKS, n_samples=3, groups_per_step=1, max_inflight=100)
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=3, groups_per_step=1, max_inflight=100))
     await s.load()
     ids = await s.enqueue_group()
     rollouts = await real_store.rollouts.get_rollouts(ids)
@@ -44,7 +44,7 @@ async def test_groups_are_n_rollouts_of_one_task_with_group_metadata(real_store:
 
 async def test_synchronous_pacing_waits_for_each_trainer_step(real_store: RedisStore) -> None:
     """Staleness 0: one round of groups per trainer step (read from its steps stream), no more."""
-    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, staleness=0)
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=2, max_inflight=100, staleness=0))
     await s.load()
     assert await s.fill() == 2
     assert await s.fill() == 0
@@ -55,7 +55,7 @@ async def test_synchronous_pacing_waits_for_each_trainer_step(real_store: RedisS
 
 async def test_staleness_one_runs_a_round_ahead(real_store: RedisStore) -> None:
     """Staleness 1: two rounds before the first trainer step, then one more per step."""
-    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, staleness=1)
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=1, max_inflight=100, staleness=1))
     await s.load()
     assert await s.fill() == 2
     await _trainer_step(real_store, 1)
@@ -64,7 +64,7 @@ async def test_staleness_one_runs_a_round_ahead(real_store: RedisStore) -> None:
 
 async def test_backpressure_caps_rollouts_in_flight(real_store: RedisStore) -> None:
     """Never more than max_inflight train rollouts unfinished; finishing some makes room."""
-    s = Scheduler(real_store, TASKS, n_samples=4, groups_per_step=10, max_inflight=8, staleness=5)
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=4, groups_per_step=10, max_inflight=8, staleness=5))
     await s.load()
     assert await s.fill() == 2
     await _finish(real_store, 4)
@@ -74,16 +74,16 @@ async def test_backpressure_caps_rollouts_in_flight(real_store: RedisStore) -> N
 
 async def test_a_restarted_scheduler_continues_and_never_enqueues_a_task_twice(real_store: RedisStore) -> None:
     """State lives in the store: a new scheduler resumes; a group enqueued but not recorded is not doubled."""
-    first = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, seed=7)
+    first = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=2, max_inflight=100, seed=7))
     await first.load()
     await first.fill()
     # crash right after enqueuing the next group, before recording it:
-    replayed = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, seed=7)
+    replayed = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=2, max_inflight=100, seed=7))
     await replayed.load()
     s = replayed.state
     task = TASKS[replayed.order(s.epoch)[s.cursor]]
     await real_store.rollouts.enqueue_rollouts([real_store.rollouts.new_rollout(task, rollout_id=f"run-e0-{task_id(task)}-{i}") for i in range(2)])
-    second = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, seed=7)
+    second = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=2, max_inflight=100, seed=7))
     assert (await second.load()).groups == 2
     await _trainer_step(real_store, 1)
     assert await second.fill() == 2
@@ -95,7 +95,7 @@ async def test_a_restarted_scheduler_continues_and_never_enqueues_a_task_twice(r
 
 async def test_epochs_wrap_and_end(real_store: RedisStore) -> None:
     """Every task once per epoch, in a seed-fixed order; nothing after the last epoch."""
-    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=100, max_inflight=1000, epochs=2)
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=100, max_inflight=1000, epochs=2))
     await s.load()
     assert await s.fill() == 10
     assert s.exhausted and await s.fill() == 0
@@ -105,7 +105,7 @@ async def test_epochs_wrap_and_end(real_store: RedisStore) -> None:
 
 async def test_a_stalled_trainer_gets_one_more_group(real_store: RedisStore) -> None:
     """The safety net: nothing in flight and no new trainer step for stall_s: one extra group."""
-    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, stall_s=0.1)
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=1, max_inflight=100, stall_s=0.1))
     await s.load()
     assert await s.fill() == 1
     await _finish(real_store, 2)
@@ -119,7 +119,7 @@ async def test_groups_the_trainer_did_not_train_on_are_replaced_at_once(real_sto
     in flight and no stall; another run's groups and a group listed twice do not count."""
     from fulmen.telemetry.steps import record_untrained_groups
 
-    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=2, max_inflight=100, stall_s=3600)
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=2, max_inflight=100, stall_s=3600))
     await s.load()
     assert await s.fill() == 2
     first, second = [f"run-{g}" for g in ("e0-" + task_id(TASKS[s.order(0)[i]]) for i in range(2))]
@@ -135,8 +135,8 @@ async def test_replacing_untrained_groups_is_capped_by_what_the_trainer_trained(
     trained, not rollouts at full speed."""
     from fulmen.telemetry.steps import record_untrained_groups
 
-    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, stall_s=3600,
-                  epochs=None)
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=1, max_inflight=100, stall_s=3600,
+                                                      epochs=None))
     await s.load()
     assert await s.fill() == 1
     await record_untrained_groups(real_store.redis, real_store.keys, [f"run-e{i}-x" for i in range(10)])
@@ -165,13 +165,13 @@ async def test_completions_read_before_a_kill_are_counted_after_the_restart(real
     """A scheduler killed between reading completions and acknowledging them: its successor counts them."""
     from fulmen import keys as k
 
-    first = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100)
+    first = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=1, max_inflight=100))
     await first.load()
     assert await first.fill() == 1
     await _finish(real_store, 2)
     # what the killed process did: the completions were delivered to it, never counted nor acknowledged
     assert len(await real_store.finished.read_finished(k.ALGORITHM_GROUP, "algorithm", count=10)) == 2
-    second = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100)
+    second = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=1, max_inflight=100))
     await second.load()
     assert await second.inflight() == 0
     assert (await real_store.redis.xpending(real_store.keys.finished, k.ALGORITHM_GROUP))["pending"] == 0
@@ -183,7 +183,7 @@ async def test_a_dead_runners_train_rollouts_are_retried(real_store: RedisStore)
     from fulmen.watchdog import sweep
     from fulmen_algorithm.scheduler import recoverable_rollout_config
 
-    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100,
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=1, max_inflight=100),
                   rollout_config=recoverable_rollout_config(unresponsive_s=0.1))
     await s.load()
     ids = await s.enqueue_group()
@@ -202,7 +202,7 @@ async def test_staleness_zero_waits_for_every_server_to_serve_the_trainers_versi
     replica serve v1 (a replica that is loading takes no calls and does not count)."""
     from fulmen.records import ProxyEndpoint, ReplicaState
 
-    s = Scheduler(real_store, TASKS, n_samples=2, groups_per_step=1, max_inflight=100, staleness=0)
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=1, max_inflight=100, staleness=0))
     await s.load()
     proxy = ProxyEndpoint("p0", "http://127.0.0.1:1", "m", "base", time.time(), {"backend": "torch"})
     await real_store.registry.register_proxy(proxy)
