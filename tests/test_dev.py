@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fulmen.cli import dev
+from fulmen.cli import watchdog as watchdog_cli
 
 
 def test_dotenv_fills_in_what_the_environment_does_not_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +90,7 @@ async def test_the_dev_watchdog_trims_by_the_retention_settings(
     a, _ = await store.finished.read_finished("adapter", "x", count=2)
     await store.finished.ack_finished("adapter", [a.entry_id])
     stop = asyncio.Event()
-    task = asyncio.create_task(dev.watchdog(stop))
+    task = asyncio.create_task(dev.as_task(watchdog_cli.SERVICE)(stop))
     try:
         for _ in range(500):
             if int(await store.redis.xlen(store.keys.finished)) == 1:

@@ -1,31 +1,22 @@
-"""`fulmen adapter`. Kept light at import: `fulmen --help` loads this module."""
+"""`fulmen adapter` and `fulmen replay`. Kept light at import: `fulmen --help` loads this module."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import signal
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from fulmen import keys as k
-from fulmen.cli.service import run_on_store, settings_command
+from fulmen.cli.service import error_exit, run_on_store, run_service, service_command, settings_command
 from fulmen.errors import FulmenError, InvalidInput
 from fulmen.settings import AdapterSettings
 from fulmen.store import RedisStore
-
-log = logging.getLogger("fulmen.adapter")
-
-
-# Completions one adapter handles per round trip (8 batches in flight): large batches amortise the
-# round trips, and the cap keeps one batch's spans well inside memory.
-DEFAULT_BATCH = 128
-MAX_BATCH = 10_000
+from fulmen_adapter.main import DEFAULT_BATCH, MAX_BATCH, SERVICE
 
 
-@settings_command(AdapterSettings)
+@service_command(SERVICE)
 def command(
     settings: AdapterSettings,
     batch: Annotated[
@@ -38,33 +29,10 @@ def command(
     ids and log-probabilities the proxy recorded, plus one trajectory sample per multi-turn
     conversation; any other rollout yields a skip record with the reason. Once per rollout, however
     often a completion is delivered. Several adapters may run (one consumer group)."""
-    from fulmen.telemetry.http import start_ops
-    from fulmen.telemetry.metrics import CountersCollector
-    from fulmen_adapter.adapter import Adapter, tune_gc_for_batches
-    from fulmen_adapter.config import adapter_config
+    from fulmen_adapter.adapter import tune_gc_for_batches
 
-    try:
-        config = adapter_config(settings)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-
-    async def work(store: RedisStore) -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        adapter = Adapter(store, config, batch=batch)
-        tune_gc_for_batches()
-        with start_ops(settings, "adapter", groups=[("finished", k.ADAPTER_GROUP)]) as ops:
-            ops.add(CountersCollector(lambda: _adapter_counters(adapter.counters)))
-            await adapter.run(stop)
-        log.info(
-            "adapter stopped: %d rollouts, %d samples, skipped %s",
-            adapter.counters.rollouts, adapter.counters.samples, adapter.counters.skipped or "none",
-        )
-
-    run_on_store(settings, work)
+    tune_gc_for_batches()  # process-wide: this process only, not `fulmen dev`'s
+    run_service(SERVICE, settings, batch=batch)
 
 
 @settings_command(AdapterSettings)
@@ -93,8 +61,7 @@ def replay(
         config = adapter_config(settings)
         replay_name = k.check_id("replay name", name)
     except (ValueError, InvalidInput) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise error_exit(str(e)) from None
 
     def show(report: ReplayReport) -> None:
         where = str(to_file) if to_file else f"the samples stream (replay {replay_name!r}: {report.appended} appended)"
@@ -104,24 +71,10 @@ def replay(
         try:
             show(asyncio.run(run_replay(None, source, config, settings.max_record_bytes, to_file=to_file)))
         except FulmenError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(1) from None
+            raise error_exit(str(e), 1) from None
         return
 
     async def work(store: RedisStore) -> None:
         show(await run_replay(store, source, config, store.max_record_bytes, to_file=to_file, name=replay_name))
 
     run_on_store(settings, work)
-
-
-def _adapter_counters(counters: Any) -> list[Any]:
-    """The adapter's own counters for /metrics (rollouts adapted, samples emitted, skips per reason)."""
-    from fulmen.telemetry.metrics import CounterValue
-
-    values = [
-        CounterValue("fulmen_adapter_rollouts", "Rollouts adapted (once each).", counters.rollouts),
-        CounterValue("fulmen_adapter_samples", "Samples emitted on the samples stream.", counters.samples),
-    ]
-    for reason, n in sorted(counters.skipped.items()):
-        values.append(CounterValue("fulmen_adapter_skips", "Rollouts that yielded no sample.", n, {"reason": reason}))
-    return values

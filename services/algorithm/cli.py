@@ -1,24 +1,25 @@
 """`fulmen algorithm`, `demo`, `evaluator`, `eval`, `apo`: argument parsing only, the work lives in
-`run`, `demo`, `jobs`, `evaluate` and `apo`. Kept light at import: `fulmen --help` loads this module."""
+`main` (the services), `evaluate` and `apo`. Kept light at import: `fulmen --help` loads this module."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
-import signal
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from fulmen import keys as k
-from fulmen.cli.service import own_fields, run_on_store, settings_command
+from fulmen.cli.service import (
+    error_exit,
+    own_fields,
+    run_on_store,
+    run_service,
+    service_command,
+    settings_command,
+)
 from fulmen.settings import AlgorithmSettings, ApoSettings, DemoSettings, EvalSettings, EvaluatorSettings
 from fulmen.store import RedisStore
-
-log = logging.getLogger("fulmen.algorithm")
+from fulmen_algorithm.main import ALGORITHM, DEMO, EVALUATOR
 
 # APO's beam search, unless told otherwise: small enough for a first try on a laptop.
 APO_ROUNDS = 2
@@ -26,11 +27,6 @@ APO_BEAM_WIDTH = 2
 APO_BRANCH_FACTOR = 2
 # The demo writes its own datasets: no flag for them.
 DEMO_WRITES = ("train_data", "val_data")
-
-
-def _error(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
 
 
 def _tasks_or_exit(path: Path) -> list[dict[str, object]]:
@@ -41,82 +37,35 @@ def _tasks_or_exit(path: Path) -> list[dict[str, object]]:
     try:
         return load_tasks(path)
     except FulmenError as e:
-        raise _error(str(e)) from None
+        raise error_exit(str(e)) from None
 
 
-@settings_command(AlgorithmSettings)
+@service_command(ALGORITHM)
 def command(settings: AlgorithmSettings) -> None:
     """Drive a training run: enqueue GRPO groups of train rollouts, paced by the trainer, until done.
 
     The run's position lives in the store: killed and started again, it continues where it was and
     never enqueues a task twice. Ends (and, under honcho, ends the run) after --total-steps trainer
     versions or --epochs passes, printing a summary."""
-    from fulmen.errors import FulmenError
-    from fulmen_algorithm.start import algorithm_inputs
-
-    try:
-        inputs = algorithm_inputs(settings)
-    except FulmenError as e:
-        raise _error(str(e)) from None
-    _run(inputs.settings, inputs.tasks, inputs.val_tasks, setup=inputs.setup)
+    run_service(ALGORITHM, settings)
 
 
-@settings_command(DemoSettings, fields=("experiment", *(f for f in own_fields(DemoSettings) if f not in DEMO_WRITES)))
+@service_command(DEMO, fields=("experiment", *(f for f in own_fields(DemoSettings) if f not in DEMO_WRITES)))
 def demo(settings: DemoSettings) -> None:
     """The demo's driver: prepare arithmetic tasks and a tiny Llama warmed up by SFT (first start
     only), publish it, then run the training like `fulmen algorithm`, validating as it goes.
 
     The proxy and the trainer in the demo's Procfile wait for the model folder this writes."""
-    from fulmen.errors import FulmenError
-    from fulmen_algorithm.start import demo_inputs
-
-    try:
-        inputs = demo_inputs(settings)
-    except FulmenError as e:
-        raise _error(str(e)) from None
-    _run(inputs.settings, inputs.tasks, inputs.val_tasks, setup=inputs.setup)
+    run_service(DEMO, settings)
 
 
-def _run(settings: AlgorithmSettings, tasks: list[dict[str, object]], val_tasks: list[dict[str, object]],
-         setup: Callable[[RedisStore], Awaitable[None]] | None = None) -> None:
-    from fulmen.telemetry.http import start_ops
-    from fulmen_algorithm.run import Run
-
-    run = Run(settings, tasks, val_tasks, setup=setup)
-
-    async def work(store: RedisStore) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, run.stop)
-        summary = await run.run(store)
-        print(json.dumps(summary), flush=True)
-        if summary.get("stopped"):
-            log.info("run stopped at step %s: started again it goes on from the store; no report written",
-                     summary.get("steps"))
-        else:
-            log.info("run finished: curve %s, metrics %s, final model %s (version %s)", summary.get("curve"),
-                     summary.get("metrics"), summary.get("final_model"), summary.get("final_model_version"))
-
-    with start_ops(settings, "algorithm", groups=[("finished", k.ALGORITHM_GROUP)]):
-        run_on_store(settings, work)
-
-
-@settings_command(EvaluatorSettings, fields=("experiment",))
+@service_command(EVALUATOR, fields=("experiment",))
 def evaluator(settings: EvaluatorSettings) -> None:
     """Run validation jobs (an rq worker on the experiment's eval queue, JSON serializer — never pickle).
 
     The algorithm enqueues a validation pass every --val-every versions; this worker runs it (greedy
     val-mode rollouts through the normal pipeline) while the run goes on."""
-    from fulmen.store.redis.connection import connect
-    from fulmen.telemetry.http import start_ops
-    from fulmen_algorithm.jobs import run_evaluator
-
-    async def wait_for_redis() -> None:  # services start in any order: rq would exit at once
-        await (await connect(settings)).aclose()
-
-    asyncio.run(wait_for_redis())
-    with start_ops(settings, "evaluator"):
-        run_evaluator(settings)
+    run_service(EVALUATOR, settings)
 
 
 @settings_command(EvalSettings, fields=("val_data", "experiment"))
@@ -129,9 +78,9 @@ def eval_command(
     from fulmen_algorithm.evaluate import evaluate_checkpoint, weights_of
 
     if settings.val_data is None:
-        raise _error("pass --val-data val.jsonl (or FULMEN_VAL_DATA)")
+        raise error_exit("pass --val-data val.jsonl (or FULMEN_VAL_DATA)")
     if weights_of(checkpoint) is None:
-        raise _error(f"{checkpoint} has no model.safetensors (a Hugging Face folder is expected)")
+        raise error_exit(f"{checkpoint} has no model.safetensors (a Hugging Face folder is expected)")
     tasks = _tasks_or_exit(settings.val_data)
 
     async def work(store: RedisStore) -> None:
@@ -156,7 +105,7 @@ def apo(
     from fulmen_algorithm.apo import optimise
 
     if settings.train_data is None or not settings.critic_base_url or not settings.critic_model:
-        raise _error("APO needs --train-data, --critic-base-url and --critic-model")
+        raise error_exit("APO needs --train-data, --critic-base-url and --critic-model")
     tasks = _tasks_or_exit(settings.train_data)
 
     async def work(store: RedisStore) -> None:

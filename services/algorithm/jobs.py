@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fulmen.errors import TerminalError
 from fulmen.keys import Keys
-from fulmen.settings import AlgorithmSettings, CommonSettings, EvaluatorSettings
+from fulmen.settings import AlgorithmSettings, CommonSettings
 
 if TYPE_CHECKING:
     from rq import Queue, SimpleWorker
@@ -101,16 +101,13 @@ def enqueue_validation(settings: AlgorithmSettings, version: int) -> None:
 
 def evaluator_worker(queue: Queue) -> SimpleWorker:
     """The rq worker of the eval queue: in this process (the jobs are asyncio passes), JSON only,
-    and running Fulmen's jobs only. SIGTERM during a pass leaves at once (rq would wait for the pass,
-    minutes, and honcho SIGKILLs after 5 s): the job stays started, and the next evaluator runs it
-    again (`requeue_abandoned`), as after a kill."""
+    and running Fulmen's jobs only; ``running`` names the job under way. The evaluator that works
+    it: `fulmen_algorithm.main.run_evaluator`."""
     from rq import SimpleWorker
     from rq.serializers import JSONSerializer
 
-    from fulmen.cli.service import leave
-
     class EvaluatorWorker(SimpleWorker):
-        running: str | None = None  # the job under way (kept here: a signal handler asks no Redis)
+        running: str | None = None  # the job under way (kept here: asking Redis would race the job)
 
         def execute_job(self, job: Any, queue: Queue) -> None:
             self.running = job.id
@@ -119,22 +116,6 @@ def evaluator_worker(queue: Queue) -> SimpleWorker:
             finally:
                 self.running = None
 
-        def request_stop(self, signum: Any, frame: Any) -> None:
-            if self.running is not None:
-                log.info("stopping during validation job %s: the next evaluator runs it again", self.running)
-                leave(0)  # in the `fulmen` program; in-process, rq's warm shutdown below
-            super().request_stop(signum, frame)
-
     return EvaluatorWorker(
         [queue], connection=queue.connection, serializer=JSONSerializer, job_class=allowlisted_job_class()
     )
-
-
-def run_evaluator(settings: EvaluatorSettings) -> None:
-    """Work the eval queue until stopped, after putting back the passes a killed evaluator left."""
-    from fulmen_algorithm.validation import requeue_abandoned
-
-    queue = validation_queue(settings)
-    log.info("evaluator on queue %s", queue.name)
-    requeue_abandoned(queue)  # a pass an evaluator was killed in is run again, not lost
-    evaluator_worker(queue).work(with_scheduler=False)

@@ -1,5 +1,5 @@
 """Serve the dashboard under uvicorn, on a socket bound here (so port 0 works and the log names the
-port actually bound). `serve_until` runs it inside a running event loop (`fulmen dev`)."""
+port actually bound), inside a running event loop until told to stop (`serve_until`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import errno
 import logging
 import os
 import socket
-from types import FrameType
 
 import uvicorn
 
@@ -53,20 +52,12 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises the stop signal once shut down (exit status -15, which honcho reports as a
-        # failure); SIGTERM is how a service is stopped, so the process exits 0 after its shutdown
-        self._captured_signals.clear()
-
-
 def server(settings: DashboardSettings, sock: socket.socket) -> uvicorn.Server:
     config = uvicorn.Config(
         DashboardApp(settings), lifespan="on", access_log=False, proxy_headers=False,
         log_level=settings.log_level.lower(), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    return _Server(config)
+    return uvicorn.Server(config)
 
 
 def _announce(settings: DashboardSettings, sock: socket.socket) -> None:
@@ -76,17 +67,9 @@ def _announce(settings: DashboardSettings, sock: socket.socket) -> None:
              "auth required" if settings.dashboard_token is not None else "no auth")
 
 
-def serve(settings: DashboardSettings) -> None:
-    """Serve until SIGTERM/SIGINT (blocking)."""
-    sock = listen(settings)
-    _announce(settings, sock)
-    the_server = server(settings, sock)
-    the_server.run(sockets=[sock])
-
-
 async def serve_until(settings: DashboardSettings, stop: asyncio.Event) -> None:
-    """Serve in the running loop until ``stop`` is set (`fulmen dev`, which owns the signals)."""
-    from fulmen.cli.dev import serve_http
+    """Serve in the running loop until ``stop`` is set (whoever sets it owns the signals)."""
+    from fulmen.cli.service import serve_http
 
     sock = listen(settings)
     _announce(settings, sock)

@@ -10,12 +10,11 @@ import asyncio
 import logging
 import os
 import socket
-from types import FrameType
+from collections.abc import Callable
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from fulmen.cli.service import leave
 from fulmen.settings import ProxySettings
 from fulmen_llm_proxy.app import ProxyApp
 from fulmen_llm_proxy.backends.base import Backend
@@ -123,24 +122,19 @@ class _NoCancelledTracebacks(logging.Filter):
         return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
-class _Server(uvicorn.Server):
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.started:
-            # still loading the model (seconds, which uvicorn would let finish before it stops): nothing
-            # is registered or served yet, so there is nothing to drain; leave now
-            leave(0)
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises the stop signal once shut down (exit status -15); for Fulmen SIGTERM is
-        # the normal way to stop a service, so the process exits 0 after its graceful shutdown.
-        self._captured_signals.clear()
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop the proxy runs on as a process of its own: uvloop when installed (`loop_name`)."""
+    return uvicorn.Config(None, loop=loop_name()).get_loop_factory()
 
 
-def serve(settings: ProxySettings) -> None:
-    """Serve until SIGTERM/SIGINT (blocking)."""
+async def serve(settings: ProxySettings, stop: asyncio.Event) -> None:
+    """Serve in the running loop until ``stop`` is set (whoever sets it owns the signals)."""
+    from fulmen.cli.service import serve_http
+
     port = (
         settings.proxy_port if settings.proxy_port is not None else int(os.environ.get("PORT", DEFAULT_PORT))
     )
     sock = bind(settings.proxy_host, port)
     _, config = build(settings, sock)
     logging.getLogger("uvicorn.error").addFilter(_NoCancelledTracebacks())
-    _Server(config).run(sockets=[sock])
+    await serve_http(uvicorn.Server(config), sock, stop)

@@ -5,11 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
-import os
-import signal
-import sys
-import threading
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,13 +12,12 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fulmen import keys as k
-from fulmen.cli.service import run_on_store, settings_command
-from fulmen.errors import FulmenError
+from fulmen.cli.service import error_exit, run_on_store, run_service, service_command, settings_command
+from fulmen.errors import InvalidInput
 from fulmen.settings import RunnerSettings
 from fulmen.store import RedisStore
+from fulmen_runner.main import SERVICE, load_agent
 
-log = logging.getLogger("fulmen.runner")
 out = Console()
 err = Console(stderr=True)
 
@@ -38,119 +32,20 @@ SHORT_NAMES = {"agent": ("--agent", "-a"), "concurrency": ("--concurrency", "-c"
 
 def _load(agent_spec: str | None, hook_specs: list[str] | None) -> tuple[Any, list[Any]]:
     """The agent and hooks, checked before anything connects: a wrong --agent fails at once (exit 2)."""
-    from fulmen.sdk.agent import load_agent
-    from fulmen.sdk.hooks import Hook
-
-    if not agent_spec:
-        err.print("[red]error:[/red] no agent: pass --agent module:function (or set FULMEN_AGENT)")
-        raise typer.Exit(2)
     try:
-        agent = load_agent(agent_spec)
-        hooks = []
-        for spec in hook_specs or []:
-            module, _, name = spec.partition(":")
-            hook = getattr(__import__(module, fromlist=[name]), name)
-            hook = hook() if isinstance(hook, type) else hook
-            if not isinstance(hook, Hook):
-                raise FulmenError(f"--hook {spec!r} is not a fulmen.Hook")
-            hooks.append(hook)
-    except (FulmenError, ImportError, AttributeError) as e:
-        err.print(f"[red]error:[/red] {escape(str(e))}")
-        raise typer.Exit(2) from None
-    return agent, hooks
+        return load_agent(agent_spec, hook_specs or [])
+    except InvalidInput as e:
+        raise error_exit(str(e)) from None
 
 
-@settings_command(RunnerSettings, names=SHORT_NAMES)
+@service_command(SERVICE, names=SHORT_NAMES)
 def command(settings: RunnerSettings, hook: HookOpt = None) -> None:
     """Claim rollouts and run the agent on them, N at a time; scale with more processes.
 
     Each attempt gets the resources its rollout names and an LLM on a registered proxy; its spans go
     to the store (and to OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set). SIGTERM: stop claiming,
     let in-flight rollouts finish for --grace-s, hand back the rest."""
-    the_agent, hooks = _load(settings.agent, hook)
-    from fulmen.sdk.resources import close_async_pool
-    from fulmen.telemetry.http import start_ops
-    from fulmen.telemetry.metrics import CountersCollector
-    from fulmen.telemetry.tracing import setup_tracing
-    from fulmen_runner.runner import Runner
-
-    provider, buffer = setup_tracing("fulmen-runner")
-
-    async def work(store: RedisStore) -> None:
-        runner = Runner(
-            store,
-            the_agent,
-            buffer,
-            hooks=hooks,
-            concurrency=settings.concurrency,
-            grace_s=settings.grace_s,
-            llm_base_url=settings.llm_base_url,
-            proxy_api_key=settings.proxy_key(),
-        )
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, runner.stop)
-        with start_ops(settings, "runner", groups=[("queue", k.RUNNERS_GROUP)]) as ops:
-            ops.add(CountersCollector(lambda: _runner_counters(runner)))
-            ops.add(AgentThreadGauges(runner))
-            await runner.run()
-        await close_async_pool()
-        log.info("runner %s stopped after %d rollout(s)", runner.worker_id, runner.finished)
-        provider.shutdown()  # export what OTLP still holds: leaving early below would skip its exit hook
-        # here, not after asyncio.run(): that waits for the agent threads first (longer than honcho's 5 s)
-        _exit_if_agent_threads_linger()
-
-    run_on_store(settings, work)
-
-
-def _runner_counters(runner: Any) -> list[Any]:
-    """The runner's own counters for /metrics (claims, ends, spans)."""
-    from fulmen.telemetry.metrics import CounterValue
-
-    return [
-        CounterValue("fulmen_runner_claims", "Rollouts claimed.", runner.claimed),
-        CounterValue("fulmen_runner_attempts_ended", "Attempts ended, by outcome.", runner.finished, {"outcome": "ended"}),
-        CounterValue("fulmen_runner_attempts_ended", "Attempts ended, by outcome.", runner.failed, {"outcome": "crashed"}),
-        CounterValue("fulmen_runner_spans_written", "Agent spans stored.", runner.writer.written),
-        CounterValue("fulmen_runner_spans_dropped", "Agent spans that could not be stored.", runner.writer.dropped),
-        CounterValue(
-            "fulmen_runner_agent_threads_abandoned",
-            "Sync agent calls left running in their thread after their attempt ended.",
-            runner.threads.abandoned,
-        ),
-    ]
-
-
-class AgentThreadGauges:
-    """The sync agents' pool on /metrics: its size, threads in an agent, and the hung ones among them."""
-
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-
-    def collect(self) -> Any:
-        from prometheus_client.core import GaugeMetricFamily
-
-        threads = self.runner.threads
-        yield GaugeMetricFamily("fulmen_runner_agent_threads", "Threads sync agents may use.", value=threads.size)
-        yield GaugeMetricFamily(
-            "fulmen_runner_agent_threads_busy", "Threads running a sync agent now.", value=threads.running
-        )
-        yield GaugeMetricFamily(
-            "fulmen_runner_agent_threads_hung",
-            "Threads still running a sync agent whose attempt is over (it ignored its timeout).",
-            value=threads.hung,
-        )
-
-
-def _exit_if_agent_threads_linger() -> None:
-    """A sync agent handed back at shutdown may still run in its thread, which Python would wait for
-    at exit; its attempt is already requeued and its spans flushed, so leave without it."""
-    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if others:
-        log.info("leaving %d agent thread(s) behind", len(others))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    run_service(SERVICE, settings, hooks=hook or [])
 
 
 def _parse_task(text: str) -> Any:
@@ -158,8 +53,7 @@ def _parse_task(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         if text.lstrip()[:1] in "{[\"":
-            err.print(f"[red]error:[/red] --task is not valid JSON: {e}")
-            raise typer.Exit(2) from None
+            raise error_exit(f"--task is not valid JSON: {e}") from None
         return text  # a plain string task
 
 
@@ -192,9 +86,7 @@ def run_once(
     the_agent, hooks = _load(settings.agent, hook)
     the_task = _parse_task(task)
     if model_dir is not None and not (model_dir / "config.json").is_file():
-        err.print(f"[red]error:[/red] --model-dir {escape(str(model_dir))} is not a Hugging Face model folder "
-                  "(no config.json)")
-        raise typer.Exit(2)
+        raise error_exit(f"--model-dir {model_dir} is not a Hugging Face model folder (no config.json)")
     from fulmen.cli.standalone import ensure_redis
     from fulmen.telemetry.tracing import setup_tracing
 

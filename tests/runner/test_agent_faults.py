@@ -63,7 +63,7 @@ async def test_unencodable_reward_fails_the_attempt_at_once(real_store, start_ru
 async def test_hung_sync_agents_hold_only_the_runners_own_bounded_pool(real_store, start_runner) -> None:
     """Timed-out sync agents keep threads of the runner's pool (counted), never of the default executor."""
     from fulmen_runner.agent_threads import THREAD_NAME_PREFIX
-    from fulmen_runner.cli import AgentThreadGauges, _runner_counters
+    from fulmen_runner.main import AgentThreadGauges, runner_counters
 
     hung = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor size: enough to exhaust it
     config = RolloutConfig(timeout_seconds=0.3, max_attempts=1)
@@ -82,7 +82,7 @@ async def test_hung_sync_agents_hold_only_the_runners_own_bounded_pool(real_stor
         loop = asyncio.get_running_loop()
         assert await asyncio.wait_for(loop.run_in_executor(None, lambda: "free"), timeout=10) == "free"
         # and /metrics says how many threads are hung
-        counters = {c.name: c.value for c in _runner_counters(runner)}
+        counters = {c.name: c.value for c in runner_counters(runner)}
         assert counters["fulmen_runner_agent_threads_abandoned"] == hung
         gauges = {m.name: m.samples[0].value for m in AgentThreadGauges(runner).collect()}
         assert gauges["fulmen_runner_agent_threads_hung"] == hung

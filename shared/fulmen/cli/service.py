@@ -1,4 +1,5 @@
-"""What every `fulmen` command shares: its settings as flags, logging, and running work on the store.
+"""What every `fulmen` command shares: its settings as flags, logging, the error exit, running work on
+the store, and running a `Service` (`run(settings, stop)`, which `fulmen <name>` and `fulmen dev` call).
 
 `settings_command` turns a settings class into options, one flag per field (None when not given, so
 `load_settings` applies flag > environment > default). Services import this, never `fulmen.cli.main`.
@@ -12,15 +13,20 @@ import functools
 import inspect
 import logging
 import os
+import signal
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Generic, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import typer
 from pydantic import SecretStr
 from rich.console import Console
+from rich.markup import escape
 
-from fulmen.errors import FulmenError
+from fulmen.errors import FulmenError, InvalidInput
 from fulmen.settings import CommonSettings, env_name, load_settings
 from fulmen.settings.base import field_group, group_title
 from fulmen.store import RedisStore
@@ -28,6 +34,7 @@ from fulmen.store.redis.connection import connect, connect_weights
 
 out = Console()
 err = Console(stderr=True)
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 S = TypeVar("S", bound=CommonSettings)
@@ -83,33 +90,44 @@ def settings_from_flags(cls: type[S] = CommonSettings, /, **overrides: Any) -> S
     try:
         settings = load_settings(cls, **overrides)
     except FulmenError as e:
-        err.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from None
+        raise error_exit(str(e)) from None
     setup_logging(settings.log_level)
     return settings
 
 
-def run_on_store(settings: CommonSettings, work: Callable[[RedisStore], Awaitable[T]]) -> T:
-    """Connect, run one piece of work on the experiment's store, and turn Fulmen errors into exit 1.
+def error_exit(message: str, code: int = 2) -> typer.Exit:
+    """Say ``message`` as the error it is and give the exit to raise: 2 for what the user passed
+    (a bad flag, setting or file), 1 for what went wrong while running."""
+    err.print(f"[red]error:[/red] {escape(message)}")
+    return typer.Exit(code)
 
-    The connection waits (with backoff and a log line) for Redis to come up, up to redis_wait_s."""
+
+@contextlib.asynccontextmanager
+async def opened_store(settings: CommonSettings) -> AsyncIterator[RedisStore]:
+    """The experiment's store on clients of its own, closed on the way out. The connection waits
+    (with backoff and a log line) for Redis to come up, up to redis_wait_s."""
+    client = await connect(settings)
+    weights = await connect_weights(settings)
+    try:
+        yield RedisStore(client, settings.experiment, max_record_bytes=settings.max_record_bytes,
+                         weights_redis=weights)
+    finally:
+        await client.aclose()
+        if weights is not None:
+            await weights.aclose()
+
+
+def run_on_store(settings: CommonSettings, work: Callable[[RedisStore], Awaitable[T]]) -> T:
+    """Connect, run one piece of work on the experiment's store, and turn Fulmen errors into exit 1."""
 
     async def main() -> T:
-        client = await connect(settings)
-        weights = await connect_weights(settings)
-        try:
-            return await work(RedisStore(client, settings.experiment, max_record_bytes=settings.max_record_bytes,
-                                         weights_redis=weights))
-        finally:
-            await client.aclose()
-            if weights is not None:
-                await weights.aclose()
+        async with opened_store(settings) as store:
+            return await work(store)
 
     try:
         return asyncio.run(main())
     except FulmenError as e:
-        err.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
+        raise error_exit(str(e), 1) from None
 
 
 # --- settings as flags -----------------------------------------------------------------------------
@@ -200,3 +218,125 @@ def settings_command(
 
 ExperimentOpt = flag(CommonSettings, "experiment")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+# --- services ----------------------------------------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # honcho stops a process with SIGTERM, a terminal with Ctrl-C
+MODEL_POLL_S = 0.5
+MODEL_HINT_EVERY_S = 30.0  # the demo's warm start takes minutes: say what is awaited, not often
+
+
+@dataclass(frozen=True)
+class Service(Generic[S]):
+    """A long-running service: its name (its command's and its Procfile line's), its settings class,
+    and ``async run(settings, stop, **options)``, which works until ``stop`` is set. `fulmen <name>`
+    runs it as a process (`run_service`, its options from the command's own flags); `fulmen dev`
+    runs it as a task, with the options' defaults."""
+
+    name: str
+    settings: type[S]
+    run: Callable[..., Awaitable[object]]
+
+
+def service_command(service: Service[S], **flags: Any) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """`settings_command` for the command that runs ``service`` (``flags``: its arguments). The
+    command carries the service as ``command.service``: `fulmen dev` finds it there."""
+
+    def decorate(func: Callable[..., T]) -> Callable[..., T]:
+        command = settings_command(service.settings, **flags)(func)
+        command.service = service  # type: ignore[attr-defined]
+        return command
+
+    return decorate
+
+
+def stop_on_signals(stop: Callable[[], object]) -> None:
+    """Call ``stop`` on SIGTERM and SIGINT, in the running loop."""
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop)
+
+
+def run_service(service: Service[S], settings: S, *, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+                **options: Any) -> None:
+    """Run ``service`` as this process until SIGTERM or SIGINT. Bad input (InvalidInput) exits 2,
+    another Fulmen error 1. Leaves as soon as ``run`` returns (`leave`): asyncio.run would first wait
+    for a thread still inside a blocking call (a model's load, a sync agent, a validation pass), whose
+    work is in the store and is taken up again."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        stop_on_signals(stop.set)
+        await service.run(settings, stop, **options)
+        leave(0)
+
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(main())
+    except InvalidInput as e:
+        raise error_exit(str(e)) from None
+    except FulmenError as e:
+        raise error_exit(str(e), 1) from None
+
+
+def when_stopped(stop: asyncio.Event, action: Callable[[], object]) -> asyncio.Task[None]:
+    """Call ``action`` once ``stop`` is set (for work stopped by a method, not an event)."""
+
+    async def wait() -> None:
+        await stop.wait()
+        action()
+
+    return asyncio.create_task(wait())
+
+
+async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> asyncio.Future[T] | None:
+    """Await ``work`` (a model's load: seconds; the demo's warm start: minutes) unless ``stop`` is set
+    first, which cancels it (a thread it waits on runs on, left behind). Its finished future, or None
+    if stopped first; what it raised, raised."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        task.result()
+        return task
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def wait_for_model(folder: Path | None, stop: asyncio.Event) -> bool:
+    """Wait for a model folder (the demo writes its model after the warm start) without blocking the
+    loop, saying now and then what is awaited; False if stopped first."""
+    from fulmen.versions.model_version import model_dir_hint
+
+    said = -MODEL_HINT_EVERY_S
+    while folder is not None and not (Path(folder) / "config.json").exists():
+        if stop.is_set():
+            return False
+        if time.monotonic() - said >= MODEL_HINT_EVERY_S:
+            log.warning("%s", model_dir_hint(Path(folder)))
+            said = time.monotonic()
+        await asyncio.sleep(MODEL_POLL_S)
+    return True
+
+
+async def serve_http(server: Any, sock: Any, stop: asyncio.Event) -> None:
+    """Run a uvicorn server on ``sock`` until ``stop`` is set; the signals stay with whoever sets
+    ``stop`` (uvicorn's ``serve`` would take SIGINT and SIGTERM over and raise them again when it
+    ends). Stopped while still starting (a model loading: seconds), it returns at once: nothing is
+    served or registered yet, so there is nothing to drain."""
+    server.capture_signals = contextlib.nullcontext
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not serving.done() and not server.started:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        return
+    server.should_exit = True
+    await serving

@@ -1,0 +1,95 @@
+"""The algorithm, the demo's driver and the evaluator as `Service`s: each ``run(settings, stop)``, which
+its command (`fulmen algorithm`, `demo`, `evaluator`) and `fulmen dev` both call. Kept light at import
+(`fulmen --help` loads it); a run's inputs: `start`, its loop: `run`, the eval queue: `jobs`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fulmen import keys as k
+from fulmen.cli.service import Service, opened_store, unless_stopped, when_stopped
+from fulmen.settings import AlgorithmSettings, DemoSettings, EvaluatorSettings
+
+if TYPE_CHECKING:
+    from fulmen_algorithm.start import RunInputs
+
+log = logging.getLogger("fulmen.algorithm")
+EVAL_POLL_S = 1.0  # between two bursts of the evaluator when the queue was empty
+
+
+async def run_algorithm(settings: AlgorithmSettings, stop: asyncio.Event) -> dict[str, Any]:
+    """Drive the run on the user's tasks until it ends or ``stop`` is set; its summary."""
+    from fulmen_algorithm.start import algorithm_inputs
+
+    return await _drive(algorithm_inputs(settings), stop)
+
+
+async def run_demo(settings: DemoSettings, stop: asyncio.Event) -> dict[str, Any] | None:
+    """Prepare the demo (the SFT warm start, on the first start: minutes, in a thread), then drive
+    its run; its summary, or None if stopped while preparing."""
+    from fulmen_algorithm.start import demo_inputs
+
+    prepared = await unless_stopped(asyncio.to_thread(demo_inputs, settings), stop)
+    return None if prepared is None else await _drive(prepared.result(), stop)
+
+
+async def _drive(inputs: RunInputs, stop: asyncio.Event) -> dict[str, Any]:
+    from fulmen.telemetry.http import start_ops
+    from fulmen_algorithm.run import Run
+
+    run = Run(inputs.settings, inputs.tasks, inputs.val_tasks, setup=inputs.setup)
+    stopping = when_stopped(stop, run.stop)
+    try:
+        with start_ops(inputs.settings, "algorithm", groups=[("finished", k.ALGORITHM_GROUP)]):
+            async with opened_store(inputs.settings) as store:
+                summary = await run.run(store)
+    finally:
+        stopping.cancel()
+    print(json.dumps(summary), flush=True)
+    if summary.get("stopped"):
+        log.info("run stopped at step %s: started again it goes on from the store; no report written",
+                 summary.get("steps"))
+    else:
+        log.info("run finished: curve %s, metrics %s, final model %s (version %s)", summary.get("curve"),
+                 summary.get("metrics"), summary.get("final_model"), summary.get("final_model_version"))
+    return summary
+
+
+async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> None:
+    """Run validation passes from the eval queue until ``stop`` is set, after putting back the passes a
+    killed evaluator left. The rq worker works the queue in bursts, in a thread, with rq's thread-safe
+    job timeout (its default, SIGALRM, needs the main thread). Stopped during a pass, it leaves at once
+    (rq would wait for the pass, minutes, and honcho SIGKILLs after 5 s): the job stays started, and the
+    next evaluator runs it again (`requeue_abandoned`), as after a kill."""
+    from rq.timeouts import TimerDeathPenalty
+
+    from fulmen.store.redis.connection import connect
+    from fulmen.telemetry.http import start_ops
+    from fulmen_algorithm.jobs import evaluator_worker, validation_queue
+    from fulmen_algorithm.validation import requeue_abandoned
+
+    await (await connect(settings)).aclose()  # services start in any order: wait for Redis, or rq exits at once
+    queue = validation_queue(settings)
+    log.info("evaluator on queue %s", queue.name)
+    requeue_abandoned(queue)
+    worker = evaluator_worker(queue)
+    worker.death_penalty_class = TimerDeathPenalty
+    worker._install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ``stop`` answers the signals
+    logging.getLogger("rq.worker").setLevel(logging.WARNING)  # a burst a second: its lines would flood the log
+    with start_ops(settings, "evaluator"):
+        while not stop.is_set():
+            if await unless_stopped(asyncio.to_thread(worker.work, burst=True, with_scheduler=False), stop) is None:
+                if worker.running is not None:
+                    log.info("stopping during validation job %s: the next evaluator runs it again", worker.running)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), EVAL_POLL_S)
+
+
+ALGORITHM = Service("algorithm", AlgorithmSettings, run_algorithm)
+DEMO = Service("demo", DemoSettings, run_demo)
+EVALUATOR = Service("evaluator", EvaluatorSettings, run_evaluator)
