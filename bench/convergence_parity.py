@@ -104,11 +104,11 @@ def greedy_accuracy(model: Any, tokenizer: Any, tasks: list[dict[str, Any]]) -> 
 def warm_start(folder: Path, train: list[dict[str, Any]], *, seed: int, until: float) -> dict[str, Any]:
     """The demo's warm start: SFT on demonstrations (batch 64, AdamW 3e-3) until greedy accuracy on
     200 training tasks reaches ``until`` — its curve is too steep for a fixed step count."""
-    from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
+    from fulmen.demo.tiny_model import TinyModelSpec, build_tiny_model, load_tiny_model
     from fulmen.demo.warm_start import sft_step  # the step both demos' warm starts take
 
     torch.manual_seed(seed)
-    build_tiny_model(folder, seed=seed, initializer_range=0.02)
+    build_tiny_model(folder, TinyModelSpec(initializer_range=0.02), seed=seed)
     model, tokenizer = load_tiny_model(folder)
     model.train()
     demos = arithmetic.demonstrations(train, seed=seed)

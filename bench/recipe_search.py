@@ -56,7 +56,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))
 
 from fulmen.demo import arithmetic
-from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
+from fulmen.demo.tiny_model import TinyModelSpec, build_tiny_model, load_tiny_model
 
 
 @dataclass
@@ -107,14 +107,9 @@ class Policy:
     """The model and its token-level helpers: prompt encoding, batched sampling, sequence logprobs."""
 
     def __init__(self, cfg: Config, folder: Path) -> None:
-        build_tiny_model(
-            folder,
-            hidden_size=cfg.hidden,
-            num_layers=cfg.layers,
-            num_heads=cfg.heads,
-            seed=cfg.seed,
-            initializer_range=cfg.init_range,
-        )
+        spec = TinyModelSpec(hidden_size=cfg.hidden, num_layers=cfg.layers, num_heads=cfg.heads,
+                             initializer_range=cfg.init_range)
+        build_tiny_model(folder, spec, seed=cfg.seed)
         self.model, self.tok = load_tiny_model(folder)
         self.eos = self.tok.eos_token_id
         self.pad = self.tok.pad_token_id

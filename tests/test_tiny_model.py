@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fulmen.demo.tiny_model import DEFAULT_ALPHABET, build_tiny_model, load_tiny_model
+from fulmen.demo.tiny_model import DEFAULT_ALPHABET, TinyModelSpec, build_tiny_model, load_tiny_model
 
 TEXT = "12+7=19\nHello, World! {x: [1, 2]} ~`'\"\\"
 
@@ -102,11 +102,8 @@ def test_build_is_fast_and_honours_sizes(tmp_path: Path) -> None:
     started = time.perf_counter()
     folder = build_tiny_model(
         tmp_path,
+        TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64),
         alphabet="0123456789+=",
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        max_position_embeddings=64,
     )
     assert time.perf_counter() - started < 3.0
     assert torch.equal(torch.random.get_rng_state(), state)

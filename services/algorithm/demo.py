@@ -6,15 +6,15 @@ start stops at ``until``: docs/design/demo.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fulmen.demo import arithmetic
-from fulmen.demo.warm_start import install_model, sft_step
+from fulmen.demo.warm_start import Example, WarmStartPlan, install_model, warm_start
 from fulmen.errors import NotFound
 from fulmen.store import RedisStore
 from fulmen.versions.model_version import BASE_VERSION, POLICY_RESOURCES_ID
@@ -28,14 +28,9 @@ TRAIN_TEMPERATURE = 1.0
 DEMO_SAMPLING = {"temperature": TRAIN_TEMPERATURE, "max_tokens": ANSWER_TOKENS}
 N_TRAIN, N_VAL = 4000, 300
 # The warm start: batches of demonstrations until greedy accuracy on the first CHECK_TASKS training
-# tasks reaches UNTIL (checked every CHECK_EVERY steps: it is the slow part), at most MAX_SFT_STEPS.
-UNTIL = 0.4
-MAX_SFT_STEPS = 1000
-SFT_BATCH = 64
-SFT_LR = 3e-3
+# tasks reaches 0.4 (checked every 2 steps: it is the slow part), at most 1000 steps.
+WARM_START = WarmStartPlan(until=0.4, max_steps=1000, batch_size=64, lr=3e-3, check_every=2, log_every=20)
 CHECK_TASKS = 200
-CHECK_EVERY = 2
-LOG_EVERY = 20
 # With the tiny model kit's 0.2, GRPO stays flat (bench/RESULTS.md, recipe search).
 INITIALIZER_RANGE = 0.02
 
@@ -66,8 +61,17 @@ def _greedy_accuracy(model, tokenizer, tasks: list[dict], max_tokens: int = ANSW
     return sum(arithmetic.reward(t, a) for t, a in zip(tasks, answers, strict=True)) / len(tasks)
 
 
-def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: int = N_VAL, until: float = UNTIL,
-                 max_sft_steps: int = MAX_SFT_STEPS) -> DemoPaths:
+def _example(tokenizer: Any, demo: dict[str, Any]) -> Example:
+    """A demonstration's chat prompt then answer and end token, the loss on the answer's tokens."""
+    prompt = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": demo["prompt"]}],
+                                                     add_generation_prompt=True, tokenize=False),
+                       add_special_tokens=False).input_ids
+    answer = [*tokenizer(demo["completion"], add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+
+
+def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: int = N_VAL,
+                 until: float = WARM_START.until, max_sft_steps: int = WARM_START.max_steps) -> DemoPaths:
     """Idempotent: a folder prepared before is reused as it is."""
     paths = DemoPaths(folder / "model", folder / "train.jsonl", folder / "val.jsonl")
     if (paths.model / "config.json").exists() and paths.train.exists() and paths.val.exists():
@@ -75,7 +79,7 @@ def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: 
         return paths
     import torch
 
-    from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
+    from fulmen.demo.tiny_model import TinyModelSpec, build_tiny_model, load_tiny_model
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -84,32 +88,13 @@ def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: 
     arithmetic.write_jsonl(paths.val, arithmetic.make_tasks("val", n_val, seed=seed))
     staging = folder / ".model-staging"
     shutil.rmtree(staging, ignore_errors=True)
-    build_tiny_model(staging, seed=seed, initializer_range=INITIALIZER_RANGE)
+    build_tiny_model(staging, TinyModelSpec(initializer_range=INITIALIZER_RANGE), seed=seed)
     model, tokenizer = load_tiny_model(staging)
-    demos = arithmetic.demonstrations(train, seed=seed)
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, betas=(0.9, 0.99))
+    examples = [_example(tokenizer, d) for d in arithmetic.demonstrations(train, seed=seed)]
     check = train[:CHECK_TASKS]
-    eos = tokenizer.eos_token_id
-    model.train()
-    accuracy, step = 0.0, 0
-    for step in range(1, max_sft_steps + 1):
-        batch = rng.sample(demos, SFT_BATCH)
-        seqs, masks = [], []
-        for d in batch:
-            prompt = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": d["prompt"]}],
-                                                             add_generation_prompt=True, tokenize=False),
-                               add_special_tokens=False).input_ids
-            answer = [*tokenizer(d["completion"], add_special_tokens=False).input_ids, eos]
-            seqs.append(prompt + answer)
-            masks.append([0] * len(prompt) + [1] * len(answer))
-        sft_step(model, optimizer, list(zip(seqs, masks, strict=True)), tokenizer.pad_token_id)
-        if step % CHECK_EVERY == 0:
-            accuracy = _greedy_accuracy(model, tokenizer, check)
-            if step % LOG_EVERY == 0:
-                log.info("warm start: SFT step %d, train accuracy %.2f", step, accuracy)
-            if accuracy >= until:
-                break
+    plan = dataclasses.replace(WARM_START, until=until, max_steps=max_sft_steps)
+    step, accuracy = warm_start(model, examples, tokenizer.pad_token_id, lambda: _greedy_accuracy(model, tokenizer, check),
+                                plan, seed=seed)
     install_model(model, staging, paths.model, step, accuracy)
     log.info("warm start done after %d SFT steps (train accuracy %.2f): %s", step, accuracy, paths.model)
     return paths

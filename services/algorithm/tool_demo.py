@@ -6,30 +6,26 @@ The warm start stops deliberately partial, at ``until``. Why: docs/design/demo.m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import random
 import shutil
 from pathlib import Path
 from typing import Any
 
 from fulmen.demo import arithmetic, calculator
-from fulmen.demo.warm_start import install_model, sft_step
+from fulmen.demo.warm_start import WarmStartPlan, install_model, warm_start
 from fulmen_algorithm.demo import DemoPaths
 
 log = logging.getLogger(__name__)
 
 N_TRAIN, N_VAL = 4000, 200
-UNTIL = 0.3
-MAX_SFT_STEPS = 600
-SFT_BATCH = 32
-SFT_LR = 3e-3
+# Checks of the accuracy on the first CHECK_TASKS training tasks wait for a loss below 0.5: accuracy
+# stays 0 until the model starts copying digits (the loss is ~0.65 before, with the format already
+# right); checks before that only cost time. The last step is checked whatever the loss.
+WARM_START = WarmStartPlan(until=0.3, max_steps=600, batch_size=32, lr=3e-3, check_every=5, log_every=20,
+                           check_below_loss=0.5, check_last_step=True)
 CHECK_TASKS = 100
-CHECK_EVERY = 5
-# Accuracy stays 0 until the model starts copying digits (the loss is ~0.65 before, with the format
-# already right); checks before that only cost time.
-CHECK_BELOW_LOSS = 0.5
-LOG_EVERY = 20
 INITIALIZER_RANGE = 0.02
 MAX_POSITIONS = 256  # a whole conversation is ~55 tokens
 CALL_TOKENS, ANSWER_TOKENS = 12, 8  # the call: prefix, 7 characters, suffix, end of turn
@@ -48,9 +44,16 @@ TOOLS_TURN = ("{% if tools %}<|system|>{% for tool in tools %}{{ (tool['function
 
 def build_tool_model(folder: Path, seed: int) -> None:
     """The tiny Llama with the demo's tokens and chat template, saved in ``folder``."""
-    from fulmen.demo.tiny_model import CHAT_TEMPLATE, TOOLS_PREAMBLE, build_tiny_model, load_tiny_model
+    from fulmen.demo.tiny_model import (
+        CHAT_TEMPLATE,
+        TOOLS_PREAMBLE,
+        TinyModelSpec,
+        build_tiny_model,
+        load_tiny_model,
+    )
 
-    build_tiny_model(folder, seed=seed, initializer_range=INITIALIZER_RANGE, max_position_embeddings=MAX_POSITIONS)
+    spec = TinyModelSpec(initializer_range=INITIALIZER_RANGE, max_position_embeddings=MAX_POSITIONS)
+    build_tiny_model(folder, spec, seed=seed)
     model, tokenizer = load_tiny_model(folder)
     tokenizer.add_tokens([CALL_PREFIX, CALL_SUFFIX])
     tokenizer.chat_template = CHAT_TEMPLATE.replace(TOOLS_PREAMBLE, TOOLS_TURN)
@@ -136,8 +139,8 @@ def greedy_accuracy(model: Any, tokenizer: Any, tasks: list[arithmetic.Task]) ->
 
 
 def prepare_tool_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: int = N_VAL,
-                      until: float = UNTIL, max_sft_steps: int = MAX_SFT_STEPS,
-                      check_every: int = CHECK_EVERY) -> DemoPaths:
+                      until: float = WARM_START.until, max_sft_steps: int = WARM_START.max_steps,
+                      check_every: int = WARM_START.check_every) -> DemoPaths:
     """Idempotent: a folder prepared before is reused as it is. ``check_every``: SFT steps between two
     checks of the greedy accuracy (the slow part)."""
     paths = DemoPaths(folder / "model", folder / "train.jsonl", folder / "val.jsonl")
@@ -158,21 +161,10 @@ def prepare_tool_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_
     build_tool_model(staging, seed)
     model, tokenizer = load_tiny_model(staging)
     examples = [sequence_and_mask(tokenizer, d["messages"]) for d in calculator.demonstrations(train)]
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, betas=(0.9, 0.99))
     check = train[:CHECK_TASKS]
-    pad = tokenizer.pad_token_id
-    model.train()
-    accuracy, step = 0.0, 0
-    for step in range(1, max_sft_steps + 1):
-        batch = rng.sample(examples, SFT_BATCH)
-        loss = sft_step(model, optimizer, batch, pad)
-        if (step % check_every == 0 and loss < CHECK_BELOW_LOSS) or step == max_sft_steps:
-            accuracy = greedy_accuracy(model, tokenizer, check)
-            if step % LOG_EVERY == 0:
-                log.info("tool warm start: SFT step %d, loss %.3f, train accuracy %.2f", step, loss, accuracy)
-            if accuracy >= until:
-                break
+    plan = dataclasses.replace(WARM_START, until=until, max_steps=max_sft_steps, check_every=check_every)
+    step, accuracy = warm_start(model, examples, tokenizer.pad_token_id, lambda: greedy_accuracy(model, tokenizer, check),
+                                plan, seed=seed, name="tool warm start")
     install_model(model, staging, paths.model, step, accuracy)
     log.info("tool warm start done after %d SFT steps (train accuracy %.2f): %s", step, accuracy, paths.model)
     return paths

@@ -16,7 +16,7 @@ sys.path[:0] = [str(TESTS / "runner"), str(TESTS / "llm_proxy")]  # runner_proce
 import proxy_fixtures  # noqa: E402
 from runner_processes import FulmenProcesses, fulmen_processes  # noqa: E402
 
-from fulmen.demo.tiny_model import build_tiny_model  # noqa: E402
+from fulmen.demo.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
 from fulmen.store.redis.embedded import EmbeddedRedis  # noqa: E402
 
 # one proxy per module (the model loads once): every example's calls go through it
@@ -28,7 +28,7 @@ proxy_store = proxy_fixtures.proxy_store
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # the template renders each request's tools (their JSON schemas) into the prompt: a context that
     # holds a few turns of an agent with a tool
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", max_position_embeddings=2048)
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec(max_position_embeddings=2048))
 
 
 @pytest.fixture(scope="module")

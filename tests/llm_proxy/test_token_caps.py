@@ -12,7 +12,7 @@ import httpx
 import pytest
 from proxy_helpers import RunningProxy
 
-from fulmen.demo.tiny_model import DEFAULT_ALPHABET, SPECIAL_TOKENS, build_tiny_model
+from fulmen.demo.tiny_model import DEFAULT_ALPHABET, SPECIAL_TOKENS, TinyModelSpec, build_tiny_model
 from fulmen.settings import ProxySettings
 from fulmen.store import RedisStore
 from fulmen.store.redis.embedded import EmbeddedRedis
@@ -27,7 +27,7 @@ VOCAB = len(SPECIAL_TOKENS) + len(DEFAULT_ALPHABET)  # every token a stop token:
 
 @pytest.fixture(scope="module")
 def short_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", max_position_embeddings=CONTEXT)
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec(max_position_embeddings=CONTEXT))
 
 
 @pytest.fixture(scope="module")

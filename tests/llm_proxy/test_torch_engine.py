@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
+from fulmen.demo.tiny_model import TinyModelSpec, build_tiny_model, load_tiny_model
 from fulmen.errors import InvalidInput, RetryableError
 from fulmen_llm_proxy.backends.torch.engine import Generation, GenerationStream, SamplingParams, TorchEngine
 
@@ -191,7 +191,7 @@ async def test_stop_token_ids_and_eos_finish_with_stop(
 
 async def test_context_length_caps_generation_and_refuses_oversize_prompts(tmp_path: Path) -> None:
     """prompt + response never exceed max_position_embeddings; a prompt that fills it is refused."""
-    small = build_tiny_model(tmp_path, max_position_embeddings=24)
+    small = build_tiny_model(tmp_path, TinyModelSpec(max_position_embeddings=24))
     model, _ = load_tiny_model(small)
     engine = TorchEngine(small)
     try:

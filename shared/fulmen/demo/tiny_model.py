@@ -7,6 +7,7 @@ transformers are imported inside the functions. The tokenizer and chat format: d
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,6 +20,7 @@ __all__ = [
     "PRESETS",
     "ROLES",
     "SPECIAL_TOKENS",
+    "TinyModelSpec",
     "build_tiny_model",
     "load_tiny_model",
 ]
@@ -27,11 +29,35 @@ DEFAULT_ALPHABET = string.digits + string.ascii_letters + " " + string.punctuati
 ROLES = ("system", "user", "assistant", "tool")
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *(f"<|{role}|>" for role in ROLES))
-# (hidden size, attention heads) per preset. vLLM's CPU attention refuses heads under 32, but with 2
-# heads of 32 instead of 4 of 16 the demo's SFT warm start stalls (train accuracy 0.09 after its 1000
-# steps, against 0.41 after 310, on 2 CPU cores), so that shape is a preset, not the default.
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """The architecture's numbers. ``hidden_size / num_heads`` is the head size, and below 32 vLLM's
+    CPU attention refuses the model at its first completion (`PRESETS`). Positions cost no parameters
+    (rotary embeddings).
+
+    ``initializer_range`` is larger than Llama's 0.02 so the untrained model's next-token
+    distributions are peaked: greedy choices then have clear margins, which keeps tests that compare
+    batched and unbatched greedy output free of ties broken by float noise."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int | None = None  # None: 4 × hidden_size
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+
+
+# vLLM's CPU attention refuses heads under 32, but with 2 heads of 32 instead of 4 of 16 the demo's
+# SFT warm start stalls (train accuracy 0.09 after its 1000 steps, against 0.41 after 310, on 2 CPU
+# cores), so that shape is a preset, not the default.
 Preset = Literal["default", "vllm"]
-PRESETS: dict[str, tuple[int, int]] = {"default": (64, 4), "vllm": (64, 2)}
+PRESETS: dict[str, TinyModelSpec] = {"default": TinyModelSpec(), "vllm": TinyModelSpec(num_heads=2)}
 
 # Content may be a string or a list of OpenAI-style parts ({"type": "text", "text": ...}); a missing
 # content (an assistant turn that only calls tools) renders as nothing. With ``tools``, a system turn
@@ -100,48 +126,33 @@ def _tokenizer(alphabet: str) -> Any:
 
 def build_tiny_model(
     folder: str | Path,
+    spec: TinyModelSpec | None = None,
     *,
     preset: Preset = "default",
     alphabet: str = DEFAULT_ALPHABET,
-    hidden_size: int | None = None,
-    num_layers: int = 2,
-    num_heads: int | None = None,
-    intermediate_size: int | None = None,
-    max_position_embeddings: int = 2048,
     seed: int = 0,
-    initializer_range: float = 0.2,
 ) -> Path:
-    """Build a randomly initialised tiny Llama (deterministic for a seed) and save it in ``folder``.
-
-    ``initializer_range`` is larger than Llama's 0.02 so the untrained model's next-token
-    distributions are peaked: greedy choices then have clear margins, which keeps tests that
-    compare batched and unbatched greedy output free of ties broken by float noise.
-
-    ``hidden_size`` and ``num_heads`` default to the ``preset``'s (`PRESETS`); ``hidden_size /
-    num_heads`` is the head size, and below 32 vLLM's CPU attention refuses the model at its first
-    completion: serve ``preset="vllm"`` there. Positions cost no parameters (rotary embeddings).
-    """
+    """Build a randomly initialised tiny Llama (deterministic for a seed) and save it in ``folder``:
+    the ``spec``'s architecture, by default the ``preset``'s (`PRESETS`); serve ``preset="vllm"``
+    with vLLM on a CPU."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if preset not in PRESETS:
         raise ValueError(f"preset {preset!r} unknown: use one of {', '.join(PRESETS)}")
-    hidden_size = hidden_size or PRESETS[preset][0]
-    num_heads = num_heads or PRESETS[preset][1]
-    if hidden_size % num_heads:
-        raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
+    spec = spec or PRESETS[preset]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(alphabet)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        initializer_range=initializer_range,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
         # Separate input and output embeddings: a state dict without shared tensors travels as
         # safetensors with no special casing.
         tie_word_embeddings=False,

@@ -1,15 +1,43 @@
-"""What both demos' SFT warm starts share: one masked next-token step on a padded batch, and moving the
-finished model folder into place (renamed last, so the services waiting for it never read half a model)."""
+"""Both demos' SFT warm start: masked next-token steps on batches of demonstrations until the greedy
+accuracy on some training tasks reaches ``until``, then the model folder moved into place (renamed
+last, so the services waiting for it never read half a model). Why it stops early: docs/design/demo.md.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import random
 import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 
-def sft_step(model: Any, optimizer: Any, batch: list[tuple[list[int], list[int]]], pad: int) -> float:
+Example = tuple[list[int], list[int]]  # token ids, and the loss mask over them
+
+
+@dataclass(frozen=True)
+class WarmStartPlan:
+    """The numbers of a warm start: how it steps, when it checks its accuracy, when it stops."""
+
+    until: float  # stop once the greedy accuracy reaches it
+    max_steps: int
+    batch_size: int
+    lr: float  # AdamW's, with betas (0.9, 0.99)
+    check_every: int  # SFT steps between two accuracy checks (the slow part)
+    log_every: int
+    check_below_loss: float | None = None  # None: check whatever the loss; else only below it
+    check_last_step: bool = False  # check after the last step too, whatever ``check_every`` says
+
+    def check_now(self, step: int, loss: float) -> bool:
+        on_schedule = step % self.check_every == 0 and (self.check_below_loss is None or loss < self.check_below_loss)
+        return on_schedule or (self.check_last_step and step == self.max_steps)
+
+
+def sft_step(model: Any, optimizer: Any, batch: list[Example], pad: int) -> float:
     """One optimizer step on (token ids, loss mask) pairs: the mean log-loss over masked tokens. The loss."""
     import torch
 
@@ -24,6 +52,28 @@ def sft_step(model: Any, optimizer: Any, batch: list[tuple[list[int], list[int]]
     loss.backward()
     optimizer.step()
     return float(loss.item())
+
+
+def warm_start(model: Any, examples: Sequence[Example], pad: int, accuracy_of: Callable[[], float],
+               plan: WarmStartPlan, *, seed: int, name: str = "warm start") -> tuple[int, float]:
+    """SFT on batches of ``examples`` drawn by ``random.Random(seed)`` until ``accuracy_of()`` (the
+    greedy accuracy on some training tasks, in eval mode; it leaves the model in train mode) reaches
+    ``plan.until``, or for ``plan.max_steps``. The steps taken and the last accuracy measured."""
+    import torch
+
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=(0.9, 0.99))
+    model.train()
+    accuracy, step = 0.0, 0
+    for step in range(1, plan.max_steps + 1):
+        loss = sft_step(model, optimizer, rng.sample(examples, plan.batch_size), pad)
+        if plan.check_now(step, loss):
+            accuracy = accuracy_of()
+            if step % plan.log_every == 0:
+                log.info("%s: SFT step %d, loss %.3f, train accuracy %.2f", name, step, loss, accuracy)
+            if accuracy >= plan.until:
+                break
+    return step, accuracy
 
 
 def install_model(model: Any, staging: Path, final: Path, sft_steps: int, accuracy: float) -> None:
