@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fulmen.cli import archive as archive_cli
 from fulmen.cli import config as config_cli
 from fulmen.cli import inspect as inspect_cli
+from fulmen.cli import push as push_cli
 from fulmen.cli import trim as trim_cli
 from fulmen.cli.service import (
     ExperimentOpt,
@@ -27,7 +27,6 @@ from fulmen.cli.service import (
     settings_command,
     settings_from_flags,
 )
-from fulmen.cli.tasks_file import BadLine, LineNote, parse_tasks
 from fulmen.errors import InvalidInput
 from fulmen.records.status import Priority, RolloutMode
 from fulmen.settings import AlgorithmSettings, CommonSettings, WatchdogSettings
@@ -124,82 +123,14 @@ def push(
     nothing is queued). Ends with a summary. Exit code: 0 when something was queued or already
     present, 1 when lines were refused and nothing was, 2 when the file cannot be read."""
     settings = settings_from_flags(experiment=experiment)
-    defaults: dict[str, Any] = {
-        "mode": mode,
-        "resources_id": resources_id,
-        "priority": priority,
-        "config": {
-            "max_attempts": max_attempts,
-            "retry_condition": retry_on or [],
-            "timeout_seconds": timeout_seconds,
-            "unresponsive_seconds": unresponsive_seconds,
-        },
-    }
-    # Bytes, decoded line by line (`fulmen.tasks.parse_task_lines`): a line that is not UTF-8 is one
-    # bad line, where a text stream would raise on it and end the whole push.
-    stdin = getattr(sys.stdin, "buffer", sys.stdin)
-    try:
-        stream = stdin if file == "-" else open(file, "rb")  # noqa: SIM115 - closed below
-        total = None
-        if stream is not stdin:
-            total = sum(1 for line in stream if line.strip())  # for the progress bar
-            stream.seek(0)
-    except OSError as e:
-        err.print(f"[red]error:[/red] cannot read {file}: {e.strerror}")
-        raise typer.Exit(2) from None
-
-    async def work(store: RedisStore) -> tuple[int, int, list[BadLine]]:
-        await store.queue.ensure()
-        bad: list[BadLine] = []
-        created = existed = 0
-        items = parse_tasks(stream, store, id_field=id_field or None, defaults=defaults, strict=strict,
-                            priority_field=priority_field or None)
-        if strict:
-            items = list(items)  # validate everything before queuing anything
-            bad = [x for x in items if isinstance(x, BadLine)]
-            if bad:
-                return 0, 0, bad
-        columns = (TextColumn("push"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
-            task = progress.add_task("push", total=total)
-            batch = []
-            for item in [*items, None]:
-                if isinstance(item, LineNote):
-                    err.print(f"[yellow]line {item.line_number}:[/yellow] {item.reason} (queued)")
-                    continue
-                if isinstance(item, BadLine):
-                    bad.append(item)
-                    err.print(f"[yellow]line {item.line_number}:[/yellow] {item.reason} (skipped)")
-                    progress.advance(task)
-                    continue
-                if item is not None:
-                    batch.append(item)
-                if batch and (item is None or len(batch) >= batch_size):
-                    results = await store.rollouts.enqueue_rollouts(batch)
-                    created += sum(results)
-                    existed += len(results) - sum(results)
-                    progress.advance(task, len(batch))
-                    batch = []
-        return created, existed, bad
-
-    try:
-        created, existed, bad = run_on_store(settings, work)
-    finally:
-        if stream is not stdin:
-            stream.close()
-    if strict and bad:
-        for b in bad:
-            err.print(f"[red]line {b.line_number}:[/red] {b.reason}")
-        err.print(f"[red]refused:[/red] {len(bad)} bad line(s) and --strict; nothing was queued")
-        raise typer.Exit(1)
-    summary = f"queued {created} rollout(s) in experiment {settings.experiment!r}"
-    if existed:
-        summary += f"; {existed} already present (same id), left unchanged"
-    if bad:
-        summary += f"; skipped {len(bad)} bad line(s)"
-    out.print(summary)
-    if bad and not created and not existed:
-        raise typer.Exit(1)
+    config = {"max_attempts": max_attempts, "retry_condition": retry_on or [], "timeout_seconds": timeout_seconds,
+              "unresponsive_seconds": unresponsive_seconds}
+    defaults: dict[str, Any] = {"mode": mode, "resources_id": resources_id, "priority": priority, "config": config}
+    options = push_cli.PushOptions(defaults=defaults, id_field=id_field or None, strict=strict,
+                                   batch_size=batch_size, priority_field=priority_field or None)
+    with push_cli.task_stream(file) as (stream, total):
+        pushed = run_on_store(settings, lambda store: push_cli.push_tasks(store, stream, total, options))
+    push_cli.report(pushed, strict, settings.experiment)
 
 
 for _name, _command in {**inspect_cli.COMMANDS, **archive_cli.COMMANDS}.items():

@@ -1,0 +1,119 @@
+"""`fulmen push`'s work: a JSON-lines task file queued as rollouts in batches, every bad line reported
+with its number, then a summary and the exit code. Reading the lines: `fulmen.cli.tasks_file`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fulmen.cli.service import err, out
+from fulmen.cli.tasks_file import BadLine, LineNote, parse_tasks
+from fulmen.records import Rollout
+from fulmen.store import RedisStore
+
+
+@dataclass(frozen=True)
+class PushOptions:
+    defaults: dict[str, Any]  # every rollout's mode, resources_id, priority and config
+    id_field: str | None  # the task field used as rollout id (None: a hash of the task)
+    strict: bool  # any bad line refuses the whole file
+    batch_size: int  # rollouts per round trip
+    priority_field: str | None  # the task field that names a line's own priority
+
+
+@dataclass
+class Pushed:
+    created: int = 0
+    existed: int = 0  # rollouts already in the store under the same id, left unchanged
+    bad: list[BadLine] = field(default_factory=list)
+
+
+@contextmanager
+def task_stream(file: str) -> Iterator[tuple[IO[bytes], int | None]]:
+    """The file's bytes (standard input for ``-``) and its number of non-blank lines (None for
+    standard input), closed after; a file that cannot be read exits 2."""
+    # Bytes, decoded line by line (`fulmen.tasks.parse_task_lines`): a line that is not UTF-8 is one
+    # bad line, where a text stream would raise on it and end the whole push.
+    stdin = getattr(sys.stdin, "buffer", sys.stdin)
+    try:
+        stream = stdin if file == "-" else open(file, "rb")  # noqa: SIM115 - closed below
+        total = None
+        if stream is not stdin:
+            total = sum(1 for line in stream if line.strip())  # for the progress bar
+            stream.seek(0)
+    except OSError as e:
+        err.print(f"[red]error:[/red] cannot read {file}: {e.strerror}")
+        raise typer.Exit(2) from None
+    try:
+        yield stream, total
+    finally:
+        if stream is not stdin:
+            stream.close()
+
+
+async def push_tasks(store: RedisStore, stream: IO[bytes], total: int | None, options: PushOptions) -> Pushed:
+    """Queue the stream's tasks; with ``options.strict``, nothing at all when a line is bad."""
+    await store.queue.ensure()
+    items: Iterable[Rollout | BadLine | LineNote] = parse_tasks(
+        stream, store, id_field=options.id_field, defaults=options.defaults, strict=options.strict,
+        priority_field=options.priority_field,
+    )
+    if options.strict:
+        items = list(items)  # validate everything before queuing anything
+        bad = [x for x in items if isinstance(x, BadLine)]
+        if bad:
+            return Pushed(bad=bad)
+    return await _queue_in_batches(store, items, total, options.batch_size)
+
+
+async def _queue_in_batches(
+    store: RedisStore, items: Iterable[Rollout | BadLine | LineNote], total: int | None, batch_size: int
+) -> Pushed:
+    """Enqueue the rollouts ``batch_size`` at a time, each bad line or note printed as it comes, under
+    a progress bar (on a terminal) of ``total`` lines."""
+    pushed = Pushed()
+    columns = (TextColumn("push"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("push", total=total)
+        batch: list[Rollout] = []
+        for item in [*items, None]:
+            if isinstance(item, LineNote):
+                err.print(f"[yellow]line {item.line_number}:[/yellow] {item.reason} (queued)")
+                continue
+            if isinstance(item, BadLine):
+                pushed.bad.append(item)
+                err.print(f"[yellow]line {item.line_number}:[/yellow] {item.reason} (skipped)")
+                progress.advance(task)
+                continue
+            if item is not None:
+                batch.append(item)
+            if batch and (item is None or len(batch) >= batch_size):
+                results = await store.rollouts.enqueue_rollouts(batch)
+                pushed.created += sum(results)
+                pushed.existed += len(results) - sum(results)
+                progress.advance(task, len(batch))
+                batch = []
+    return pushed
+
+
+def report(pushed: Pushed, strict: bool, experiment: str) -> None:
+    """Print what the push did; exit 1 when lines were refused and nothing was queued or present."""
+    if strict and pushed.bad:
+        for b in pushed.bad:
+            err.print(f"[red]line {b.line_number}:[/red] {b.reason}")
+        err.print(f"[red]refused:[/red] {len(pushed.bad)} bad line(s) and --strict; nothing was queued")
+        raise typer.Exit(1)
+    summary = f"queued {pushed.created} rollout(s) in experiment {experiment!r}"
+    if pushed.existed:
+        summary += f"; {pushed.existed} already present (same id), left unchanged"
+    if pushed.bad:
+        summary += f"; skipped {len(pushed.bad)} bad line(s)"
+    out.print(summary)
+    if pushed.bad and not pushed.created and not pushed.existed:
+        raise typer.Exit(1)
