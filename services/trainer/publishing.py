@@ -1,12 +1,15 @@
-"""How the trainer publishes its weights: whole, or as a delta against the version before.
+"""How the trainer publishes its weights: whole, or as a delta against the version before; and again,
+as the next version, when Redis lost the newest one's chunks.
 
-``publish_format`` full or delta (keyframes every ``keyframe_every``); see docs/design/trainer.md and
-`fulmen.versions.delta`.
+``publish_format`` full or delta (keyframes every ``keyframe_every``), see `fulmen.versions.delta`.
+Lost weights are looked for at start and every `CHECK_EVERY_S`; why, and when not: docs/design/trainer.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +19,17 @@ from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 from fulmen.versions.delta import encode_delta
 from fulmen.versions.manifest import DELTA, Manifest, describe_all
-from fulmen.versions.model_version import publish_model_version
+from fulmen.versions.model_version import (
+    PublishOptions,
+    llm_resource,
+    next_model_version,
+    publish_model_version,
+    transport_for,
+)
+
+log = logging.getLogger(__name__)
+
+CHECK_EVERY_S = 10.0  # one XLEN per check
 
 
 class VersionPublisher:
@@ -32,15 +45,17 @@ class VersionPublisher:
         state = await asyncio.to_thread(_on_host, state)
         delta_on = self.previous if self.delta and not exact and self.since_keyframe + 1 < self.s.keyframe_every else None
         if delta_on is None:
-            await publish_model_version(store, state, model=model, model_version=version, shared_dir=self.s.weights_dir,
-                                        replace_unpublished=replace_unpublished, weights_format=weights_format)
+            await publish_model_version(store, state, model=model, model_version=version,
+                                        transport=transport_for(self.s.weights_dir), weights_format=weights_format,
+                                        options=PublishOptions(replace_unpublished=replace_unpublished))
             self.since_keyframe = 0
         else:
             base, previous = delta_on
             delta = await asyncio.to_thread(encode_delta, previous, state)
             manifest = Manifest(DELTA, base, await asyncio.to_thread(describe_all, state))
-            await publish_model_version(store, delta, model=model, model_version=version, shared_dir=self.s.weights_dir,
-                                        replace_unpublished=replace_unpublished, manifest=manifest,
+            await publish_model_version(store, delta, model=model, model_version=version,
+                                        transport=transport_for(self.s.weights_dir), manifest=manifest,
+                                        options=PublishOptions(replace_unpublished=replace_unpublished),
                                         weights_format={"format": DELTA, "base_version": base})
             self.since_keyframe += 1
         if self.delta:
@@ -51,3 +66,78 @@ class VersionPublisher:
 def _on_host(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state's tensors on the CPU (those already there as they are, not copied)."""
     return {name: tensor.detach().to("cpu") for name, tensor in state.items()}
+
+
+# --- lost weights: Redis restarted and the newest version's chunks are gone -----------------------------
+
+
+class LostWeightsWatch:
+    """When the trainer last looked, and the announcement of the version it looked for."""
+
+    def __init__(self) -> None:
+        self.next_check = 0.0
+        self.version: str | None = None
+        self.announced: dict[str, Any] | None = None  # the newest "llm" entry naming any version
+        self.reported: str | None = None  # the version a sharded trainer said it cannot publish again
+
+    async def announcement(self, trainer: Any, *, fresh: bool = False) -> dict[str, Any] | None:
+        """The newest resources entry that names a model version (read once per trainer version, or
+        again if ``fresh``)."""
+        if fresh or self.version != trainer.version.name:
+            self.version, self.announced = trainer.version.name, None
+            latest = await trainer.store.resources.get_latest_resources()  # the newest entry; the whole log only
+            updates = [latest] if latest is not None else []  # when it names no version (validation's)
+            if latest is not None and not (llm_resource(latest) or {}).get("model_version"):
+                updates = await trainer.store.resources.query_resources(descending=True)
+            for update in updates:
+                llm = llm_resource(update)
+                if llm is not None and llm.get("model_version"):
+                    self.announced = llm
+                    break
+        return self.announced
+
+
+async def weights_lost(trainer: Any, watch: LostWeightsWatch) -> bool:
+    """Whether the trainer's newest version, still the one the resources announce last and in force (no
+    rollback, no A/B test), has fewer chunks stored than it was published with. The shared folder
+    (``weights_dir``) is not Redis's to lose; version 0 is the base model, never published."""
+    if trainer.version.number == 0 or trainer.s.weights_dir is not None:
+        return False
+    store = trainer.store
+    stored = await store.weights_redis.xlen(store.keys.weights(trainer.version.name))
+    llm = await watch.announcement(trainer)
+    if llm is None or llm.get("model_version") != trainer.version.name:
+        return False
+    weights = llm.get("weights")
+    chunks = weights.get("chunks") if isinstance(weights, dict) else None
+    if not isinstance(chunks, int) or stored >= chunks:
+        return False
+    llm = await watch.announcement(trainer, fresh=True)  # an operator may have rolled back since
+    return llm is not None and llm.get("model_version") == trainer.version.name and not ("rollback" in llm or "ab" in llm)
+
+
+async def republish_if_lost(trainer: Any, *, now: bool = False) -> bool:
+    """On rank 0, at most every CHECK_EVERY_S (``now``: this time whatever the last check): publish the
+    weights again as the next version if Redis lost the newest one's (the module docstring says why).
+    True if it did."""
+    watch = trainer.lost_weights
+    clock = time.monotonic()
+    if trainer.rank != 0 or (not now and clock < watch.next_check):
+        return False
+    watch.next_check = clock + CHECK_EVERY_S
+    if not await weights_lost(trainer, watch):
+        return False
+    lost = trainer.version.name
+    if getattr(trainer.ranks, "sharded", False):
+        if watch.reported != lost:
+            watch.reported = lost
+            log.error("the weights of model version %s are gone from Redis (it restarted since they were written): "
+                      "proxies that start now serve their base weights until the next step's version", lost)
+        return False
+    trainer.publisher.previous = None  # whole: the version a delta would build on is gone too
+    trainer.version = await next_model_version(trainer.store, shared_dir=trainer.s.weights_dir)
+    log.warning("the weights of model version %s are gone from Redis (it restarted since they were written): "
+                "publishing the trainer's weights again as %s", lost, trainer.version.name)
+    await trainer.checkpoint()  # a restart resumes under the new name
+    await trainer.publish()
+    return True

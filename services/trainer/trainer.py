@@ -29,20 +29,17 @@ from fulmen.versions.model_version import (
     next_model_version,
 )
 from fulmen.versions.retention import retain_versions, rewrite_aof_after_publish
-from fulmen_trainer import checkpoint as ckpt
-from fulmen_trainer import sharded_checkpoint
+from fulmen_trainer import checkpoints as ckpt
 from fulmen_trainer.batch import TokenBatch, make_batch
 from fulmen_trainer.distributed.rank_group import RankGroup
 from fulmen_trainer.distributed.torch_ranks import TorchRanks
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
 from fulmen_trainer.loss import clip_range, learning_rate, micro_loss
-from fulmen_trainer.lost_weights import LostWeightsWatch, republish_if_lost
 from fulmen_trainer.metrics import MetricsMirror, StepMetrics
 from fulmen_trainer.objectives import Baseline, objective
 from fulmen_trainer.plan import StepPlan, merge_passes, nonfinite_plan, plan_step
 from fulmen_trainer.policy import Policy, load_policy
-from fulmen_trainer.publishing import VersionPublisher
-from fulmen_trainer.resume import recover_pending, resume_from
+from fulmen_trainer.publishing import LostWeightsWatch, VersionPublisher, republish_if_lost
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +79,7 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.metrics: StepMetrics | None = None
         self.publisher = VersionPublisher(settings, lora=settings.lora_rank is not None)
-        self.lost_weights = LostWeightsWatch()  # `fulmen_trainer.lost_weights`
+        self.lost_weights = LostWeightsWatch()  # `fulmen_trainer.publishing`
         self.aof_rewrite: asyncio.Task[None] | None = None  # Redis's AOF rewrite, once the proxies serve a version
         self.vocab_size: int | None = None  # token ids at or above it are refused (set by `setup`)
         self.nonfinite: str | None = None  # why the step under way makes no update (a NaN or inf)
@@ -116,7 +113,7 @@ class Trainer:
         if self.s.torch_threads:
             torch.set_num_threads(self.s.torch_threads)
         path = ckpt.latest(self.checkpoint_folder)
-        sharded = path is not None and sharded_checkpoint.is_sharded(path)
+        sharded = path is not None and ckpt.is_sharded(path)
         if sharded and not (self.ranks is not None and self.ranks.sharded):
             raise ValueError(f"{path} is a sharded (FSDP) checkpoint: resume it with --parallel fsdp under torchrun")
         # in a thread: loading takes seconds, and the rank's heartbeat must keep beating meanwhile
@@ -126,8 +123,8 @@ class Trainer:
             self.ranks.wrap(self.policy)  # DDP or FSDP: before the optimizer (FSDP replaces the parameters)
         self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=self.s.learning_rate)
         await self.store.samples.ensure_samples_group(k.TRAINERS_GROUP)
-        already_done = await resume_from(self, path, sharded) if path is not None else set()
-        await recover_pending(self, already_done)
+        already_done = await ckpt.resume_from(self, path, sharded) if path is not None else set()
+        await ckpt.recover_pending(self, already_done)
 
     # --- the loop ------------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from fulmen.store import RedisStore
 from fulmen.versions.manifest import FULL, tensor_sha256
 from fulmen_llm_proxy.backends.torch.backend import TorchBackend
 from fulmen_llm_proxy.following import ModelFollower
-from fulmen_trainer.lost_weights import republish_if_lost
+from fulmen_trainer.publishing import republish_if_lost
 from fulmen_trainer.trainer import Trainer
 
 

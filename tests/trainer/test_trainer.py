@@ -19,8 +19,8 @@ from fulmen.records import Sample, SampleSkip
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
 from fulmen.versions.model_version import ModelVersion
+from fulmen_trainer.checkpoints import recover_pending
 from fulmen_trainer.groups import GroupCollector
-from fulmen_trainer.resume import recover_pending
 from fulmen_trainer.trainer import Trainer
 
 

@@ -130,31 +130,30 @@ class TorchRanks:
         return get_model_state_dict(self.policy.model, options=options)
 
     def save_checkpoint(self, directory: Any, checkpoint: Any, trainer: Trainer) -> None:
-        """Rank 0: every rank writes its shard of the model and optimizer (`sharded_checkpoint`)."""
-        from fulmen_trainer import sharded_checkpoint
+        """Rank 0: every rank writes its shard of the model and optimizer (`checkpoints.save_sharded`)."""
+        from fulmen_trainer import checkpoints
 
         self._send(CHECKPOINT, msgpack.packb(checkpoint.step))
         assert trainer.optimizer is not None
-        sharded_checkpoint.save(directory, checkpoint, trainer.model, trainer.optimizer, 0, self.world, self.control)
+        checkpoints.save_sharded(directory, checkpoint, trainer.model, trainer.optimizer, 0, self.world, self.control)
 
     def load_checkpoint(self, path: Any, trainer: Trainer) -> Any:
-        from fulmen_trainer import sharded_checkpoint
+        from fulmen_trainer import checkpoints
 
         assert trainer.optimizer is not None
-        return sharded_checkpoint.load(path, trainer.model, trainer.optimizer, self.rank, self.world)
+        return checkpoints.load_sharded(path, trainer.model, trainer.optimizer, self.rank, self.world)
 
     def _serve(self, trainer: Trainer, kind: int, payload: bytes) -> None:
         """A follower's part in what rank 0 does outside a step: gather a version, write a checkpoint."""
         if kind == GATHER:
             self._gather()
         elif kind == CHECKPOINT:
-            from fulmen_trainer import checkpoint as ckpt
-            from fulmen_trainer import sharded_checkpoint
+            from fulmen_trainer import checkpoints
 
             assert trainer.optimizer is not None
             step = msgpack.unpackb(payload)
-            sharded_checkpoint.save(trainer.checkpoint_folder, ckpt.Checkpoint(step, "", []), trainer.model,
-                                    trainer.optimizer, self.rank, self.world, self.control)
+            checkpoints.save_sharded(trainer.checkpoint_folder, checkpoints.Checkpoint(step, "", []), trainer.model,
+                                     trainer.optimizer, self.rank, self.world, self.control)
 
     # --- control messages ------------------------------------------------------------------------------
 

@@ -1,0 +1,257 @@
+"""Trainer checkpoints without pickle (safetensors for every tensor, JSON for everything else), whole
+or a shard per FSDP rank, and the trainer resuming from the newest one.
+
+A folder ``step-<n>/`` renamed into place, then ``LATEST`` replaced atomically; sharded, every rank
+calls `save_sharded` and `load_sharded` together. The layout, the barriers and why a resume takes up
+each piece: docs/design/trainer.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from fulmen.keys import TRAINERS_GROUP
+from fulmen.telemetry.steps import latest_step
+from fulmen.versions.model_version import ModelVersion, is_published
+from fulmen_trainer.distributed.torch_ranks import TorchRanks
+from fulmen_trainer.publishing import republish_if_lost
+
+log = logging.getLogger(__name__)
+
+KEEP = 2  # checkpoints kept on disk
+SHARD = "shard-{rank}.safetensors"
+RECOVER_READ_COUNT = 1000  # pending entries per read when recovering after a restart
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    model_version: str
+    consumed_entry_ids: list[str]  # acknowledged on the stream only after this checkpoint is written
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _flatten(prefix: str, value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Tensors go to ``tensors`` under a dotted name; the rest stays as JSON, with placeholders."""
+    if isinstance(value, torch.Tensor):
+        tensors[prefix] = value.detach().contiguous().clone()
+        return {"__tensor__": prefix}
+    if isinstance(value, dict):
+        return {str(k): _flatten(f"{prefix}.{k}", v, tensors) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_flatten(f"{prefix}.{i}", v, tensors) for i, v in enumerate(value)]
+    return value
+
+
+def _unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            return tensors[value["__tensor__"]]
+        return {k: _unflatten(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unflatten(v, tensors) for v in value]
+    return value
+
+
+def _int_keys(state: dict[str, Any]) -> dict[Any, Any]:
+    """JSON turned the optimizer's integer parameter ids into strings; turn them back."""
+    return {int(k) if k.isdigit() else k: v for k, v in state.items()}
+
+
+def _checkpoint_of(meta: dict[str, Any]) -> Checkpoint:
+    return Checkpoint(meta["step"], meta["model_version"], meta["consumed_entry_ids"], meta["extra"])
+
+
+def _fresh_tmp(directory: Path, tmp: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+
+def _put_in_place(directory: Path, tmp: Path, final: Path) -> None:
+    """The written folder renamed to ``final``, then ``LATEST`` pointed at it; the oldest beyond KEEP go."""
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    latest_tmp = directory / ".LATEST.tmp"
+    latest_tmp.write_text(final.name)
+    os.replace(latest_tmp, directory / "LATEST")
+    for old in sorted(directory.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(
+    directory: Path,
+    checkpoint: Checkpoint,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    codec_state: dict[str, Any] | None = None,
+) -> Path:
+    final = directory / f"step-{checkpoint.step}"
+    tmp = directory / f".step-{checkpoint.step}.tmp"
+    _fresh_tmp(directory, tmp)
+    model.save_pretrained(tmp / "model", safe_serialization=True)
+    tensors: dict[str, torch.Tensor] = {}
+    optim = optimizer.state_dict()
+    meta = {
+        "step": checkpoint.step,
+        "model_version": checkpoint.model_version,
+        "consumed_entry_ids": checkpoint.consumed_entry_ids,
+        "extra": checkpoint.extra,
+        "optimizer": {"state": _flatten("optim", optim["state"], tensors), "param_groups": optim["param_groups"]},
+        "codec": _flatten("codec", codec_state or {}, tensors),
+    }
+    save_file(tensors, str(tmp / "state.safetensors"))
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    _put_in_place(directory, tmp, final)
+    return final
+
+
+def latest(directory: Path) -> Path | None:
+    marker = directory / "LATEST"
+    if not marker.exists():
+        return None
+    path = directory / marker.read_text().strip()
+    return path if (path / "meta.json").exists() else None
+
+
+def load(path: Path, optimizer: torch.optim.Optimizer) -> tuple[Checkpoint, dict[str, Any]]:
+    """Restore the optimizer in place; return the checkpoint and the codec state. (The model is loaded
+    from ``path / "model"`` by the caller, like any Hugging Face folder.)"""
+    meta = json.loads((path / "meta.json").read_text())
+    tensors = load_file(str(path / "state.safetensors"))
+    state = _int_keys(_unflatten(meta["optimizer"]["state"], tensors))
+    optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+    return _checkpoint_of(meta), _unflatten(meta["codec"], tensors)
+
+
+# --- sharded: a shard per FSDP rank, nobody gathers the model ------------------------------------------
+
+
+def is_sharded(path: Path) -> bool:
+    return (path / SHARD.format(rank=0)).exists()
+
+
+def _local(t: Any) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def save_sharded(directory: Path, checkpoint: Checkpoint, model: Any, optimizer: torch.optim.Optimizer,
+                 rank: int, world: int, group: Any) -> Path:
+    final = directory / f"step-{checkpoint.step}"
+    tmp = directory / f".step-{checkpoint.step}.tmp"
+    if rank == 0:
+        _fresh_tmp(directory, tmp)
+    dist.barrier(group=group)
+    tensors = {f"model.{n}": _local(p.detach()).contiguous().clone()
+               for n, p in model.named_parameters() if p.requires_grad}
+    optim = optimizer.state_dict()
+    state = {i: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for i, s in optim["state"].items()}
+    layout = {"state": _flatten("optim", state, tensors), "param_groups": optim["param_groups"]}
+    save_file(tensors, str(tmp / SHARD.format(rank=rank)), metadata={"optimizer": json.dumps(layout)})
+    dist.barrier(group=group)
+    if rank == 0:
+        meta = {"step": checkpoint.step, "model_version": checkpoint.model_version, "world": world,
+                "consumed_entry_ids": checkpoint.consumed_entry_ids, "extra": checkpoint.extra}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        _put_in_place(directory, tmp, final)
+    dist.barrier(group=group)
+    return final
+
+
+def load_sharded(path: Path, model: Any, optimizer: torch.optim.Optimizer, rank: int, world: int) -> Checkpoint:
+    """This rank's shard into the (already sharded) model and its optimizer; the checkpoint's meta."""
+    meta = json.loads((path / "meta.json").read_text())
+    if meta.get("world") != world:
+        raise RuntimeError(f"{path} was written by {meta.get('world')} FSDP ranks and this run has {world}: "
+                           "resume with the same --nproc-per-node")
+    shard = path / SHARD.format(rank=rank)
+    tensors = load_file(str(shard))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                _local(p).copy_(tensors[f"model.{name}"])
+    with safe_open(str(shard), framework="pt") as f:
+        layout = json.loads(f.metadata()["optimizer"])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = _int_keys(_unflatten(layout["state"], tensors))
+    for index, entry in state.items():
+        p = params[index]
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and hasattr(p, "device_mesh") and value.dim() > 0:
+                from torch.distributed.tensor import DTensor
+
+                entry[key] = DTensor.from_local(value.to(_local(p).device), p.device_mesh, p.placements,
+                                                shape=p.shape, stride=p.stride())
+    optimizer.load_state_dict({"state": state, "param_groups": layout["param_groups"]})
+    return _checkpoint_of(meta)
+
+
+# --- resume: a trainer coming back ---------------------------------------------------------------------
+
+
+async def resume_from(trainer: Any, path: Path, sharded: bool) -> set[str]:
+    """Take up the checkpoint at ``path`` (model weights are loaded already): its optimizer, step and
+    version, the version it took but had not published yet, the metrics it had not logged; return the
+    sample entries it consumed, which `recover_pending` acknowledges. Called by `Trainer.setup`."""
+    if sharded:
+        assert isinstance(trainer.ranks, TorchRanks)  # `Trainer.setup` checked: sharded ranks
+        checkpoint, codec_state = await asyncio.to_thread(trainer.ranks.load_checkpoint, path, trainer), {}
+    else:
+        checkpoint, codec_state = load(path, trainer.optimizer)
+    if trainer.ranks is not None and codec_state:
+        trainer.ranks.codec.load_state_dict(codec_state)  # error feedback carries over the restart
+    trainer.step, trainer.version = checkpoint.step, ModelVersion.parse(checkpoint.model_version)
+    trainer.checkpointed_step = trainer.step
+    already_done = set(checkpoint.consumed_entry_ids)
+    log.info("resumed from %s: step %d, model version %s", path, trainer.step, trainer.version)
+    if trainer.rank == 0 and trainer.version.number > 0 and not await is_published(trainer.store, trainer.version.name):
+        # killed between the checkpoint and the publish: these weights are that version
+        log.info("model version %s was checkpointed but not published: publishing it now", trainer.version)
+        await trainer.publish(resumed=True)
+    else:
+        await republish_if_lost(trainer, now=True)  # Redis restarted since it was written
+    if trainer.rank == 0:
+        # a trainer that died after its checkpoint but before the metrics write (SIGKILL, or
+        # Redis gone at the acknowledgement) logs those steps now, or the file misses them
+        trainer.mirror.append(checkpoint.extra.get("metrics", []))
+        # likewise the steps stream, which the algorithm paces on: a step it never sees would
+        # leave it waiting for the trainer, and the trainer for its rollouts
+        logged = await latest_step(trainer.store.redis, trainer.store.keys)
+        for line in checkpoint.extra.get("metrics", []):
+            if line["step"] > logged:
+                trainer.metrics.record(line["step"], line)
+    return already_done
+
+
+async def recover_pending(trainer: Any, already_done: set[str]) -> None:
+    """Entries read before a restart: those the last checkpoint consumed are acknowledged now; the
+    rest go back into the groups."""
+    acked = requeued = 0
+    after = "0"
+    while True:
+        entries = await trainer.store.samples.read_samples(TRAINERS_GROUP, trainer.consumer, count=RECOVER_READ_COUNT,
+                                                           pending=True, after=after)
+        if not entries:
+            break
+        after = entries[-1][0]
+        done = [e for e, _ in entries if e in already_done]
+        await trainer.store.samples.ack_samples(TRAINERS_GROUP, done)
+        acked += len(done)
+        rest = [(entry_id, item) for entry_id, item in entries if entry_id not in already_done]
+        await trainer.take(rest)
+        requeued += len(rest)
+    if acked or requeued:
+        log.info("after restart: %d entries were already trained on, %d back in their groups", acked, requeued)
