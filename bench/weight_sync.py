@@ -200,6 +200,7 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
     from fulmen.versions.lora import lora_description
     from fulmen.versions.manifest import DELTA, Manifest, describe_all
     from fulmen.versions.model_version import publish_model_version
+    from fulmen.versions.transport.folder import FolderTransport
 
     state = folder_state(model_dir)
     layers = 1 + max(int(n.split(".")[2]) for n in state if n.startswith("model.layers."))
@@ -232,7 +233,7 @@ async def formats(store: Any, model_dir: Path, replicas_count: int, repeats: int
             log("%s delta via Redis: %.2f s for %.1f MB", tag, took, size / 1e6)
             v = name()
             took, size = await timed(replicas, v, lambda v=v, s=nxt: publish_model_version(
-                store, s, model="m", model_version=v, shared_dir=shared), probes.setdefault("full_folder", []), probe_client)
+                store, s, model="m", model_version=v, transport=FolderTransport(shared)), probes.setdefault("full_folder", []), probe_client)
             runs["full_folder"].append(took)
             sizes["full_folder"] = size
             log("%s full via a shared folder: %.2f s for %.1f MB", tag, took, size / 1e6)

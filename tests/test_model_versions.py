@@ -14,16 +14,19 @@ from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.records import TrainStep, WeightsChunk
 from fulmen.store import RedisStore
 from fulmen.telemetry.steps import append_step, latest_step, read_curve
+from fulmen.versions.blobs import CHUNK_HEADER_BYTES
 from fulmen.versions.model_version import (
     BASE_VERSION,
-    CHUNK_HEADER_BYTES,
     POLICY_RESOURCES_ID,
     ModelVersion,
+    PublishOptions,
     fetch_model_version,
     llm_resource,
     publish_model_version,
     wait_until_served,
 )
+from fulmen.versions.transport.folder import FolderTransport
+from fulmen.versions.transport.redis import RedisTransport
 
 
 def _state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -48,7 +51,7 @@ def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 async def test_chunked_round_trip_is_bit_exact(store: RedisStore) -> None:
     """A state dict split into many chunks comes back bit for bit, dtypes included."""
     weights = _state_dict()
-    update = await publish_model_version(store, weights, model="tiny", chunk_bytes=500)
+    update = await publish_model_version(store, weights, model="tiny", transport=RedisTransport(chunk_bytes=500))
     llm = llm_resource(update)
     assert (
         llm is not None and llm["kind"] == "llm" and llm["model"] == "tiny" and llm["model_version"] == "v1"
@@ -64,9 +67,9 @@ async def test_chunked_round_trip_is_bit_exact(store: RedisStore) -> None:
 async def test_default_versions_count_up_and_resources_carry_over(store: RedisStore) -> None:
     """Default names go v1, v2, …; earlier resources and llm keys carry over; extras and metadata apply."""
     await store.resources.add_resources({"prompt": "Q: {q}", "llm": {"endpoint": "http://proxy"}}, "policy")
-    first = await publish_model_version(store, _state_dict(0), model="tiny", metadata={"step": 1})
+    first = await publish_model_version(store, _state_dict(0), model="tiny", options=PublishOptions(metadata={"step": 1}))
     second = await publish_model_version(
-        store, _state_dict(1), model="tiny", extra_resources={"prompt": "new"}, metadata={"step": 2}
+        store, _state_dict(1), model="tiny", options=PublishOptions(extra_resources={"prompt": "new"}, metadata={"step": 2})
     )
     assert [llm_resource(u)["model_version"] for u in (first, second)] == ["v1", "v2"]  # type: ignore[index]
     assert first.resources["prompt"] == "Q: {q}" and second.resources["prompt"] == "new"
@@ -80,8 +83,8 @@ async def test_default_versions_count_up_and_resources_carry_over(store: RedisSt
 
 async def test_new_resources_id_is_created_and_taken_default_names_are_skipped(store: RedisStore) -> None:
     """A new resources id is created; a default name already used elsewhere is skipped, not reused."""
-    await publish_model_version(store, _state_dict(0), model="a", resources_id="policy-a")
-    update = await publish_model_version(store, _state_dict(1), model="b", resources_id="policy-b")
+    await publish_model_version(store, _state_dict(0), model="a", options=PublishOptions(resources_id="policy-a"))
+    update = await publish_model_version(store, _state_dict(1), model="b", options=PublishOptions(resources_id="policy-b"))
     assert update.resources_id == "policy-b"
     assert llm_resource(update)["model_version"] == "v2"  # type: ignore[index]
     _assert_bitwise_equal(await fetch_model_version(store, "v1"), _state_dict(0))
@@ -99,7 +102,7 @@ async def test_resources_are_published_after_every_chunk(
         return await publish(resources, resources_id, metadata)
 
     monkeypatch.setattr(store.resources, "add_resources", spy)
-    update = await publish_model_version(store, _state_dict(), model="tiny", chunk_bytes=300)
+    update = await publish_model_version(store, _state_dict(), model="tiny", transport=RedisTransport(chunk_bytes=300))
     assert seen == [llm_resource(update)["weights"]["chunks"]]  # type: ignore[index]
 
 
@@ -125,14 +128,14 @@ async def test_a_chunk_refused_with_others_in_flight_leaves_no_version(
     monkeypatch.setattr(version_blobs.Blob, "chunks", meddling)
     try:
         with pytest.raises(Exception, match="equal or smaller"):
-            await publish_model_version(real_store, _state_dict(), model="tiny", chunk_bytes=100)
+            await publish_model_version(real_store, _state_dict(), model="tiny", transport=RedisTransport(chunk_bytes=100))
     finally:
         other.close()
     assert not await real_store.redis.exists(real_store.keys.weights("v1"))
     with pytest.raises(NotFound):
         await real_store.resources.get_resources(POLICY_RESOURCES_ID)
     monkeypatch.undo()
-    await publish_model_version(real_store, _state_dict(), model="tiny", chunk_bytes=100)
+    await publish_model_version(real_store, _state_dict(), model="tiny", transport=RedisTransport(chunk_bytes=100))
     _assert_bitwise_equal(await fetch_model_version(real_store, "v1"), _state_dict())
 
 
@@ -148,7 +151,7 @@ async def test_concurrent_publishers_of_one_name_never_mix_chunks(real_store: Re
     """Two publishers racing for one name: exactly one wins, and its weights are intact."""
     results = await asyncio.gather(
         *(
-            publish_model_version(real_store, _state_dict(i), model="t", model_version="v9", chunk_bytes=200)
+            publish_model_version(real_store, _state_dict(i), model="t", model_version="v9", transport=RedisTransport(chunk_bytes=200))
             for i in range(2)
         ),
         return_exceptions=True,
@@ -166,7 +169,7 @@ async def test_missing_version_is_not_found(store: RedisStore) -> None:
 
 async def test_missing_chunk_is_a_record_error(store: RedisStore) -> None:
     """A chunk deleted from the middle (or the end) of the stream makes the fetch fail clearly."""
-    update = await publish_model_version(store, _state_dict(), model="tiny", chunk_bytes=400)
+    update = await publish_model_version(store, _state_dict(), model="tiny", transport=RedisTransport(chunk_bytes=400))
     key = llm_resource(update)["weights"]["stream"]  # type: ignore[index]
     last = (await store.redis.xrevrange(key, count=1))[0][0]
     await store.redis.xdel(key, last)
@@ -187,7 +190,7 @@ async def test_pages_read_ahead_come_back_in_order_and_gaps_are_refused(
 
     monkeypatch.setattr(version_stream, "READ_PAGE_BYTES", 1000)  # 2 chunks a page
     weights = _state_dict()
-    update = await publish_model_version(store, weights, model="tiny", chunk_bytes=500)
+    update = await publish_model_version(store, weights, model="tiny", transport=RedisTransport(chunk_bytes=500))
     entry = llm_resource(update)["weights"]  # type: ignore[index]
     assert entry["chunks"] > 2 * (1 + version_stream.PAGES_AHEAD)
     _assert_bitwise_equal(await fetch_model_version(store, "v1"), weights)
@@ -211,7 +214,7 @@ async def test_pages_read_ahead_come_back_in_order_and_gaps_are_refused(
 async def test_corrupt_chunk_is_a_record_error(store: RedisStore, where: str) -> None:
     """A chunk whose bytes changed fails the sha256 check, never loads silently: in the header (its
     sha256 is the one published) or in a tensor's bytes (its sha256 in the manifest)."""
-    update = await publish_model_version(store, _state_dict(), model="tiny", chunk_bytes=400)
+    update = await publish_model_version(store, _state_dict(), model="tiny", transport=RedisTransport(chunk_bytes=400))
     key = llm_resource(update)["weights"]["stream"]  # type: ignore[index]
     entries = await store.redis.xrange(key)
     await store.redis.delete(key)
@@ -232,7 +235,7 @@ async def test_chunks_with_their_bytes_inside_the_record_still_read(store: Redis
     """Chunks written before the bytes moved beside the record (inside its msgpack) read back the
     same; a chunk holding its bytes in both places is refused."""
     weights = _state_dict()
-    update = await publish_model_version(store, weights, model="tiny", chunk_bytes=400)
+    update = await publish_model_version(store, weights, model="tiny", transport=RedisTransport(chunk_bytes=400))
     key = llm_resource(update)["weights"]["stream"]  # type: ignore[index]
     entries = await store.redis.xrange(key)
     assert all(WeightsChunk.from_wire(fields[b"m"]).data == b"" for _, fields in entries)
@@ -252,12 +255,12 @@ async def test_oversize_chunk_is_refused_before_writing(store: RedisStore) -> No
     """chunk_bytes beyond the store's record limit is refused up front; nothing is written."""
     small = RedisStore(store.redis, store.experiment, max_record_bytes=64 * 1024)
     with pytest.raises(InvalidInput, match="chunk_bytes"):
-        await publish_model_version(small, _state_dict(), model="tiny", chunk_bytes=64 * 1024)
+        await publish_model_version(small, _state_dict(), model="tiny", transport=RedisTransport(chunk_bytes=64 * 1024))
     assert not await store.redis.exists(store.keys.weights("v1"))
     with pytest.raises(NotFound):
         await store.resources.get_resources("policy")
     update = await publish_model_version(
-        small, _state_dict(), model="tiny", chunk_bytes=64 * 1024 - CHUNK_HEADER_BYTES
+        small, _state_dict(), model="tiny", transport=RedisTransport(chunk_bytes=64 * 1024 - CHUNK_HEADER_BYTES)
     )
     assert llm_resource(update)["weights"]["chunks"] == 1  # type: ignore[index]
 
@@ -265,7 +268,7 @@ async def test_oversize_chunk_is_refused_before_writing(store: RedisStore) -> No
 async def test_shared_folder_round_trip(store: RedisStore, tmp_path: Path) -> None:
     """With shared_dir the weights go to <dir>/<version>/model.safetensors and fetch reads them there."""
     weights = _state_dict()
-    update = await publish_model_version(store, weights, model="tiny", shared_dir=tmp_path)
+    update = await publish_model_version(store, weights, model="tiny", transport=FolderTransport(tmp_path))
     entry = llm_resource(update)["weights"]  # type: ignore[index]
     assert Path(entry["path"]) == (tmp_path / "v1" / "model.safetensors").resolve()
     assert Path(entry["path"]).stat().st_size == entry["bytes"]
@@ -372,7 +375,7 @@ async def test_weights_round_trip_on_a_redis_cluster(
     try:
         store = RedisStore(client, experiment)
         for seed in (0, 1):
-            await publish_model_version(store, _state_dict(seed), model="tiny", chunk_bytes=500)
+            await publish_model_version(store, _state_dict(seed), model="tiny", transport=RedisTransport(chunk_bytes=500))
         _assert_bitwise_equal(await fetch_model_version(store, "v2"), _state_dict(1))
         assert await retain_versions(store, 1) == ["v1"]
         assert not await rewrite_if_grown(client, min_bytes=1)

@@ -20,6 +20,7 @@ from fulmen.store import RedisStore
 from fulmen.store.redis.embedded import EmbeddedRedis
 from fulmen.versions.model_version import publish_model_version
 from fulmen.versions.transport import stream as version_stream
+from fulmen.versions.transport.redis import RedisTransport
 from fulmen.versions.transport.socket import ChunkSocket
 from fulmen.versions.transport.stream import read_stream
 
@@ -47,7 +48,7 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 async def test_the_own_connection_reads_what_redis_py_reads(
     real_store: RedisStore, opened: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    await publish_model_version(real_store, _weights(1), model="m", model_version="v1", chunk_bytes=1000)
+    await publish_model_version(real_store, _weights(1), model="m", model_version="v1", transport=RedisTransport(chunk_bytes=1000))
     mine = await read_stream(real_store, "v1")
     monkeypatch.setattr(ChunkSocket, "open", classmethod(lambda cls, client: None))
     theirs = await read_stream(real_store, "v1")
@@ -58,7 +59,7 @@ async def test_the_own_connection_reads_what_redis_py_reads(
 async def test_a_corrupt_or_missing_chunk_is_refused_on_the_own_connection(
     real_store: RedisStore, opened: list[bool]
 ) -> None:
-    await publish_model_version(real_store, _weights(2), model="m", model_version="v2", chunk_bytes=1000)
+    await publish_model_version(real_store, _weights(2), model="m", model_version="v2", transport=RedisTransport(chunk_bytes=1000))
     key = real_store.keys.weights("v2")
     entries = await real_store.redis.xrange(key)
 
@@ -83,7 +84,7 @@ async def test_it_logs_in_and_selects_the_clients_database(tmp_path: Path, opene
         await admin.config_set("requirepass", "s3cret")
         client = aioredis.Redis.from_url(f"redis://:s3cret@127.0.0.1:{server.port}/3")
         store = RedisStore(client, "auth")
-        await publish_model_version(store, _weights(3), model="m", model_version="v1", chunk_bytes=1000)
+        await publish_model_version(store, _weights(3), model="m", model_version="v1", transport=RedisTransport(chunk_bytes=1000))
         found = await read_stream(store, "v1")
         assert opened == [True] and found is not None and found[2] == "manifest"
         wrong = aioredis.Redis.from_url(f"redis://:nope@127.0.0.1:{server.port}/3")
@@ -108,7 +109,7 @@ async def test_what_it_cannot_connect_like_the_client_it_leaves_to_redis_py(
     cluster = async_client(redis_cluster.url)  # type: ignore[attr-defined]
     await cluster.ping()
     store = RedisStore(cluster, "cluster-weights")
-    await publish_model_version(store, _weights(4), model="m", model_version="v1", chunk_bytes=1000)
+    await publish_model_version(store, _weights(4), model="m", model_version="v1", transport=RedisTransport(chunk_bytes=1000))
     found = await read_stream(store, "v1")
     assert found is not None and found[2] == "manifest" and opened[-1] is False
     await cluster.aclose()
@@ -121,7 +122,7 @@ async def test_pages_in_flight_and_a_dropped_connection_lose_nothing(
     chunk: the read goes on through redis-py from the last whole chunk, and the bytes are the same."""
     monkeypatch.setattr(version_stream, "READ_PAGE_BYTES", 300_000)  # pages of 2 chunks
     weights = {"w": torch.randn(400, 1000, generator=torch.Generator().manual_seed(5))}  # 1.6 MB
-    await publish_model_version(real_store, weights, model="m", model_version="v1", chunk_bytes=150_000)
+    await publish_model_version(real_store, weights, model="m", model_version="v1", transport=RedisTransport(chunk_bytes=150_000))
     whole = await read_stream(real_store, "v1")
     real_into, calls = ChunkSocket._into, []
 
@@ -145,7 +146,7 @@ async def test_a_cancelled_read_leaves_the_buffer_free(
 ) -> None:
     """Cancelled while its thread receives a chunk, the read ends that thread before it returns: the
     caller's memory map closes (no view of it is left) and nothing writes into it afterwards."""
-    await publish_model_version(real_store, _weights(6), model="m", model_version="v1", chunk_bytes=1000)
+    await publish_model_version(real_store, _weights(6), model="m", model_version="v1", transport=RedisTransport(chunk_bytes=1000))
     real_into, receiving = ChunkSocket._into, threading.Event()
 
     def slow(self: ChunkSocket, target: memoryview) -> None:
@@ -177,7 +178,7 @@ async def test_an_acl_user_logs_in(tmp_path: Path, opened: list[bool]) -> None:
         await admin.execute_command("ACL", "SETUSER", "trainer", "on", ">pw", "~*", "+@all")
         client = aioredis.Redis.from_url(f"redis://trainer:pw@127.0.0.1:{server.port}/0")
         store = RedisStore(client, "acl")
-        await publish_model_version(store, _weights(7), model="m", model_version="v1", chunk_bytes=1000)
+        await publish_model_version(store, _weights(7), model="m", model_version="v1", transport=RedisTransport(chunk_bytes=1000))
         found = await read_stream(store, "v1")
         assert opened == [True] and found is not None and found[2] == "manifest"
         await client.aclose()

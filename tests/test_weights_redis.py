@@ -13,6 +13,7 @@ from fulmen.store.redis.connection import connect_weights
 from fulmen.store.redis.embedded import EmbeddedRedis
 from fulmen.versions.model_version import fetch_model_version, next_model_version, publish_model_version
 from fulmen.versions.retention import retain_versions, stored_versions
+from fulmen.versions.transport.redis import RedisTransport
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -29,7 +30,7 @@ async def test_weights_live_in_their_own_redis(real_store: RedisStore, tmp_path:
         store = RedisStore(real_store.redis, real_store.experiment, weights_redis=weights_client)
         try:
             first, second = _weights(0), _weights(1)
-            await publish_model_version(store, first, model="m", chunk_bytes=300)
+            await publish_model_version(store, first, model="m", transport=RedisTransport(chunk_bytes=300))
             key = store.keys.weights("v1")
             assert await weights_client.exists(key) and not await real_store.redis.exists(key)
             got = await fetch_model_version(store, "v1")

@@ -14,6 +14,8 @@ from fulmen.demo.tiny_model import build_tiny_model, load_tiny_model
 from fulmen.records import ResourcesUpdate
 from fulmen.store import RedisStore
 from fulmen.versions.model_version import publish_model_version
+from fulmen.versions.transport.folder import FolderTransport
+from fulmen.versions.transport.redis import RedisTransport
 from fulmen.versions.transport.stream import read_stream
 from fulmen_llm_proxy import following
 from fulmen_llm_proxy.backends.torch.backend import TorchBackend
@@ -25,7 +27,7 @@ CHUNK = 16 << 10  # several chunks for the tiny model's 0.3 MB
 async def _entries_of_v1(store: RedisStore, tiny_model: Path, tmp_path: Path) -> list:
     """v1's stream entries as a publish writes them, then the stream emptied (to write them again)."""
     model, _ = load_tiny_model(build_tiny_model(tmp_path / "other", seed=3))
-    await publish_model_version(store, model.state_dict(), model="tiny", chunk_bytes=CHUNK)
+    await publish_model_version(store, model.state_dict(), model="tiny", transport=RedisTransport(chunk_bytes=CHUNK))
     key = store.keys.weights("v1")
     entries = await store.redis.xrange(key)
     assert len(entries) > 3
@@ -76,7 +78,7 @@ async def test_the_follower_serves_the_version_it_read_while_it_was_written(
         follower._prefetch_next()
         assert follower._prefetch is not None and follower._prefetch[0] == "v1"
         model, _ = load_tiny_model(build_tiny_model(tmp_path / "v1", seed=5))
-        update = await publish_model_version(real_store, model.state_dict(), model="tiny", chunk_bytes=CHUNK)
+        update = await publish_model_version(real_store, model.state_dict(), model="tiny", transport=RedisTransport(chunk_bytes=CHUNK))
         await follower.consider(update)
         assert backend.model_version == "v1" and follower.prefetched == ["v1"] and whole_reads == []
         served, published = backend.current_weights(), model.state_dict()
@@ -105,7 +107,7 @@ async def test_a_prefetch_that_failed_falls_back_to_a_whole_read(
         stuck = asyncio.get_running_loop().create_future()  # a read that never ends
         follower._prefetch = ("v1", asyncio.ensure_future(stuck))
         model, _ = load_tiny_model(build_tiny_model(tmp_path / "v1", seed=5))
-        update = await publish_model_version(real_store, model.state_dict(), model="tiny", chunk_bytes=CHUNK)
+        update = await publish_model_version(real_store, model.state_dict(), model="tiny", transport=RedisTransport(chunk_bytes=CHUNK))
         await follower.consider(update)
         assert backend.model_version == "v1" and follower.prefetched == []
     finally:
@@ -159,7 +161,7 @@ async def test_a_proxy_reads_a_folder_version_while_it_is_written(
         for n in range(1, 6):
             follower._prefetch_next()
             assert follower._file_ahead is not None and follower._file_ahead.version == f"v{n}"
-            update = await _publish_and_serve(real_store, follower, tmp_path, n, seed=10 + n, shared_dir=shared)
+            update = await _publish_and_serve(real_store, follower, tmp_path, n, seed=10 + n, transport=FolderTransport(shared))
             inodes[n] = os.stat(update.resources["llm"]["weights"]["path"]).st_ino
             await retain_versions(real_store, 2, shared)  # v3 on is written over a retired version's file
             if n == 1:
@@ -185,7 +187,7 @@ async def test_each_version_is_read_into_the_last_ones_buffer_and_served_exactly
         await follower.catch_up()
         follower._prefetch_next()
         for n in range(1, 5):
-            await _publish_and_serve(real_store, follower, tmp_path, n, seed=20 + n, chunk_bytes=CHUNK)
+            await _publish_and_serve(real_store, follower, tmp_path, n, seed=20 + n, transport=RedisTransport(chunk_bytes=CHUNK))
         assert follower.prefetched == ["v1", "v2", "v3", "v4"] and follower.buffers.reused == 3
     finally:
         follower._drop_prefetch()

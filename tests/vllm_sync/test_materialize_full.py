@@ -14,6 +14,8 @@ from fulmen.store import RedisStore
 from fulmen.versions.delta import encode_delta
 from fulmen.versions.manifest import DELTA, Manifest, describe_all
 from fulmen.versions.model_version import llm_resource, publish_model_version
+from fulmen.versions.transport.folder import FolderTransport
+from fulmen.versions.transport.redis import RedisTransport
 from fulmen_vllm_sync.materialize import materialize_full
 
 
@@ -39,8 +41,8 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize("shared", [False, True])
 async def test_full_version_becomes_the_folder_bit_for_bit(real_store: RedisStore, tmp_path: Path, shared: bool) -> None:
     weights = _weights(0)
-    update = await publish_model_version(real_store, weights, model="m", chunk_bytes=700,
-                                         shared_dir=tmp_path / "shared" if shared else None)
+    update = await publish_model_version(real_store, weights, model="m",
+                                         transport=FolderTransport(tmp_path / "shared") if shared else RedisTransport(chunk_bytes=700))
     folder = await materialize_full(real_store, "v1", llm_resource(update)["weights"],  # type: ignore[index]
                                     _model_dir(tmp_path), tmp_path / "sync")
     assert folder == tmp_path / "sync" / "v1"
@@ -50,8 +52,8 @@ async def test_full_version_becomes_the_folder_bit_for_bit(real_store: RedisStor
 
 @pytest.mark.parametrize("shared", [False, True])
 async def test_a_corrupt_version_leaves_no_folder(real_store: RedisStore, tmp_path: Path, shared: bool) -> None:
-    update = await publish_model_version(real_store, _weights(1), model="m", chunk_bytes=700,
-                                         shared_dir=tmp_path / "shared" if shared else None)
+    update = await publish_model_version(real_store, _weights(1), model="m",
+                                         transport=FolderTransport(tmp_path / "shared") if shared else RedisTransport(chunk_bytes=700))
     entry = llm_resource(update)["weights"]  # type: ignore[index]
     if shared:
         path = Path(entry["path"])
@@ -93,8 +95,8 @@ async def test_a_dropped_folders_file_takes_a_later_version(real_store: RedisSto
     sync, inodes = tmp_path / "sync", {}
     for n in range(1, 6):
         weights = _weights(10 + n)
-        update = await publish_model_version(real_store, weights, model="m", chunk_bytes=700,
-                                             shared_dir=tmp_path / "shared" if shared else None)
+        update = await publish_model_version(real_store, weights, model="m",
+                                             transport=FolderTransport(tmp_path / "shared") if shared else RedisTransport(chunk_bytes=700))
         folder = await materialize_full(real_store, f"v{n}", llm_resource(update)["weights"],  # type: ignore[index]
                                         _model_dir(tmp_path / f"m{n}"), sync, keep=2)
         assert folder is not None and _equal(load_file(str(folder / "model.safetensors")), weights)

@@ -89,12 +89,8 @@ class Record:
             if convert is not None:
                 try:
                     value = convert(value)
-                except _UnknownMember as e:
-                    raise RecordError(f"{kind} record has unknown {name} {value!r}; allowed: {e}") from None
-                except RecordError as e:
-                    raise RecordError(f"{kind} record's {name!r}: {e}") from None
-                except (TypeError, ValueError) as e:
-                    raise RecordError(f"{kind} record's {name!r} does not fit {expected}: {e}") from None
+                except (RecordError, TypeError, ValueError) as e:  # the message is built off the hot path
+                    raise _refused(kind, name, value, expected, e) from None
             values[name] = value
         if len(values) + 2 != len(d):  # "v" and "kind" are there: unpack_record checked them
             unknown = sorted(map(str, set(d) - schema.names - {"v", "kind"}))
@@ -240,6 +236,15 @@ def _when(accepted: frozenset[type], convert: Callable[[Any], Any]) -> Callable[
 
 class _UnknownMember(ValueError):
     """A string that is no member of the field's StrEnum; its text lists the members."""
+
+
+def _refused(kind: str, name: str, value: Any, expected: str, e: Exception) -> RecordError:
+    """The RecordError for a wire value of field ``name`` that its conversion refused with ``e``."""
+    if isinstance(e, _UnknownMember):
+        return RecordError(f"{kind} record has unknown {name} {value!r}; allowed: {e}")
+    if isinstance(e, RecordError):
+        return RecordError(f"{kind} record's {name!r}: {e}")
+    return RecordError(f"{kind} record's {name!r} does not fit {expected}: {e}")
 
 
 def _enum(enum_type: type[enum.StrEnum]) -> Callable[[Any], Any]:

@@ -101,56 +101,85 @@ async def trim(
 ) -> TrimReport:
     """Apply the policy once, over every shard and every stream it names (see the module docstring);
     with ``dry_run``, remove nothing and report what would go."""
-    now_ms = await server_now_ms(store.redis)
+    run = _Trimming(store, policy, dry_run, progress, await server_now_ms(store.redis))
     keys, redis = store.keys, store.redis
-    per_stream: dict[str, int] = {}
-
-    def done(kind: str, key: str, count: int) -> int:
-        per_stream[key] = per_stream.get(key, 0) + count
-        if progress is not None:
-            progress(kind, key, count)
-        return count
-
-    async def consumed(kind: str, key: str) -> int:
-        cut = await safe_cut(redis, key, policy.max_age_s, policy.max_count, now_ms)
-        return done(kind, key, await trim_below(redis, key, cut, dry_run))
-
-    queue = finished = spans = rollouts = samples = 0
-    if policy.limited and QUEUE in policy.streams:
-        for shard in keys.shards:
-            for key in shard.queues:
-                queue += await consumed(QUEUE, key)
-    if policy.limited and FINISHED in policy.streams:
-        for shard in keys.shards:
-            cut = await safe_cut(redis, shard.finished, policy.max_age_s, policy.max_count, now_ms)
-            outcome = await trim_finished(store, shard.finished, cut, policy.delete_rollouts, dry_run)
-            finished += done(FINISHED, shard.finished, outcome.entries)
-            spans, rollouts = spans + outcome.span_streams, rollouts + outcome.rollouts
-    if policy.limited and SAMPLES in policy.streams:
-        samples = await consumed(SAMPLES, keys.samples)
+    queue = await run.queues()
+    finished, spans, rollouts = await run.finished()
+    samples = await run.samples()
 
     versions: list[str] = []
     if policy.keep_versions is not None:
         versions = await trim_weights(store, policy.keep_versions, policy.weights_dir, dry_run)
-        done(WEIGHTS, keys.weights("*"), len(versions))  # one line for every version's stream
+        run.done(WEIGHTS, keys.weights("*"), len(versions))  # one line for every version's stream
     resources = 0
     if policy.resources:
-        resources = done(RESOURCES, keys.resources_log, await trim_resources_log(
-            store, policy.max_age_s, policy.max_count, now_ms, dry_run, doomed_versions=versions))
+        resources = run.done(RESOURCES, keys.resources_log, await trim_resources_log(
+            store, policy.max_age_s, policy.max_count, run.now_ms, dry_run, doomed_versions=versions))
     steps = 0
     if policy.steps_max_count is not None:
-        steps = done(STEPS, keys.trainer_steps, await _trim_to_count(store, keys.trainer_steps,
-                                                                     policy.steps_max_count, dry_run))
+        steps = run.done(STEPS, keys.trainer_steps, await _trim_to_count(store, keys.trainer_steps,
+                                                                         policy.steps_max_count, dry_run))
     dead = 0
     if policy.dead_letters_max_age_s is not None:
-        cut = (max(0, now_ms - int(policy.dead_letters_max_age_s * 1000)), 0)
-        dead = done(DEAD_LETTERS, keys.dead_letters, await trim_below(redis, keys.dead_letters, cut, dry_run))
+        cut = (max(0, run.now_ms - int(policy.dead_letters_max_age_s * 1000)), 0)
+        dead = run.done(DEAD_LETTERS, keys.dead_letters, await trim_below(redis, keys.dead_letters, cut, dry_run))
 
     report = TrimReport(queue, finished, spans, rollouts, samples, resources, tuple(versions), steps, dead,
-                        dry_run, per_stream)
+                        dry_run, run.per_stream)
     if report.total and not dry_run:
         log.info("retention on experiment %s: %s", store.experiment, report.summary())
     return report
+
+
+@dataclass
+class _Trimming:
+    """One `trim` at the server's ``now_ms``: the consumed streams by the age and count limits, and
+    the entries counted per stream key as it goes."""
+
+    store: RedisStore
+    policy: RetentionPolicy
+    dry_run: bool
+    progress: Progress | None
+    now_ms: int
+    per_stream: dict[str, int] = field(default_factory=dict)
+
+    def done(self, kind: str, key: str, count: int) -> int:
+        self.per_stream[key] = self.per_stream.get(key, 0) + count
+        if self.progress is not None:
+            self.progress(kind, key, count)
+        return count
+
+    def applies(self, stream: str) -> bool:
+        return self.policy.limited and stream in self.policy.streams
+
+    async def consumed(self, kind: str, key: str) -> int:
+        redis, policy = self.store.redis, self.policy
+        cut = await safe_cut(redis, key, policy.max_age_s, policy.max_count, self.now_ms)
+        return self.done(kind, key, await trim_below(redis, key, cut, self.dry_run))
+
+    async def queues(self) -> int:
+        """Every shard's queue streams: the entries trimmed."""
+        trimmed = 0
+        if self.applies(QUEUE):
+            for shard in self.store.keys.shards:
+                for key in shard.queues:
+                    trimmed += await self.consumed(QUEUE, key)
+        return trimmed
+
+    async def finished(self) -> tuple[int, int, int]:
+        """Every shard's finished stream: the entries, span streams and rollouts trimmed."""
+        finished = spans = rollouts = 0
+        if self.applies(FINISHED):
+            policy = self.policy
+            for shard in self.store.keys.shards:
+                cut = await safe_cut(self.store.redis, shard.finished, policy.max_age_s, policy.max_count, self.now_ms)
+                outcome = await trim_finished(self.store, shard.finished, cut, policy.delete_rollouts, self.dry_run)
+                finished += self.done(FINISHED, shard.finished, outcome.entries)
+                spans, rollouts = spans + outcome.span_streams, rollouts + outcome.rollouts
+        return finished, spans, rollouts
+
+    async def samples(self) -> int:
+        return await self.consumed(SAMPLES, self.store.keys.samples) if self.applies(SAMPLES) else 0
 
 
 async def _trim_to_count(store: RedisStore, key: str, keep: int, dry_run: bool) -> int:

@@ -6,6 +6,7 @@ reads: docs/design/store.md.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,17 +119,11 @@ def _text(value: Any) -> str:
 
 
 def _parse_first(replies: list[Any], keys: k.Keys) -> Snapshot:
+    """The snapshot from round trip 1's replies (`_queue_first`, in its order)."""
     it = iter(replies)
     shards = len(keys.shards)
     rollouts = {s.value: sum(int(next(it)) for _ in range(shards)) for s in RolloutStatus}
-    lengths: dict[str, int] = {}
-    lane_lengths = dict.fromkeys(k.LANES, 0)
-    for name in STREAMS:
-        replies = [int(next(it)) for _ in _stream_keys(keys, name)]
-        lengths[name] = sum(replies)
-        if name == "queue":  # shard by shard, each shard's lanes in `k.LANES` order
-            for i, n in enumerate(replies):
-                lane_lengths[k.LANES[i % len(k.LANES)]] += n
+    lengths, lane_lengths = _stream_lengths(it, keys)
     infos: dict[str, list[tuple[str, list[dict[Any, Any]]]]] = {}
     for stream in dict.fromkeys(stream for stream, _ in GROUPS):
         infos[stream] = []
@@ -137,8 +132,30 @@ def _parse_first(replies: list[Any], keys: k.Keys) -> Snapshot:
             infos[stream].append((key, [] if isinstance(reply, Exception) else reply))  # no stream: no groups
     watched = sum(int(next(it)) for _ in range(shards))
     workers, last, (seconds, micros) = next(it), next(it), next(it)
-    groups = {}
-    delivered = {}
+    groups, delivered = _group_infos(infos)
+    return Snapshot(rollouts, lengths, lane_lengths, groups, watched, int(workers), _latest_resources(last),
+                    seconds + micros / 1e6, delivered=delivered)
+
+
+def _stream_lengths(it: Iterator[Any], keys: k.Keys) -> tuple[dict[str, int], dict[str, int]]:
+    """Each of STREAMS' length (summed over its shards) and each priority lane's, from the XLEN replies."""
+    lengths: dict[str, int] = {}
+    lane_lengths = dict.fromkeys(k.LANES, 0)
+    for name in STREAMS:
+        replies = [int(next(it)) for _ in _stream_keys(keys, name)]
+        lengths[name] = sum(replies)
+        if name == "queue":  # shard by shard, each shard's lanes in `k.LANES` order
+            for i, n in enumerate(replies):
+                lane_lengths[k.LANES[i % len(k.LANES)]] += n
+    return lengths, lane_lengths
+
+
+def _group_infos(infos: dict[str, list[tuple[str, list[dict[Any, Any]]]]],
+                 ) -> tuple[dict[tuple[str, str], GroupInfo], dict[tuple[str, str, str], str]]:
+    """Each group of GROUPS summed over the shards of its stream (from XINFO GROUPS per stream key), and
+    the id it last delivered in each shard."""
+    groups: dict[tuple[str, str], GroupInfo] = {}
+    delivered: dict[tuple[str, str, str], str] = {}
     for stream, group in GROUPS:
         for key, shard_infos in infos[stream]:
             for info in shard_infos:
@@ -156,14 +173,17 @@ def _parse_first(replies: list[Any], keys: k.Keys) -> Snapshot:
                     int(info.get("pending", 0)) + (before.pending if before else 0),
                     before.last_delivered_id if before else last_id, info_lag,
                 )
-    latest = None
-    if last:
-        try:
-            latest = ResourcesUpdate.from_wire(last[0][1][b"m"])
-        except (RecordError, KeyError):
-            latest = None  # a bad record must not take the whole snapshot down
-    return Snapshot(rollouts, lengths, lane_lengths, groups, watched, int(workers), latest, seconds + micros / 1e6,
-                    delivered=delivered)
+    return groups, delivered
+
+
+def _latest_resources(last: Any) -> ResourcesUpdate | None:
+    """The newest resources update from its XREVRANGE reply; None if there is none or it is unreadable."""
+    if not last:
+        return None
+    try:
+        return ResourcesUpdate.from_wire(last[0][1][b"m"])
+    except (RecordError, KeyError):
+        return None  # a bad record must not take the whole snapshot down
 
 
 def _queue_lag(pipe: Any, keys: k.Keys, snap: Snapshot) -> list[tuple[str, str]]:

@@ -1,8 +1,9 @@
 """Model versions through the store: the trainer publishes weights, the proxies fetch them.
 
-Entry points `publish_model_version`, `fetch_model_version`, `fetch_full_version`, `ModelVersion`.
-Weights are written before the resources entry names them; versions are immutable. Transports,
-names and formats: docs/design/model-versions.md.
+Entry points `publish_model_version` (through a `fulmen.versions.transport.base.Transport`, chosen
+by `transport_for`), `fetch_model_version`, `fetch_full_version`, `ModelVersion`. Weights are written
+before the resources entry names them; versions are immutable. Transports, names and formats:
+docs/design/model-versions.md.
 """
 
 from __future__ import annotations
@@ -10,20 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fulmen import keys as k
 from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.records import ResourcesUpdate
-from fulmen.store.redis.aof import writing_weights
 from fulmen.versions import blobs
-from fulmen.versions.blobs import CHUNK_HEADER_BYTES, PublishedWeights, non_finite_tensors
-from fulmen.versions.manifest import DELTA, FULL, LORA, Manifest, describe_all
-from fulmen.versions.transport.file_write import write_file_hashing
+from fulmen.versions.blobs import PublishedWeights, non_finite_tensors
+from fulmen.versions.manifest import DELTA, FULL, LORA, Manifest
+from fulmen.versions.transport.base import Payload, Transport
+from fulmen.versions.transport.folder import FolderTransport
+from fulmen.versions.transport.redis import RedisTransport
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +38,7 @@ __all__ = [
     "BASE_VERSION",
     "POLICY_RESOURCES_ID",
     "ModelVersion",
+    "PublishOptions",
     "fetch_full_version",
     "fetch_model_version",
     "fetch_version",
@@ -44,6 +47,7 @@ __all__ = [
     "next_model_version",
     "non_finite_tensors",
     "publish_model_version",
+    "transport_for",
     "wait_until_served",
 ]
 
@@ -93,104 +97,69 @@ def llm_resource(update: ResourcesUpdate) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+@dataclass(frozen=True)
+class PublishOptions:
+    """How a publish enters the resources log: the entry ``resources_id`` gets a new version with
+    ``metadata``, starting from the previous one unless ``inherit`` is False, ``extra_resources`` over
+    it. ``replace_unpublished`` (with a ``model_version``): weights stored under that name that no
+    resources version names (a publish killed half-way) are deleted and written again, not refused."""
+
+    resources_id: str = POLICY_RESOURCES_ID
+    metadata: Mapping[str, Any] | None = None
+    extra_resources: Mapping[str, Any] | None = None
+    inherit: bool = True
+    replace_unpublished: bool = False
+
+
+DEFAULT_OPTIONS = PublishOptions()
+DEFAULT_TRANSPORT = RedisTransport()
+
+
+def transport_for(shared_dir: str | Path | None) -> Transport:
+    """The transport a publish takes: files in the shared folder ``shared_dir``, or chunks on a Redis
+    stream when there is none (the trainer's ``weights_dir``)."""
+    return DEFAULT_TRANSPORT if shared_dir is None else FolderTransport(shared_dir)
+
+
 async def publish_model_version(
     store: RedisStore,
     state_dict: Mapping[str, torch.Tensor],
     *,
     model: str,
     model_version: str | None = None,
-    resources_id: str = POLICY_RESOURCES_ID,
-    chunk_bytes: int = 4 << 20,
-    metadata: Mapping[str, Any] | None = None,
-    extra_resources: Mapping[str, Any] | None = None,
-    shared_dir: str | Path | None = None,
-    inherit: bool = True,
-    replace_unpublished: bool = False,
+    transport: Transport = DEFAULT_TRANSPORT,
     weights_format: Mapping[str, Any] | None = None,
     manifest: Manifest | None = None,
+    options: PublishOptions = DEFAULT_OPTIONS,
 ) -> ResourcesUpdate:
-    """Store the weights, then publish a resources version naming them (see the module docstring).
+    """Store the weights through ``transport`` (chunks on a Redis stream by default, `transport_for`),
+    then publish a resources version naming them (see the module docstring and `PublishOptions`).
 
     ``weights_format``: how a backend applies these tensors, added to the ``weights`` entry (a LoRA
     adapter: ``{"format": "lora", "lora": {...}}``, see `fulmen.versions.lora`; a delta: ``{"format": "delta",
     "base_version": ...}`` with its ``manifest``); unset, they are full weights. The manifest of a full
-    or LoRA version is computed here.
-
-    ``replace_unpublished`` (with ``model_version``): weights stored under that name that no resources
-    version names (a publish killed half-way) are deleted and written again, instead of refused."""
-    k.check_id("resources_id", resources_id)
+    or LoRA version is computed here."""
+    k.check_id("resources_id", options.resources_id)
     if model_version is not None:
         k.check_id("model_version", model_version)
-        if replace_unpublished and not await is_published(store, model_version):
-            await _delete_weights(store, model_version, shared_dir)
-    if extra_resources and "llm" in extra_resources:
+        if options.replace_unpublished and not await is_published(store, model_version):
+            await transport.delete(store, model_version)
+    if options.extra_resources and "llm" in options.extra_resources:
         raise InvalidInput("extra_resources cannot set 'llm': publish_model_version writes it")
-    limit = store.max_record_bytes - CHUNK_HEADER_BYTES
-    if shared_dir is None and not 0 < chunk_bytes <= limit:
-        raise InvalidInput(
-            f"chunk_bytes is {chunk_bytes:,}; it must be between 1 and {limit:,} (the store's "
-            f"max_record_bytes {store.max_record_bytes:,} minus {CHUNK_HEADER_BYTES} for the record header)"
-        )
-    try:
-        previous: ResourcesUpdate | None = await store.resources.get_resources(resources_id)
-    except NotFound:
-        previous = None
-    fmt = (weights_format or {}).get("format", FULL)
-    if fmt == DELTA and (manifest is None or manifest.format != DELTA
-                         or manifest.base_version != (weights_format or {}).get("base_version")):
-        raise InvalidInput("a delta version needs its manifest (fulmen.versions.delta), naming the same base version")
-    # No AOF rewrite starts while the weights go to Redis, and one already running ends before the
-    # first chunk (`fulmen.store.redis.aof`): meanwhile, the hashing and serialising below
-    writing = writing_weights(store.weights_redis) if shared_dir is None else _no_rewrite_wait()
-    # a full or LoRA version into the shared folder is hashed while it is written (the file's header,
-    # which holds the hashes, is written last: `fulmen.versions.transport.file_write`)
-    hash_while_writing = shared_dir is not None and manifest is None
-    async with writing as rewrite_done:
-        if not hash_while_writing:
-            if manifest is None:
-                manifest = Manifest(LORA if fmt == LORA else FULL, None, await asyncio.to_thread(describe_all, state_dict))
-            blob = await asyncio.to_thread(blobs.serialize, state_dict, manifest)
-            sha256 = await asyncio.to_thread(blobs.blob_sha256, blob, manifest)
-        await rewrite_done()
-
-        names = [model_version] if model_version is not None else _default_versions(previous)
-        for version in names:
-            try:
-                if shared_dir is None:
-                    weights = await blobs.write_stream(store, version, blob, sha256, chunk_bytes)
-                elif hash_while_writing:
-                    weights, manifest = await asyncio.to_thread(
-                        write_file_hashing, Path(shared_dir), version, state_dict, LORA if fmt == LORA else FULL)
-                else:
-                    weights = await asyncio.to_thread(blobs.write_file, Path(shared_dir), version, blob, sha256)
-                break
-            except blobs.VersionTaken:
-                if model_version is not None:
-                    raise InvalidInput(
-                        f"model version {version} exists already; versions are immutable"
-                    ) from None
-        else:  # pragma: no cover - MAX_NAME_TRIES taken names in a row
-            raise InvalidInput("no free default model version name; pass model_version")
+    transport.check(store)
+    previous = await _current(store, options.resources_id)
+    payload = _payload(state_dict, weights_format, manifest)
+    async with transport.writing(store, payload):
+        version, weights = await _write(store, transport, payload, model_version, previous)
     if weights_format:
         weights = {**weights_format, **weights}
-
-    old = previous.resources if previous is not None and inherit else {}
-    old_llm = llm_resource(previous) if previous is not None and inherit else None
-    # a new version ends a rollback (`fulmen.serving.rollback`) and an A/B test (`fulmen.serving.ab`)
-    old_llm = {k: v for k, v in (old_llm or {}).items() if k not in ("rollback", "newest_version", "ab")}
-    llm = {**old_llm, "kind": "llm", "model": model, "model_version": version, "weights": weights}
-    resources = {**old, **(extra_resources or {}), "llm": llm}
+    llm = {"kind": "llm", "model": model, "model_version": version, "weights": weights}
+    published = await _record(store, _next_resources(previous, options, llm), previous, options)
     from fulmen.versions.retention import record_stored
 
-    published: ResourcesUpdate | None = None
-    if previous is None:
-        with contextlib.suppress(InvalidInput):  # created meanwhile: fall through to a new version
-            published = await store.resources.add_resources(resources, resources_id, metadata)
-    if published is None:
-        published = await store.resources.update_resources(resources_id, resources, metadata)
     # retention may delete it once it is old, but not while a kept delta needs it as its base
-    assert manifest is not None  # computed above, or while the file was written
-    await record_stored(store, version, published.version, base=manifest.base_version)
+    assert payload.manifest is not None  # computed before it was written, or while it was
+    await record_stored(store, version, published.version, base=payload.manifest.base_version)
     return published
 
 
@@ -200,11 +169,7 @@ async def next_model_version(
     """The version a default publish to ``resources_id`` would take now: ``v<n+1>`` after its current
     version, past names whose weights exist already. A caller that must record the name before the
     weights exist (the trainer's checkpoint) reserves it this way and publishes it by name."""
-    try:
-        previous: ResourcesUpdate | None = await store.resources.get_resources(resources_id)
-    except NotFound:
-        previous = None
-    for name in _default_versions(previous):
+    for name in _default_versions(await _current(store, resources_id)):
         taken = await store.weights_redis.exists(store.keys.weights(name)) or (
             shared_dir is not None and (Path(shared_dir) / name).exists()
         )
@@ -307,14 +272,56 @@ async def wait_until_served(
 # --- writing ----------------------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def _no_rewrite_wait() -> AsyncIterator[Callable[[], Awaitable[bool]]]:
-    """A shared-folder publish writes no weights to Redis: no AOF rewrite to wait for or defer."""
+async def _current(store: RedisStore, resources_id: str) -> ResourcesUpdate | None:
+    """The latest version of the resources entry ``resources_id``; None before its first."""
+    try:
+        return await store.resources.get_resources(resources_id)
+    except NotFound:
+        return None
 
-    async def ready() -> bool:
-        return True
 
-    yield ready
+def _payload(state_dict: Mapping[str, torch.Tensor], weights_format: Mapping[str, Any] | None,
+             manifest: Manifest | None) -> Payload:
+    """What the publish writes; InvalidInput for a delta without its own manifest."""
+    fmt = (weights_format or {}).get("format", FULL)
+    if fmt == DELTA and (manifest is None or manifest.format != DELTA
+                         or manifest.base_version != (weights_format or {}).get("base_version")):
+        raise InvalidInput("a delta version needs its manifest (fulmen.versions.delta), naming the same base version")
+    return Payload(state_dict, LORA if fmt == LORA else FULL, manifest)
+
+
+async def _write(store: RedisStore, transport: Transport, payload: Payload, model_version: str | None,
+                 previous: ResourcesUpdate | None) -> tuple[str, dict[str, Any]]:
+    """The payload written as ``model_version``, or under the first free default name: the name and
+    its weights entry. InvalidInput if ``model_version`` is taken."""
+    names = [model_version] if model_version is not None else _default_versions(previous)
+    for version in names:
+        try:
+            return version, await transport.write(store, version, payload)
+        except blobs.VersionTaken:
+            if model_version is not None:
+                raise InvalidInput(f"model version {version} exists already; versions are immutable") from None
+    raise InvalidInput("no free default model version name; pass model_version")  # pragma: no cover
+
+
+def _next_resources(previous: ResourcesUpdate | None, options: PublishOptions, llm: dict[str, Any]) -> dict[str, Any]:
+    """The resources of the new version: the previous ones (unless not inherited), the extra ones over
+    them, and ``llm`` over the previous ``llm`` entry."""
+    inherited = previous if options.inherit else None
+    old = inherited.resources if inherited is not None else {}
+    old_llm = (llm_resource(inherited) if inherited is not None else None) or {}
+    # a new version ends a rollback (`fulmen.serving.rollback`) and an A/B test (`fulmen.serving.ab`)
+    old_llm = {k: v for k, v in old_llm.items() if k not in ("rollback", "newest_version", "ab")}
+    return {**old, **(options.extra_resources or {}), "llm": {**old_llm, **llm}}
+
+
+async def _record(store: RedisStore, resources: dict[str, Any], previous: ResourcesUpdate | None,
+                  options: PublishOptions) -> ResourcesUpdate:
+    """``resources`` as the next version of ``options.resources_id`` (its first if there was none)."""
+    if previous is None:
+        with contextlib.suppress(InvalidInput):  # created meanwhile: fall through to a new version
+            return await store.resources.add_resources(resources, options.resources_id, options.metadata)
+    return await store.resources.update_resources(options.resources_id, resources, options.metadata)
 
 
 def _default_versions(previous: ResourcesUpdate | None) -> Iterator[str]:
@@ -322,13 +329,6 @@ def _default_versions(previous: ResourcesUpdate | None) -> Iterator[str]:
     newest = (llm_resource(previous) or {}).get("newest_version") if previous is not None else None
     n = max(ModelVersion.of(previous).number, ModelVersion.parse(newest if isinstance(newest, str) else None).number)
     return (ModelVersion.numbered(i).name for i in range(n + 1, n + MAX_NAME_TRIES + 1))
-
-
-async def _delete_weights(store: RedisStore, version: str, shared_dir: str | Path | None) -> None:
-    """Free a name whose weights were never published (a publisher killed half-way through)."""
-    await store.weights_redis.delete(store.keys.weights(version))
-    if shared_dir is not None:
-        await asyncio.to_thread(shutil.rmtree, Path(shared_dir) / version, True)
 
 
 # --- reading ----------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import struct
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from redis.exceptions import ResponseError
 
@@ -21,6 +21,7 @@ from fulmen.errors import RecordError
 from fulmen.records import WeightsChunk
 from fulmen.versions.blobs import DATA_FIELD, TensorSpan, layout, tensor_is_finite, view
 from fulmen.versions.manifest import HASH_THREADS, Manifest, TensorEntry, read_manifest
+from fulmen.versions.transport.socket import ChunkSocket
 
 if TYPE_CHECKING:
     import mmap
@@ -222,106 +223,151 @@ async def read_stream(store: RedisStore, version: str, allocate: Callable[[int],
 
     After the first chunk, the pages come on a connection of the reader's own, straight into the blob
     (`fulmen.versions.transport.socket`), where one can be opened like the client's."""
-    from fulmen.versions.transport.socket import ChunkSocket
-
-    key = store.keys.weights(version)
-    blob = _Assembly(store, version, key, allocate, check)
-    raw: ChunkSocket | None = None
-    own: ThreadPoolExecutor | None = None  # the own connection's thread, drained before returning
-    opened: list[ChunkSocket] = []
-    page, sized = 1, False  # until the first chunk shows the chunk size
-    # Pages after the first ask for exact id ranges (chunk i is entry 0-<i+1>), PAGES_AHEAD at a time
-    # (on as many connections, or pipelined on the reader's own): the server builds the next replies
-    # while the client parses this one (one round trip at a time left one side idle).
-    pages: deque[asyncio.Future[Any]] = deque()
-    raw_pages = 0  # pages asked on the own connection and not read yet
-    asked = 0  # chunks requested so far
-
-    def ask() -> None:
-        nonlocal asked, raw_pages
-        low, high = f"0-{asked + 1}", f"0-{asked + page}"
-        if raw is not None:
-            raw.send("XRANGE", key, low, high, "COUNT", page)
-            raw_pages += 1
-        else:
-            pages.append(asyncio.ensure_future(store.weights_redis.xrange(key, min=low, max=high, count=page)))
-        asked += page
-
-    def open_own() -> ChunkSocket | None:
-        reader = ChunkSocket.open(store.weights_redis)
-        if reader is not None:
-            opened.append(reader)
-        return reader
-
+    reader = _StreamReader(store, version, allocate, check, follow_s)
     try:
+        return await reader.read()
+    finally:
+        reader.close()
+
+
+class _StreamReader:
+    """One `read_stream`: the chunks asked for page by page, through redis-py or on a connection of the
+    reader's own, put together in an `_Assembly`."""
+
+    def __init__(self, store: RedisStore, version: str, allocate: Callable[[int], Buffer], check: bool,
+                 follow_s: float | None) -> None:
+        self.store, self.version, self.follow_s = store, version, follow_s
+        self.key = store.keys.weights(version)
+        self.blob = _Assembly(store, version, self.key, allocate, check)
+        self.raw: ChunkSocket | None = None  # the reader's own connection, once opened (None again if it fails)
+        self.own: ThreadPoolExecutor | None = None  # the own connection's thread, drained before returning
+        self.opened: list[ChunkSocket] = []
+        self.page, self.sized = 1, False  # chunks per page: one until the first chunk shows the chunk size
+        # Pages after the first ask for exact id ranges (chunk i is entry 0-<i+1>), PAGES_AHEAD at a time
+        # (on as many connections, or pipelined on the reader's own): the server builds the next replies
+        # while the client parses this one (one round trip at a time left one side idle).
+        self.pages: deque[asyncio.Future[Any]] = deque()
+        self.raw_pages = 0  # pages asked on the own connection and not read yet
+        self.asked = 0  # chunks requested so far
+        self.gave_up = False  # a follow waited in vain for the next chunk
+
+    async def read(self) -> tuple[Buffer, str, str | None] | None:
+        blob = self.blob
         while not blob.done():
-            if raw is not None and own is not None:  # after the first chunk, on the reader's own connection
-                assert blob.first is not None
-                if follow_s is not None:
-                    asked = blob.read  # one page at a time from what is read: the writer may be behind
-                before = blob.read
-                try:
-                    while raw_pages < (PAGES_AHEAD if follow_s is None else 1) and asked < blob.first.total:
-                        ask()
-                    if not raw_pages:  # every chunk asked for and read, and some never came
-                        break
-                    raw_pages -= 1
-                    await asyncio.wrap_future(own.submit(raw.entries, blob))
-                except (OSError, ResponseError) as e:
-                    # a restart, a dropped connection: on through redis-py, which rides out an outage
-                    log.warning("reading model version %s on its own connection failed (%r): going on with the "
-                                "client's", version, e)
-                    raw.close()
-                    raw, raw_pages, asked = None, 0, blob.read
-                    continue
-                _feed(blob)
-                if blob.read > before or follow_s is None:
-                    continue
-                # a follow ahead of the writer: wait for its next chunk below, then back to this connection
-            if follow_s is not None:
-                entries = await _written_next(store, key, blob.read, page, None if blob.first is None else follow_s)
-                if not entries:
-                    return None
-            elif blob.first is None:
-                entries = await store.weights_redis.xrange(key, min="0-1", max="+", count=1)
-            else:
-                while len(pages) < PAGES_AHEAD and asked < blob.first.total:
-                    ask()
-                if not pages:  # every chunk asked for, and some never came
+            if self.raw is not None:  # after the first chunk, on the reader's own connection
+                step = await self._own_page()
+                if step == "end":
                     break
-                entries = await pages.popleft()
+                if step == "next":
+                    continue
+                # "behind": a follow ahead of the writer: wait for its next chunk below, then back to this connection
+            entries = await self._client_page()
             if not entries:
                 break
             for _, fields in entries:
                 blob.add(fields.get(b"m"), fields.get(DATA_FIELD.encode()))
             _feed(blob)
-            if blob.first is not None and not sized and not blob.done():
-                sized = True
-                page, asked = max(1, READ_PAGE_BYTES // max(1, blob.first.size // blob.first.total)), blob.read
-                own = ThreadPoolExecutor(1, thread_name_prefix="fulmen-weights")
-                raw = await asyncio.wrap_future(own.submit(open_own))
-        first = blob.first
+            if blob.first is not None and not self.sized and not blob.done():
+                await self._open_own()
+        return None if self.gave_up else await self._result()
+
+    def _ask(self) -> None:
+        """Ask for the next page: pipelined on the own connection, or a request of redis-py's."""
+        low, high = f"0-{self.asked + 1}", f"0-{self.asked + self.page}"
+        if self.raw is not None:
+            self.raw.send("XRANGE", self.key, low, high, "COUNT", self.page)
+            self.raw_pages += 1
+        else:
+            self.pages.append(asyncio.ensure_future(
+                self.store.weights_redis.xrange(self.key, min=low, max=high, count=self.page)))
+        self.asked += self.page
+
+    async def _own_page(self) -> Literal["next", "end", "behind"]:
+        """One page on the own connection, received in its thread: ``"next"`` once it is in (or once the
+        connection failed: redis-py goes on); ``"end"`` when every chunk was asked for and read and some
+        never came; ``"behind"`` when a follow found no new chunk (the writer is behind)."""
+        blob, raw, own = self.blob, self.raw, self.own
+        assert blob.first is not None and raw is not None and own is not None
+        if self.follow_s is not None:
+            self.asked = blob.read  # one page at a time from what is read: the writer may be behind
+        before = blob.read
+        try:
+            while self.raw_pages < (PAGES_AHEAD if self.follow_s is None else 1) and self.asked < blob.first.total:
+                self._ask()
+            if not self.raw_pages:  # every chunk asked for and read, and some never came
+                return "end"
+            self.raw_pages -= 1
+            await asyncio.wrap_future(own.submit(raw.entries, blob))
+        except (OSError, ResponseError) as e:
+            # a restart, a dropped connection: on through redis-py, which rides out an outage
+            log.warning("reading model version %s on its own connection failed (%r): going on with the "
+                        "client's", self.version, e)
+            raw.close()
+            self.raw, self.raw_pages, self.asked = None, 0, blob.read
+            return "next"
+        _feed(blob)
+        return "next" if blob.read > before or self.follow_s is None else "behind"
+
+    async def _client_page(self) -> list[Any]:
+        """The next entries through redis-py: while following, the next ones written; else the first
+        chunk alone, then the pages asked for, PAGES_AHEAD in flight. Empty when no more come."""
+        first = self.blob.first
+        if self.follow_s is not None:
+            wait_s = None if first is None else self.follow_s
+            entries = await _written_next(self.store, self.key, self.blob.read, self.page, wait_s)
+            self.gave_up = not entries
+            return entries
+        if first is None:
+            return await self.store.weights_redis.xrange(self.key, min="0-1", max="+", count=1)
+        while len(self.pages) < PAGES_AHEAD and self.asked < first.total:
+            self._ask()
+        if not self.pages:  # every chunk asked for, and some never came
+            return []
+        return await self.pages.popleft()
+
+    async def _open_own(self) -> None:
+        """Once the first chunk shows the chunk size: pages of about READ_PAGE_BYTES, and the reader's
+        own connection, opened in its thread (None where it cannot be opened like the client's)."""
+        first = self.blob.first
+        assert first is not None
+        self.sized = True
+        self.page, self.asked = max(1, READ_PAGE_BYTES // max(1, first.size // first.total)), self.blob.read
+        self.own = ThreadPoolExecutor(1, thread_name_prefix="fulmen-weights")
+        self.raw = await asyncio.wrap_future(self.own.submit(self._connect))
+
+    def _connect(self) -> ChunkSocket | None:
+        reader = ChunkSocket.open(self.store.weights_redis)
+        if reader is not None:
+            self.opened.append(reader)
+        return reader
+
+    async def _result(self) -> tuple[Buffer, str, str | None] | None:
+        """The blob once every chunk is in, checked (see `read_stream`)."""
+        blob, first = self.blob, self.blob.first
         if first is None or blob.blob is None:
             return None
         if blob.read != first.total:
-            raise RecordError(f"model version {version} is incomplete: {blob.read} of {first.total} chunks on {key}")
+            raise RecordError(f"model version {self.version} is incomplete: {blob.read} of {first.total} chunks "
+                              f"on {self.key}")
         if blob.filled != first.size:
-            raise RecordError(f"model version {version} is {blob.filled:,} bytes, expected {first.size:,}")
+            raise RecordError(f"model version {self.version} is {blob.filled:,} bytes, expected {first.size:,}")
         if blob.checker is None:
             return blob.blob, first.sha256, None
         finishing, blob.checker = blob.checker, None
         return blob.blob, first.sha256, await asyncio.to_thread(finishing.finish, blob.blob)
-    finally:
-        for pending in pages:  # left early (a bad chunk): the pages on their way are not wanted
+
+    def close(self) -> None:
+        """What a read leaves behind, whether it ended or was left early (a bad chunk, a cancel)."""
+        for pending in self.pages:  # left early: the pages on their way are not wanted
             pending.cancel()
-        for reader in opened:
+        for reader in self.opened:
             reader.close()  # wakes the own thread if it waits on the socket
-        if own is not None:
+        if self.own is not None:
             # its thread may still be writing into the blob (a cancelled read): done before the caller
             # reuses or unmaps it
-            own.shutdown(wait=True)
-        if blob.checker is not None:  # left early: the pool's pending hashes are dropped
-            blob.checker.close()
+            self.own.shutdown(wait=True)
+        if self.blob.checker is not None:  # left early: the pool's pending hashes are dropped
+            self.blob.checker.close()
 
 
 def _feed(blob: _Assembly) -> None:
