@@ -25,7 +25,6 @@ from safetensors.torch import load_file, save_file
 from fulmen.keys import TRAINERS_GROUP
 from fulmen.telemetry.steps import latest_step
 from fulmen.versions.model_version import ModelVersion, is_published
-from fulmen_trainer.distributed.torch_ranks import TorchRanks
 from fulmen_trainer.publishing import republish_if_lost
 
 log = logging.getLogger(__name__)
@@ -207,6 +206,8 @@ async def resume_from(trainer: Any, path: Path, sharded: bool) -> set[str]:
     version, the version it took but had not published yet, the metrics it had not logged; return the
     sample entries it consumed, which `recover_pending` acknowledges. Called by `Trainer.setup`."""
     if sharded:
+        from fulmen_trainer.distributed.torch_ranks import TorchRanks  # it imports this module
+
         assert isinstance(trainer.ranks, TorchRanks)  # `Trainer.setup` checked: sharded ranks
         checkpoint, codec_state = await asyncio.to_thread(trainer.ranks.load_checkpoint, path, trainer), {}
     else:
