@@ -206,9 +206,7 @@ async def resume_from(trainer: Any, path: Path, sharded: bool) -> set[str]:
     version, the version it took but had not published yet, the metrics it had not logged; return the
     sample entries it consumed, which `recover_pending` acknowledges. Called by `Trainer.setup`."""
     if sharded:
-        from fulmen_trainer.distributed.torch_ranks import TorchRanks  # it imports this module
-
-        assert isinstance(trainer.ranks, TorchRanks)  # `Trainer.setup` checked: sharded ranks
+        assert hasattr(trainer.ranks, "load_checkpoint")  # `Trainer.setup` checked: torch.distributed ranks
         checkpoint, codec_state = await asyncio.to_thread(trainer.ranks.load_checkpoint, path, trainer), {}
     else:
         checkpoint, codec_state = load(path, trainer.optimizer)
