@@ -18,9 +18,11 @@ from fulmen.cli import config as config_cli
 from fulmen.cli import inspect as inspect_cli
 from fulmen.cli import push as push_cli
 from fulmen.cli import trim as trim_cli
+from fulmen.cli import watchdog as watchdog_cli
 from fulmen.cli.service import (
     ExperimentOpt,
     err,
+    error_exit,
     flag,
     out,
     run_on_store,
@@ -29,13 +31,11 @@ from fulmen.cli.service import (
 )
 from fulmen.errors import InvalidInput
 from fulmen.records.status import Priority, RolloutMode
-from fulmen.settings import AlgorithmSettings, CommonSettings, WatchdogSettings
+from fulmen.settings import AlgorithmSettings, CommonSettings
 from fulmen.settings.services import ServedModelSettings
 from fulmen.store import RedisStore
 from fulmen.store.experiments import delete_experiment, list_experiments
 from fulmen.store.redis.connection import redact
-from fulmen.watchdog import INTERVAL_S as WATCHDOG_INTERVAL_S
-from fulmen.watchdog import run_watchdog
 
 app = typer.Typer(
     help="Fulmen: train any agent with RL, prompt optimisation and SFT over Redis Streams.\n\n"
@@ -140,37 +140,7 @@ for _name, _command in {**inspect_cli.COMMANDS, **archive_cli.COMMANDS}.items():
 # --- operations --------------------------------------------------------------------------------------
 
 
-@app.command()
-@settings_command(WatchdogSettings)
-def watchdog(
-    settings: WatchdogSettings,
-    interval_s: Annotated[float, typer.Option(min=0.05, help="Seconds between sweeps.")] = WATCHDOG_INTERVAL_S,
-) -> None:
-    """End attempts past their timeout or heartbeat, and requeue or fail their rollouts; with a
-    retention limit set, trim the store by it every retention interval (off by default).
-
-    Safe to run several at once (each attempt changes status exactly once). Stops on SIGTERM."""
-    try:
-        retention = trim_cli.retention_schedule(settings)
-    except InvalidInput as e:
-        err.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from None
-
-    async def work(store: RedisStore) -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        log.info("watchdog on experiment %s, every %.2fs", store.experiment, interval_s)
-        if retention is not None:
-            log.info("retention every %.0fs: %s", retention.interval_s, retention.policy)
-        from fulmen.telemetry.http import start_ops
-
-        with start_ops(settings, "watchdog"):
-            await run_watchdog(store, interval_s, stop, retention)
-        log.info("watchdog stopped")
-
-    run_on_store(settings, work)
+app.command("watchdog")(watchdog_cli.command)
 
 
 @app.command()
@@ -302,16 +272,16 @@ def serve(
     from fulmen.versions.model_version import BASE_VERSION
 
     if settings.model_name is None and settings.model_dir is None:
-        raise _exit_error("name the model: --model-dir DIR (served as the folder's name) or --model-name NAME")
+        raise error_exit("name the model: --model-dir DIR (served as the folder's name) or --model-name NAME")
     if settings.model_dir is not None and not (settings.model_dir / "config.json").is_file():
-        raise _exit_error(f"--model-dir {settings.model_dir} is not a Hugging Face model folder (no config.json)")
+        raise error_exit(f"--model-dir {settings.model_dir} is not a Hugging Face model folder (no config.json)")
     name = settings.model_name or settings.model_dir.resolve().name  # type: ignore[union-attr]
     try:
         parameters = json.loads(sampling) if sampling else None
     except ValueError as e:
-        raise _exit_error(f"--sampling is not JSON: {e}") from None
+        raise error_exit(f"--sampling is not JSON: {e}") from None
     if parameters is not None and not isinstance(parameters, dict):
-        raise _exit_error("--sampling must be a JSON object, e.g. '{\"temperature\": 1.0}'")
+        raise error_exit("--sampling must be a JSON object, e.g. '{\"temperature\": 1.0}'")
     llm: dict[str, Any] = {"kind": "llm", "model": name, "model_version": BASE_VERSION.name}
     if parameters:
         llm["sampling_parameters"] = parameters
@@ -355,19 +325,34 @@ def train(
     Without --model-dir it trains the tiny model (built in the data folder: a pipeline check, not a
     useful model). At the end it prints where the reward curve, the metrics and the models are;
     stopped early (Ctrl-C) and started again, it goes on where it was."""
+    from fulmen.cli.dev import exit_leaving_threads
+
+    _check_train_inputs(settings, agent, env_file)
+    _export_train_settings(_train_settings(settings), agent)
+    summary = _run_services("algorithm", dashboard, exit_at_end=False)
+    _print_train_summary(summary)
+    exit_leaving_threads(0 if summary is not None and not summary.get("stopped") else 1)
+
+
+def _check_train_inputs(settings: AlgorithmSettings, agent: str, env_file: Path | None) -> None:
+    """`fulmen train`'s files and agent, checked before anything starts (a wrong one exits 2); the
+    settings file read into the environment."""
     from fulmen.cli import dev as dev_mode
-    from fulmen.settings import env_name, env_setting
 
     if env_file is not None:
         if not env_file.is_file():
-            raise _exit_error(f"--env-file {env_file} does not exist")
+            raise error_exit(f"--env-file {env_file} does not exist")
         dev_mode.apply_dotenv(env_file)
     if settings.train_data is None:
-        raise _exit_error("no training tasks: pass --tasks tasks.jsonl (one JSON task per line)")
+        raise error_exit("no training tasks: pass --tasks tasks.jsonl (one JSON task per line)")
     for path in (settings.train_data, settings.val_data):
         if path is not None and not path.exists():
-            raise _exit_error(f"{path} does not exist")
+            raise error_exit(f"{path} does not exist")
     _load_agent_or_exit(agent)
+
+
+def _train_settings(settings: AlgorithmSettings) -> AlgorithmSettings:
+    """`fulmen train`'s defaults: the tiny model without --model-dir, TRAIN_STEPS without an end."""
     if settings.model_dir is None:
         from fulmen.cli.standalone import tiny_model_dir
 
@@ -375,12 +360,20 @@ def train(
         out.print(f"no --model-dir: training the tiny model in {settings.model_dir} (a pipeline check)")
     if settings.total_steps is None and settings.epochs is None:
         settings = settings.model_copy(update={"total_steps": TRAIN_STEPS})
+    return settings
+
+
+def _export_train_settings(settings: AlgorithmSettings, agent: str) -> None:
+    """Hand `fulmen train`'s flags to every service through the environment, where each reads its
+    settings; the proxy gets a free port unless one is set (its default 8000 may be taken)."""
+    from fulmen.settings import env_name, env_setting
+
     os.environ["FULMEN_AGENT"] = agent
     try:
         proxy_port = env_setting("proxy_port")
     except InvalidInput as e:
-        raise _exit_error(str(e)) from None
-    if proxy_port is None:  # the proxy's default 8000 may be taken: any free port
+        raise error_exit(str(e)) from None
+    if proxy_port is None:
         from fulmen.store.redis.embedded import free_port
 
         os.environ["FULMEN_PROXY_PORT"] = str(free_port())
@@ -388,16 +381,6 @@ def train(
         value = getattr(settings, field)
         if value is not None:
             os.environ[env_name(field)] = str(value)
-    summary = _run_services("algorithm", dashboard, exit_at_end=False)
-    _print_train_summary(summary)
-    from fulmen.cli.dev import exit_leaving_threads
-
-    exit_leaving_threads(0 if summary is not None and not summary.get("stopped") else 1)
-
-
-def _exit_error(message: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}")
-    return typer.Exit(2)
 
 
 def _load_agent_or_exit(spec: str) -> None:
@@ -408,7 +391,7 @@ def _load_agent_or_exit(spec: str) -> None:
     try:
         load_agent(spec)
     except (FulmenError, ImportError, AttributeError) as e:
-        raise _exit_error(str(e)) from None
+        raise error_exit(str(e)) from None
 
 
 def _print_train_summary(summary: dict[str, Any] | None) -> None:
@@ -439,15 +422,13 @@ def _run_services(ends_run: str, dashboard: bool, *, exit_at_end: bool = True) -
     try:
         services = dev_mode.load_services()
     except Exception as e:
-        err.print(f"[red]error:[/red] cannot load the services: {type(e).__name__}: {e}")
-        raise typer.Exit(2) from None
+        raise error_exit(f"cannot load the services: {type(e).__name__}: {e}") from None
     services.pop("demo" if ends_run == "algorithm" else "algorithm", None)
     with contextlib.suppress(ImportError):  # transformers' lazy imports are not thread-safe: the
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - services load models in threads at once
     if ends_run not in services:
-        err.print("[red]error:[/red] the services are not installed in this environment: run pip install -e . (or "
-                  "pip install fulmen) in it first")
-        raise typer.Exit(2)
+        raise error_exit("the services are not installed in this environment: run pip install -e . (or "
+                         "pip install fulmen) in it first")
     if not dashboard:
         services.pop("dashboard", None)
     results: dict[str, Any] = {}
