@@ -97,8 +97,9 @@ def settings_from_flags(cls: type[S] = CommonSettings, /, **overrides: Any) -> S
 
 def error_exit(message: str, code: int = 2) -> typer.Exit:
     """Say ``message`` as the error it is and give the exit to raise: 2 for what the user passed
-    (a bad flag, setting or file), 1 for what went wrong while running."""
-    err.print(f"[red]error:[/red] {escape(message)}")
+    (a bad flag, setting or file), 1 for what went wrong while running. One line, never wrapped:
+    scripts and logs search it."""
+    err.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
     return typer.Exit(code)
 
 
