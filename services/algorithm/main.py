@@ -5,7 +5,6 @@ its command (`fulmen algorithm`, `demo`, `evaluator`) and `fulmen dev` both call
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -18,7 +17,7 @@ if TYPE_CHECKING:
     from fulmen_algorithm.start import RunInputs
 
 log = logging.getLogger("fulmen.algorithm")
-EVAL_POLL_S = 1.0  # between two bursts of the evaluator when the queue was empty
+EVAL_IDLE_S = 1  # the rq worker returns after this long without a job (it blocks on the queue till then)
 
 
 async def run_algorithm(settings: AlgorithmSettings, stop: asyncio.Event) -> dict[str, Any]:
@@ -61,7 +60,7 @@ async def _drive(inputs: RunInputs, stop: asyncio.Event) -> dict[str, Any]:
 
 async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> None:
     """Run validation passes from the eval queue until ``stop`` is set, after putting back the passes a
-    killed evaluator left. The rq worker works the queue in bursts, in a thread, with rq's thread-safe
+    killed evaluator left. The rq worker works the queue a second at a time, in a thread, with rq's thread-safe
     job timeout (its default, SIGALRM, needs the main thread). Stopped during a pass, it leaves at once
     (rq would wait for the pass, minutes, and honcho SIGKILLs after 5 s): the job stays started, and the
     next evaluator runs it again (`requeue_abandoned`), as after a kill."""
@@ -81,13 +80,12 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> Non
     worker._install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ``stop`` answers the signals
     logging.getLogger("rq.worker").setLevel(logging.WARNING)  # a burst a second: its lines would flood the log
     with start_ops(settings, "evaluator"):
-        while not stop.is_set():
-            if await unless_stopped(asyncio.to_thread(worker.work, burst=True, with_scheduler=False), stop) is None:
+        while not stop.is_set():  # a job is taken the moment it is queued; the loop looks at ``stop`` each second
+            work = asyncio.to_thread(worker.work, max_idle_time=EVAL_IDLE_S, with_scheduler=False)
+            if await unless_stopped(work, stop) is None:
                 if worker.running is not None:
                     log.info("stopping during validation job %s: the next evaluator runs it again", worker.running)
                 return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), EVAL_POLL_S)
 
 
 ALGORITHM = Service("algorithm", AlgorithmSettings, run_algorithm)
