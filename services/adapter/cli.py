@@ -29,10 +29,7 @@ def command(
     ids and log-probabilities the proxy recorded, plus one trajectory sample per multi-turn
     conversation; any other rollout yields a skip record with the reason. Once per rollout, however
     often a completion is delivered. Several adapters may run (one consumer group)."""
-    from fulmen_adapter.adapter import tune_gc_for_batches
-
-    tune_gc_for_batches()  # process-wide: this process only, not `fulmen dev`'s
-    run_service(SERVICE, settings, batch=batch)
+    run_service(SERVICE, settings, batch=batch, tune_gc=True)  # the collector tuned: this process only
 
 
 @settings_command(AdapterSettings)
