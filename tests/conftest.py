@@ -20,12 +20,14 @@ from fulmen.store.redis.embedded import EmbeddedRedis
 # processes, not on the CPU). These files train on every core or run a whole pipeline of processes
 # under time budgets: they form one xdist group, so they run one after another on one worker, beside
 # the light tests and never beside each other.
+# The heavy worker is the suite's critical path (CI's --durations): a file that only waits on a few
+# processes (the pipeline, the OTLP trace, the adapter end to end, the toy-size parity bench) runs
+# beside the light tests instead.
 HEAVY_FILES = frozenset({
     "test_dev_e2e.py", "test_demo_e2e.py", "test_tool_demo.py", "test_random_faults.py", "test_chaos.py",
-    "test_pipeline.py",
-    "adapter/test_adapter_e2e.py", "llm_proxy/test_otlp_trace.py", "compression/test_ddp_hook.py",
+    "compression/test_ddp_hook.py",
     "trainer/test_ranks.py", "trainer/test_torchrun.py", "trainer/test_trainer.py", "trainer/test_ddp_parity.py",
-    "trainer/test_convergence_parity_bench.py", "vllm_sync/test_real_vllm.py",
+    "vllm_sync/test_real_vllm.py",
 })
 TESTS = Path(__file__).parent
 
