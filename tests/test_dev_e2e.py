@@ -1,7 +1,6 @@
-"""The demo through `fulmen dev`: every service as a task of one process on the embedded Redis. It
-ends by itself, validates on the evaluator (an rq job in the same process) and reports. That GRPO
-beats the warm start is shown once, by the multi-process run of the same services
-(tests/test_demo_e2e.py): here, a few steps, to keep the suite short."""
+"""The demo, shortened, through `fulmen dev`: every service as a task of one process on the embedded
+Redis. The same invariants as the multi-process run (tests/test_demo_e2e.py): it ends by itself,
+reports, and validation after the GRPO steps beats the warm start; fewer steps, to keep it short."""
 
 from __future__ import annotations
 
@@ -11,19 +10,21 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from demo_runs import FULMEN, run_dev, user_env, write_env
+from demo_runs import FULMEN, assert_beat_the_warm_start, run_dev, user_env, write_env
 
 from fulmen.store.redis.embedded import free_port
 
 pytestmark = pytest.mark.slow
-STEPS = 6
-TIMEOUT_S = 900  # ~1.5 min on a quiet 2-core machine (the warm start included); the slack is for a busy one
+# 20 steps were too few for the margin: one CI run read 0.39 -> 0.45 (asynchronous RL is not
+# deterministic); the demo reads ~0.6 at step 40 (bench/RESULTS.md, "Demo end to end").
+STEPS = 40
+MARGIN = 0.1
+TIMEOUT_S = 900  # ~2 min on a quiet 2-core machine; the slack is for a busy one
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_the_demo_through_fulmen_dev_ends_by_itself_validates_and_reports(tmp_path: Path) -> None:
-    """`fulmen dev` with STEPS trainer steps: one process, ends by itself, the evaluator's pass of the
-    warm start and the final pass recorded, the report and the final model written."""
+def test_shortened_demo_through_fulmen_dev_beats_the_warm_start(tmp_path: Path) -> None:
+    """`fulmen dev` with STEPS trainer steps: one process, ends by itself, reports, learns."""
     overrides = {
         "FULMEN_REDIS_PORT": free_port(), "FULMEN_PROXY_PORT": free_port(), "FULMEN_DASHBOARD_PORT": 0,
         "FULMEN_TOTAL_STEPS": STEPS, "FULMEN_VAL_EVERY": STEPS, "FULMEN_SEED": 0,
@@ -33,12 +34,7 @@ def test_the_demo_through_fulmen_dev_ends_by_itself_validates_and_reports(tmp_pa
     assert returncode == 0, log[-6000:]
     assert "run finished: curve" in log, log[-6000:]
     assert "Writing model shards" not in log  # no progress bars in a service's log
-    summary = json.loads((tmp_path / ".fulmen" / "run" / "default" / "summary.json").read_text())
-    assert summary["steps"] >= STEPS
-    labels = [v["label"] for v in summary["validations"]]
-    assert labels[0] == "v0" and labels[-1] == "final", labels  # v0: the evaluator's rq job, in this process
-    assert 0.0 <= summary["final_val_accuracy"] <= 1.0
-    assert Path(tmp_path / summary["final_model"] / "model.safetensors").exists()
+    assert_beat_the_warm_start(tmp_path, STEPS, MARGIN)
 
 
 @pytest.mark.timeout(TIMEOUT_S)

@@ -48,6 +48,10 @@ def demo_inputs(settings: DemoSettings) -> RunInputs:
     from fulmen_algorithm.dataset import load_tasks
     from fulmen_algorithm.demo import DEMO_SAMPLING, prepare_demo, publish_base_policy
 
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
     tools = settings.task == "tools"
     default = settings.data_dir / ("demo-tools" if tools else "demo")
     folder = settings.model_dir.parent if settings.model_dir is not None else default

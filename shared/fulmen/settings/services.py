@@ -655,6 +655,14 @@ class DemoSettings(AlgorithmSettings):
         "multiplication through a calculator tool, multi-turn; run it with Procfile.tools and .env.tools).",
         json_schema_extra={"group": "demo"},
     )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads for the demo's SFT warm start (unset: torch's default). The demo's .env "
+        "sets 1, as for the trainer: its services share the cores, and torch's threads run several times "
+        "slower when another process holds a core.",
+        json_schema_extra={"group": "demo"},
+    )
 
 
 class EvaluatorSettings(RolloutPolicySettings):
