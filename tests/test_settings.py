@@ -122,6 +122,19 @@ def test_each_experiment_checkpoints_and_logs_metrics_in_its_own_folder(monkeypa
     assert str(load_settings(TrainerSettings, experiment="a", metrics_file="m.jsonl").metrics_file) == "m.jsonl"
 
 
+def test_each_experiment_syncs_vllm_versions_in_its_own_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two experiments' vllm-syncs on one host write (and delete) versions in folders of their own,
+    under the data folder; a folder the user names is kept as named."""
+    for name in ("FULMEN_SYNC_DIR", "FULMEN_DATA_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    a, b = load_settings(VllmSyncSettings, experiment="a"), load_settings(VllmSyncSettings, experiment="b")
+    assert (str(a.sync_dir), str(b.sync_dir)) == (".fulmen/vllm-sync/a", ".fulmen/vllm-sync/b")
+    assert str(load_settings(VllmSyncSettings, experiment="a", data_dir="/data").sync_dir) == "/data/vllm-sync/a"
+    assert str(load_settings(VllmSyncSettings, experiment="a", sync_dir="/sync").sync_dir) == "/sync"
+    monkeypatch.setenv("FULMEN_SYNC_DIR", "/shared/sync")
+    assert str(load_settings(VllmSyncSettings, experiment="b").sync_dir) == "/shared/sync"
+
+
 CHOICES = {
     TrainerSettings: ("algorithm", "sample_shape", "reward_source", "stale_policy", "loss_aggregation", "publish_dtype",
                       "publish_format", "reference_dtype", "reference_device", "parallel", "codec", "on_rank_loss",

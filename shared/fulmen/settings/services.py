@@ -690,8 +690,9 @@ class VllmSyncSettings(ServedModelSettings):
         json_schema_extra={"group": "vllm server"},
     )
     sync_dir: Path = Field(
-        Path(".fulmen/vllm-sync"),
-        description="Where versions are written for the server to load (it must see this path).",
+        Path(".fulmen/vllm-sync/default"),
+        description="Where versions are written for the server to load (it must see this path; unset: "
+        "<data_dir>/vllm-sync/<experiment>).",
         json_schema_extra={"group": "sync"},
     )
     sync_timeout_s: float = Field(
@@ -715,6 +716,14 @@ class VllmSyncSettings(ServedModelSettings):
         "(dynamic, else merge when the server cannot load adapters).",
         json_schema_extra={"group": "sync"},
     )
+
+    @model_validator(mode="after")
+    def _per_experiment_sync_dir(self) -> VllmSyncSettings:
+        """Each experiment its own folder of versions, unless one is named: two experiments' syncs never
+        write, or delete, each other's folders."""
+        if "sync_dir" not in self.model_fields_set:
+            object.__setattr__(self, "sync_dir", self.data_dir / "vllm-sync" / self.experiment)
+        return self
 
 
 class ApoSettings(TrainDataSettings):
