@@ -727,7 +727,7 @@ class ChaosRun:
 
         finished, failed = await asyncio.to_thread(jobs)
         labels = {r["label"] for r in await recorded(self.store)}
-        missing = [job for job in finished if job.removeprefix("val-") not in labels]
+        missing = [job for job in finished if job.rsplit("-", 1)[-1] not in labels]  # val-<experiment>-v<N>
         if failed or missing or "final" not in labels:
             v.problems.append(f"validation passes lost: failed jobs {failed}, finished but unrecorded {missing}, "
                               f"recorded {sorted(labels)}")

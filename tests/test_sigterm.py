@@ -28,7 +28,7 @@ from fulmen.records.status import RolloutStatus
 from fulmen.settings import AlgorithmSettings
 from fulmen.store import RedisStore
 from fulmen.store.redis.embedded import free_port
-from fulmen_algorithm.jobs import enqueue_validation, validation_queue
+from fulmen_algorithm.jobs import enqueue_validation, validation_job_id, validation_queue
 from fulmen_algorithm.validation import requeue_abandoned
 
 if TYPE_CHECKING:
@@ -218,7 +218,8 @@ async def test_every_service_exits_within_5_s_of_sigterm(real_store: RedisStore,
         unclean = [name for name, exit in exits.items() if exit is not None and exit[0] != 0]
         assert unclean == [], f"exit statuses and seconds {exits}\n" + _tails(services, unclean)
         assert {r.status for r in await real_store.rollouts.get_rollouts(ids)} == {RolloutStatus.REQUEUING}
-        assert requeue_abandoned(queue) == ["val-v1"]  # the pass the evaluator left: the next one runs it
+        # the pass the evaluator left: the next one runs it
+        assert requeue_abandoned(queue) == [validation_job_id(real_store.experiment, 1)]
     finally:
         stop(procs, kill=procs)
 

@@ -85,16 +85,26 @@ def validation_queue(settings: CommonSettings) -> Queue:
     )  # fmt: skip
 
 
-def validation_job_id(version: int) -> str:
-    """One job per version: enqueuing a version's pass twice (a restarted run) runs it once."""
-    return f"val-v{version}"
+def validation_job_id(experiment: str, version: int) -> str:
+    """One job per experiment and version: enqueuing a version's pass twice (a restarted run) runs it
+    once, and two experiments validating the same version on one Redis each run theirs (rq's job ids
+    are one namespace per server)."""
+    return f"val-{_rq_safe(experiment)}-v{version}"
+
+
+def _rq_safe(name: str) -> str:
+    """``name`` in the characters rq allows in a job id (letters, digits, '_', '-'), one to one: any other
+    character, and '_' itself, becomes '_' and its code in two hex digits ('.' → '_2e')."""
+    kept = {c for c in name if c.isascii() and (c.isalnum() or c == "-")}
+    return "".join(c if c in kept else "".join(f"_{b:02x}" for b in c.encode()) for c in name)
 
 
 def enqueue_validation(settings: AlgorithmSettings, version: int) -> None:
     """A validation pass of ``version`` for the `fulmen evaluator` worker."""
     validation_queue(settings).enqueue(
         VALIDATION_JOB, settings.experiment, str(settings.val_data), f"v{version}", settings.val_timeout_s, version,
-        job_id=validation_job_id(version), job_timeout=int(settings.val_timeout_s) + JOB_TIMEOUT_MARGIN_S,
+        job_id=validation_job_id(settings.experiment, version),
+        job_timeout=int(settings.val_timeout_s) + JOB_TIMEOUT_MARGIN_S,
     )
     log.info("validation of version %d queued", version)
 

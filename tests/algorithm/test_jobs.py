@@ -7,8 +7,15 @@ from pathlib import Path
 import pytest
 from rq.job import JobStatus
 
-from fulmen.settings import EvaluatorSettings
-from fulmen_algorithm.jobs import VALIDATION_JOB, allowlisted_job_class, evaluator_worker, validation_queue
+from fulmen.settings import AlgorithmSettings, EvaluatorSettings, load_settings
+from fulmen_algorithm.jobs import (
+    VALIDATION_JOB,
+    allowlisted_job_class,
+    enqueue_validation,
+    evaluator_worker,
+    validation_job_id,
+    validation_queue,
+)
 from fulmen_algorithm.validation import validation_job
 
 
@@ -60,3 +67,34 @@ def test_fulmen_jobs_resolve(queue) -> None:
     job = queue.enqueue(VALIDATION_JOB, "x", "data.jsonl", "v1")
     fetched = allowlisted_job_class().fetch(job.id, connection=queue.connection, serializer=queue.serializer)
     assert fetched.func is validation_job
+
+
+def test_two_experiments_validating_one_version_each_get_their_own_job(
+    redis_url: str, experiment: str, tmp_path: Path
+) -> None:
+    """Version 3 validated by two experiments on one Redis: two jobs (rq's ids are one namespace per
+    server), each with its own experiment's payload; names rq refuses in an id ('.') are encoded."""
+    experiments = (experiment, f"{experiment}.b")
+    for name in experiments:
+        enqueue_validation(load_settings(AlgorithmSettings, redis_url=redis_url, experiment=name,
+                                         val_data=tmp_path / f"{name}.jsonl", val_timeout_s=30), 3)
+    ids = [validation_job_id(name, 3) for name in experiments]
+    assert len(set(ids)) == 2
+    for name, job_id in zip(experiments, ids, strict=True):
+        queue = validation_queue(EvaluatorSettings(redis_url=redis_url, experiment=name))
+        try:
+            assert queue.job_ids == [job_id]
+            assert queue.fetch_job(job_id).args == [name, str(tmp_path / f"{name}.jsonl"), "v3", 30, 3]
+        finally:
+            queue.connection.close()
+
+
+def test_validation_job_ids_are_valid_rq_ids_and_one_per_experiment() -> None:
+    """Every experiment name gives an id rq accepts, and two names never give one id ('_' is escaped too)."""
+    from rq.job import validate_job_id
+
+    names = ["default", "a.b", "a_2eb", "a_b", "a-b", "a-v1"]
+    ids = [validation_job_id(name, 1) for name in names]
+    for job_id in ids:
+        validate_job_id(job_id)
+    assert len(set(ids)) == len(names)
