@@ -155,17 +155,22 @@ class Adapter:
 
     async def _process(self, finished: Sequence[RolloutFinished]) -> None:
         rollouts = await self.store.samples.read_for_samples(list(dict.fromkeys(f.rollout_id for f in finished)))
+        known = {r.rollout_id: r for r in rollouts if r is not None}
+        # An entry for a rollout the store does not know: nothing to adapt, set aside with the reason.
+        unknown = [f for f in finished if f.rollout_id not in known]
+        if unknown:
+            await self.store.finished.dead_letter_unknown(k.ADAPTER_GROUP, unknown)
         # Only a terminal rollout has all its spans: an entry for one still running was not written by
         # the store (which appends it as the rollout ends) and must not mark it sampled with a skip.
-        early = {r.rollout_id: r.status for r in rollouts if r is not None and r.status not in TERMINAL_ROLLOUT}
+        early = {rid: r.status for rid, r in known.items() if r.status not in TERMINAL_ROLLOUT}
         for entry in finished:
             if entry.rollout_id in early:
                 await self.store.finished.dead_letter_finished(
                     k.ADAPTER_GROUP, entry.entry_id,
                     f"rollout {entry.rollout_id} is {early[entry.rollout_id]}, not terminal: nothing to adapt",
                 )
-        results = [self._adapt(r) for r in rollouts if r is not None and r.rollout_id not in early]
-        await self._append(results, [f.entry_id for f in finished if f.rollout_id not in early])
+        ready = {rid: r for rid, r in known.items() if rid not in early}
+        await self._append([self._adapt(r) for r in ready.values()], [f.entry_id for f in finished if f.rollout_id in ready])
 
     def _adapt(self, rollout: RolloutForSamples) -> Adapted:
         return adapt_rollout(rollout, self.config, self.store.max_record_bytes)

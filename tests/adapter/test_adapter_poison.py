@@ -105,3 +105,25 @@ async def test_an_oversize_finished_entry_does_not_stop_the_adapter(real_store: 
     (letter,) = await store.dead_letters.query_dead_letters()
     assert "truncated" in letter.reason
     assert [type(s) for s in await _samples(store)] == [Sample]
+
+
+async def test_a_finished_entry_for_an_unknown_rollout_is_dead_lettered_with_a_warning(
+    real_store: RedisStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An entry for a rollout id never enqueued: dead-lettered with the reason and a warning, acknowledged;
+    the rollouts beside it in the batch are adapted."""
+    store = real_store
+    await store.finished.ensure_finished_group(k.ADAPTER_GROUP)
+    before = await _succeeded(store, "before")
+    ghost = RolloutFinished("ro-never-enqueued", RolloutStatus.SUCCEEDED, "ro-never-enqueued.1")
+    entry_id = (await store.redis.xadd(store.keys.finished, {"m": ghost.to_wire()})).decode()
+    after = await _succeeded(store, "after")
+    with caplog.at_level("WARNING", logger="fulmen.store.finished"):
+        await Adapter(store).run(asyncio.Event(), until_idle=True, lanes=1)
+    (letter,) = await store.dead_letters.query_dead_letters()
+    assert letter.reason == "finished entry for unknown rollout ro-never-enqueued"
+    assert (letter.source, letter.entry_id) == (store.keys.finished, entry_id)
+    assert RolloutFinished.from_wire(letter.payload["m"]).rollout_id == "ro-never-enqueued"
+    assert any(r.levelname == "WARNING" and "ro-never-enqueued" in r.getMessage() for r in caplog.records)
+    assert (await store.redis.xpending(store.keys.finished, k.ADAPTER_GROUP))["pending"] == 0
+    assert sorted(s.rollout_id for s in await _samples(store)) == sorted([before, after])

@@ -168,3 +168,23 @@ async def test_wait_for_unknown_rollouts_raises_not_found(store: RedisStore) -> 
     await store.rollouts.enqueue_rollout("a", rollout_id="a")
     with pytest.raises(NotFound, match=r"rollouts \['nope'\] do not exist"):
         await store.finished.wait_for_rollouts(["a", "nope"], timeout_s=0)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+async def test_an_entry_for_an_unknown_rollout_is_dead_lettered_and_acknowledged(
+    store: RedisStore, shards: int
+) -> None:
+    """`dead_letter_unknown` sets the entry aside with the reason, from its own shard's stream, and
+    acknowledges it: the group's pending list is empty and its next read goes on."""
+    store = RedisStore(store.redis, store.experiment, shards=shards)
+    rid = next(f"ro-ghost{i}" for i in range(100) if store.keys.shard(f"ro-ghost{i}").index == shards - 1)
+    stream = store.keys.shard(rid).finished
+    await store.finished.ensure_finished_group("algorithm")
+    await store.redis.xadd(stream, {"m": RolloutFinished(rid, RolloutStatus.SUCCEEDED, f"{rid}.1").to_wire()})
+    (entry,) = await store.finished.read_finished("algorithm", "c1")
+    await store.finished.dead_letter_unknown("algorithm", [entry])
+    (letter,) = await store.dead_letters.query_dead_letters()
+    assert letter.reason == f"finished entry for unknown rollout {rid}"
+    assert letter.source == stream and RolloutFinished.from_wire(letter.payload["m"]).rollout_id == rid
+    assert (await store.redis.xpending(stream, "algorithm"))["pending"] == 0
+    assert await store.finished.read_finished("algorithm", "c1", pending=True) == []

@@ -3,6 +3,7 @@ algorithm consume it as consumer groups; `wait_for_rollouts` follows it."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -12,6 +13,8 @@ from fulmen.records.status import TERMINAL_ROLLOUT
 from fulmen.store.context import StoreContext
 from fulmen.store.redis.stream import MAX_BLOCK_S, Fields, Stream
 from fulmen.store.rollouts import Rollouts
+
+log = logging.getLogger(__name__)
 
 # With several shards, the longest a read blocks on one shard before it looks at the next.
 SHARD_BLOCK_S = 0.05
@@ -146,6 +149,17 @@ class Finished:
         shard, raw = split_entry_id(entry_id)
         entries = await self.ctx.redis.xrange(self.ctx.keys.shards[shard].finished, raw, raw)
         await self.groups(group)[shard].dead_letter(raw, reason, entries[0][1] if entries else {})
+
+    async def dead_letter_unknown(self, group: str, entries: Sequence[RolloutFinished]) -> None:
+        """Set aside finished entries whose rollout the store does not know (never enqueued here, or
+        deleted since): each with the reason and a warning line, acknowledged for ``group`` so it
+        never blocks the group, and kept for a person to look at rather than dropped unseen."""
+        for entry in entries:
+            log.warning(
+                "finished entry %s names rollout %s, unknown to experiment %s: dead-lettered for group %s",
+                entry.entry_id, entry.rollout_id, self.ctx.experiment, group,
+            )
+            await self.dead_letter_finished(group, entry.entry_id, f"finished entry for unknown rollout {entry.rollout_id}")
 
     async def reclaim_finished(
         self, group: str, consumer: str, min_idle_ms: int, count: int = DEFAULT_READ_COUNT
