@@ -1,7 +1,8 @@
 """Moves finished spans from the process's `SpanBuffer` to the store, in batches.
 
 `flush(attempt_id)` returns only once all of that attempt's spans are stored; the final reward is
-computed here, once. Why: docs/design/runner.md.
+computed here, once; a span the store refuses leaves a `fulmen.dropped` span and a dead letter in
+its place. Why: docs/design/runner.md.
 """
 
 from __future__ import annotations
@@ -10,18 +11,30 @@ import asyncio
 import itertools
 import logging
 import math
+import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from fulmen.errors import FulmenError, NotFound, RetryableError
+from fulmen.errors import FulmenError, NotFound, RecordError, RetryableError
 from fulmen.records import Span
 from fulmen.store import RedisStore
 from fulmen.telemetry import semconv
 from fulmen.telemetry.tracing import SpanBuffer
 
 log = logging.getLogger(__name__)
+
+# What stands in for a span the store refused (over the record size limit, or not encodable): same
+# attempt, span id, trace and parent, so the rollout shows what is missing and its children keep a parent.
+DROPPED_SPAN = "fulmen.dropped"
+DROPPED_NAME = "fulmen.dropped.name"  # the dropped span's name
+DROPPED_SIZE_BYTES = "fulmen.dropped.size_bytes"  # its encoded size (absent if it could not be encoded)
+DROPPED_LIMIT_BYTES = "fulmen.dropped.limit_bytes"  # the store's record size limit
+DROPPED_REASON = "fulmen.dropped.reason"  # the store's error
+DROPPED_NAME_CHARS = 256  # of the dropped span's name kept on the marker (a name can be the oversize part)
 
 
 class SpanWriter:
@@ -74,7 +87,7 @@ class SpanWriter:
         return self._take(attempt_id)
 
     async def write(self, spans: Sequence[Span]) -> None:
-        """Store spans now (dropping, with a log line, any the store refuses)."""
+        """Store spans now (any the store refuses leaves a trace in its place: `_write`)."""
         if spans:
             await self._write(spans)
 
@@ -103,8 +116,9 @@ class SpanWriter:
                 log.exception("periodic span flush failed; will try again")
 
     async def _write(self, spans: Sequence[Span]) -> None:
-        """Write a batch; a span the store refuses (too large, attempt gone) is dropped with a log line,
-        never blocking the others; a lost connection is retried until it comes back."""
+        """Write a batch; a span the store refuses is dropped, never blocking the others: too large or
+        not encodable, it leaves a `fulmen.dropped` span and a dead letter (`_mark_dropped`); of an
+        attempt gone, a log line. A lost connection is retried until it comes back."""
         delay = 0.1
         while True:
             try:
@@ -121,8 +135,51 @@ class SpanWriter:
             try:
                 await self.store.spans.add_spans([span])
                 self.written += 1
+            except RecordError as e:
+                await self._mark_dropped(span, e)
             except FulmenError as e:
                 self.dropped += 1
                 log.error(
                     "span %r of attempt %s dropped: %s", span.name, span.attempt_id, e
                 )
+
+    async def _mark_dropped(self, span: Span, error: RecordError) -> None:
+        """Leave a trace of a span the store refused: a small `DROPPED_SPAN` in its place on the same
+        attempt, and a dead letter with the reason (sourced at the rollout's spans stream, with no
+        payload: there is nothing to requeue). A failure here is logged, never raised."""
+        self.dropped += 1
+        limit = self.store.max_record_bytes
+        size = _encoded_size(span)
+        name = span.name[:DROPPED_NAME_CHARS]
+        reason = (
+            f"span {name!r} ({'?' if size is None else size} bytes) of attempt {span.attempt_id} "
+            f"of rollout {span.rollout_id} dropped: {error}"
+        )
+        attributes: dict[str, Any] = {
+            semconv.ROLLOUT_ID: span.rollout_id, semconv.ATTEMPT_ID: span.attempt_id,
+            DROPPED_NAME: name, DROPPED_LIMIT_BYTES: limit, DROPPED_REASON: str(error),
+        }
+        if size is not None:
+            attributes[DROPPED_SIZE_BYTES] = size
+        marker = Span(
+            span.rollout_id, span.attempt_id, span.span_id, DROPPED_SPAN, span.trace_id, span.parent_id,
+            span.start_time, span.end_time, attributes=attributes,
+        )
+        try:
+            await self.store.spans.add_spans([marker])
+        except (RedisError, FulmenError) as e:
+            log.error("%s; its %s span was not stored either: %s", reason, DROPPED_SPAN, e)
+        try:  # Stream.dead_letter logs the reason
+            await self.store.dead_letters.dead_letter(
+                self.store.keys.spans(span.rollout_id), f"{span.attempt_id}/{span.span_id}", reason, {}
+            )
+        except (RedisError, FulmenError) as e:
+            log.error("%s; no dead letter written: %s", reason, e)
+
+
+def _encoded_size(span: Span) -> int | None:
+    """The span's record size in bytes, without the limit; None if it cannot be encoded at all."""
+    try:
+        return len(span.to_wire(sys.maxsize))
+    except RecordError:
+        return None
