@@ -3,6 +3,7 @@ Cluster when a test asks for one (started once, on first use), a fresh experimen
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,6 +16,12 @@ from redis_cluster import EmbeddedCluster
 from fulmen.store import RedisStore
 from fulmen.store.redis.connection import async_client
 from fulmen.store.redis.embedded import EmbeddedRedis
+
+# One torch thread in every process of the suite, the workers and all they start (torch reads this
+# at import): two workers share two cores, and torch on two threads beside a busy core runs several
+# times slower than on one (bench/RESULTS.md, "The suite's 25 minutes"). A test that wants more
+# threads sets them itself; a value set before pytest starts is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The suite runs on two xdist workers (pyproject's addopts: most tests wait on sockets and child
 # processes, not on the CPU). These files train on every core or run a whole pipeline of processes
