@@ -2,8 +2,8 @@
 or a shard per FSDP rank, and the trainer resuming from the newest one.
 
 A folder ``step-<n>/`` renamed into place, then ``LATEST`` replaced atomically; sharded, every rank
-calls `save_sharded` and `load_sharded` together. The layout, the barriers and why a resume takes up
-each piece: docs/design/trainer.md.
+calls `save_sharded` and `load_sharded` together. Each records its experiment, and only that experiment
+resumes it. The layout, the barriers and why a resume takes up each piece: docs/design/trainer.md.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from fulmen.errors import InvalidInput
 from fulmen.keys import TRAINERS_GROUP
 from fulmen.telemetry.steps import latest_step
 from fulmen.versions.model_version import ModelVersion, is_published
@@ -40,6 +41,11 @@ class Checkpoint:
     model_version: str
     consumed_entry_ids: list[str]  # acknowledged on the stream only after this checkpoint is written
     extra: dict[str, Any] = field(default_factory=dict)
+    experiment: str | None = None  # the experiment that wrote it (None: before checkpoints recorded one)
+
+
+class CheckpointOfAnotherExperiment(InvalidInput):
+    """The newest checkpoint in the trainer's folder was written by another experiment."""
 
 
 def _flatten(prefix: str, value: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -70,7 +76,25 @@ def _int_keys(state: dict[str, Any]) -> dict[Any, Any]:
 
 
 def _checkpoint_of(meta: dict[str, Any]) -> Checkpoint:
-    return Checkpoint(meta["step"], meta["model_version"], meta["consumed_entry_ids"], meta["extra"])
+    return Checkpoint(meta["step"], meta["model_version"], meta["consumed_entry_ids"], meta["extra"],
+                      meta.get("experiment"))
+
+
+def check_experiment(path: Path, experiment: str) -> None:
+    """Refuse the checkpoint at ``path`` unless ``experiment`` wrote it: resuming another experiment's
+    weights and step would mix two runs. One written before checkpoints recorded their experiment is
+    taken up, with a warning."""
+    written_by = json.loads((path / "meta.json").read_text()).get("experiment")
+    if written_by is None:
+        log.warning("%s records no experiment (written by an older Fulmen): resuming it as experiment %r",
+                    path, experiment)
+    elif written_by != experiment:
+        raise CheckpointOfAnotherExperiment(
+            f"{path} is a checkpoint of experiment {written_by!r}, and this trainer runs experiment "
+            f"{experiment!r}: point --checkpoint-dir (FULMEN_CHECKPOINT_DIR) at a folder of this "
+            f"experiment's own (unset, it is <data_dir>/checkpoints/{experiment}), or set "
+            f"FULMEN_EXPERIMENT={written_by} to resume that experiment"
+        )
 
 
 def _fresh_tmp(directory: Path, tmp: Path) -> None:
@@ -106,6 +130,7 @@ def save(
     meta = {
         "step": checkpoint.step,
         "model_version": checkpoint.model_version,
+        "experiment": checkpoint.experiment,
         "consumed_entry_ids": checkpoint.consumed_entry_ids,
         "extra": checkpoint.extra,
         "optimizer": {"state": _flatten("optim", optim["state"], tensors), "param_groups": optim["param_groups"]},
@@ -163,7 +188,8 @@ def save_sharded(directory: Path, checkpoint: Checkpoint, model: Any, optimizer:
     dist.barrier(group=group)
     if rank == 0:
         meta = {"step": checkpoint.step, "model_version": checkpoint.model_version, "world": world,
-                "consumed_entry_ids": checkpoint.consumed_entry_ids, "extra": checkpoint.extra}
+                "experiment": checkpoint.experiment, "consumed_entry_ids": checkpoint.consumed_entry_ids,
+                "extra": checkpoint.extra}
         (tmp / "meta.json").write_text(json.dumps(meta))
         _put_in_place(directory, tmp, final)
     dist.barrier(group=group)
@@ -204,7 +230,9 @@ def load_sharded(path: Path, model: Any, optimizer: torch.optim.Optimizer, rank:
 async def resume_from(trainer: Any, path: Path, sharded: bool) -> set[str]:
     """Take up the checkpoint at ``path`` (model weights are loaded already): its optimizer, step and
     version, the version it took but had not published yet, the metrics it had not logged; return the
-    sample entries it consumed, which `recover_pending` acknowledges. Called by `Trainer.setup`."""
+    sample entries it consumed, which `recover_pending` acknowledges. Called by `Trainer.setup`; a
+    checkpoint of another experiment raises `CheckpointOfAnotherExperiment` before anything is taken up."""
+    check_experiment(path, trainer.s.experiment)
     if sharded:
         assert hasattr(trainer.ranks, "load_checkpoint")  # `Trainer.setup` checked: torch.distributed ranks
         checkpoint, codec_state = await asyncio.to_thread(trainer.ranks.load_checkpoint, path, trainer), {}

@@ -394,7 +394,7 @@ class Trainer:
     async def checkpoint(self) -> None:
         assert self.optimizer is not None
         checkpoint = ckpt.Checkpoint(self.step, self.version.name, self.consumed_since_checkpoint,
-                                     {"metrics": self.unlogged} if self.rank == 0 else {})
+                                     {"metrics": self.unlogged} if self.rank == 0 else {}, self.s.experiment)
         directory = self.checkpoint_folder
         codec_state = self.ranks.codec.state_dict() if self.ranks is not None else None
         if isinstance(self.ranks, TorchRanks) and self.ranks.sharded:

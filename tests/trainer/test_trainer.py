@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from fulmen.records import Sample, SampleSkip
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
 from fulmen.versions.model_version import ModelVersion
-from fulmen_trainer.checkpoints import recover_pending
+from fulmen_trainer.checkpoints import CheckpointOfAnotherExperiment, recover_pending
 from fulmen_trainer.groups import GroupCollector
 from fulmen_trainer.trainer import Trainer
 
@@ -287,3 +288,38 @@ async def test_every_served_version_is_in_the_lineage_a_restart_resumes_from(
     assert restarted.step == 2 and restarted.version == ModelVersion(2, "v2")
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [(line["step"], line["model_version"]) for line in lines] == [(1, "v1"), (2, "v2")]
+
+
+async def test_a_checkpoint_resumes_only_in_the_experiment_that_wrote_it(
+    real_store: RedisStore, tiny: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint records its experiment: another experiment's trainer refuses it at setup, naming
+    both and the way out; its own resumes it; one that records none (older) resumes, with a warning."""
+    await real_store.samples.ensure_samples_group(k.TRAINERS_GROUP)
+    await _push(real_store, _group("a", [1.0, 0.0, 1.0, 0.0]))
+    a, b = real_store.experiment, f"{real_store.experiment}-b"
+    common = {"model_dir": tiny, "groups_per_step": 1, "checkpoint_dir": tmp_path / "ck",
+              "metrics_file": tmp_path / "m.jsonl", "max_steps": 1}
+    first = Trainer(real_store, load_settings(TrainerSettings, experiment=a, **common))
+    await first.setup()
+    await asyncio.wait_for(first.run(asyncio.Event()), 60)
+    meta_file = tmp_path / "ck" / "rank-0" / "step-1" / "meta.json"
+    assert json.loads(meta_file.read_text())["experiment"] == a
+
+    with pytest.raises(CheckpointOfAnotherExperiment) as refused:
+        await Trainer(real_store, load_settings(TrainerSettings, experiment=b, **common)).setup()
+    message = str(refused.value)
+    assert f"experiment {a!r}" in message and f"experiment {b!r}" in message
+    assert "--checkpoint-dir" in message and f"FULMEN_EXPERIMENT={a}" in message
+
+    resumed = Trainer(real_store, load_settings(TrainerSettings, experiment=a, **common))
+    await resumed.setup()
+    assert resumed.step == 1 and resumed.version == ModelVersion(1, "v1")
+
+    older = json.loads(meta_file.read_text())
+    del older["experiment"]
+    meta_file.write_text(json.dumps(older))
+    with caplog.at_level(logging.WARNING, logger="fulmen_trainer.checkpoints"):
+        taken_up = Trainer(real_store, load_settings(TrainerSettings, experiment=b, **common))
+        await taken_up.setup()
+    assert taken_up.step == 1 and "records no experiment" in caplog.text
