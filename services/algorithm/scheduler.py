@@ -16,7 +16,7 @@ from typing import Any
 from fulmen import keys as k
 from fulmen.records import RolloutConfig
 from fulmen.records.status import RolloutMode
-from fulmen.serving.lag import serving_lag
+from fulmen.serving.lag import VersionSteps, served_step
 from fulmen.store import RedisStore
 from fulmen.telemetry.steps import UntrainedGroups, latest_step
 from fulmen.versions.model_version import POLICY_RESOURCES_ID
@@ -56,7 +56,7 @@ class SchedulerOptions:
     n_samples: int = 8  # rollouts per task: one group
     groups_per_step: int = 8
     max_inflight: int = 256  # rollouts queued or running at once
-    staleness: int = 0  # rounds of groups enqueued ahead of the trainer's step
+    staleness: int = 0  # rounds of groups enqueued ahead of the trainer step every server serves
     epochs: int | None = None  # None: no end by epochs
     seed: int = 0  # the task order of each epoch
     stall_s: float = 3.0  # the trainer still this long with nothing in flight: one extra group
@@ -97,6 +97,8 @@ class Scheduler:
         self._last_step = -1
         self._step_changed_at = time.monotonic()
         self.untrained = UntrainedGroups(store.redis, store.keys, f"{run}-e")
+        self.version_steps = VersionSteps()  # the trainer step of each version the servers serve
+        self._unserved_logged = False  # said once that no server reports what it serves
         self._capped_at = -1  # the trainer step at which replacing untrained groups last hit its cap
 
     # --- state in the store ---------------------------------------------------------------------
@@ -167,11 +169,26 @@ class Scheduler:
     def exhausted(self) -> bool:
         return self.epochs is not None and self.state.epoch >= self.epochs
 
-    def _allowed_groups(self, trainer_step: int, untrained: int) -> int:
-        rounds = trainer_step + self.staleness + 1
+    def _allowed_groups(self, served: int, untrained: int) -> int:
+        """Groups allowed so far: the rounds for trainer steps up to ``served`` (the step whose weights
+        every server serves) plus ``staleness`` more, and the untrained groups to replace."""
+        rounds = served + self.staleness + 1
         if self.total_steps is not None:  # rounds past the last step would train the trainer past it
             rounds = min(rounds, self.total_steps)
         return rounds * self.groups_per_step + untrained
+
+    async def served(self, trained: int) -> int:
+        """The trainer step whose weights every model server serves, at most ``trained``: a round waits
+        for the servers to load the weights, not only for the trainer to step. When no server reports
+        a version (none registered yet, or only proxies that forward upstream), 0: the base weights."""
+        served = await served_step(self.store, self.version_steps)
+        if served is None and trained > 0 and not self._unserved_logged:
+            self._unserved_logged = True
+            log.warning("no torch proxy nor ready vLLM replica reports the model version it serves: rounds are "
+                        "paced as if the base weights were served (`fulmen status` lists the servers)")
+        elif served is not None:
+            self._unserved_logged = False
+        return min(trained, served if served is not None else 0)
 
     async def fill(self) -> int:
         """Enqueue every group pacing allows now. Returns how many groups were enqueued."""
@@ -179,15 +196,14 @@ class Scheduler:
         trained = await self.trainer_step()
         if self.total_steps is not None and trained >= self.total_steps:
             return 0  # the run is over: not even a top-up
-        # what is served, not only what is trained: a round waits for the servers to load the weights
-        trainer_step = max(0, trained - await serving_lag(self.store))
-        untrained = await self.replaceable(trainer_step)
+        served = await self.served(trained)
+        untrained = await self.replaceable(served)
         added = 0
         while not self.exhausted:
             inflight = await self.inflight()
             if inflight + self.n > self.max_inflight:
                 break
-            gated = self.state.groups >= self._allowed_groups(trainer_step, untrained)
+            gated = self.state.groups >= self._allowed_groups(served, untrained)
             stalled = inflight == 0 and time.monotonic() - self._step_changed_at > self.stall_s
             if gated and not stalled:
                 break

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fulmen.records import TrainStep
+from fulmen.records import ProxyEndpoint, TrainStep
 from fulmen.settings import AlgorithmSettings
 from fulmen.store import RedisStore
 from fulmen.telemetry.steps import append_step, latest_step
@@ -67,12 +67,15 @@ async def test_a_stopped_run_skips_the_final_validation(real_store: RedisStore, 
 
 
 async def _runner_and_trainer(store: RedisStore, groups_per_step: int, group_size: int) -> None:
-    """Stand-ins for the runners and the trainer: every queued rollout succeeds, and the trainer steps
-    (appending its summary as v<step>) each time ``groups_per_step`` more groups are complete, as long
-    as rollouts keep coming, whether the algorithm still runs or not."""
+    """Stand-ins for the runners, the trainer and a torch proxy: every queued rollout succeeds, the
+    trainer steps (appending its summary as v<step>) each time ``groups_per_step`` more groups are
+    complete, as long as rollouts keep coming, whether the algorithm still runs or not, and the proxy
+    serves the newest version at once (the pacing waits for what is served)."""
     done: Counter[str] = Counter()
     step = 0
     while True:
+        await store.registry.register_proxy(ProxyEndpoint("proxy", "http://proxy:1", "m", f"v{step}" if step else "base",
+                                                          metadata={"backend": "torch"}))
         for claimed in await store.queue.dequeue_rollouts("w", 100):
             await store.rollouts.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")
             done[claimed.rollout.metadata["group_key"]] += 1

@@ -19,9 +19,21 @@ from fulmen_algorithm.scheduler import Scheduler, SchedulerOptions
 TASKS = [{"id": f"q{i}", "question": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
 
 
-async def _trainer_step(store: RedisStore, step: int) -> None:
-    """What the trainer's leader does after each step: append its summary to the steps stream."""
-    await append_step(store.redis, store.keys, TrainStep(step, f"v{step}", 0.5, 0.0, 8, time.time()))
+async def _trainer_step(store: RedisStore, step: int, version: str | None = None, *, served: bool = True) -> None:
+    """What the trainer's leader does after each step: append its summary (the version it holds,
+    ``v<step>`` unless given) to the steps stream; ``served``: a torch proxy then serves that version."""
+    version = version or f"v{step}"
+    await append_step(store.redis, store.keys, TrainStep(step, version, 0.5, 0.0, 8, time.time()))
+    if served:
+        await _serve(store, version)
+
+
+async def _serve(store: RedisStore, version: str, proxy_id: str = "stand-in", backend: str = "torch") -> None:
+    """A proxy registers the version it serves (a torch proxy loads it itself; others forward)."""
+    from fulmen.records import ProxyEndpoint
+
+    await store.registry.register_proxy(ProxyEndpoint(proxy_id, f"http://{proxy_id}:1", "m", version, time.time(),
+                                                      {"backend": backend}))
 
 
 async def _finish(store: RedisStore, count: int) -> None:
@@ -211,12 +223,70 @@ async def test_staleness_zero_waits_for_every_server_to_serve_the_trainers_versi
     await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:3", "base", ready=True))
     await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:4", "v0", ready=False, reason="loading v1"))
     assert await s.fill() == 1
-    await _trainer_step(real_store, 1)
+    await _trainer_step(real_store, 1, served=False)
     assert await s.fill() == 0  # trained, not yet served
     await real_store.registry.register_proxy(ProxyEndpoint(**{**_fields(proxy), "model_version": "v1"}))
     assert await s.fill() == 0  # the replica still serves the base
     await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:3", "v1", ready=True))
     assert await s.fill() == 1
+
+
+async def _steps_publishing_every_three(store: RedisStore, last: int) -> None:
+    """The steps stream of a trainer at ``--publish-every 3``: steps 1-2 hold the base weights, 3-5 v1,
+    6-8 v2 (each step's record names the version the trainer holds after it)."""
+    for step in range(1, last + 1):
+        await _trainer_step(store, step, "base" if step < 3 else f"v{step // 3}", served=False)
+
+
+async def test_staleness_counts_trainer_steps_when_a_version_is_published_every_three(real_store: RedisStore) -> None:
+    """--publish-every 3, trainer at step 6, every proxy serving v1 (step 3's weights), staleness 0:
+    the rounds for steps 0 to 3 and not those for steps 4 and 5; v2 served: the round for step 6."""
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=1, max_inflight=100, staleness=0,
+                                                      stall_s=3600))
+    await s.load()
+    await _steps_publishing_every_three(real_store, 6)
+    await _serve(real_store, "v1")
+    await _serve(real_store, "v2", proxy_id="ahead")  # the slowest server counts
+    assert await s.fill() == 4
+    assert await s.fill() == 0
+    await _serve(real_store, "v2")
+    assert await s.fill() == 3 and s.state.groups == 7
+
+
+async def test_with_no_server_reporting_a_version_staleness_zero_allows_only_the_first_round(real_store: RedisStore) -> None:
+    """No proxy nor replica registered (or only a proxy that forwards upstream): the lag is unknown and
+    the rounds wait as if the base weights were served, however far the trainer is."""
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=2, max_inflight=100, staleness=0,
+                                                      stall_s=3600))
+    await s.load()
+    await _steps_publishing_every_three(real_store, 6)
+    assert await s.fill() == 2
+    await _serve(real_store, "v2", proxy_id="upstream", backend="vllm")
+    assert await s.fill() == 0
+    await _serve(real_store, "v2")
+    assert await s.fill() == 12  # the rounds for steps 1 to 6
+
+
+async def test_the_serving_lag_is_counted_in_trainer_steps(real_store: RedisStore) -> None:
+    """The lag from the step each served version was published at: unknown with no server, the base
+    weights are step 0, and a version no step's record names yet holds the trainer's last step."""
+    from fulmen.serving.lag import VersionSteps, served_step, serving_lag
+
+    await _steps_publishing_every_three(real_store, 7)
+    assert await serving_lag(real_store) is None
+    await _serve(real_store, "base")
+    assert await serving_lag(real_store) == 7
+    await _serve(real_store, "v1")
+    assert await served_step(real_store) == 3 and await serving_lag(real_store) == 4
+    steps = VersionSteps()
+    await _serve(real_store, "v3")  # published by step 8, whose record the trainer writes after the publish
+    assert await serving_lag(real_store, steps) == 0 and await served_step(real_store, steps) == 7
+    await _trainer_step(real_store, 8, "v3", served=False)
+    assert await served_step(real_store, steps) == 8  # not kept from before its record
+    await _serve(real_store, "v2")
+    assert await served_step(real_store, steps) == 6
+    await real_store.redis.delete(real_store.keys.trainer_steps)
+    assert await served_step(real_store, steps) == 6  # a version's step, once found, is kept
 
 
 def _fields(record: object) -> dict:
