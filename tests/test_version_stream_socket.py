@@ -1,12 +1,14 @@
 """The chunks of a model version come on a connection of the reader's own, straight into the blob
 (`fulmen.versions.transport.socket`): the same bytes and checks as through redis-py, logged in and on the
-database the client uses, and redis-py where that connection cannot be made the same way."""
+database the client uses, and redis-py where that connection cannot be made the same way. A stream
+whose chunks declare more than is there costs the reader what is there, no more."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import mmap
+import struct
 import threading
 import time
 from pathlib import Path
@@ -16,8 +18,10 @@ import redis.asyncio as aioredis
 import torch
 
 from fulmen.errors import RecordError
+from fulmen.records import WeightsChunk
 from fulmen.store import RedisStore
 from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.versions.blobs import DATA_FIELD
 from fulmen.versions.model_version import publish_model_version
 from fulmen.versions.transport import stream as version_stream
 from fulmen.versions.transport.redis import RedisTransport
@@ -28,6 +32,73 @@ from fulmen.versions.transport.stream import read_stream
 def _weights(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"embed": torch.randn(64, 32, generator=g).to(torch.bfloat16), "w": torch.randn(48, 40, generator=g)}
+
+
+@pytest.fixture
+def xranges(real_store: RedisStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each XRANGE a read sends: ``"client"`` through redis-py, ``"own"`` on the reader's own connection."""
+    calls: list[str] = []
+    real_send, real_xrange = ChunkSocket.send, real_store.weights_redis.xrange
+
+    def send(self: ChunkSocket, *args: str | int | bytes) -> None:
+        if args[0] == "XRANGE":
+            calls.append("own")
+        real_send(self, *args)
+
+    async def xrange(*args: object, **kwargs: object) -> object:
+        calls.append("client")
+        return await real_xrange(*args, **kwargs)
+
+    monkeypatch.setattr(ChunkSocket, "send", send)
+    monkeypatch.setattr(real_store.weights_redis, "xrange", xrange)
+    return calls
+
+
+async def _write_chunks(
+    store: RedisStore, version: str, total: int, size: int, pieces: list[bytes], sha256: str = "ab" * 32
+) -> None:
+    """A weights stream written by hand: ``pieces`` as its first chunks, each declaring ``total`` and ``size``."""
+    for index, data in enumerate(pieces):
+        head = WeightsChunk(version, index, total, sha256, size, b"").to_wire()
+        await store.weights_redis.xadd(store.keys.weights(version), {"m": head, DATA_FIELD: data}, id=f"0-{index + 1}")
+
+
+@pytest.mark.parametrize("follow_s", [None, 0.5], ids=["fetch", "prefetch"])
+@pytest.mark.parametrize("total", [10**12, 2**63 - 1])
+async def test_a_first_chunk_declaring_more_chunks_than_its_size_allows_is_refused_at_once(
+    real_store: RedisStore, xranges: list[str], total: int, follow_s: float | None
+) -> None:
+    """A version's one chunk rewritten to declare a huge number of chunks (its size and bytes kept) is
+    refused before anything is allocated or any further page asked for, as a fetch and as a prefetch."""
+    await publish_model_version(real_store, _weights(8), model="m", model_version="v1",
+                                transport=RedisTransport(chunk_bytes=1_000_000))
+    key = real_store.keys.weights("v1")
+    [(_, fields)] = await real_store.redis.xrange(key)
+    chunk = WeightsChunk.from_wire(fields[b"m"])
+    await real_store.redis.delete(key)
+    await _write_chunks(real_store, "v1", total, chunk.size, [fields[DATA_FIELD.encode()]], chunk.sha256)
+    xranges.clear()
+    with pytest.raises(RecordError, match=rf"model version v1: .* declares {total:,} chunks .* cannot be true"):
+        await read_stream(real_store, "v1", follow_s=follow_s)
+    assert xranges == ([] if follow_s else ["client"])  # a follow reads its first chunk with XREAD
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own connection", "redis-py"])
+async def test_a_total_larger_than_the_chunks_there_costs_only_the_pages_they_fill(
+    real_store: RedisStore, xranges: list[str], monkeypatch: pytest.MonkeyPatch, own: bool
+) -> None:
+    """Five chunks whose first declares 100,000 of them (a size to match): the read stops with
+    RecordError at the first page that comes back short, its XRANGEs bounded by the chunks there."""
+    monkeypatch.setattr(version_stream, "READ_PAGE_BYTES", 200)  # pages of 2 chunks of 100 bytes
+    if not own:
+        monkeypatch.setattr(ChunkSocket, "open", classmethod(lambda cls, client: None))
+    header = struct.pack("<Q", 1_000_000).ljust(100, b" ")  # a safetensors header longer than what comes
+    await _write_chunks(real_store, "v1", 100_000, 10_000_000, [header] + [bytes([i]) * 100 for i in range(1, 5)])
+    with pytest.raises(RecordError, match=r"model version v1 is incomplete: 5 of 100,000 chunks .* found 0"):
+        await read_stream(real_store, "v1")
+    # the first chunk, two full pages, the empty one, and at most PAGES_AHEAD asked ahead of it
+    assert 4 <= len(xranges) <= 4 + version_stream.PAGES_AHEAD
+    assert set(xranges[1:]) == {"own" if own else "client"}
 
 
 @pytest.fixture

@@ -176,6 +176,7 @@ class _Assembly:
         if chunk.data and not inline:
             raise RecordError(f"model version {self.version}: chunk {chunk.index} holds its bytes twice")
         if self.first is None:
+            _check_first(self.version, self.key, chunk, length)  # before its size is allocated
             self.first, self.blob = chunk, self.allocate(chunk.size)
             self.checker = BlobChecker(self.version, chunk.sha256) if self.check else None
         first = self.first
@@ -209,12 +210,28 @@ class _Assembly:
         return self.first is not None and self.read >= self.first.total
 
 
+def _check_first(version: str, key: str, chunk: WeightsChunk, length: int) -> None:
+    """RecordError unless ``chunk`` (``length`` bytes) can be the first of the blob it describes. A
+    writer cuts a blob into chunks as long as the first but the last, which may be shorter
+    (`fulmen.versions.blobs.write_stream`), so ``size`` lies in ((total - 1) × length, total × length]:
+    a ``total`` or ``size`` out of it cannot be true, and would have the reader allocate or ask for
+    what is not there."""
+    if (chunk.model_version, chunk.index) != (version, 0):
+        raise RecordError(f"model version {version}: expected chunk 0 on {key}, found chunk {chunk.index} "
+                          f"of {chunk.model_version}: a chunk is missing or foreign")
+    total, size = chunk.total, chunk.size
+    if not (size == length if total == 1 else (total - 1) * length < size <= total * length):
+        raise RecordError(f"model version {version}: its first chunk on {key} holds {length:,} bytes and "
+                          f"declares {total:,} chunks of {size:,} bytes in all, which cannot be true: refused")
+
+
 async def read_stream(store: RedisStore, version: str, allocate: Callable[[int], Buffer] = bytearray,
                       check: bool = True, follow_s: float | None = None) -> tuple[Buffer, str, str | None] | None:
     """The blob on the version's weights stream, copied into ``allocate(size)``, its sha256 as the
     chunks state it, and what was checked on the way (`BlobChecker.finish`; None with ``check``
     False); None if the stream has no chunk; RecordError if chunks are missing, out of place or do
-    not check out.
+    not check out, as soon as a page comes back short or the first chunk declares a total or size it
+    cannot have: what a read costs is bounded by the chunks there, not by what they declare.
 
     ``follow_s``: read the stream while it is being written (a prefetch, before any resources entry
     names the version): wait as long as it takes for the first chunk, then at most ``follow_s``
@@ -246,8 +263,10 @@ class _StreamReader:
         # Pages after the first ask for exact id ranges (chunk i is entry 0-<i+1>), PAGES_AHEAD at a time
         # (on as many connections, or pipelined on the reader's own): the server builds the next replies
         # while the client parses this one (one round trip at a time left one side idle).
-        self.pages: deque[asyncio.Future[Any]] = deque()
-        self.raw_pages = 0  # pages asked on the own connection and not read yet
+        # Each page asked and not read yet, with the chunks it must bring: a page that brings fewer ends
+        # the read (the chunks are not there, whatever the first one declared).
+        self.pages: deque[tuple[asyncio.Future[Any], int]] = deque()
+        self.raw_pages: deque[int] = deque()  # the same on the own connection
         self.asked = 0  # chunks requested so far
         self.gave_up = False  # a follow waited in vain for the next chunk
 
@@ -261,11 +280,13 @@ class _StreamReader:
                 if step == "next":
                     continue
                 # "behind": a follow ahead of the writer: wait for its next chunk below, then back to this connection
-            entries = await self._client_page()
-            if not entries:
-                break
+            entries, expected = await self._client_page()
             for _, fields in entries:
                 blob.add(fields.get(b"m"), fields.get(DATA_FIELD.encode()))
+            if expected is not None:
+                self._whole_page(expected, len(entries))
+            if not entries:
+                break
             _feed(blob)
             if blob.first is not None and not self.sized and not blob.done():
                 await self._open_own()
@@ -273,14 +294,25 @@ class _StreamReader:
 
     def _ask(self) -> None:
         """Ask for the next page: pipelined on the own connection, or a request of redis-py's."""
+        assert self.blob.first is not None
         low, high = f"0-{self.asked + 1}", f"0-{self.asked + self.page}"
+        expected = min(self.page, self.blob.first.total - self.asked)
         if self.raw is not None:
             self.raw.send("XRANGE", self.key, low, high, "COUNT", self.page)
-            self.raw_pages += 1
+            self.raw_pages.append(expected)
         else:
-            self.pages.append(asyncio.ensure_future(
-                self.store.weights_redis.xrange(self.key, min=low, max=high, count=self.page)))
+            self.pages.append((asyncio.ensure_future(
+                self.store.weights_redis.xrange(self.key, min=low, max=high, count=self.page)), expected))
         self.asked += self.page
+
+    def _whole_page(self, expected: int, got: int) -> None:
+        """RecordError if a page brought fewer chunks than it asked for: they are not on the stream, and
+        no later page can bring them (a first chunk that overstates the total ends here)."""
+        if got < expected:
+            first = self.blob.first
+            assert first is not None
+            raise RecordError(f"model version {self.version} is incomplete: {self.blob.read:,} of {first.total:,} "
+                              f"chunks on {self.key}, and a page of {expected:,} more found {got:,}")
 
     async def _own_page(self) -> Literal["next", "end", "behind"]:
         """One page on the own connection, received in its thread: ``"next"`` once it is in (or once the
@@ -292,38 +324,44 @@ class _StreamReader:
             self.asked = blob.read  # one page at a time from what is read: the writer may be behind
         before = blob.read
         try:
-            while self.raw_pages < (PAGES_AHEAD if self.follow_s is None else 1) and self.asked < blob.first.total:
+            while len(self.raw_pages) < (PAGES_AHEAD if self.follow_s is None else 1) and self.asked < blob.first.total:
                 self._ask()
             if not self.raw_pages:  # every chunk asked for and read, and some never came
                 return "end"
-            self.raw_pages -= 1
-            await asyncio.wrap_future(own.submit(raw.entries, blob))
+            expected = self.raw_pages.popleft()
+            got = await asyncio.wrap_future(own.submit(raw.entries, blob))
         except (OSError, ResponseError) as e:
             # a restart, a dropped connection: on through redis-py, which rides out an outage
             log.warning("reading model version %s on its own connection failed (%r): going on with the "
                         "client's", self.version, e)
             raw.close()
-            self.raw, self.raw_pages, self.asked = None, 0, blob.read
+            self.raw, self.asked = None, blob.read
+            self.raw_pages.clear()
             return "next"
         _feed(blob)
-        return "next" if blob.read > before or self.follow_s is None else "behind"
+        if self.follow_s is None:  # a follow's page may be short: the writer is behind
+            self._whole_page(expected, got)
+            return "next"
+        return "next" if blob.read > before else "behind"
 
-    async def _client_page(self) -> list[Any]:
+    async def _client_page(self) -> tuple[list[Any], int | None]:
         """The next entries through redis-py: while following, the next ones written; else the first
-        chunk alone, then the pages asked for, PAGES_AHEAD in flight. Empty when no more come."""
+        chunk alone, then the pages asked for, PAGES_AHEAD in flight. Empty when no more come. With
+        them, how many a page asked for must bring (`_whole_page`); None for a follow or the first."""
         first = self.blob.first
         if self.follow_s is not None:
             wait_s = None if first is None else self.follow_s
             entries = await _written_next(self.store, self.key, self.blob.read, self.page, wait_s)
             self.gave_up = not entries
-            return entries
+            return entries, None
         if first is None:
-            return await self.store.weights_redis.xrange(self.key, min="0-1", max="+", count=1)
+            return await self.store.weights_redis.xrange(self.key, min="0-1", max="+", count=1), None
         while len(self.pages) < PAGES_AHEAD and self.asked < first.total:
             self._ask()
         if not self.pages:  # every chunk asked for, and some never came
-            return []
-        return await self.pages.popleft()
+            return [], None
+        page, expected = self.pages.popleft()
+        return await page, expected
 
     async def _open_own(self) -> None:
         """Once the first chunk shows the chunk size: pages of about READ_PAGE_BYTES, and the reader's
@@ -358,7 +396,7 @@ class _StreamReader:
 
     def close(self) -> None:
         """What a read leaves behind, whether it ended or was left early (a bad chunk, a cancel)."""
-        for pending in self.pages:  # left early: the pages on their way are not wanted
+        for pending, _ in self.pages:  # left early: the pages on their way are not wanted
             pending.cancel()
         for reader in self.opened:
             reader.close()  # wakes the own thread if it waits on the socket
