@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 from redis_cluster import EmbeddedCluster
 
 from fulmen.errors import InvalidInput, NotFound, RecordError
-from fulmen.records import TrainStep, WeightsChunk
+from fulmen.records import ResourcesUpdate, TrainStep, WeightsChunk
 from fulmen.store import RedisStore
 from fulmen.telemetry.steps import append_step, latest_step, read_curve
 from fulmen.versions.blobs import CHUNK_HEADER_BYTES
@@ -137,6 +139,35 @@ async def test_a_chunk_refused_with_others_in_flight_leaves_no_version(
     monkeypatch.undo()
     await publish_model_version(real_store, _state_dict(), model="tiny", transport=RedisTransport(chunk_bytes=100))
     _assert_bitwise_equal(await fetch_model_version(real_store, "v1"), _state_dict())
+
+
+async def test_an_unreadable_policy_entry_is_replaced_by_the_next_publish(
+    store: RedisStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A policy version no reader decodes (an llm model_version of 5), forced past the store's check,
+    does not stop publishing: the next publish goes on from the version before it, names the next
+    model version, warns, and moves the bad entry to the dead letters with the reason."""
+    await publish_model_version(store, _state_dict(), model="tiny")
+    forced = int(await store.redis.get(store.keys.resources_version)) + 1
+    llm = {"kind": "llm", "model": "tiny", "model_version": 5}
+    bad = ResourcesUpdate(POLICY_RESOURCES_ID, forced, {"llm": llm}, time.time()).to_wire()
+    key = store.keys.resources(POLICY_RESOURCES_ID)
+    # as the store's publish script writes a version (counter, hash, log), without the writer's check
+    await store.redis.set(store.keys.resources_version, forced)
+    await store.redis.hset(key, mapping={str(forced): bad, "latest": forced})
+    await store.redis.xadd(store.keys.resources_log, {"m": bad})
+    with pytest.raises(RecordError, match="model_version 5"):
+        await store.resources.get_resources(POLICY_RESOURCES_ID)
+    with caplog.at_level(logging.WARNING):
+        update = await publish_model_version(store, _state_dict(1), model="tiny")
+    current = await store.resources.get_resources(POLICY_RESOURCES_ID)
+    assert current == update and current.version == forced + 1
+    assert llm_resource(current)["model_version"] == "v2"  # type: ignore[index]
+    assert f"version {forced} cannot be read" in caplog.text and "model_version 5" in caplog.text
+    _assert_bitwise_equal(await fetch_model_version(store, "v2"), _state_dict(1))
+    [letter] = await store.dead_letters.query_dead_letters()
+    assert (letter.source, letter.entry_id, letter.payload) == (key, str(forced), {"m": bad})
+    assert f"replaced by version {forced + 1}" in letter.reason and "model_version 5" in letter.reason
 
 
 async def test_explicit_existing_version_is_refused(store: RedisStore) -> None:

@@ -91,6 +91,20 @@ async def test_invalid_resources_id_is_refused(store: RedisStore) -> None:
     assert await store.resources.query_resources() == []
 
 
+async def test_resources_the_readers_refuse_are_refused_when_written(store: RedisStore) -> None:
+    """add_resources and update_resources refuse what get_resources would refuse (an llm model_version
+    that is not a name), naming the field; nothing is published and no version is used up."""
+    bad = {"llm": {"kind": "llm", "model": "m", "model_version": 5}}
+    with pytest.raises(InvalidInput, match=r"resources policy cannot be published: .*model_version 5 is not a name"):
+        await store.resources.add_resources(bad, "policy")
+    first = await store.resources.add_resources({"llm": {"kind": "llm", "model": "m", "model_version": "v1"}}, "policy")
+    with pytest.raises(InvalidInput, match="model_version 5 is not a name"):
+        await store.resources.update_resources("policy", bad)
+    assert first.version == 1
+    assert await store.resources.get_resources("policy") == first
+    assert await store.resources.query_resources() == [first]
+
+
 async def test_query_resources_order_and_pages(store: RedisStore) -> None:
     """query_resources lists versions in publication order, reversed on request, paginated."""
     await store.resources.add_resources({"p": 1}, "a")

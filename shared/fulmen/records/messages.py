@@ -86,7 +86,7 @@ class ResourcesUpdate(Record):
         if isinstance(llm, dict):
             version = llm.get("model_version")
             require(self, version is None or (isinstance(version, str) and bool(version)),
-                    f"llm model_version {version!r} is not a name")
+                    f"llm model_version {version!r} is not a name (a non-empty string such as 'v5')")
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fulmen import keys as k
@@ -17,6 +18,17 @@ from fulmen.store.redis.stream import Fields, Stream, entry_id_text
 log = logging.getLogger(__name__)
 
 LATEST_PAGE = 16  # log entries read per round trip while looking back past unreadable ones
+
+
+@dataclass(frozen=True)
+class UnreadableVersion:
+    """A stored version of a resources entry that no reader decodes: where it is (``key``, the field
+    ``version``), its bytes as stored and why it is refused."""
+
+    key: str
+    version: str
+    record: bytes
+    reason: str
 
 
 class Resources:
@@ -66,12 +78,21 @@ class Resources:
             rid = resources_id or f"res-{version}"
             update = ResourcesUpdate(rid, version, dict(resources), time.time(), dict(metadata or {}))
             record = update.to_wire(self.max_record_bytes)
+            self._check_readable(rid, record)
             code = await self._publish(keys=[self.keys.prefix], args=[rid, version, record, int(new_id)])
             if code == b"exists":
                 raise InvalidInput(f"resources {rid} exist already; publish a new version with update_resources")
             if code == b"ok":
                 return update
             # another publisher took this version: read the counter again
+
+    def _check_readable(self, resources_id: str, record: bytes) -> None:
+        """InvalidInput unless ``record`` decodes as every reader decodes it (`ResourcesUpdate.from_wire`
+        and its value checks): an entry the readers refuse, once published, would stop them all."""
+        try:
+            ResourcesUpdate.from_wire(record, self.max_record_bytes)
+        except RecordError as e:
+            raise InvalidInput(f"resources {resources_id} cannot be published: {e}") from None
 
     async def get_resources(self, resources_id: str, version: int | None = None) -> ResourcesUpdate:
         """A snapshot by id: its latest version, or the given one."""
@@ -82,6 +103,29 @@ class Resources:
         if record is None:
             raise NotFound(f"resources {resources_id} (version {version or 'latest'}) do not exist")
         return ResourcesUpdate.from_wire(record, self.max_record_bytes)
+
+    async def get_readable_resources(self, resources_id: str) -> tuple[ResourcesUpdate | None, list[UnreadableVersion]]:
+        """The newest version of ``resources_id`` that decodes (None if there is none, or no entry) and
+        the newer ones that do not, newest first (written by hand or by a foreign writer, as
+        `get_resources` would refuse them): for a writer that replaces them rather than stop on them.
+        Looks back at most LATEST_PAGE versions past the latest."""
+        key = self.keys.resources(resources_id)
+        try:
+            return await self.get_resources(resources_id), []
+        except NotFound:
+            return None, []
+        except (RecordError, ValueError):  # an unreadable latest version, or "latest" itself
+            pass
+        fields = await self.redis.hkeys(key)
+        versions = sorted((int(f) for f in fields if f.isdigit()), reverse=True)[:LATEST_PAGE]
+        unreadable: list[UnreadableVersion] = []
+        for version in versions:
+            record = await self.redis.hget(key, str(version))
+            try:
+                return ResourcesUpdate.from_wire(record, self.max_record_bytes), unreadable
+            except RecordError as e:
+                unreadable.append(UnreadableVersion(key, str(version), record or b"", str(e)))
+        return None, unreadable
 
     async def get_latest_resources(self) -> ResourcesUpdate | None:
         """The newest readable snapshot on the log. Entries that do not decode (garbage written to

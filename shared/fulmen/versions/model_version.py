@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from redis.exceptions import RedisError
+
 from fulmen import keys as k
 from fulmen.errors import InvalidInput, NotFound, RecordError
 from fulmen.records import ResourcesUpdate
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from fulmen.store import RedisStore
+    from fulmen.store.resources import UnreadableVersion
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +150,7 @@ async def publish_model_version(
     if options.extra_resources and "llm" in options.extra_resources:
         raise InvalidInput("extra_resources cannot set 'llm': publish_model_version writes it")
     transport.check(store)
-    previous = await _current(store, options.resources_id)
+    previous, unreadable = await _current(store, options.resources_id)
     payload = _payload(state_dict, weights_format, manifest)
     async with transport.writing(store, payload):
         version, weights = await _write(store, transport, payload, model_version, previous)
@@ -155,6 +158,7 @@ async def publish_model_version(
         weights = {**weights_format, **weights}
     llm = {"kind": "llm", "model": model, "model_version": version, "weights": weights}
     published = await _record(store, _next_resources(previous, options, llm), previous, options)
+    await _set_aside(store, unreadable, published)
     from fulmen.versions.retention import record_stored
 
     # retention may delete it once it is old, but not while a kept delta needs it as its base
@@ -169,7 +173,7 @@ async def next_model_version(
     """The version a default publish to ``resources_id`` would take now: ``v<n+1>`` after its current
     version, past names whose weights exist already. A caller that must record the name before the
     weights exist (the trainer's checkpoint) reserves it this way and publishes it by name."""
-    for name in _default_versions(await _current(store, resources_id)):
+    for name in _default_versions((await _current(store, resources_id))[0]):
         taken = await store.weights_redis.exists(store.keys.weights(name)) or (
             shared_dir is not None and (Path(shared_dir) / name).exists()
         )
@@ -272,12 +276,27 @@ async def wait_until_served(
 # --- writing ----------------------------------------------------------------------------------------
 
 
-async def _current(store: RedisStore, resources_id: str) -> ResourcesUpdate | None:
-    """The latest version of the resources entry ``resources_id``; None before its first."""
-    try:
-        return await store.resources.get_resources(resources_id)
-    except NotFound:
-        return None
+async def _current(store: RedisStore, resources_id: str) -> tuple[ResourcesUpdate | None, list[UnreadableVersion]]:
+    """The latest readable version of the resources entry ``resources_id`` (None before its first) and
+    the newer ones no reader decodes, each with a warning: a publish goes on from the one before them
+    and replaces them (`_set_aside`), where one unreadable entry would stop every publish."""
+    previous, unreadable = await store.resources.get_readable_resources(resources_id)
+    for bad in unreadable:
+        log.warning("resources %s version %s cannot be read (%s): the next version published replaces it, "
+                    "going on from %s", resources_id, bad.version, bad.reason,
+                    "nothing" if previous is None else f"version {previous.version}")
+    return previous, unreadable
+
+
+async def _set_aside(store: RedisStore, unreadable: list[UnreadableVersion], published: ResourcesUpdate) -> None:
+    """The unreadable versions ``published`` replaced, on the dead-letter stream with why, for a person
+    to look at (they stay where they are, unread: the log and the hash keep every version)."""
+    for bad in unreadable:
+        reason = f"unreadable resources version, replaced by version {published.version}: {bad.reason}"
+        try:
+            await store.dead_letters.dead_letter(bad.key, bad.version, reason, {b"m": bad.record})
+        except RedisError as e:  # the publish is done: a lost letter is not worth failing it
+            log.warning("could not dead-letter resources version %s of %s: %r", bad.version, bad.key, e)
 
 
 def _payload(state_dict: Mapping[str, torch.Tensor], weights_format: Mapping[str, Any] | None,
