@@ -98,6 +98,7 @@ class Scheduler:
         self._step_changed_at = time.monotonic()
         self.untrained = UntrainedGroups(store.redis, store.keys, f"{run}-e")
         self.version_steps = VersionSteps()  # the trainer step of each version the servers serve
+        self._last_served: int | None = None  # the served step last reported by some server
         self._unserved_logged = False  # said once that no server reports what it serves
         self._capped_at = -1  # the trainer step at which replacing untrained groups last hit its cap
 
@@ -180,15 +181,18 @@ class Scheduler:
     async def served(self, trained: int) -> int:
         """The trainer step whose weights every model server serves, at most ``trained``: a round waits
         for the servers to load the weights, not only for the trainer to step. When no server reports
-        a version (none registered yet, or only proxies that forward upstream), 0: the base weights."""
+        a version: the last one reported (a proxy restarting catches up before it registers again), or,
+        if none ever did (only proxies that forward upstream), ``trained``, with a warning once."""
         served = await served_step(self.store, self.version_steps)
-        if served is None and trained > 0 and not self._unserved_logged:
+        if served is not None:
+            self._last_served = served
+        elif self._last_served is None and trained > 0 and not self._unserved_logged:
             self._unserved_logged = True
-            log.warning("no torch proxy nor ready vLLM replica reports the model version it serves: rounds are "
-                        "paced as if the base weights were served (`fulmen status` lists the servers)")
-        elif served is not None:
-            self._unserved_logged = False
-        return min(trained, served if served is not None else 0)
+            log.warning("no torch proxy nor vLLM replica kept in step by vllm-sync reports the model version it "
+                        "serves: rounds follow the trainer's steps, and rollouts may run on weights it never "
+                        "published (`fulmen status` lists the servers)")
+        known = served if served is not None else self._last_served
+        return min(trained, known if known is not None else trained)
 
     async def fill(self) -> int:
         """Enqueue every group pacing allows now. Returns how many groups were enqueued."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -231,10 +232,10 @@ async def test_staleness_zero_waits_for_every_server_to_serve_the_trainers_versi
     assert await s.fill() == 1
 
 
-async def _steps_publishing_every_three(store: RedisStore, last: int) -> None:
+async def _steps_publishing_every_three(store: RedisStore, last: int, start: int = 1) -> None:
     """The steps stream of a trainer at ``--publish-every 3``: steps 1-2 hold the base weights, 3-5 v1,
     6-8 v2 (each step's record names the version the trainer holds after it)."""
-    for step in range(1, last + 1):
+    for step in range(start, last + 1):
         await _trainer_step(store, step, "base" if step < 3 else f"v{step // 3}", served=False)
 
 
@@ -253,18 +254,26 @@ async def test_staleness_counts_trainer_steps_when_a_version_is_published_every_
     assert await s.fill() == 3 and s.state.groups == 7
 
 
-async def test_with_no_server_reporting_a_version_staleness_zero_allows_only_the_first_round(real_store: RedisStore) -> None:
-    """No proxy nor replica registered (or only a proxy that forwards upstream): the lag is unknown and
-    the rounds wait as if the base weights were served, however far the trainer is."""
+async def test_when_servers_stop_reporting_the_gate_holds_at_the_last_step_served(real_store: RedisStore,
+                                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """No server ever reported a version (only proxies that forward upstream): rounds follow the
+    trainer, with a warning. Once one did, its last served step holds while none reports (a proxy
+    restarting), however far the trainer goes."""
     s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=2, max_inflight=100, staleness=0,
                                                       stall_s=3600))
     await s.load()
-    await _steps_publishing_every_three(real_store, 6)
-    assert await s.fill() == 2
-    await _serve(real_store, "v2", proxy_id="upstream", backend="vllm")
+    await _steps_publishing_every_three(real_store, 3)
+    await _serve(real_store, "v1", proxy_id="upstream", backend="openai")
+    with caplog.at_level(logging.WARNING):
+        assert await s.fill() == 8  # the rounds for steps 0 to 3
+    assert "rounds follow the trainer's steps" in caplog.text
+    await _serve(real_store, "v1")  # a torch proxy: step 3 served
     assert await s.fill() == 0
+    await real_store.registry.unregister_proxy("stand-in")
+    await _steps_publishing_every_three(real_store, 6, start=4)
+    assert await s.fill() == 0  # step 3 is the last served: nothing for steps 4 to 6 yet
     await _serve(real_store, "v2")
-    assert await s.fill() == 12  # the rounds for steps 1 to 6
+    assert await s.fill() == 6  # the rounds for steps 4 to 6
 
 
 async def test_the_serving_lag_is_counted_in_trainer_steps(real_store: RedisStore) -> None:

@@ -613,7 +613,8 @@ class AlgorithmSettings(ServedModelSettings, TrainingRunSettings, ValidationSett
     staleness: int = Field(
         0,
         ge=0,
-        description="Model versions a rollout may lag (0: synchronous).",
+        description="Trainer steps a round of rollouts may run ahead of the weights the model servers serve "
+        "(0: synchronous).",
         json_schema_extra={"group": "rollouts"},
     )
     epochs: int | None = Field(
