@@ -61,6 +61,10 @@ def test_invalid_values_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> Non
         load_settings(redis_port=0)
     with pytest.raises(InvalidInput, match="experiment name"):
         load_settings(experiment="has space")
+    for above in (".", "..", "..."):  # each would name a folder outside the experiment's own
+        with pytest.raises(InvalidInput, match="not only dots"):
+            load_settings(experiment=above)
+    assert load_settings(experiment="v1.2..3").experiment == "v1.2..3"
     monkeypatch.setenv("FULMEN_REDIS_URL", "redis://x")  # the URL is REDIS_URL, nothing else
     with pytest.raises(InvalidInput, match="FULMEN_REDIS_URL"):
         load_settings()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fulmen.demo import arithmetic
-from fulmen.demo.warm_start import Example, WarmStartPlan, install_model, warm_start
+from fulmen.demo.warm_start import Example, WarmStartPlan, install_model, preparing, warm_start
 from fulmen.errors import NotFound
 from fulmen.store import RedisStore
 from fulmen.versions.model_version import BASE_VERSION, POLICY_RESOURCES_ID
@@ -72,16 +72,22 @@ def sft_example(tokenizer: Any, demo: dict[str, Any]) -> Example:
 
 def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: int = N_VAL,
                  until: float = WARM_START.until, max_sft_steps: int = WARM_START.max_steps) -> DemoPaths:
-    """Idempotent: a folder prepared before is reused as it is."""
+    """Idempotent: a folder prepared before is reused as it is (by one process at a time)."""
     paths = DemoPaths(folder / "model", folder / "train.jsonl", folder / "val.jsonl")
-    if (paths.model / "config.json").exists() and paths.train.exists() and paths.val.exists():
-        log.info("demo prepared before in %s", folder)
-        return paths
+    with preparing(folder):
+        if (paths.model / "config.json").exists() and paths.train.exists() and paths.val.exists():
+            log.info("demo prepared before in %s", folder)
+        else:
+            _build_demo(folder, paths, seed, n_train, n_val, until, max_sft_steps)
+    return paths
+
+
+def _build_demo(folder: Path, paths: DemoPaths, seed: int, n_train: int, n_val: int, until: float,
+                max_sft_steps: int) -> None:
     import torch
 
     from fulmen.demo.tiny_model import TinyModelSpec, build_tiny_model, load_tiny_model
 
-    folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     train = arithmetic.make_tasks("train", n_train, seed=seed)
     arithmetic.write_jsonl(paths.train, train)
@@ -97,7 +103,6 @@ def prepare_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_val: 
                                 plan, seed=seed)
     install_model(model, staging, paths.model, step, accuracy)
     log.info("warm start done after %d SFT steps (train accuracy %.2f): %s", step, accuracy, paths.model)
-    return paths
 
 
 async def publish_base_policy(store: RedisStore, model_name: str,

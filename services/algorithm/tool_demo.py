@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fulmen.demo import arithmetic, calculator
-from fulmen.demo.warm_start import WarmStartPlan, install_model, warm_start
+from fulmen.demo.warm_start import WarmStartPlan, install_model, preparing, warm_start
 from fulmen_algorithm.demo import DemoPaths
 
 log = logging.getLogger(__name__)
@@ -142,16 +142,22 @@ def prepare_tool_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_
                       until: float = WARM_START.until, max_sft_steps: int = WARM_START.max_steps,
                       check_every: int = WARM_START.check_every) -> DemoPaths:
     """Idempotent: a folder prepared before is reused as it is. ``check_every``: SFT steps between two
-    checks of the greedy accuracy (the slow part)."""
+    checks of the greedy accuracy (the slow part). One process at a time prepares a folder."""
     paths = DemoPaths(folder / "model", folder / "train.jsonl", folder / "val.jsonl")
-    if (paths.model / "config.json").exists() and paths.train.exists() and paths.val.exists():
-        log.info("tool demo prepared before in %s", folder)
-        return paths
+    with preparing(folder):
+        if (paths.model / "config.json").exists() and paths.train.exists() and paths.val.exists():
+            log.info("tool demo prepared before in %s", folder)
+        else:
+            plan = dataclasses.replace(WARM_START, until=until, max_steps=max_sft_steps, check_every=check_every)
+            _build_tool_demo(folder, paths, seed, n_train, n_val, plan)
+    return paths
+
+
+def _build_tool_demo(folder: Path, paths: DemoPaths, seed: int, n_train: int, n_val: int, plan: WarmStartPlan) -> None:
     import torch
 
     from fulmen.demo.tiny_model import load_tiny_model
 
-    folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     train = calculator.make_tasks("train", n_train, seed=seed)
     arithmetic.write_jsonl(paths.train, train)
@@ -162,9 +168,7 @@ def prepare_tool_demo(folder: Path, *, seed: int = 0, n_train: int = N_TRAIN, n_
     model, tokenizer = load_tiny_model(staging)
     examples = [sequence_and_mask(tokenizer, d["messages"]) for d in calculator.demonstrations(train)]
     check = train[:CHECK_TASKS]
-    plan = dataclasses.replace(WARM_START, until=until, max_steps=max_sft_steps, check_every=check_every)
     step, accuracy = warm_start(model, examples, tokenizer.pad_token_id, lambda: greedy_accuracy(model, tokenizer, check),
                                 plan, seed=seed, name="tool warm start")
     install_model(model, staging, paths.model, step, accuracy)
     log.info("tool warm start done after %d SFT steps (train accuracy %.2f): %s", step, accuracy, paths.model)
-    return paths

@@ -1,15 +1,18 @@
 """Both demos' SFT warm start: masked next-token steps on batches of demonstrations until the greedy
 accuracy on some training tasks reaches ``until``, then the model folder moved into place (renamed
-last, so the services waiting for it never read half a model). Why it stops early: docs/design/demo.md.
+last, so the services waiting for it never read half a model), one process at a time per folder
+(`preparing`). Why it stops early: docs/design/demo.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import random
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +77,24 @@ def warm_start(model: Any, examples: Sequence[Example], pad: int, accuracy_of: C
             if accuracy >= plan.until:
                 break
     return step, accuracy
+
+
+@contextlib.contextmanager
+def preparing(folder: Path) -> Iterator[None]:
+    """Hold ``folder``'s preparation lock (a file lock, released by the OS if the process dies): two
+    demos started in one working folder, as two experiments are, prepare it once between them; the
+    second waits, then finds it prepared, instead of building over the first one's files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".prepare.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is preparing %s: waiting for it", folder)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def install_model(model: Any, staging: Path, final: Path, sft_steps: int, accuracy: float) -> None:

@@ -26,8 +26,11 @@ DEFAULT_PORT = 6399  # the embedded Redis's: not 6379, so a system Redis on the 
 
 
 def check_experiment(name: str) -> str:
-    if not isinstance(name, str) or not _EXPERIMENT.fullmatch(name):
-        raise InvalidInput(f"experiment name {name!r} is invalid: use 1-64 letters, digits, '_', '.' or '-'")
+    """``name`` if it can name an experiment: it also names the experiment's folders (checkpoints,
+    metrics, archive, vLLM sync), so '.' and '..', which would name a folder above them, are refused."""
+    if not isinstance(name, str) or not _EXPERIMENT.fullmatch(name) or set(name) == {"."}:
+        raise InvalidInput(f"experiment name {name!r} is invalid: use 1-64 letters, digits, '_', '.' or '-', "
+                           "not only dots")
     return name
 
 ENV_PREFIX = "FULMEN_"
