@@ -40,6 +40,8 @@ REPLICAS = "replicas"  # hash: inference server URL -> its replica state (served
 POLICY_RESOURCES_ID = "policy"  # the resources the trainer publishes model versions to and rollouts run with
 STORED_VERSIONS = "weights-stored"  # zset: model version -> resources version, for those whose weights are kept
 VERSION_BASES = "weights-bases"  # hash: delta model version -> the version it applies onto
+VERSION_MANIFESTS = "weights-manifests"  # hash: stored model version -> its manifest (JSON): what a rebuild must match
+VERSION_REBUILDS = "weights-rebuilds"  # stream, capped: asks to rebuild a version whose weights Redis lost, and answers
 CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)
 SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
 SAMPLED = "sampled"  # set: rollouts sampled (the once-per-rollout marker when there are several shards)
@@ -70,6 +72,7 @@ ADAPTER_GROUP = "adapter"  # consumer group on FINISHED
 TRAINERS_GROUP = "trainers"  # consumer group on SAMPLES
 ALGORITHM_GROUP = "algorithm"  # consumer group on FINISHED
 ARCHIVE_GROUP = "archive"  # consumer group on every FINISHED and on SAMPLES, once `fulmen archive` ran
+REBUILDERS_GROUP = "rebuilders"  # consumer group on VERSION_REBUILDS: the trainer answers the asks
 
 # Matched with fullmatch: ``$`` also matches before a trailing newline, which let "r1\n" through
 # (and into log lines). The experiment name's rule lives with the setting (`check_experiment`).
@@ -189,6 +192,8 @@ class Keys:
         "trainer_untrained",
         "validations",
         "version_bases",
+        "version_manifests",
+        "version_rebuilds",
         "watch_deadline",
         "watch_heartbeat",
         "workers",
@@ -229,6 +234,8 @@ class Keys:
         self.services = p + SERVICES
         self.stored_versions = p + STORED_VERSIONS
         self.version_bases = p + VERSION_BASES
+        self.version_manifests = p + VERSION_MANIFESTS
+        self.version_rebuilds = p + VERSION_REBUILDS
         self.replicas = p + REPLICAS
         self.shards_count = p + SHARDS
 
