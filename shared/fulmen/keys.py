@@ -55,6 +55,9 @@ TRAINER_SLOT = "trainer:slot:"  # string with a TTL: who holds trainer rank <n> 
 TRAINER_PLANS = "trainer:plans"  # stream: the leader's step plans, one entry per rank's share
 TRAINER_GRADS = "trainer:grads"  # stream: each rank's encoded gradient chunks, per step
 TRAINER_AGGREGATES = "trainer:aggregates"  # stream: the summed gradient the leader sends back, per step
+TRAINER_LEADER = "trainer:leader"  # string with a TTL: the leader's lease, "<epoch>:<rank>:<token>"
+TRAINER_LEADER_EPOCH = "trainer:leader:epoch"  # counter: the fencing token of each new lease
+TRAINER_AGREED = "trainer:agreed"  # stream, capped: one record per step the ranks agreed on (the commit)
 TRAINER_STEPS = "trainer:steps"  # stream, capped: the leader's per-step summary (reward, loss), for `fulmen top`
 TRAINER_UNTRAINED = "trainer:untrained"  # set: group keys the trainer took without a step (dropped, skipped)
 SERVICES = "services"  # hash: process id -> service heartbeat record (every long-running service)
@@ -186,7 +189,10 @@ class Keys:
         "shards_count",
         "stored_versions",
         "trainer_aggregates",
+        "trainer_agreed",
         "trainer_grads",
+        "trainer_leader",
+        "trainer_leader_epoch",
         "trainer_plans",
         "trainer_steps",
         "trainer_untrained",
@@ -229,6 +235,9 @@ class Keys:
         self.trainer_plans = p + TRAINER_PLANS
         self.trainer_grads = p + TRAINER_GRADS
         self.trainer_aggregates = p + TRAINER_AGGREGATES
+        self.trainer_leader = p + TRAINER_LEADER
+        self.trainer_leader_epoch = p + TRAINER_LEADER_EPOCH
+        self.trainer_agreed = p + TRAINER_AGREED
         self.trainer_steps = p + TRAINER_STEPS
         self.trainer_untrained = p + TRAINER_UNTRAINED
         self.services = p + SERVICES

@@ -1,4 +1,5 @@
-"""Between trainer ranks: compressed gradient chunks, their header, and the leader's step plan."""
+"""Between trainer ranks: compressed gradient chunks, their header, the leader's step plan, and the
+record of a step the ranks agreed on."""
 
 from __future__ import annotations
 
@@ -102,3 +103,28 @@ class RankPlan(Record):
         require(self, all(type(r) in (float, int) and math.isfinite(r) for r in self.rewards),
                 "rewards must be finite numbers")
 
+
+@dataclass(frozen=True, slots=True)
+class AgreedStep(Record):
+    """A step the trainer ranks agreed on, as its leader commits it (one fenced write, only while it
+    holds the lease of ``epoch``): the ranks apply the step's last update only once this exists, and a
+    new leader resumes from the newest one. ``entry_ids``: the samples-stream entries the step
+    consumed; ``summary``: the step's `TrainStep` wire record (the steps stream's, written again by a
+    new leader if the old one died before writing it)."""
+
+    KIND: ClassVar[str] = "agreed_step"
+    MAX_BYTES: ClassVar[int] = 16 << 20  # the entry ids of a whole batch
+
+    step: int
+    epoch: int  # the leader's lease (fencing token)
+    rank: int  # the leader's rank
+    model_version: str  # the weights after this step (published now, or the version before)
+    publishes: bool  # whether ``model_version`` is this step's own new version
+    entry_ids: list[str]
+    summary: bytes
+
+    def check_wire(self) -> None:
+        require_at_least(self, 1, "step", "epoch")
+        require_at_least(self, 0, "rank")
+        require_nonempty(self, "model_version")
+        require(self, all(type(e) is str for e in self.entry_ids), "entry ids must be strings")
