@@ -1,8 +1,9 @@
 """Trainer checkpoints without pickle (safetensors for every tensor, JSON for everything else), whole
 or a shard per FSDP rank, and the trainer resuming from the newest one.
 
-A folder ``step-<n>/`` renamed into place, then ``LATEST`` replaced atomically; sharded, every rank
-calls `save_sharded` and `load_sharded` together. Each records its experiment, and only that experiment
+A folder ``step-<n>/`` renamed into place, then ``LATEST`` replaced atomically; the newest `KEEP` stay,
+and the one that holds the newest version's bytes (`fulmen.versions.rebuild` reads it when Redis
+lost them). Sharded, every rank calls `save_sharded` and `load_sharded` together. Each records its experiment, and only that experiment
 resumes it. The layout, the barriers and why a resume takes up each piece: docs/design/trainer.md.
 """
 
@@ -25,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from fulmen.errors import InvalidInput
 from fulmen.keys import TRAINERS_GROUP
 from fulmen.telemetry.steps import latest_step
-from fulmen.versions.model_version import ModelVersion, is_published
+from fulmen.versions.model_version import BASE_VERSION, ModelVersion, is_published
+from fulmen.versions.rebuild import checkpoints_of
 from fulmen_trainer.publishing import republish_if_lost
 
 log = logging.getLogger(__name__)
@@ -103,15 +105,19 @@ def _fresh_tmp(directory: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _put_in_place(directory: Path, tmp: Path, final: Path) -> None:
-    """The written folder renamed to ``final``, then ``LATEST`` pointed at it; the oldest beyond KEEP go."""
+def _put_in_place(directory: Path, tmp: Path, final: Path, model_version: str) -> None:
+    """The written folder renamed to ``final``, then ``LATEST`` pointed at it; the oldest beyond KEEP go,
+    but for the one of the step that published ``model_version`` (the newest checkpoint's): the bytes
+    of that version, which `fulmen.versions.rebuild` writes again if Redis loses them."""
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     latest_tmp = directory / ".LATEST.tmp"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, directory / "LATEST")
+    published = checkpoints_of(directory, model_version)[:1] if model_version != BASE_VERSION.name else []
     for old in sorted(directory.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old not in published:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def save(
@@ -138,7 +144,7 @@ def save(
     }
     save_file(tensors, str(tmp / "state.safetensors"))
     (tmp / "meta.json").write_text(json.dumps(meta))
-    _put_in_place(directory, tmp, final)
+    _put_in_place(directory, tmp, final, checkpoint.model_version)
     return final
 
 
@@ -191,7 +197,7 @@ def save_sharded(directory: Path, checkpoint: Checkpoint, model: Any, optimizer:
                 "experiment": checkpoint.experiment, "consumed_entry_ids": checkpoint.consumed_entry_ids,
                 "extra": checkpoint.extra}
         (tmp / "meta.json").write_text(json.dumps(meta))
-        _put_in_place(directory, tmp, final)
+        _put_in_place(directory, tmp, final, checkpoint.model_version)
     dist.barrier(group=group)
     return final
 

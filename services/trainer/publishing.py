@@ -1,5 +1,6 @@
-"""How the trainer publishes its weights: whole, or as a delta against the version before; and again,
-as the next version, when Redis lost the newest one's chunks.
+"""How the trainer publishes its weights: whole, or as a delta against the version before; and again
+when Redis lost a version's chunks: under its own name from its checkpoint (`fulmen.versions.rebuild`),
+for the newest version and for any a proxy asks for, else the newest as the next version.
 
 ``publish_format`` full or delta (keyframes every ``keyframe_every``), see `fulmen.versions.delta`.
 Lost weights are looked for at start and every `CHECK_EVERY_S`; why, and when not: docs/design/trainer.md.
@@ -26,6 +27,8 @@ from fulmen.versions.model_version import (
     publish_model_version,
     transport_for,
 )
+from fulmen.versions.rebuild import RebuildRefused, rebuild_version
+from fulmen.versions.rebuild_asks import answer_asks
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +120,10 @@ async def weights_lost(trainer: Any, watch: LostWeightsWatch) -> bool:
 
 
 async def republish_if_lost(trainer: Any, *, now: bool = False) -> bool:
-    """On rank 0, at most every CHECK_EVERY_S (``now``: this time whatever the last check): publish the
-    weights again as the next version if Redis lost the newest one's (the module docstring says why).
-    True if it did."""
+    """On rank 0, at most every CHECK_EVERY_S (``now``: this time whatever the last check): if Redis
+    lost the newest version's weights, write them again under its own name from its checkpoint, or
+    publish the weights again as the next version when no checkpoint holds its bytes (the module
+    docstring says why). True if it did either."""
     watch = trainer.lost_weights
     clock = time.monotonic()
     if trainer.rank != 0 or (not now and clock < watch.next_check):
@@ -128,6 +132,11 @@ async def republish_if_lost(trainer: Any, *, now: bool = False) -> bool:
     if not await weights_lost(trainer, watch):
         return False
     lost = trainer.version.name
+    try:
+        await rebuild_version(trainer.store, lost, trainer.checkpoint_folder)
+        return True  # the same bytes under the same name: the delta base and every span stay right
+    except RebuildRefused as e:
+        log.warning("the weights of model version %s are gone from Redis and cannot be rebuilt: %s", lost, e)
     if getattr(trainer.ranks, "sharded", False):
         if watch.reported != lost:
             watch.reported = lost
@@ -141,3 +150,13 @@ async def republish_if_lost(trainer: Any, *, now: bool = False) -> bool:
     await trainer.checkpoint()  # a restart resumes under the new name
     await trainer.publish()
     return True
+
+
+async def answer_rebuild_asks(trainer: Any) -> int:
+    """On rank 0: rebuild from this trainer's checkpoints the lost versions proxies and vllm-syncs asked
+    for (`fulmen.versions.rebuild_asks`), answering each; the number answered."""
+    if trainer.rank != 0:
+        return 0
+    folder = trainer.checkpoint_folder
+    return await answer_asks(trainer.store, trainer.consumer,
+                             lambda version: rebuild_version(trainer.store, version, folder))

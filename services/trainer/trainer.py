@@ -39,7 +39,12 @@ from fulmen_trainer.metrics import MetricsMirror, StepMetrics
 from fulmen_trainer.objectives import Baseline, objective
 from fulmen_trainer.plan import StepPlan, merge_passes, nonfinite_plan, plan_step
 from fulmen_trainer.policy import Policy, load_policy
-from fulmen_trainer.publishing import LostWeightsWatch, VersionPublisher, republish_if_lost
+from fulmen_trainer.publishing import (
+    LostWeightsWatch,
+    VersionPublisher,
+    answer_rebuild_asks,
+    republish_if_lost,
+)
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +142,7 @@ class Trainer:
                                                     block_s=READ_BLOCK_S)
             await self.take(entries)
             await republish_if_lost(self)
+            await answer_rebuild_asks(self)  # lost versions a proxy waits for
             # staleness counts against the version that trains: groups still waiting are weighed again
             waiting = [self.collector.reweigh(g, self.version.number) for g in self.ready]
             complete = self.collector.take_complete(self.version.number)

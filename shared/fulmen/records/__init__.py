@@ -1,6 +1,6 @@
 """Every record Fulmen stores or sends, each with its wire form. One schema version (`fulmen.codec`).
 
-One module per area (rollouts, spans, status, messages, samples, ranks, ops, control; `base` for
+One module per area (rollouts, spans, status, messages, samples, ranks, ops, control, rebuilds; `base` for
 `Record`), every record importable from here. Wire forms and why: docs/design/records.md.
 """
 
@@ -18,6 +18,7 @@ from fulmen.records.messages import (
 )
 from fulmen.records.ops import ServiceBeat, TrainStep
 from fulmen.records.ranks import GradientChunk, GradientHeader, RankPlan
+from fulmen.records.rebuilds import RebuildAction, VersionRebuild
 from fulmen.records.rollouts import Attempt, AttemptedRollout, Rollout, RolloutConfig
 from fulmen.records.samples import RolloutForSamples, Sample, SampleSkip, pack_sample
 from fulmen.records.spans import Span, SpanView
@@ -36,6 +37,7 @@ __all__ = [
     "ProxyEndpoint",
     "QueueEntry",
     "RankPlan",
+    "RebuildAction",
     "Record",
     "ReplicaState",
     "ResourcesUpdate",
@@ -51,6 +53,7 @@ __all__ = [
     "Span",
     "SpanView",
     "TrainStep",
+    "VersionRebuild",
     "WeightsChunk",
     "Worker",
     "pack_sample",

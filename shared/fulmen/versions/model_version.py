@@ -163,7 +163,8 @@ async def publish_model_version(
 
     # retention may delete it once it is old, but not while a kept delta needs it as its base
     assert payload.manifest is not None  # computed before it was written, or while it was
-    await record_stored(store, version, published.version, base=payload.manifest.base_version)
+    await record_stored(store, version, published.version, base=payload.manifest.base_version,
+                        manifest=payload.manifest.to_json())
     return published
 
 

@@ -21,11 +21,17 @@ __all__ = ["record_stored", "retain_versions", "rewrite_aof_after_publish", "rew
            "served_versions", "stored_versions", "versions_to_delete"]
 
 
-async def record_stored(store: RedisStore, model_version: str, resources_version: int, base: str | None = None) -> None:
+async def record_stored(store: RedisStore, model_version: str, resources_version: int, base: str | None = None,
+                        manifest: str | None = None) -> None:
+    """``model_version`` is stored (published by ``resources_version``), a delta on ``base``, with
+    ``manifest`` (JSON): kept through the AOF while its weights may not be, so a version whose
+    chunks Redis lost can be rebuilt and checked (`fulmen.versions.rebuild`)."""
     async with store.redis.pipeline(transaction=True) as pipe:
         pipe.zadd(store.keys.stored_versions, {model_version: resources_version})
         if base is not None:
             pipe.hset(store.keys.version_bases, model_version, base)
+        if manifest is not None:
+            pipe.hset(store.keys.version_manifests, model_version, manifest)
         await pipe.execute()
 
 
@@ -44,6 +50,7 @@ async def retain_versions(store: RedisStore, keep: int, shared_dir: str | Path |
         async with store.redis.pipeline(transaction=True) as pipe:
             pipe.zrem(store.keys.stored_versions, version)
             pipe.hdel(store.keys.version_bases, version)
+            pipe.hdel(store.keys.version_manifests, version)
             await pipe.execute()
         if shared_dir is not None:
             await asyncio.to_thread(retire, Path(shared_dir), version)
