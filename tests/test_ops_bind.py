@@ -7,8 +7,9 @@ import urllib.request
 
 import pytest
 
+from fulmen.errors import InvalidInput
 from fulmen.settings import load_settings
-from fulmen.telemetry.http import OpsServer
+from fulmen.telemetry.http import OpsServer, start_ops
 
 
 def _get(port: int, path: str, token: str | None = None) -> int:
@@ -50,3 +51,19 @@ def test_no_token_no_auth(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("FULMEN_METRICS_TOKEN", raising=False)
     with OpsServer(load_settings(redis_url=redis_url), "watchdog", port=0) as ops:
         assert _get(ops.port, "/metrics") == 200
+
+
+def test_a_taken_honcho_port_falls_back_to_a_free_one_a_chosen_one_is_an_error(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second `honcho start` hands out the same $PORTs: the service serves on a free port instead
+    (its heartbeat names it); a FULMEN_METRICS_PORT someone else holds fails, naming the setting."""
+    with OpsServer(load_settings(redis_url=redis_url), "watchdog", port=0) as first:
+        monkeypatch.delenv("FULMEN_METRICS_PORT", raising=False)
+        monkeypatch.setenv("PORT", str(first.port))
+        with start_ops(load_settings(redis_url=redis_url), "watchdog") as second:
+            assert second.port not in (None, first.port)
+            assert _get(second.port, "/healthz") == 200
+        monkeypatch.setenv("FULMEN_METRICS_PORT", str(first.port))
+        with pytest.raises(InvalidInput, match="FULMEN_METRICS_PORT"):
+            start_ops(load_settings(redis_url=redis_url), "watchdog")

@@ -7,6 +7,7 @@ Port, address and token rules: docs/design/telemetry.md.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import json
 import logging
@@ -24,6 +25,7 @@ from prometheus_client.core import Metric
 from redis.exceptions import RedisError
 
 from fulmen import keys as k
+from fulmen.errors import InvalidInput
 from fulmen.records import ServiceBeat
 from fulmen.settings import CommonSettings
 from fulmen.store.redis.connection import sync_client
@@ -92,8 +94,10 @@ class OpsServer:
         port: int | None = None,
         host: str | None = None,
         token: str | None = None,
+        any_port_if_taken: bool = False,
     ) -> None:
         self.service = service
+        self.any_port_if_taken = any_port_if_taken  # ``port`` is a hint (honcho's $PORT), not the user's choice
         self.keys = k.Keys(settings.experiment)
         self.groups = list(groups)
         self.port = port
@@ -134,7 +138,7 @@ class OpsServer:
         if self._threads:
             return self  # already started (`with start_ops(...)` starts it before entering)
         if self.port is not None:
-            self._http = ThreadingHTTPServer((self.host, self.port), _handler(self))
+            self._http = self._bind(self.port)
             self._http.daemon_threads = True
             self.port = self._http.server_address[1]  # port 0: the one the OS picked
             self._spawn(self._http.serve_forever, "ops-http")
@@ -142,6 +146,23 @@ class OpsServer:
                      " (/metrics needs the bearer token)" if self.token else "")
         self._spawn(self._beat, "ops-heartbeat")
         return self
+
+    def _bind(self, port: int) -> ThreadingHTTPServer:
+        """The HTTP server on ``port``; a port taken by another process is a clear error, or, when the
+        port was only honcho's $PORT (a second `honcho start` hands out the same ones), a free port with
+        a warning: the service's heartbeat names the port, so `fulmen top` still finds it."""
+        try:
+            return ThreadingHTTPServer((self.host, port), _handler(self))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            if not self.any_port_if_taken:
+                raise InvalidInput(f"{self.service}: port {port} for /healthz /readyz /metrics is taken: set "
+                                   "FULMEN_METRICS_PORT to a free port, or 0 for any") from None
+        log.warning("%s: port %d ($PORT) is taken, another `honcho start` on this host? Serving /healthz /readyz "
+                    "/metrics on a free port instead (set FULMEN_METRICS_PORT, or `honcho start -p`, to choose)",
+                    self.service, port)
+        return ThreadingHTTPServer((self.host, 0), _handler(self))
 
     def _spawn(self, target: Any, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)  # never holds the exit
@@ -180,7 +201,8 @@ class OpsServer:
 
 def start_ops(settings: CommonSettings, service: str, groups: Sequence[tuple[str, str]] = ()) -> OpsServer:
     """Start `OpsServer` for a service on its configured port (see the module docstring)."""
-    return OpsServer(settings, service, groups=groups, port=ops_port(settings)).start()
+    return OpsServer(settings, service, groups=groups, port=ops_port(settings),
+                     any_port_if_taken=settings.metrics_port is None).start()
 
 
 def _handler(server: OpsServer) -> type[BaseHTTPRequestHandler]:
