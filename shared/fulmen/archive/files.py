@@ -22,11 +22,13 @@ from fulmen.store.redis.stream_ids import StreamId, parse_id
 
 FORMAT = "fulmen-archive"
 VERSION = 1
-KINDS = ("rollouts", "samples")
+# rollouts and samples (`fulmen.archive.write`), the logs (`fulmen.archive.logs`), the run state (`fulmen.archive.state`)
+KINDS = ("rollouts", "samples", "steps", "resources", "validations", "dead-letters", "state")
 SUFFIX = ".msgpack.gz"
 TMP_PREFIX = ".tmp-"
 MAX_OBJECT_BYTES = 256 * 1024 * 1024  # one record (a rollout with every span) at most
-_NAME = re.compile(r"(rollouts|samples)-s(\d+)-(\d+-\d+)_(\d+-\d+)\.msgpack\.gz")
+_NAME = re.compile(rf"({'|'.join(KINDS)})-s(\d+)-(\d+-\d+)_(\d+-\d+)\.msgpack\.gz")
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:

@@ -1,5 +1,6 @@
 """`fulmen archive`: an experiment's finished rollouts (with their attempts and spans) and its samples,
-written to files (`fulmen.archive.files`) before retention trims them.
+written to files (`fulmen.archive.files`) before retention trims them; with them, each pass, the logs
+(`fulmen.archive.logs`) and the run's state (`fulmen.archive.state`).
 
 An entry is acknowledged only once its file is in place: nothing is lost or archived twice.
 Why: docs/design/store.md.
@@ -24,6 +25,8 @@ from fulmen.archive.files import (
     remove_temporaries,
     write_file,
 )
+from fulmen.archive.logs import archive_logs
+from fulmen.archive.state import archive_state
 from fulmen.errors import InvalidInput, RecordError
 from fulmen.records import RolloutFinished
 from fulmen.store.redis.stream_ids import StreamId, parse_id
@@ -39,6 +42,16 @@ class ArchiveReport:
     samples: int = 0
     files: list[Path] = field(default_factory=list)
     recovered: int = 0  # entries a crash left written but unacknowledged: acknowledged now, not rewritten
+    logs: dict[str, int] = field(default_factory=dict)  # entries archived per log (`fulmen.archive.logs.LOGS`)
+    state: Path | None = None  # the run state's snapshot, when it changed since the last one
+
+    def summary(self) -> str:
+        """One line of what the pass archived."""
+        logs = ", ".join(f"{n} {kind}" for kind, n in self.logs.items())
+        state = "a new state snapshot" if self.state is not None else "the state unchanged"
+        note = f"; {self.recovered} entries a crashed run had written, acknowledged" if self.recovered else ""
+        return (f"{self.rollouts} rollouts, {self.samples} samples, {logs or 'no logs'}, {state}, "
+                f"in {len(self.files)} file(s){note}")
 
 
 async def archive(store: RedisStore, directory: Path, *, chunk: int = DEFAULT_CHUNK, samples: bool = True) -> ArchiveReport:
@@ -49,10 +62,16 @@ async def archive(store: RedisStore, directory: Path, *, chunk: int = DEFAULT_CH
     directory.mkdir(parents=True, exist_ok=True)
     remove_temporaries(directory)
     report = ArchiveReport()
+    # the state first: every rollout it counts as done has finished, so this pass archives it too
+    report.state = await archive_state(store, directory)
+    if report.state is not None:
+        report.files.append(report.state)
     for shard in store.keys.shards:
         await _archive_stream(store, directory, "rollouts", shard.index, shard.finished, chunk, report)
     if samples:
         await _archive_stream(store, directory, "samples", 0, store.keys.samples, chunk, report)
+    report.logs, files = await archive_logs(store, directory, chunk)
+    report.files += files
     return report
 
 

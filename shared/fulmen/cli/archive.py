@@ -1,17 +1,40 @@
-"""`fulmen archive` and `fulmen export` (`fulmen replay` is the adapter's: it runs the adapter's code)."""
+"""`fulmen archive`, `fulmen restore` and `fulmen export` (`fulmen replay` is the adapter's: it runs the
+adapter's code)."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from fulmen.cli.service import ExperimentOpt, err, out, run_on_store, settings_from_flags
-from fulmen.errors import FulmenError
+from fulmen.cli.service import (
+    ExperimentOpt,
+    err,
+    error_exit,
+    opened_store,
+    out,
+    run_on_store,
+    settings_from_flags,
+    stop_on_signals,
+)
+from fulmen.errors import FulmenError, InvalidInput
+from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore
 
 EXPORT_PAGE = 1000  # samples-stream entries per read
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)")
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of ``30s``, ``10m``, ``1.5h``, ``1d`` or a plain number of seconds (at least 1 s)."""
+    m = _DURATION.fullmatch(text.strip().lower())
+    if m is None or float(m[1]) * _UNIT_S[m[2]] < 1:
+        raise typer.BadParameter(f"{text!r} is not a duration of at least 1s: use e.g. 30s, 10m, 1h")
+    return float(m[1]) * _UNIT_S[m[2]]
 
 
 def archive(
@@ -20,26 +43,92 @@ def archive(
     experiment: ExperimentOpt = None,
     chunk: Annotated[int, typer.Option(min=1, max=100_000, help="Entries per file.")] = 1000,
     samples: Annotated[bool, typer.Option(help="Archive the samples stream too.")] = True,
+    every: Annotated[str | None, typer.Option(
+        "--every", help="Archive continuously: a pass every this long (30s, 10m, 1h) until SIGTERM.")] = None,
 ) -> None:
-    """Write finished rollouts (with their attempts and spans) and samples to files, before `fulmen trim`.
+    """Write an experiment's history to files, before `fulmen trim`, so that it survives the loss of Redis.
 
-    Incremental: each run writes only what earlier runs have not (its cursor is the consumer group
-    "archive" on every finished stream, every store shard's, and on the samples stream), and from its
-    first run on, `fulmen trim` keeps every entry not yet archived: run archive, then trim, as often
-    as you like, and nothing is lost or written twice. Files are gzip-compressed msgpack, each
-    written under a temporary name and renamed: a crash leaves whole files only, and the next run
-    goes on where the last file ends. `fulmen replay --from DIR` turns the archived spans into
-    samples again; `fulmen export --from DIR` makes a dataset of the archived samples."""
+    Finished rollouts (with their attempts and spans), samples, the trainer's steps, the resources
+    log, the validation passes, the dead letters and a snapshot of the run's state (the algorithm's
+    position, the adapter's counters, the consumer groups). Incremental: each run writes only what
+    earlier runs have not (for rollouts and samples its cursor is the consumer group "archive" on
+    every finished stream, every store shard's, and on the samples stream; for the other streams,
+    the last entry its files hold; the state when it changed), and from its first run on,
+    `fulmen trim` keeps every finished and sample entry not yet archived: run archive, then trim,
+    as often as you like, and nothing is lost or written twice. Files are gzip-compressed msgpack,
+    each written under a temporary name and renamed: a crash leaves whole files only, and the next
+    run goes on where the last file ends. With --every it runs until SIGTERM (exit 0), a log line
+    per pass; a failed pass is logged and tried again. `fulmen restore --from DIR` rebuilds the
+    experiment from the files; `fulmen replay --from DIR` turns the archived spans into samples
+    again; `fulmen export --from DIR` makes a dataset of the archived samples."""
     settings = settings_from_flags(experiment=experiment)
     target = directory or settings.data_dir / "archive" / settings.experiment
+    every_s = parse_duration(every) if every is not None else None
+    if every_s is not None:
+        _archive_every(settings, target, every_s, chunk, samples)
+        return
 
     async def work(store: RedisStore) -> None:
         from fulmen.archive.write import archive as run_archive
 
         report = await run_archive(store, target, chunk=chunk, samples=samples)
-        note = f" ({report.recovered} entries a crashed run had written, acknowledged)" if report.recovered else ""
-        out.print(f"archived {report.rollouts} rollouts and {report.samples} samples in {len(report.files)} "
-                  f"file(s) to {target}{note}")
+        out.print(f"archived {report.summary()} to {target}")
+
+    run_on_store(settings, work)
+
+
+def _archive_every(settings: CommonSettings, target: Path, every_s: float, chunk: int, samples: bool) -> None:
+    from fulmen.archive.schedule import archive_every
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        stop_on_signals(stop.set)
+        async with opened_store(settings) as store:
+            await archive_every(store, target, every_s, stop, chunk=chunk, samples=samples)
+
+    try:
+        asyncio.run(main())
+    except InvalidInput as e:
+        raise error_exit(str(e)) from None
+    except FulmenError as e:
+        raise error_exit(str(e), 1) from None
+
+
+def restore(
+    source: Annotated[Path, typer.Option(
+        "--from", help="An archive directory (`fulmen archive`'s: one experiment's files).")],
+    experiment: Annotated[str | None, typer.Option(
+        "--experiment", "-e", help="The experiment to rebuild it as (default: the archived experiment's "
+        "name). It must have no data.")] = None,
+) -> None:
+    """Rebuild an experiment from its archive, after the loss of Redis or into another Redis.
+
+    Into an experiment that has no data at all (refused otherwise): every archived stream entry
+    under its own id (finished rollouts with their attempts and spans, samples, trainer steps,
+    resources log, validation passes, dead letters), the resources, and the newest snapshot of the
+    run's state (the algorithm's position, the adapter's counters, the consumer groups' cursors),
+    so that `fulmen status`, `fulmen top` and the dashboard read it as they read the original, and a
+    service started on it goes on from there. Not `fulmen replay`, which re-derives samples from
+    archived spans with the adapter's code and appends them to a live experiment. Rollouts that had
+    not finished when the archive last ran, and model weights, are not in the archive."""
+    from fulmen.archive.restore import archive_info
+    from fulmen.archive.restore import restore as run_restore
+
+    try:
+        info = archive_info(source)
+    except FulmenError as e:
+        raise error_exit(str(e)) from None
+    settings = settings_from_flags(experiment=experiment or info.experiment)
+
+    async def work(store: RedisStore) -> None:
+        target = RedisStore(store.redis, store.experiment, max_record_bytes=store.max_record_bytes,
+                            shards=info.shards, weights_redis=store.weights_redis)
+        try:
+            report = await run_restore(target, source)
+        except InvalidInput as e:
+            raise error_exit(str(e)) from None
+        out.print(f"restored experiment {target.experiment} from {source} ({info.experiment}'s archive): "
+                  f"{report.summary()}")
 
     run_on_store(settings, work)
 
@@ -97,4 +186,4 @@ def export(
               f"duplicates, {report.filtered} filtered out, {report.unreadable} unreadable)")
 
 
-COMMANDS = {"archive": archive, "export": export}
+COMMANDS = {"archive": archive, "restore": restore, "export": export}
