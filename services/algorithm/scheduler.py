@@ -145,10 +145,23 @@ class Scheduler:
             block_s = None
             if not batch:
                 return done
-            ours = [c.rollout_id for c in batch if c.rollout_id.startswith(self.run + "-e")]
+            ours = await self._known([c.rollout_id for c in batch if c.rollout_id.startswith(self.run + "-e")])
             if ours:
                 done += await self.store.redis.sadd(self.store.keys.algorithm_done, *ours)
             await self.store.finished.ack_finished(k.ALGORITHM_GROUP, [c.entry_id for c in batch])
+
+    async def _known(self, rollout_ids: list[str]) -> list[str]:
+        """The ids of rollouts the store holds: an entry naming one it does not (forged, or deleted)
+        is not counted as done, which would enqueue more than ``max_inflight``. It is left to the
+        adapter, which dead-letters it once for everyone, rather than dead-lettered once per group."""
+        if not rollout_ids:
+            return []
+        rollouts = await self.store.rollouts.get_rollouts(rollout_ids)
+        unknown = [rid for rid, r in zip(rollout_ids, rollouts, strict=True) if r is None]
+        if unknown:
+            log.warning("finished entries name %d rollout(s) of this run the store does not hold (%s): not counted",
+                        len(unknown), ", ".join(unknown[:3]))
+        return [rid for rid, r in zip(rollout_ids, rollouts, strict=True) if r is not None]
 
     async def inflight(self) -> int:
         return self.state.enqueued - await self.store.redis.scard(self.store.keys.algorithm_done)

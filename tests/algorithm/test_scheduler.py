@@ -302,3 +302,25 @@ def _fields(record: object) -> dict:
     import dataclasses
 
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}  # type: ignore[arg-type]
+
+
+async def test_a_finished_entry_for_a_rollout_the_store_does_not_hold_is_not_counted(
+    real_store: RedisStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An entry naming a rollout of this run that was never enqueued is acknowledged with a warning, not
+    counted: the rollouts in flight stay as many as were enqueued and not finished."""
+    from fulmen import keys as k
+    from fulmen.records import RolloutFinished, RolloutStatus
+
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=1, max_inflight=100))
+    await s.load()
+    assert await s.fill() == 1
+    ghost = f"{s.run}-e0-ghost"
+    await real_store.redis.xadd(real_store.keys.finished,
+                                {"m": RolloutFinished(ghost, RolloutStatus.SUCCEEDED, f"{ghost}.1").to_wire()})
+    await _finish(real_store, 1)
+    with caplog.at_level("WARNING", logger="fulmen_algorithm.scheduler"):
+        assert await s.count_finished() == 1
+    assert await s.inflight() == 1
+    assert any(ghost in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert (await real_store.redis.xpending(real_store.keys.finished, k.ALGORITHM_GROUP))["pending"] == 0
