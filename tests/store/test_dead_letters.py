@@ -8,7 +8,7 @@ import pytest
 
 from fulmen import codec
 from fulmen import keys as k
-from fulmen.errors import RecordError, RecordTooLarge, SchemaVersionError
+from fulmen.errors import InvalidInput, RecordError, RecordTooLarge, SchemaVersionError
 from fulmen.records import (
     Attempt,
     DeadLetter,
@@ -234,3 +234,17 @@ def test_other_decoding_errors_are_record_errors_not_version_errors() -> None:
     with pytest.raises(RecordError, match="cannot encode as msgpack"):
         codec.pack({"x": object()})
 
+
+
+async def test_a_dead_letter_from_a_hash_is_kept_not_requeued(store: RedisStore) -> None:
+    """A letter set aside from a hash (an unreadable resources entry) is refused by requeue, naming its
+    source, and stays; a letter from a stream goes back onto it."""
+    await store.redis.hset(store.keys.resources("policy"), "v3", b"bad")
+    await store.dead_letters.dead_letter(store.keys.resources("policy"), "v3", "unreadable", {b"m": b"bad"})
+    await store.dead_letters.dead_letter(store.keys.queue, "1-1", "poison", {b"m": b"x"})
+    from_stream, from_hash = await store.dead_letters.query_dead_letters()  # newest first
+    with pytest.raises(InvalidInput, match="not a stream but a hash"):
+        await store.dead_letters.requeue_dead_letter(from_hash.dead_letter_id)
+    await store.dead_letters.requeue_dead_letter(from_stream.dead_letter_id)
+    assert [d.dead_letter_id for d in await store.dead_letters.query_dead_letters()] == [from_hash.dead_letter_id]
+    assert [fields for _, fields in await store.redis.xrange(store.keys.queue)] == [{b"m": b"x"}]

@@ -46,6 +46,13 @@ class DeadLetters:
         own = any(letter.source.startswith(shard.prefix) for shard in self.ctx.keys.shards)
         if not own or not letter.payload:
             raise InvalidInput(f"dead letter {dead_letter_id} cannot be requeued (source {letter.source!r})")
+        kind = await self.ctx.redis.type(letter.source)
+        if kind not in (b"stream", b"none", "stream", "none"):  # a stream trimmed away comes back as one
+            # e.g. an unreadable resources entry, set aside from its hash: there is no stream to put
+            # it back on (an XADD would fail inside the MULTI and the letter would go with nothing back)
+            raise InvalidInput(f"dead letter {dead_letter_id} came from {letter.source!r}, not a stream but a "
+                               f"{kind.decode() if isinstance(kind, bytes) else kind}: it stays for a person to "
+                               "read, and cannot be requeued")
         # One MULTI when the source shares the dead letters' slot (shard 0); a stream of another
         # shard on a cluster cannot join it: the entry goes back first, then the letter goes.
         same_slot = key_slot(letter.source.encode()) == key_slot(self.ctx.keys.dead_letters.encode())
