@@ -63,7 +63,7 @@ async def _pages(store: RedisStore, rollout_id: str) -> dict[str, str]:
     pages = {}
     async with httpx.AsyncClient(transport=transport, base_url="http://dash.test") as client:
         for path in (f"/e/{e}", f"/e/{e}/rollouts", f"/e/{e}/rollouts/{rollout_id}", f"/e/{e}/curves.json",
-                     f"/e/{e}/dead-letters", "/"):
+                     f"/e/{e}/dead-letters"):
             page = await client.get(path)
             assert page.status_code == 200, (path, page.text)
             pages[path] = _NOW.sub("app;dur=?", page.text)
@@ -76,7 +76,7 @@ async def test_a_finished_run_restored_on_another_redis_reads_as_the_original(
     """Archive a finished run (rollouts with a retry and spans, samples, steps, resources versions, a
     validation pass, a dead letter, the algorithm's end state), restore it into an empty second
     Redis: `fulmen status --json` is byte for byte the same, and so are the dashboard's run, rollouts,
-    rollout, curves, dead-letters and experiments pages."""
+    rollout, curves and dead-letters pages."""
     e = real_store.experiment
     summary = await finished_run(real_store, tmp_path / "data")
     assert summary["steps"] == 3 and summary["validations"][-1]["label"] == "final"
