@@ -23,17 +23,17 @@ from fulmen.errors import FulmenError, NotFound, RecordError, RetryableError
 from fulmen.records import Span
 from fulmen.store import RedisStore
 from fulmen.telemetry import semconv
+from fulmen.telemetry.semconv import (
+    DROPPED_LIMIT_BYTES,
+    DROPPED_NAME,
+    DROPPED_REASON,
+    DROPPED_SIZE_BYTES,
+    DROPPED_SPAN,
+)
 from fulmen.telemetry.tracing import SpanBuffer
 
 log = logging.getLogger(__name__)
 
-# What stands in for a span the store refused (over the record size limit, or not encodable): same
-# attempt, span id, trace and parent, so the rollout shows what is missing and its children keep a parent.
-DROPPED_SPAN = "fulmen.dropped"
-DROPPED_NAME = "fulmen.dropped.name"  # the dropped span's name
-DROPPED_SIZE_BYTES = "fulmen.dropped.size_bytes"  # its encoded size (absent if it could not be encoded)
-DROPPED_LIMIT_BYTES = "fulmen.dropped.limit_bytes"  # the store's record size limit
-DROPPED_REASON = "fulmen.dropped.reason"  # the store's error
 DROPPED_NAME_CHARS = 256  # of the dropped span's name kept on the marker (a name can be the oversize part)
 
 

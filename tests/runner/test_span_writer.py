@@ -11,16 +11,16 @@ from fulmen.records import RolloutStatus, Span
 from fulmen.settings import RunnerSettings
 from fulmen.store import RedisStore
 from fulmen.telemetry import semconv
-from fulmen.telemetry.tracing import SpanBuffer, setup_tracing
-from fulmen_runner.runner import Runner
-from fulmen_runner.span_writer import (
+from fulmen.telemetry.semconv import (
     DROPPED_LIMIT_BYTES,
     DROPPED_NAME,
     DROPPED_REASON,
     DROPPED_SIZE_BYTES,
     DROPPED_SPAN,
-    SpanWriter,
 )
+from fulmen.telemetry.tracing import SpanBuffer, setup_tracing
+from fulmen_runner.runner import Runner
+from fulmen_runner.span_writer import SpanWriter
 
 LIMIT = 64 * 1024  # the store's record size limit in these tests: small, so an oversize span is cheap
 

@@ -79,6 +79,14 @@ HEADER_MODEL_VERSION = "x-fulmen-model-version"  # on every proxy response: the 
 HEADER_IDEMPOTENCY_KEY = "idempotency-key"
 # W3C trace context travels in the standard `traceparent` header.
 
+# --- what stands in for a span the store refused (over the record size limit, or not encodable) ----
+# Same attempt, span id, trace and parent: the rollout shows what is missing, its children keep a parent.
+DROPPED_SPAN = "fulmen.dropped"
+DROPPED_NAME = "fulmen.dropped.name"  # the dropped span's name
+DROPPED_SIZE_BYTES = "fulmen.dropped.size_bytes"  # its encoded size (absent if it could not be encoded)
+DROPPED_LIMIT_BYTES = "fulmen.dropped.limit_bytes"  # the store's record size limit
+DROPPED_REASON = "fulmen.dropped.reason"  # the store's error
+
 
 def attempt_path(rollout_id: str, attempt_id: str) -> str:
     """The path prefix that attributes proxy calls to an attempt (before ``/v1``)."""
