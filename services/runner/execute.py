@@ -13,11 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import openai
 from opentelemetry import trace
 
 from fulmen.errors import InvalidInput, RecordError
-from fulmen.records import AttemptedRollout, AttemptStatus, Span
+from fulmen.records import AttemptedRollout, AttemptStatus, RolloutStatus
 from fulmen.sdk.agent import Agent
 from fulmen.sdk.emit import emit_exception, emit_reward
 from fulmen.sdk.hooks import Hook, run_hooks
@@ -27,11 +26,14 @@ from fulmen.telemetry.tracing import RootSpan, bind
 from fulmen_runner.agent_threads import AgentThreads
 from fulmen_runner.heartbeats import Heartbeats
 from fulmen_runner.inputs import InputResolver
+from fulmen_runner.proxy_outage import (
+    ProxyUnreachable,
+    error_record,
+    proxy_unreachable,
+    unreachable_since,
+    wait_for_proxy,
+)
 from fulmen_runner.span_writer import SpanWriter
-
-# Attempts of one rollout requeued because the proxy was unreachable, whatever its retry policy; past
-# it the attempt fails as usual (with the real cause), so a proxy gone for good still ends the rollout.
-PROXY_RETRIES = 3
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class AttemptContext:
     heartbeats: Heartbeats
     worker_id: str
     threads: AgentThreads | None = None  # where sync agents run (None: asyncio's default executor)
+    proxy_retry_s: float = 60.0  # how long a rollout waits for an unreachable proxy (`fulmen_runner.proxy_outage`)
 
 
 class Abandoned(Exception):
@@ -165,17 +168,16 @@ async def _report(
     started: float,
 ) -> Outcome:
     """Store the attempt's last spans with its status and reward in one step; or, the proxy being
-    unreachable, hand the rollout back (see `_requeue`); or, abandoned, store the spans alone."""
+    unreachable, wait for it and run the rollout again (`_proxy_outage`); or, abandoned, store the
+    spans alone."""
     rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
     spans = await ctx.writer.drain(aid)
     final = ctx.writer.final_reward(aid)
     reward = final if status is AttemptStatus.SUCCEEDED else None
     unreachable = proxy_unreachable(error) if status is AttemptStatus.FAILED else None
     if unreachable is not None:
-        error = unreachable
-        if claimed.attempt.sequence_id < PROXY_RETRIES:
-            await _requeue(ctx, claimed, spans, unreachable)
-            status = None
+        await ctx.writer.write(spans)
+        return await _proxy_outage(ctx, claimed, unreachable)
     if status is not None:
         try:  # the last spans, the status and the reward in one atomic step
             stored = await ctx.store.rollouts.update_attempt(
@@ -186,43 +188,53 @@ async def _report(
             await ctx.writer.write(spans)
             stored = await ctx.store.rollouts.update_attempt(rid, aid, status=status, error=error, reward=reward)
         log.debug("attempt %s %s -> %s in %.3f s", aid, status.value, stored, time.monotonic() - started)
-    elif unreachable is None:
+    else:
         await ctx.writer.write(spans)
         log.info("attempt %s abandoned: %s", aid, error)
     return Outcome(status, reward, error)
 
 
-async def _requeue(ctx: AttemptContext, claimed: AttemptedRollout, spans: list[Span], unreachable: ProxyUnreachable
-                   ) -> None:
-    """The infrastructure failed, not the agent: run the rollout again whatever its retry policy, as a
-    runner that stops hands its attempts back (bounded by ``PROXY_RETRIES``, so a proxy that is gone
-    for good still ends the rollout)."""
+async def _proxy_outage(ctx: AttemptContext, claimed: AttemptedRollout, unreachable: ProxyUnreachable) -> Outcome:
+    """The proxy was unreachable: hold the attempt (heartbeating, so the store still sees it alive and
+    a cancel still stops it) until the proxy answers, then hand it back, which runs the rollout again
+    without counting against its max_attempts; past ``proxy_retry_s`` since the rollout first found
+    the proxy unreachable, fail the rollout saying so. A runner that dies meanwhile leaves the attempt
+    to the watchdog, as one that dies while its agent runs."""
     rid, aid = claimed.rollout.rollout_id, claimed.attempt.attempt_id
-    await ctx.writer.write(spans)
-    released = await ctx.store.rollouts.release_attempt(rid, aid, reason=str(unreachable))
-    log.warning("attempt %s: %s; rollout %s", aid, unreachable, "requeued" if released else "already over")
+    since = await unreachable_since(ctx.store, claimed)
+    deadline = since + ctx.proxy_retry_s
+    log.warning("attempt %s: %s; waiting up to %.0f s more for it", aid, unreachable, max(0.0, deadline - time.time()))
 
+    async def moved() -> bool:  # the registry would now give the rollout another proxy
+        base = await ctx.resolver.registered_proxy(rid)
+        return base is not None and base != unreachable.base_url
 
-class ProxyUnreachable(Exception):
-    """The agent's LLM call never reached the proxy, or the proxy went away mid-call."""
-
-
-def proxy_unreachable(error: BaseException | None) -> ProxyUnreachable | None:
-    """The real cause when ``error`` is (or was raised from) the openai client failing to reach its
-    server — it says APITimeoutError or "Connection error." where the cause is a refused connection."""
-    chain: list[BaseException] = []
-    e = error
-    while e is not None and all(e is not c for c in chain):
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    found = next((c for c in chain if isinstance(c, openai.APIConnectionError)), None)
-    if found is None:
-        return None
-    root = chain[-1]
-    url = getattr(getattr(found, "request", None), "url", "")
-    base = str(url).split("/rollout/")[0].split("/v1/")[0] if url else "the LLM endpoint"
-    cause = f"{type(root).__name__}: {root}" if root is not found else type(found).__name__
-    return ProxyUnreachable(f"proxy {base} unreachable ({cause})")
+    ctx.heartbeats.watch(claimed, asyncio.current_task())  # type: ignore[arg-type]
+    try:
+        back = await wait_for_proxy(unreachable.base_url, deadline, moved)
+    except asyncio.CancelledError:
+        reason = ctx.heartbeats.abandoned_reason(aid)
+        if reason is None:  # the runner is stopping: hand the attempt back, the outage's start with it
+            await _hand_back(ctx, rid, aid, error_record(unreachable, since))
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        log.info("attempt %s abandoned while its proxy was unreachable: %s", aid, reason)
+        return Outcome(None, None, Abandoned(reason))
+    finally:
+        ctx.heartbeats.unwatch(aid)
+    if back:
+        released = await ctx.store.rollouts.release_attempt(rid, aid, reason=error_record(unreachable, since))
+        log.info("attempt %s: the proxy answers again; rollout %s", aid, "requeued" if released else "already over")
+        return Outcome(None, None, unreachable)
+    failed = ProxyUnreachable(
+        f"{unreachable}; still unreachable after {time.time() - since:.1f} s (proxy_retry_s={ctx.proxy_retry_s:g})",
+        unreachable.base_url,
+    )
+    await ctx.store.rollouts.update_rollout(
+        rid, status=RolloutStatus.FAILED, reason=error_record(failed, since), only_attempt_id=aid
+    )
+    log.warning("rollout %s failed: %s", rid, failed)
+    return Outcome(AttemptStatus.FAILED, None, failed)
 
 
 async def _on_cancelled(
@@ -242,13 +254,14 @@ async def _on_cancelled(
     return None, Abandoned(reason)
 
 
-async def _hand_back(ctx: AttemptContext, rollout_id: str, attempt_id: str) -> None:
-    """Store what the attempt traced so far and requeue its rollout for another runner."""
+async def _hand_back(ctx: AttemptContext, rollout_id: str, attempt_id: str, reason: Any = None) -> None:
+    """Store what the attempt traced so far and requeue its rollout for another runner (``reason``:
+    the error the attempt ends with; None: this runner stopped)."""
     try:
         await asyncio.shield(ctx.writer.flush(attempt_id))
-        released = await asyncio.shield(
-            ctx.store.rollouts.release_attempt(rollout_id, attempt_id, reason=f"runner {ctx.worker_id} stopped")
-        )
+        released = await asyncio.shield(ctx.store.rollouts.release_attempt(
+            rollout_id, attempt_id, reason=reason if reason is not None else f"runner {ctx.worker_id} stopped"
+        ))
         log.info("attempt %s handed back (%s)", attempt_id, "requeued" if released else "already over")
     except Exception as e:
         log.error("could not hand back attempt %s (%s); the watchdog will recover it", attempt_id, e)

@@ -121,6 +121,14 @@ class InputResolver:
         proxy = pick_proxy(proxies, rollout_id)
         return llm_for_attempt(spec, proxy.base_url, rollout_id, attempt_id, model=proxy.model, api_key=self.api_key)
 
+    async def registered_proxy(self, rollout_id: str) -> str | None:
+        """The base URL of the registered proxy a new attempt of the rollout would get (None: the
+        runner's llm_base_url decides, or no proxy is registered)."""
+        if self.llm_base_url:
+            return None
+        proxies = await self._live_proxies()
+        return pick_proxy(proxies, rollout_id).base_url.rstrip("/") if proxies else None
+
     async def _served_model(self, base_url: str, api_key: str | None) -> str:
         """The model a proxy (or any OpenAI-compatible server) serves, from its ``/v1/models``, asked once."""
         root = base_url.rstrip("/")

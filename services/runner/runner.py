@@ -45,7 +45,8 @@ class Runner:
         hooks: Sequence[Hook] = (),
         worker_id: str | None = None,
     ) -> None:
-        """``settings``: its concurrency, grace_s, llm_base_url and proxy key (`RunnerSettings.proxy_key`)."""
+        """``settings``: its concurrency, grace_s, llm_base_url, proxy_retry_s and proxy key
+        (`RunnerSettings.proxy_key`)."""
         self.store = store
         self.concurrency = settings.concurrency
         self.grace_s = settings.grace_s
@@ -62,6 +63,7 @@ class Runner:
             self.heartbeats,
             self.worker_id,
             self.threads,
+            settings.proxy_retry_s,
         )
         self.stopping = asyncio.Event()
         self.running: set[asyncio.Task[Outcome]] = set()

@@ -300,6 +300,19 @@ async def test_release_attempt_requeues_at_once_even_without_retries(store: Redi
     assert await _finished(store) == []
 
 
+async def test_released_attempts_leave_max_attempts_to_the_agent(store: RedisStore) -> None:
+    """Two hand-backs then a failure of the agent's: max_attempts=2 still retries once, then fails."""
+    await _claim(store, config=RolloutConfig(max_attempts=2, retry_condition=("failed",)))
+    assert await store.rollouts.release_attempt("r1", "r1.1", reason="runner w1 stopped")
+    assert (await store.queue.dequeue_rollout("w2")).attempt.attempt_id == "r1.2"
+    assert await store.rollouts.release_attempt("r1", "r1.2", reason={"type": "ProxyUnreachable", "message": "x"})
+    assert (await store.queue.dequeue_rollout("w3")).attempt.attempt_id == "r1.3"
+    assert await store.rollouts.update_attempt("r1", "r1.3", status="failed", error="agent") == "requeued"
+    assert (await store.queue.dequeue_rollout("w4")).attempt.attempt_id == "r1.4"
+    assert await store.rollouts.update_attempt("r1", "r1.4", status="failed", error="agent") == "failed"
+    assert (await store.rollouts.get_attempt("r1.2")).error["type"] == "ProxyUnreachable"
+
+
 async def test_release_of_a_replaced_attempt_changes_nothing(store: RedisStore) -> None:
     """Releasing an attempt that is no longer the latest leaves the newer attempt running."""
     await _claim(store)

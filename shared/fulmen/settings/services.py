@@ -147,6 +147,15 @@ class RunnerSettings(ProxyKeysSettings):
         description="OpenAI-compatible base URL for agents; unset: the proxies registered in the store.",
         json_schema_extra={"group": "llm"},
     )
+    proxy_retry_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a rollout whose LLM proxy cannot be reached waits for it to come back "
+        "(probing its /readyz with jittered backoff, the attempt held and heartbeating) before the "
+        "rollout fails naming the proxy; each re-run after such a wait leaves the rollout's max_attempts "
+        "untouched. Above a proxy's restart (10-30 s with a model to load).",
+        json_schema_extra={"group": "llm"},
+    )
     proxy_api_key: SecretStr | None = Field(
         None,
         description="Bearer key agents send to the proxies and to llm_base_url (unset: the first of "

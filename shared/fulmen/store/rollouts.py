@@ -287,7 +287,7 @@ class Rollouts:
         *,
         status: RolloutStatus | str | None = None,
         metadata: Mapping[str, Any] | None = None,
-        reason: str = "",
+        reason: BaseException | Mapping[str, Any] | str = "",
         only_attempt_id: str | None = None,
     ) -> RolloutStatus | None:
         """Change a rollout's metadata and/or force its status.
@@ -322,10 +322,13 @@ class Rollouts:
             raise NotFound(f"rollout {rollout_id} does not exist")
         return None if code == "already" else RolloutStatus(code)
 
-    async def release_attempt(self, rollout_id: str, attempt_id: str, reason: str = "released") -> bool:
-        """Hand an attempt back (a runner shutting down): it ends as failed with ``reason`` and the
-        rollout is queued again at once for another runner, whatever its retry policy — the attempt
-        did not fail on its merits. Returns False if the attempt had already ended or been replaced."""
+    async def release_attempt(
+        self, rollout_id: str, attempt_id: str, reason: BaseException | Mapping[str, Any] | str = "released"
+    ) -> bool:
+        """Hand an attempt back (a runner shutting down, an LLM proxy unreachable): it ends as failed
+        with ``reason`` and the rollout is queued again at once for another runner, whatever its retry
+        policy — the attempt did not fail on its merits, so it does not count against the rollout's
+        max_attempts either. Returns False if the attempt had already ended or been replaced."""
         status = await self.update_rollout(
             rollout_id, status=RolloutStatus.REQUEUING, reason=reason, only_attempt_id=attempt_id
         )

@@ -95,9 +95,12 @@ end
 -- read here). `r`: READ_FOR_FINISH of the rollout if the caller has read it (nil: read here).
 -- `rset`: field/value pairs the caller wants written to the rollout hash in any case (FINISH_WITH_SPANS'
 -- span counter), folded into the rollout's one HSET.
+-- The retry policy counts the attempts that failed on their merits: `attempt_n` less those handed
+-- back (`released_n`, SET_ROLLOUT_STATUS), which failed for the infrastructure (a runner stopping, an
+-- unreachable LLM proxy), not for the agent.
 -- Returns: missing | already | running | superseded | ignored | succeeded | requeued | failed
 local READ_FOR_FINISH = {{'status', 'attempt_id', 'attempt_n', 'max_attempts', 'retry_on', 'unresponsive_s', 'timeout_s',
-                         'priority'}}
+                         'priority', 'released_n'}}
 local function finish(rid, aid, status, err, queue_msg, finished_msg, reward, astatus, r, rset)
   local ak, rk = K_ATTEMPT .. aid, K_ROLLOUT .. rid
   rset = rset or {{}}
@@ -128,7 +131,7 @@ local function finish(rid, aid, status, err, queue_msg, finished_msg, reward, as
     return r[2] ~= aid and 'superseded' or 'ignored'
   end
   local retry = status ~= 'succeeded' and string.find(',' .. r[5] .. ',', ',' .. status .. ',', 1, true)
-  if retry and tonumber(r[3]) < tonumber(r[4]) then
+  if retry and tonumber(r[3]) - (tonumber(r[9]) or 0) < tonumber(r[4]) then
     rset[#rset + 1] = 'qid'
     rset[#rset + 1] = redis.call('XADD', LANE_QUEUES[lane_of(r[8])], '*', 'm', queue_msg)
     set_status(rid, r[1], 'requeuing', unpack(rset))
@@ -366,7 +369,8 @@ return finish(rid, aid, kind, ARGV[4], ARGV[5], ARGV[6], '', a[1])
 # ARGV[1] = rollout id, ARGV[2] = new status (succeeded | failed | cancelled | requeuing),
 # ARGV[3] = error message for an attempt cut short, ARGV[4] = queue message,
 # ARGV[5] = finished message, ARGV[6] (optional) = only if this attempt is the latest and active
-# (a runner handing back its own attempt must not requeue a newer one).
+# (a runner handing back its own attempt must not requeue a newer one). Such a hand-back to requeuing
+# is counted in 'released_n', which `finish` leaves out of the attempts its retry policy counts.
 # Returns 'missing', 'already' (terminal, already waiting, or not that attempt's), or the new status.
 SET_ROLLOUT_STATUS = (
     PRELUDE
@@ -387,7 +391,13 @@ if r[2] and r[2] ~= '' and ACTIVE[redis.call('HGET', K_ATTEMPT .. r[2], 'status'
   unwatch(r[2])
 end
 if new == 'requeuing' then
-  set_status(rid, r[1], new, 'qid', redis.call('XADD', LANE_QUEUES[lane_of(redis.call('HGET', rk, 'priority'))], '*', 'm', ARGV[4]))
+  local h = redis.call('HMGET', rk, 'priority', 'released_n')
+  local qid = redis.call('XADD', LANE_QUEUES[lane_of(h[1])], '*', 'm', ARGV[4])
+  if ARGV[6] and ARGV[6] ~= '' then
+    set_status(rid, r[1], new, 'qid', qid, 'released_n', (tonumber(h[2]) or 0) + 1)
+  else
+    set_status(rid, r[1], new, 'qid', qid)
+  end
 else
   set_status(rid, r[1], new, 'qid', '', 'end_time', t)
   redis.call('XADD', K_FINISHED, '*', 'm', ARGV[5])
