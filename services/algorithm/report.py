@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ from fulmen.versions.model_version import (
     fetch_model_version,
     find_weights,
 )
+from fulmen.versions.retention import stored_versions
+
+log = logging.getLogger(__name__)
 
 CURVE_SIZE_IN = (7, 4)
 CURVE_DPI = 120
@@ -45,7 +49,8 @@ def plot_curve(path: Path, steps: Sequence[TrainStep], validations: list[dict[st
     ax.set_xlabel("trainer step (model version)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    if ax.get_legend_handles_labels()[0]:  # nothing plotted yet (a run stopped at step 0): no legend
+        ax.legend(loc="lower right")
     ax.set_title("Fulmen: reward curve")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -56,7 +61,9 @@ def plot_curve(path: Path, steps: Sequence[TrainStep], validations: list[dict[st
 
 async def export_final_model(store: RedisStore, base_model_dir: Path, out: Path,
                              resources_id: str = POLICY_RESOURCES_ID) -> Path | None:
-    """The latest published weights as a Hugging Face folder (config and tokenizer from the base)."""
+    """The latest published weights as a Hugging Face folder (config and tokenizer from the base).
+    Those weights lost (retention, a Redis that lost them): a warning, and the newest version whose
+    weights are still stored instead, or None if none is."""
     try:
         update = await store.resources.get_resources(resources_id)
     except Exception:
@@ -65,10 +72,25 @@ async def export_final_model(store: RedisStore, base_model_dir: Path, out: Path,
     version = ModelVersion.of(update).name
     if version == BASE_VERSION.name:
         return None
-    state = await fetch_model_version(store, version, resource=llm)
-    full = await asyncio.to_thread(full_weights, state, llm.get("weights") or {}, base_model_dir)
+    try:
+        state = await fetch_model_version(store, version, resource=llm)
+        full = await asyncio.to_thread(full_weights, state, llm.get("weights") or {}, base_model_dir)
+    except FulmenError as e:
+        log.warning("the final version %s cannot be exported (%s): the final model is the newest version "
+                    "still stored", version, e)
+        return await export_latest_stored(store, base_model_dir, out, skip=version)
     extra = {"fulmen_version.json": json.dumps({"model_version": version})}
     return await asyncio.to_thread(write_model_folder, full, base_model_dir, out, extra)
+
+
+async def export_latest_stored(store: RedisStore, base_model_dir: Path, out: Path, skip: str = "") -> Path | None:
+    """The newest stored version but ``skip`` that exports (`export_version`); None, with a warning,
+    when none does."""
+    for version in reversed(await stored_versions(store)):
+        if version != skip and (folder := await export_version(store, version, base_model_dir, out)) is not None:
+            return folder
+    log.warning("no model version's weights are stored any more: the run has no final model folder")
+    return None
 
 
 def served_version(result: dict[str, Any]) -> str | None:
@@ -96,8 +118,8 @@ async def export_version(store: RedisStore, version: str, base_model_dir: Path, 
         return None
     try:
         state = await fetch_model_version(store, version, resource={"weights": entry})
+        full = await asyncio.to_thread(full_weights, state, entry, base_model_dir)
     except FulmenError:
         return None
-    full = await asyncio.to_thread(full_weights, state, entry, base_model_dir)
     extra = {"fulmen_version.json": json.dumps({"model_version": version})}
     return await asyncio.to_thread(write_model_folder, full, base_model_dir, out, extra)
