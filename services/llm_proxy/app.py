@@ -116,7 +116,9 @@ class ProxyApp:
                 endpoint = "/readyz"
                 ready = await self.service.ready()
                 status = 200 if ready else 503
-                await _send_body(send, status, b'{"ready":%s}' % (b"true" if ready else b"false"))
+                waiting = getattr(self.service, "waiting", None)  # the model version it must serve first
+                body = {"ready": ready, **({"waiting": waiting} if waiting else {})}
+                await _send_body(send, status, json.dumps(body, separators=(",", ":")).encode())
             elif target.path == "/metrics":
                 endpoint, status = "/metrics", 200
                 await _send_body(send, 200, self.service.metrics.render(), METRICS_CONTENT_TYPE)

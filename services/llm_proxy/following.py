@@ -1,7 +1,9 @@
 """Model following: load each model version the store's resources announce.
 
-A version that fails to load is logged and counted; the proxy keeps the one it has. Deltas and
-reading the next version ahead: docs/design/proxy.md.
+A version that fails to load is logged and counted; the proxy keeps the one it has. A version whose
+weights Redis lost is never skipped: the proxy asks for its rebuild and is not ready (new calls wait)
+until it serves it or a newer one (`fulmen.versions.rebuild_asks`). Deltas and reading the next
+version ahead: docs/design/proxy.md; lost weights: docs/design/model-versions.md.
 """
 
 from __future__ import annotations
@@ -19,16 +21,23 @@ from fulmen.store import RedisStore
 from fulmen.versions.transport.file_follow import FileReadAhead
 from fulmen_llm_proxy.backends.base import Backend
 from fulmen_llm_proxy.blob_buffer import ReusedBuffer
+from fulmen_llm_proxy.gate import Gate
 
 log = logging.getLogger(__name__)
 
 PREFETCH_FOLLOW_S = 30.0  # the next chunk of a version being written comes within this, or it stopped
+ASK_AGAIN_S = 30.0  # a lost version with no answer to its rebuild ask is asked for (and read) again
 
 
 class ModelFollower:
     def __init__(self, store: RedisStore, backend: Backend, on_loaded: Callable[[str, str], Any],
-                 shared_dir: Path | None = None) -> None:
+                 shared_dir: Path | None = None, *, gate: Gate | None = None, who: str = "llm-proxy") -> None:
         self.store = store
+        self.gate = gate  # held while a lost version is waited for
+        self.who = who  # who asks for a rebuild, in the ask
+        self.waiting: str | None = None  # why the proxy is not ready: the lost version it waits for
+        self._recovery: tuple[str, asyncio.Task[None]] | None = None  # (version, the wait for its rebuild)
+        self._loading = asyncio.Lock()  # one load at a time: the follower's and the recovery's
         self.backend = backend
         self.on_loaded = on_loaded  # (model_version, outcome: loaded | failed)
         self.warned_ab = False
@@ -62,7 +71,14 @@ class ModelFollower:
             async for update in self.store.resources.subscribe_resources(after_version=after):
                 await self.consider(update)
         finally:
-            self._drop_prefetch()
+            self.close()
+
+    def close(self) -> None:
+        """Stop reading ahead and waiting for a rebuild."""
+        self._drop_prefetch()
+        if self._recovery is not None:
+            self._recovery[1].cancel()
+            self._recovery = None
 
     def _prefetch_next(self, newest: str | None = None) -> None:
         """Start reading the version the trainer will publish after the one served (``v<n+1>``), or
@@ -147,9 +163,15 @@ class ModelFollower:
 
     async def _load_version(self, version: str, llm: dict[str, Any], update: ResourcesUpdate) -> None:
         try:
-            state_dict, weights = await self._weights(version, llm, await self._take_prefetch(version, llm))
-            loaded = await self.backend.load_weights(state_dict, version, weights)
+            async with self._loading:
+                state_dict, weights = await self._weights(version, llm, await self._take_prefetch(version, llm))
+                loaded = await self.backend.load_weights(state_dict, version, weights)
         except NotFound:
+            from fulmen.versions.rebuild import weights_lost
+
+            if await weights_lost(self.store, version) is not None:  # lost by Redis, not deleted
+                self._wait_for_rebuild(version, llm, update)
+                return
             # its weights are deleted once newer versions exist (fulmen.versions.retention): a newer
             # announcement follows, or catch-up already named it
             log.info("model version %s is no longer stored (a newer one replaced it): skipped", version)
@@ -159,13 +181,66 @@ class ModelFollower:
             self.on_loaded(version, "failed")
             return
         if loaded:
-            log.info(
-                "now serving model version %s (resources %s v%d)",
-                version,
-                update.resources_id,
-                update.version,
-            )
-            self.on_loaded(version, "loaded")
+            self._serving(version, update)
+
+    def _serving(self, version: str, update: ResourcesUpdate) -> None:
+        """``version`` is loaded: a wait for a lost version ends (this one or a newer one is served)."""
+        if self._recovery is not None and self._recovery[1] is not asyncio.current_task():
+            self._recovery[1].cancel()
+        self._recovery = None
+        if self.waiting is not None:
+            self.waiting = None
+            if self.gate is not None:
+                self.gate.release()
+        log.info("now serving model version %s (resources %s v%d)", version, update.resources_id, update.version)
+        self.on_loaded(version, "loaded")
+
+    def _wait_for_rebuild(self, version: str, llm: dict[str, Any], update: ResourcesUpdate) -> None:
+        """Not ready, new calls held, until ``version`` (lost by Redis) is stored again and loaded."""
+        self.waiting = (f"waiting for model version {version}: its weights are gone from Redis (it restarted); "
+                        "asked for a rebuild from the trainer's checkpoint (a running trainer answers; with it "
+                        f"stopped, run `fulmen rollback {version}`)")
+        log.warning("%s", self.waiting)
+        if self.gate is not None:
+            self.gate.hold(self.waiting)
+        if self._recovery is not None and self._recovery[0] == version:
+            return
+        if self._recovery is not None:
+            self._recovery[1].cancel()
+        self._recovery = (version, asyncio.create_task(self._recover(version, llm, update)))
+
+    async def _recover(self, version: str, llm: dict[str, Any], update: ResourcesUpdate) -> None:
+        """Ask for ``version``'s rebuild and load it once it is stored again (asking again every
+        `ASK_AGAIN_S` without an answer); a refusal is logged and the wait goes on: the trainer
+        then publishes its weights as a newer version, which ends it."""
+        from fulmen.records import RebuildAction
+        from fulmen.versions.rebuild_asks import ask_rebuild, wait_for_answer
+
+        refused = False
+        after = "0-0"
+        while True:
+            if not refused:  # once refused, asking again would be refused again: wait for news instead
+                after = await ask_rebuild(self.store, version, self.who)
+            found = await wait_for_answer(self.store, version, after, ASK_AGAIN_S)
+            if found is not None and found[1].action == RebuildAction.REFUSED:
+                (after, answer), refused = found, True
+                self.waiting = (f"waiting for model version {version}: its weights are gone from Redis and "
+                                f"{answer.by} cannot rebuild them ({answer.reason})")
+                log.error("%s", self.waiting)
+                continue
+            try:
+                async with self._loading:
+                    state_dict, weights = await self._weights(version, llm)
+                    loaded = await self.backend.load_weights(state_dict, version, weights)
+            except NotFound:
+                continue
+            except Exception:  # rebuilt but unusable: say so, and wait for what comes next
+                log.exception("could not load the rebuilt model version %s", version)
+                self.on_loaded(version, "failed")
+                continue
+            if loaded or self.backend.model_version == version:
+                self._serving(version, update)
+                return
 
     async def _follow_b(self, llm: dict[str, Any]) -> None:
         """An A/B test's B version (`fulmen.serving.ab`) on a backend that serves two; ended when not named."""

@@ -1,4 +1,5 @@
-"""Admission of new completions: serving, paused (new calls wait), or closing (new calls get 503).
+"""Admission of new completions: serving, paused (new calls wait), or closing (new calls get 503);
+and held (new calls wait, as paused) while the proxy waits for a model version it must serve first.
 
 Calls in flight always finish; the serving fast path is a flag test and an increment, no await.
 More: docs/design/proxy.md.
@@ -26,9 +27,14 @@ class Gate:
         self._idle = asyncio.Event()
         self._idle.set()
         self._on_change = on_change
+        self.held: str | None = None  # why new calls wait whatever the state (a version to load first)
+        self._unheld = asyncio.Event()
+        self._unheld.set()
 
     async def enter(self) -> None:
-        """Admit one call (wait while paused); pair with `leave`."""
+        """Admit one call (wait while paused or held); pair with `leave`."""
+        if self.held is not None:
+            await self._wait_unheld()
         if self.state != "serving":
             if self.state == "closing":
                 raise _shutting_down()
@@ -60,6 +66,23 @@ class Gate:
             self._open.clear()
         if self._on_change is not None:
             self._on_change()
+
+    def hold(self, reason: str) -> None:
+        """New calls wait (up to ``wait_s``, then a 503 with ``reason``) until `release`, whatever the
+        state: the proxy does not answer with weights it must not serve."""
+        self.held = reason
+        self._unheld.clear()
+
+    def release(self) -> None:
+        self.held = None
+        self._unheld.set()
+
+    async def _wait_unheld(self) -> None:
+        reason = self.held
+        try:
+            await asyncio.wait_for(self._unheld.wait(), self.wait_s)
+        except TimeoutError:
+            raise ProxyError(503, f"the proxy is {self.held or reason}; retry later", code="waiting_for_version") from None
 
     async def wait_idle(self, timeout_s: float | None = None) -> bool:
         """True once no call is in flight (within ``timeout_s``)."""

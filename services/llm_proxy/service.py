@@ -56,6 +56,7 @@ class ProxyService:
         self.redis: aioredis.Redis | None = None
         self.store: RedisStore | None = None
         self.control: ControlFollower | None = None
+        self.follower: ModelFollower | None = None
         self.registration: Registration | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._down: set[str] = set()  # background tasks failed and waiting to be started again
@@ -76,7 +77,9 @@ class ProxyService:
         self.registration = Registration(self.store, self.proxy_id, self.base_url, self._describe)
         self.control = ControlFollower(self.store, self.gate, self.proxy_id, self.registration.refresh)
         if self.backend.system == "torch":  # upstream servers load their weights themselves
-            follower = ModelFollower(self.store, self.backend, self._loaded, self.settings.weights_dir)
+            follower = ModelFollower(self.store, self.backend, self._loaded, self.settings.weights_dir,
+                                     gate=self.gate, who=f"llm-proxy {self.proxy_id}")
+            self.follower = follower  # not ready while it waits for a lost version (`waiting`)
             await follower.catch_up()  # before registering or serving: never answer with stale weights
             self._spawn(follower.run, "model versions")
         follow_replicas = getattr(self.backend, "follow_replicas", None)
@@ -133,8 +136,13 @@ class ProxyService:
             },
         }
 
+    @property
+    def waiting(self) -> str | None:
+        """Why the proxy is not ready although it runs: the model version it must serve first."""
+        return self.follower.waiting if self.follower is not None else None
+
     async def ready(self) -> bool:
-        if self.redis is None or not self.backend.ready() or self._down:
+        if self.redis is None or not self.backend.ready() or self._down or self.waiting is not None:
             return False
         try:
             return bool(await asyncio.wait_for(self.redis.ping(), READY_PING_TIMEOUT_S))

@@ -133,7 +133,7 @@ async def republish_if_lost(trainer: Any, *, now: bool = False) -> bool:
         return False
     lost = trainer.version.name
     try:
-        await rebuild_version(trainer.store, lost, trainer.checkpoint_folder)
+        await rebuild_version(trainer.store, lost, trainer.checkpoint_folder, by=trainer.consumer)
         return True  # the same bytes under the same name: the delta base and every span stay right
     except RebuildRefused as e:
         log.warning("the weights of model version %s are gone from Redis and cannot be rebuilt: %s", lost, e)
@@ -159,4 +159,4 @@ async def answer_rebuild_asks(trainer: Any) -> int:
         return 0
     folder = trainer.checkpoint_folder
     return await answer_asks(trainer.store, trainer.consumer,
-                             lambda version: rebuild_version(trainer.store, version, folder))
+                             lambda version: rebuild_version(trainer.store, version, folder, by=trainer.consumer))

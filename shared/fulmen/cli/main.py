@@ -172,20 +172,28 @@ app.command("config")(config_cli.config_command)
 def rollback_command(
     version: Annotated[str, typer.Argument(help="The model version to serve again, e.g. v12 (`fulmen status` lists them).")],
     experiment: ExperimentOpt = None,
+    checkpoint_dir: Annotated[Path | None, typer.Option(
+        help="The trainer's checkpoint folder, to rebuild weights Redis lost (unset: <data_dir>/checkpoints/<experiment>).")] = None,
 ) -> None:
     """Serve an older model version again: every proxy and vLLM server follows, as for a new version.
 
-    Only a version whose weights are still stored can come back (the newest --keep-versions). A running trainer goes on from its own weights and its next version replaces the rollback: stop it first to keep the older version served."""
+    Only a version whose weights are still stored can come back (the newest --keep-versions); weights a restarted Redis lost are rebuilt first from the trainer's checkpoint of that version (the served version's too: `fulmen rollback <served>` rebuilds it). A running trainer goes on from its own weights and its next version replaces the rollback: stop it first to keep the older version served."""
     settings = settings_from_flags(experiment=experiment)
+    folder = checkpoint_dir or settings.data_dir / "checkpoints" / settings.experiment
 
     async def work(store: RedisStore) -> None:
         import time
 
         from fulmen.records import ServiceBeat
-        from fulmen.serving.rollback import rollback
+        from fulmen.serving.rollback import restore_served, rollback
         from fulmen.telemetry.http import HEARTBEAT_S
 
-        update = await rollback(store, version)
+        rebuilt = await restore_served(store, version, folder)
+        if rebuilt is not None:
+            done = f"rebuilt from {rebuilt.checkpoint}" if rebuilt.checkpoint else "stored"
+            out.print(f"{version} is the version served already; its weights are {done}")
+            return
+        update = await rollback(store, version, checkpoint_dir=folder)
         moved = update.resources["llm"]["rollback"]
         out.print(f"rolled back from {moved['from']} to {moved['to']} (resources {update.resources_id} v{update.version}); "
                   "the proxies and vLLM servers load it now")

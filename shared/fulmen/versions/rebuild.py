@@ -85,10 +85,14 @@ async def weights_lost(store: RedisStore, version: str) -> Mapping[str, Any] | N
     return weights if version in await stored_versions(store) else None
 
 
-async def rebuild_version(store: RedisStore, version: str, checkpoint_dir: Path, *, _depth: int = 0) -> Rebuilt:
+async def rebuild_version(store: RedisStore, version: str, checkpoint_dir: Path, *, by: str = "fulmen",
+                          _depth: int = 0) -> Rebuilt:
     """Write ``version``'s weights again from the trainer's checkpoint in ``checkpoint_dir`` if Redis
-    lost them: the bytes that were published, proved by the stored manifest and the published sha256.
-    RebuildRefused says why not (no checkpoint of it, bytes that differ, a delta whose base is gone)."""
+    lost them: the bytes that were published, proved by the stored manifest and the published sha256;
+    then say so on the weights-rebuilds stream (as ``by``), for whoever waits for it. RebuildRefused
+    says why not (no checkpoint of it, bytes that differ, a delta whose base is gone)."""
+    from fulmen.versions.rebuild_asks import announce_rebuilt
+
     weights = await weights_lost(store, version)
     if weights is None:
         await _check_rebuildable(store, version)
@@ -97,7 +101,7 @@ async def rebuild_version(store: RedisStore, version: str, checkpoint_dir: Path,
     folder = checkpoint_folder(checkpoint_dir)
     path, state = await asyncio.to_thread(_matching_checkpoint, folder, version, manifest, store.experiment)
     if manifest.format == DELTA:
-        state = await _as_delta(store, version, state, manifest, checkpoint_dir, _depth)
+        state = await _as_delta(store, version, state, manifest, checkpoint_dir, by, _depth)
     payload = Payload(state, LORA if manifest.format == LORA else manifest.format, manifest)
     transport = RedisTransport()
     async with transport.writing(store, payload):
@@ -113,6 +117,7 @@ async def rebuild_version(store: RedisStore, version: str, checkpoint_dir: Path,
         log.warning("model version %s rebuilt in %s chunks where it was published in %s", version,
                     written.get("chunks"), weights["chunks"])
     log.info("model version %s rebuilt from %s: its weights are stored again, the same bytes", version, path)
+    await announce_rebuilt(store, version, by)
     return Rebuilt(version, path)
 
 
@@ -177,7 +182,7 @@ def _checkpoint_state(path: Path, manifest: Manifest, version: str, experiment: 
 
 
 async def _as_delta(store: RedisStore, version: str, state: dict[str, torch.Tensor], manifest: Manifest,
-                    checkpoint_dir: Path, depth: int) -> dict[str, torch.Tensor]:
+                    checkpoint_dir: Path, by: str, depth: int) -> dict[str, torch.Tensor]:
     """The delta ``version`` was published as: its whole weights (checked) against its base's, which
     are rebuilt first if Redis lost them too."""
     from fulmen.versions.delta import encode_delta
@@ -186,7 +191,7 @@ async def _as_delta(store: RedisStore, version: str, state: dict[str, torch.Tens
     base = str(manifest.base_version)
     if depth >= MAX_CHAIN:
         raise RebuildRefused(f"model version {version}: a chain of more than {MAX_CHAIN} deltas")
-    await rebuild_version(store, base, checkpoint_dir, _depth=depth + 1)
+    await rebuild_version(store, base, checkpoint_dir, by=by, _depth=depth + 1)
     try:
         previous = (await fetch_full_version(store, base)).state
     except NotFound as e:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["answer_asks", "ask_rebuild", "wait_for_answer"]
+__all__ = ["announce_rebuilt", "answer_asks", "ask_rebuild", "wait_for_answer"]
 
 MAX_ENTRIES = 1000  # the stream is capped: asks and answers matter for minutes, not for the run
 ASKS_PER_READ = 16
@@ -49,15 +49,21 @@ async def ask_rebuild(store: RedisStore, version: str, by: str, reason: str = ""
     return await _add(store, VersionRebuild(RebuildAction.ASK, version, by, reason, time.time()))
 
 
-async def wait_for_answer(store: RedisStore, version: str, after: str, timeout_s: float) -> VersionRebuild | None:
-    """The first answer about ``version`` written after entry ``after``, waiting up to ``timeout_s``
-    (blocking on the stream); None if none came."""
+async def announce_rebuilt(store: RedisStore, version: str, by: str) -> None:
+    """``version``'s weights are stored again (whoever rebuilt them, asked or not)."""
+    await _add(store, VersionRebuild(RebuildAction.REBUILT, version, by, "", time.time()))
+
+
+async def wait_for_answer(store: RedisStore, version: str, after: str,
+                          timeout_s: float) -> tuple[str, VersionRebuild] | None:
+    """The first answer about ``version`` written after entry ``after`` and its entry id, waiting up
+    to ``timeout_s`` (blocking on the stream); None if none came."""
     cursor = await _stream(store).cursor(after)
     deadline = time.monotonic() + timeout_s
     while (left := deadline - time.monotonic()) > 0:
-        for _, record in await cursor.read(left):
+        for entry_id, record in await cursor.read(left):
             if record.model_version == version and record.action != RebuildAction.ASK:
-                return record
+                return entry_id, record
     return None
 
 
@@ -68,20 +74,23 @@ async def answer_asks(store: RedisStore, by: str, rebuild: Callable[[str], Await
     answered = 0
     for pending in (True, False):  # what this consumer took before a restart, then what is new
         entries = await stream.read(by, ASKS_PER_READ, pending=pending)
-        done: dict[str, VersionRebuild] = {}
+        done: dict[str, VersionRebuild | None] = {}
         for _, ask in entries:
             if ask.action != RebuildAction.ASK or ask.model_version in done:
                 continue
             try:
-                await rebuild(ask.model_version)
-                done[ask.model_version] = VersionRebuild(RebuildAction.REBUILT, ask.model_version, by, "", time.time())
+                rebuilt = await rebuild(ask.model_version)
+                # a rebuild that wrote the weights announced them; one that found them whole did not
+                done[ask.model_version] = (None if getattr(rebuilt, "checkpoint", None) is not None else
+                                           VersionRebuild(RebuildAction.REBUILT, ask.model_version, by, "", time.time()))
             except Exception as e:  # an ask must never stop the trainer: the asker hears why instead
                 reason = str(e) if isinstance(e, InvalidInput) else f"the rebuild failed: {type(e).__name__}: {e}"
                 log.error("asked by %s to rebuild model version %s: %s", ask.by, ask.model_version, reason)
                 done[ask.model_version] = VersionRebuild(RebuildAction.REFUSED, ask.model_version, by, reason[:2000],
                                                          time.time())
         for answer in done.values():
-            await _add(store, answer)
+            if answer is not None:
+                await _add(store, answer)
         await stream.ack([entry_id for entry_id, _ in entries])
         answered += len(done)
     return answered
