@@ -1,7 +1,8 @@
 """Keep one vLLM server serving the trainer's newest model version — and say so only when it does.
 
-On any failure the replica stays NOT READY and the sync is retried. The swap, LoRA loading and
-verification: docs/design/vllm-sync.md; the routes: `fulmen_vllm_sync.admin`.
+On any failure the replica stays NOT READY and the sync is retried; a version whose weights Redis
+lost is asked for (`fulmen.versions.rebuild_asks`) and waited for, out of routing. The swap, LoRA
+loading and verification: docs/design/vllm-sync.md; the routes: `fulmen_vllm_sync.admin`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class VllmSync:
         self.base_loaded = True  # the server's own weights are the base model's (adapters apply onto them)
         self.adapters: list[str] = []  # loaded adapters, oldest first
         self.syncs = {"ok": 0, "failed": 0}
+        self.asked: str | None = None  # the lost version a rebuild was asked for
 
     async def _mark(self, **changes: Any) -> None:
         self.state = await self.store.registry.set_replica(dataclasses.replace(self.state, **changes))
@@ -151,9 +153,10 @@ class VllmSync:
         except (RecordError, NotFound) as e:
             # read before the server is touched: it keeps serving what it served, verified
             self.syncs["failed"] += 1
-            log.error("model version %s cannot be read (%s); %s keeps serving %s and tries again in %.0f s "
-                      "(weights that a restarted Redis lost come back as the trainer's next version: it publishes "
-                      "them again when it sees them gone)", version, e, self.url, self.state.model_version, self.retry_s)
+            log.error("model version %s cannot be read (%s); %s keeps serving %s and tries again in %.0f s",
+                      version, e, self.url, self.state.model_version, self.retry_s)
+            if isinstance(e, NotFound):
+                await self._wait_for_rebuild(version)
             return False
         except (SyncFailed, AdminError, OSError) as e:
             self.syncs["failed"] += 1
@@ -168,6 +171,25 @@ class VllmSync:
         log.info("%s serves model version %s (loaded and verified in %.2f s)", self.url, version,
                  time.perf_counter() - started)
         return True
+
+    async def _wait_for_rebuild(self, version: str) -> None:
+        """``version``'s weights are gone from Redis but not deleted (`fulmen.versions.rebuild`): out of
+        routing, saying which version it waits for, and a rebuild asked for once (every retry reads
+        it again; whoever rebuilds it answers on the stream)."""
+        from fulmen.versions.rebuild import weights_lost
+        from fulmen.versions.rebuild_asks import ask_rebuild
+
+        if await weights_lost(self.store, version) is None:
+            return  # deleted by retention: a newer version is named, or will be
+        reason = (f"waiting for model version {version}: its weights are gone from Redis (it restarted); asked for "
+                  f"a rebuild from the trainer's checkpoint (a running trainer answers; with it stopped, run "
+                  f"`fulmen rollback {version}`)")
+        if self.asked != version:
+            self.asked = version
+            await ask_rebuild(self.store, version, f"vllm-sync {self.url}")
+            log.warning("%s: %s", self.url, reason)
+        if self.state.ready or self.state.reason != reason:
+            await self._mark(ready=False, reason=reason)
 
     async def _sync(self, version: str, llm: Mapping[str, Any]) -> None:
         weights = llm.get("weights") if isinstance(llm.get("weights"), Mapping) else {}

@@ -91,8 +91,8 @@ async def test_a_published_version_is_loaded_verified_and_marked_ready(real_stor
 
 async def test_a_version_that_cannot_be_read_leaves_the_server_serving_its_weights(real_store: RedisStore, models,
                                                                                   tmp_path, caplog):
-    """Weights gone (a weights-only Redis restarted) or corrupt: the server is not touched, stays ready
-    on what it served, and the next version is loaded."""
+    """Weights deleted (not a stored version) or corrupt: the server is not touched, stays ready on what
+    it served, and the next version is loaded."""
     base, trained = models
     fake = FakeVllm(base)
     await fake.start()
@@ -101,11 +101,44 @@ async def test_a_version_that_cannot_be_read_leaves_the_server_serving_its_weigh
         await _until(lambda: _ready(real_store, fake.url, "base"))
         update = await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
         await real_store.redis.delete(llm_resource(update)["weights"]["stream"])  # type: ignore[index]
+        await real_store.redis.zrem(real_store.keys.stored_versions, "v1")  # as retention deletes one
         await _until(lambda: _said(caplog, "v1 cannot be read"))
         assert fake.calls == [] and await _ready(real_store, fake.url, "base")
         await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
         await _until(lambda: _ready(real_store, fake.url, "v2"))
         assert sync.syncs["failed"] >= 1
+    finally:
+        stop.set()
+        await task
+        await admin.close()
+        await fake.stop()
+
+
+async def test_a_version_redis_lost_takes_the_replica_out_of_routing_and_is_asked_for(
+        real_store: RedisStore, models, tmp_path):
+    """Weights a restarted Redis lost (still a stored version): not ready, naming it, one rebuild asked; the rebuilt one loads."""
+    from fulmen.records import VersionRebuild
+    from fulmen.versions.rebuild_asks import announce_rebuilt
+
+    base, trained = models
+    fake = FakeVllm(base)
+    await fake.start()
+    _, stop, task, admin = await _run(real_store, fake, base, tmp_path)
+    try:
+        await _until(lambda: _ready(real_store, fake.url, "base"))
+        published = load_file(str(trained / "model.safetensors"))
+        update = await publish_model_version(real_store, published, model="tiny")
+        chunks = await real_store.redis.xrange(llm_resource(update)["weights"]["stream"])  # type: ignore[index]
+        await real_store.redis.delete(llm_resource(update)["weights"]["stream"])  # type: ignore[index]
+        await _until(lambda: _not_ready(real_store, fake.url, "waiting for model version v1"))
+        await asyncio.sleep(0.5)  # a few retries
+        asks = [VersionRebuild.from_wire(f[b"m"]) for _, f in await real_store.redis.xrange(real_store.keys.version_rebuilds)]
+        assert [(a.action.value, a.model_version, a.by) for a in asks] == [("ask", "v1", f"vllm-sync {fake.url}")]
+        assert fake.calls == []
+        for entry_id, fields in chunks:  # rebuilt: the same chunks under the same name
+            await real_store.redis.xadd(llm_resource(update)["weights"]["stream"], fields, id=entry_id)  # type: ignore[index]
+        await announce_rebuilt(real_store, "v1", "trainer-0")
+        await _until(lambda: _ready(real_store, fake.url, "v1"))
     finally:
         stop.set()
         await task
