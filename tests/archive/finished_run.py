@@ -6,6 +6,7 @@ versions and a dead letter. What the archive must carry across the loss of Redis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
@@ -111,6 +112,8 @@ async def finished_run(store: RedisStore, data_dir: Path) -> dict:
         await asyncio.sleep(0.3)  # the final pass's last rollouts sampled
     finally:
         serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving  # its last writes land before the proxy is unregistered below
     await store.dead_letters.dead_letter(store.keys.samples, "1-0", "sample record unreadable", {b"m": b"\x00garbage"})
     await store.registry.unregister_proxy(PROXY)  # the services stopped with the run
     return summary

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from redis_cluster import store_url
 from typer.testing import CliRunner
 
 from fulmen.archive.files import list_chunks
@@ -116,3 +117,32 @@ async def test_restore_refuses_an_experiment_that_has_data(
     assert result.exit_code == 2, result.output
     assert f"experiment {real_store.experiment} already has data" in result.output
     assert sorted(await real_store.redis.keys("*")) == before
+
+
+@pytest.mark.parametrize("variant", ["cluster-3-shards"])
+async def test_a_sharded_run_on_a_cluster_restored_under_another_name(
+    request: pytest.FixtureRequest, variant: str, tmp_path: Path, experiment: str
+) -> None:
+    """On a real 3-master Redis Cluster, the store in 3 shards: the run restored as another
+    experiment (through the CLI) reads the same in `fulmen status --json` and on the dashboard's run
+    and curves pages, the experiment's name aside."""
+    url = store_url(request, variant)
+    client = async_client(url)
+    await client.ping()
+    try:
+        store = RedisStore(client, experiment, shards=3)
+        await finished_run(store, tmp_path / "data")
+        directory = tmp_path / "archive"
+        await _cli(url, "archive", "--to", str(directory), "-e", experiment)
+        copy = RedisStore(client, experiment + "-copy", shards=3)
+        print((await _cli(url, "restore", "--from", str(directory), "-e", copy.experiment)).strip())
+        status = await _cli(url, "status", "--json", "-e", experiment)
+        again = await _cli(url, "status", "--json", "-e", copy.experiment)
+        assert again.replace(copy.experiment, experiment) == status
+        rollout_id = (await store.rollouts.query_rollouts(limit=1))[0].rollout_id
+        pages, after = await _pages(store, rollout_id), await _pages(copy, rollout_id)
+        for path, html in pages.items():
+            assert after[path.replace(experiment, copy.experiment)].replace(copy.experiment, experiment) == html, path
+        assert await client.xinfo_groups(copy.keys.shards[1].finished)  # the groups, in every shard
+    finally:
+        await client.aclose()
