@@ -91,7 +91,7 @@ async def test_archive_every_retries_a_failed_pass_and_ends_with_a_last_one(
     text = caplog.text
     print(text)
     assert "archive pass failed, trying again: ConnectionError: Redis went away" in text
-    assert "archived 0 rollouts, 0 samples, 1 steps" in text and "1 steps" in text.split("archived")[-1]
+    assert "archived 0 rollouts and 0 samples, 1 steps" in text and "1 steps" in text.split("archived")[-1]
     assert len(list_chunks(tmp_path, "steps")) == 2
 
 

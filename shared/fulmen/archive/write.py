@@ -50,7 +50,7 @@ class ArchiveReport:
         logs = ", ".join(f"{n} {kind}" for kind, n in self.logs.items())
         state = "a new state snapshot" if self.state is not None else "the state unchanged"
         note = f"; {self.recovered} entries a crashed run had written, acknowledged" if self.recovered else ""
-        return (f"{self.rollouts} rollouts, {self.samples} samples, {logs or 'no logs'}, {state}, "
+        return (f"{self.rollouts} rollouts and {self.samples} samples, {logs}, {state}, "
                 f"in {len(self.files)} file(s){note}")
 
 
