@@ -48,7 +48,7 @@ def _spans(rollout_id: str, attempt_id: str, version: str, reward: float) -> lis
 
 class Pipeline:
     """Stand-ins for the runner, a torch proxy and the trainer: each queued rollout runs one LLM call
-    (the first rollout's first attempt fails and is retried), the adapter samples the finished ones,
+    (the first rollout's attempt fails, and the rollout with it: no retry on a plain failure), the adapter samples the finished ones,
     and the trainer steps (a step record, a policy version) each time enough groups are complete."""
 
     def __init__(self, store: RedisStore) -> None:
@@ -79,7 +79,7 @@ class Pipeline:
         reward = 1.0 if rollout_id.endswith(("0", "2", "4", "6", "8")) else 0.0
         await store.spans.add_spans(_spans(rollout_id, attempt_id, self.version, reward))
         if not self.failed_once and metadata.get("group_key"):
-            self.failed_once = True  # a retry: two attempts, the first one failed
+            self.failed_once = True  # a failed rollout, in the status counts and the adapter's skips
             await store.rollouts.update_attempt(rollout_id, attempt_id, status="failed")
             return
         await store.rollouts.update_attempt(rollout_id, attempt_id, status="succeeded", reward=reward)

@@ -74,7 +74,7 @@ async def _pages(store: RedisStore, rollout_id: str) -> dict[str, str]:
 async def test_a_finished_run_restored_on_another_redis_reads_as_the_original(
     real_store: RedisStore, second_store: RedisStore, redis_url: str, second_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
-    """Archive a finished run (rollouts with a retry and spans, samples, steps, resources versions, a
+    """Archive a finished run (rollouts with spans, one failed, samples, steps, resources versions, a
     validation pass, a dead letter, the algorithm's end state), restore it into an empty second
     Redis: `fulmen status --json` is byte for byte the same, and so are the dashboard's run, rollouts,
     rollout, curves and dead-letters pages."""
@@ -124,8 +124,8 @@ async def test_a_sharded_run_on_a_cluster_restored_under_another_name(
     request: pytest.FixtureRequest, variant: str, tmp_path: Path, experiment: str
 ) -> None:
     """On a real 3-master Redis Cluster, the store in 3 shards: the run restored as another
-    experiment (through the CLI) reads the same in `fulmen status --json` and on the dashboard's run
-    and curves pages, the experiment's name aside."""
+    experiment (through the CLI) reads the same in `fulmen status --json` and on the dashboard's
+    pages, the experiment's name aside."""
     url = store_url(request, variant)
     client = async_client(url)
     await client.ping()
