@@ -33,7 +33,7 @@ async def run(settings: AdapterSettings, stop: asyncio.Event, *, batch: int = DE
         config = adapter_config(settings)
     except ValueError as e:
         raise InvalidInput(str(e)) from None
-    async with opened_store(settings) as store:
+    async with opened_store(settings, stop) as store:
         adapter = Adapter(store, config, batch=batch)
         with start_ops(settings, "adapter", groups=[("finished", k.ADAPTER_GROUP)]) as ops:
             ops.add(CountersCollector(lambda: adapter_counters(adapter.counters)))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fulmen.cli.service import Service, wait_for_model
+from fulmen.cli.service import Service, before_stop, wait_for_model
 from fulmen.errors import FulmenError
 from fulmen.settings import ProxySettings
 
@@ -23,7 +23,8 @@ async def run(settings: ProxySettings, stop: asyncio.Event) -> None:
     if settings.proxy_backend == "torch" and settings.model_dir is None:
         from fulmen.cli.standalone import tiny_model_dir
 
-        settings = settings.model_copy(update={"model_dir": await asyncio.to_thread(tiny_model_dir, settings)})
+        folder = await before_stop(asyncio.to_thread(tiny_model_dir, settings), stop, "building the tiny model")
+        settings = settings.model_copy(update={"model_dir": folder})
         log.warning("no --model-dir: serving the tiny model in %s (random weights: a pipeline check)",
                     settings.model_dir)
     if settings.proxy_backend == "torch" and not await wait_for_model(settings.model_dir, stop):

@@ -92,12 +92,13 @@ def loop_name() -> str:
 
 
 def build(
-    settings: ProxySettings, sock: socket.socket, backend: Backend | None = None
+    settings: ProxySettings, sock: socket.socket, backend: Backend | None = None, stop: asyncio.Event | None = None
 ) -> tuple[ProxyApp, uvicorn.Config]:
-    """The app for ``settings`` on an already bound socket, and a uvicorn config to serve it."""
+    """The app for ``settings`` on an already bound socket, and a uvicorn config to serve it; ``stop``
+    set while the app starts, it neither registers nor serves (`ProxyService.start`)."""
     port = sock.getsockname()[1]
     base_url = settings.proxy_public_url or default_base_url(settings.proxy_host, port)
-    app = ProxyApp(ProxyService(settings, base_url.rstrip("/"), backend))
+    app = ProxyApp(ProxyService(settings, base_url.rstrip("/"), backend, stopping=stop))
     config = uvicorn.Config(
         app,
         http=_Protocol,
@@ -128,13 +129,22 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def serve(settings: ProxySettings, stop: asyncio.Event) -> None:
-    """Serve in the running loop until ``stop`` is set (whoever sets it owns the signals)."""
-    from fulmen.cli.service import serve_http
+    """Serve in the running loop until ``stop`` is set (whoever sets it owns the signals). The backend
+    is made in a thread (the torch one imports torch: seconds, tens on a busy machine), so SIGTERM
+    meanwhile stops the proxy at once."""
+    from fulmen.cli.service import before_stop, serve_http
+    from fulmen_llm_proxy.backends.registry import LOCAL_BACKENDS, make_backend
 
     port = (
         settings.proxy_port if settings.proxy_port is not None else int(os.environ.get("PORT", DEFAULT_PORT))
     )
     sock = bind(settings.proxy_host, port)
-    _, config = build(settings, sock)
+    try:  # a local backend imports torch in its thread; an upstream one needs the loop, and is quick
+        backend = (await before_stop(asyncio.to_thread(make_backend, settings), stop, "importing torch")
+                   if settings.proxy_backend in LOCAL_BACKENDS else make_backend(settings))
+    except BaseException:
+        sock.close()
+        raise
+    _, config = build(settings, sock, backend, stop)
     logging.getLogger("uvicorn.error").addFilter(_NoCancelledTracebacks())
     await serve_http(uvicorn.Server(config), sock, stop)

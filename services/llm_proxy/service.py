@@ -38,8 +38,11 @@ RESTART_MAX_DELAY_S = 10.0
 
 
 class ProxyService:
-    def __init__(self, settings: ProxySettings, base_url: str, backend: Backend | None = None) -> None:
+    def __init__(self, settings: ProxySettings, base_url: str, backend: Backend | None = None,
+                 stopping: asyncio.Event | None = None) -> None:
+        """``stopping``: set (SIGTERM) while `start` loads, the proxy announces nothing (`start`)."""
         self.settings = settings
+        self.stopping = stopping or asyncio.Event()
         self.base_url = base_url
         self.proxy_id = default_proxy_id(base_url)
         self.backend = backend or make_backend(settings)
@@ -88,6 +91,10 @@ class ProxyService:
             await replicas.refresh()
             follow_replicas(replicas)
             self._spawn(replicas.run, "replica states")
+        if self.stopping.is_set():  # SIGTERM while loading: register and announce nothing, serve nothing
+            log.info("llm-proxy %s stopped while starting: not registered", self.proxy_id)
+            await self.close()
+            return
         await self.registration.register()
         self._spawn(self.registration.run, "registry")
         self._spawn(self.control.run, "control")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fulmen import keys as k
-from fulmen.cli.service import Service, opened_store, when_stopped
+from fulmen.cli.service import Service, before_stop, opened_store, when_stopped
 from fulmen.errors import FulmenError, InvalidInput
 from fulmen.settings import RunnerSettings
 
@@ -47,10 +47,13 @@ async def run(settings: RunnerSettings, stop: asyncio.Event, *, hooks: Sequence[
     from fulmen.telemetry.tracing import setup_tracing
     from fulmen_runner.runner import Runner
 
-    agent, hook_objects = load_agent(settings.agent, hooks)
+    # in a thread: an agent's imports (a framework, a model) take seconds, during which SIGTERM must
+    # still stop the runner, which holds nothing yet
+    agent, hook_objects = await before_stop(asyncio.to_thread(load_agent, settings.agent, hooks), stop,
+                                            f"importing the agent {settings.agent}")
     provider, buffer = setup_tracing("fulmen-runner")
     try:
-        async with opened_store(settings) as store:
+        async with opened_store(settings, stop) as store:
             runner = Runner(store, agent, buffer, settings, hooks=hook_objects)
             await _run_until_stopped(runner, settings, stop)
             await close_async_pool()

@@ -25,7 +25,7 @@ async def run(settings: VllmSyncSettings, stop: asyncio.Event) -> None:
         raise InvalidInput("vllm-sync needs --vllm-url (FULMEN_VLLM_URL): the server it keeps in step")
     if settings.model_dir is None:
         raise InvalidInput("vllm-sync needs --model-dir: the base model the server started from")
-    async with opened_store(settings) as store:
+    async with opened_store(settings, stop) as store:
         key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
         admin = VllmAdmin(settings.vllm_url, settings.sync_timeout_s, key)
         sync = VllmSync(store, admin, settings)

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from fulmen.cli.service import Service, opened_store, stop_on_signals
+from fulmen.cli.service import Service, Stopped, opened_store, stop_on_signals
 from fulmen.settings import CommonSettings, load_settings
 from fulmen.store import RedisStore
 
@@ -56,7 +56,10 @@ def as_task(service: Service[Any]) -> ServiceMain:
     one fails the task, which stops `fulmen dev` with its message), then its ``run``."""
 
     async def main(stop: asyncio.Event) -> object:
-        return await service.run(load_settings(service.settings), stop)
+        try:
+            return await service.run(load_settings(service.settings), stop)
+        except Stopped:  # stopped while starting: as cleanly as a service stopped later
+            return None
 
     return main
 

@@ -103,12 +103,26 @@ def error_exit(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+class Stopped(Exception):
+    """``stop`` was set while the service was still starting (waiting for Redis, importing its agent,
+    loading its model): nothing is in hand, so it ends as a stopped service does, exit 0."""
+
+
 @contextlib.asynccontextmanager
-async def opened_store(settings: CommonSettings) -> AsyncIterator[RedisStore]:
+async def opened_store(settings: CommonSettings, stop: asyncio.Event | None = None) -> AsyncIterator[RedisStore]:
     """The experiment's store on clients of its own, closed on the way out. The connection waits
-    (with backoff and a log line) for Redis to come up, up to redis_wait_s."""
-    client = await connect(settings)
-    weights = await connect_weights(settings)
+    (with backoff and a log line) for Redis to come up, up to redis_wait_s; ``stop`` set meanwhile
+    raises `Stopped`."""
+
+    async def both() -> tuple[Any, Any]:
+        client = await connect(settings)
+        try:
+            return client, await connect_weights(settings)
+        except BaseException:
+            await client.aclose()
+            raise
+
+    client, weights = await (both() if stop is None else before_stop(both(), stop, "waiting for Redis"))
     try:
         yield RedisStore(client, settings.experiment, max_record_bytes=settings.max_record_bytes,
                          weights_redis=weights)
@@ -269,7 +283,10 @@ def run_service(service: Service[S], settings: S, *, loop_factory: Callable[[], 
     async def main() -> None:
         stop = asyncio.Event()
         stop_on_signals(stop.set)
-        await service.run(settings, stop, **options)
+        try:
+            await service.run(settings, stop, **options)
+        except Stopped as e:
+            log.info("%s %s", service.name, e)
         leave(0)
 
     try:
@@ -289,6 +306,15 @@ def when_stopped(stop: asyncio.Event, action: Callable[[], object]) -> asyncio.T
         action()
 
     return asyncio.create_task(wait())
+
+
+async def before_stop(work: Awaitable[T], stop: asyncio.Event, what: str) -> T:
+    """What ``work`` (a start-up step) gives, unless ``stop`` is set first: then `Stopped`, saying
+    ``what`` was under way."""
+    done = await unless_stopped(work, stop)
+    if done is None:
+        raise Stopped(f"stopped while {what}")
+    return done.result()
 
 
 async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> asyncio.Future[T] | None:
@@ -321,7 +347,7 @@ async def wait_for_model(folder: Path | None, stop: asyncio.Event) -> bool:
             log.warning("%s", model_dir_hint(Path(folder)))
             said = time.monotonic()
         await asyncio.sleep(MODEL_POLL_S)
-    return True
+    return not stop.is_set()
 
 
 async def serve_http(server: Any, sock: Any, stop: asyncio.Event) -> None:

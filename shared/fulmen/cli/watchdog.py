@@ -23,7 +23,7 @@ async def run(settings: WatchdogSettings, stop: asyncio.Event, *, interval_s: fl
     from fulmen.telemetry.http import start_ops
 
     retention = retention_schedule(settings)
-    async with opened_store(settings) as store:
+    async with opened_store(settings, stop) as store:
         log.info("watchdog on experiment %s, every %.2fs", store.experiment, interval_s)
         if retention is not None:
             log.info("retention every %.0fs: %s", retention.interval_s, retention.policy)
