@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fulmen import keys as k
-from fulmen.cli.service import Service, opened_store, unless_stopped, wait_for_model
+from fulmen.cli.service import Service, before_stop, opened_store, unless_stopped, wait_for_model
 from fulmen.errors import InvalidInput
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
@@ -30,11 +31,13 @@ async def run(settings: TrainerSettings, stop: asyncio.Event, *, rank_processes:
         raise InvalidInput("fulmen dev runs one trainer rank: unset FULMEN_WORLD_SIZE and FULMEN_PARALLEL")
     if not await wait_for_model(settings.model_dir, stop):
         return
-    import fulmen_trainer.trainer  # noqa: F401 - torch: seconds, before the ops server says the trainer is up
+    # torch: seconds (tens on a busy machine), before the ops server says the trainer is up; in a
+    # thread, so that SIGTERM meanwhile still stops the trainer, which holds nothing yet
+    await before_stop(asyncio.to_thread(importlib.import_module, "fulmen_trainer.trainer"), stop, "importing torch")
     torch_ranks = _torch_ranks(settings)
     if torch_ranks is not None:
         settings = _rank_settings(settings, torch_ranks)
-    async with opened_store(settings) as store:
+    async with opened_store(settings, stop) as store:
         with start_ops(settings, "trainer", groups=[("samples", k.TRAINERS_GROUP)]) as ops:
             await _train(store, settings, torch_ranks, ops, stop)
 
