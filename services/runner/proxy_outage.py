@@ -32,8 +32,15 @@ ERROR_TYPE = "ProxyUnreachable"  # the `type` of the error a hand-back for this 
 SINCE = "unreachable_since"  # its key for when the rollout first found the proxy unreachable (epoch s)
 
 
+# The codes of a Fulmen proxy's own 503s: it runs but cannot serve now (it waits for a model version
+# Redis lost, it shuts down, its upstream replicas reload, its engine stopped). Another 503 (an
+# upstream's, passed through) stays the agent's failure.
+UNAVAILABLE_CODES = frozenset({"waiting_for_version", "shutting_down", "upstream_loading", "engine_closed"})
+
+
 class ProxyUnreachable(Exception):
-    """The agent's LLM call never reached the proxy, or the proxy went away mid-call."""
+    """The agent's LLM call never reached the proxy, the proxy went away mid-call, or it answered that
+    it cannot serve now (a 503 of its own, `UNAVAILABLE_CODES`)."""
 
     def __init__(self, message: str, base_url: str) -> None:
         super().__init__(message)
@@ -50,12 +57,29 @@ def proxy_unreachable(error: BaseException | None) -> ProxyUnreachable | None:
         e = e.__cause__ or e.__context__
     found = next((c for c in chain if isinstance(c, openai.APIConnectionError)), None)
     if found is None:
-        return None
+        return _unavailable(chain)
     root = chain[-1]
     url = getattr(getattr(found, "request", None), "url", "")
     base = str(url).split("/rollout/")[0].split("/v1/")[0] if url else ""
     cause = f"{type(root).__name__}: {root}" if root is not found else type(found).__name__
     return ProxyUnreachable(f"proxy {base or 'the LLM endpoint'} unreachable ({cause})", base)
+
+
+def _unavailable(chain: list[BaseException]) -> ProxyUnreachable | None:
+    """A 503 the proxy answered for itself, from any client that keeps the status and the JSON body
+    (openai's and anthropic's APIStatusError do)."""
+    for e in chain:
+        if getattr(e, "status_code", None) != 503:
+            continue
+        body = getattr(e, "body", None)
+        error = body.get("error", body) if isinstance(body, dict) else None
+        code = error.get("code") if isinstance(error, dict) else None
+        if code in UNAVAILABLE_CODES:
+            url = str(getattr(getattr(e, "request", None), "url", "") or "")
+            base = url.split("/rollout/")[0].split("/v1/")[0] if url else ""
+            return ProxyUnreachable(f"proxy {base or 'the LLM endpoint'} unavailable ({code}: {error.get('message')})",
+                                    base)
+    return None
 
 
 def error_record(unreachable: ProxyUnreachable, since: float, message: str | None = None) -> dict[str, Any]:

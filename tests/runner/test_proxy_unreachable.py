@@ -115,3 +115,42 @@ async def test_a_runner_stopping_while_it_waits_hands_the_rollout_back(
     await start_runner("calls_llm", llm_base_url=f"{url}/v1", proxy_retry_s=60)
     [done] = await real_store.finished.wait_for_rollouts([r.rollout_id], timeout_s=60)
     assert done.status is RolloutStatus.SUCCEEDED
+
+
+async def test_a_proxy_waiting_for_its_version_is_waited_for_too(
+    real_store: RedisStore, start_runner, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A proxy that runs but answers 503 waiting_for_version (its weights are being rebuilt) is an
+    infrastructure fault: the rollout (max_attempts=1) is run again once its /readyz answers, and succeeds."""
+    caplog.set_level(logging.WARNING, logger="fulmen_runner.execute")
+    rebuilt = asyncio.Event()
+    waiting = {"error": {"message": "waiting for model version v2", "type": "server_error", "param": None,
+                         "code": "waiting_for_version"}}
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response(COMPLETION) if rebuilt.is_set() else web.json_response(waiting, status=503)
+
+    async def ready(_: web.Request) -> web.Response:
+        return web.json_response({"ready": rebuilt.is_set()}, status=200 if rebuilt.is_set() else 503)
+
+    app = web.Application()
+    app.router.add_get("/readyz", ready)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/rollout/{rid}/attempt/{aid}/v1/chat/completions", chat)
+    server = web.AppRunner(app)
+    await server.setup()
+    port = free_port()
+    await web.TCPSite(server, "127.0.0.1", port).start()
+    try:
+        r = await real_store.rollouts.enqueue_rollout({"q": 1})
+        await start_runner("calls_llm", llm_base_url=f"http://127.0.0.1:{port}/v1", proxy_retry_s=60)
+        await _wait_for_log(caplog, "waiting up to")
+        rebuilt.set()
+        [done] = await real_store.finished.wait_for_rollouts([r.rollout_id], timeout_s=60)
+        attempts = await real_store.rollouts.query_attempts(r.rollout_id)
+        print("attempts:", [(a.status.value, (a.error or {}).get("message")) for a in attempts])
+        assert done.status is RolloutStatus.SUCCEEDED
+        assert [a.status for a in attempts] == [AttemptStatus.FAILED, AttemptStatus.SUCCEEDED]
+        assert "unavailable (waiting_for_version" in attempts[0].error["message"]
+    finally:
+        await server.cleanup()
