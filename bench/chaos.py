@@ -12,7 +12,8 @@ process and its own embedded Redis (`fulmen redis`, AOF on).
   holding attempts, the trainer holding unacknowledged samples, the evaluator inside its job, …) and
   started again at once.
 - ``--random``: for ``--faults-s`` of run time, a random service (Redis included) gets SIGKILL or
-  SIGTERM every 1–4 s and comes back after 0.5–3 s; the seed fixes the sequence.
+  SIGTERM every 1–4 s and comes back after 0.5–3 s (a Redis fault is followed by a proxy fault); the
+  seed fixes the sequence.
 
 Either way the run must finish with nothing lost and nothing counted twice (tests/chaos_harness.py
 says what is checked), and after each fault the time until the pipeline makes progress again
@@ -106,6 +107,8 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         "succeeded_twice": sum(v.succeeded_twice for v in verdicts),
         "from_retried_calls": sum(v.from_retried_calls for v in verdicts),
         "max_staleness": max((v.max_staleness for v in verdicts), default=0),
+        "from_base_after_v1": sum(v.from_base_after_v1 for v in verdicts),
+        "failed_by_proxy": sum(v.failed_by_proxy for v in verdicts),
         "rollouts": sum(v.rollouts for v in verdicts),
         "retried": sum(v.retried for v in verdicts),
         "resume_s": resume,

@@ -180,6 +180,8 @@ class Verdict:
     succeeded_twice: int = 0
     from_retried_calls: int = 0
     max_staleness: int = 0
+    from_base_after_v1: int = 0  # train samples of the base weights from rollouts enqueued once v1 existed
+    failed_by_proxy: int = 0  # train rollouts failed because a proxy was unreachable (a restart, not the agent)
     dead_letters: int = 0
     resume_s: float | None = None  # after the kill, until the pipeline made progress again
     restarts: dict[str, int] = field(default_factory=dict)
@@ -199,6 +201,7 @@ class Verdict:
                 f"failed {self.failed}  retried {self.retried}  trained {self.trained_samples} "
                 f"(twice {self.trained_twice})  succeeded twice {self.succeeded_twice}  "
                 f"from retried calls {self.from_retried_calls}  max staleness {self.max_staleness}  "
+                f"base after v1 {self.from_base_after_v1}  failed by a proxy {self.failed_by_proxy}  "
                 f"dead letters {self.dead_letters}  {self.wall_s:.0f} s")
         if self.resume_s is not None:
             text += f"  resumed {self.resume_s:.2f} s after the restart"
@@ -602,6 +605,7 @@ class ChaosRun:
         # samples: one adapter write per rollout (HSETNX 'sampled'); no sample id twice on the stream
         sample_ids = Counter[str]()
         sample_versions: dict[str, int] = {}  # sample id -> the version that generated it
+        base_rollouts: list[str] = []  # train rollout of each sample the base weights generated
         samples_of = Counter[str]()  # train attempt -> its samples
         self._samples_of = samples_of
         entries_of = Counter[str]()  # train rollout -> samples-stream entries (samples or a skip)
@@ -613,6 +617,8 @@ class ChaosRun:
                 sample_versions[item.sample_id] = ModelVersion.parse(item.model_version).number
                 if item.rollout_id.startswith(f"{RUN}-e"):
                     samples_of[item.attempt_id] += 1
+                    if sample_versions[item.sample_id] == 0:
+                        base_rollouts.append(item.rollout_id)
             if item.rollout_id.startswith(f"{RUN}-e"):
                 entries_of[item.rollout_id] += 1
                 attempts_of.setdefault(item.rollout_id, set()).add(item.attempt_id)
@@ -639,6 +645,7 @@ class ChaosRun:
             v.problems.append(f"{v.trained_twice} samples trained on twice, e.g. "
                               f"{[s for s, n in trained.items() if n > 1][:3]}")
         await self._check_attempts_and_calls(v, rollouts)
+        await self._check_infrastructure_faults(v, rollouts, base_rollouts)
         self._check_staleness(v, lines, sample_versions)
         unknown = set(trained) - set(sample_ids)
         if unknown:
@@ -682,6 +689,29 @@ class ChaosRun:
             v.problems.append(f"{v.succeeded_twice} rollouts with more than one succeeded attempt")
         if v.from_retried_calls:
             v.problems.append(f"{v.from_retried_calls} attempts with a retried LLM call recorded or sampled twice")
+
+    async def _check_infrastructure_faults(self, v: Verdict, rollouts: list[Any], base_rollouts: list[str]) -> None:
+        """A fault of the infrastructure costs no rollout and no sample: none of the train rollouts
+        enqueued once v1 was published was answered by the base weights (a proxy that lost its version
+        serves none until it has it back), and none failed because a proxy was unreachable."""
+        assert self.store is not None
+        policy = [u for u in await self.store.resources.query_resources() if u.resources_id == "policy"]
+        v1_at = min((u.create_time for u in policy if ModelVersion.of(u).number >= 1), default=None)
+        enqueued = {r.rollout_id: r.enqueue_time for r in rollouts if r is not None}
+        if v1_at is not None:
+            v.from_base_after_v1 = sum(1 for rid in base_rollouts if (enqueued.get(rid) or 0) > v1_at)
+        for r in rollouts:
+            if r is None or r.status is not RolloutStatus.FAILED:
+                continue
+            attempt = await self.store.rollouts.get_latest_attempt(r.rollout_id)
+            message = str((attempt.error or {}).get("message", "")) if attempt is not None else ""
+            if "unreachable" in message:
+                v.failed_by_proxy += 1
+        if v.from_base_after_v1:
+            v.problems.append(f"{v.from_base_after_v1} train samples from the base weights, of rollouts enqueued "
+                              "after v1 was published")
+        if v.failed_by_proxy:
+            v.problems.append(f"{v.failed_by_proxy} train rollouts failed because a proxy was unreachable")
 
     def _check_staleness(self, v: Verdict, lines: list[dict[str, Any]], sample_versions: dict[str, int]) -> None:
         """Step s trains the weights the step before published (base at step 1): no sample it trains
@@ -822,8 +852,10 @@ async def random_faults(run: ChaosRun, seed: int, faults_s: float, *, services: 
                         gap_s: tuple[float, float] = (1.0, 4.0),
                         down_s: tuple[float, float] = (0.5, 3.0)) -> list[Fault]:
     """Until ``faults_s`` of run time have passed or the run ends: wait a random gap, stop a random
-    service with a random signal, start it again after a random pause, wait for progress. Every
-    choice comes from ``random.Random(seed)``, so a seed names one sequence of faults."""
+    service with a random signal, start it again after a random pause, wait for progress. A Redis
+    fault is followed by a proxy fault (weights stay out of the AOF: the restarted proxy finds its
+    version's chunks gone). Every choice comes from ``random.Random(seed)``, so a seed names one
+    sequence of faults."""
     rng = random.Random(seed)
     names = services or tuple(run.services)
     faults: list[Fault] = []
@@ -833,6 +865,8 @@ async def random_faults(run: ChaosRun, seed: int, faults_s: float, *, services: 
         if run.ended:
             break
         faults.append(await run.fault(name, sig, down))
+        if name == "redis" and "llm-proxy" in run.services and not run.ended:
+            faults.append(await run.fault("llm-proxy", rng.choice(SIGNALS), rng.uniform(*down_s)))
     return faults
 
 

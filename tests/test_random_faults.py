@@ -1,8 +1,9 @@
-"""Issue 20: random faults. Every service its own process on its own embedded Redis; SIGKILL or SIGTERM
-of random services, Redis included, at random moments, each started again after 0.5–3 s. At the end
-the run finished, every rollout is terminal, none succeeded twice, each sample was trained at most
-once, none came from a retried call or from weights too stale, and every proxy serves the newest
-version (tests/chaos_harness.py checks the store).
+"""Random faults. Every service its own process on its own embedded Redis; SIGKILL or SIGTERM of random
+services, Redis included (each Redis fault followed by a proxy fault), at random moments, each started
+again after 0.5–3 s. At the end the run finished, every rollout is terminal, none succeeded twice,
+each sample was trained at most once, none came from a retried call or from weights too stale, none
+from the base weights once v1 existed, no rollout failed because a proxy was unreachable, and every
+proxy serves the newest version (tests/chaos_harness.py checks the store).
 
 Seeded and time-bounded: ``FULMEN_CHAOS_SEED`` picks the sequence of faults (printed, so a failure
 can be replayed); `bench/chaos.py --random --seeds …` runs several and reports the time to resume.
@@ -35,6 +36,8 @@ async def test_random_faults_lose_nothing_and_corrupt_nothing(tmp_path: Path) ->
     assert verdict.lost == verdict.duplicated == verdict.not_terminal == 0, report
     assert verdict.succeeded_twice == verdict.from_retried_calls == verdict.trained_twice == 0, report
     assert verdict.max_staleness <= config.max_staleness, report
+    # an infrastructure fault costs nothing: no base-weight sample once v1 existed, no rollout failed by a proxy
+    assert verdict.from_base_after_v1 == verdict.failed_by_proxy == 0, report
     # a service may be killed, never brought down by Redis going away (it rides out the outage)
     crashed = {name: tail for name, tails in verdict.exit_logs.items() for tail in tails
                if "Traceback" in tail and any(error in tail[tail.rfind("Traceback"):] for error in REDIS_ERRORS)}
