@@ -61,6 +61,7 @@ TRAINER_AGREED = "trainer:agreed"  # stream, capped: one record per step the ran
 TRAINER_STEPS = "trainer:steps"  # stream, capped: the leader's per-step summary (reward, loss), for `fulmen top`
 TRAINER_UNTRAINED = "trainer:untrained"  # set: group keys the trainer took without a step (dropped, skipped)
 SERVICES = "services"  # hash: process id -> service heartbeat record (every long-running service)
+ARCHIVED = "archived"  # hash: log stream key -> the last entry id `fulmen archive` wrote ("0-0": none yet)
 
 # Priority lanes, highest first: each is a queue stream of its own in every shard (the normal lane
 # is QUEUE itself, so an experiment that never uses the others is exactly what it was). The claim
@@ -170,6 +171,7 @@ class Keys:
         "adapter_stats",
         "algorithm_done",
         "algorithm_state",
+        "archived",
         "control",
         "dead_letters",
         "eval_queue",
@@ -241,6 +243,7 @@ class Keys:
         self.trainer_steps = p + TRAINER_STEPS
         self.trainer_untrained = p + TRAINER_UNTRAINED
         self.services = p + SERVICES
+        self.archived = p + ARCHIVED
         self.stored_versions = p + STORED_VERSIONS
         self.version_bases = p + VERSION_BASES
         self.version_manifests = p + VERSION_MANIFESTS

@@ -59,6 +59,35 @@ async def test_each_pass_writes_only_what_is_new(real_store: RedisStore, tmp_pat
     assert await copy.redis.xlen(copy.keys.dead_letters) == 1
 
 
+async def test_trim_keeps_what_the_archive_has_not_written(real_store: RedisStore, tmp_path: Path) -> None:
+    """Once `fulmen archive` ran, trimming the steps and the dead letters removes only what its files
+    hold: the steps and letters that came after its last pass stay, whatever the limits say."""
+    from fulmen.retention.trim import RetentionPolicy, trim
+
+    store = real_store
+    for step in (1, 2, 3):
+        await _step(store, step)
+    await store.dead_letters.dead_letter(store.keys.samples, "1-0", "unreadable", {b"m": b"x"})
+    await archive(store, tmp_path)
+    for step in (4, 5):
+        await _step(store, step)
+    await store.dead_letters.dead_letter(store.keys.samples, "2-0", "unreadable", {b"m": b"y"})
+    report = await trim(store, RetentionPolicy(steps_max_count=1, dead_letters_max_age_s=0))
+    assert (report.steps, report.dead_letters) == (3, 1)
+    assert [summary.step for summary in await _steps(store)] == [4, 5]  # steps_max_count=1 would keep 5 only
+    assert [d.entry_id for d in await store.dead_letters.query_dead_letters()] == ["2-0"]
+    await archive(store, tmp_path)  # now archived: the limits apply
+    report = await trim(store, RetentionPolicy(steps_max_count=1, dead_letters_max_age_s=0))
+    assert (report.steps, report.dead_letters) == (1, 1)
+    assert [summary.step for summary in await _steps(store)] == [5]
+
+
+async def _steps(store: RedisStore) -> list:
+    from fulmen.records import TrainStep
+
+    return [TrainStep.from_wire(fields[b"m"]) for _, fields in await store.redis.xrange(store.keys.trainer_steps)]
+
+
 async def test_archive_every_retries_a_failed_pass_and_ends_with_a_last_one(
     real_store: RedisStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

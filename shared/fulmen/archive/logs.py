@@ -2,7 +2,8 @@
 and the dead letters, each stream's entries as they are (id and fields).
 
 No consumer group reads these streams, so none is added: the cursor is the archive itself (the last
-id its files hold), and each pass writes what came after it. Why: docs/design/store.md.
+id its files hold), and each pass writes what came after it. Each pass also records that id in the
+store (`Keys.archived`), so `fulmen trim` keeps what is not archived yet. Why: docs/design/store.md.
 """
 
 from __future__ import annotations
@@ -49,4 +50,7 @@ async def _archive_log(store: RedisStore, directory: Path, kind: str, key: str, 
         files.append(path)
         written += len(records)
         start = "(" + last
+        await store.redis.hset(store.keys.archived, key, last)  # after the file: trim may take up to it
+    if not written:  # nothing new: the files' last id, or none yet ("0-0": trim keeps all that comes)
+        await store.redis.hset(store.keys.archived, key, "0-0" if done is None else format_id(done))
     return written

@@ -1,7 +1,8 @@
 """Where a stream may be cut: the id below which retention removes entries, and removing them.
 
-The lower of the policy's cut and `consumed_cut` wins, so nothing a group still needs is removed.
-More: docs/design/store.md.
+The lower of the policy's cut and `consumed_cut` wins, so nothing a group still needs is removed; on
+the logs no group reads, `archived_cut` keeps what `fulmen archive` has not written. More:
+docs/design/store.md.
 """
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ async def consumed_cut(redis: Any, stream: str) -> StreamId | None:
         lowest = summary.get("min") if summary and summary.get("pending") else None
         first_pending[name] = parse_id(lowest) if lowest else None
     return consumed_below(groups, first_pending)
+
+
+async def archived_cut(redis: Any, archived: str, stream: str) -> StreamId | None:
+    """The smallest id `fulmen archive` has not written yet, for a log no group reads (the trainer's
+    steps, the resources log, the dead letters): entries below it are in the archive. None: the
+    archive never ran on this experiment, so it keeps nothing back."""
+    last = await redis.hget(archived, stream)
+    if last is None:
+        return None
+    ms, seq = parse_id(last)
+    return (ms, seq + 1)
+
+
+def lower(cut: StreamId | None, floor: StreamId | None) -> StreamId | None:
+    """``cut``, but never above ``floor`` (None: no floor)."""
+    return cut if cut is None or floor is None else min(cut, floor)
 
 
 async def safe_cut(

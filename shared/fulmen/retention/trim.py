@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fulmen.errors import InvalidInput
-from fulmen.retention.cuts import safe_cut, server_now_ms, trim_below
+from fulmen.retention.cuts import archived_cut, lower, policy_cut, safe_cut, server_now_ms, trim_below
 from fulmen.retention.rollouts import trim_finished
 from fulmen.retention.weights import trim_resources_log, trim_weights
 from fulmen.store.redis_store import RedisStore
@@ -117,11 +117,13 @@ async def trim(
             store, policy.max_age_s, policy.max_count, run.now_ms, dry_run, doomed_versions=versions))
     steps = 0
     if policy.steps_max_count is not None:
-        steps = run.done(STEPS, keys.trainer_steps, await _trim_to_count(store, keys.trainer_steps,
-                                                                         policy.steps_max_count, dry_run))
+        cut = lower(await policy_cut(redis, keys.trainer_steps, None, policy.steps_max_count, run.now_ms),
+                    await archived_cut(redis, keys.archived, keys.trainer_steps))
+        steps = run.done(STEPS, keys.trainer_steps, await trim_below(redis, keys.trainer_steps, cut, dry_run))
     dead = 0
     if policy.dead_letters_max_age_s is not None:
-        cut = (max(0, run.now_ms - int(policy.dead_letters_max_age_s * 1000)), 0)
+        cut = lower((max(0, run.now_ms - int(policy.dead_letters_max_age_s * 1000)), 0),
+                    await archived_cut(redis, keys.archived, keys.dead_letters))
         dead = run.done(DEAD_LETTERS, keys.dead_letters, await trim_below(redis, keys.dead_letters, cut, dry_run))
 
     report = TrimReport(queue, finished, spans, rollouts, samples, resources, tuple(versions), steps, dead,
@@ -181,9 +183,3 @@ class _Trimming:
     async def samples(self) -> int:
         return await self.consumed(SAMPLES, self.store.keys.samples) if self.applies(SAMPLES) else 0
 
-
-async def _trim_to_count(store: RedisStore, key: str, keep: int, dry_run: bool) -> int:
-    """Keep the newest ``keep`` entries of a stream no group reads."""
-    if dry_run:
-        return max(0, int(await store.redis.xlen(key)) - keep)
-    return int(await store.redis.xtrim(key, maxlen=keep, approximate=False))

@@ -13,7 +13,7 @@ from typing import Any
 
 from fulmen.errors import RecordError
 from fulmen.records import ResourcesUpdate
-from fulmen.retention.cuts import policy_cut
+from fulmen.retention.cuts import archived_cut, lower, policy_cut
 from fulmen.store.redis.stream_ids import StreamId, format_id, parse_id
 from fulmen.store.redis_store import RedisStore
 
@@ -49,6 +49,7 @@ async def trim_resources_log(
         return 0
     floor = await _needed_from(store, set(doomed_versions))
     cut = wanted if floor is None else min(wanted, floor)
+    cut = lower(cut, await archived_cut(store.redis, store.keys.archived, key))  # what is not archived stays
     doomed: list[tuple[str, int]] = []  # (resources id, version) of the entries below the cut
     entries, start = 0, "-"
     while page := await store.redis.xrange(key, min=start, max=f"({format_id(cut)}", count=PAGE):
