@@ -1,5 +1,6 @@
 """Trainer checkpoints without pickle (safetensors for every tensor, JSON for everything else), whole
-or a shard per FSDP rank, and the trainer resuming from the newest one.
+or a shard per FSDP rank, and the trainer resuming from the newest one (and a rank taking the lead
+from the newest step the ranks agreed, `resume_lead`).
 
 A folder ``step-<n>/`` renamed into place, then ``LATEST`` replaced atomically; the newest `KEEP` stay,
 and the one that holds the newest version's bytes (`fulmen.versions.rebuild` reads it when Redis
@@ -25,9 +26,12 @@ from safetensors.torch import load_file, save_file
 
 from fulmen.errors import InvalidInput
 from fulmen.keys import TRAINERS_GROUP
-from fulmen.telemetry.steps import latest_step
+from fulmen.records import TrainStep
+from fulmen.records.ranks import AgreedStep
+from fulmen.telemetry.steps import append_step, latest_step
 from fulmen.versions.model_version import BASE_VERSION, ModelVersion, is_published
 from fulmen.versions.rebuild import checkpoints_of
+from fulmen_trainer.distributed.leadership import claim_pending
 from fulmen_trainer.publishing import republish_if_lost
 
 log = logging.getLogger(__name__)
@@ -250,7 +254,9 @@ async def resume_from(trainer: Any, path: Path, sharded: bool) -> set[str]:
     trainer.checkpointed_step = trainer.step
     already_done = set(checkpoint.consumed_entry_ids)
     log.info("resumed from %s: step %d, model version %s", path, trainer.step, trainer.version)
-    if trainer.rank == 0 and trainer.version.number > 0 and not await is_published(trainer.store, trainer.version.name):
+    if not trainer.leads:  # ranks over Redis: the rank that takes the lead does this (`resume_lead`)
+        return already_done
+    if trainer.version.number > 0 and not await is_published(trainer.store, trainer.version.name):
         # killed between the checkpoint and the publish: these weights are that version
         log.info("model version %s was checkpointed but not published: publishing it now", trainer.version)
         await trainer.publish(resumed=True)
@@ -288,3 +294,55 @@ async def recover_pending(trainer: Any, already_done: set[str]) -> None:
         requeued += len(rest)
     if acked or requeued:
         log.info("after restart: %d entries were already trained on, %d back in their groups", acked, requeued)
+
+
+# --- taking the lead: ranks over Redis -----------------------------------------------------------------
+
+
+async def resume_lead(trainer: Any, group: Any) -> None:
+    """A rank that took the lead (at start, or when the leader's lease ran out) goes on from its own
+    weights and the steps the ranks agreed: every sample entry pending in the trainers' group becomes
+    its own; those an agreed step of its lineage consumed are acknowledged after a checkpoint, the rest
+    go back into groups (a step never agreed is trained again from them). The newest agreed step's
+    version and steps-stream record are written if its leader died before writing them."""
+    # an agreed step's entries are acknowledged at its leader's next checkpoint: look back two
+    # intervals (one leader killed between its checkpoint and the acknowledgement)
+    records = await group.leadership.agreed_back_to(trainer.step - 2 * trainer.s.checkpoint_every - 1)
+    lineage = _lineage(records, trainer.step)
+    consumed = set(trainer.resumed_consumed).union(*(r.entry_ids for r in lineage))
+    trainer.resumed_consumed = set()
+    entries = await claim_pending(trainer.store, trainer.consumer)
+    done = [entry_id for entry_id, _ in entries if entry_id in consumed]
+    await trainer.take([(entry_id, item) for entry_id, item in entries if entry_id not in consumed])
+    if records and records[0].step > trainer.step:
+        log.warning("rank %d leads from step %d, behind the agreed step %d: the steps after %d are trained "
+                    "again (from their samples, still pending)", trainer.rank, trainer.step, records[0].step,
+                    trainer.step)
+    if lineage and lineage[0].step == trainer.step:
+        trainer.version = ModelVersion.parse(lineage[0].model_version)
+        await _finish_agreed(trainer, lineage[0])
+    trainer.metrics.log_steps_to(trainer.store)
+    trainer.consumed_since_checkpoint += done
+    if done:
+        await trainer.checkpoint()  # then acknowledges them
+    log.info("rank %d leads at step %d (model version %s): of %d pending entries, %d were trained already",
+             trainer.rank, trainer.step, trainer.version, len(entries), len(done))
+
+
+def _lineage(records: list[AgreedStep], step: int) -> list[AgreedStep]:
+    """The agreed steps (newest first) whose weights lead to ours at ``step``: step, step - 1, ...;
+    a step agreed again after a leader went on from an older checkpoint hides the earlier one."""
+    out: list[AgreedStep] = []
+    for record in records:
+        if record.step == step - len(out):
+            out.append(record)
+    return out
+
+
+async def _finish_agreed(trainer: Any, record: AgreedStep) -> None:
+    """What a leader writes after agreeing a step, written again: its version and its steps record."""
+    if record.publishes and not await is_published(trainer.store, record.model_version):
+        log.info("model version %s was agreed but not published: publishing it now", record.model_version)
+        await trainer.publish(resumed=True)
+    if await latest_step(trainer.store.redis, trainer.store.keys) < record.step:
+        await append_step(trainer.store.redis, trainer.store.keys, TrainStep.from_wire(record.summary))

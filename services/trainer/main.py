@@ -87,7 +87,9 @@ async def _train(store: RedisStore, settings: TrainerSettings, torch_ranks: Any,
             await membership.mark_ready()
         if torch_ranks is not None:
             await torch_ranks.hello(trainer)
-        if rank == 0:
+        if membership is not None:  # over Redis: whoever holds the lease leads, the others follow
+            await ranks.serve(trainer, stop)
+        elif rank == 0:
             await trainer.run(stop)
         else:
             await ranks.follow(trainer, stop)

@@ -2,12 +2,14 @@
 checkpoint → acknowledge → publish.
 
 An entry is acknowledged only after a checkpoint that includes its step; a version's name is taken
-and checkpointed before it is published. Lineage, exactly-once and metrics: docs/design/trainer.md.
+and checkpointed before it is published; with ranks over Redis, a step is agreed (one fenced write)
+before anything of it is kept. Lineage, exactly-once, failover and metrics: docs/design/trainer.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 import time
@@ -68,10 +70,7 @@ class Trainer:
         self.ranks = ranks  # when several ranks train together
         self.consumer = f"trainer-{rank}"
         self.model_name = settings.model_name or settings.model_dir.resolve().name
-        self.collector = GroupCollector(
-            group_size=settings.group_size, shape=settings.sample_shape, max_staleness=settings.max_staleness,
-            stale_policy=settings.stale_policy, rl=settings.algorithm != "sft",
-        )
+        self.collector = self._new_collector()
         self.baseline = Baseline()
         self.ready: list[ReadyGroup] = []
         self.step = 0
@@ -88,6 +87,18 @@ class Trainer:
         self.aof_rewrite: asyncio.Task[None] | None = None  # Redis's AOF rewrite, once the proxies serve a version
         self.vocab_size: int | None = None  # token ids at or above it are refused (set by `setup`)
         self.nonfinite: str | None = None  # why the step under way makes no update (a NaN or inf)
+        self.resumed_consumed: set[str] = set()  # entries the resumed checkpoint consumed (Redis ranks)
+        self._step_start: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # `keep_step_start`
+
+    def _new_collector(self) -> GroupCollector:
+        s = self.s
+        return GroupCollector(group_size=s.group_size, shape=s.sample_shape, max_staleness=s.max_staleness,
+                              stale_policy=s.stale_policy, rl=s.algorithm != "sft")
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank leads: alone, rank 0 under torchrun, the lease's holder over Redis."""
+        return self.ranks.leading if isinstance(self.ranks, RankGroup) else self.rank == 0
 
     @property
     def model(self) -> Any:
@@ -113,7 +124,7 @@ class Trainer:
         await asyncio.to_thread(__import__, "transformers")  # a slow import, off the loop
         torch.manual_seed(self.s.seed)
         self.metrics = StepMetrics(self.rank, self.s.metrics_port)
-        if self.rank == 0:
+        if self.leads and not isinstance(self.ranks, RankGroup):  # over Redis: once it takes the lead
             self.metrics.log_steps_to(self.store)  # the steps stream: pacing, reward curve, `fulmen top`
         if self.s.torch_threads:
             torch.set_num_threads(self.s.torch_threads)
@@ -129,15 +140,20 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=self.s.learning_rate)
         await self.store.samples.ensure_samples_group(k.TRAINERS_GROUP)
         already_done = await ckpt.resume_from(self, path, sharded) if path is not None else set()
-        await ckpt.recover_pending(self, already_done)
+        if isinstance(self.ranks, RankGroup):
+            self.resumed_consumed = already_done  # the leader's, whoever it is, once it leads (`take_lead`)
+        else:
+            await ckpt.recover_pending(self, already_done)
 
     # --- the loop ------------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.model is not None, "call setup() first"
-        while not stop.is_set() and (self.s.max_steps is None or self.step < self.s.max_steps):
+        while not stop.is_set() and self.leads and (self.s.max_steps is None or self.step < self.s.max_steps):
             if self.ranks is not None:
                 await self.ranks.idle()
+            if isinstance(self.ranks, RankGroup):  # what a deposed leader read after losing the lease
+                await self.take(await self.ranks.stray_entries(self.consumer))
             entries = await self.store.samples.read_samples(k.TRAINERS_GROUP, self.consumer, count=READ_COUNT,
                                                     block_s=READ_BLOCK_S)
             await self.take(entries)
@@ -201,16 +217,20 @@ class Trainer:
                 return {}
             metrics = shared
         self.step += 1
-        if self.nonfinite is not None:  # the ranks counted the step too, and all skipped its update
-            return await self.skip_step(plan)
         metrics["perf/step_s"] = time.perf_counter() - started
         metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["perf/step_s"], 1e-9)
         # a model version for the proxies: its name is taken now and checkpointed before it is published
-        publishing = self.rank == 0 and self.step % self.s.publish_every == 0
+        publishing = self.nonfinite is None and self.leads and self.step % self.s.publish_every == 0
         if publishing:
             self.version = await next_model_version(self.store, shared_dir=self.s.weights_dir)
         metrics.update({"step": self.step, "model_version": self.version.name, "time": time.time(),
                         "sample_ids": [s.sample_id for s in plan.samples]})
+        # over Redis, the step counts once agreed under our lease: the ranks then apply its last update
+        if isinstance(self.ranks, RankGroup) and not await self.ranks.agree(self, plan.entry_ids, metrics, publishing):
+            self.lose_step()  # deposed: our weights are a step no one agreed; the new leader redoes it
+            return {}
+        if self.nonfinite is not None:  # the ranks counted the step too, and all skipped its update
+            return await self.skip_step(plan)
         self.consumed_since_checkpoint += plan.entry_ids
         self.unlogged.append(metrics)
         # checkpoint, then acknowledge what it covers, then publish, then log it. A publishing step always
@@ -218,6 +238,9 @@ class Trainer:
         # when it restarts, so no proxy ever serves a version the trainer's lineage does not contain.
         if publishing or self.step % self.s.checkpoint_every == 0:
             await self.checkpoint()
+        # a leader deposed since the agreement leaves its version and record to the new one (`resume_lead`)
+        if isinstance(self.ranks, RankGroup) and not await self.ranks.still_leading():
+            return metrics
         if publishing:
             await self.publish()
         if self.metrics is not None:  # after the publish: the algorithm paces rollouts on this record
@@ -388,6 +411,7 @@ class Trainer:
         """A step taken with the other ranks: count it, and checkpoint when one is due."""
         self.step, self.version = step, version
         self.nonfinite = None  # a follower's flag of this step (its update was skipped) is spent
+        self._step_start = None
         if self.step % self.s.checkpoint_every == 0:
             await self.checkpoint()
 
@@ -396,11 +420,47 @@ class Trainer:
         plan names weights to load."""
         self.step = -1
         self.nonfinite = None
+        self._step_start = None
+
+    def keep_step_start(self) -> None:
+        """Hold a copy of the weights and the optimizer state: a step of several passes updates the
+        weights before it is agreed, and `undo_step` may have to take them back."""
+        assert self.optimizer is not None
+        weights = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        self._step_start = (weights, copy.deepcopy(self.optimizer.state_dict()))
+
+    def undo_step(self) -> None:
+        """The step under way was never agreed (its leader is gone): drop its gradients, and the updates
+        of its passes if `keep_step_start` held the weights from before them."""
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite = None
+        if self._step_start is not None:
+            weights, optimizer = self._step_start
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if name in weights:
+                        p.copy_(weights[name])
+            self.optimizer.load_state_dict(optimizer)
+            self._step_start = None
+
+    async def take_lead(self, group: RankGroup) -> None:
+        """Lead from the newest step the ranks agreed (`fulmen_trainer.checkpoints.resume_lead`)."""
+        await ckpt.resume_lead(self, group)
+
+    def step_down(self) -> None:
+        """No longer the leader: forget the samples in hand (the new leader takes them over, pending
+        as they are) and what is left of our steps (agreed, so the new leader has them)."""
+        self.collector = self._new_collector()
+        self.ready, self.consumed_since_checkpoint, self.unlogged = [], [], []
+        self.publisher.previous = None
+        if self.metrics is not None:
+            self.metrics.store = None  # the steps stream is the leader's
 
     async def checkpoint(self) -> None:
         assert self.optimizer is not None
         checkpoint = ckpt.Checkpoint(self.step, self.version.name, self.consumed_since_checkpoint,
-                                     {"metrics": self.unlogged} if self.rank == 0 else {}, self.s.experiment)
+                                     {"metrics": self.unlogged} if self.leads else {}, self.s.experiment)
         directory = self.checkpoint_folder
         codec_state = self.ranks.codec.state_dict() if self.ranks is not None else None
         if isinstance(self.ranks, TorchRanks) and self.ranks.sharded:
@@ -410,6 +470,6 @@ class Trainer:
         await self.store.samples.ack_samples(k.TRAINERS_GROUP, self.consumed_since_checkpoint)
         self.consumed_since_checkpoint = []
         self.checkpointed_step = self.step
-        if self.rank == 0:
+        if self.leads:
             self.mirror.append(self.unlogged)
         self.unlogged = []

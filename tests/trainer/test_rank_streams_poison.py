@@ -50,8 +50,8 @@ async def test_garbage_plans_are_skipped(real_store: RedisStore) -> None:
     raw = msgpack.unpackb(_plan().to_wire())
     await real_store.redis.xadd(key, {"rank": 1, "m": msgpack.packb({**raw, "rewards": [float("nan")]})})
     await real_store.redis.xadd(key, {"rank": 1, "m": msgpack.packb({**raw, "group_keys": []})})
-    await exchange.send_plan(_plan())
-    assert await exchange.next_plan(1) == _plan()
+    await exchange.send_plan(_plan(), 1)
+    assert await exchange.next_plan(1) == (1, _plan())
 
 
 async def test_garbage_gradients_and_sums_are_skipped(real_store: RedisStore) -> None:

@@ -1,4 +1,5 @@
-"""Trainer ranks over Redis: framing, two ranks = one rank, a rank that dies and comes back."""
+"""Trainer ranks over Redis: framing, two ranks = one rank, a rank that dies and comes back, a leader
+that dies and is replaced (every phase of a step: test_leader_failover.py)."""
 
 from __future__ import annotations
 
@@ -207,14 +208,14 @@ async def test_a_leader_waiting_for_a_missing_rank_stops_when_asked(real_store: 
     beating = asyncio.create_task(members.heartbeat())
     exchange = Exchange(real_store, members)
     await exchange.start_reading()
-    trainer = Trainer(real_store, settings, ranks=RankGroup(real_store, members, exchange, RankCodec("none"),
-                                                            wait_for_full_world=True))
+    group = RankGroup(real_store, members, exchange, RankCodec("none"), wait_for_full_world=True)
+    trainer = Trainer(real_store, settings, ranks=group)
     try:
         await trainer.setup()
         await members.mark_ready()
         await push(real_store, _samples(2))
         stop = asyncio.Event()
-        running = asyncio.create_task(trainer.run(stop))
+        running = asyncio.create_task(group.serve(trainer, stop))
         await asyncio.sleep(3)
         assert not running.done() and trainer.step == 0  # waiting for rank 1
         stop.set()
@@ -228,10 +229,15 @@ async def test_a_leader_waiting_for_a_missing_rank_stops_when_asked(real_store: 
 
 
 @pytest.mark.slow
-async def test_a_restarted_leader_leads_the_waiting_ranks_again(redis_url: str, tiny: Path, tmp_path: Path) -> None:
-    """No failover: SIGKILL rank 0 and rank 1 waits; a new process takes rank 0, resumes from its
-    checkpoint, and both ranks train the remaining steps to the same weights."""
+async def test_when_the_leader_dies_rank_1_leads_and_the_restarted_rank_0_follows(
+    redis_url: str, tiny: Path, tmp_path: Path
+) -> None:
+    """SIGKILL rank 0, the leader: once its lease runs out rank 1 takes over from the agreed step 2 and
+    trains steps 3 and 4 alone; restarted, the process takes rank 0 as a follower, catches up with the
+    leader's weights and trains steps 5 and 6 with it. The steps stream counts each step once."""
     import redis.asyncio as aioredis
+
+    from fulmen.telemetry.steps import decode_steps
 
     client = aioredis.from_url(redis_url)
     store = RedisStore(client, "ranks-lead-" + tmp_path.name[-8:])
@@ -240,21 +246,27 @@ async def test_a_restarted_leader_leads_the_waiting_ranks_again(redis_url: str, 
     procs: list[subprocess.Popen[bytes]] = []
     try:
         leader, follower = await start_two_ranks(store, env, procs)
-        samples = _samples(8)
+        samples = _samples(12)
         await _two_steps_then_sigkill(store, leader, samples[:16], metrics)
-        await wait_for(lambda: _absent(store, 0))
-        assert follower.poll() is None  # it waits for a leader; it does not exit or take over
-        procs.append(new_leader := subprocess.Popen([FULMEN, "trainer", "--max-steps", "4"], env=env))
-        await push(store, samples[16:])
-        assert await asyncio.to_thread(new_leader.wait, 120) == 0
-        await wait_for(lambda: asyncio.sleep(0, (tmp_path / "ck" / "rank-1" / "step-4").exists()))
+        await push(store, samples[16:32])
+        await wait_for(lambda: _steps_logged(store, 4))
+        procs.append(subprocess.Popen([FULMEN, "trainer"], env=env))  # the old rank 0 comes back
+        await wait_for(lambda: ready(store, 0))
+        await push(store, samples[32:])
+        await wait_for(lambda: _steps_logged(store, 6))
+        assert follower.poll() is None
     finally:
         stop(procs, timeout_s=20)
-    assert [line["step"] for line in metrics_lines(metrics)] == [1, 2, 3, 4]
-    assert _ranks_per_step(metrics) == [2, 2, 2, 2]
-    lead, follow = _weights(tmp_path / "ck" / "rank-0", 4), _weights(tmp_path / "ck" / "rank-1", 4)
-    assert all(torch.equal(lead[name], follow[name]) for name in lead)
+    logged = decode_steps(await store.redis.xrange(store.keys.trainer_steps))
+    assert [s.step for s in logged] == [1, 2, 3, 4, 5, 6]
+    assert [s.metrics["comm/ranks"] for s in logged] == [2, 2, 1, 1, 2, 2]
     await client.aclose()
+
+
+async def _steps_logged(store: RedisStore, step: int) -> bool:
+    from fulmen.telemetry.steps import latest_step
+
+    return await latest_step(store.redis, store.keys) >= step
 
 
 async def test_a_rank_waiting_for_a_sum_that_never_comes_gives_up_on_a_newer_plan(real_store: RedisStore) -> None:
@@ -274,10 +286,10 @@ async def test_a_rank_waiting_for_a_sum_that_never_comes_gives_up_on_a_newer_pla
                     rewards=[1.0, 0.0, 1.0, 0.0], group_keys=["g0"] * 4)
     waiting_task = asyncio.create_task(waiting.next_aggregate(3, 0, rank=1))
     await asyncio.sleep(0.3)
-    await leading.send_plan(plan)
+    await leading.send_plan(plan, 1)
     assert await asyncio.wait_for(waiting_task, 10) is None
-    assert await waiting.next_plan(1) == plan
+    assert await waiting.next_plan(1) == (1, plan)
     summed = RankCodec("none").encode(torch.ones(10), 4, 0)
-    await leading.send_aggregate(4, summed, 0)  # the sum of step 4, then already the plan of step 5
-    await leading.send_plan(RankPlan(**{**{n: getattr(plan, n) for n in plan.__slots__}, "step": 5}))
-    assert await asyncio.wait_for(waiting.next_aggregate(4, 0, rank=1), 10) == summed
+    await leading.send_aggregate(4, summed, 0, 1)  # the sum of step 4, then already the plan of step 5
+    await leading.send_plan(RankPlan(**{**{n: getattr(plan, n) for n in plan.__slots__}, "step": 5}), 1)
+    assert await asyncio.wait_for(waiting.next_aggregate(4, 0, rank=1, lease=1), 10) == summed

@@ -24,9 +24,10 @@ READY = ":ready"  # suffix of a held rank's value once the process reads plans
 EXIT_RANK_TAKEN = 3  # exit code: another process took this rank while we were silent
 # KEYS[1] = the rank's key, ARGV[1] = our token, ARGV[2] = TTL ms. Returns 1 if we hold the rank
 # (refreshed, or taken back after a pause long enough to let it expire), 0 if another process has it.
+# Our token marked ready counts as ours: `mark_ready` writes it just before it keeps it as its token.
 _REFRESH = """
 local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if holder == ARGV[1] or holder == ARGV[1] .. ':ready' then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if not holder then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]); return 1 end
 return 0
 """

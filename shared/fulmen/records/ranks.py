@@ -69,7 +69,7 @@ class GradientChunk(Record):
 
 @dataclass(frozen=True, slots=True)
 class RankPlan(Record):
-    """The trainer leader's share of one step for one other rank (trainer rank 0 -> rank n).
+    """The trainer leader's share of one step for one other rank (the leader, any rank -> rank n).
 
     The rank back-propagates ``epochs`` passes over ``samples`` (`Sample` wire records) with these
     ``advantages`` (packed float32, `fulmen.tokens`), scaling its gradient by its tokens over
@@ -92,8 +92,8 @@ class RankPlan(Record):
     group_keys: list[str]
 
     def check_wire(self) -> None:
-        require_at_least(self, 1, "step", "rank", "epochs")
-        require_at_least(self, 0, "total_tokens")
+        require_at_least(self, 1, "step", "epochs")
+        require_at_least(self, 0, "rank", "total_tokens")  # rank 0 follows too once another rank leads
         require_nonempty(self, "model_version")
         n = len(self.samples)
         require(self, len(self.rewards) == n and len(self.group_keys) == n and len(self.advantages) == 4 * n,
