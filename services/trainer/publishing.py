@@ -120,13 +120,13 @@ async def weights_lost(trainer: Any, watch: LostWeightsWatch) -> bool:
 
 
 async def republish_if_lost(trainer: Any, *, now: bool = False) -> bool:
-    """On rank 0, at most every CHECK_EVERY_S (``now``: this time whatever the last check): if Redis
+    """On the leader, at most every CHECK_EVERY_S (``now``: this time whatever the last check): if Redis
     lost the newest version's weights, write them again under its own name from its checkpoint, or
     publish the weights again as the next version when no checkpoint holds its bytes (the module
     docstring says why). True if it did either."""
     watch = trainer.lost_weights
     clock = time.monotonic()
-    if trainer.rank != 0 or (not now and clock < watch.next_check):
+    if not trainer.leads or (not now and clock < watch.next_check):
         return False
     watch.next_check = clock + CHECK_EVERY_S
     if not await weights_lost(trainer, watch):
@@ -153,9 +153,9 @@ async def republish_if_lost(trainer: Any, *, now: bool = False) -> bool:
 
 
 async def answer_rebuild_asks(trainer: Any) -> int:
-    """On rank 0: rebuild from this trainer's checkpoints the lost versions proxies and vllm-syncs asked
+    """On the leader: rebuild from this trainer's checkpoints the lost versions proxies and vllm-syncs asked
     for (`fulmen.versions.rebuild_asks`), answering each; the number answered."""
-    if trainer.rank != 0:
+    if not trainer.leads:
         return 0
     folder = trainer.checkpoint_folder
     return await answer_asks(trainer.store, trainer.consumer,
