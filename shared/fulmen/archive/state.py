@@ -2,8 +2,10 @@
 
 The algorithm's position (its state hash and the rollouts it counted done), the adapter's counters
 (which `fulmen status` reads rewards per model version from), the trainer's untrained groups, the
-sampled marker, the resources counter and shard count, and every consumer group's cursor and
-consumer names. A pass writes a snapshot only when it differs from the newest one archived; restore
+sampled marker, the resources counter and shard count, the workers as they last reported, the index
+of stored model versions (with their manifests and delta bases, not their weights: a version whose
+chunks are not restored is rebuilt from the trainer's checkpoint when asked), and every consumer
+group's cursor and consumer names. A pass writes a snapshot only when it differs from the newest one archived; restore
 puts the newest back. What is left out and why: docs/design/store.md.
 """
 
@@ -24,8 +26,9 @@ from fulmen.store.redis_store import RedisStore
 
 KIND = "state"
 # `fulmen.keys.Keys` attributes, by the type of key they name
-HASHES = ("algorithm_state", "adapter_stats")
+HASHES = ("algorithm_state", "adapter_stats", "workers", "version_bases", "version_manifests")
 SETS = ("algorithm_done", "trainer_untrained", "sampled")
+ZSETS = ("stored_versions",)
 STRINGS = ("resources_version", "shards_count")
 SET_PAGE = 1000
 
@@ -48,11 +51,13 @@ def stream_key(keys: k.Keys, name: str, shard: int) -> str:
 async def capture(store: RedisStore) -> dict[str, Any]:
     """The state snapshot of ``store``'s experiment (the archive's own group left out)."""
     redis, keys = store.redis, store.keys
-    state: dict[str, Any] = {"hashes": {}, "sets": {}, "strings": {}, "groups": []}
+    state: dict[str, Any] = {"hashes": {}, "sets": {}, "zsets": {}, "strings": {}, "groups": []}
     for name in HASHES:
         state["hashes"][name] = dict(sorted((await redis.hgetall(getattr(keys, name))).items()))
     for name in SETS:
         state["sets"][name] = sorted([m async for m in redis.sscan_iter(getattr(keys, name), count=SET_PAGE)])
+    for name in ZSETS:
+        state["zsets"][name] = [[m, s] for m, s in await redis.zrange(getattr(keys, name), 0, -1, withscores=True)]
     for name in STRINGS:
         state["strings"][name] = await redis.get(getattr(keys, name))
     for name, shard, key in group_streams(keys):
@@ -110,6 +115,9 @@ async def apply(store: RedisStore, state: dict[str, Any]) -> int:
     for name, members in (state.get("sets") or {}).items():
         for start in range(0, len(members) if name in SETS else 0, SET_PAGE):
             pipe.sadd(getattr(keys, name), *members[start:start + SET_PAGE])
+    for name, members in (state.get("zsets") or {}).items():
+        if name in ZSETS and members:
+            pipe.zadd(getattr(keys, name), {m: score for m, score in members})
     for name, value in (state.get("strings") or {}).items():
         if name in STRINGS and value is not None:
             pipe.set(getattr(keys, name), value)

@@ -110,7 +110,9 @@ def restore(
     so that `fulmen status`, `fulmen top` and the dashboard read it as they read the original, and a
     service started on it goes on from there. Not `fulmen replay`, which re-derives samples from
     archived spans with the adapter's code and appends them to a live experiment. Rollouts that had
-    not finished when the archive last ran, and model weights, are not in the archive."""
+    not finished when the archive last ran, and the model weights' chunks, are not in the archive (the
+    stored versions' index and manifests are: a version is rebuilt from the trainer's checkpoint
+    when a proxy or `fulmen rollback` asks for it)."""
     from fulmen.archive.restore import archive_info
     from fulmen.archive.restore import restore as run_restore
 
