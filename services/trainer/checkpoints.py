@@ -1,11 +1,10 @@
-"""Trainer checkpoints without pickle (safetensors for every tensor, JSON for everything else), whole
-or a shard per FSDP rank, and the trainer resuming from the newest one (and a rank taking the lead
-from the newest step the ranks agreed, `resume_lead`).
+"""Trainer checkpoints without pickle (safetensors for tensors, JSON for the rest), whole or a shard
+per FSDP rank; resuming from the newest, and a rank taking the lead from the newest agreed step.
 
 A folder ``step-<n>/`` renamed into place, then ``LATEST`` replaced atomically; the newest `KEEP` stay,
-and the one that holds the newest version's bytes (`fulmen.versions.rebuild` reads it when Redis
-lost them). Sharded, every rank calls `save_sharded` and `load_sharded` together. Each records its experiment, and only that experiment
-resumes it. The layout, the barriers and why a resume takes up each piece: docs/design/trainer.md.
+and the one holding the newest version's bytes (`fulmen.versions.rebuild` reads it when Redis lost
+them). Each records its experiment, and only that experiment resumes it. The layout, the barriers
+and why a resume takes up each piece: docs/design/trainer.md.
 """
 
 from __future__ import annotations

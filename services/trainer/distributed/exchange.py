@@ -2,10 +2,9 @@
 and the steps it agreed.
 
 Four capped streams (``trainer_plans``, ``trainer_grads``, ``trainer_aggregates``, ``trainer_agreed``),
-each read from where this rank joined. Plans and sums carry the lease epoch of the leader that sent
-them; a rank ignores a plan of an older lease than one it has seen (a deposed leader's). Every "follow
-a stream" read of the rank path is here (`Exchange`); what the ranks do with what they read is
-`fulmen_trainer.distributed.rank_group`, the lease `fulmen_trainer.distributed.leadership`.
+each read from where this rank joined. Plans and sums carry the leader's lease epoch; a rank ignores
+a plan of an older lease than one it has seen (a deposed leader's). What the ranks do with what they
+read: `fulmen_trainer.distributed.rank_group`; the lease: `fulmen_trainer.distributed.leadership`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The run's state in the archive: the small keys that say where an experiment stands, as one snapshot.
 
-The algorithm's position (its state hash and the rollouts it counted done), the adapter's counters
-(which `fulmen status` reads rewards per model version from), the trainer's untrained groups, the
-sampled marker, the resources counter and shard count, the workers as they last reported, the index
-of stored model versions (with their manifests and delta bases, not their weights: a version whose
-chunks are not restored is rebuilt from the trainer's checkpoint when asked), and every consumer
-group's cursor and consumer names. A pass writes a snapshot only when it differs from the newest one archived; restore
-puts the newest back. What is left out and why: docs/design/store.md.
+The algorithm's position, the adapter's counters, the trainer's untrained groups, the sampled
+marker, the resources counter and shard count, the workers as they last reported, the stored model
+versions' index (manifests and delta bases, not the chunks), and every consumer group's cursor and
+consumers. A pass writes a snapshot only when it differs from the newest archived; restore puts
+the newest back. What each is for, and what is left out: docs/design/store.md.
 """
 
 from __future__ import annotations
