@@ -307,6 +307,7 @@ async def resume_lead(trainer: Any, group: Any) -> None:
     # an agreed step's entries are acknowledged at its leader's next checkpoint: look back two
     # intervals (one leader killed between its checkpoint and the acknowledgement)
     records = await group.leadership.agreed_back_to(trainer.step - 2 * trainer.s.checkpoint_every - 1)
+    await catch_up(trainer, records)
     lineage = _lineage(records, trainer.step)
     consumed = set(trainer.resumed_consumed).union(*(r.entry_ids for r in lineage))
     trainer.resumed_consumed = set()
@@ -326,6 +327,23 @@ async def resume_lead(trainer: Any, group: Any) -> None:
         await trainer.checkpoint()  # then acknowledges them
     log.info("rank %d leads at step %d (model version %s): of %d pending entries, %d were trained already",
              trainer.rank, trainer.step, trainer.version, len(entries), len(done))
+
+
+async def catch_up(trainer: Any, records: list[AgreedStep]) -> AgreedStep | None:
+    """A rank behind the newest agreed step (left out of the last step, or slow to follow) that takes
+    the lead loads the newest agreed version that is published first, rather than train again from
+    older weights: the steps in between were acknowledged at their leader's checkpoints, and their
+    samples would not come back. ``records``: newest first. Returns the step it caught up with."""
+    for record in records:
+        if record.step <= trainer.step:
+            return None
+        if record.publishes and await is_published(trainer.store, record.model_version):
+            log.warning("rank %d takes the lead at step %d, behind the agreed step %d: loading model version %s "
+                        "(step %d) first", trainer.rank, trainer.step, records[0].step, record.model_version,
+                        record.step)
+            await trainer.load_version(ModelVersion.parse(record.model_version), record.step)
+            return record
+    return None
 
 
 def _lineage(records: list[AgreedStep], step: int) -> list[AgreedStep]:

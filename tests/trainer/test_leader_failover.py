@@ -243,3 +243,27 @@ async def test_a_new_leader_claims_every_pending_entry(real_store: RedisStore) -
     info = await real_store.redis.xpending_range(real_store.keys.samples, k.TRAINERS_GROUP, "-", "+", 10)
     assert {row["consumer"] for row in info} == {b"trainer-1"}
     assert await claim_pending(real_store, "trainer-1", min_idle_ms=60_000, others_only=True) == []
+
+
+async def test_a_rank_behind_the_agreed_steps_catches_up_before_it_leads(real_store: RedisStore) -> None:
+    """A rank that takes the lead behind the newest agreed step (left out of it: step -1) loads the newest
+    agreed version that is published, at its step; one level with the agreed steps loads nothing."""
+    from types import SimpleNamespace
+
+    from fulmen.versions.model_version import publish_model_version
+    from fulmen_trainer.checkpoints import catch_up
+
+    for seed in (1, 2):  # v1 and v2 published; v3 agreed, its leader died before publishing it
+        await publish_model_version(real_store, {"w": torch.full((2,), float(seed))}, model="tiny")
+    records = [AgreedStep(step, 1, 0, f"v{step}", True, [], b"") for step in (3, 2, 1)]  # newest first
+    loaded: list[tuple[str, int]] = []
+
+    async def load_version(version: Any, step: int) -> None:
+        loaded.append((version.name, step))
+        behind.step = step
+
+    behind = SimpleNamespace(step=-1, rank=1, store=real_store, load_version=load_version)
+    assert (await catch_up(behind, records)).step == 2
+    assert loaded == [("v2", 2)]
+    level = SimpleNamespace(step=3, rank=1, store=real_store, load_version=load_version)
+    assert await catch_up(level, records) is None and loaded == [("v2", 2)]
