@@ -29,9 +29,11 @@ async def _push_group(store: RedisStore, name: str) -> None:
         await store.redis.xadd(store.keys.samples, {"m": sample.to_wire()})
 
 
-async def train_then_lose(store: RedisStore, tiny: Path, checkpoints: Path) -> dict[str, list[Any]]:
-    """A trainer publishes v1 and v2 (bf16, full) and stops; Redis then loses both versions' chunks.
-    Returns each version's chunk entries as they were published."""
+async def train_then_lose(store: RedisStore, tiny: Path, checkpoints: Path, *, lose: bool = True
+                          ) -> dict[str, list[Any]]:
+    """A trainer publishes v1 and v2 (bf16, full) and stops; Redis then loses both versions' chunks
+    (``lose``; else the caller restarts Redis, which loses them). Returns each version's chunk entries
+    as they were published."""
     await store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     for name in "ab":
         await _push_group(store, name)
@@ -43,7 +45,8 @@ async def train_then_lose(store: RedisStore, tiny: Path, checkpoints: Path) -> d
     await asyncio.wait_for(trainer.run(asyncio.Event()), 120)
     assert trainer.version.name == "v2"
     published = {v: await store.weights_redis.xrange(store.keys.weights(v)) for v in ("v1", "v2")}
-    await store.weights_redis.delete(store.keys.weights("v1"), store.keys.weights("v2"))
+    if lose:
+        await store.weights_redis.delete(store.keys.weights("v1"), store.keys.weights("v2"))
     return published
 
 

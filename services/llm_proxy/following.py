@@ -31,8 +31,10 @@ ASK_AGAIN_S = 30.0  # a lost version with no answer to its rebuild ask is asked 
 
 class ModelFollower:
     def __init__(self, store: RedisStore, backend: Backend, on_loaded: Callable[[str, str], Any],
-                 shared_dir: Path | None = None, *, gate: Gate | None = None, who: str = "llm-proxy") -> None:
+                 shared_dir: Path | None = None, *, gate: Gate | None = None, who: str = "llm-proxy",
+                 checkpoint_dir: Path | None = None) -> None:
         self.store = store
+        self.checkpoint_dir = checkpoint_dir  # the trainer's checkpoints, if this host can read them
         self.gate = gate  # held while a lost version is waited for
         self.who = who  # who asks for a rebuild, in the ask
         self.waiting: str | None = None  # why the proxy is not ready: the lost version it waits for
@@ -198,8 +200,9 @@ class ModelFollower:
     def _wait_for_rebuild(self, version: str, llm: dict[str, Any], update: ResourcesUpdate) -> None:
         """Not ready, new calls held, until ``version`` (lost by Redis) is stored again and loaded."""
         self.waiting = (f"waiting for model version {version}: its weights are gone from Redis (it restarted); "
-                        "asked for a rebuild from the trainer's checkpoint (a running trainer answers; with it "
-                        f"stopped, run `fulmen rollback {version}`)")
+                        "rebuilding it from the trainer's checkpoint, here if this host reads them, else asked "
+                        f"for (a running trainer answers; with it stopped elsewhere, run `fulmen rollback {version}` "
+                        "where the checkpoints are)")
         log.warning("%s", self.waiting)
         if self.gate is not None:
             self.gate.hold(self.waiting)
@@ -218,6 +221,9 @@ class ModelFollower:
 
         refused = False
         after = "0-0"
+        from fulmen.versions.rebuild import rebuild_here
+
+        await rebuild_here(self.store, version, self.checkpoint_dir, by=self.who)  # where checkpoints are read
         while True:
             if not refused:  # once refused, asking again would be refused again: wait for news instead
                 after = await ask_rebuild(self.store, version, self.who)

@@ -81,7 +81,8 @@ class ProxyService:
         self.control = ControlFollower(self.store, self.gate, self.proxy_id, self.registration.refresh)
         if self.backend.system == "torch":  # upstream servers load their weights themselves
             follower = ModelFollower(self.store, self.backend, self._loaded, self.settings.weights_dir,
-                                     gate=self.gate, who=f"llm-proxy {self.proxy_id}")
+                                     gate=self.gate, who=f"llm-proxy {self.proxy_id}",
+                                     checkpoint_dir=self.settings.checkpoint_dir)
             self.follower = follower  # not ready while it waits for a lost version (`waiting`)
             await follower.catch_up()  # before registering or serving: never answer with stale weights
             self._spawn(follower.run, "model versions")

@@ -43,7 +43,7 @@ class VllmSync:
     def __init__(self, store: RedisStore, admin: VllmAdmin, settings: VllmSyncSettings, *, check_s: float = 5.0,
                  canary_prompt: list[int] | None = None) -> None:
         """From ``settings``: the replica's URL (replica_url, else vllm_url), model_name, model_dir,
-        sync_dir, pause_mode, sync_retry_s and lora_loading."""
+        sync_dir, pause_mode, sync_retry_s, lora_loading and checkpoint_dir."""
         if settings.model_dir is None:
             raise ValueError("vllm-sync needs model_dir: the base model the server started from")
         self.store = store
@@ -64,6 +64,7 @@ class VllmSync:
         self.adapters: list[str] = []  # loaded adapters, oldest first
         self.syncs = {"ok": 0, "failed": 0}
         self.asked: str | None = None  # the lost version a rebuild was asked for
+        self.checkpoint_dir = settings.checkpoint_dir  # the trainer's, rebuilt from if this host reads it
 
     async def _mark(self, **changes: Any) -> None:
         self.state = await self.store.registry.set_replica(dataclasses.replace(self.state, **changes))
@@ -176,11 +177,14 @@ class VllmSync:
         """``version``'s weights are gone from Redis but not deleted (`fulmen.versions.rebuild`): out of
         routing, saying which version it waits for, and a rebuild asked for once (every retry reads
         it again; whoever rebuilds it answers on the stream)."""
-        from fulmen.versions.rebuild import weights_lost
+        from fulmen.versions.rebuild import rebuild_here, weights_lost
         from fulmen.versions.rebuild_asks import ask_rebuild
 
         if await weights_lost(self.store, version) is None:
             return  # deleted by retention: a newer version is named, or will be
+        if self.asked != version and await rebuild_here(self.store, version, self.checkpoint_dir,
+                                                        by=f"vllm-sync {self.url}"):
+            return  # stored again: the next try loads it
         reason = (f"waiting for model version {version}: its weights are gone from Redis (it restarted); asked for "
                   f"a rebuild from the trainer's checkpoint (a running trainer answers; with it stopped, run "
                   f"`fulmen rollback {version}`)")

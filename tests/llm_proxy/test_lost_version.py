@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from fulmen.cli.main import app
 from fulmen.records import VersionRebuild
 from fulmen.store import RedisStore
+from fulmen.store.redis.embedded import EmbeddedRedis
 from fulmen.versions.manifest import tensor_sha256
 from fulmen.versions.rebuild import rebuild_version
 from fulmen.versions.rebuild_asks import answer_asks
@@ -60,6 +61,34 @@ def test_a_proxy_started_after_the_loss_waits_for_the_newest_version_then_serves
             n: e.sha256 for n, e in manifest.tensors.items()}
     finally:
         proxy.stop()
+
+
+def test_after_a_redis_restart_a_proxy_on_the_trainers_host_rebuilds_the_newest_version_itself(
+        tiny_model: Path, experiment: str, tmp_path: Path) -> None:
+    """Trainer stopped, Redis restarted from its AOF (which the weights' chunks stay out of): a proxy
+    started afterwards where the checkpoints are rebuilds v2 from them itself, never serving the base
+    weights, and serves v2's bytes; no trainer and no `fulmen rollback` needed."""
+    checkpoints = tmp_path / "ck"
+    with EmbeddedRedis(tmp_path / "redis", port=None) as server:
+        port, url = server.port, server.url
+        on_store(url, experiment, lambda store: train_then_lose(store, tiny_model, checkpoints, lose=False))
+    with EmbeddedRedis(tmp_path / "redis", port=port):  # the same server, back from its AOF
+        lost = on_store(url, experiment, lambda store: store.weights_redis.xlen(store.keys.weights("v2")))
+        assert lost == 0  # the restart lost the chunks, as in production
+        proxy = RunningProxy(redis_url=url, experiment=experiment, proxy_backend="torch", model_dir=tiny_model,
+                             checkpoint_dir=checkpoints)
+        try:
+            deadline = time.monotonic() + 60
+            while httpx.get(f"{proxy.url}/readyz", timeout=10).status_code != 200:
+                assert time.monotonic() < deadline, "the proxy never became ready"
+                time.sleep(0.05)
+            assert proxy.app.service.backend.model_version == "v2"  # ready only once it serves v2
+            served = proxy.app.service.backend.current_weights()
+            manifest = on_store(url, experiment, lambda store: stored_manifest(store, "v2"))
+            assert {n: tensor_sha256(served[n].to(torch.bfloat16)) for n in manifest.tensors} == {
+                n: e.sha256 for n, e in manifest.tensors.items()}
+        finally:
+            proxy.stop()
 
 
 async def _answered(store: RedisStore, folder: Path) -> None:

@@ -73,6 +73,26 @@ class TrainingRunSettings(CommonSettings):
         return self
 
 
+class CheckpointDirSettings(CommonSettings):
+    """Where the trainer's checkpoints are: the trainer writes them; a proxy and vllm-sync that can read
+    the folder (one host, or a shared volume) rebuild from them a model version whose weights Redis lost."""
+
+    checkpoint_dir: Path = Field(
+        Path(".fulmen/checkpoints/default"),
+        description="Where the trainer checkpoints, and where a proxy or vllm-sync that can read it rebuilds "
+        "a model version Redis lost from (unset: <data_dir>/checkpoints/<experiment>).",
+        json_schema_extra={"group": "checkpoints"},
+    )
+
+    @model_validator(mode="after")
+    def _per_experiment_checkpoints(self) -> CheckpointDirSettings:
+        """Each experiment its own checkpoints, unless a folder is named: a new experiment never resumes
+        another one's weights and step."""
+        if "checkpoint_dir" not in self.model_fields_set:
+            object.__setattr__(self, "checkpoint_dir", self.data_dir / "checkpoints" / self.experiment)
+        return self
+
+
 class RolloutPolicySettings(CommonSettings):
     """The retry policy of the rollouts the algorithm and the validation passes enqueue."""
 
@@ -190,7 +210,7 @@ class ComputeSettings(CommonSettings):
     )
 
 
-class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings):
+class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings, CheckpointDirSettings):
     proxy_host: str = Field(
         "127.0.0.1", description="Address the LLM proxy listens on.", json_schema_extra={"group": "server"}
     )
@@ -326,7 +346,7 @@ class AdapterSettings(CommonSettings):
     )
 
 
-class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings):
+class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings, CheckpointDirSettings):
     algorithm: Algorithm = Field(
         "grpo", description="grpo, ppo, reinforce or sft.", json_schema_extra={"group": "objective"}
     )
@@ -507,11 +527,6 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
         description="Checkpoint every K steps (a step that publishes a version always checkpoints first).",
         json_schema_extra={"group": "checkpoints"},
     )
-    checkpoint_dir: Path = Field(
-        Path(".fulmen/checkpoints/default"),
-        description="Where the trainer checkpoints (unset: <data_dir>/checkpoints/<experiment>).",
-        json_schema_extra={"group": "checkpoints"},
-    )
     weights_dir: Path | None = Field(
         None,
         description="Shared folder for model versions (unset: via Redis).",
@@ -600,14 +615,6 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings)
         json_schema_extra={"group": "parallelism"},
     )
 
-    @model_validator(mode="after")
-    def _per_experiment_checkpoints(self) -> TrainerSettings:
-        """Each experiment its own checkpoints, unless a folder is named: a new experiment never resumes
-        another one's weights and step."""
-        if "checkpoint_dir" not in self.model_fields_set:
-            object.__setattr__(self, "checkpoint_dir", self.data_dir / "checkpoints" / self.experiment)
-        return self
-
 
 class AlgorithmSettings(ServedModelSettings, TrainingRunSettings, ValidationSettings, TrainDataSettings):
     n_samples: int = Field(
@@ -683,7 +690,7 @@ class EvalSettings(ValidationSettings):
     pass
 
 
-class VllmSyncSettings(ServedModelSettings):
+class VllmSyncSettings(ServedModelSettings, CheckpointDirSettings):
     vllm_url: str | None = Field(
         None,
         description="The vLLM server to keep in step (its base URL, as in upstream_urls).",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fulmen.errors import InvalidInput, NotFound, RecordError
+from fulmen.errors import FulmenError, InvalidInput, NotFound, RecordError
 from fulmen.versions import blobs
 from fulmen.versions.manifest import DELTA, LORA, Manifest
 from fulmen.versions.retention import stored_versions
@@ -119,6 +119,22 @@ async def rebuild_version(store: RedisStore, version: str, checkpoint_dir: Path,
     log.info("model version %s rebuilt from %s: its weights are stored again, the same bytes", version, path)
     await announce_rebuilt(store, version, by)
     return Rebuilt(version, path)
+
+
+async def rebuild_here(store: RedisStore, version: str, checkpoint_dir: Path | None, *, by: str) -> bool:
+    """Rebuild ``version`` from the trainer's checkpoints in ``checkpoint_dir`` when this host reads
+    them (one host, a shared volume), so that no trainer needs to run (a finished run served again
+    after a Redis restart). False, with a warning, when it cannot: the caller asks the others."""
+    if checkpoint_dir is None or not checkpoint_dir.is_dir():
+        return False
+    try:
+        rebuilt = await rebuild_version(store, version, checkpoint_dir, by=by)
+    except FulmenError as e:
+        log.warning("model version %s: not rebuilt from %s here (%s); asking the trainer", version, checkpoint_dir, e)
+        return False
+    if rebuilt.checkpoint is not None:
+        log.info("model version %s rebuilt here (%s) from %s", version, by, rebuilt.checkpoint)
+    return True
 
 
 async def _check_rebuildable(store: RedisStore, version: str) -> None:
