@@ -234,8 +234,9 @@ async def replay(redis_url: str, model_dir: Path, groups: list[list[Sample]], *,
         await pipe.execute()
         leader, follower = trainers
         stop = asyncio.Event()
-        following = asyncio.create_task(follower.ranks.follow(follower, stop))
-        await leader.run(asyncio.Event())
+        # as `fulmen trainer` runs a Redis rank: rank 0 takes the leader's lease, rank 1 follows
+        following = asyncio.create_task(follower.ranks.serve(follower, stop))
+        await leader.ranks.serve(leader, asyncio.Event())
         while follower.step < leader.step and not following.done():
             await asyncio.sleep(0.05)
         stop.set()

@@ -152,8 +152,9 @@ async def redis_ranks(redis_url: str, tiny: Path, out: Path, case: dict[str, Any
             await store.redis.xadd(store.keys.samples, {"m": s.to_wire()})
         leader, follower = trainers
         stop_follower = asyncio.Event()
-        following = asyncio.create_task(follower.ranks.follow(follower, stop_follower))
-        await asyncio.wait_for(leader.run(asyncio.Event()), 120)
+        # as `fulmen trainer` runs a Redis rank: rank 0 takes the leader's lease, rank 1 follows
+        following = asyncio.create_task(follower.ranks.serve(follower, stop_follower))
+        await asyncio.wait_for(leader.ranks.serve(leader, asyncio.Event()), 120)
         for _ in range(600):
             if follower.step == STEPS or following.done():
                 break
