@@ -63,29 +63,49 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> Non
     killed evaluator left. The rq worker works the queue a second at a time, in a thread, with rq's thread-safe
     job timeout (its default, SIGALRM, needs the main thread). Stopped during a pass, it leaves at once
     (rq would wait for the pass, minutes, and honcho SIGKILLs after 5 s): the job stays started, and the
-    next evaluator runs it again (`requeue_abandoned`), as after a kill."""
-    from rq.timeouts import TimerDeathPenalty
+    next evaluator runs it again (`requeue_abandoned`), as after a kill. Redis going away is ridden out:
+    it waits for Redis, puts back what the outage left started, and works on with a new worker."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 
     from fulmen.store.redis.connection import connect
     from fulmen.telemetry.http import start_ops
-    from fulmen_algorithm.jobs import evaluator_worker, validation_queue
-    from fulmen_algorithm.validation import requeue_abandoned
+    from fulmen_algorithm.jobs import validation_queue
 
     await (await connect(settings)).aclose()  # services start in any order: wait for Redis, or rq exits at once
     queue = validation_queue(settings)
     log.info("evaluator on queue %s", queue.name)
-    requeue_abandoned(queue)
-    worker = evaluator_worker(queue)
-    worker.death_penalty_class = TimerDeathPenalty
-    worker._install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ``stop`` answers the signals
+    worker = _evaluator_worker(queue)
     logging.getLogger("rq.worker").setLevel(logging.WARNING)  # a burst a second: its lines would flood the log
     with start_ops(settings, "evaluator"):
         while not stop.is_set():  # a job is taken the moment it is queued; the loop looks at ``stop`` each second
             work = asyncio.to_thread(worker.work, max_idle_time=EVAL_IDLE_S, with_scheduler=False)
-            if await unless_stopped(work, stop) is None:
+            try:
+                done = await unless_stopped(work, stop)
+            except (RedisConnectionError, RedisTimeoutError) as e:  # BusyLoadingError too (a restart's load)
+                log.warning("evaluator: Redis went away (%s: %s); waiting for it", type(e).__name__, e)
+                await (await connect(settings)).aclose()
+                worker = _evaluator_worker(queue)  # rq keeps a worker's name registered: a new one starts clean
+                continue
+            if done is None:
                 if worker.running is not None:
                     log.info("stopping during validation job %s: the next evaluator runs it again", worker.running)
                 return
+
+
+def _evaluator_worker(queue: Any) -> Any:
+    """The eval queue's rq worker, after putting back the passes a dead evaluator (or a Redis outage)
+    left started: rq's thread-safe job timeout, no signal handlers of its own (``stop`` answers them)."""
+    from rq.timeouts import TimerDeathPenalty
+
+    from fulmen_algorithm.jobs import evaluator_worker
+    from fulmen_algorithm.validation import requeue_abandoned
+
+    requeue_abandoned(queue)
+    worker = evaluator_worker(queue)
+    worker.death_penalty_class = TimerDeathPenalty
+    worker._install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    return worker
 
 
 ALGORITHM = Service("algorithm", AlgorithmSettings, run_algorithm)

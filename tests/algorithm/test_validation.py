@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+
+import pytest
 
 from fulmen.store import RedisStore
 from fulmen.watchdog import sweep
@@ -93,3 +96,49 @@ def test_the_best_validated_pass_is_the_final_models_choice() -> None:
     assert best is not None and best["label"] == "v260" and served_version(best) == "v260"
     assert best_pass(passes[:2] + passes[3:4])["label"] == "v240"  # an earlier, better pass beats the last
     assert best_pass([]) is None
+
+
+
+async def test_an_evaluator_rides_out_redis_going_away(redis_url: str, experiment: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ConnectionError out of the rq worker's loop (Redis restarting while the worker registers, as
+    a random-fault run found) does not end `fulmen evaluator`: it waits for Redis and works on with a
+    new worker, until stopped."""
+    import time
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    import fulmen_algorithm.main as evaluator
+    from fulmen.settings import EvaluatorSettings, load_settings
+
+    made: list[Any] = []
+
+    class Worker:
+        running = None
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def work(self, **_: Any) -> bool:
+            self.calls += 1
+            if len(made) == 1:  # the first worker meets Redis going away
+                raise RedisConnectionError("Error 111 connecting to 127.0.0.1. Connection refused.")
+            time.sleep(0.05)  # rq's idle return
+            return False
+
+    def new_worker(queue: Any) -> Worker:
+        made.append(Worker())
+        return made[-1]
+
+    monkeypatch.setattr(evaluator, "_evaluator_worker", new_worker)
+    stop = asyncio.Event()
+    settings = load_settings(EvaluatorSettings, redis_url=redis_url, experiment=experiment)
+    running = asyncio.create_task(evaluator.run_evaluator(settings, stop))
+    for _ in range(400):
+        if len(made) == 2 and made[1].calls >= 2:
+            break
+        assert not running.done(), running.exception()
+        await asyncio.sleep(0.05)
+    assert len(made) == 2 and made[1].calls >= 2  # a second worker, working the queue
+    stop.set()
+    await asyncio.wait_for(running, 10)
