@@ -23,7 +23,7 @@ from fulmen.versions.model_version import (
     BASE_VERSION,
     POLICY_RESOURCES_ID,
     ModelVersion,
-    fetch_model_version,
+    fetch_full_version,
     find_weights,
 )
 from fulmen.versions.retention import stored_versions
@@ -73,7 +73,7 @@ async def export_final_model(store: RedisStore, base_model_dir: Path, out: Path,
     if version == BASE_VERSION.name:
         return None
     try:
-        state = await fetch_model_version(store, version, resource=llm)
+        state = (await fetch_full_version(store, version, resource=llm)).state  # a delta applied onto its base
         full = await asyncio.to_thread(full_weights, state, llm.get("weights") or {}, base_model_dir)
     except FulmenError as e:
         log.warning("the final version %s cannot be exported (%s): the final model is the newest version "
@@ -117,7 +117,7 @@ async def export_version(store: RedisStore, version: str, base_model_dir: Path, 
     if version == BASE_VERSION.name or entry is None:
         return None
     try:
-        state = await fetch_model_version(store, version, resource={"weights": entry})
+        state = (await fetch_full_version(store, version, resource={"weights": entry})).state
         full = await asyncio.to_thread(full_weights, state, entry, base_model_dir)
     except FulmenError:
         return None

@@ -61,3 +61,26 @@ async def test_every_version_lost_leaves_no_final_model(
     assert paths["final_model"] is None and paths["final_model_version"] is None
     assert json.loads(Path(paths["summary"]).read_text())["final_model"] is None
     assert any("no model version's weights are stored" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_delta_final_version_exports_its_whole_weights(real_store: RedisStore, tmp_path: Path) -> None:
+    """publish_format=delta: the final model folder holds v2's whole weights (the delta applied onto
+    v1), every tensor as the trainer held it, not the delta's changed elements."""
+    import torch
+    from safetensors.torch import load_file
+
+    from fulmen.versions.delta import encode_delta
+    from fulmen.versions.manifest import DELTA, Manifest, describe_all
+
+    base = build_tiny_model(tmp_path / "tiny")
+    first, _ = load_tiny_model(build_tiny_model(tmp_path / "m1", seed=1))
+    v1 = {n: t.detach().clone() for n, t in first.state_dict().items()}
+    await publish_model_version(real_store, v1, model="tiny")
+    v2 = {n: t + 0.01 if n.endswith("lm_head.weight") else t for n, t in v1.items()}  # one tensor changed
+    await publish_model_version(real_store, encode_delta(v1, v2), model="tiny", manifest=Manifest(DELTA, "v1", describe_all(v2)),
+                                weights_format={"format": DELTA, "base_version": "v1"})
+    folder, chosen = await _run(real_store, tmp_path, base).final_model(tmp_path / "out")
+    assert chosen == {"final_model_version": "v2"}
+    exported = load_file(str(folder / "model.safetensors"))
+    assert set(exported) >= {n for n in v2 if "rotary" not in n}
+    assert all(torch.equal(exported[n], v2[n]) for n in exported)
