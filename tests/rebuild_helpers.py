@@ -10,18 +10,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+import torch
 
 from fulmen import keys as k
 from fulmen.records import Sample
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
-from fulmen.versions.manifest import Manifest
+from fulmen.versions.manifest import Manifest, tensor_sha256
 from fulmen_trainer.trainer import Trainer
 
 T = TypeVar("T")
 
 
-async def _push_group(store: RedisStore, name: str) -> None:
+async def push_group(store: RedisStore, name: str) -> None:
+    """A group of four train samples named ``name`` on the samples stream."""
     for i, reward in enumerate([1.0, 0.0, 1.0, 0.0]):
         sample = Sample(f"{name}{i}.1/t0", "triplet", f"{name}{i}", f"{name}{i}.1", name, 0, [1, 5 + i, 9, 12],
                         [20 + int(reward), 21, 2], [-1.5, -2.0, -0.5], [1, 1, 1], reward, reward, "base",
@@ -36,7 +38,7 @@ async def train_then_lose(store: RedisStore, tiny: Path, checkpoints: Path, *, l
     as they were published."""
     await store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     for name in "ab":
-        await _push_group(store, name)
+        await push_group(store, name)
     settings = load_settings(TrainerSettings, model_dir=tiny, groups_per_step=1, checkpoint_dir=checkpoints,
                              metrics_file=checkpoints.parent / "m.jsonl", max_steps=2, experiment=store.experiment,
                              learning_rate=1e-3, dtype="bfloat16", device="cpu", checkpoint_every=1)
@@ -48,6 +50,13 @@ async def train_then_lose(store: RedisStore, tiny: Path, checkpoints: Path, *, l
     if lose:
         await store.weights_redis.delete(store.keys.weights("v1"), store.keys.weights("v2"))
     return published
+
+
+def serves_manifest(served: dict[str, torch.Tensor], redis_url: str, experiment: str, version: str) -> bool:
+    """Whether the tensors a proxy serves are ``version``'s bytes, as its stored manifest names them."""
+    manifest = on_store(redis_url, experiment, lambda store: stored_manifest(store, version))
+    return {n: tensor_sha256(served[n].to(torch.bfloat16)) for n in manifest.tensors} == {
+        n: e.sha256 for n, e in manifest.tensors.items()}
 
 
 async def stored_manifest(store: RedisStore, version: str) -> Manifest:

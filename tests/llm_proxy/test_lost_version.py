@@ -12,16 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from proxy_helpers import RunningProxy
-from rebuild_helpers import on_store, stored_manifest, train_then_lose, until
+from rebuild_helpers import on_store, serves_manifest, train_then_lose, until
 from typer.testing import CliRunner
 
 from fulmen.cli.main import app
 from fulmen.records import VersionRebuild
 from fulmen.store import RedisStore
 from fulmen.store.redis.embedded import EmbeddedRedis
-from fulmen.versions.manifest import tensor_sha256
 from fulmen.versions.rebuild import rebuild_version
 from fulmen.versions.rebuild_asks import answer_asks
 from fulmen_llm_proxy.backends.torch.backend import TorchBackend
@@ -55,10 +53,7 @@ def test_a_proxy_started_after_the_loss_waits_for_the_newest_version_then_serves
         ready = httpx.get(f"{proxy.url}/readyz", timeout=10)
         print("after the rebuild:", ready.status_code, ready.text)
         assert ready.json() == {"ready": True} and proxy.app.service.backend.model_version == "v2"
-        served = proxy.app.service.backend.current_weights()
-        manifest = on_store(redis_url, experiment, lambda store: stored_manifest(store, "v2"))
-        assert {n: tensor_sha256(served[n].to(torch.bfloat16)) for n in manifest.tensors} == {
-            n: e.sha256 for n, e in manifest.tensors.items()}
+        assert serves_manifest(proxy.app.service.backend.current_weights(), redis_url, experiment, "v2")
     finally:
         proxy.stop()
 
@@ -83,10 +78,7 @@ def test_after_a_redis_restart_a_proxy_on_the_trainers_host_rebuilds_the_newest_
                 assert time.monotonic() < deadline, "the proxy never became ready"
                 time.sleep(0.05)
             assert proxy.app.service.backend.model_version == "v2"  # ready only once it serves v2
-            served = proxy.app.service.backend.current_weights()
-            manifest = on_store(url, experiment, lambda store: stored_manifest(store, "v2"))
-            assert {n: tensor_sha256(served[n].to(torch.bfloat16)) for n in manifest.tensors} == {
-                n: e.sha256 for n, e in manifest.tensors.items()}
+            assert serves_manifest(proxy.app.service.backend.current_weights(), url, experiment, "v2")
         finally:
             proxy.stop()
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from rebuild_helpers import push_group
 
 from fulmen import keys as k
 from fulmen.demo.tiny_model import build_tiny_model
-from fulmen.records import Sample
 from fulmen.settings import TrainerSettings, load_settings
 from fulmen.store import RedisStore
 from fulmen.versions.manifest import FULL, tensor_sha256
@@ -28,14 +28,6 @@ from fulmen_trainer.trainer import Trainer
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
-
-
-async def _push_group(store: RedisStore, name: str) -> None:
-    for i, reward in enumerate([1.0, 0.0, 1.0, 0.0]):
-        sample = Sample(f"{name}{i}.1/t0", "triplet", f"{name}{i}", f"{name}{i}.1", name, 0, [1, 5 + i, 9, 12],
-                        [20 + int(reward), 21, 2], [-1.5, -2.0, -0.5], [1, 1, 1], reward, reward, "base",
-                        mode="train", group_size=4)
-        await store.redis.xadd(store.keys.samples, {"m": sample.to_wire()})
 
 
 def _trainer(store: RedisStore, tiny: Path, tmp_path: Path, max_steps: int) -> Trainer:
@@ -81,7 +73,7 @@ async def test_lost_weights_are_rebuilt_under_their_own_name_while_waiting_and_a
     store = real_store
     await store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     for name in "ab":
-        await _push_group(store, name)
+        await push_group(store, name)
     trainer = _trainer(store, tiny, tmp_path, max_steps=2)
     await trainer.setup()
     await asyncio.wait_for(trainer.run(asyncio.Event()), 120)
@@ -115,7 +107,7 @@ async def test_a_lost_version_no_checkpoint_holds_is_published_again_as_the_next
     store = real_store
     await store.samples.ensure_samples_group(k.TRAINERS_GROUP)
     for name in "ab":
-        await _push_group(store, name)
+        await push_group(store, name)
     trainer = _trainer(store, tiny, tmp_path, max_steps=2)
     await trainer.setup()
     await asyncio.wait_for(trainer.run(asyncio.Event()), 120)
