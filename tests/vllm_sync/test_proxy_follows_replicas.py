@@ -59,6 +59,19 @@ async def test_calls_go_to_ready_replicas_only(real_store: RedisStore) -> None:
     await backend.close()
 
 
+async def test_a_call_sent_untracked_is_uncertain_once_its_replica_is_tracked(real_store: RedisStore) -> None:
+    """A call that left for a replica no vllm-sync recorded yet, and ended after one started on it, may
+    straddle its first load: it is not recorded as the default version but sent again."""
+    view = ReplicaView(real_store)
+    await view.refresh()
+    untracked = view.stamp("http://127.0.0.1:3")
+    assert untracked.state is None and await view.confirm(untracked) == ""  # still untracked: default
+    await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:3/v1", "v1", ready=True))
+    assert await view.confirm(untracked) is None
+    await view.refresh()
+    assert await view.confirm(view.stamp("http://127.0.0.1:3")) == "v1"  # tracked when sent and now
+
+
 async def test_no_call_mixes_two_versions_while_versions_load(real_store: RedisStore, models: list[Path],
                                                               tmp_path: Path) -> None:
     base = models[0]
@@ -90,12 +103,19 @@ async def test_no_call_mixes_two_versions_while_versions_load(real_store: RedisS
                 await asyncio.sleep(0.05)
             i += 1
 
+    async def served(version: str) -> None:
+        while not any((r.model_version or "base") == version for r in calls):
+            await asyncio.sleep(0.05)
+
     agents = [asyncio.create_task(agent(n)) for n in range(3)]
     try:
-        for model in models[1:]:
-            await asyncio.sleep(1.0)
+        # each version is published once the one before has served a call: on a busy machine a load
+        # can take longer than any fixed pause, and vllm-sync rightly skips a version a newer one replaced
+        await asyncio.wait_for(served("base"), 30)
+        for version, model in zip(["v1", "v2", "v3"], models[1:], strict=True):
             await publish_model_version(real_store, load_file(str(model / "model.safetensors")), model="tiny")
-        await asyncio.sleep(2.0)
+            await asyncio.wait_for(served(version), 30)
+        await asyncio.sleep(0.5)  # calls that start after the last load
     finally:
         publishing = False
         await asyncio.gather(*agents)

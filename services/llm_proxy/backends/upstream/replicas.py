@@ -50,12 +50,13 @@ class ReplicaView:
     async def confirm(self, stamp: Stamp) -> str | None:
         """The version that served a call sent under ``stamp``, or None if the weights may have
         changed while it ran."""
-        now = None
-        if stamp.state is not None:
-            raw = await self.store.redis.hget(self.store.keys.replicas, stamp.state.url)
-            now = ReplicaState.from_wire(raw) if raw is not None else None
+        # the url vllm-sync recorded, or any it may record for this replica when it was untracked
+        urls = [stamp.state.url] if stamp.state is not None else [stamp.url, f"{stamp.url}/v1", f"{stamp.url}/"]
+        raw = next((r for r in await self.store.redis.hmget(self.store.keys.replicas, urls) if r is not None), None)
+        now = ReplicaState.from_wire(raw) if raw is not None else None
         if stamp.state is None and now is None:
             return ""  # untracked upstream: the backend's own default version
+        # untracked when sent and tracked now: its vllm-sync started meanwhile and may have loaded
         if stamp.state is None or now is None or now.generation != stamp.state.generation or not stamp.state.ready:
             return None
         return stamp.state.model_version
