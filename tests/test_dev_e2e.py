@@ -1,6 +1,6 @@
 """The demo, shortened, through `fulmen dev`: every service as a task of one process on the embedded
-Redis. The same invariants as the multi-process run (tests/test_demo_e2e.py): it ends by itself,
-reports, and validation after the GRPO steps beats the warm start; fewer steps, to keep it short."""
+Redis. It ends by itself, validates before and after, reports and saves the final model; that the
+same services learn is the honcho run's claim (tests/test_demo_e2e.py), which trains 60 steps."""
 
 from __future__ import annotations
 
@@ -10,21 +10,19 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from demo_runs import FULMEN, assert_beat_the_warm_start, run_dev, user_env, write_env
+from demo_runs import FULMEN, run_dev, user_env, write_env
 
 from fulmen.store.redis.embedded import free_port
 
 pytestmark = pytest.mark.slow
-# 20 steps were too few for the margin: one CI run read 0.39 -> 0.45 (asynchronous RL is not
-# deterministic); the demo reads ~0.6 at step 40 (bench/RESULTS.md, "Demo end to end").
-STEPS = 40
-MARGIN = 0.1
-TIMEOUT_S = 900  # ~2 min on a quiet 2-core machine; the slack is for a busy one
+STEPS = 4
+TIMEOUT_S = 900  # ~1 min on a quiet 2-core machine; the slack is for a busy one
 
 
 @pytest.mark.timeout(TIMEOUT_S)
-def test_shortened_demo_through_fulmen_dev_beats_the_warm_start(tmp_path: Path) -> None:
-    """`fulmen dev` with STEPS trainer steps: one process, ends by itself, reports, learns."""
+def test_shortened_demo_through_fulmen_dev_validates_reports_and_saves(tmp_path: Path) -> None:
+    """`fulmen dev` on the demo with STEPS trainer steps: one process, the warm start validated, the
+    trainer's last version validated, the run ended by itself with its summary and final model."""
     overrides = {
         "FULMEN_REDIS_PORT": free_port(), "FULMEN_PROXY_PORT": free_port(), "FULMEN_DASHBOARD_PORT": 0,
         "FULMEN_TOTAL_STEPS": STEPS, "FULMEN_VAL_EVERY": STEPS, "FULMEN_SEED": 0,
@@ -34,7 +32,12 @@ def test_shortened_demo_through_fulmen_dev_beats_the_warm_start(tmp_path: Path) 
     assert returncode == 0, log[-6000:]
     assert "run finished: curve" in log, log[-6000:]
     assert "Writing model shards" not in log  # no progress bars in a service's log
-    assert_beat_the_warm_start(tmp_path, STEPS, MARGIN)
+    summary = json.loads((tmp_path / ".fulmen" / "run" / "default" / "summary.json").read_text())
+    assert summary["steps"] >= STEPS
+    labels = [v["label"] for v in summary["validations"]]
+    assert labels[0] == "v0" and len(labels) >= 2, summary["validations"]  # the warm start, then a version
+    assert 0.0 <= summary["final_val_accuracy"] <= 1.0
+    assert (tmp_path / summary["final_model"] / "model.safetensors").exists()
 
 
 @pytest.mark.timeout(TIMEOUT_S)
