@@ -822,18 +822,17 @@ MOMENTS: dict[str, Callable[[ChaosRun], Awaitable[bool]]] = {
 
 async def chaos_case(service: str, workdir: Path, experiment: str, config: ChaosConfig | None = None,
                      redis_url: str | None = None, timeout_s: float = 300.0) -> Verdict:
-    """One whole case: start the run, kill ``service`` at its moment and restart it, let the run
-    finish, check the store."""
+    """One whole case: start the run, kill ``service`` at its moment and restart it (several, joined
+    by "+": each in turn, at its own moment), let the run finish, check the store."""
     run = ChaosRun(workdir, experiment, config, redis_url)
     try:
         await run.start()
-        fault = None
-        if service != "none":
-            fault = await run.chaos(service, MOMENTS[service], timeout_s=timeout_s)
+        faults = [await run.chaos(name, MOMENTS[name], timeout_s=timeout_s)
+                  for name in service.split("+") if name != "none"]
         await run.finish(timeout_s=timeout_s)
         await run.settle()
         verdict = await run.check_store(service)
-        verdict.resume_s = fault.resume_s if fault is not None else None
+        verdict.resume_s = max((f.resume_s for f in faults if f.resume_s is not None), default=None)
         verdict.wall_s = time.monotonic() - run.started
         return verdict
     except TimeoutError as e:
