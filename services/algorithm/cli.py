@@ -25,17 +25,17 @@ from fulmen_algorithm.main import ALGORITHM, DEMO, EVALUATOR
 APO_ROUNDS = 2
 APO_BEAM_WIDTH = 2
 APO_BRANCH_FACTOR = 2
-# The demo writes its own datasets: no flag for them.
-DEMO_WRITES = ("train_data", "val_data")
+# The demo writes its own datasets: no flag for them (nor for reading other ones).
+DEMO_WRITES = ("train_data", "val_data", "train_split", "val_split", "task_columns")
 
 
-def _tasks_or_exit(path: Path) -> list[dict[str, object]]:
+def _tasks_or_exit(path: Path, split: str | None, columns: str | None) -> list[dict[str, object]]:
     """The tasks of a dataset, or a clear error and exit code 2."""
     from fulmen.errors import FulmenError
     from fulmen_algorithm.dataset import load_tasks
 
     try:
-        return load_tasks(path)
+        return load_tasks(path, split, columns)
     except FulmenError as e:
         raise error_exit(str(e)) from None
 
@@ -68,7 +68,7 @@ def evaluator(settings: EvaluatorSettings) -> None:
     run_service(EVALUATOR, settings)
 
 
-@settings_command(EvalSettings, fields=("val_data", "experiment"))
+@settings_command(EvalSettings, fields=("val_data", "val_split", "task_columns", "experiment"))
 def eval_command(
     settings: EvalSettings,
     checkpoint: Annotated[Path, typer.Argument(help="A Hugging Face model folder (safetensors) to evaluate.")],
@@ -81,7 +81,7 @@ def eval_command(
         raise error_exit("pass --val-data val.jsonl (or FULMEN_VAL_DATA)")
     if weights_of(checkpoint) is None:
         raise error_exit(f"{checkpoint} has no model.safetensors (a Hugging Face folder is expected)")
-    tasks = _tasks_or_exit(settings.val_data)
+    tasks = _tasks_or_exit(settings.val_data, settings.val_split, settings.task_columns)
 
     async def work(store: RedisStore) -> None:
         print(json.dumps(await evaluate_checkpoint(store, checkpoint, tasks, settings)), flush=True)
@@ -106,7 +106,7 @@ def apo(
 
     if settings.train_data is None or not settings.critic_base_url or not settings.critic_model:
         raise error_exit("APO needs --train-data, --critic-base-url and --critic-model")
-    tasks = _tasks_or_exit(settings.train_data)
+    tasks = _tasks_or_exit(settings.train_data, settings.train_split, settings.task_columns)
 
     async def work(store: RedisStore) -> None:
         result = await optimise(store, tasks, settings, template, rounds=rounds, beam_width=beam_width,

@@ -101,8 +101,12 @@ def _rq_safe(name: str) -> str:
 
 def enqueue_validation(settings: AlgorithmSettings, version: int) -> None:
     """A validation pass of ``version`` for the `fulmen evaluator` worker."""
+    # How the evaluator reads val_data when it is a dataset: passed only when set.
+    reading = {k: v for k, v in (("split", settings.val_split), ("columns", settings.task_columns)) if v}
     validation_queue(settings).enqueue(
-        VALIDATION_JOB, settings.experiment, str(settings.val_data), f"v{version}", settings.val_timeout_s, version,
+        VALIDATION_JOB,
+        args=(settings.experiment, str(settings.val_data), f"v{version}", settings.val_timeout_s, version),
+        kwargs=reading,
         job_id=validation_job_id(settings.experiment, version),
         job_timeout=int(settings.val_timeout_s) + JOB_TIMEOUT_MARGIN_S,
     )

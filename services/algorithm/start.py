@@ -27,13 +27,13 @@ def algorithm_inputs(settings: AlgorithmSettings) -> RunInputs:
     from fulmen_algorithm.demo import publish_base_policy
 
     if settings.train_data is None:
-        raise InvalidInput("no training data: pass --train-data tasks.jsonl (or FULMEN_TRAIN_DATA)")
+        raise InvalidInput("no training data: pass --train-data tasks.jsonl or a dataset (or FULMEN_TRAIN_DATA)")
     if settings.total_steps is None and settings.epochs is None:
         raise InvalidInput("the run needs an end: --total-steps or --epochs")
     if settings.model_dir is None:
         raise InvalidInput("the run needs the policy's model folder: --model-dir (or FULMEN_MODEL_DIR), as the trainer's")
-    tasks = load_tasks(settings.train_data)
-    val_tasks = load_tasks(settings.val_data) if settings.val_data is not None else []
+    tasks = load_tasks(settings.train_data, settings.train_split, settings.task_columns)
+    val_tasks = load_tasks(settings.val_data, settings.val_split, settings.task_columns) if settings.val_data else []
     model_name = settings.model_name or settings.model_dir.resolve().name  # what the proxies serve it as
 
     async def setup(store: RedisStore) -> None:

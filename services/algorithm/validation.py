@@ -134,9 +134,11 @@ def reached_target(passes: list[dict[str, Any]], target: float, in_a_row: int = 
 
 
 def validation_job(
-    experiment: str, val_data: str, label: str, timeout_s: float = 600.0, step: int | None = None
+    experiment: str, val_data: str, label: str, timeout_s: float = 600.0, step: int | None = None,
+    split: str | None = None, columns: str | None = None,
 ) -> dict[str, Any]:
-    """The rq job (JSON in, JSON out): connects from the environment, like every service."""
+    """The rq job (JSON in, JSON out): connects from the environment, like every service. ``split`` and
+    ``columns``: how to read ``val_data`` when it is a dataset (`fulmen_algorithm.dataset.load_tasks`)."""
     from fulmen.settings import EvaluatorSettings, load_settings
     from fulmen.store.redis.connection import connect
 
@@ -146,8 +148,8 @@ def validation_job(
         try:
             store = RedisStore(client, experiment, max_record_bytes=settings.max_record_bytes)
             config = recoverable_rollout_config(settings.rollout_unresponsive_s, settings.rollout_max_attempts)
-            return await validate(store, load_tasks(val_data), label=label, step=step, timeout_s=timeout_s,
-                                  config=config)
+            tasks = load_tasks(val_data, split, columns)
+            return await validate(store, tasks, label=label, step=step, timeout_s=timeout_s, config=config)
         finally:
             await client.aclose()
 

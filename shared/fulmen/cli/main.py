@@ -86,7 +86,9 @@ def redis(
 
 @app.command()
 def push(
-    file: Annotated[str, typer.Argument(help="JSON-lines file of tasks, or - for standard input.")],
+    file: Annotated[str, typer.Argument(
+        help="Tasks: a JSON-lines file, - for standard input, or a Hugging Face dataset: a save_to_disk folder, "
+             "a .parquet or an .arrow file.")],
     experiment: ExperimentOpt = None,
     mode: Annotated[RolloutMode, typer.Option(help="Rollout mode.")] = RolloutMode.TRAIN,
     id_field: Annotated[
@@ -115,22 +117,43 @@ def push(
     priority_field: Annotated[
         str, typer.Option(help="Task field that sets a line's own priority over --priority. '' for none.")
     ] = "",
+    split: Annotated[str | None, typer.Option(
+        help="A dataset folder holding a DatasetDict: the split to push (default train).")] = None,
+    column: Annotated[list[str] | None, typer.Option(
+        help="Dataset only: task field from a column, as FIELD=COLUMN (repeatable; e.g. --column question=prompt); "
+             "other columns stay as they are. =COLUMN: the task is that column's value (a mapping).")] = None,
 ) -> None:
-    """Queue every task of a JSON-lines file as a rollout.
+    """Queue every task of a JSON-lines file or a Hugging Face dataset as a rollout.
 
-    Each line is a JSON object: the task the agent receives. Bad lines (not UTF-8, not a JSON object,
-    an id given twice, ...) are reported with their line number and skipped (or, with --strict,
-    nothing is queued). Ends with a summary. Exit code: 0 when something was queued or already
-    present, 1 when lines were refused and nothing was, 2 when the file cannot be read."""
+    Each line is a JSON object (each dataset row a mapping, after --column): the task the agent
+    receives. Bad lines or rows (not UTF-8, not a JSON object, an id given twice, a value msgpack
+    cannot hold, ...) are reported with their number (a line's from 1, a row's from 0 as dataset[n])
+    and skipped (or, with --strict, nothing is queued). Ends with a summary. Exit code: 0 when
+    something was queued or already present, 1 when lines were refused and nothing was, 2 when the
+    file cannot be read."""
+    from fulmen.task_datasets import is_dataset, parse_columns
+
     settings = settings_from_flags(experiment=experiment)
+    dataset = file != "-" and is_dataset(file)
+    try:
+        columns = parse_columns(column)
+    except InvalidInput as e:
+        raise error_exit(str(e)) from None
+    if not dataset and (split or columns):
+        raise error_exit("--split and --column apply to a dataset (a folder, .parquet or .arrow), not JSON lines")
     config = {"max_attempts": max_attempts, "retry_condition": retry_on or [], "timeout_seconds": timeout_seconds,
               "unresponsive_seconds": unresponsive_seconds}
     defaults: dict[str, Any] = {"mode": mode, "resources_id": resources_id, "priority": priority, "config": config}
     options = push_cli.PushOptions(defaults=defaults, id_field=id_field or None, strict=strict,
-                                   batch_size=batch_size, priority_field=priority_field or None)
-    with push_cli.task_stream(file) as (stream, total):
-        pushed = run_on_store(settings, lambda store: push_cli.push_tasks(store, stream, total, options))
-    push_cli.report(pushed, strict, settings.experiment)
+                                   batch_size=batch_size, priority_field=priority_field or None,
+                                   unit="row" if dataset else "line")
+    if dataset:
+        rows = push_cli.open_dataset(file, split, columns)
+        pushed = run_on_store(settings, lambda store: push_cli.push_tasks(store, rows, rows.total, options))
+    else:
+        with push_cli.task_stream(file) as (stream, total):
+            pushed = run_on_store(settings, lambda store: push_cli.push_tasks(store, stream, total, options))
+    push_cli.report(pushed, strict, settings.experiment, options.unit)
 
 
 for _name, _command in {**inspect_cli.COMMANDS, **archive_cli.COMMANDS}.items():
@@ -310,8 +333,8 @@ def serve(
 
 
 # What `fulmen train` takes as flags (the rest of every service's settings come from the environment).
-TRAIN_FLAGS = ("experiment", "train_data", "val_data", "model_dir", "model_name", "total_steps", "epochs",
-               "n_samples", "groups_per_step", "val_every")
+TRAIN_FLAGS = ("experiment", "train_data", "val_data", "train_split", "val_split", "task_columns", "model_dir",
+               "model_name", "total_steps", "epochs", "n_samples", "groups_per_step", "val_every")
 TRAIN_NAMES = {"train_data": ("--tasks",), "val_data": ("--val-tasks",)}
 TRAIN_STEPS = 20  # a first run's length, unless --total-steps or --epochs says otherwise
 

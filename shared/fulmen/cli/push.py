@@ -1,5 +1,6 @@
-"""`fulmen push`'s work: a JSON-lines task file queued as rollouts in batches, every bad line reported
-with its number, then a summary and the exit code. Reading the lines: `fulmen.cli.tasks_file`."""
+"""`fulmen push`'s work: a JSON-lines task file or a Hugging Face dataset (`fulmen.task_datasets`) queued
+as rollouts in batches, every bad line or row reported with its number, then a summary and the exit
+code. Checking each task: `fulmen.cli.tasks_file`."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fulmen.cli.service import err, out
-from fulmen.cli.tasks_file import BadLine, LineNote, parse_tasks
+from fulmen.cli.tasks_file import BadLine, LineNote, check_tasks, parse_tasks
+from fulmen.errors import FulmenError
 from fulmen.records import Rollout
 from fulmen.store import RedisStore
+from fulmen.task_datasets import TaskRows, open_rows
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class PushOptions:
     strict: bool  # any bad line refuses the whole file
     batch_size: int  # rollouts per round trip
     priority_field: str | None  # the task field that names a line's own priority
+    unit: str = "line"  # what the numbers in messages count: JSON lines, or a dataset's rows
 
 
 @dataclass
@@ -57,26 +61,41 @@ def task_stream(file: str) -> Iterator[tuple[IO[bytes], int | None]]:
             stream.close()
 
 
-async def push_tasks(store: RedisStore, stream: IO[bytes], total: int | None, options: PushOptions) -> Pushed:
-    """Queue the stream's tasks; with ``options.strict``, nothing at all when a line is bad."""
+def open_dataset(file: str, split: str | None, columns: dict[str, str]) -> TaskRows:
+    """The dataset's rows to read (`fulmen.task_datasets.open_rows`); one that cannot be opened, or
+    lacks the split or a mapped column, exits 2 saying why."""
+    try:
+        return open_rows(file, split, columns)
+    except FulmenError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+
+
+async def push_tasks(store: RedisStore, stream: IO[bytes] | TaskRows, total: int | None,
+                     options: PushOptions) -> Pushed:
+    """Queue the tasks of a JSON-lines stream or a dataset's rows; with ``options.strict``, nothing at
+    all when a line or row is bad."""
     await store.queue.ensure()
-    items: Iterable[Rollout | BadLine | LineNote] = parse_tasks(
-        stream, store, id_field=options.id_field, defaults=options.defaults, strict=options.strict,
-        priority_field=options.priority_field,
+    check = {"id_field": options.id_field, "defaults": options.defaults, "strict": options.strict,
+             "priority_field": options.priority_field}
+    items: Iterable[Rollout | BadLine | LineNote] = (
+        check_tasks(stream.rows(), store, unit=options.unit, **check) if isinstance(stream, TaskRows)
+        else parse_tasks(stream, store, **check)
     )
     if options.strict:
         items = list(items)  # validate everything before queuing anything
         bad = [x for x in items if isinstance(x, BadLine)]
         if bad:
             return Pushed(bad=bad)
-    return await _queue_in_batches(store, items, total, options.batch_size)
+    return await _queue_in_batches(store, items, total, options.batch_size, options.unit)
 
 
 async def _queue_in_batches(
-    store: RedisStore, items: Iterable[Rollout | BadLine | LineNote], total: int | None, batch_size: int
+    store: RedisStore, items: Iterable[Rollout | BadLine | LineNote], total: int | None, batch_size: int,
+    unit: str = "line",
 ) -> Pushed:
-    """Enqueue the rollouts ``batch_size`` at a time, each bad line or note printed as it comes, under
-    a progress bar (on a terminal) of ``total`` lines."""
+    """Enqueue the rollouts ``batch_size`` at a time, each bad line (row) or note printed as it comes,
+    under a progress bar (on a terminal) of ``total`` lines (rows)."""
     pushed = Pushed()
     columns = (TextColumn("push"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
@@ -84,11 +103,11 @@ async def _queue_in_batches(
         batch: list[Rollout] = []
         for item in [*items, None]:
             if isinstance(item, LineNote):
-                err.print(f"[yellow]line {item.line_number}:[/yellow] {item.reason} (queued)")
+                err.print(f"[yellow]{unit} {item.line_number}:[/yellow] {item.reason} (queued)")
                 continue
             if isinstance(item, BadLine):
                 pushed.bad.append(item)
-                err.print(f"[yellow]line {item.line_number}:[/yellow] {item.reason} (skipped)")
+                err.print(f"[yellow]{unit} {item.line_number}:[/yellow] {item.reason} (skipped)")
                 progress.advance(task)
                 continue
             if item is not None:
@@ -102,18 +121,18 @@ async def _queue_in_batches(
     return pushed
 
 
-def report(pushed: Pushed, strict: bool, experiment: str) -> None:
-    """Print what the push did; exit 1 when lines were refused and nothing was queued or present."""
+def report(pushed: Pushed, strict: bool, experiment: str, unit: str = "line") -> None:
+    """Print what the push did; exit 1 when lines (rows) were refused and nothing was queued or present."""
     if strict and pushed.bad:
         for b in pushed.bad:
-            err.print(f"[red]line {b.line_number}:[/red] {b.reason}")
-        err.print(f"[red]refused:[/red] {len(pushed.bad)} bad line(s) and --strict; nothing was queued")
+            err.print(f"[red]{unit} {b.line_number}:[/red] {b.reason}")
+        err.print(f"[red]refused:[/red] {len(pushed.bad)} bad {unit}(s) and --strict; nothing was queued")
         raise typer.Exit(1)
     summary = f"queued {pushed.created} rollout(s) in experiment {experiment!r}"
     if pushed.existed:
         summary += f"; {pushed.existed} already present (same id), left unchanged"
     if pushed.bad:
-        summary += f"; skipped {len(pushed.bad)} bad line(s)"
+        summary += f"; skipped {len(pushed.bad)} bad {unit}(s)"
     out.print(summary)
     if pushed.bad and not pushed.created and not pushed.existed:
         raise typer.Exit(1)

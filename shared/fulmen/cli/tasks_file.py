@@ -1,4 +1,5 @@
-"""Reading a JSON-lines task file into rollout requests, with a clear reason for every bad line.
+"""Reading a JSON-lines task file (or a dataset's rows: `fulmen.task_datasets`) into rollout requests,
+with a clear reason for every bad line.
 
 No line can end the read: bytes that are not UTF-8, nesting or integers Python's json refuses,
 values msgpack cannot hold are each one `BadLine` with its number, and the next line is read.
@@ -8,14 +9,14 @@ with ``strict`` and a `LineNote` (the task is queued) otherwise."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
 from fulmen.errors import FulmenError
 from fulmen.records import Priority, Rollout
 from fulmen.store import RedisStore
-from fulmen.tasks import is_finite, own_id, parse_task_lines, task_id
+from fulmen.tasks import Task, is_finite, own_id, parse_task_lines, task_id
 
 # What building or sizing a rollout from a decoded task may raise on hostile values (a lone
 # surrogate, an integer beyond 64 bits, nesting past the encoder's limit), besides FulmenError.
@@ -43,16 +44,27 @@ def parse_tasks(
     stream: IO[str] | IO[bytes], store: RedisStore, *, id_field: str | None, defaults: dict[str, Any],
     strict: bool = False, priority_field: str | None = None,
 ) -> Iterator[Rollout | BadLine | LineNote]:
-    """One result per non-blank line: a validated rollout request, or why the line cannot be one.
+    """`check_tasks` of a JSON-lines stream, line by line (numbered from 1)."""
+    return check_tasks(parse_task_lines(stream), store, id_field=id_field, defaults=defaults, strict=strict,
+                       priority_field=priority_field)
 
-    A line is a JSON object, the task given to the agent as the rollout's input. Its rollout id is
+
+def check_tasks(
+    numbered: Iterable[tuple[int, Task | str]], store: RedisStore, *, id_field: str | None,
+    defaults: dict[str, Any], strict: bool = False, priority_field: str | None = None, unit: str = "line",
+) -> Iterator[Rollout | BadLine | LineNote]:
+    """One result per (number, task or reason) pair (a JSON line's, or a dataset row's from
+    `fulmen.task_datasets`): a validated rollout request, or why that line or row cannot be one.
+
+    A task is a JSON object, the task given to the agent as the rollout's input. Its rollout id is
     its `task_id` (the value of ``id_field`` if the task has one, else a hash of its content; the n-th
     copy of the same content gets its own): either way, pushing the same file twice enqueues nothing new.
     ``priority_field``: a task with this field is queued in the lane it names (urgent, normal, low; any
-    other value is a bad line), over the ``priority`` of ``defaults``."""
+    other value is a bad line), over the ``priority`` of ``defaults``. ``unit``: what a number counts
+    (line, row), in the reasons that name another one."""
     seen: Counter[str] = Counter()
     first_line: dict[str, int] = {}  # own id -> the line that gave it first
-    for number, task in parse_task_lines(stream):
+    for number, task in numbered:
         if isinstance(task, str):
             yield BadLine(number, task)
             continue
@@ -70,7 +82,7 @@ def parse_tasks(
                 seen[rollout_id] += 1
                 rollout_id += f"-{seen[rollout_id]}" if seen[rollout_id] > 1 else ""
             elif rollout_id in first_line:
-                yield BadLine(number, f"duplicate id {rollout_id!r} (first on line {first_line[rollout_id]})")
+                yield BadLine(number, f"duplicate id {rollout_id!r} (first on {unit} {first_line[rollout_id]})")
                 continue
             options = defaults
             if priority_field and priority_field in task:

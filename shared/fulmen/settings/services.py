@@ -110,9 +110,28 @@ class RolloutPolicySettings(CommonSettings):
     )
 
 
-class ValidationSettings(RolloutPolicySettings):
+class TaskColumnsSettings(CommonSettings):
+    """How a Hugging Face dataset's rows become tasks, for the training and the validation data alike."""
+
+    task_columns: str | None = Field(
+        None,
+        description="Dataset only: task fields from columns, as FIELD=COLUMN pairs separated by commas "
+        "(e.g. question=prompt,answer=solution); other columns stay as they are; =COLUMN: the task is that "
+        "column's value (unset: the rows as they are).",
+        json_schema_extra={"group": "data"},
+    )
+
+
+class ValidationSettings(RolloutPolicySettings, TaskColumnsSettings):
     val_data: Path | None = Field(
-        None, description="Validation tasks (held out).", json_schema_extra={"group": "validation"}
+        None,
+        description="Validation tasks (held out): JSON lines, a save_to_disk folder, a .parquet or an .arrow file.",
+        json_schema_extra={"group": "validation"},
+    )
+    val_split: str | None = Field(
+        None,
+        description="The split of val_data when it is a DatasetDict folder (unset: train).",
+        json_schema_extra={"group": "validation"},
     )
     val_timeout_s: float = Field(
         600.0,
@@ -122,10 +141,15 @@ class ValidationSettings(RolloutPolicySettings):
     )
 
 
-class TrainDataSettings(CommonSettings):
+class TrainDataSettings(TaskColumnsSettings):
     train_data: Path | None = Field(
         None,
-        description="Training tasks: JSON lines, or a datasets folder.",
+        description="Training tasks: JSON lines, a save_to_disk folder, a .parquet or an .arrow file.",
+        json_schema_extra={"group": "data"},
+    )
+    train_split: str | None = Field(
+        None,
+        description="The split of train_data when it is a DatasetDict folder (unset: train).",
         json_schema_extra={"group": "data"},
     )
 
