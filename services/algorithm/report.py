@@ -1,13 +1,12 @@
 """The end of a run: the reward curve as a PNG, a JSON summary, and the final model as a folder.
 
-The curve comes from `fulmen.telemetry.steps.read_curve`; the folder from `fulmen.versions.folder`.
-Which version is final: docs/design/algorithm.md.
+The curve comes from `fulmen.telemetry.steps.read_curve`; the folder is a standard Hugging Face one with
+a model card (`fulmen_algorithm.export`). Which version is final: docs/design/algorithm.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,8 +16,10 @@ import matplotlib
 
 from fulmen.errors import FulmenError
 from fulmen.records import TrainStep
+from fulmen.settings import AlgorithmSettings
 from fulmen.store import RedisStore
-from fulmen.versions.folder import full_weights, write_model_folder
+from fulmen.versions.folder import full_weights
+from fulmen.versions.lora import LORA_FORMAT
 from fulmen.versions.model_version import (
     BASE_VERSION,
     POLICY_RESOURCES_ID,
@@ -27,6 +28,7 @@ from fulmen.versions.model_version import (
     find_weights,
 )
 from fulmen.versions.retention import stored_versions
+from fulmen_algorithm.export import ModelCard, write_hf_folder
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +62,10 @@ def plot_curve(path: Path, steps: Sequence[TrainStep], validations: list[dict[st
 
 
 async def export_final_model(store: RedisStore, base_model_dir: Path, out: Path,
-                             resources_id: str = POLICY_RESOURCES_ID) -> Path | None:
-    """The latest published weights as a Hugging Face folder (config and tokenizer from the base).
-    Those weights lost (retention, a Redis that lost them): a warning, and the newest version whose
-    weights are still stored instead, or None if none is."""
+                             resources_id: str = POLICY_RESOURCES_ID, card: ModelCard | None = None) -> Path | None:
+    """The latest published weights as a Hugging Face folder (config and tokenizer from the base, a
+    model card). Those weights lost (retention, a Redis that lost them): a warning, and the newest
+    version whose weights are still stored instead, or None if none is."""
     try:
         update = await store.resources.get_resources(resources_id)
     except Exception:
@@ -74,20 +76,59 @@ async def export_final_model(store: RedisStore, base_model_dir: Path, out: Path,
         return None
     try:
         state = (await fetch_full_version(store, version, resource=llm)).state  # a delta applied onto its base
-        full = await asyncio.to_thread(full_weights, state, llm.get("weights") or {}, base_model_dir)
+        return await _write(state, llm.get("weights") or {}, base_model_dir, out, version, card)
     except FulmenError as e:
         log.warning("the final version %s cannot be exported (%s): the final model is the newest version "
                     "still stored", version, e)
-        return await export_latest_stored(store, base_model_dir, out, skip=version)
-    extra = {"fulmen_version.json": json.dumps({"model_version": version})}
-    return await asyncio.to_thread(write_model_folder, full, base_model_dir, out, extra)
+        return await export_latest_stored(store, base_model_dir, out, skip=version, card=card)
 
 
-async def export_latest_stored(store: RedisStore, base_model_dir: Path, out: Path, skip: str = "") -> Path | None:
+async def _write(state: Any, weights: Any, base_model_dir: Path, out: Path, version: str,
+                 card: ModelCard | None) -> Path:
+    """The folder of one version's weights: merged onto the base (and the adapter too) for LoRA."""
+    full = await asyncio.to_thread(full_weights, state, weights, base_model_dir)
+    lora = (state, weights.get("lora") or {}) if weights.get("format") == LORA_FORMAT else None
+    return await asyncio.to_thread(write_hf_folder, full, base_model_dir, out, version, card, lora)
+
+
+async def model_card(store: RedisStore, settings: AlgorithmSettings, role: str, curve: Path | None = None) -> ModelCard:
+    """The card of a folder this run exports: its settings, steps and validation passes so far."""
+    from fulmen.telemetry.steps import read_curve
+    from fulmen_algorithm.validation import recorded
+
+    assert settings.model_dir is not None
+    return ModelCard(base_model=str(settings.model_dir), settings=card_settings(settings),
+                     steps=await read_curve(store.redis, store.keys), validations=await recorded(store),
+                     curve=curve if curve is not None and curve.exists() else None, role=role)
+
+
+def card_settings(settings: AlgorithmSettings) -> dict[str, Any]:
+    """The settings a model card lists: the algorithm's own (no secret, no connection), and the
+    trainer's as the environment the services share sets them (its objective, rate and LoRA at least)."""
+    from pydantic import SecretStr
+
+    from fulmen.settings import CommonSettings, TrainerSettings, load_settings
+
+    shown = {name: value for name, value in settings.model_dump().items()
+             if name not in CommonSettings.model_fields and not isinstance(value, SecretStr) and value is not None}
+    try:
+        trainer = load_settings(TrainerSettings, experiment=settings.experiment)
+    except FulmenError:
+        return shown
+    always = {"algorithm", "learning_rate", "lora_rank", "lora_alpha"}
+    for name in sorted(always | trainer.model_fields_set):
+        value = getattr(trainer, name)
+        if name not in CommonSettings.model_fields and not isinstance(value, SecretStr) and value is not None:
+            shown.setdefault(name, value)
+    return {name: str(value) if isinstance(value, Path) else value for name, value in shown.items()}
+
+
+async def export_latest_stored(store: RedisStore, base_model_dir: Path, out: Path, skip: str = "",
+                               card: ModelCard | None = None) -> Path | None:
     """The newest stored version but ``skip`` that exports (`export_version`); None, with a warning,
     when none does."""
     for version in reversed(await stored_versions(store)):
-        if version != skip and (folder := await export_version(store, version, base_model_dir, out)) is not None:
+        if version != skip and (folder := await export_version(store, version, base_model_dir, out, card)) is not None:
             return folder
     log.warning("no model version's weights are stored any more: the run has no final model folder")
     return None
@@ -110,16 +151,15 @@ def best_pass(passes: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     return best
 
 
-async def export_version(store: RedisStore, version: str, base_model_dir: Path, out: Path) -> Path | None:
-    """One published version as a Hugging Face folder; None when its weights are no longer stored
-    (retention keeps the newest few) or were never published."""
+async def export_version(store: RedisStore, version: str, base_model_dir: Path, out: Path,
+                         card: ModelCard | None = None) -> Path | None:
+    """One published version as a Hugging Face folder with its model card; None when its weights are
+    no longer stored (retention keeps the newest few) or were never published."""
     entry = await find_weights(store, version)
     if version == BASE_VERSION.name or entry is None:
         return None
     try:
         state = (await fetch_full_version(store, version, resource={"weights": entry})).state
-        full = await asyncio.to_thread(full_weights, state, entry, base_model_dir)
+        return await _write(state, entry, base_model_dir, out, version, card)
     except FulmenError:
         return None
-    extra = {"fulmen_version.json": json.dumps({"model_version": version})}
-    return await asyncio.to_thread(write_model_folder, full, base_model_dir, out, extra)

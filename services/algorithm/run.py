@@ -35,6 +35,8 @@ RUN_DIR = "run"
 VALIDATION_FIELDS = ("label", "step", "accuracy", "mean_reward")
 FINAL_DIR = "final-model"
 BEST_DIR = "best-model"  # the best validated version so far, written while its weights are stored
+BEST_ROLE = "best validated version"  # what the model card calls the version in BEST_DIR
+CURVE_FILE = "reward-curve.png"
 
 
 def run_dir(settings: AlgorithmSettings) -> Path:
@@ -124,14 +126,15 @@ class Run:
     async def keep_best(self) -> None:
         """Write the best validated version so far as a folder while its weights are still stored
         (retention keeps only the newest few): the run's final model, unless a later pass does better."""
-        from fulmen_algorithm.report import best_pass, export_version, served_version
+        from fulmen_algorithm.report import best_pass, export_version, model_card, served_version
 
         best = best_pass(await recorded(self.store))
         version = served_version(best) if best is not None else None
         if version is None or version == self._best_saved or self.settings.model_dir is None:
             return
         out = run_dir(self.settings) / BEST_DIR
-        if await export_version(self.store, version, self.settings.model_dir, out) is not None:
+        card = await model_card(self.store, self.settings, BEST_ROLE)
+        if await export_version(self.store, version, self.settings.model_dir, out, card) is not None:
             self._best_saved = version
             log.info("best validated version so far: %s (accuracy %.3f, pass %s), kept in %s",
                      version, best["accuracy"], best.get("label"), out)
@@ -184,7 +187,13 @@ class Run:
     async def final_model(self, out: Path) -> tuple[Path | None, dict[str, Any]]:
         """The best validated version as the final model (the latest if no pass says otherwise, or if
         the best one's weights are gone), and which version that is."""
-        from fulmen_algorithm.report import best_pass, export_final_model, export_version, served_version
+        from fulmen_algorithm.report import (
+            best_pass,
+            export_final_model,
+            export_version,
+            model_card,
+            served_version,
+        )
 
         s = self.settings
         assert s.model_dir is not None
@@ -198,11 +207,13 @@ class Run:
                 await asyncio.to_thread(_replace_folder, kept, final_dir)
                 folder = final_dir
             else:
-                folder = await export_version(self.store, version, s.model_dir, final_dir)
+                card = await model_card(self.store, s, BEST_ROLE, out / CURVE_FILE)
+                folder = await export_version(self.store, version, s.model_dir, final_dir, card)
             if folder is None:
                 log.warning("the best validated version %s is no longer stored: the final model is the latest", version)
         if folder is None:
-            folder = await export_final_model(self.store, s.model_dir, final_dir)
+            card = await model_card(self.store, s, "latest version", out / CURVE_FILE)
+            folder = await export_final_model(self.store, s.model_dir, final_dir, card=card)
             version = _folder_version(folder)
             best = None
         chosen: dict[str, Any] = {"final_model_version": version}
@@ -222,7 +233,7 @@ class Run:
         out = run_dir(s)
         steps = await read_curve(self.store.redis, self.store.keys)
         paths: dict[str, Any] = {"metrics": str(s.metrics_file)}
-        paths["curve"] = str(plot_curve(out / "reward-curve.png", steps, await recorded(self.store)))
+        paths["curve"] = str(plot_curve(out / CURVE_FILE, steps, await recorded(self.store)))
         if s.model_dir is not None:
             final, chosen = await self.final_model(out)
             paths["final_model"] = str(final) if final else None
