@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulmen.records import TrainStep
-from fulmen.versions.lora import adapter_targets
+from fulmen.versions.lora import peft_adapter_config
 
 if TYPE_CHECKING:
     import torch
@@ -103,19 +103,10 @@ def _write_generation_config(folder: Path) -> None:
 def write_adapter(adapter: Mapping[str, torch.Tensor], lora: Mapping[str, Any], base_model_dir: Path,
                   folder: Path) -> Path:
     """The adapter as PEFT writes one (adapter_config.json + adapter_model.safetensors, PEFT's tensor
-    names, which published LoRA versions already use). ``lora_alpha`` is written so that PEFT's
-    alpha/r is the version's scaling, whatever rule (rsLoRA) produced it."""
+    names, which published LoRA versions already use)."""
     from safetensors.torch import save_file
 
-    targets = adapter_targets(adapter)
-    ranks = sorted({int(adapter[a_key].shape[0]) for a_key, _ in targets.values()})
-    if len(ranks) != 1:
-        raise ValueError(f"the adapter's layers have ranks {ranks}: a PEFT adapter folder needs one rank")
-    rank = ranks[0]
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model_dir),
-              "r": rank, "lora_alpha": float(lora["scaling"]) * rank, "use_rslora": False, "bias": "none",
-              "lora_dropout": 0.0, "fan_in_fan_out": False, "inference_mode": True,
-              "target_modules": sorted({name.removesuffix(".weight").rsplit(".", 1)[-1] for name in targets})}
+    config = peft_adapter_config(adapter, lora, str(base_model_dir))
     folder.mkdir(parents=True, exist_ok=True)
     save_file(_unshared(adapter), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))

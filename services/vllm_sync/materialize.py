@@ -21,7 +21,7 @@ from fulmen.errors import NotFound, RecordError
 from fulmen.store import RedisStore
 from fulmen.versions import blobs
 from fulmen.versions.folder import WEIGHTS_FILE, full_weights, write_model_folder
-from fulmen.versions.lora import adapter_targets
+from fulmen.versions.lora import peft_adapter_config
 from fulmen.versions.manifest import FULL, read_manifest
 from fulmen.versions.transport.file_spares import retire, take_spare
 from fulmen.versions.transport.stream import check_whole, read_stream
@@ -134,19 +134,10 @@ def _copy_checked(source: Path, target: Path, version: str, sha256: str | None, 
 def materialize_adapter(version: str, adapter: Mapping[str, torch.Tensor], lora: Mapping[str, Any],
                         model_dir: Path, sync_dir: Path, keep: int = 3) -> Path:
     """Write a LoRA version as a PEFT adapter folder (the published tensors are in PEFT's layout
-    already) that vLLM loads under its own name. ``alpha`` is written so that PEFT's alpha/r is the
-    version's scaling, whatever rule (rsLoRA) produced it."""
+    already) that vLLM loads under its own name."""
     from safetensors.torch import save_file
 
-    targets = adapter_targets(adapter)
-    ranks = {int(adapter[a_key].shape[0]) for a_key, _ in targets.values()}
-    if len(ranks) != 1:
-        raise ValueError(f"the adapter's layers have ranks {sorted(ranks)}: one rank is needed to load it as a LoRA adapter")
-    rank = ranks.pop()
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir),
-              "r": rank, "lora_alpha": float(lora["scaling"]) * rank, "use_rslora": False, "bias": "none",
-              "lora_dropout": 0.0, "fan_in_fan_out": False,
-              "target_modules": sorted({name.removesuffix(".weight").rsplit(".", 1)[-1] for name in targets})}
+    config = peft_adapter_config(adapter, lora, str(model_dir))
     sync_dir.mkdir(parents=True, exist_ok=True)
     folder, tmp = sync_dir / f"{version}-lora", sync_dir / f".{version}-lora.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -47,6 +47,20 @@ def adapter_targets(adapter: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     return targets
 
 
+def peft_adapter_config(adapter: Mapping[str, Any], lora: Mapping[str, Any], base_model: str) -> dict[str, Any]:
+    """The adapter_config.json PEFT (and vLLM) read for a LoRA version: one rank for every layer, and
+    ``lora_alpha`` such that PEFT's alpha/r is the version's scaling, whatever rule (rsLoRA) made it."""
+    targets = adapter_targets(adapter)
+    ranks = sorted({int(adapter[a_key].shape[0]) for a_key, _ in targets.values()})
+    if len(ranks) != 1:
+        raise ValueError(f"the adapter's layers have ranks {ranks}: a PEFT adapter folder needs one rank")
+    rank = ranks[0]
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": rank, "lora_alpha": float(lora["scaling"]) * rank, "use_rslora": False, "bias": "none",
+            "lora_dropout": 0.0, "fan_in_fan_out": False, "inference_mode": True,
+            "target_modules": sorted({name.removesuffix(".weight").rsplit(".", 1)[-1] for name in targets})}
+
+
 def merge_lora(
     adapter: Mapping[str, torch.Tensor], lora: Mapping[str, Any], base: Callable[[str], torch.Tensor]
 ) -> dict[str, torch.Tensor]:
