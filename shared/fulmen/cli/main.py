@@ -131,29 +131,13 @@ def push(
     and skipped (or, with --strict, nothing is queued). Ends with a summary. Exit code: 0 when
     something was queued or already present, 1 when lines were refused and nothing was, 2 when the
     file cannot be read."""
-    from fulmen.task_datasets import is_dataset, parse_columns
-
     settings = settings_from_flags(experiment=experiment)
-    dataset = file != "-" and is_dataset(file)
-    try:
-        columns = parse_columns(column)
-    except InvalidInput as e:
-        raise error_exit(str(e)) from None
-    if not dataset and (split or columns):
-        raise error_exit("--split and --column apply to a dataset (a folder, .parquet or .arrow), not JSON lines")
     config = {"max_attempts": max_attempts, "retry_condition": retry_on or [], "timeout_seconds": timeout_seconds,
               "unresponsive_seconds": unresponsive_seconds}
     defaults: dict[str, Any] = {"mode": mode, "resources_id": resources_id, "priority": priority, "config": config}
     options = push_cli.PushOptions(defaults=defaults, id_field=id_field or None, strict=strict,
-                                   batch_size=batch_size, priority_field=priority_field or None,
-                                   unit="row" if dataset else "line")
-    if dataset:
-        rows = push_cli.open_dataset(file, split, columns)
-        pushed = run_on_store(settings, lambda store: push_cli.push_tasks(store, rows, rows.total, options))
-    else:
-        with push_cli.task_stream(file) as (stream, total):
-            pushed = run_on_store(settings, lambda store: push_cli.push_tasks(store, stream, total, options))
-    push_cli.report(pushed, strict, settings.experiment, options.unit)
+                                   batch_size=batch_size, priority_field=priority_field or None)
+    push_cli.push_file(settings, file, split, column, options)
 
 
 for _name, _command in {**inspect_cli.COMMANDS, **archive_cli.COMMANDS}.items():

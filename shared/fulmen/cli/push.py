@@ -7,18 +7,19 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fulmen.cli.service import err, out
+from fulmen.cli.service import err, error_exit, out, run_on_store
 from fulmen.cli.tasks_file import BadLine, LineNote, check_tasks, parse_tasks
-from fulmen.errors import FulmenError
+from fulmen.errors import FulmenError, InvalidInput
 from fulmen.records import Rollout
+from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore
-from fulmen.task_datasets import TaskRows, open_rows
+from fulmen.task_datasets import TaskRows, is_dataset, open_rows, parse_columns
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,27 @@ def open_dataset(file: str, split: str | None, columns: dict[str, str]) -> TaskR
     except FulmenError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
+
+
+def push_file(settings: CommonSettings, file: str, split: str | None, column: list[str] | None,
+              options: PushOptions) -> None:
+    """`fulmen push FILE`: a dataset (with its split and column mapping) or JSON lines, queued, then
+    the report and its exit code."""
+    dataset = file != "-" and is_dataset(file)
+    try:
+        columns = parse_columns(column)
+    except InvalidInput as e:
+        raise error_exit(str(e)) from None
+    if not dataset and (split or columns):
+        raise error_exit("--split and --column apply to a dataset (a folder, .parquet or .arrow), not JSON lines")
+    options = replace(options, unit="row" if dataset else "line")
+    if dataset:
+        rows = open_dataset(file, split, columns)
+        pushed = run_on_store(settings, lambda store: push_tasks(store, rows, rows.total, options))
+    else:
+        with task_stream(file) as (stream, total):
+            pushed = run_on_store(settings, lambda store: push_tasks(store, stream, total, options))
+    report(pushed, options.strict, settings.experiment, options.unit)
 
 
 async def push_tasks(store: RedisStore, stream: IO[bytes] | TaskRows, total: int | None,
