@@ -68,13 +68,15 @@ def evaluator(settings: EvaluatorSettings) -> None:
     run_service(EVALUATOR, settings)
 
 
-@settings_command(EvalSettings, fields=("val_data", "val_split", "task_columns", "experiment"))
+@settings_command(EvalSettings, fields=("val_data", "val_split", "task_columns", "val_samples", "val_temperature",
+                                       "experiment"))
 def eval_command(
     settings: EvalSettings,
     checkpoint: Annotated[Path, typer.Argument(help="A Hugging Face model folder (safetensors) to evaluate.")],
 ) -> None:
     """Evaluate a checkpoint now: publish it as a model version, wait for the proxies to serve it, run
-    the validation pass, print mean reward and accuracy as JSON."""
+    the validation pass, print mean reward and accuracy as JSON (with --val-samples k > 1, also
+    pass@1, pass@2, ... pass@k and maj@k)."""
     from fulmen_algorithm.evaluate import evaluate_checkpoint, weights_of
 
     if settings.val_data is None:

@@ -17,7 +17,7 @@ from fulmen.versions.model_version import (
 )
 from fulmen_algorithm.dataset import Task
 from fulmen_algorithm.scheduler import recoverable_rollout_config
-from fulmen_algorithm.validation import validate
+from fulmen_algorithm.validation import PassSampling, validate
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -44,4 +44,5 @@ async def evaluate_checkpoint(store: RedisStore, checkpoint: Path, tasks: list[T
     if not await wait_until_served(store, version):
         raise NotServed(f"no proxy loaded {version.name} within {SERVE_TIMEOUT_S:.0f} s; is `fulmen llm-proxy` running?")
     config = recoverable_rollout_config(settings.rollout_unresponsive_s, settings.rollout_max_attempts)
-    return await validate(store, tasks, label=f"eval-{version.name}", timeout_s=settings.val_timeout_s, config=config)
+    return await validate(store, tasks, label=f"eval-{version.name}", timeout_s=settings.val_timeout_s, config=config,
+                          sampling=PassSampling.of(settings))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from fulmen.records import TrainStep
 from fulmen.versions.lora import peft_adapter_config
+from fulmen_algorithm.pass_at_k import score_columns
 
 if TYPE_CHECKING:
     import torch
@@ -155,13 +156,15 @@ def _steps_table(card: ModelCard) -> list[str]:
 def _validation_table(validations: Sequence[Mapping[str, Any]]) -> list[str]:
     if not validations:
         return ["## Validation", "", "No validation pass recorded.", ""]
+    scores = score_columns(validations)  # pass@k and maj@k columns, when a pass sampled k > 1 answers per task
     rows = []
     for v in validations:
         served = ", ".join(f"{name} ×{n}" for name, n in (v.get("served_by") or {}).items())
+        extra = "".join(f" {_number(v.get(k))} |" for k in scores)
         rows.append(f"| {v.get('label')} | {v.get('step')} | {served} | {_number(v.get('accuracy'))} | "
-                    f"{_number(v.get('mean_reward'))} | {v.get('tasks', '')} |")
-    header = ["| pass | step | served by (model version × tasks) | accuracy | mean reward | tasks |",
-              "|---|---|---|---|---|---|"]
+                    f"{_number(v.get('mean_reward'))} | {v.get('tasks', '')} |{extra}")
+    header = ["| pass | step | served by (model version × tasks) | accuracy | mean reward | tasks |"
+              + "".join(f" {k} |" for k in scores), "|---|---|---|---|---|---|" + "---|" * len(scores)]
     return ["## Validation", "", *header, *rows, ""]
 
 

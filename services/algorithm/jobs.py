@@ -102,7 +102,9 @@ def _rq_safe(name: str) -> str:
 def enqueue_validation(settings: AlgorithmSettings, version: int) -> None:
     """A validation pass of ``version`` for the `fulmen evaluator` worker."""
     # How the evaluator reads val_data when it is a dataset: passed only when set.
-    reading = {k: v for k, v in (("split", settings.val_split), ("columns", settings.task_columns)) if v}
+    reading: dict[str, Any] = {k: v for k, v in (("split", settings.val_split), ("columns", settings.task_columns)) if v}
+    if settings.val_samples > 1:  # one greedy sample (the default) keeps the job's arguments as they were
+        reading["sampling"] = [settings.val_samples, settings.val_temperature]
     validation_queue(settings).enqueue(
         VALIDATION_JOB,
         args=(settings.experiment, str(settings.val_data), f"v{version}", settings.val_timeout_s, version),

@@ -29,6 +29,7 @@ from fulmen.versions.model_version import (
 )
 from fulmen.versions.retention import stored_versions
 from fulmen_algorithm.export import ModelCard, write_hf_folder
+from fulmen_algorithm.pass_at_k import score_columns
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,12 @@ def plot_curve(path: Path, steps: Sequence[TrainStep], validations: list[dict[st
     if steps:
         ax.plot([s.step for s in steps], [s.reward_mean if s.reward_mean is not None else 0.0 for s in steps],
                 label="train reward (mean per step)", color="tab:blue", alpha=0.8)
-    points = [(v["step"], v["accuracy"]) for v in validations if isinstance(v.get("step"), int)]
-    if points:
-        ax.plot(*zip(*points, strict=True), "o-", label="validation accuracy (greedy)", color="tab:orange")
+    sampled = any("samples" in v for v in validations)
+    for key, label, color in (("accuracy", "validation accuracy (pass@1)" if sampled else "validation accuracy (greedy)",
+                               "tab:orange"), *_score_lines(validations)):
+        points = [(v["step"], v[key]) for v in validations if isinstance(v.get("step"), int) and key in v]
+        if points:
+            ax.plot(*zip(*points, strict=True), "o-", label=label, color=color, markersize=3)
     ax.set_xlabel("trainer step (model version)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
@@ -59,6 +63,14 @@ def plot_curve(path: Path, steps: Sequence[TrainStep], validations: list[dict[st
     fig.savefig(path, dpi=CURVE_DPI)
     plt.close(fig)
     return path
+
+
+def _score_lines(validations: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(key, label, colour) of the curve's k-sample lines: the largest pass@k and maj@k recorded."""
+    columns = score_columns(validations)
+    chosen = [k for family in ("pass@", "maj@") for k in [c for c in columns if c.startswith(family)][-1:]]
+    colors = {"pass@": "tab:green", "maj@": "tab:red"}
+    return [(k, f"validation {k}", colors[k[:k.index("@") + 1]]) for k in chosen]
 
 
 async def export_final_model(store: RedisStore, base_model_dir: Path, out: Path,

@@ -20,9 +20,10 @@ from fulmen.settings import AlgorithmSettings
 from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task
 from fulmen_algorithm.jobs import enqueue_validation
+from fulmen_algorithm.pass_at_k import score_fields
 from fulmen_algorithm.run_state import RunProgress
 from fulmen_algorithm.scheduler import Scheduler, SchedulerOptions, recoverable_rollout_config
-from fulmen_algorithm.validation import reached_target, recorded, validate
+from fulmen_algorithm.validation import PassSampling, reached_target, recorded, validate
 
 log = logging.getLogger("fulmen.algorithm")
 
@@ -157,11 +158,15 @@ class Run:
             final = await self._unless_stopped(validate(
                 self.store, self.val_tasks, label="final", step=await self.scheduler.trainer_step(),
                 timeout_s=self.settings.val_timeout_s, config=self.scheduler.rollout_config,
+                sampling=PassSampling.of(self.settings),
             ))
             if final is not None:
                 summary["final_val_accuracy"] = final["accuracy"]
                 summary["final_val_reward"] = final["mean_reward"]
-                summary["validations"] = [{k: v.get(k) for k in VALIDATION_FIELDS} for v in await recorded(self.store)]
+                if scores := score_fields(final):
+                    summary["final_val_scores"] = scores
+                summary["validations"] = [{**{k: v.get(k) for k in VALIDATION_FIELDS}, **score_fields(v)}
+                                          for v in await recorded(self.store)]
         if self.stopping.is_set():
             # Stopped, not finished: started again, the run goes on from the store, and the report of
             # a run that had finished (its summary, curve and final model) stays as it was.

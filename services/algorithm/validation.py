@@ -1,7 +1,8 @@
-"""Validation: a greedy pass over held-out tasks as val-mode rollouts through the normal pipeline.
+"""Validation: a pass over held-out tasks as val-mode rollouts through the normal pipeline.
 
+One greedy sample per task, or k sampled ones scored as pass@k and maj@k (`fulmen_algorithm.pass_at_k`).
 Run as an rq job (`validation_job`) or directly (`fulmen eval`); its resources entry names no model
-version. Why: docs/design/algorithm.md.
+version. Why: docs/design/algorithm.md; the scores: docs/guides/evaluation.md.
 """
 
 from __future__ import annotations
@@ -11,87 +12,174 @@ import json
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fulmen.errors import NotFound
-from fulmen.records import ResourcesUpdate, RolloutConfig
+from fulmen.records import RolloutConfig
 from fulmen.records.status import Priority, RolloutMode, RolloutStatus
 from fulmen.store import RedisStore
 from fulmen.telemetry import semconv
 from fulmen.versions.model_version import POLICY_RESOURCES_ID
 from fulmen_algorithm.dataset import Task, load_tasks, task_id
+from fulmen_algorithm.pass_at_k import Sample, pass_scores
 from fulmen_algorithm.scheduler import recoverable_rollout_config
 
 if TYPE_CHECKING:
     from rq import Queue
 
-RESOURCES_ID = "validation"
+    from fulmen.settings.services import ValidationSettings
+
+RESOURCES_ID = "validation"  # the greedy passes' resources
+SAMPLED_RESOURCES_ID = "validation-sampled"  # those of passes of k > 1 samples per task
+# A pass of k > 1 samples with no temperature set and none in the policy's sampling parameters.
+DEFAULT_SAMPLED_TEMPERATURE = 1.0
 log = logging.getLogger(__name__)
 
 
-async def _greedy_resources(store: RedisStore, policy_id: str) -> ResourcesUpdate:
+class PassSampling(NamedTuple):
+    """How a pass samples each task: ``samples`` rollouts (1: one, greedy) and, with more, the
+    temperature (None: `sampled_temperature` decides)."""
+
+    samples: int = 1
+    temperature: float | None = None
+
+    @classmethod
+    def of(cls, settings: ValidationSettings) -> PassSampling:
+        """The settings' val_samples and val_temperature."""
+        return cls(settings.val_samples, settings.val_temperature)
+
+
+GREEDY = PassSampling()
+
+
+async def _pass_resources(store: RedisStore, policy_id: str, sampling: PassSampling) -> tuple[str, float]:
+    """Publish the pass's resources (the policy's model; greedy for one sample per task, else sampled at
+    `sampled_temperature`); their id and temperature."""
     policy = await store.resources.get_resources(policy_id)
     llm = dict(policy.resources.get("llm") or {})
-    greedy = {
-        "llm": {
-            "kind": "llm",
-            "model": llm.get("model", ""),
-            "sampling_parameters": {**(llm.get("sampling_parameters") or {}), "temperature": 0.0},
-        }
-    }
+    parameters = dict(llm.get("sampling_parameters") or {})
+    if sampling.samples == 1:
+        resources_id, parameters["temperature"] = RESOURCES_ID, 0.0
+    else:
+        resources_id = SAMPLED_RESOURCES_ID
+        parameters.pop("seed", None)  # a fixed seed would give k copies of one sample
+        parameters["temperature"] = sampled_temperature(parameters, sampling.temperature)
+    entry = {"llm": {"kind": "llm", "model": llm.get("model", ""), "sampling_parameters": parameters}}
     try:
-        return await store.resources.update_resources(RESOURCES_ID, greedy)
+        await store.resources.update_resources(resources_id, entry)
     except NotFound:
-        return await store.resources.add_resources(greedy, resources_id=RESOURCES_ID)
+        await store.resources.add_resources(entry, resources_id=resources_id)
+    return resources_id, parameters["temperature"]
 
 
-async def _served_by(store: RedisStore, rollout_id: str) -> str | None:
-    """The model version that answered the latest attempt's last LLM call."""
-    version = None
+def sampled_temperature(policy_parameters: dict[str, Any], temperature: float | None) -> float:
+    """A sampled pass's temperature: ``temperature`` (val_temperature) when set, else the policy's
+    sampling temperature when it samples (> 0), else `DEFAULT_SAMPLED_TEMPERATURE`."""
+    if temperature is not None:
+        return temperature
+    policy = policy_parameters.get("temperature")
+    if isinstance(policy, int | float) and not isinstance(policy, bool) and policy > 0:
+        return float(policy)
+    return DEFAULT_SAMPLED_TEMPERATURE
+
+
+async def _attempt_view(store: RedisStore, rollout_id: str) -> tuple[str | None, str | None]:
+    """(model version, answer) of the latest attempt: the version that answered its last LLM call, and
+    its answer: the last object it emitted with an "answer" key, else its last LLM response's text."""
+    version = response = emitted = None
     for s in await store.spans.query_spans(rollout_id, "latest"):
-        if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL:
+        kind = s.attributes.get(semconv.SPAN_KIND)
+        if kind == semconv.KIND_LLM_CALL:
             version = s.attributes.get(semconv.MODEL_VERSION)
-    return version
+            response = _response_text(s.attributes.get(semconv.RESPONSE_JSON))
+        elif kind == semconv.KIND_OBJECT:
+            emitted = _emitted_answer(s.attributes.get(semconv.OBJECT_JSON)) or emitted
+    return version, emitted if emitted is not None else response
+
+
+def _response_text(raw: Any) -> str | None:
+    try:
+        response = json.loads(raw) if isinstance(raw, str | bytes) else None
+    except ValueError:
+        return None
+    if isinstance(response, dict):
+        response = response.get("content", response.get("text"))
+    return response.strip() if isinstance(response, str) else None
+
+
+def _emitted_answer(raw: Any) -> str | None:
+    try:
+        obj = json.loads(raw) if isinstance(raw, str | bytes) else None
+    except ValueError:
+        return None
+    if isinstance(obj, dict) and "answer" in obj and obj["answer"] is not None:
+        answer = obj["answer"]
+        return answer.strip() if isinstance(answer, str) else json.dumps(answer, sort_keys=True)
+    return None
+
+
+def _rollout_id(label: str, task: Task, sample: int, samples: int) -> str:
+    """One sample per task keeps the id it always had; k samples add "-s<i>"."""
+    base = f"val-{label}-{task_id(task)}"
+    return base if samples == 1 else f"{base}-s{sample}"
 
 
 async def validate(
     store: RedisStore, tasks: list[Task], *, label: str, step: int | None = None, policy_id: str = POLICY_RESOURCES_ID,
-    timeout_s: float = 600.0, config: RolloutConfig | None = None,
+    timeout_s: float = 600.0, config: RolloutConfig | None = None, sampling: PassSampling = GREEDY,
 ) -> dict[str, Any]:
-    """Run every task once, greedily; record and return mean reward and accuracy (reward ≥ 1).
-    ``config``: the rollouts' retry policy (default: retried when their runner dies, so a pass does
-    not wait out ``timeout_s`` on attempts nobody runs any more)."""
+    """Run every task once greedily, or ``sampling.samples`` times sampled; record and return mean
+    reward and accuracy (reward ≥ 1, per sample), and with k > 1 samples pass@j and maj@k
+    (`pass_scores`). ``config``: the rollouts' retry policy (default: retried when their runner dies,
+    so a pass does not wait out ``timeout_s`` on attempts nobody runs any more)."""
     started = time.monotonic()
-    await _greedy_resources(store, policy_id)
-    config = config or recoverable_rollout_config()
-    rollouts = [
-        store.rollouts.new_rollout(t, rollout_id=f"val-{label}-{task_id(t)}", mode=RolloutMode.VAL, resources_id=RESOURCES_ID,
-                          config=config, priority=Priority.URGENT)  # a training step waits on its result
-        for t in tasks
-    ]
-    await store.rollouts.enqueue_rollouts(rollouts)  # idempotent: a retried job does not run a task twice
-    ids = [r.rollout_id for r in rollouts]
-    finished = await store.finished.wait_for_rollouts(ids, timeout_s=timeout_s)
-    results = []
+    samples = sampling.samples
+    resources_id, sampled_at = await _pass_resources(store, policy_id, sampling)
+    of_task = await _enqueue_pass(store, tasks, label, samples, resources_id, config or recoverable_rollout_config())
+    finished = await store.finished.wait_for_rollouts(list(of_task), timeout_s=timeout_s)
+    rewards = []
     versions: Counter[str] = Counter()
+    per_task: list[list[Sample]] = [[] for _ in tasks]
     for r in finished:
         succeeded = r.status is RolloutStatus.SUCCEEDED
-        version = await _served_by(store, r.rollout_id) if succeeded else None
-        results.append(r.reward if succeeded and r.reward is not None else 0.0)  # stored by the runner
+        version, answer = await _attempt_view(store, r.rollout_id) if succeeded else (None, None)
+        reward = r.reward if succeeded and r.reward is not None else 0.0  # stored by the runner
+        rewards.append(reward)
         versions[version or "none"] += 1
-    result = {
+        per_task[of_task[r.rollout_id]].append(Sample(answer, reward >= 1.0))
+    runs = len(tasks) * samples  # unfinished rollouts count as 0
+    result: dict[str, Any] = {
         "label": label,
         "step": step,
         "tasks": len(tasks),
         "finished": len(finished),
-        "mean_reward": sum(results) / len(tasks) if tasks else 0.0,  # unfinished tasks count as 0
-        "accuracy": sum(1 for x in results if x >= 1.0) / len(tasks) if tasks else 0.0,
+        "mean_reward": sum(rewards) / runs if runs else 0.0,
+        "accuracy": sum(1 for x in rewards if x >= 1.0) / runs if runs else 0.0,
         "served_by": dict(versions),
         "seconds": round(time.monotonic() - started, 1),
         "time": time.time(),
     }
+    if samples > 1:
+        result.update({"samples": samples, "temperature": sampled_at, **pass_scores(per_task, samples)})
     await store.redis.xadd(store.keys.validations, {"m": json.dumps(result)})
     return result
+
+
+async def _enqueue_pass(store: RedisStore, tasks: list[Task], label: str, samples: int, resources_id: str,
+                        config: RolloutConfig) -> dict[str, int]:
+    """Enqueue ``samples`` rollouts per task (idempotent: a retried job does not run a task twice);
+    each rollout id mapped to its task's index."""
+    of_task: dict[str, int] = {}
+    rollouts = []
+    for n, t in enumerate(tasks):
+        for i in range(samples):
+            rollout = store.rollouts.new_rollout(
+                t, rollout_id=_rollout_id(label, t, i, samples), mode=RolloutMode.VAL, resources_id=resources_id,
+                config=config, priority=Priority.URGENT)  # a training step waits on its result
+            of_task[rollout.rollout_id] = n
+            rollouts.append(rollout)
+    await store.rollouts.enqueue_rollouts(rollouts)
+    return of_task
 
 
 async def recorded(store: RedisStore) -> list[dict[str, Any]]:
@@ -135,10 +223,11 @@ def reached_target(passes: list[dict[str, Any]], target: float, in_a_row: int = 
 
 def validation_job(
     experiment: str, val_data: str, label: str, timeout_s: float = 600.0, step: int | None = None,
-    split: str | None = None, columns: str | None = None,
+    split: str | None = None, columns: str | None = None, sampling: list[Any] | None = None,
 ) -> dict[str, Any]:
     """The rq job (JSON in, JSON out): connects from the environment, like every service. ``split`` and
-    ``columns``: how to read ``val_data`` when it is a dataset (`fulmen_algorithm.dataset.load_tasks`)."""
+    ``columns``: how to read ``val_data`` when it is a dataset (`fulmen_algorithm.dataset.load_tasks`);
+    ``sampling``: [samples, temperature] of a `PassSampling` (unset: one greedy sample per task)."""
     from fulmen.settings import EvaluatorSettings, load_settings
     from fulmen.store.redis.connection import connect
 
@@ -149,7 +238,8 @@ def validation_job(
             store = RedisStore(client, experiment, max_record_bytes=settings.max_record_bytes)
             config = recoverable_rollout_config(settings.rollout_unresponsive_s, settings.rollout_max_attempts)
             tasks = load_tasks(val_data, split, columns)
-            return await validate(store, tasks, label=label, step=step, timeout_s=timeout_s, config=config)
+            return await validate(store, tasks, label=label, step=step, timeout_s=timeout_s, config=config,
+                                  sampling=PassSampling(*sampling) if sampling else GREEDY)
         finally:
             await client.aclose()
 

@@ -6,6 +6,7 @@ keyspace, none writes."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ CURVE_STEPS = 2000  # the newest steps the curves show unless asked for more (th
 VALIDATIONS_READ = 1000  # validation passes a page reads (newest)
 MAX_SPANS = 5000  # of one rollout shown: a runaway agent's millions would not fit a page anyway
 RECENT_FINISHED = 10
+SCORE_KEY = re.compile(r"(pass|maj)@\d+")  # a validation pass's k-sample scores: pass@2, maj@4
 
 
 @dataclass
@@ -136,15 +138,35 @@ async def curves(store: RedisStore, last: int = CURVE_STEPS) -> dict[str, Any]:
                 value = getattr(s, STEP_FIELDS[names[0]])
             values.append(value)
         series[label] = values
+    return {"steps": [s.step for s in steps], "series": series, "validation": _validation_curve(await validations(store))}
+
+
+def _validation_curve(passes: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Accuracy per model version, and each pass@j / maj@k a pass of k samples per task recorded (None
+    for a version whose pass has no such score)."""
     points = sorted(
-        (v, float(r["accuracy"])) for r in await validations(store)
+        (v, i) for i, r in enumerate(passes)
         if (v := _version_number(r)) is not None and isinstance(r.get("accuracy"), int | float)
     )
-    return {
-        "steps": [s.step for s in steps],
-        "series": series,
-        "validation": {"version": [p[0] for p in points], "accuracy": [p[1] for p in points]},
-    }
+    curve: dict[str, list[Any]] = {"version": [v for v, _ in points],
+                                   "accuracy": [float(passes[i]["accuracy"]) for _, i in points]}
+    for key in score_columns([passes[i] for _, i in points]):
+        curve[key] = [_score(passes[i].get(key)) for _, i in points]
+    return curve
+
+
+def _score(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def score_columns(passes: list[dict[str, Any]]) -> list[str]:
+    """The pass@j and maj@k keys the passes hold (passes of k > 1 samples per task), pass@ first, each
+    by increasing j: the extra columns of the validation table and the extra validation curves."""
+    def order(key: str) -> tuple[int, int]:
+        family, _, j = key.partition("@")
+        return (0 if family == "pass" else 1), int(j)
+
+    return sorted({key for r in passes for key in r if SCORE_KEY.fullmatch(key)}, key=order)
 
 
 async def dead_letters(store: RedisStore, limit: int) -> list[DeadLetter]:

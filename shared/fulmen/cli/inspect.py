@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated
 
 import typer
@@ -20,6 +21,11 @@ TOP_INTERVAL_S = 2.0
 # Rows a listing shows unless told otherwise, and the characters of a JSON cell before it is cut.
 LIST_LIMIT = 20
 CELL_CHARS = 60
+# Validation passes `fulmen status` shows (the newest), and the entries of the stream it reads for them.
+STATUS_PASSES = 5
+PASSES_READ = 200
+# The fields of a pass it shows: the record's own, then the k-sample scores (pass@j, maj@k) it holds.
+PASS_FIELDS = ("label", "step", "accuracy", "mean_reward", "tasks", "samples")
 
 
 def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
@@ -31,7 +37,7 @@ def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
 
     async def read(store: RedisStore) -> dict:
         return {**await store.statistics(), "model_versions": await version_report(store),
-                "served_by": await served_by(store)}
+                "served_by": await served_by(store), "validations": await _validations(store)}
 
     stats = run_on_store(settings, read)
     if as_json:
@@ -67,7 +73,45 @@ def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
     for mode, by in versions["reward_by_version"].items():
         cells = ", ".join(f"{v} {r['mean_reward']:.3f} ({r['rollouts']})" for v, r in by.items())
         table.add_row(f"{mode} reward by version", cells)
+    for result in stats["validations"]:
+        table.add_row(f"validation {result['label']}", _pass_cells(result))
     out.print(table)
+
+
+async def _validations(store: RedisStore) -> list[dict]:
+    """The newest `STATUS_PASSES` validation passes, oldest first, one per label (a pass recorded twice
+    counts once), with `PASS_FIELDS` and their pass@j and maj@k."""
+    by_label: dict[str, dict] = {}
+    for _, fields in reversed(await store.redis.xrevrange(store.keys.validations, count=PASSES_READ)):
+        try:
+            result = json.loads(fields[b"m"])
+        except (KeyError, ValueError):
+            continue
+        if isinstance(result, dict):
+            by_label.setdefault(str(result.get("label")), result)
+    return [{**{k: r[k] for k in PASS_FIELDS if k in r}, **{k: r[k] for k in _score_keys(r)}}
+            for r in list(by_label.values())[-STATUS_PASSES:]]
+
+
+def _score_keys(result: dict) -> list[str]:
+    """pass@j by increasing j, then maj@k."""
+    def order(key: str) -> tuple[int, int]:
+        family, _, k = key.partition("@")
+        return (0 if family == "pass" else 1), int(k)
+
+    return sorted((k for k in result if re.fullmatch(r"(pass|maj)@\d+", k)), key=order)
+
+
+def _pass_cells(result: dict) -> str:
+    """One pass as `fulmen status` prints it: accuracy, then each k-sample score, then where it stands."""
+    def num(value: object) -> str:
+        return f"{value:.3f}" if isinstance(value, int | float) else "-"
+
+    cells = [f"accuracy {num(result.get('accuracy'))}", *(f"{k} {num(result[k])}" for k in _score_keys(result))]
+    what = f"step {result.get('step')}" if result.get("step") is not None else ""
+    if "samples" in result:
+        what += f"{', ' if what else ''}{result['samples']} samples per task"
+    return ", ".join(cells) + (f" ({what})" if what else "")
 
 
 def top(

@@ -318,7 +318,8 @@ def serve(
 
 # What `fulmen train` takes as flags (the rest of every service's settings come from the environment).
 TRAIN_FLAGS = ("experiment", "train_data", "val_data", "train_split", "val_split", "task_columns", "model_dir",
-               "model_name", "total_steps", "epochs", "n_samples", "groups_per_step", "val_every")
+               "model_name", "total_steps", "epochs", "n_samples", "groups_per_step", "val_every", "val_samples",
+               "val_temperature")
 TRAIN_NAMES = {"train_data": ("--tasks",), "val_data": ("--val-tasks",)}
 TRAIN_STEPS = 20  # a first run's length, unless --total-steps or --epochs says otherwise
 
@@ -418,7 +419,8 @@ def _print_train_summary(summary: dict[str, Any] | None) -> None:
         return
     out.print(f"[bold]trained {summary.get('steps')} step(s)[/bold]")
     if summary.get("final_val_accuracy") is not None:
-        out.print(f"  {'held out:':<14}accuracy {summary['final_val_accuracy']:.3f}")
+        scores = "".join(f", {k} {v:.3f}" for k, v in (summary.get("final_val_scores") or {}).items() if k != "samples")
+        out.print(f"  {'held out:':<14}accuracy {summary['final_val_accuracy']:.3f}{scores}")
     for label, key in (("reward curve", "curve"), ("metrics", "metrics"), ("final model", "final_model"),
                        ("summary", "summary")):
         if summary.get(key):

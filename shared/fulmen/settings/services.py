@@ -139,6 +139,21 @@ class ValidationSettings(RolloutPolicySettings, TaskColumnsSettings):
         description="How long a validation pass may take.",
         json_schema_extra={"group": "validation"},
     )
+    val_samples: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Samples per validation task: 1 is one greedy answer; k > 1 samples each task k times and "
+        "reports pass@1, pass@2, pass@4, ... pass@k (unbiased estimator) and maj@k (majority vote).",
+        json_schema_extra={"group": "validation"},
+    )
+    val_temperature: float | None = Field(
+        None,
+        ge=0,
+        description="Sampling temperature of a validation pass with val_samples > 1 (unset: the policy's "
+        "sampling temperature, else 1.0).",
+        json_schema_extra={"group": "validation"},
+    )
 
 
 class TrainDataSettings(TaskColumnsSettings):
