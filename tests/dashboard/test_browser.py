@@ -108,9 +108,11 @@ async def test_dashboard_in_a_browser_during_a_live_run(
             await append_step(real_store.redis, real_store.keys,
                               TrainStep(step, f"v{step}", 0.3 + 0.05 * step, 1.0 / step, 16, time.time(),
                                         {"loss/kl": 0.01 * step, "loss/entropy": 1.2, "perf/tokens_per_s": 800.0}))
+        sampled = {"samples": 4, "pass@1": 0.61, "pass@2": 0.7, "pass@4": 0.8, "maj@4": 0.66}  # a pass of k=4
         for version, accuracy in ((0, 0.44), (4, 0.52), (8, 0.61)):  # as validation passes record them
             await real_store.redis.xadd(real_store.keys.validations, {"m": json.dumps(
-                {"label": f"v{version}", "step": version, "accuracy": accuracy, "mean_reward": accuracy})})
+                {"label": f"v{version}", "step": version, "accuracy": accuracy, "mean_reward": accuracy,
+                 **(sampled if version == 8 else {})})})
         wait_for(lambda: get(port, "/healthz")[0] == 200, WAIT_S, "the dashboard")
         base = f"http://127.0.0.1:{port}"
         e = real_store.experiment
@@ -139,7 +141,9 @@ async def test_dashboard_in_a_browser_during_a_live_run(
         reward = WebDriverWait(driver, WAIT_S).until(
             lambda d: d.find_element(By.CSS_SELECTOR, '.chart[data-label="train reward"][data-points="8"]'))
         assert reward.find_elements(By.CSS_SELECTOR, "canvas")
-        assert driver.find_element(By.CSS_SELECTOR, '.chart[data-label="validation accuracy"][data-points="3"]')
+        validation = driver.find_element(By.CSS_SELECTOR, '.chart[data-label="validation accuracy"][data-points="3"]')
+        legend = validation.find_element(By.CSS_SELECTOR, ".u-legend").text
+        assert all(name in legend for name in ("accuracy", "pass@2", "pass@4", "maj@4")), legend  # a curve per score
         assert _console_errors(driver) == []
         _shot(driver, "curves.png")
 
