@@ -256,7 +256,7 @@ async def test_a_call_is_one_entry_and_reads_as_its_spans_old_entries_included(s
 
 
 async def test_a_batch_that_is_not_one_or_inflates_too_far_is_a_record_error(store: RedisStore) -> None:
-    """An entry whose batch field is not zlib, not an array of records, or inflates past the bound
+    """An entry whose batch field is neither zstd nor zlib, not an array of records, or inflates past the bound
     reads as RecordError (the adapter dead-letters it), never a crash or an unbounded allocation."""
     import zlib
 
@@ -274,6 +274,22 @@ async def test_a_batch_that_is_not_one_or_inflates_too_far_is_a_record_error(sto
             SpanView.from_entries([[b"2-0", [b"z", bad]]])
     with pytest.raises(RecordTooLarge, match="inflates"):
         unpack_span_batch(zlib.compress(b"\0" * 10_000), max_bytes=1000)
+    # zstd, as written today: a frame that declares a size over the bound is refused before any
+    # allocation, one that declares none stops at the bound; a damaged frame is a RecordError
+    import zstandard
+
+    assert pack_span_batch([b"a"])[:4] == b"\x28\xb5\x2f\xfd"
+    with pytest.raises(RecordTooLarge, match="inflates"):
+        unpack_span_batch(zstandard.ZstdCompressor().compress(msgpack.packb([b"\0" * 10_000])), max_bytes=1000)
+    undeclared = zstandard.ZstdCompressor(write_content_size=False).compress(msgpack.packb([b"\0" * 10_000]))
+    with pytest.raises(RecordError, match="within 1,000 bytes"):
+        unpack_span_batch(undeclared, max_bytes=1000)
+    assert unpack_span_batch(undeclared) == [b"\0" * 10_000]
+    for bad in (pack_span_batch([b"a", b"bc"])[:-2], b"\x28\xb5\x2f\xfd" + b"\xff" * 20):
+        with pytest.raises(RecordError):
+            unpack_span_batch(bad)
+    # batches written as zlib before are read as they were
+    assert unpack_span_batch(zlib.compress(msgpack.packb([b"a", b"bc"]), 1)) == [b"a", b"bc"]
 
 
 async def test_dedupe_keys_are_64_bit_integers_so_a_rollouts_set_is_an_intset(store: RedisStore) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
+import zstandard
 
 from fulmen.codec import DEFAULT_MAX_RECORD_BYTES, SCHEMA_VERSION, check_version, pack, unpack
 from fulmen.errors import RecordError, RecordTooLarge
@@ -163,29 +165,34 @@ class SpanView(NamedTuple):
 
 
 # The spans one store call writes travel to Redis and rest there as ONE value: their records as a
-# msgpack array, zlib-compressed at level 1 (stdlib; the fastest level, and the client pays it).
-# Per value and per field, not per byte, is where Redis spends its CPU on spans (Lua strings, AOF
-# lines, stream fields), and spans are most of Redis's memory: the prompts of one rollout's calls
-# repeat each other. Why: docs/design/records.md; figures in bench/RESULTS.md.
+# msgpack array, zstd-compressed at level 1 (the client pays it; zlib level 1 made values 3% larger and
+# cost 7x the CPU to write and 5x to read, most of the adapter's time per rollout). Per value and per
+# field, not per byte, is where Redis spends its CPU on spans (Lua strings, AOF lines, stream fields),
+# and spans are most of Redis's memory: the prompts of one rollout's calls repeat each other. Values
+# written as zlib before are still read. Why: docs/design/records.md; figures in bench/RESULTS.md.
 BATCH_FIELD = "z"
 # Decompressing more than this is refused (a corrupt or hostile entry must not exhaust memory).
 MAX_BATCH_BYTES = 256 * 1024 * 1024
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes; a zlib stream starts with 0x78
+_codecs = threading.local()  # zstd contexts are not thread-safe: one pair per thread
+
+
+def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    pair = getattr(_codecs, "pair", None)
+    if pair is None:
+        pair = _codecs.pair = (zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor())
+    return pair
 
 
 def pack_span_batch(records: Sequence[bytes]) -> bytes:
     """The stored form of the span records of one call, in order (`BATCH_FIELD`)."""
-    return zlib.compress(msgpack.packb(list(records), use_bin_type=True), 1)
+    return _zstd()[0].compress(msgpack.packb(list(records), use_bin_type=True))
 
 
 def unpack_span_batch(blob: bytes, max_bytes: int = MAX_BATCH_BYTES) -> list[bytes]:
-    """The span records of a `pack_span_batch` value; RecordError if it is not one."""
-    inflate = zlib.decompressobj()
-    try:
-        raw = inflate.decompress(blob, max_bytes)
-    except zlib.error as e:
-        raise RecordError(f"span batch is not zlib data: {e}") from None
-    if inflate.unconsumed_tail:
-        raise RecordTooLarge(f"span batch inflates to over {max_bytes:,} bytes")
+    """The span records of a `pack_span_batch` value (zstd, or zlib as written before); RecordError
+    if it is not one, RecordTooLarge if it would decompress to more than ``max_bytes``."""
+    raw = _decompress(blob, max_bytes)
     try:
         records = msgpack.unpackb(raw, use_list=True)
     except (ValueError, TypeError, msgpack.UnpackException) as e:
@@ -193,6 +200,26 @@ def unpack_span_batch(blob: bytes, max_bytes: int = MAX_BATCH_BYTES) -> list[byt
     if type(records) is not list or not all(type(r) is bytes for r in records):
         raise RecordError("span batch is not an array of span records")
     return records
+
+
+def _decompress(blob: bytes, max_bytes: int) -> bytes:
+    if blob[:4] == ZSTD_MAGIC:
+        try:
+            # a frame that declares its size is decompressed whole whatever max_output_size says
+            declared = zstandard.frame_content_size(blob)
+            if declared > max_bytes:
+                raise RecordTooLarge(f"span batch inflates to over {max_bytes:,} bytes")
+            return _zstd()[1].decompress(blob, max_output_size=max_bytes)
+        except zstandard.ZstdError as e:  # undeclared and over max_bytes reads as an incomplete frame
+            raise RecordError(f"span batch is not zstd data within {max_bytes:,} bytes: {e}") from None
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(blob, max_bytes)
+    except zlib.error as e:
+        raise RecordError(f"span batch is neither zstd nor zlib data: {e}") from None
+    if inflate.unconsumed_tail:
+        raise RecordTooLarge(f"span batch inflates to over {max_bytes:,} bytes")
+    return raw
 
 
 def entry_records(entry_id: bytes | str, fields: Any) -> list[tuple[int, bytes]]:
