@@ -1,5 +1,5 @@
 """Loading a task dataset: JSON lines, or a Hugging Face dataset (a save_to_disk folder, a .parquet or an
-.arrow file, with a split and a column mapping: `fulmen.task_datasets`).
+.arrow file, with a split and a column mapping: `fulmen.tasks.datasets`).
 
 Every task gets a stable id (`fulmen.tasks.task_id`: its ``id`` field, else a hash of its content):
 rollout ids are built from it, which is what makes enqueuing idempotent and a restarted run enqueue
@@ -31,9 +31,9 @@ def task_id(task: Task) -> str:
 
 def load_tasks(path: str | Path, split: str | None = None, columns: str | dict[str, str] | None = None) -> list[Task]:
     """Tasks from a .jsonl file or a dataset (``split`` of a DatasetDict folder, default train;
-    ``columns``: task field = dataset column, `fulmen.task_datasets.parse_columns`); a clear error
+    ``columns``: task field = dataset column, `fulmen.tasks.datasets.parse_columns`); a clear error
     names the bad line (from 1) or row (from 0, as ``dataset[n]``)."""
-    from fulmen.task_datasets import is_dataset, open_rows, parse_columns
+    from fulmen.tasks.datasets import is_dataset, open_rows, parse_columns
 
     path = Path(path)
     if not path.exists():

@@ -1,4 +1,4 @@
-"""`fulmen push`'s work: a JSON-lines task file or a Hugging Face dataset (`fulmen.task_datasets`) queued
+"""`fulmen push`'s work: a JSON-lines task file or a Hugging Face dataset (`fulmen.tasks.datasets`) queued
 as rollouts in batches, every bad line or row reported with its number, then a summary and the exit
 code. Checking each task: `fulmen.cli.tasks_file`."""
 
@@ -19,7 +19,7 @@ from fulmen.errors import FulmenError, InvalidInput
 from fulmen.records import Rollout
 from fulmen.settings import CommonSettings
 from fulmen.store import RedisStore
-from fulmen.task_datasets import TaskRows, is_dataset, open_rows, parse_columns
+from fulmen.tasks.datasets import TaskRows, is_dataset, open_rows, parse_columns
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def task_stream(file: str) -> Iterator[tuple[IO[bytes], int | None]]:
 
 
 def open_dataset(file: str, split: str | None, columns: dict[str, str]) -> TaskRows:
-    """The dataset's rows to read (`fulmen.task_datasets.open_rows`); one that cannot be opened, or
+    """The dataset's rows to read (`fulmen.tasks.datasets.open_rows`); one that cannot be opened, or
     lacks the split or a mapped column, exits 2 saying why."""
     try:
         return open_rows(file, split, columns)

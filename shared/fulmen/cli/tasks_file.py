@@ -1,4 +1,4 @@
-"""Reading a JSON-lines task file (or a dataset's rows: `fulmen.task_datasets`) into rollout requests,
+"""Reading a JSON-lines task file (or a dataset's rows: `fulmen.tasks.datasets`) into rollout requests,
 with a clear reason for every bad line.
 
 No line can end the read: bytes that are not UTF-8, nesting or integers Python's json refuses,
@@ -54,7 +54,7 @@ def check_tasks(
     defaults: dict[str, Any], strict: bool = False, priority_field: str | None = None, unit: str = "line",
 ) -> Iterator[Rollout | BadLine | LineNote]:
     """One result per (number, task or reason) pair (a JSON line's, or a dataset row's from
-    `fulmen.task_datasets`): a validated rollout request, or why that line or row cannot be one.
+    `fulmen.tasks.datasets`): a validated rollout request, or why that line or row cannot be one.
 
     A task is a JSON object, the task given to the agent as the rollout's input. Its rollout id is
     its `task_id` (the value of ``id_field`` if the task has one, else a hash of its content; the n-th
