@@ -83,7 +83,7 @@ def main() -> None:
     extra = dict(item.split("=", 1) for item in args.set)
     figures: dict[str, Any] = {"budget_s": args.budget_s, "plot": str(args.plot)}
     if args.warm_start is not None:
-        from fulmen_algorithm.tool_demo import prepare_tool_demo
+        from fulmen_algorithm.demos.tools import prepare_tool_demo
 
         started = time.time()
         prepare_tool_demo(args.warm_start.resolve(), seed=0)

@@ -26,7 +26,13 @@ import torch
 from fulmen.demo import arithmetic
 from fulmen.demo.tiny_model import TinyModelSpec, build_tiny_model, load_tiny_model
 from fulmen.demo.warm_start import sft_step
-from fulmen_algorithm.demo import CHECK_TASKS, INITIALIZER_RANGE, WARM_START, greedy_accuracy, sft_example
+from fulmen_algorithm.demos.arithmetic import (
+    CHECK_TASKS,
+    INITIALIZER_RANGE,
+    WARM_START,
+    greedy_accuracy,
+    sft_example,
+)
 
 
 def measure(folder: Path, threads: int, checks: int, steps: int) -> dict[str, float]:

@@ -18,7 +18,7 @@ import fulmen
 from fulmen.demo import calculator
 
 MAX_TURNS = 3  # a call, the answer, and one spare call
-CALL_TOKENS = 12  # the demo model writes a call in 10 tokens (fulmen_algorithm.tool_demo); 96 for char-level
+CALL_TOKENS = 12  # the demo model writes a call in 10 tokens (fulmen_algorithm.demos.tools); 96 for char-level
 ANSWER_TOKENS = 8  # six digits and the end of the turn
 
 

@@ -39,7 +39,7 @@ def test_a_demonstration_is_what_the_proxy_parses_and_records(tmp_path: Path) ->
     calculator call, and the conversation re-rendered with the parsed call (as the agent sends it
     back) extends the tokens generated so far: one trajectory, the mask over the model's tokens."""
     from fulmen.demo.tiny_model import load_tiny_model
-    from fulmen_algorithm.tool_demo import build_tool_model, sequence_and_mask
+    from fulmen_algorithm.demos.tools import build_tool_model, sequence_and_mask
     from fulmen_llm_proxy.backends.torch import tool_calls
 
     build_tool_model(tmp_path, seed=0)
@@ -69,7 +69,7 @@ def test_shortened_tool_demo_trains_on_tool_trajectories(tmp_path: Path) -> None
     the model's calls are parsed and run, the trainer steps on trajectory samples (one per
     conversation: call, tool result, answer), publishes versions, and the run ends by itself."""
     from fulmen.store.redis.embedded import free_port
-    from fulmen_algorithm.tool_demo import prepare_tool_demo
+    from fulmen_algorithm.demos.tools import prepare_tool_demo
 
     steps = 3
     # A short warm start (the call's format, not yet the copying): prepared here, reused by the demo.

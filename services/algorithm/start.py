@@ -8,9 +8,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fulmen.errors import InvalidInput
+from fulmen.errors import InvalidInput, NotFound
 from fulmen.settings import AlgorithmSettings, DemoSettings
 from fulmen.store import RedisStore
+from fulmen.versions.model_version import BASE_VERSION, POLICY_RESOURCES_ID
 
 
 @dataclass
@@ -24,7 +25,6 @@ class RunInputs:
 def algorithm_inputs(settings: AlgorithmSettings) -> RunInputs:
     """A run on the user's tasks and model; InvalidInput says what is missing."""
     from fulmen_algorithm.dataset import load_tasks
-    from fulmen_algorithm.demo import publish_base_policy
 
     if settings.train_data is None:
         raise InvalidInput("no training data: pass --train-data tasks.jsonl or a dataset (or FULMEN_TRAIN_DATA)")
@@ -46,7 +46,7 @@ def demo_inputs(settings: DemoSettings) -> RunInputs:
     """The demo: arithmetic tasks (or, with task "tools", calculator tasks) and a tiny Llama warmed up
     by SFT (prepared on the first start: minutes)."""
     from fulmen_algorithm.dataset import load_tasks
-    from fulmen_algorithm.demo import DEMO_SAMPLING, prepare_demo, publish_base_policy
+    from fulmen_algorithm.demos.arithmetic import DEMO_SAMPLING, prepare_demo
 
     if settings.torch_threads:
         import torch
@@ -56,7 +56,7 @@ def demo_inputs(settings: DemoSettings) -> RunInputs:
     default = settings.data_dir / ("demo-tools" if tools else "demo")
     folder = settings.model_dir.parent if settings.model_dir is not None else default
     if tools:
-        from fulmen_algorithm.tool_demo import TOOL_SAMPLING, prepare_tool_demo
+        from fulmen_algorithm.demos.tools import TOOL_SAMPLING, prepare_tool_demo
 
         paths, sampling = prepare_tool_demo(folder, seed=settings.seed), TOOL_SAMPLING
     else:
@@ -67,3 +67,17 @@ def demo_inputs(settings: DemoSettings) -> RunInputs:
         await publish_base_policy(store, paths.model.name, sampling=sampling)
 
     return RunInputs(settings, load_tasks(paths.train), load_tasks(paths.val), setup)
+
+
+async def publish_base_policy(store: RedisStore, model_name: str,
+                              sampling: dict[str, Any] | None) -> None:
+    """The policy's first resources (the model as it starts, version "base"), unless a run published
+    some before: a restarted run continues with the trainer's latest version. Rollouts name these
+    resources; without them every rollout fails."""
+    try:
+        await store.resources.get_resources(POLICY_RESOURCES_ID)
+    except NotFound:
+        llm: dict[str, Any] = {"kind": "llm", "model": model_name, "model_version": BASE_VERSION.name}
+        if sampling:
+            llm["sampling_parameters"] = dict(sampling)
+        await store.resources.add_resources({"llm": llm}, resources_id=POLICY_RESOURCES_ID)

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from fulmen.cli.main import _add_service_commands, app
 from fulmen.store import RedisStore
 from fulmen.versions.model_version import llm_resource
-from fulmen_algorithm.demo import publish_base_policy
+from fulmen_algorithm.start import publish_base_policy
 
 
 async def test_the_base_policy_is_published_once(real_store: RedisStore) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from fulmen.demo import arithmetic, calculator
 from fulmen.demo.warm_start import WarmStartPlan, install_model, preparing, warm_start
-from fulmen_algorithm.demo import DemoPaths
+from fulmen_algorithm.demos.arithmetic import DemoPaths
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,6 @@ from typing import Any
 
 from fulmen.demo import arithmetic
 from fulmen.demo.warm_start import Example, WarmStartPlan, install_model, preparing, warm_start
-from fulmen.errors import NotFound
-from fulmen.store import RedisStore
-from fulmen.versions.model_version import BASE_VERSION, POLICY_RESOURCES_ID
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +100,3 @@ def _build_demo(folder: Path, paths: DemoPaths, seed: int, n_train: int, n_val: 
                                 plan, seed=seed)
     install_model(model, staging, paths.model, step, accuracy)
     log.info("warm start done after %d SFT steps (train accuracy %.2f): %s", step, accuracy, paths.model)
-
-
-async def publish_base_policy(store: RedisStore, model_name: str,
-                              sampling: dict[str, Any] | None = DEMO_SAMPLING) -> None:
-    """The policy's first resources (the model as it starts, version "base"), unless a run published
-    some before: a restarted run continues with the trainer's latest version. Rollouts name these
-    resources; without them every rollout fails."""
-    try:
-        await store.resources.get_resources(POLICY_RESOURCES_ID)
-    except NotFound:
-        llm: dict[str, Any] = {"kind": "llm", "model": model_name, "model_version": BASE_VERSION.name}
-        if sampling:
-            llm["sampling_parameters"] = dict(sampling)
-        await store.resources.add_resources({"llm": llm}, resources_id=POLICY_RESOURCES_ID)
