@@ -1,6 +1,7 @@
 """Run the proxy app under uvicorn: httptools parser, uvloop when installed, no access log.
 
-The socket is bound here (so ``--proxy-port 0`` works); `_Protocol` adds a request read timeout.
+The socket is bound here (so ``--proxy-port 0`` works); `_Protocol` adds a request read timeout and
+sends a response with a length in one write.
 Why: docs/design/proxy.md.
 """
 
@@ -65,6 +66,12 @@ class _Protocol(HttpToolsProtocol):
         self._cancel_read_timer()
         super().on_message_complete()
 
+    def on_headers_complete(self) -> None:
+        before = self.cycle
+        super().on_headers_complete()
+        if self.cycle is not before:  # a new request's cycle (an upgrade request gets none)
+            self.cycle.transport = _OneWrite(self.transport)  # type: ignore[assignment]
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
         super().connection_lost(exc)
@@ -81,6 +88,38 @@ class _Protocol(HttpToolsProtocol):
         self._read_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+class _OneWrite:
+    """A response's transport that holds a head with a content-length until its body, so that a
+    whole response is one write (one syscall, one segment) rather than two: the proxy sends every
+    such body right after its head (`fulmen_llm_proxy.app`). Streams (no length) go out at once."""
+
+    __slots__ = ("_fresh", "_head", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._head: bytes | None = None
+        self._fresh = True  # the cycle's first write (after any "100 Continue") is its head
+
+    def write(self, data: bytes) -> None:
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        elif self._fresh and not data.startswith(b"HTTP/1.1 100 "):
+            self._fresh = False
+            if b"\r\ncontent-length: " in data:
+                self._head = data
+                return
+        self._transport.write(data)
+
+    def close(self) -> None:
+        if self._head is not None:
+            self._transport.write(self._head)
+            self._head = None
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._transport, name)
 
 
 def loop_name() -> str:

@@ -23,6 +23,7 @@ from fulmen_llm_proxy.backends.upstream.replicas import ReplicaView
 from fulmen_llm_proxy.control import ControlFollower
 from fulmen_llm_proxy.following import ModelFollower
 from fulmen_llm_proxy.gate import Gate
+from fulmen_llm_proxy.hot_connection import HotConnection
 from fulmen_llm_proxy.metrics import ProxyMetrics
 from fulmen_llm_proxy.recording import OtlpExport
 from fulmen_llm_proxy.registry import Registration, default_proxy_id
@@ -57,6 +58,7 @@ class ProxyService:
             if key.strip()
         ]
         self.redis: aioredis.Redis | None = None
+        self.hot: HotConnection | None = None  # the connection of every call's Redis commands
         self.store: RedisStore | None = None
         self.control: ControlFollower | None = None
         self.follower: ModelFollower | None = None
@@ -71,6 +73,8 @@ class ProxyService:
 
     async def start(self) -> None:
         self.redis = await connect(self.settings)
+        if isinstance(self.redis, aioredis.Redis):  # a cluster client routes each command itself
+            self.hot = HotConnection.install(self.redis)
         self.store = RedisStore(
             self.redis, self.settings.experiment, max_record_bytes=self.settings.max_record_bytes,
             weights_redis=await connect_weights(self.settings),
@@ -171,5 +175,7 @@ class ProxyService:
         await self.backend.close()
         if self.otlp is not None:  # after the last call: its span is queued, flush it
             await asyncio.to_thread(self.otlp.close)
+        if self.hot is not None:
+            await self.hot.close()
         if self.redis is not None:
             await self.redis.aclose()
