@@ -2,8 +2,8 @@
 
 redis-py's path for a command (pool checkout and release, retry wrapper, events, observability)
 costs the proxy more CPU than building the span; `HotConnection` keeps one connection out of the
-pool for them. Anything else, or a hot command while one is in flight, takes the client's path.
-Why and figures: docs/design/proxy.md.
+pool for them. Anything else, or a hot command while one is in flight, takes the client's path,
+as does a hot command whose connection failed (it rides out an outage; the hot one reconnects).
 """
 
 from __future__ import annotations

@@ -52,13 +52,16 @@ def test_non_utf8_attribution_header_is_400(torch_proxy: RunningProxy) -> None:
 
 
 def test_lone_surrogate_is_400(torch_proxy: RunningProxy, attempt: tuple[str, str]) -> None:
-    """A lone surrogate (``\\ud800``) in content, in a key, or in a prompt: 400."""
+    """A lone surrogate (``\\ud800``, or its UTF-8 bytes) in content, in a key, or in a prompt: 400."""
     base = torch_proxy.base(*attempt)
     bodies = [
         (f"{base}/chat/completions", b'{"model":"tiny","max_tokens":2,"messages":[{"role":"user","content":"a\\ud800"}]}'),
         (f"{base}/chat/completions", b'{"model":"tiny","max_tokens":2,"messages":[{"role":"user","content":"a","\\udfff":1}]}'),
         (f"{base}/completions", b'{"model":"tiny","max_tokens":2,"prompt":"\\udc00x"}'),
         (f"{base}/chat/completions", b'{"model":"tiny","max_tokens":2,"stream":true,"messages":[{"role":"user","content":"\\ud800"}]}'),
+        (f"{base}/chat/completions", b'{"model":"tiny","max_tokens":2,"messages":[{"role":"user","content":"\\uDBFF"}]}'),
+        # its UTF-8 bytes, which json decodes with "surrogatepass"
+        (f"{base}/chat/completions", b'{"model":"tiny","max_tokens":2,"messages":[{"role":"user","content":"\xed\xa0\x80"}]}'),
     ]  # fmt: skip
     for url, raw in bodies:
         response = httpx.post(url, content=raw)

@@ -7,6 +7,7 @@ What and why: docs/design/proxy.md.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fulmen_llm_proxy.backends.base import Call, Operation
@@ -97,8 +98,22 @@ def load_body(raw: bytes) -> dict[str, Any]:
         ) from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
-    check_shape(body)
+    if not _plainly_shaped(raw):
+        check_shape(body)
     return body
+
+
+# What a lone surrogate can come from in a UTF-8 body: a \\uD800-\\uDFFF escape, or its UTF-8 bytes
+# (json decodes bytes with "surrogatepass"). A match is only a reason to look (`check_shape`).
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _plainly_shaped(raw: bytes) -> bool:
+    """True when the raw UTF-8 body cannot break `check_shape`'s rules: too few brackets to nest
+    deeper than `MAX_JSON_DEPTH`, nothing that decodes to a lone surrogate. Scanned in C, where the
+    walk over a usual body costs more than parsing it."""
+    return (raw[:1] == b"{" and raw[1:2] != b"\x00"  # UTF-8, as json.detect_encoding would say
+            and raw.count(b"{") + raw.count(b"[") <= MAX_JSON_DEPTH and _MAYBE_SURROGATE.search(raw) is None)
 
 
 def call_from_body(body: dict[str, Any], operation: Operation, default_model: str | None) -> Call:
