@@ -81,6 +81,9 @@ class Spans:
             by_attempt.setdefault((s.rollout_id, s.attempt_id), []).append(s)
         if not by_attempt:
             return []
+        if len(by_attempt) == 1:  # the usual call (a proxy's, a runner's): no task for a gather of one
+            [((rollout_id, attempt_id), group)] = by_attempt.items()
+            return await self._add(rollout_id, attempt_id, group)
         stored_lists = await asyncio.gather(*(
             self._add(rollout_id, attempt_id, group) for (rollout_id, attempt_id), group in by_attempt.items()
         ))
