@@ -17,13 +17,13 @@ import redis.asyncio as aioredis
 from fulmen.settings import ProxySettings
 from fulmen.store import RedisStore
 from fulmen.store.redis.connection import connect, connect_weights
+from fulmen.store.redis.hot_connection import HotConnection
 from fulmen_llm_proxy.backends.base import Backend
 from fulmen_llm_proxy.backends.registry import make_backend
 from fulmen_llm_proxy.backends.upstream.replicas import ReplicaView
 from fulmen_llm_proxy.control import ControlFollower
 from fulmen_llm_proxy.following import ModelFollower
 from fulmen_llm_proxy.gate import Gate
-from fulmen_llm_proxy.hot_connection import HotConnection
 from fulmen_llm_proxy.metrics import ProxyMetrics
 from fulmen_llm_proxy.recording import OtlpExport
 from fulmen_llm_proxy.registry import Registration, default_proxy_id

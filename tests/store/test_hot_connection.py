@@ -1,4 +1,4 @@
-"""The proxy's hot Redis commands on a connection of their own (`fulmen_llm_proxy.hot_connection`)."""
+"""Hot Redis commands on a connection of their own (`fulmen.store.redis.hot_connection`), as the proxy runs them."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from fulmen_llm_proxy.hot_connection import HotConnection
+from fulmen.store.redis.embedded import EmbeddedRedis
+from fulmen.store.redis.hot_connection import HotConnection
 
 
 @pytest.fixture
-async def client(redis_url: str, experiment: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(redis_url)
+async def client(redis_server: EmbeddedRedis) -> AsyncIterator[aioredis.Redis]:
+    """A plain client of one Redis (a cluster client routes each command itself: no hot connection)."""
+    client = aioredis.from_url(redis_server.url)
     yield client
     await client.aclose()
 

@@ -1,4 +1,4 @@
-"""The Redis commands of every call (the span's EVALSHA, the replica check's HMGET) on one connection.
+"""A client's every-call Redis commands (the proxy's span EVALSHA and replica HMGET) on one connection.
 
 redis-py's path for a command (pool checkout and release, retry wrapper, events, observability)
 costs the proxy more CPU than building the span; `HotConnection` keeps one connection out of the
