@@ -18,6 +18,7 @@ from typing import Any
 
 from fulmen.errors import NotFound, RecordError
 from fulmen.records import ReplicaState, ResourcesUpdate
+from fulmen.records.messages import TRACKING_GRACE_S
 from fulmen.settings import VllmSyncSettings
 from fulmen.store import RedisStore
 from fulmen.versions.folder import apply_onto_folder
@@ -57,6 +58,7 @@ class VllmSync:
         self.check_s = check_s
         self.canary_prompt = canary_prompt or CANARY_PROMPT
         self.state = ReplicaState(self.url, "base", ready=False, reason="starting")
+        self.recorded_at: float | None = None  # when this replica was first recorded (monotonic)
         self.served_sha: str | None = None
         self.weights_known = True  # False from a failed load until a sync succeeds: what it serves is unknown
         self.lora_loading: str = settings.lora_loading
@@ -68,6 +70,14 @@ class VllmSync:
 
     async def _mark(self, **changes: Any) -> None:
         self.state = await self.store.registry.set_replica(dataclasses.replace(self.state, **changes))
+        if self.recorded_at is None:
+            self.recorded_at = time.monotonic()
+
+    async def _after_grace(self) -> None:
+        """Change no weights in the first `TRACKING_GRACE_S` after this replica was recorded: a proxy
+        that sent a call before it was tracked confirms that call from its view alone."""
+        if self.recorded_at is not None:
+            await asyncio.sleep(max(0.0, self.recorded_at + TRACKING_GRACE_S - time.monotonic()))
 
     # --- following the versions ------------------------------------------------------------------
 
@@ -236,6 +246,7 @@ class VllmSync:
         if not self.weights_known:  # a failed attempt may have left the server paused
             await self.admin.resume()
         before = await self.admin.canary(self.model, self.canary_prompt)
+        await self._after_grace()
         await self._mark(ready=False, generation=self.state.generation + 1, reason=f"loading {version}")
         await self.admin.pause(self.pause_mode)
         await self.admin.reload_weights(str(folder.resolve()))

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import ReplicaState
+from fulmen.records.messages import TRACKING_GRACE_S
 from fulmen.settings import VllmSyncSettings
 from fulmen.store import RedisStore
 from fulmen.versions.model_version import publish_model_version
@@ -60,16 +61,53 @@ async def test_calls_go_to_ready_replicas_only(real_store: RedisStore) -> None:
 
 
 async def test_a_call_sent_untracked_is_uncertain_once_its_replica_is_tracked(real_store: RedisStore) -> None:
-    """A call that left for a replica no vllm-sync recorded yet, and ended after one started on it, may
-    straddle its first load: it is not recorded as the default version but sent again."""
+    """A call that left for a replica no vllm-sync recorded yet may straddle that replica's first load
+    if one started meanwhile: once the view (or, when the view is stale, the registry) knows the
+    replica, such a call is not recorded as the default version but sent again."""
     view = ReplicaView(real_store)
     await view.refresh()
     untracked = view.stamp("http://127.0.0.1:3")
     assert untracked.state is None and await view.confirm(untracked) == ""  # still untracked: default
     await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:3/v1", "v1", ready=True))
+    # a view read less than TRACKING_GRACE_S ago: no vllm-sync recorded since could have loaded yet
+    assert await view.confirm(untracked) == ""
+    view.read_at -= TRACKING_GRACE_S  # a stalled refresh: the registry is asked, and knows it
     assert await view.confirm(untracked) is None
     await view.refresh()
+    assert await view.confirm(untracked) is None  # the view knows it now
     assert await view.confirm(view.stamp("http://127.0.0.1:3")) == "v1"  # tracked when sent and now
+
+
+async def test_vllm_sync_changes_no_weights_within_the_grace_after_it_recorded_the_replica(
+        real_store: RedisStore, models: list[Path], tmp_path: Path) -> None:
+    """The first load of a newly recorded replica waits until TRACKING_GRACE_S after it was recorded."""
+    import time
+
+    fake = FakeVllm(models[0])
+    url = await fake.start()
+    admin = VllmAdmin(url, 10.0)
+    settings = VllmSyncSettings(vllm_url=url, model_name="tiny", model_dir=models[0], sync_dir=tmp_path / "sync",
+                                sync_retry_s=0.2)
+    sync = VllmSync(real_store, admin, settings, check_s=0.2)
+    reloads: list[float] = []
+    reload = admin.reload_weights
+
+    async def timed_reload(folder: str) -> None:
+        reloads.append(time.monotonic())
+        await reload(folder)
+
+    admin.reload_weights = timed_reload  # type: ignore[method-assign]
+    try:
+        await sync.start()
+        assert sync.recorded_at is not None
+        await publish_model_version(real_store, load_file(str(models[1] / "model.safetensors")), model="tiny")
+        _, target = await sync._newest()
+        assert target is not None and await sync.sync(*target)
+        assert sync.state.model_version == "v1" and sync.state.ready, sync.state
+        assert len(reloads) == 1 and reloads[0] - sync.recorded_at >= TRACKING_GRACE_S
+    finally:
+        await admin.close()
+        await fake.stop()
 
 
 async def test_no_call_mixes_two_versions_while_versions_load(real_store: RedisStore, models: list[Path],

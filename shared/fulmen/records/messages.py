@@ -115,6 +115,13 @@ class ProxyEndpoint(Record):
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+# A vllm-sync changes no weights of a replica in the first TRACKING_GRACE_S after it recorded it: a
+# proxy whose view of the replicas was read less than that long ago knows, without asking Redis,
+# that a call it sent to a replica nobody recorded yet did not straddle a load. (The proxy reads its
+# view every 0.5 s.)
+TRACKING_GRACE_S = 1.5
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaState(Record):
     """An inference server (a vLLM replica) as its `fulmen vllm-sync` last left it: the model version
