@@ -161,7 +161,7 @@ async def validate(
     }
     if samples > 1:
         result.update({"samples": samples, "temperature": sampled_at, **pass_scores(per_task, samples)})
-    await store.redis.xadd(store.keys.validations, {"m": json.dumps(result)})
+    await store.validations.append(result)
     return result
 
 
@@ -185,11 +185,7 @@ async def _enqueue_pass(store: RedisStore, tasks: list[Task], label: str, sample
 async def recorded(store: RedisStore) -> list[dict[str, Any]]:
     """The validation results in the order they were recorded, one per label: a pass run twice (a
     job requeued by `requeue_abandoned` while its first run was still alive) counts once."""
-    results: dict[str, dict[str, Any]] = {}
-    for _, f in await store.redis.xrange(store.keys.validations):
-        result = json.loads(f[b"m"])
-        results.setdefault(result["label"], result)
-    return list(results.values())
+    return await store.validations.passes()
 
 
 def requeue_abandoned(queue: Queue) -> list[str]:

@@ -5,7 +5,6 @@ keyspace, none writes."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,16 +101,7 @@ async def experiment_exists(store: RedisStore) -> bool:
 
 async def validations(store: RedisStore) -> list[dict[str, Any]]:
     """The validation passes, oldest first, one per label (a pass run twice counts once)."""
-    entries = await store.redis.xrevrange(store.keys.validations, count=VALIDATIONS_READ)
-    by_label: dict[str, dict[str, Any]] = {}
-    for _, fields in reversed(entries):
-        try:
-            result = json.loads(fields[b"m"])
-        except (KeyError, ValueError):
-            continue
-        if isinstance(result, dict):
-            by_label.setdefault(str(result.get("label")), result)
-    return list(by_label.values())
+    return await store.validations.passes(newest=VALIDATIONS_READ)
 
 
 def _version_number(result: dict[str, Any]) -> int | None:

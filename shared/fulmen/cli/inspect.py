@@ -81,16 +81,9 @@ def status(experiment: ExperimentOpt = None, as_json: JsonOpt = False) -> None:
 async def _validations(store: RedisStore) -> list[dict]:
     """The newest `STATUS_PASSES` validation passes, oldest first, one per label (a pass recorded twice
     counts once), with `PASS_FIELDS` and their pass@j and maj@k."""
-    by_label: dict[str, dict] = {}
-    for _, fields in reversed(await store.redis.xrevrange(store.keys.validations, count=PASSES_READ)):
-        try:
-            result = json.loads(fields[b"m"])
-        except (KeyError, ValueError):
-            continue
-        if isinstance(result, dict):
-            by_label.setdefault(str(result.get("label")), result)
+    passes = await store.validations.passes(newest=PASSES_READ)
     return [{**{k: r[k] for k in PASS_FIELDS if k in r}, **{k: r[k] for k in _score_keys(r)}}
-            for r in list(by_label.values())[-STATUS_PASSES:]]
+            for r in passes[-STATUS_PASSES:]]
 
 
 def _score_keys(result: dict) -> list[str]:

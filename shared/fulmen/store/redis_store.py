@@ -2,7 +2,8 @@
 
 `RedisStore` is composed of parts, one per noun, sharing one `StoreContext`: ``store.queue``,
 ``store.rollouts``, ``store.spans``, ``store.finished``, ``store.resources``, ``store.samples``,
-``store.registry``, ``store.dead_letters``. One spelling per call; the parts: docs/design/store.md.
+``store.registry``, ``store.dead_letters``, ``store.validations``. One spelling per call; the parts:
+docs/design/store.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fulmen.store.rollouts import FinishResult, Rollouts
 from fulmen.store.samples import Samples
 from fulmen.store.spans import Spans
 from fulmen.store.statistics import aread_snapshot
+from fulmen.store.validations import Validations
 
 __all__ = ["FinishResult", "RedisStore"]
 
@@ -56,6 +58,7 @@ class RedisStore:
         self.samples = Samples(ctx)
         self.registry = Registry(ctx)
         self.dead_letters = DeadLetters(ctx)
+        self.validations = Validations(ctx)
 
     def __repr__(self) -> str:
         return f"RedisStore(experiment={self.experiment!r})"
