@@ -8,6 +8,7 @@ the store as they land; a variant ends at the first pass at or above --target, o
 
     python bench/e2e.py                              # async, sync, grpo_off: up to 3 x 15 min
     python bench/e2e.py --variants async --budget-s 900
+    python bench/e2e.py --variants run_file          # the same, by `fulmen start examples/runs/demo.yaml`
 
 Prints one JSON line per variant, then one JSON object with every figure; draws the curves into
 --plot (bench/e2e-curves.png)."""
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -29,18 +31,35 @@ VARIANTS: dict[str, dict[str, str]] = {
     "async": {"FULMEN_STALENESS": "1"},
     "sync": {"FULMEN_STALENESS": "0"},
     "grpo_off": {"FULMEN_STALENESS": "1", "FULMEN_LEARNING_RATE": "0", "FULMEN_LR_FINAL": "0"},
+    # async again, started as `fulmen start examples/runs/demo.yaml` (the run file instead of .env;
+    # the ports and the step count come from the environment, which wins over the file)
+    "run_file": {},
 }
+RUN_FILE = "examples/runs/demo.yaml"
 
 
 def _reached(passes: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
     return next((v for v in passes if v["label"] != "v0" and v["accuracy"] >= target), None)
 
 
+def _start(name: str, folder: Path) -> tuple[int, dict[str, str], list[str] | None]:
+    """The variant's folder, environment and command: `honcho start` on .env, or `fulmen start` on the
+    run file with only the ports and the step count in the environment."""
+    overrides = {"FULMEN_TOTAL_STEPS": "100000", **VARIANTS[name]}
+    if name != "run_file":
+        return run.write_folder(folder, "Procfile", ".env", overrides), run.clean_env(), None
+    shutil.copy(run.ROOT / RUN_FILE, folder / "demo.yaml")
+    shutil.copy(run.ROOT / "Procfile", folder / "Procfile")
+    redis_port = run.free_port()
+    env = {**run.clean_env(), **overrides, "FULMEN_REDIS_PORT": str(redis_port),
+           "FULMEN_PROXY_PORT": str(run.free_port()), "FULMEN_METRICS_PORT": "0"}
+    return redis_port, env, [str(Path(sys.executable).with_name("fulmen")), "start", "demo.yaml"]
+
+
 def run_variant(name: str, target: float, budget_s: float, folder: Path) -> dict[str, Any]:
-    redis_port = run.write_folder(folder, "Procfile", ".env",
-                                  {"FULMEN_TOTAL_STEPS": "100000", **VARIANTS[name]})
+    redis_port, env, argv = _start(name, folder)
     started = time.time()
-    with run.honcho_start(folder, run.clean_env()) as honcho:
+    with run.honcho_start(folder, env, argv) as honcho:
         passes = run.watch_validations(honcho, redis_port, name, started, budget_s,
                                    lambda passes: _reached(passes, target) is not None)
     reached = _reached(passes, target)

@@ -56,10 +56,11 @@ def clean_env() -> dict[str, str]:
 
 
 @contextmanager
-def honcho_start(folder: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    """`honcho start` in ``folder`` (its output in honcho.log there), stopped on exit if still running."""
+def honcho_start(folder: Path, env: dict[str, str], argv: list[str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """`honcho start` (or ``argv``, which runs honcho: `fulmen start RUN.yaml`) in ``folder`` (its output
+    in honcho.log there), stopped on exit if still running."""
     with open(folder / "honcho.log", "w") as log:
-        honcho = subprocess.Popen([HONCHO, "start"], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+        honcho = subprocess.Popen(argv or [HONCHO, "start"], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     try:
         yield honcho

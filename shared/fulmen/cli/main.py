@@ -17,6 +17,7 @@ from fulmen.cli import archive as archive_cli
 from fulmen.cli import config as config_cli
 from fulmen.cli import inspect as inspect_cli
 from fulmen.cli import push as push_cli
+from fulmen.cli import start as start_cli
 from fulmen.cli import trim as trim_cli
 from fulmen.cli import watchdog as watchdog_cli
 from fulmen.cli.service import (
@@ -173,6 +174,7 @@ def experiments(
 
 app.command("trim")(trim_cli.trim_command)
 app.command("config")(config_cli.config_command)
+app.command("start")(start_cli.start_command)
 
 
 @app.command("rollback")

@@ -43,7 +43,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Libraries that log a line per HTTP request: at INFO they drown the services' own lines.
 CHATTY_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai")
 # Every command takes the experiment, with its short form; a service's own fields follow.
-ALWAYS_FLAGS = ("experiment",)
+ALWAYS_FLAGS = ("config", "experiment")
 SHORT_NAMES = {"experiment": "-e"}
 # Choices given in any case (as the environment may give them): `--log-level debug`.
 ANY_CASE = ("log_level",)

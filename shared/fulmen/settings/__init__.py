@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, TypeVar, get_args
 
 from pydantic import SecretStr, TypeAdapter, ValidationError
@@ -80,7 +81,8 @@ def load_settings(
     unknown = sorted(name for name in {*os.environ, *dotenv} if name.startswith(ENV_PREFIX) and name not in known)
     if unknown:
         raise InvalidInput(f"unknown environment variables {unknown}; known: {sorted(known)}")
-    given = {field: dotenv[env_name(field)] for field in cls.model_fields if env_name(field) in dotenv}
+    given = _from_run_file(cls, overrides.get("config"), dotenv)
+    given.update({field: dotenv[env_name(field)] for field in cls.model_fields if env_name(field) in dotenv})
     given.update({name: value for name, value in overrides.items() if value is not None})
     try:
         settings = cls(**given)
@@ -89,6 +91,20 @@ def load_settings(
         raise InvalidInput(f"invalid settings: {problems}") from None
     check_experiment(settings.experiment)
     return settings
+
+
+def _from_run_file(cls: type[CommonSettings], flag: Any, dotenv: Mapping[str, str]) -> dict[str, Any]:
+    """The run file's values for ``cls``'s fields, except those the environment or .env sets (they win).
+    The file comes from --config, else FULMEN_CONFIG (environment, then .env)."""
+    name = env_name("config")
+    path = flag if flag is not None else os.environ.get(name, dotenv.get(name))
+    if path is None:
+        return {}
+    from fulmen.settings.run_file import read_run_file
+
+    run = read_run_file(Path(path))
+    return {field: value for field, value in run.values.items()
+            if field in cls.model_fields and env_name(field) not in os.environ and env_name(field) not in dotenv}
 
 
 def _problem(cls: type[CommonSettings], err: ErrorDetails) -> str:

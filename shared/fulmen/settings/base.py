@@ -61,6 +61,11 @@ class CommonSettings(BaseSettings):
         "restarts (replicas keep their weights until the trainer's next version). Every process of the experiment sets the same.",
         json_schema_extra={"group": "redis"},
     )
+    config: Path | None = Field(
+        None,
+        description="A run file (YAML, grouped by service) read under the environment and the flags.",
+        json_schema_extra={"group": "experiment"},
+    )
     experiment: str = Field(
         "default",
         description="Experiment name; several share one Redis in isolation.",
