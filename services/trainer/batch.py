@@ -1,8 +1,10 @@
-"""Samples → padded token tensors, and their micro-batches.
+"""Samples → padded token tensors, their micro-batches, and a micro-batch packed into rows.
 
 A sequence is the sample's prompt followed by its response, right-padded. Position t of every
 per-token tensor is about token t+1 (the one the logits at t predict), so the response token j of a
 prompt of length P sits at position P + j - 1; ``mask`` is 1 there for the model's own tokens.
+Packed rows (`PackedRows`) change only what the forward reads; every per-token tensor keeps this
+layout. How a forward reads them: `fulmen_trainer.logprobs`; why: docs/design/trainer.md.
 """
 
 from __future__ import annotations
@@ -16,6 +18,21 @@ from fulmen.records import Sample
 
 
 @dataclass
+class PackedRows:
+    """A micro-batch's sequences end to end in rows of one length, no padding between them: what a
+    packed forward reads, and where each token went. Built by `TokenBatch.packed_into`."""
+
+    input_ids: torch.Tensor  # [R, L] long: the sequences end to end; a row's tail is filler (id 0)
+    position_ids: torch.Tensor  # [R, L] long: 0 at each sequence's first token
+    segments: torch.Tensor  # [R, L] long: the sequence each token is of; row r's tail is segment B + r
+    index: torch.Tensor  # [B, T] long: where token t of sequence b sits in the rows, flattened (r * L + column)
+
+    def to(self, device: torch.device) -> PackedRows:
+        return PackedRows(self.input_ids.to(device), self.position_ids.to(device), self.segments.to(device),
+                          self.index.to(device))
+
+
+@dataclass
 class TokenBatch:
     input_ids: torch.Tensor  # [B, T] long
     attention_mask: torch.Tensor  # [B, T] long
@@ -25,6 +42,7 @@ class TokenBatch:
     group_index: torch.Tensor  # [B] long: 0..G-1, samples of one task share it
     staleness: torch.Tensor  # [B] float: model versions behind the trainer
     sample_ids: list[str]
+    packed: PackedRows | None = None  # set on a micro-batch about to be scored (`packed_into`), else None
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -32,6 +50,11 @@ class TokenBatch:
     @property
     def tokens(self) -> int:
         return int(self.mask.sum())
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each sequence's length, without its padding."""
+        return [int(n) for n in self.attention_mask.sum(-1)]
 
     def slice(self, lo: int, hi: int) -> TokenBatch:
         """Sequences lo..hi (a micro-batch)."""
@@ -47,6 +70,7 @@ class TokenBatch:
         return TokenBatch(
             self.input_ids.to(device), self.attention_mask.to(device), self.mask.to(device),
             self.behaviour_logp.to(device), self.rewards, self.group_index, self.staleness, self.sample_ids,
+            self.packed.to(device) if self.packed is not None else None,
         )
 
     def trimmed(self) -> TokenBatch:
@@ -60,27 +84,73 @@ class TokenBatch:
             self.behaviour_logp[:, : length - 1], self.rewards, self.group_index, self.staleness, self.sample_ids,
         )
 
-    def micro_batches(self, max_sequences: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
+    def micro_batches(self, max_sequences: int, max_tokens: int | None = None,
+                      packed: bool = False) -> list[tuple[int, int]]:
         """Consecutive ranges [lo, hi) of at most ``max_sequences`` sequences whose padded size
-        (sequences × the longest one's length) stays within ``max_tokens``; a sequence longer than the
-        budget is a micro-batch of its own. The order of the sequences is kept."""
-        lengths = [int(n) for n in self.attention_mask.sum(-1)]
-        ranges, lo, longest = [], 0, 0
-        for i, length in enumerate(lengths):
+        (sequences × the longest one's length; ``packed``: the sum of their lengths, which one packed
+        row holds) stays within ``max_tokens``; a sequence longer than the budget is a micro-batch of
+        its own. The order of the sequences is kept."""
+        ranges, lo, longest, total = [], 0, 0, 0
+        for i, length in enumerate(self.lengths):
             size = i - lo
-            grown = max(longest, length)
-            if size and (size >= max_sequences or (max_tokens is not None and grown * (size + 1) > max_tokens)):
+            grown, summed = max(longest, length), total + length
+            over = max_tokens is not None and (summed if packed else grown * (size + 1)) > max_tokens
+            if size and (size >= max_sequences or over):
                 ranges.append((lo, i))
-                lo, grown = i, length
-            longest = grown
-        if lo < len(lengths):
-            ranges.append((lo, len(lengths)))
+                lo, grown, summed = i, length, length
+            longest, total = grown, summed
+        if lo < len(self):
+            ranges.append((lo, len(self)))
         return ranges
+
+    def packed_into(self, row_tokens: int) -> TokenBatch:
+        """The same batch with its sequences also laid end to end in rows of ``row_tokens`` (or the
+        longest sequence's length, if longer), longest first, each in the first row with room for it;
+        each sequence keeps its own positions (0 at its first token)."""
+        lengths = self.lengths
+        layout = first_fit(lengths, row_tokens)
+        width = max(row_tokens, *lengths)
+        input_ids = torch.zeros((len(layout), width), dtype=torch.long)
+        positions = torch.zeros((len(layout), width), dtype=torch.long)
+        segments = torch.zeros((len(layout), width), dtype=torch.long)
+        index = torch.zeros(self.input_ids.shape, dtype=torch.long)
+        ids = self.input_ids.cpu()
+        for r, members in enumerate(layout):
+            column = 0
+            for b in members:
+                n = lengths[b]
+                input_ids[r, column : column + n] = ids[b, :n]
+                positions[r, column : column + n] = torch.arange(n)
+                segments[r, column : column + n] = b
+                index[b, :n] = r * width + column + torch.arange(n)
+                column += n
+            # the tail attends to itself only (a query that may attend to nothing would make NaNs)
+            positions[r, column:] = torch.arange(width - column)
+            segments[r, column:] = len(self) + r
+        packed = PackedRows(input_ids, positions, segments, index).to(self.input_ids.device)
+        return TokenBatch(self.input_ids, self.attention_mask, self.mask, self.behaviour_logp, self.rewards,
+                          self.group_index, self.staleness, self.sample_ids, packed)
 
     def split(self, parts: int, index: int) -> TokenBatch:
         """This rank's share: a contiguous slice (ranks agree on the order, so the shares are disjoint)."""
         size = len(self)
         return self.slice(size * index // parts, size * (index + 1) // parts)
+
+
+def first_fit(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
+    """Sequences (their indices) per row: longest first, each in the first row with room for it
+    (first-fit decreasing); a sequence longer than ``row_tokens`` fills a row of its own."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for b in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fit = next((r for r, left in enumerate(room) if lengths[b] <= left), None)
+        if fit is None:
+            rows.append([b])
+            room.append(row_tokens - lengths[b])
+        else:
+            rows[fit].append(b)
+            room[fit] -= lengths[b]
+    return rows
 
 
 def make_batch(

@@ -131,7 +131,8 @@ def load_policy(settings: TrainerSettings, checkpoint: Path | None) -> Policy:
     # trained weights stay fp32 (master weights); only frozen ones are stored in bf16
     stored = dtype if lora else torch.float32
     source = settings.model_dir if lora or checkpoint is None else checkpoint
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=stored).to(device)
+    attention = _attention(settings, device)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=stored, **attention).to(device)
     if settings.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 renamed it
             model.activation_checkpointing_enable({"use_reentrant": False})
@@ -142,7 +143,8 @@ def load_policy(settings: TrainerSettings, checkpoint: Path | None) -> Policy:
         model = _with_adapter(model, settings, checkpoint)
     reference = None
     if settings.kl_coef > 0 and not lora:
-        reference = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=resolve_dtype(settings.reference_dtype))
+        reference = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=resolve_dtype(settings.reference_dtype),
+                                                         **(attention if settings.reference_device == "same" else {}))
         reference = reference.to(device if settings.reference_device == "same" else settings.reference_device)
         reference.eval().requires_grad_(False)
         if reference.dtype != torch.float32:
@@ -151,6 +153,18 @@ def load_policy(settings: TrainerSettings, checkpoint: Path | None) -> Policy:
         _compute_in_fp32(model)
     model.train()
     return Policy(model, settings, device, reference)
+
+
+def _attention(settings: TrainerSettings, device: torch.device) -> dict[str, str]:
+    """Flash attention's varlen kernel for packed rows on CUDA in bf16, when flash_attn is installed;
+    otherwise the model's default (SDPA reads packed rows through a 4-D mask)."""
+    if not (settings.pack_sequences and device.type == "cuda" and settings.dtype == "bfloat16"):
+        return {}
+    try:
+        import flash_attn  # noqa: F401
+    except (ImportError, OSError):  # not installed, or built for another torch
+        return {}
+    return {"attn_implementation": "flash_attention_2"}
 
 
 def _with_adapter(model: Any, settings: TrainerSettings, checkpoint: Path | None) -> Any:

@@ -36,6 +36,7 @@ from fulmen_trainer.batch import TokenBatch, make_batch
 from fulmen_trainer.distributed.rank_group import RankGroup
 from fulmen_trainer.distributed.torch_ranks import TorchRanks
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
+from fulmen_trainer.logprobs import pack_micro_batch
 from fulmen_trainer.loss import clip_range, learning_rate, micro_loss
 from fulmen_trainer.metrics import MetricsMirror, StepMetrics
 from fulmen_trainer.objectives import Baseline, objective
@@ -303,9 +304,12 @@ class Trainer:
         sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0, "mismatch": 0.0,
                 "clip_frac": 0.0}
         with_entropy = self.s.ent_coef > 0 or self.s.entropy_metric
-        ranges = batch.micro_batches(self.s.micro_batch, self.s.micro_batch_tokens)
+        ranges = batch.micro_batches(self.s.micro_batch, self.s.micro_batch_tokens, packed=self.s.pack_sequences)
         for index, (lo, hi) in enumerate(ranges):
-            micro = batch.slice(lo, hi).trimmed().to(policy.device)
+            micro = batch.slice(lo, hi).trimmed()
+            if self.s.pack_sequences:  # the same micro-batch, its forward on rows without padding
+                micro = pack_micro_batch(policy.model, micro, self.s.micro_batch_tokens)
+            micro = micro.to(policy.device)
             adv = advantages[lo:hi].to(policy.device)
             with policy.gradient_sync(last=index == len(ranges) - 1):
                 logp, token_entropy = policy.logprobs(micro, self.s.logprob_chunk_tokens, with_entropy)

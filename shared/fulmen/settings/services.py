@@ -498,6 +498,12 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings,
         description="Recompute activations in the backward pass (less memory).",
         json_schema_extra={"group": "batching"},
     )
+    pack_sequences: bool = Field(
+        False,
+        description="Concatenate a micro-batch's sequences into rows without padding, each attending only to "
+        "itself (the same gradient, fewer tokens; micro_batch_tokens then counts the packed tokens).",
+        json_schema_extra={"group": "batching"},
+    )
     lora_rank: int | None = Field(
         None,
         ge=1,
