@@ -13,10 +13,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from fulmen.records import Sample, SampleSkip
-from fulmen.settings.services import SampleShape, StalePolicy
+from fulmen.settings.services import RewardSource, SampleShape, StalePolicy
 from fulmen.versions.model_version import ModelVersion
 
 log = logging.getLogger(__name__)
+
+
+def rollout_reward(sample: Sample, source: str) -> float:
+    """The reward a sample trains on: its own call's ("matched", when it has one) or its rollout's last."""
+    if source == "matched" and sample.reward is not None:
+        return sample.reward
+    value = sample.final_reward if sample.final_reward is not None else sample.reward
+    return float(value if value is not None else 0.0)
 
 
 @dataclass
@@ -50,7 +58,9 @@ class GroupCollector:
 
     ``shape``: train on "triplet" samples (one per LLM call) or "trajectory" samples (one per
     multi-turn conversation; single-turn rollouts fall back to their triplet). ``group_size``: used
-    when a sample does not carry its own; a group is also complete once idle for ``idle_s``."""
+    when a sample does not carry its own; a group is also complete once idle for ``idle_s``.
+    ``dynamic_sampling`` (DAPO): a group whose rollouts' rewards (by ``reward_source``) are all equal
+    is dropped like one with too few rollouts: its advantages would all be zero."""
 
     group_size: int | None = None
     shape: SampleShape = "triplet"
@@ -59,6 +69,8 @@ class GroupCollector:
     idle_s: float = 120.0
     # an RL objective: samples re-tokenised from a text-only call (no log-probabilities) are refused
     rl: bool = True
+    dynamic_sampling: bool = False
+    reward_source: RewardSource = "final"
     groups: dict[str, Group] = field(default_factory=dict)
     counts: Counter[str] = field(default_factory=Counter)
 
@@ -92,8 +104,7 @@ class GroupCollector:
         for g in sorted(done, key=lambda g: g.first_seen):
             del self.groups[g.key]
             samples, weights = self._select(g, current_version)
-            if len({s.rollout_id for s in samples}) < 2:
-                self.counts["groups/dropped_too_few"] += 1
+            if not self._trainable(samples):
                 ready.append(ReadyGroup(g.key, [], [], g.entry_ids(), current_version))
                 continue
             self.counts["groups/complete"] += 1
@@ -114,10 +125,22 @@ class GroupCollector:
                 continue
             samples.append(s)
             weights.append(weight)
-        if len({s.rollout_id for s in samples}) < 2:
-            self.counts["groups/dropped_too_few"] += 1
+        if not self._trainable(samples):
             samples, weights = [], []
         return ReadyGroup(group.key, samples, weights, group.entry_ids, current_version)
+
+    def _trainable(self, samples: list[Sample]) -> bool:
+        """Whether a group's samples can teach anything; if not, why is counted."""
+        if len({s.rollout_id for s in samples}) < 2:
+            self.counts["groups/dropped_too_few"] += 1
+            return False
+        if self.dynamic_sampling:
+            # one reward per rollout, its last sample's, as `fulmen_trainer.plan` reads them
+            rewards = {s.rollout_id: rollout_reward(s, self.reward_source) for s in samples}
+            if len(set(rewards.values())) == 1:
+                self.counts["groups/dropped_zero_variance"] += 1
+                return False
+        return True
 
     def _select(self, group: Group, current_version: int) -> tuple[list[Sample], list[float]]:
         samples, weights = [], []

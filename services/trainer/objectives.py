@@ -1,11 +1,15 @@
-"""Advantages and policy losses, as pure functions of tensors (registered by name, no if/elif chains).
+"""Advantages and policy losses, as pure functions of tensors, registered by name: the training
+recipes (`--algorithm`). A recipe is a policy loss, an advantage function and the defaults of its few
+knobs (`RecipeKnobs`); the trainer builds the knobs from its settings (`fulmen_trainer.loss`).
 
 Per-token tensors are ``[B, T]``, aligned as in `fulmen_trainer.batch`. The policy loss is decoupled
-PPO with truncated importance sampling; the formula: docs/design/trainer.md.
+PPO with truncated importance sampling; the formulas: docs/design/trainer.md; when to pick which
+recipe: docs/guides/recipes.md.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,11 +17,23 @@ import torch
 
 Objective = Callable[..., torch.Tensor]
 _OBJECTIVES: dict[str, Objective] = {}
+_DEFAULTS: dict[str, dict[str, object]] = {}
+# What a recipe may set otherwise than the generic settings: `RecipeKnobs` fields, except that
+# "overlong_penalty" (a bool) turns DAPO's penalty on when the generation limit is known.
+RECIPE_KNOBS = frozenset({"clip_eps_low", "clip_eps_high", "aggregation", "ratio", "constant_normaliser",
+                          "dynamic_sampling", "overlong_penalty"})
 
 
-def register_objective(name: str) -> Callable[[Objective], Objective]:
+def register_objective(name: str, **defaults: object) -> Callable[[Objective], Objective]:
+    """Register a policy loss as ``name``, with the knobs (`RECIPE_KNOBS`) the recipe sets otherwise
+    than the generic settings do; a knob the user sets still wins (`fulmen_trainer.loss.recipe_knobs`)."""
+    unknown = set(defaults) - RECIPE_KNOBS
+    if unknown:
+        raise ValueError(f"recipe {name!r}: no knobs {sorted(unknown)}")
+
     def add(fn: Objective) -> Objective:
         _OBJECTIVES[name] = fn
+        _DEFAULTS[name] = defaults
         return fn
 
     return add
@@ -29,24 +45,66 @@ def objective(name: str) -> Objective:
     return _OBJECTIVES[name]
 
 
+def recipe_defaults(name: str) -> dict[str, object]:
+    """The knobs recipe ``name`` sets otherwise than the generic settings (empty: none)."""
+    objective(name)
+    return dict(_DEFAULTS[name])
+
+
 def algorithms() -> list[str]:
     return sorted(_OBJECTIVES)
+
+
+# --- the knobs -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OverlongPenalty:
+    """DAPO's soft overlong punishment: 0 up to ``max_length - buffer`` tokens, then falling linearly to
+    ``-factor`` at ``max_length``, and ``-factor`` beyond."""
+
+    max_length: int
+    buffer: int
+    factor: float = 1.0
+
+    def __call__(self, lengths: torch.Tensor) -> torch.Tensor:
+        over = (lengths - (self.max_length - self.buffer)).clamp(min=0)
+        return -(over / self.buffer).clamp(max=1.0) * self.factor
+
+
+@dataclass(frozen=True)
+class RecipeKnobs:
+    """The knobs of one recipe, as plain numbers (built from the settings by `fulmen_trainer.loss.recipe_knobs`).
+
+    ``clip_eps_low``/``clip_eps_high``: the ratio is clipped to [1 - low, 1 + high] (inf: not clipped).
+    ``ratio``: "token" (one ratio per token) or "sequence" (GSPO: one per sequence, the geometric mean).
+    ``constant_normaliser``: Dr. GRPO: the summed loss is divided by samples × ``max_response_length``
+    (the generation limit, a constant) instead of by the tokens trained. ``dynamic_sampling``: a group
+    whose rewards are all equal is never trained on. ``overlong``: a penalty added to the rewards of
+    long responses."""
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    aggregation: str = "token"
+    ratio: str = "token"
+    constant_normaliser: bool = False
+    max_response_length: int | None = None
+    dynamic_sampling: bool = False
+    overlong: OverlongPenalty | None = None
+    sft_min_reward: float | None = None
 
 
 # --- advantages ------------------------------------------------------------------------------------
 
 
-def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, *, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: each reward minus its group's mean, divided by the group's standard deviation (population,
-    i.e. over the n samples themselves) when ``scale``. ``group_index`` [B] numbers the groups 0..G-1."""
-    groups = int(group_index.max()) + 1 if group_index.numel() else 0
-    count = torch.zeros(groups).index_add_(0, group_index, torch.ones_like(rewards))
-    mean = torch.zeros(groups).index_add_(0, group_index, rewards) / count
-    centred = rewards - mean[group_index]
-    if not scale:
-        return centred
-    var = torch.zeros(groups).index_add_(0, group_index, centred**2) / count
-    return centred / (var.sqrt()[group_index] + eps)
+@dataclass(frozen=True)
+class Rewards:
+    """One step's rewards where its advantages are computed: one per rollout (the group recipes) or one
+    per sample (the others)."""
+
+    values: torch.Tensor  # [R] float
+    groups: torch.Tensor  # [R] long: 0..G-1, the task group of each
+    tokens: torch.Tensor  # [R] float: the trained tokens behind each (a token-level normalisation weighs by them)
 
 
 @dataclass
@@ -64,6 +122,96 @@ class Baseline:
         return advantages
 
 
+AdvantageFn = Callable[[Rewards, Baseline, RecipeKnobs], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Advantages:
+    fn: AdvantageFn
+    per_rollout: bool  # one reward per rollout (a rollout of three LLM calls counts once) or per sample
+
+
+_ADVANTAGES: dict[str, Advantages] = {}
+
+
+def register_advantages(*names: str, per_rollout: bool = True) -> Callable[[AdvantageFn], AdvantageFn]:
+    def add(fn: AdvantageFn) -> AdvantageFn:
+        for name in names:
+            _ADVANTAGES[name] = Advantages(fn, per_rollout)
+        return fn
+
+    return add
+
+
+def advantages_for(name: str) -> Advantages:
+    objective(name)  # an unknown name fails with the list
+    return _ADVANTAGES[name]
+
+
+def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, *, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: each reward minus its group's mean, divided by the group's standard deviation (population,
+    i.e. over the n samples themselves) when ``scale``. ``group_index`` [B] numbers the groups 0..G-1."""
+    groups = int(group_index.max()) + 1 if group_index.numel() else 0
+    count = torch.zeros(groups).index_add_(0, group_index, torch.ones_like(rewards))
+    mean = torch.zeros(groups).index_add_(0, group_index, rewards) / count
+    centred = rewards - mean[group_index]
+    if not scale:
+        return centred
+    var = torch.zeros(groups).index_add_(0, group_index, centred**2) / count
+    return centred / (var.sqrt()[group_index] + eps)
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """RLOO: each reward minus the mean of the other rewards of its group (groups of two or more)."""
+    groups = int(group_index.max()) + 1 if group_index.numel() else 0
+    count = torch.zeros(groups).index_add_(0, group_index, torch.ones_like(rewards))[group_index]
+    total = torch.zeros(groups).index_add_(0, group_index, rewards)[group_index]
+    return rewards - (total - rewards) / (count - 1).clamp(min=1)
+
+
+def whitened(values: torch.Tensor, weights: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``values`` minus their weighted mean, over their weighted (population) standard deviation: the
+    whole batch's, each value counted ``weights`` times (its tokens, as a per-token whitening would)."""
+    weights = weights / weights.sum().clamp(min=eps)
+    mean = (values * weights).sum()
+    std = ((values - mean) ** 2 * weights).sum().sqrt()
+    return (values - mean) / (std + eps)
+
+
+@register_advantages("grpo", "dapo", "gspo")
+def _grpo_advantages(r: Rewards, baseline: Baseline, knobs: RecipeKnobs) -> torch.Tensor:
+    return group_advantages(r.values, r.groups)
+
+
+@register_advantages("dr_grpo")
+def _dr_grpo_advantages(r: Rewards, baseline: Baseline, knobs: RecipeKnobs) -> torch.Tensor:
+    return group_advantages(r.values, r.groups, scale=False)  # the group's std would favour easy and hard tasks
+
+
+@register_advantages("rloo")
+def _rloo_advantages(r: Rewards, baseline: Baseline, knobs: RecipeKnobs) -> torch.Tensor:
+    return leave_one_out_advantages(r.values, r.groups)
+
+
+@register_advantages("reinforce_pp")
+def _reinforce_pp_advantages(r: Rewards, baseline: Baseline, knobs: RecipeKnobs) -> torch.Tensor:
+    """REINFORCE++-baseline: the group's mean subtracted, then whitened over the whole batch's tokens."""
+    return whitened(group_advantages(r.values, r.groups, scale=False), r.tokens)
+
+
+@register_advantages("ppo", "reinforce", per_rollout=False)
+def _baseline_advantages(r: Rewards, baseline: Baseline, knobs: RecipeKnobs) -> torch.Tensor:
+    return baseline.advantages(r.values)
+
+
+@register_advantages("sft", per_rollout=False)
+def _sft_weights(r: Rewards, baseline: Baseline, knobs: RecipeKnobs) -> torch.Tensor:
+    """Not advantages: sample weights, 0 below ``sft_min_reward``."""
+    if knobs.sft_min_reward is None:
+        return torch.ones_like(r.values)
+    return (r.values >= knobs.sft_min_reward).float()
+
+
 # --- aggregation -----------------------------------------------------------------------------------
 
 
@@ -79,7 +227,37 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str = "token") -
     raise ValueError(f"loss aggregation {how!r} unknown; use token or sequence")
 
 
+def constant_normalised(per_token: torch.Tensor, mask: torch.Tensor, max_length: int) -> torch.Tensor:
+    """Dr. GRPO's aggregation: the summed loss over sequences × ``max_length`` (a constant, the
+    generation limit), so no sequence is divided by its own length. The trainer reaches the same value
+    as the token mean times the step's fill ratio (`length_scale`), which adds up across micro-batches."""
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum() / (per_token.shape[0] * max_length)
+
+
+def length_scale(tokens: float, sequences: int, max_length: int) -> float:
+    """The factor that turns a token mean into Dr. GRPO's constant normalisation:
+    Σ loss / (B · L_max) = (Σ loss / T) · T / (B · L_max)."""
+    return tokens / max(sequences * max_length, 1)
+
+
 # --- per-token policy losses -----------------------------------------------------------------------
+
+
+def sequence_ratio(logp: torch.Tensor, prox_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's importance ratio, one per sequence [B]: the geometric mean of its tokens' ratios,
+    exp(mean over its trained tokens of log π_θ - log π_prox)."""
+    mask = mask.to(logp.dtype)
+    return torch.exp(((logp - prox_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1))
+
+
+def policy_ratio(logp: torch.Tensor, prox_logp: torch.Tensor, mask: torch.Tensor, level: str = "token") -> torch.Tensor:
+    """π_θ / π_prox per token [B, T]: each token's own ("token") or its sequence's ("sequence")."""
+    if level == "token":
+        return torch.exp(logp - prox_logp)
+    if level == "sequence":
+        return sequence_ratio(logp, prox_logp, mask)[:, None].expand_as(logp)
+    raise ValueError(f"importance ratio {level!r} unknown; use token or sequence")
 
 
 def clipped_policy_loss(
@@ -88,27 +266,36 @@ def clipped_policy_loss(
     advantages: torch.Tensor,
     *,
     prox_logp: torch.Tensor | None = None,
-    clip_eps: float = 0.2,
+    clip_eps: float | tuple[float, float] = 0.2,
     tis_cap: float = 2.0,
+    ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Decoupled PPO-clip with truncated importance sampling, per token [B, T].
+    """Decoupled PPO-clip with truncated importance sampling, per token [B, T]. ``clip_eps``: ε, the
+    ratio clipped to [1 - ε, 1 + ε], or (ε_low, ε_high) for [1 - ε_low, 1 + ε_high] (DAPO's clip-higher).
 
-    ``advantages`` is [B] (one per sequence) or [B, T]. Returns the per-token loss and diagnostics
-    (ratio, importance weight, clipped fraction), all [B, T]."""
+    ``advantages`` is [B] (one per sequence) or [B, T]. ``ratio``: π_θ/π_prox per token (default:
+    each token's own; `policy_ratio`). Returns the per-token loss and diagnostics (ratio, importance
+    weight, clipped fraction), all [B, T]."""
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
     prox = logp.detach() if prox_logp is None else prox_logp
     weight = torch.exp(prox - behaviour_logp).clamp(max=tis_cap)
-    ratio = torch.exp(logp - prox)
+    if ratio is None:
+        ratio = torch.exp(logp - prox)
+    low, high = clip_eps if isinstance(clip_eps, tuple) else (clip_eps, clip_eps)
     unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    clipped = ratio.clamp(1 - low, 1 + high) * advantages
     loss = -weight * torch.minimum(unclipped, clipped)
     return loss, {"ratio": ratio.detach(), "is_weight": weight, "clipped": (clipped < unclipped).float()}
 
 
 @register_objective("grpo")
 @register_objective("ppo")
-@register_objective("reinforce")
+@register_objective("reinforce", clip_eps_low=math.inf, clip_eps_high=math.inf)
+@register_objective("rloo")
+@register_objective("reinforce_pp")
+@register_objective("dr_grpo", aggregation="token", constant_normaliser=True)
+@register_objective("dapo", clip_eps_high=0.28, aggregation="token", dynamic_sampling=True, overlong_penalty=True)
 def policy_gradient(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -116,14 +303,33 @@ def policy_gradient(
     mask: torch.Tensor,
     *,
     prox_logp: torch.Tensor | None = None,
-    clip_eps: float = 0.2,
+    clip_eps: float | tuple[float, float] = 0.2,
     tis_cap: float = 2.0,
     aggregation: str = "token",
 ) -> torch.Tensor:
-    """The policy-gradient term; the algorithms differ in their advantages (see `advantages_for`)."""
-    loss, _ = clipped_policy_loss(
-        logp, behaviour_logp, advantages, prox_logp=prox_logp, clip_eps=clip_eps, tis_cap=tis_cap
-    )
+    """The policy-gradient term; the recipes differ in their advantages (`advantages_for`) and knobs."""
+    loss, _ = clipped_policy_loss(logp, behaviour_logp, advantages, prox_logp=prox_logp, clip_eps=clip_eps,
+                                  tis_cap=tis_cap)
+    return aggregate(loss, mask, aggregation)
+
+
+@register_objective("gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, aggregation="sequence", ratio="sequence")
+def sequence_policy_gradient(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    prox_logp: torch.Tensor | None = None,
+    clip_eps: float | tuple[float, float] = (3e-4, 4e-4),
+    tis_cap: float = 2.0,
+    aggregation: str = "sequence",
+) -> torch.Tensor:
+    """GSPO: the clipped term with one importance ratio per sequence (`sequence_ratio`), clipped per
+    sequence, so a sequence is kept or clipped whole; its tokens share its gradient."""
+    prox = logp.detach() if prox_logp is None else prox_logp
+    loss, _ = clipped_policy_loss(logp, behaviour_logp, advantages, prox_logp=prox, clip_eps=clip_eps,
+                                  tis_cap=tis_cap, ratio=policy_ratio(logp, prox, mask, "sequence"))
     return aggregate(loss, mask, aggregation)
 
 

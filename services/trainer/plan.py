@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from fulmen.records import Sample
-from fulmen_trainer.groups import ReadyGroup
-from fulmen_trainer.objectives import Baseline, group_advantages
+from fulmen_trainer.groups import ReadyGroup, rollout_reward
+from fulmen_trainer.objectives import Advantages, Baseline, RecipeKnobs, Rewards, advantages_for, length_scale
 
 
 @dataclass
@@ -46,17 +46,12 @@ def merge_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
     return metrics
 
 
-def rollout_reward(sample: Sample, source: str) -> float:
-    if source == "matched" and sample.reward is not None:
-        return sample.reward
-    value = sample.final_reward if sample.final_reward is not None else sample.reward
-    return float(value if value is not None else 0.0)
-
-
 def plan_step(groups: list[ReadyGroup], algorithm: str, reward_source: str, baseline: Baseline,
-              sft_min_reward: float | None = None) -> StepPlan:
-    """Advantages per sample. GRPO normalises within each group at the rollout level (a rollout with
-    three LLM calls does not count three times), then every sample gets its rollout's advantage."""
+              knobs: RecipeKnobs | None = None) -> StepPlan:
+    """Advantages per sample, by the recipe's advantage function (`advantages_for`). The group recipes
+    compute them at the rollout level (a rollout with three LLM calls does not count three times), then
+    every sample gets its rollout's advantage. ``knobs``: the recipe's (default: the generic ones)."""
+    knobs = knobs or RecipeKnobs()
     samples, weights, keys, entry_ids = [], [], [], []
     dropped = 0
     for g in groups:
@@ -68,28 +63,37 @@ def plan_step(groups: list[ReadyGroup], algorithm: str, reward_source: str, base
         weights += g.weights
         keys += [g.key] * len(g.samples)
     rewards = [rollout_reward(s, reward_source) for s in samples]
+    if not samples:
+        return StepPlan(samples, rewards, torch.zeros(0), keys, entry_ids, dropped)
+    tokens = torch.tensor([float(sum(s.response_mask)) for s in samples])
+    advantages = _advantages(advantages_for(algorithm), samples, keys, rewards, tokens, baseline, knobs)
+    advantages = advantages * torch.tensor(weights, dtype=torch.float)
+    if knobs.constant_normaliser:  # Dr. GRPO: the trainer's token mean becomes Σ loss / (B · L_max)
+        assert knobs.max_response_length is not None
+        advantages = advantages * length_scale(float(tokens.sum()), len(samples), knobs.max_response_length)
+    return StepPlan(samples, rewards, advantages, keys, entry_ids, dropped)
+
+
+def _advantages(spec: Advantages, samples: list[Sample], keys: list[str], rewards: list[float],
+                tokens: torch.Tensor, baseline: Baseline, knobs: RecipeKnobs) -> torch.Tensor:
+    """Each sample's advantage: from one reward per sample, or per rollout (its last sample's), with the
+    overlong penalty of the rollout's longest sample added to it."""
     reward_t = torch.tensor(rewards, dtype=torch.float)
-    if algorithm == "grpo":
-        rollouts = {(key, s.rollout_id): i for i, (key, s) in enumerate(zip(keys, samples, strict=True))}
-        index = {r: j for j, r in enumerate(rollouts)}
-        per_rollout = torch.tensor([rewards[i] for i in rollouts.values()], dtype=torch.float)
-        group_of = {key: j for j, key in enumerate(dict.fromkeys(keys))}
-        rollout_groups = torch.tensor([group_of[key] for key, _ in rollouts], dtype=torch.long)
-        rollout_adv = group_advantages(per_rollout, rollout_groups) if len(per_rollout) else per_rollout
-        advantages = torch.stack([rollout_adv[index[(key, s.rollout_id)]] for key, s in zip(keys, samples, strict=True)]) \
-            if samples else torch.zeros(0)
-    elif algorithm in ("ppo", "reinforce"):
-        advantages = baseline.advantages(reward_t) if samples else torch.zeros(0)
-    else:  # sft: advantages unused; a sample below the reward threshold gets weight 0
-        advantages = torch.zeros(len(samples))
-        if sft_min_reward is not None:
-            weights = [w if r >= sft_min_reward else 0.0 for w, r in zip(weights, rewards, strict=True)]
-    advantages = advantages * torch.tensor(weights, dtype=torch.float) if samples else advantages
-    plan = StepPlan(samples, rewards, advantages, keys, entry_ids, dropped)
-    if algorithm == "sft":
-        plan.stats["sft_weights"] = float(sum(weights))
-        plan.advantages = torch.tensor(weights, dtype=torch.float)  # sft reads them as sample weights
-    return plan
+    penalty = knobs.overlong(tokens) if knobs.overlong is not None else torch.zeros_like(reward_t)
+    group_of = {key: j for j, key in enumerate(dict.fromkeys(keys))}
+    if not spec.per_rollout:
+        groups = torch.tensor([group_of[key] for key in keys], dtype=torch.long)
+        return spec.fn(Rewards(reward_t + penalty, groups, tokens), baseline, knobs)
+    rollout_of = [(key, s.rollout_id) for key, s in zip(keys, samples, strict=True)]
+    last = {r: i for i, r in enumerate(rollout_of)}  # a rollout's reward: its last sample's
+    index = {r: j for j, r in enumerate(last)}
+    of_sample = torch.tensor([index[r] for r in rollout_of], dtype=torch.long)
+    # the penalty of the rollout's longest sample (penalties are <= 0: the minimum)
+    worst = torch.zeros(len(last)).scatter_reduce_(0, of_sample, penalty, "amin")
+    per_rollout = reward_t[list(last.values())] + worst
+    rollout_groups = torch.tensor([group_of[key] for key, _ in last], dtype=torch.long)
+    rollout_tokens = torch.zeros(len(last)).index_add_(0, of_sample, tokens)
+    return spec.fn(Rewards(per_rollout, rollout_groups, rollout_tokens), baseline, knobs)[of_sample]
 
 
 def nonfinite_plan(plan: StepPlan) -> str | None:

@@ -37,7 +37,7 @@ from fulmen_trainer.distributed.rank_group import RankGroup
 from fulmen_trainer.distributed.torch_ranks import TorchRanks
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
 from fulmen_trainer.logprobs import pack_micro_batch
-from fulmen_trainer.loss import clip_range, learning_rate, micro_loss
+from fulmen_trainer.loss import clip_fraction, learning_rate, micro_loss, recipe_knobs
 from fulmen_trainer.metrics import MetricsMirror, StepMetrics
 from fulmen_trainer.objectives import Baseline, objective
 from fulmen_trainer.plan import StepPlan, merge_passes, nonfinite_plan, plan_step
@@ -64,6 +64,7 @@ class Trainer:
         if settings.model_dir is None:
             raise ValueError("the trainer needs --model-dir (a Hugging Face model folder)")
         objective(settings.algorithm)  # unknown names fail here, at start
+        self.knobs = recipe_knobs(settings, announce=rank == 0)  # and settings the recipe cannot run with
         resolve_device(settings.device)  # likewise a device this machine does not have
         self.store = store
         self.s = settings
@@ -94,7 +95,8 @@ class Trainer:
     def _new_collector(self) -> GroupCollector:
         s = self.s
         return GroupCollector(group_size=s.group_size, shape=s.sample_shape, max_staleness=s.max_staleness,
-                              stale_policy=s.stale_policy, rl=s.algorithm != "sft")
+                              stale_policy=s.stale_policy, rl=s.algorithm != "sft",
+                              dynamic_sampling=self.knobs.dynamic_sampling, reward_source=s.reward_source)
 
     @property
     def leads(self) -> bool:
@@ -203,7 +205,7 @@ class Trainer:
 
     async def train_step(self, groups: list[ReadyGroup], stop: asyncio.Event | None = None) -> dict[str, Any]:
         # advantages
-        plan = plan_step(groups, self.s.algorithm, self.s.reward_source, self.baseline, self.s.sft_min_reward)
+        plan = plan_step(groups, self.s.algorithm, self.s.reward_source, self.baseline, self.knobs)
         started = time.perf_counter()
         self.nonfinite = nonfinite_plan(plan)
         if self.nonfinite is not None:  # nothing was sent to the ranks yet: not even counted as a step
@@ -325,8 +327,7 @@ class Trainer:
                 tokens = mask.sum().clamp(min=1)
                 is_weight = (torch.exp(gap).clamp(max=self.s.tis_cap) * mask).sum() / tokens
                 # tokens whose ratio to the step's start left the clip range (0 in a first pass)
-                outside = ((logp - prox).exp() - 1).abs() > clip_range(self.s)
-                sums["clip_frac"] += float((outside * mask).sum() / tokens) * weight
+                sums["clip_frac"] += clip_fraction(self.s, logp, prox, mask) * weight
                 sums["loss"] += float(loss) * weight
                 sums["pg"] += float(pg) * weight
                 sums["kl"] += float(kl) * weight

@@ -15,7 +15,8 @@ from fulmen.settings.base import CommonSettings, with_default
 # --- the choices: a value outside them fails at load, naming the allowed ones ----------------------
 
 Dtype = Literal["float32", "bfloat16"]
-Algorithm = Literal["grpo", "ppo", "reinforce", "sft"]  # the objectives fulmen_trainer.objectives registers
+# the recipes fulmen_trainer.objectives registers (docs/guides/recipes.md)
+Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "reinforce", "sft"]
 SampleShape = Literal["triplet", "trajectory"]
 RewardSource = Literal["final", "matched"]
 StalePolicy = Literal["drop", "downweight"]
@@ -387,7 +388,10 @@ class AdapterSettings(CommonSettings):
 
 class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings, CheckpointDirSettings):
     algorithm: Algorithm = Field(
-        "grpo", description="grpo, ppo, reinforce or sft.", json_schema_extra={"group": "objective"}
+        "grpo",
+        description="The training recipe: grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, ppo, reinforce or sft "
+        "(docs/guides/recipes.md).",
+        json_schema_extra={"group": "objective"},
     )
     learning_rate: float = Field(
         1e-4,
@@ -558,6 +562,45 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings,
     sft_min_reward: float | None = Field(
         None,
         description="sft: train only on samples with reward >= this.",
+        json_schema_extra={"group": "objective"},
+    )
+    clip_eps_low: float | None = Field(
+        None,
+        gt=0,
+        description="Lower clip range: the ratio is kept above 1 - this (unset: the recipe's, else clip_eps).",
+        json_schema_extra={"group": "objective"},
+    )
+    clip_eps_high: float | None = Field(
+        None,
+        gt=0,
+        description="Upper clip range: the ratio is kept below 1 + this (unset: the recipe's, dapo 0.28, "
+        "else clip_eps).",
+        json_schema_extra={"group": "objective"},
+    )
+    dynamic_sampling: bool | None = Field(
+        None,
+        description="Never train on a group whose rewards are all equal; the step is filled from later "
+        "groups (unset: on for dapo).",
+        json_schema_extra={"group": "objective"},
+    )
+    max_response_length: int | None = Field(
+        None,
+        ge=1,
+        description="The rollouts' generation limit in tokens (their max_tokens): dr_grpo's constant "
+        "normaliser and the overlong penalty's end.",
+        json_schema_extra={"group": "objective"},
+    )
+    overlong_buffer_len: int | None = Field(
+        None,
+        ge=0,
+        description="Overlong penalty: responses in the last this many tokens before max_response_length "
+        "lose reward linearly, up to overlong_penalty_factor (unset: a fifth of it for dapo, else off; 0: off).",
+        json_schema_extra={"group": "objective"},
+    )
+    overlong_penalty_factor: float = Field(
+        1.0,
+        ge=0,
+        description="The overlong penalty at max_response_length and beyond.",
         json_schema_extra={"group": "objective"},
     )
     publish_every: int = Field(
