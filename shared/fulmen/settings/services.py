@@ -384,6 +384,46 @@ class AdapterSettings(CommonSettings):
         "are tokenised with its tokenizer and chat template into samples marked retokenized, for SFT (unset: skipped).",
         json_schema_extra={"group": "samples"},
     )
+    judge_url: str | None = Field(
+        None,
+        description="Base URL (.../v1) of an OpenAI-compatible server whose model rescores each train group once "
+        "all its rollouts end, before their samples are written (unset: no judge; docs/guides/rewards.md).",
+        json_schema_extra={"group": "judge"},
+    )
+    judge_model: str | None = Field(
+        None, description="The judge's model name (required with judge_url).", json_schema_extra={"group": "judge"}
+    )
+    judge_api_key: SecretStr | None = Field(
+        None, description="Bearer key for judge_url (never logged).", json_schema_extra={"group": "judge"}
+    )
+    judge_rubric: str | None = Field(
+        None,
+        description="What the judge scores by (unset: fulmen.rewards.DEFAULT_RUBRIC).",
+        json_schema_extra={"group": "judge"},
+    )
+    judge_mix: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="The judge's share of the final reward: mix * judge + (1 - mix) * the agent's own (1: replaced).",
+        json_schema_extra={"group": "judge"},
+    )
+    judge_wait_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest wait for a group's last rollout after its first one ended; then its samples are "
+        "written with their own rewards.",
+        json_schema_extra={"group": "judge"},
+    )
+    judge_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest a group's judging may take (every try); past it, or on an error, own rewards.",
+        json_schema_extra={"group": "judge"},
+    )
+    judge_max_tokens: int = Field(
+        1024, ge=1, description="max_tokens of each judge call.", json_schema_extra={"group": "judge"}
+    )
 
 
 class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings, CheckpointDirSettings):
