@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fulmen import progress
 from fulmen.errors import FulmenError
+from fulmen.records.status import RolloutStatus
 from fulmen.settings import EvalSettings
 from fulmen.store import RedisStore
+from fulmen.store.finished import SHARD_BLOCK_S, WAIT_READ_COUNT
+from fulmen.store.redis.stream import Cursor
 from fulmen.versions.model_version import (
     POLICY_RESOURCES_ID,
     SERVE_TIMEOUT_S,
@@ -44,5 +52,38 @@ async def evaluate_checkpoint(store: RedisStore, checkpoint: Path, tasks: list[T
     if not await wait_until_served(store, version):
         raise NotServed(f"no proxy loaded {version.name} within {SERVE_TIMEOUT_S:.0f} s; is `fulmen llm-proxy` running?")
     config = recoverable_rollout_config(settings.rollout_unresponsive_s, settings.rollout_max_attempts)
-    return await validate(store, tasks, label=f"eval-{version.name}", timeout_s=settings.val_timeout_s, config=config,
-                          sampling=PassSampling.of(settings))
+    label = f"eval-{version.name}"
+    with progress.bar("eval", len(tasks) * settings.val_samples) as bar:
+        # taken before the pass enqueues anything: no rollout of it finishes unseen
+        cursors = [await stream.cursor() for stream in store.finished.streams] if bar.drawn else []
+        follower = asyncio.create_task(follow_pass(store, cursors, label, bar)) if cursors else None
+        try:
+            result = await validate(store, tasks, label=label, timeout_s=settings.val_timeout_s, config=config,
+                                    sampling=PassSampling.of(settings))
+        finally:
+            if follower is not None:
+                follower.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await follower
+        bar.update(completed=result["finished"], note=f"accuracy {result['accuracy']:.2f}")
+    return result
+
+
+async def follow_pass(store: RedisStore, cursors: Sequence[Cursor[Any]], label: str, bar: progress.Bar) -> None:
+    """Move ``bar`` a step per rollout of the pass ``label`` that finishes, its text the accuracy so
+    far (a reward of at least 1, as `validate` counts it); until cancelled."""
+    prefix = f"val-{label}-"  # `fulmen_algorithm.validation`'s rollout ids
+    finished: set[str] = set()
+    correct = 0
+    block_s = 1.0 if len(cursors) == 1 else SHARD_BLOCK_S
+    for turn in itertools.count():
+        entries = await cursors[turn % len(cursors)].read(block_s, WAIT_READ_COUNT)
+        ids = list(dict.fromkeys(f.rollout_id for _, f in entries
+                                 if f.rollout_id.startswith(prefix) and f.rollout_id not in finished))
+        if not ids:
+            continue
+        for rollout_id, rollout in zip(ids, await store.rollouts.get_rollouts(ids), strict=True):
+            finished.add(rollout_id)
+            if rollout is not None and rollout.status is RolloutStatus.SUCCEEDED and (rollout.reward or 0.0) >= 1.0:
+                correct += 1
+        bar.update(completed=len(finished), note=f"accuracy {correct / len(finished):.2f}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fulmen import progress
 from fulmen.records import TrainStep
 from fulmen.versions.lora import peft_adapter_config
 from fulmen_algorithm.pass_at_k import score_columns
@@ -73,8 +74,10 @@ def write_weights(full: Mapping[str, torch.Tensor], folder: Path, max_shard_size
 
     state = _unshared(full)
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, str(folder / filename), metadata={"format": "pt"})
+    shards = split.filename_to_tensors.items()
+    with progress.bar("write model (shards)", len(shards)) as bar:
+        for filename, names in bar.each(shards):
+            save_file({n: state[n] for n in names}, str(folder / filename), metadata={"format": "pt"})
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))

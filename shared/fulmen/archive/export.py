@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fulmen.archive.files import files_of, read_file
+from fulmen.archive.files import files_of, read_file, record_count
 from fulmen.errors import RecordError
 from fulmen.records import Sample, SampleSkip
 from fulmen.store.samples import decode_sample
@@ -39,6 +39,11 @@ def archived_records(sources: Iterable[Path]) -> Iterator[bytes]:
             for record in records:
                 if isinstance(record, list | tuple) and len(record) == 2 and isinstance(record[1], bytes):
                     yield record[1]
+
+
+def archived_count(sources: Iterable[Path]) -> int | None:
+    """The sample records of `archived_records`' files, as their headers say (None: a file does not say)."""
+    return record_count(path for source in sources for path in files_of(source, "samples"))
 
 
 def row(sample: Sample, *, token_ids: bool = False) -> dict[str, Any]:

@@ -178,6 +178,18 @@ def read_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def record_count(paths: Iterable[Path]) -> int | None:
+    """The records the files hold, as their headers say (a progress bar's total); None when one does
+    not say (`fulmen replay --to-file` writes no count)."""
+    total = 0
+    for path in paths:
+        count = read_header(path).get("count")
+        if not isinstance(count, int):
+            return None
+        total += count
+    return total
+
+
 def files_of(source: Path, kind: str) -> list[Path]:
     """The files to read for ``source``: an archive directory's files of ``kind`` in order, or one file."""
     if source.is_dir():

@@ -17,9 +17,10 @@ from redis.exceptions import ResponseError
 
 from fulmen import keys as k
 from fulmen.archive import state as run_state
-from fulmen.archive.files import files_of, list_chunks, read_file, read_header
+from fulmen.archive.files import files_of, list_chunks, read_file, read_header, record_count
 from fulmen.archive.logs import LOGS
 from fulmen.errors import InvalidInput, RecordError
+from fulmen.progress import SILENT, Bar
 from fulmen.records import ResourcesUpdate
 from fulmen.records.spans import SpanView
 from fulmen.store.redis.stream_ids import format_id
@@ -81,29 +82,31 @@ async def check_empty(store: RedisStore) -> None:
                            "experiment (another --experiment, or delete it first with `fulmen experiments --delete`)")
 
 
-async def restore(store: RedisStore, directory: Path) -> RestoreReport:
+async def restore(store: RedisStore, directory: Path, bar: Bar = SILENT) -> RestoreReport:
     """Rebuild the archive of ``directory`` in ``store``'s experiment, which must be empty and have
-    the archive's shard count."""
+    the archive's shard count; ``bar`` moves a step per stream entry put back."""
     info = archive_info(directory)
     if len(store.keys.shards) != info.shards:
         raise InvalidInput(f"{directory} archives a store of {info.shards} shards; this store has "
                            f"{len(store.keys.shards)}")
     await check_empty(store)
+    if bar.drawn:
+        bar.update(total=record_count(_entry_files(directory)))
     report = RestoreReport()
     writer = _Batch(store)
     for chunk in list_chunks(directory, "rollouts"):
         _header, records = read_file(chunk.path, "rollouts")
-        for record in records:
+        for record in bar.each(records):
             _rollout(writer, store.keys, chunk.shard, record)
             report.rollouts += 1
             await writer.flush_if_full()
     for path in files_of(directory, "samples"):
-        for entry_id, value in read_file(path, "samples")[1]:
+        for entry_id, value in bar.each(read_file(path, "samples")[1]):
             writer.pipe.xadd(store.keys.samples, {"m": value}, id=entry_id)
             report.samples += 1
             await writer.flush_if_full()
     for kind, attribute in LOGS.items():
-        report.logs[kind] = await _restore_log(writer, directory, kind, getattr(store.keys, attribute))
+        report.logs[kind] = await _restore_log(writer, directory, kind, getattr(store.keys, attribute), bar)
     newest = await _resources(writer, directory)
     await writer.flush()
     snapshot = run_state.newest(directory)
@@ -115,6 +118,12 @@ async def restore(store: RedisStore, directory: Path) -> RestoreReport:
         await _archive_groups(store, directory)
     await store.redis.sadd(k.EXPERIMENTS, store.experiment)  # last: a half-done restore is not listed
     return report
+
+
+def _entry_files(directory: Path) -> list[Path]:
+    """The files of every stream entry a restore puts back (not the state snapshots)."""
+    return [c.path for c in list_chunks(directory, "rollouts")] + [
+        path for kind in ("samples", *LOGS) for path in files_of(directory, kind)]
 
 
 class _Batch:
@@ -161,10 +170,10 @@ def _rollout(writer: _Batch, keys: k.Keys, shard: int, record: dict[str, Any]) -
         pipe.xadd(keys.shards[shard].finished, {"m": record["finished"]}, id=record["finished_id"])
 
 
-async def _restore_log(writer: _Batch, directory: Path, kind: str, key: str) -> int:
+async def _restore_log(writer: _Batch, directory: Path, kind: str, key: str, bar: Bar) -> int:
     count = 0
     for path in files_of(directory, kind):
-        for entry_id, fields in read_file(path, kind)[1]:
+        for entry_id, fields in bar.each(read_file(path, kind)[1]):
             writer.pipe.xadd(key, fields, id=entry_id)
             count += 1
             await writer.flush_if_full()

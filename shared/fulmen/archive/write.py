@@ -28,6 +28,7 @@ from fulmen.archive.files import (
 from fulmen.archive.logs import archive_logs
 from fulmen.archive.state import archive_state
 from fulmen.errors import InvalidInput, RecordError
+from fulmen.progress import SILENT, Bar
 from fulmen.records import RolloutFinished
 from fulmen.store.redis.stream_ids import StreamId, parse_id
 from fulmen.store.redis_store import RedisStore
@@ -54,22 +55,28 @@ class ArchiveReport:
                 f"in {len(self.files)} file(s){note}")
 
 
-async def archive(store: RedisStore, directory: Path, *, chunk: int = DEFAULT_CHUNK, samples: bool = True) -> ArchiveReport:
-    """Write everything the archive group has not taken yet to ``directory``, shard by shard."""
+async def archive(store: RedisStore, directory: Path, *, chunk: int = DEFAULT_CHUNK, samples: bool = True,
+                  bar: Bar = SILENT) -> ArchiveReport:
+    """Write everything the archive group has not taken yet to ``directory``, shard by shard; ``bar``
+    moves a step per finished or samples entry (the logs, short, are not counted)."""
     if chunk < 1:
         raise InvalidInput("chunk must be at least 1")
     _check_directory(directory, store.experiment)
     directory.mkdir(parents=True, exist_ok=True)
     remove_temporaries(directory)
     report = ArchiveReport()
+    streams = [("rollouts", shard.index, shard.finished) for shard in store.keys.shards]
+    streams += [("samples", 0, store.keys.samples)] if samples else []
+    if bar.drawn:
+        bar.update(total=await _backlog(store.redis, [key for _, _, key in streams]))
     # the state first: every rollout it counts as done has finished, so this pass archives it too
     report.state = await archive_state(store, directory)
     if report.state is not None:
         report.files.append(report.state)
-    for shard in store.keys.shards:
-        await _archive_stream(store, directory, "rollouts", shard.index, shard.finished, chunk, report)
-    if samples:
-        await _archive_stream(store, directory, "samples", 0, store.keys.samples, chunk, report)
+    for kind, shard, key in streams:
+        bar.update(what=f"archive {kind}")
+        await _archive_stream(store, directory, (kind, shard, key), chunk, report, bar)
+    bar.update(what="archive logs")
     report.logs, files = await archive_logs(store, directory, chunk)
     report.files += files
     return report
@@ -86,9 +93,33 @@ def _check_directory(directory: Path, experiment: str) -> None:
                                "use one directory per experiment")
 
 
-async def _archive_stream(
-    store: RedisStore, directory: Path, kind: str, shard: int, key: str, chunk: int, report: ArchiveReport
-) -> None:
+async def _backlog(redis: Any, keys: list[str]) -> int | None:
+    """The entries of these streams the archive group has not acknowledged: every entry before its
+    first pass, after it its lag and pending (Redis 7); None where Redis cannot say (Redis 6)."""
+    total = 0
+    for key in keys:
+        try:
+            groups = await redis.xinfo_groups(key)
+        except ResponseError:  # no such stream yet
+            continue
+        group = next((g for g in groups if _text(g.get("name")) == k.ARCHIVE_GROUP), None)
+        if group is None or _text(group.get("last-delivered-id")) == "0-0":
+            total += await redis.xlen(key)
+        elif group.get("lag") is None:
+            return None
+        else:
+            total += int(group["lag"]) + int(group.get("pending") or 0)
+    return total
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def _archive_stream(store: RedisStore, directory: Path, stream: tuple[str, int, str], chunk: int,
+                          report: ArchiveReport, bar: Bar) -> None:
+    """Archive one stream ((kind, shard, key)): first what a crashed pass left pending, then what is new."""
+    kind, shard, key = stream
     redis = store.redis
     with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists (the cursor of an earlier run)
         await redis.xgroup_create(key, k.ARCHIVE_GROUP, id="0", mkstream=True)
@@ -98,6 +129,7 @@ async def _archive_stream(
             entries = await _read(redis, key, start, chunk)
             if not entries:
                 break
+            read = len(entries)
             if start == "0" and done is not None:
                 old = [eid for eid, _ in entries if parse_id(eid) <= done]
                 if old:
@@ -107,6 +139,7 @@ async def _archive_stream(
             done = await _write(store, directory, kind, shard, entries, report) or done
             if entries:
                 await redis.xack(key, k.ARCHIVE_GROUP, *[eid for eid, _ in entries])
+            bar.advance(read)
             if start == ">" and len(entries) < chunk:
                 break
 

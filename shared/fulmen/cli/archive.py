@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from fulmen import progress
 from fulmen.cli.service import (
     ExperimentOpt,
     err,
@@ -71,7 +72,8 @@ def archive(
     async def work(store: RedisStore) -> None:
         from fulmen.archive.write import archive as run_archive
 
-        report = await run_archive(store, target, chunk=chunk, samples=samples)
+        with progress.bar("archive") as bar:
+            report = await run_archive(store, target, chunk=chunk, samples=samples, bar=bar)
         out.print(f"archived {report.summary()} to {target}")
 
     run_on_store(settings, work)
@@ -126,7 +128,8 @@ def restore(
         target = RedisStore(store.redis, store.experiment, max_record_bytes=store.max_record_bytes,
                             shards=info.shards, weights_redis=store.weights_redis)
         try:
-            report = await run_restore(target, source)
+            with progress.bar("restore") as bar:
+                report = await run_restore(target, source, bar)
         except InvalidInput as e:
             raise error_exit(str(e)) from None
         out.print(f"restored experiment {target.experiment} from {source} ({info.experiment}'s archive): "
@@ -155,7 +158,7 @@ def export(
     version (with --token-ids, the token ids and the loss mask too). Load it with
     datasets.load_dataset("json", data_files="OUT"). Skip records are left out
     and a sample met twice is written once."""
-    from fulmen.archive.export import SHAPES, archived_records
+    from fulmen.archive.export import SHAPES, archived_count, archived_records
     from fulmen.archive.export import export as run_export
 
     if shape not in SHAPES:
@@ -164,28 +167,39 @@ def export(
     settings = settings_from_flags(experiment=experiment)
     if sources:
         try:
-            report = run_export(archived_records(sources), output, settings.max_record_bytes, shape=shape,
-                                min_reward=min_reward, token_ids=token_ids)
+            with progress.bar("export") as bar:
+                if bar.drawn:
+                    bar.update(total=archived_count(sources))
+                report = run_export(bar.each(archived_records(sources)), output, settings.max_record_bytes,
+                                    shape=shape, min_reward=min_reward, token_ids=token_ids)
         except (FulmenError, OSError) as e:  # not an archive file; cannot write
             err.print(f"[red]error:[/red] {e}")
             raise typer.Exit(1) from None
     else:
-        async def work(store: RedisStore) -> list[bytes]:
-            records, start = [], "-"
-            while entries := await store.redis.xrange(store.keys.samples, min=start, count=EXPORT_PAGE):
-                records += [fields[b"m"] for _, fields in entries if b"m" in fields]
-                start = "(" + entries[-1][0].decode()
-            return records
-
-        records = run_on_store(settings, work)
+        records = run_on_store(settings, _samples_in_redis)
         try:
-            report = run_export(records, output, settings.max_record_bytes, shape=shape, min_reward=min_reward,
-                                token_ids=token_ids)
+            with progress.bar("export", len(records)) as bar:
+                report = run_export(bar.each(records), output, settings.max_record_bytes, shape=shape,
+                                    min_reward=min_reward, token_ids=token_ids)
         except OSError as e:
             err.print(f"[red]error:[/red] cannot write {output}: {e.strerror}")
             raise typer.Exit(1) from None
     out.print(f"exported {report.rows} samples to {output} ({report.skips} skip records, {report.duplicates} "
               f"duplicates, {report.filtered} filtered out, {report.unreadable} unreadable)")
+
+
+async def _samples_in_redis(store: RedisStore) -> list[bytes]:
+    """Every record of the samples stream, read a page at a time under a bar."""
+    records: list[bytes] = []
+    start = "-"
+    with progress.bar("read samples") as bar:
+        if bar.drawn:
+            bar.update(total=await store.redis.xlen(store.keys.samples))
+        while entries := await store.redis.xrange(store.keys.samples, min=start, count=EXPORT_PAGE):
+            records += [fields[b"m"] for _, fields in entries if b"m" in fields]
+            start = "(" + entries[-1][0].decode()
+            bar.advance(len(entries))
+    return records
 
 
 COMMANDS = {"archive": archive, "restore": restore, "export": export}

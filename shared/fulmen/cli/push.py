@@ -4,6 +4,7 @@ code. Checking each task: `fulmen.cli.tasks_file`."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -11,8 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fulmen import progress
 from fulmen.cli.service import err, error_exit, out, run_on_store
 from fulmen.cli.tasks_file import BadLine, LineNote, check_tasks, parse_tasks
 from fulmen.errors import FulmenError, InvalidInput
@@ -119,18 +120,16 @@ async def _queue_in_batches(
     """Enqueue the rollouts ``batch_size`` at a time, each bad line (row) or note printed as it comes,
     under a progress bar (on a terminal) of ``total`` lines (rows)."""
     pushed = Pushed()
-    columns = (TextColumn("push"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
-        task = progress.add_task("push", total=total)
+    with progress.bar("push", total) as bar:
         batch: list[Rollout] = []
-        for item in [*items, None]:
+        for item in itertools.chain(items, [None]):  # the bar moves as the file is read
             if isinstance(item, LineNote):
                 err.print(f"[yellow]{unit} {item.line_number}:[/yellow] {item.reason} (queued)")
                 continue
             if isinstance(item, BadLine):
                 pushed.bad.append(item)
                 err.print(f"[yellow]{unit} {item.line_number}:[/yellow] {item.reason} (skipped)")
-                progress.advance(task)
+                bar.advance()
                 continue
             if item is not None:
                 batch.append(item)
@@ -138,7 +137,7 @@ async def _queue_in_batches(
                 results = await store.rollouts.enqueue_rollouts(batch)
                 pushed.created += sum(results)
                 pushed.existed += len(results) - sum(results)
-                progress.advance(task, len(batch))
+                bar.advance(len(batch))
                 batch = []
     return pushed
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fulmen import progress
+
 log = logging.getLogger(__name__)
 
 Example = tuple[list[int], list[int]]  # token ids, and the loss mask over them
@@ -67,14 +69,18 @@ def warm_start(model: Any, examples: Sequence[Example], pad: int, accuracy_of: C
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=(0.9, 0.99))
     model.train()
-    accuracy, step = 0.0, 0
-    for step in range(1, plan.max_steps + 1):
-        loss = sft_step(model, optimizer, rng.sample(examples, plan.batch_size), pad)
-        if plan.check_now(step, loss):
-            accuracy = accuracy_of()
-            if step % plan.log_every == 0:
-                log.info("%s: SFT step %d, loss %.3f, train accuracy %.2f", name, step, loss, accuracy)
-            if accuracy >= plan.until:
+    accuracy, step, measured = 0.0, 0, ""
+    with progress.bar(name, plan.max_steps) as bar:  # on a terminal only: the log has its lines
+        for step in range(1, plan.max_steps + 1):
+            loss = sft_step(model, optimizer, rng.sample(examples, plan.batch_size), pad)
+            checked = plan.check_now(step, loss)
+            if checked:
+                accuracy = accuracy_of()
+                measured = f", train accuracy {accuracy:.2f}"
+                if step % plan.log_every == 0:
+                    log.info("%s: SFT step %d, loss %.3f, train accuracy %.2f", name, step, loss, accuracy)
+            bar.update(completed=step, note=f"loss {loss:.3f}{measured}")
+            if checked and accuracy >= plan.until:
                 break
     return step, accuracy
 
