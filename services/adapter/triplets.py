@@ -125,12 +125,17 @@ def _packed(value: Any, what: str, pack: Any) -> bytes:
         raise Skip("malformed_span", f"malformed span: {what} is not a packed array or a list") from None
 
 
-def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], config: AdapterConfig) -> list[LlmCall]:
-    if config.llm_call_match:
-        name_match = re.compile(config.llm_call_match)
-        call_spans = [s for s in spans if name_match.search(s.name)]
-    else:
-        call_spans = [s for s in spans if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL]
+# Adapter stats: calls stored with a rollout that are not the policy's, so never sampled.
+SKIPPED_JUDGE_CALLS = "calls/skipped_judge"  # purpose "judge"
+SKIPPED_OTHER_CALLS = "calls/skipped_other_purpose"  # any other purpose but "policy"
+_POLICY = (None, semconv.PURPOSE_POLICY)
+
+
+def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], config: AdapterConfig,
+                   stats: dict[str, int] | None = None) -> list[LlmCall]:
+    """The policy's LLM calls among ``spans``, in time order. A call made for another purpose (a
+    judge's: `semconv.CALL_PURPOSE`) is never one; ``stats`` counts them (`SKIPPED_JUDGE_CALLS`)."""
+    call_spans = _policy_call_spans(spans, config, stats)
     if not call_spans:
         return []
     agent_match = re.compile(config.agent_match) if config.agent_match else None
@@ -170,6 +175,27 @@ def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], co
                        f"malformed span: {len(logprobs) // 4} logprobs for {len(response) // 4} response tokens")
         calls.append(LlmCall(s, prompt, response, logprobs, None, request, answer))
     return calls
+
+
+def _policy_call_spans(spans: Sequence[SpanLike], config: AdapterConfig, stats: dict[str, int] | None
+                       ) -> list[SpanLike]:
+    if config.llm_call_match:
+        name_match = re.compile(config.llm_call_match)
+        call_spans = [s for s in spans if name_match.search(s.name)]
+    else:
+        call_spans = [s for s in spans if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL]
+    policy = [s for s in call_spans if s.attributes.get(semconv.CALL_PURPOSE) in _POLICY]
+    if len(policy) < len(call_spans) and stats is not None:
+        _count_other_purposes(call_spans, stats)
+    return policy
+
+
+def _count_other_purposes(call_spans: Sequence[SpanLike], stats: dict[str, int]) -> None:
+    for s in call_spans:
+        purpose = s.attributes.get(semconv.CALL_PURPOSE)
+        if purpose not in _POLICY:
+            name = SKIPPED_JUDGE_CALLS if purpose == semconv.PURPOSE_JUDGE else SKIPPED_OTHER_CALLS
+            stats[name] = stats.get(name, 0) + 1
 
 
 def _retokenized_call(span: SpanLike, request: str, answer: str, config: AdapterConfig) -> LlmCall:
@@ -274,14 +300,15 @@ def _joined(calls: list[LlmCall], chain: list[int], reward: float) -> tuple[LlmC
     return joined, mask
 
 
-def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterConfig | None = None
-                  ) -> list[dict[str, Any]]:
+def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterConfig | None = None,
+                  stats: dict[str, int] | None = None) -> list[dict[str, Any]]:
     """The samples of one attempt's spans as `Sample` fields (token arrays as packed bytes), ready for
-    `fulmen.records.pack_sample`; or `Skip` with the reason."""
+    `fulmen.records.pack_sample`; or `Skip` with the reason. ``stats``: counts the calls left out for
+    their purpose (`find_llm_calls`), also when the attempt is skipped."""
     config = config or AdapterConfig()
     unique = dedupe(spans, info.attempt_id)
     parents = repaired_parents(unique)
-    calls = find_llm_calls(unique, parents, config)
+    calls = find_llm_calls(unique, parents, config, stats)
     if not calls:
         raise Skip("no_llm_call", "no LLM call")
     last_reward = match_rewards(unique, calls)  # the per-call rewards need the spans

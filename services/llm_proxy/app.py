@@ -43,6 +43,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _VERSION_HEADER = semconv.HEADER_MODEL_VERSION.encode()
+_PURPOSE_HEADER = semconv.HEADER_PURPOSE.encode()
 _DIALECTS: dict[str, Dialect] = {
     "/chat/completions": OPENAI_CHAT, "/completions": OPENAI_COMPLETIONS,
     "/responses": RESPONSES, "/messages": MESSAGES,
@@ -292,7 +293,8 @@ class ProxyApp:
             call, result,
             span_id=keyed_span_id(call.attempt_id, call.call_key) if call.call_key else new_span_id(),
             exchange=Exchange(system=self.service.backend.system, raw_request=raw, trace_id=trace_id,
-                              parent_id=parent_id, start_time=start_time, end_time=time.time()),
+                              parent_id=parent_id, start_time=start_time, end_time=time.time(),
+                              purpose=headers.get(_PURPOSE_HEADER)),
         )  # fmt: skip
         if self.service.otlp is not None:
             for span in spans:

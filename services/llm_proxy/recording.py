@@ -31,6 +31,7 @@ SERVICE_NAME = "fulmen-llm-proxy"
 # The API the agent called when it was not OpenAI's chat or completions (the span's request is the
 # chat request it was translated into, so every reader handles it as a chat call).
 API_ATTRIBUTE = "fulmen.api"
+MAX_PURPOSE_BYTES = 64  # of a call's purpose header kept in its span
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class Exchange:
     end_time: float
     status_code: str = "OK"
     status_message: str = ""
+    purpose: bytes | None = None  # the request's x-fulmen-purpose header (a judge's call), as sent
 
 
 def build_span(call: Call, result: Result, span_id: str, exchange: Exchange) -> Span:
@@ -91,6 +93,9 @@ def _attributes(call: Call, result: Result, exchange: Exchange) -> dict[str, Any
         attributes[semconv.CALL_KEY] = call.call_key
     if call.api:
         attributes[API_ATTRIBUTE] = call.api
+    if exchange.purpose:
+        # latin-1 decodes any bytes; the length is capped: the value is the client's, the span the store's
+        attributes[semconv.CALL_PURPOSE] = exchange.purpose[:MAX_PURPOSE_BYTES].decode("latin-1")
     if call.max_tokens is not None:
         attributes[semconv.GEN_AI_MAX_TOKENS] = call.max_tokens
     if call.seed is not None:

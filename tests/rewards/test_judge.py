@@ -1,5 +1,6 @@
 """judge: one call scores a group of trajectories; a malformed answer is sent back once, then an
-error; the judge's calls go out unattributed and marked, so the proxy stores none of them."""
+error; the judge's calls go out as the attempt's and marked, so the proxy stores them with the
+rollout and the adapter never samples them."""
 
 from __future__ import annotations
 
@@ -86,30 +87,30 @@ def fake_server() -> Iterator[FakeOpenAI]:
     fake.stop()
 
 
-async def test_the_agents_llm_is_judged_unattributed_and_marked(fake_server: FakeOpenAI) -> None:
-    """Given the agent's LLM, the judge calls its server without the attempt's path or headers,
-    with the judge's mark and the LLM's model and key."""
+async def test_the_agents_llm_is_judged_attributed_and_marked(fake_server: FakeOpenAI) -> None:
+    """Given the agent's LLM, the judge calls its server as the attempt (path and headers), with the
+    judge's mark and the LLM's model and key."""
     llm = llm_for_attempt({"model": "policy"}, f"{fake_server.base_url}/v1", "r-1", "a-1", api_key="proxy-key")
-    assert "/rollout/r-1/attempt/a-1" in llm.base_url
     fake_server.script(scores((1.0, "right"), (0.0, "wrong")))
     verdicts = await judge(GROUP, client=llm)
     assert [float(v) for v in verdicts] == [1.0, 0.0]
     request = fake_server.requests[-1]
-    assert request.path == "/v1/chat/completions" and request.body["model"] == "policy"
+    assert request.path == "/rollout/r-1/attempt/a-1/v1/chat/completions" and request.body["model"] == "policy"
     headers = {k.lower(): v for k, v in request.headers.items()}
     assert headers[JUDGE_HEADER] == JUDGE_PURPOSE and headers["authorization"] == "Bearer proxy-key"
-    assert semconv.HEADER_ROLLOUT_ID not in headers and semconv.HEADER_ATTEMPT_ID not in headers
+    assert (headers[semconv.HEADER_ROLLOUT_ID], headers[semconv.HEADER_ATTEMPT_ID]) == ("r-1", "a-1")
 
 
-async def test_an_attributed_openai_client_is_unattributed(fake_server: FakeOpenAI) -> None:
-    """The agent's ready-made async_client (attributed by path and headers) is copied without both."""
+async def test_an_openai_client_keeps_its_headers_and_gets_the_mark(fake_server: FakeOpenAI) -> None:
+    """The agent's ready-made async_client is copied with its attribution and the judge's mark added."""
     llm = llm_for_attempt({"model": "policy"}, f"{fake_server.base_url}/v1", "r-2", "a-2")
     fake_server.script(scores((0.5, "same"), (0.5, "same")))
     await judge(GROUP, client=llm.async_client, model="policy")
     request = fake_server.requests[-1]
-    headers = {k.lower() for k in request.headers}
-    assert request.path == "/v1/chat/completions" and JUDGE_HEADER in headers
-    assert semconv.HEADER_ROLLOUT_ID not in headers
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    assert request.path == "/rollout/r-2/attempt/a-2/v1/chat/completions"
+    assert headers[JUDGE_HEADER] == JUDGE_PURPOSE and headers[semconv.HEADER_ROLLOUT_ID] == "r-2"
+    assert JUDGE_HEADER not in llm.async_client._custom_headers  # the agent's own client is left unmarked
 
 
 @pytest.fixture
@@ -125,11 +126,13 @@ def vllm_proxy(redis_server: EmbeddedRedis) -> Iterator[tuple[RunningProxy, Fake
     fake.stop()
 
 
-async def test_the_proxy_stores_the_agents_call_not_the_judges(
+async def test_the_proxy_stores_the_judges_call_marked_and_the_adapter_skips_it(
     vllm_proxy: tuple[RunningProxy, FakeOpenAI, str], redis_url: str
 ) -> None:
-    """Through a real proxy: the agent's call is stored as its attempt's LLM call (a sample to be),
-    the judge's call on the same LLM is served and stored nowhere."""
+    """Through a real proxy: the agent's call and the judge's are both stored with the attempt, the
+    judge's with its purpose; the adapter samples the agent's alone and counts the judge's."""
+    from fulmen_adapter.triplets import SKIPPED_JUDGE_CALLS, AttemptInfo, sample_fields
+
     proxy, fake, experiment = vllm_proxy
     client = aioredis.from_url(redis_url)
     store = RedisStore(client, experiment)
@@ -141,8 +144,13 @@ async def test_the_proxy_stores_the_agents_call_not_the_judges(
     fake.script(scores((1.0, "right"), (0.0, "wrong")))
     verdicts = await judge(GROUP, client=llm)
     assert [float(v) for v in verdicts] == [1.0, 0.0]
-    assert "You judge attempts" in json.dumps(fake.requests[-1].body)  # the judge's call was served
     spans = await store.spans.query_spans(rollout_id)
     calls = [s for s in spans if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL]
-    assert len(calls) == 1 and "You judge" not in calls[0].attributes[semconv.REQUEST_JSON]
+    purposes = [s.attributes.get(semconv.CALL_PURPOSE) for s in calls]
+    assert purposes == [None, JUDGE_PURPOSE]
+    assert "You judge attempts" in calls[1].attributes[semconv.REQUEST_JSON]
+    stats: dict[str, int] = {}
+    fields = sample_fields(spans, AttemptInfo(rollout_id, attempt_id, "g", reward=1.0), stats=stats)
+    assert [f["sample_id"] for f in fields] == [f"{attempt_id}/t0"]
+    assert "You judge" not in fields[0]["request_json"] and stats == {SKIPPED_JUDGE_CALLS: 1}
     await client.aclose()

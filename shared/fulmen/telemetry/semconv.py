@@ -45,6 +45,12 @@ CALL_KEY = "fulmen.call_key"
 # Choice i > 0 of an n > 1 call is a span of its own (its own sample): it carries its index, and its
 # response id and call key are the call's with "#<i>" added (the adapter keeps one call per each).
 CHOICE_INDEX = "fulmen.choice_index"
+# Why the call was made, from the request's HEADER_PURPOSE: unset or PURPOSE_POLICY for the agent's
+# own calls, PURPOSE_JUDGE for a judge's (fulmen.rewards.judge, the adapter's group judge). The adapter
+# samples only policy calls: the others are stored with the rollout (its trace shows them) and counted.
+CALL_PURPOSE = "fulmen.call_purpose"
+PURPOSE_POLICY = "policy"
+PURPOSE_JUDGE = "judge"
 
 # --- what agents emit (fulmen.emit_*) -------------------------------------------------------------
 KIND_REWARD = "reward"
@@ -74,6 +80,7 @@ ROLLOUT_SPAN = "fulmen.rollout"  # the root span of an attempt, opened by the ru
 HEADER_ROLLOUT_ID = "x-fulmen-rollout-id"
 HEADER_ATTEMPT_ID = "x-fulmen-attempt-id"
 HEADER_MODEL_VERSION = "x-fulmen-model-version"  # on every proxy response: the version that served it
+HEADER_PURPOSE = "x-fulmen-purpose"  # on a request: the call's purpose (CALL_PURPOSE), when not the policy's
 # One value per logical LLM call, repeated on its retries (the openai client generates one per call
 # and sends it when its ``_idempotency_header`` names a header: the SDK's `LLM` clients do).
 HEADER_IDEMPOTENCY_KEY = "idempotency-key"

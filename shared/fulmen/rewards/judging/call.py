@@ -2,7 +2,7 @@
 every trajectory numbered in the prompt, a JSON answer with a score in [0, 1] and a reason for each.
 A malformed answer is sent back once with what is wrong; a second one is a `JudgeError`.
 
-Its calls are never trained on (`fulmen.rewards.judging.client`). More: docs/guides/rewards.md.
+Its calls are marked and never trained on (`fulmen.rewards.judging.client`). More: docs/guides/rewards.md.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ async def judge(
     """One `Verdict` per trajectory, in their order: ``await judge([t1, t2, t3], client=llm)``.
 
     A trajectory is a list of chat messages (``{"role", "content", "tool_calls"}``), a mapping with
-    ``"messages"``, or text. ``client``: the agent's ``llm`` (its proxy, unattributed, and its model),
+    ``"messages"``, or text. ``client``: the agent's ``llm`` (its proxy, the attempt's, and its model),
     an OpenAI client (with ``model``), or None (``openai.AsyncOpenAI()`` from the environment).
     ``task``: what the trajectories attempt, shown first. ``retries``: how many more times a
     malformed answer is sent back. ``options``: more arguments of ``chat.completions.create``."""

@@ -1,24 +1,22 @@
 """The judge's OpenAI client, from the agent's `fulmen.LLM`, any OpenAI client, or the environment.
 
-Its calls must never become training samples: the proxy stores only calls attributed to an attempt
-(the ``/rollout/{r}/attempt/{a}`` prefix or the ``x-fulmen-*`` headers) and the adapter samples only
-stored calls, so the judge's client is the agent's without that attribution. Each call also carries
-``x-fulmen-purpose: judge`` (`JUDGE_HEADER`), so a judge call is recognisable wherever it goes.
+The judge's calls keep the attempt's attribution (the ``/rollout/{r}/attempt/{a}`` prefix, the
+``x-fulmen-*`` headers), so a proxy stores them with the rollout and its trace shows them, and each
+carries ``x-fulmen-purpose: judge`` (`JUDGE_HEADER`): the proxy copies it into the call's span
+(`semconv.CALL_PURPOSE`) and the adapter never turns such a call into a sample (it counts it).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from fulmen.errors import InvalidInput
 from fulmen.telemetry import semconv
 
-JUDGE_HEADER = "x-fulmen-purpose"
-JUDGE_PURPOSE = "judge"
-_ATTEMPT_PATH = re.compile(r"/rollout/[^/]+/attempt/[^/]+(?=/|$)")
-_ATTRIBUTION = frozenset({semconv.HEADER_ROLLOUT_ID, semconv.HEADER_ATTEMPT_ID})
+JUDGE_HEADER = semconv.HEADER_PURPOSE
+JUDGE_PURPOSE = semconv.PURPOSE_JUDGE
+_MARK = {JUDGE_HEADER: JUDGE_PURPOSE}
 
 
 @dataclass
@@ -32,16 +30,6 @@ class JudgeClient:
             await self.client.close()
 
 
-def unattributed(base_url: str) -> str:
-    """``base_url`` without an attempt's path prefix (the proxy's own ``/v1``)."""
-    return _ATTEMPT_PATH.sub("", base_url.rstrip("/"), count=1)
-
-
-def _headers(headers: dict[str, str]) -> dict[str, str]:
-    kept = {k: v for k, v in headers.items() if k.lower() not in _ATTRIBUTION}
-    return {**kept, JUDGE_HEADER: JUDGE_PURPOSE}
-
-
 def judge_client(client: Any, model: str | None) -> JudgeClient:
     """The client and model for the judge's calls (see the module's docstring)."""
     import openai
@@ -51,15 +39,14 @@ def judge_client(client: Any, model: str | None) -> JudgeClient:
     if client is None:
         if not model:
             raise InvalidInput("judge: give model= (the judge's model) when no client is given")
-        return JudgeClient(openai.AsyncOpenAI(default_headers=_headers({})), model, owned=True)
+        return JudgeClient(openai.AsyncOpenAI(default_headers=_MARK), model, owned=True)
     if isinstance(client, LLM):
-        made = openai.AsyncOpenAI(base_url=unattributed(client.base_url), api_key=client.api_key,
-                                  default_headers=_headers(dict(client.headers)))
-        return JudgeClient(made, model or client.model, owned=True)
+        # the attempt's own client, marked: its base URL and headers attribute the call, and its HTTP
+        # pool (the process's) carries the trace context, so the call's span sits under the judge's
+        return JudgeClient(client.async_client.copy(default_headers=_MARK), model or client.model, owned=False)
     if not hasattr(client, "chat") or not hasattr(client, "copy"):
         raise InvalidInput(f"judge: client must be a fulmen.LLM or an OpenAI client, got {type(client).__name__}")
     if not model:
         raise InvalidInput("judge: give model= (the judge's model) with an OpenAI client")
-    custom = dict(getattr(client, "_custom_headers", None) or {})  # the headers its maker gave it
-    copy = client.copy(base_url=unattributed(str(client.base_url)), set_default_headers=_headers(custom))
-    return JudgeClient(copy, model, owned=False)  # shares the caller's connection pool: left open
+    # copy's default_headers add to the headers its maker gave it; it shares the caller's connection pool
+    return JudgeClient(client.copy(default_headers=_MARK), model, owned=False)
