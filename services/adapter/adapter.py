@@ -29,6 +29,8 @@ from fulmen.serving.rewards import version_reward_stats
 from fulmen.store import RedisStore
 from fulmen.tasks import task_id
 from fulmen.telemetry import semconv
+from fulmen_adapter.groups import GroupStep
+from fulmen_adapter.judge import GroupJudge, JudgeConfig
 from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, sample_fields
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class Counters:
     rollouts: int = 0
     samples: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    # judge/... (the group step's outcomes) and calls/... (LLM calls left out for their purpose)
+    more: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,7 +94,11 @@ class Adapter:
         consumer: str | None = None,
         batch: int = DEFAULT_BATCH,
         reclaim_idle_s: float = DEFAULT_RECLAIM_IDLE_S,
+        judge: JudgeConfig | None = None,
     ) -> None:
+        """``judge``: rescore each train group once all its rollouts have ended (`fulmen_adapter.groups`);
+        its rollouts' entries are then held unacknowledged for up to its wait and judging time, which
+        ``reclaim_idle_s`` must exceed (`held_reclaim_idle_s`)."""
         self.store = store
         self.config = config or AdapterConfig()
         self.consumer = consumer or f"adapter-{socket.gethostname()}-{os.getpid()}"
@@ -98,6 +106,9 @@ class Adapter:
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
         self.counters = Counters()
         self._next_reclaim = 0.0
+        self.groups = None if judge is None else GroupStep(
+            GroupJudge(judge), self._adapt, self._append, self._dead_letter, group_key, store.spans.add_spans
+        )
 
     async def run(self, stop: asyncio.Event, *, until_idle: bool = False, lanes: int = DEFAULT_LANES) -> None:
         """Adapt finished rollouts until ``stop`` is set (or, with ``until_idle``, until none are left).
@@ -109,7 +120,17 @@ class Adapter:
         "Adapter throughput", has the measurements behind the defaults)."""
         await self.store.finished.ensure_finished_group(k.ADAPTER_GROUP)
         log.info("adapter %s on experiment %s", self.consumer, self.store.experiment)
-        await asyncio.gather(*(self._lane(stop, until_idle, report=i == 0) for i in range(lanes)))
+        if self.groups is None:
+            await asyncio.gather(*(self._lane(stop, until_idle, report=i == 0) for i in range(lanes)))
+            return
+        watch = asyncio.create_task(self.groups.watch(stop), name="judge-groups")
+        try:
+            await asyncio.gather(*(self._lane(stop, until_idle, report=i == 0) for i in range(lanes)))
+            if until_idle:  # nothing more will come: the groups still gathering are written as they are
+                await self.groups.drain()
+        finally:
+            watch.cancel()
+            await self.groups.close()
 
     async def _lane(self, stop: asyncio.Event, until_idle: bool, report: bool) -> None:
         last_report, reported = time.monotonic(), 0
@@ -170,10 +191,16 @@ class Adapter:
                     f"rollout {entry.rollout_id} is {early[entry.rollout_id]}, not terminal: nothing to adapt",
                 )
         ready = {rid: r for rid, r in known.items() if rid not in early}
-        await self._append([self._adapt(r) for r in ready.values()], [f.entry_id for f in finished if f.rollout_id in ready])
+        entries = [f for f in finished if f.rollout_id in ready]
+        if self.groups is not None:  # train groups wait for their judge: held, not acknowledged
+            entries = self.groups.take(ready, entries)
+        await self._append([self._adapt(r) for r in ready.values()], [f.entry_id for f in entries])
 
     def _adapt(self, rollout: RolloutForSamples) -> Adapted:
         return adapt_rollout(rollout, self.config, self.store.max_record_bytes)
+
+    async def _dead_letter(self, entry_id: str, reason: str) -> None:
+        await self.store.finished.dead_letter_finished(k.ADAPTER_GROUP, entry_id, reason)
 
     async def _append(self, results: Sequence[Adapted], entry_ids: list[str]) -> None:
         """Write the batch's samples and acknowledge their finished entries, in one atomic step."""
@@ -184,6 +211,9 @@ class Adapter:
             if n <= 0:
                 continue  # sampled before (a redelivery) or deleted meanwhile: nothing was written
             self.counters.rollouts += 1
+            for name, value in result.stats.items():
+                if "/" in name:  # judge/..., calls/...
+                    self.counters.more[name] = self.counters.more.get(name, 0) + value
             if "skipped" in result.stats:
                 code = next(name for name in result.stats if name.startswith("skip:"))[5:]
                 self.counters.skipped[code] = self.counters.skipped.get(code, 0) + 1
@@ -210,14 +240,15 @@ def _samples(rollout: RolloutForSamples, config: AdapterConfig, max_bytes: int) 
         _int_or_none(rollout.metadata.get("group_size")),
         rollout.reward,
     )
+    counted: dict[str, int] = {}  # the calls left out for their purpose (a judge's)
     try:
         if rollout.status is not RolloutStatus.SUCCEEDED:
             raise Skip(rollout.status.value, f"rollout {rollout.status.value}")
         if isinstance(spans, RecordError):
             raise Skip("malformed_span", f"malformed span record: {spans}")
-        fields = list(sample_fields(spans, info, config))
+        fields = list(sample_fields(spans, info, config, counted))
         records = [pack_sample(f, max_bytes) for f in fields]
-        stats = {"rollouts": 1, "samples": len(records)}
+        stats = {"rollouts": 1, "samples": len(records), **counted}
         last = next((f for f in reversed(fields) if f.get("model_version")), None)
         reward = last.get("final_reward") if last is not None else None
         if last is not None and isinstance(reward, int | float) and math.isfinite(reward):
@@ -231,7 +262,15 @@ def _samples(rollout: RolloutForSamples, config: AdapterConfig, max_bytes: int) 
         rollout.rollout_id, rollout.attempt_id, info.group_key, rollout.status.value, reason,
         info.mode, info.group_size,
     )
-    return Adapted(rollout.rollout_id, [skip.to_wire()], {"rollouts": 1, "skipped": 1, f"skip:{code}": 1})
+    return Adapted(rollout.rollout_id, [skip.to_wire()], {"rollouts": 1, "skipped": 1, f"skip:{code}": 1, **counted})
+
+
+def held_reclaim_idle_s(judge: JudgeConfig | None) -> float:
+    """How long an entry may stay pending before another adapter takes it over: with a judge, longer
+    than a group is held and judged, or a live adapter's held entries would be taken as a dead one's."""
+    if judge is None:
+        return DEFAULT_RECLAIM_IDLE_S
+    return judge.wait_s + judge.timeout_s + DEFAULT_RECLAIM_IDLE_S
 
 
 def tune_gc_for_batches() -> None:

@@ -26,15 +26,18 @@ async def run(settings: AdapterSettings, stop: asyncio.Event, *, batch: int = DE
     anything connects). ``tune_gc``: the process is the adapter's alone (its command, not `fulmen dev`)."""
     from fulmen.telemetry.http import start_ops
     from fulmen.telemetry.metrics import CountersCollector
-    from fulmen_adapter.adapter import Adapter, tune_gc_for_batches
-    from fulmen_adapter.config import adapter_config
+    from fulmen_adapter.adapter import Adapter, held_reclaim_idle_s, tune_gc_for_batches
+    from fulmen_adapter.config import adapter_config, judge_config
 
     try:
-        config = adapter_config(settings)
+        config, judge = adapter_config(settings), judge_config(settings)
     except ValueError as e:
         raise InvalidInput(str(e)) from None
+    if judge is not None:
+        log.info("judging each train group with %s at %s (mix %g, wait %g s, timeout %g s)", judge.model, judge.url,
+                 judge.mix, judge.wait_s, judge.timeout_s)
     async with opened_store(settings, stop) as store:
-        adapter = Adapter(store, config, batch=batch)
+        adapter = Adapter(store, config, batch=batch, reclaim_idle_s=held_reclaim_idle_s(judge), judge=judge)
         with start_ops(settings, "adapter", groups=[("finished", k.ADAPTER_GROUP)]) as ops:
             ops.add(CountersCollector(lambda: adapter_counters(adapter.counters)))
             if tune_gc:  # last, so that everything start-up made is frozen out of the collector's way
@@ -56,6 +59,15 @@ def adapter_counters(counters: Any) -> list[Any]:
     ]
     for reason, n in sorted(counters.skipped.items()):
         values.append(CounterValue("fulmen_adapter_skips", "Rollouts that yielded no sample.", n, {"reason": reason}))
+    for name, n in sorted(counters.more.items()):
+        kind, _, what = name.partition("/")
+        if kind == "judge":
+            values.append(CounterValue("fulmen_adapter_judge", "The group judge: groups by outcome, rollouts rescored.",
+                                       n, {"what": what}))
+        elif kind == "calls":
+            values.append(CounterValue("fulmen_adapter_calls_not_sampled",
+                                       "LLM calls made for another purpose than the policy (a judge's).", n,
+                                       {"reason": what}))
     return values
 
 
