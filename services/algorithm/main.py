@@ -14,6 +14,7 @@ from fulmen.cli.service import Service, opened_store, unless_stopped, when_stopp
 from fulmen.settings import AlgorithmSettings, DemoSettings, EvaluatorSettings
 
 if TYPE_CHECKING:
+    from fulmen.telemetry.trackers import Tracker
     from fulmen_algorithm.start import RunInputs
 
 log = logging.getLogger("fulmen.algorithm")
@@ -24,7 +25,8 @@ async def run_algorithm(settings: AlgorithmSettings, stop: asyncio.Event) -> dic
     """Drive the run on the user's tasks until it ends or ``stop`` is set; its summary."""
     from fulmen_algorithm.start import algorithm_inputs
 
-    return await _drive(algorithm_inputs(settings), stop)
+    trackers = _trackers(settings)
+    return await _drive(algorithm_inputs(settings), stop, trackers)
 
 
 async def run_demo(settings: DemoSettings, stop: asyncio.Event) -> dict[str, Any] | None:
@@ -32,12 +34,22 @@ async def run_demo(settings: DemoSettings, stop: asyncio.Event) -> dict[str, Any
     its run; its summary, or None if stopped while preparing."""
     from fulmen_algorithm.start import demo_inputs
 
+    trackers = _trackers(settings)  # before the warm start: a tracker's missing package fails now, not minutes on
     prepared = await unless_stopped(asyncio.to_thread(demo_inputs, settings), stop)
-    return None if prepared is None else await _drive(prepared.result(), stop)
+    return None if prepared is None else await _drive(prepared.result(), stop, trackers)
 
 
-async def _drive(inputs: RunInputs, stop: asyncio.Event) -> dict[str, Any]:
+def _trackers(settings: AlgorithmSettings) -> list[Tracker]:
+    """The --report-to trackers, writing their local files in the run's folder; their packages checked."""
+    from fulmen.telemetry.trackers import trackers_for
+    from fulmen_algorithm.run import run_dir
+
+    return trackers_for(settings.report_to, run_dir(settings))
+
+
+async def _drive(inputs: RunInputs, stop: asyncio.Event, trackers: list[Tracker]) -> dict[str, Any]:
     from fulmen.telemetry.http import start_ops
+    from fulmen.telemetry.trackers import reporting, run_config
     from fulmen_algorithm.run import Run
 
     run = Run(inputs.settings, inputs.tasks, inputs.val_tasks, setup=inputs.setup)
@@ -45,7 +57,11 @@ async def _drive(inputs: RunInputs, stop: asyncio.Event) -> dict[str, Any]:
     try:
         with start_ops(inputs.settings, "algorithm", groups=[("finished", k.ALGORITHM_GROUP)]):
             async with opened_store(inputs.settings) as store:
-                summary = await run.run(store)
+                # the trackers follow the run from the store, in this process: never on the trainer's step
+                config = run_config(inputs.settings) if trackers else None
+                tracked = reporting(store, trackers, name=inputs.settings.experiment, config=config)
+                async with tracked:
+                    summary = await run.run(store)
     finally:
         stopping.cancel()
     print(json.dumps(summary), flush=True)

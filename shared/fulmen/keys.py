@@ -62,6 +62,7 @@ TRAINER_STEPS = "trainer:steps"  # stream, capped: the leader's per-step summary
 TRAINER_UNTRAINED = "trainer:untrained"  # set: group keys the trainer took without a step (dropped, skipped)
 SERVICES = "services"  # hash: process id -> service heartbeat record (every long-running service)
 ARCHIVED = "archived"  # hash: log stream key -> the last entry id `fulmen archive` wrote ("0-0": none yet)
+TRACKERS = "trackers"  # hash: the experiment trackers' run id and read positions (`fulmen.telemetry.trackers`)
 
 # Priority lanes, highest first: each is a queue stream of its own in every shard (the normal lane
 # is QUEUE itself, so an experiment that never uses the others is exactly what it was). The claim
@@ -190,6 +191,7 @@ class Keys:
         "shards",
         "shards_count",
         "stored_versions",
+        "trackers",
         "trainer_aggregates",
         "trainer_agreed",
         "trainer_grads",
@@ -244,6 +246,7 @@ class Keys:
         self.trainer_untrained = p + TRAINER_UNTRAINED
         self.services = p + SERVICES
         self.archived = p + ARCHIVED
+        self.trackers = p + TRACKERS
         self.stored_versions = p + STORED_VERSIONS
         self.version_bases = p + VERSION_BASES
         self.version_manifests = p + VERSION_MANIFESTS

@@ -31,6 +31,9 @@ ProxyBackend = Literal["torch", "vllm", "openai", "anthropic"]  # fulmen_llm_pro
 PauseMode = Literal["wait", "abort", "keep"]
 LoraLoading = Literal["auto", "dynamic", "merge"]
 DemoTask = Literal["arithmetic", "tools"]
+# the experiment trackers fulmen.telemetry.trackers registers, for report_to (a comma-separated list of them, or none)
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
+NO_TRACKER = "none"
 # auto, cpu, cuda or cuda:N (open-ended, so a pattern rather than a list)
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 
@@ -787,6 +790,26 @@ class AlgorithmSettings(ServedModelSettings, TrainingRunSettings, ValidationSett
         description="End the run early once two validation passes in a row reach this accuracy.",
         json_schema_extra={"group": "validation"},
     )
+    report_to: str = Field(
+        NO_TRACKER,
+        description="Experiment trackers that get the run's metrics, comma-separated: tensorboard, wandb, mlflow, "
+        "trackio, or none (docs/guides/trackers.md).",
+        json_schema_extra={"group": "trackers"},
+    )
+
+    @model_validator(mode="after")
+    def _known_trackers(self) -> AlgorithmSettings:
+        """report_to as a clean list (``"wandb,tensorboard"``; ``"none"``): an unknown name fails here,
+        naming the known ones."""
+        names = [name.strip().lower() for name in self.report_to.split(",") if name.strip()]
+        unknown = [name for name in names if name not in (*TRACKERS, NO_TRACKER)]
+        if unknown:
+            raise ValueError(f"report_to: unknown tracker {unknown[0]!r}; use {', '.join(TRACKERS)} or {NO_TRACKER}")
+        if NO_TRACKER in names and len(names) > 1:
+            raise ValueError(f"report_to: {NO_TRACKER} cannot be listed with trackers")
+        chosen = [name for name in dict.fromkeys(names) if name != NO_TRACKER]
+        object.__setattr__(self, "report_to", ",".join(chosen) or NO_TRACKER)
+        return self
 
 
 class DemoSettings(AlgorithmSettings):
