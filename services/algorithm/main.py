@@ -49,7 +49,7 @@ def _trackers(settings: AlgorithmSettings) -> list[Tracker]:
 
 async def _drive(inputs: RunInputs, stop: asyncio.Event, trackers: list[Tracker]) -> dict[str, Any]:
     from fulmen.telemetry.http import start_ops
-    from fulmen.telemetry.trackers import reporting, run_config
+    from fulmen.telemetry.trackers import record_run_config, reporting
     from fulmen_algorithm.run import Run
 
     run = Run(inputs.settings, inputs.tasks, inputs.val_tasks, setup=inputs.setup)
@@ -58,7 +58,8 @@ async def _drive(inputs: RunInputs, stop: asyncio.Event, trackers: list[Tracker]
         with start_ops(inputs.settings, "algorithm", groups=[("finished", k.ALGORITHM_GROUP)]):
             async with opened_store(inputs.settings) as store:
                 # the trackers follow the run from the store, in this process: never on the trainer's step
-                config = run_config(inputs.settings) if trackers else None
+                # the effective settings beside the run (the dashboard's run page, the trackers' config)
+                config = (await record_run_config(store, inputs.settings))["settings"]
                 tracked = reporting(store, trackers, name=inputs.settings.experiment, config=config)
                 async with tracked:
                     summary = await run.run(store)

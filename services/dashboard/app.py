@@ -202,7 +202,8 @@ class DashboardApp:
         frame = await aread_frame(store.redis, store.keys, steps=1)
         passes = await queries.validations(store)
         return self._page("run.html", title=f"run {store.experiment}", experiment=store.experiment, frame=frame,
-                          validations=passes[-20:], scores=queries.score_columns(passes[-20:]), counters=COUNTERS)
+                          validations=passes[-20:], scores=queries.score_columns(passes[-20:]), counters=COUNTERS,
+                          run_config=await queries.run_config(store))
 
     async def rollouts(self, request: Request) -> Response:
         store = await self._existing(request)

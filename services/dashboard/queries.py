@@ -5,6 +5,7 @@ keyspace, none writes."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +103,19 @@ async def experiment_exists(store: RedisStore) -> bool:
 async def validations(store: RedisStore) -> list[dict[str, Any]]:
     """The validation passes, oldest first, one per label (a pass run twice counts once)."""
     return await store.validations.passes(newest=VALIDATIONS_READ)
+
+
+async def run_config(store: RedisStore) -> dict[str, Any] | None:
+    """The run's effective settings and run file as the algorithm stored them (None: no run recorded
+    them, or the record is unreadable)."""
+    raw = await store.redis.get(store.keys.run_config)
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("settings"), dict) else None
 
 
 def _version_number(result: dict[str, Any]) -> int | None:

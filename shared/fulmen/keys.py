@@ -62,6 +62,7 @@ TRAINER_STEPS = "trainer:steps"  # stream, capped: the leader's per-step summary
 TRAINER_UNTRAINED = "trainer:untrained"  # set: group keys the trainer took without a step (dropped, skipped)
 SERVICES = "services"  # hash: process id -> service heartbeat record (every long-running service)
 ARCHIVED = "archived"  # hash: log stream key -> the last entry id `fulmen archive` wrote ("0-0": none yet)
+RUN_CONFIG = "run:config"  # string: the run's effective settings and run file as JSON (written by the algorithm)
 TRACKERS = "trackers"  # hash: the experiment trackers' run id and read positions (`fulmen.telemetry.trackers`)
 
 # Priority lanes, highest first: each is a queue stream of its own in every shard (the normal lane
@@ -185,6 +186,7 @@ class Keys:
         "resources_log",
         "resources_version",
         "rollout_index",
+        "run_config",
         "sampled",
         "samples",
         "services",
@@ -247,6 +249,7 @@ class Keys:
         self.services = p + SERVICES
         self.archived = p + ARCHIVED
         self.trackers = p + TRACKERS
+        self.run_config = p + RUN_CONFIG
         self.stored_versions = p + STORED_VERSIONS
         self.version_bases = p + VERSION_BASES
         self.version_manifests = p + VERSION_MANIFESTS
