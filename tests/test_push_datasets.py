@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -13,6 +14,12 @@ from fulmen.cli.main import app
 
 datasets = pytest.importorskip("datasets")
 runner = CliRunner()
+
+
+def said(result: Any) -> str:
+    """What a command wrote to stderr, on one line (rich wraps it at the console's width: a long
+    temporary path moves the break)."""
+    return " ".join(result.stderr.split())
 
 ROWS = [{"id": "a", "prompt": "1+1", "solution": "2"}, {"id": "b", "prompt": "2+2", "solution": "4"}]
 
@@ -52,7 +59,7 @@ def test_push_a_split_of_a_dataset_dict_and_an_arrow_file(env: None, tmp_path: P
     splits = datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS), "dev": datasets.Dataset.from_list(ROWS[:1])})
     splits.save_to_disk(str(tmp_path / "dd"))
     missing = runner.invoke(app, ["push", str(tmp_path / "dd")])
-    assert missing.exit_code == 2 and "its splits are ['dev', 'test']" in missing.stderr
+    assert missing.exit_code == 2 and "its splits are ['dev', 'test']" in said(missing)
     result = runner.invoke(app, ["push", str(tmp_path / "dd"), "--split", "dev"])
     assert result.exit_code == 0, result.output
     assert "queued 1 rollout(s)" in result.stdout
@@ -70,14 +77,14 @@ def test_push_reports_bad_rows_with_their_numbers(env: None, tmp_path: Path) -> 
             {"id": "c", "x": float("nan"), "t": None}, {"id": "d", "x": 1.0, "t": datetime.datetime(2024, 1, 1)}]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "bad"))
     strict = runner.invoke(app, ["push", "--strict", str(tmp_path / "bad")])
-    assert strict.exit_code == 1 and "bad row(s) and --strict" in strict.stderr
-    assert "row 3: holds NaN" in strict.stderr
+    assert strict.exit_code == 1 and "bad row(s) and --strict" in said(strict)
+    assert "row 3: holds NaN" in said(strict)
     result = runner.invoke(app, ["push", str(tmp_path / "bad")])
     assert result.exit_code == 0, result.output
-    assert "row 1: field 'id' must be a string or an integer" in result.stderr
-    assert "row 2: duplicate id 'a' (first on row 0)" in result.stderr
-    assert "row 3: holds NaN or Infinity" in result.stderr and "(queued)" in result.stderr
-    assert "row 4: cannot encode as msgpack" in result.stderr
+    assert "row 1: field 'id' must be a string or an integer" in said(result)
+    assert "row 2: duplicate id 'a' (first on row 0)" in said(result)
+    assert "row 3: holds NaN or Infinity" in said(result) and "(queued)" in said(result)
+    assert "row 4: cannot encode as msgpack" in said(result)
     assert "queued 2 rollout(s)" in result.stdout and "skipped 3 bad row(s)" in result.stdout
 
 
@@ -87,9 +94,9 @@ def test_push_a_whole_task_column_and_option_errors(env: None, tmp_path: Path) -
     datasets.Dataset.from_list([{"task": {"id": "a", "q": "1"}}, {"task": None}]).save_to_disk(str(tmp_path / "n"))
     result = runner.invoke(app, ["push", str(tmp_path / "n"), "--column", "=task"])
     assert result.exit_code == 0, result.output
-    assert "row 1: column 'task' holds NoneType, where a task must be a mapping" in result.stderr
+    assert "row 1: column 'task' holds NoneType, where a task must be a mapping" in said(result)
     assert _inputs()["a"] == {"id": "a", "q": "1"}
     (tmp_path / "t.jsonl").write_text('{"id": "z"}\n')
     assert runner.invoke(app, ["push", str(tmp_path / "t.jsonl"), "--split", "train"]).exit_code == 2
     nocol = runner.invoke(app, ["push", str(tmp_path / "n"), "--column", "q=question"])
-    assert nocol.exit_code == 2 and "no column 'question'" in nocol.stderr
+    assert nocol.exit_code == 2 and "no column 'question'" in said(nocol)

@@ -25,6 +25,7 @@ from fulmen.store import RedisStore
 from fulmen.store.redis.embedded import free_port
 from fulmen.versions.lora import lora_description
 from fulmen.versions.model_version import publish_model_version
+from fulmen_algorithm.export import write_hf_folder
 from fulmen_llm_proxy.backends.torch.engine import TorchEngine
 from fulmen_llm_proxy.backends.torch.request import SamplingParams
 from fulmen_vllm_sync.admin import VllmAdmin
@@ -51,7 +52,10 @@ def vllm(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run deploy/vllm-venv.sh first (the README's test command does)")
     root = tmp_path_factory.mktemp("vllm")
-    base = _tiny(root / "base", seed=0)
+    # vLLM serves the model as a run exports it (fulmen_algorithm.export: config, tokenizer, generation
+    # config, safetensors, model card), not the folder the tiny model kit wrote
+    built = _tiny(root / "built", seed=0)
+    base = write_hf_folder(load_file(str(built / "model.safetensors")), built, root / "base", "v0")
     port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
