@@ -32,6 +32,7 @@ from fulmen.versions.model_version import BASE_VERSION, ModelVersion, is_publish
 from fulmen.versions.rebuild import checkpoints_of
 from fulmen_trainer.distributed.leadership import claim_pending
 from fulmen_trainer.publishing import republish_if_lost
+from fulmen_trainer.values import save_value_head
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +130,16 @@ def save(
     model: Any,
     optimizer: torch.optim.Optimizer,
     codec_state: dict[str, Any] | None = None,
+    value_head: torch.nn.Module | None = None,
 ) -> Path:
+    """The step's model (``model/``, a Hugging Face folder), its value head beside it if it has one
+    (`fulmen_trainer.values`), the optimizer and the rest; in place once whole."""
     final = directory / f"step-{checkpoint.step}"
     tmp = directory / f".step-{checkpoint.step}.tmp"
     _fresh_tmp(directory, tmp)
     model.save_pretrained(tmp / "model", safe_serialization=True)
+    if value_head is not None:
+        save_value_head(value_head, tmp)
     tensors: dict[str, torch.Tensor] = {}
     optim = optimizer.state_dict()
     meta = {

@@ -33,9 +33,21 @@ def token_logprobs(
     """log π(token t+1 | tokens ≤ t) at every trained position of ``batch`` ([B, T-1], 0 elsewhere),
     and, with ``entropy``, the entropy of the next-token distribution there (same layout), else None.
     Both carry gradients when the model does."""
+    logp, ent, _ = scored_tokens(model, batch, chunk_tokens=chunk_tokens, entropy=entropy)
+    return logp, ent
+
+
+def scored_tokens(
+    model: Any, batch: TokenBatch, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, entropy: bool = False,
+    value_head: torch.nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`token_logprobs`, and with ``value_head`` its value of each trained position's last hidden state
+    ([B, T-1], 0 elsewhere; None without a head), from the same forward."""
     where = batch.mask > 0
     targets = batch.input_ids[:, 1:][where]
     parts = _parts(model)
+    if parts is None and value_head is not None:
+        raise ValueError(f"{type(model).__name__} has no separate decoder: a value head has no hidden state to read")
     forward, head = (model, None) if parts is None else parts
     hidden = _trained_states(model, forward, batch, where)
     finish = _finisher(model)
@@ -50,7 +62,11 @@ def token_logprobs(
             lp, ent = _chunk(head, finish, h, t, entropy)
         logps.append(lp)
         entropies.append(ent)
-    return _scatter(logps, where), _scatter(entropies, where) if entropy else None
+    values = None
+    if value_head is not None:
+        weight = next(value_head.parameters())
+        values = _scatter([value_head(hidden.to(weight.dtype)).squeeze(-1).float()], where)
+    return _scatter(logps, where), _scatter(entropies, where) if entropy else None, values
 
 
 def pack_micro_batch(model: Any, batch: TokenBatch, max_tokens: int | None = None) -> TokenBatch:

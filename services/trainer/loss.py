@@ -15,21 +15,25 @@ from fulmen_trainer.logprobs import token_logprobs
 from fulmen_trainer.objectives import (
     OverlongPenalty,
     RecipeKnobs,
+    clipped_value_loss,
     kl_to_reference,
     objective,
     policy_ratio,
     recipe_defaults,
 )
 from fulmen_trainer.policy import Policy
+from fulmen_trainer.values import ValueTargets
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 def micro_loss(s: TrainerSettings, policy: Policy, micro: TokenBatch, adv: torch.Tensor, logp: torch.Tensor,
-               token_entropy: torch.Tensor | None, prox: torch.Tensor
+               token_entropy: torch.Tensor | None, prox: torch.Tensor, values: ValueTargets | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A micro-batch's loss (its token mean) and its parts: policy term, entropy, KL to the reference."""
+    """A micro-batch's loss (its token mean) and its parts: policy term, entropy, KL to the reference.
+    ``values``: the value head's values for this micro-batch with their targets (`fulmen_trainer.values`;
+    ``adv`` is then per token): the loss includes vf_coef × their `value_loss`."""
     mask = micro.mask
     loss_fn = objective(s.algorithm)
     knobs = recipe_knobs(s)
@@ -49,7 +53,17 @@ def micro_loss(s: TrainerSettings, policy: Policy, micro: TokenBatch, adv: torch
             on_reference = micro.to(next(reference.parameters()).device)
             ref_logp, _ = token_logprobs(reference, on_reference, chunk_tokens=s.logprob_chunk_tokens)
         kl = (kl_to_reference(logp, ref_logp.to(logp.device)) * mask).sum() / mask.sum().clamp(min=1)
-    return pg - s.ent_coef * entropy + s.kl_coef * kl, pg, entropy, kl
+    total = pg - s.ent_coef * entropy + s.kl_coef * kl
+    if values is not None:
+        total = total + knobs.vf_coef * value_loss(s, mask, values)
+    return total, pg, entropy, kl
+
+
+def value_loss(s: TrainerSettings, mask: torch.Tensor, values: ValueTargets) -> torch.Tensor:
+    """The clipped value loss of a micro-batch's current values (``values.current``), its token mean."""
+    assert values.current is not None, "the value head's values of this micro-batch"
+    per_token = clipped_value_loss(values.current, values.old, values.returns, recipe_knobs(s).value_clip)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 
 def clip_range(s: TrainerSettings) -> float:
@@ -86,12 +100,18 @@ def recipe_knobs(s: TrainerSettings, *, announce: bool = False) -> RecipeKnobs:
         ratio=str(d.get("ratio", "token")), constant_normaliser=constant, max_response_length=s.max_response_length,
         dynamic_sampling=_first(s.dynamic_sampling, bool(d.get("dynamic_sampling", False))),
         overlong=_overlong(s, bool(d.get("overlong_penalty", False))), sft_min_reward=s.sft_min_reward,
+        value_head=bool(d.get("value_head", False)), gamma=s.gamma, gae_lambda=s.gae_lambda,
+        whiten_advantages=s.whiten_advantages, value_clip=s.value_clip or None, vf_coef=s.vf_coef,
     )
     if announce:
         log.info("recipe %s: clip [1 - %g, 1 + %g], %s ratio, %s mean%s, dynamic sampling %s, overlong penalty %s",
                  s.algorithm, knobs.clip_eps_low, knobs.clip_eps_high, knobs.ratio, knobs.aggregation,
                  f" over samples × {s.max_response_length} tokens" if constant else "",
                  "on" if knobs.dynamic_sampling else "off", knobs.overlong or "off")
+        if knobs.value_head:
+            log.info("value head: GAE γ %g, λ %g, advantages %s, value clip %s, vf_coef %g", knobs.gamma,
+                     knobs.gae_lambda, "whitened" if knobs.whiten_advantages else "as they are",
+                     knobs.value_clip if knobs.value_clip is not None else "off", knobs.vf_coef)
     return knobs
 
 

@@ -21,7 +21,7 @@ _DEFAULTS: dict[str, dict[str, object]] = {}
 # What a recipe may set otherwise than the generic settings: `RecipeKnobs` fields, except that
 # "overlong_penalty" (a bool) turns DAPO's penalty on when the generation limit is known.
 RECIPE_KNOBS = frozenset({"clip_eps_low", "clip_eps_high", "aggregation", "ratio", "constant_normaliser",
-                          "dynamic_sampling", "overlong_penalty"})
+                          "dynamic_sampling", "overlong_penalty", "value_head"})
 
 
 def register_objective(name: str, **defaults: object) -> Callable[[Objective], Objective]:
@@ -81,7 +81,9 @@ class RecipeKnobs:
     ``constant_normaliser``: Dr. GRPO: the summed loss is divided by samples × ``max_response_length``
     (the generation limit, a constant) instead of by the tokens trained. ``dynamic_sampling``: a group
     whose rewards are all equal is never trained on. ``overlong``: a penalty added to the rewards of
-    long responses."""
+    long responses. ``value_head``: the policy carries a value head, and the advantages are GAE's per
+    token (``gamma``, ``gae_lambda``, whitened over the step when ``whiten_advantages``), its loss
+    clipped by ``value_clip`` around the step's start values and weighed by ``vf_coef``."""
 
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
@@ -92,6 +94,12 @@ class RecipeKnobs:
     dynamic_sampling: bool = False
     overlong: OverlongPenalty | None = None
     sft_min_reward: float | None = None
+    value_head: bool = False
+    gamma: float = 1.0
+    gae_lambda: float = 0.95
+    whiten_advantages: bool = True
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.1
 
 
 # --- advantages ------------------------------------------------------------------------------------
@@ -129,15 +137,19 @@ AdvantageFn = Callable[[Rewards, Baseline, RecipeKnobs], torch.Tensor]
 class Advantages:
     fn: AdvantageFn
     per_rollout: bool  # one reward per rollout (a rollout of three LLM calls counts once) or per sample
+    # the function gives each sample's reward at its last trained token, which the trainer spreads
+    # over its tokens by GAE with the value head (`generalised_advantages`)
+    per_token: bool = False
 
 
 _ADVANTAGES: dict[str, Advantages] = {}
 
 
-def register_advantages(*names: str, per_rollout: bool = True) -> Callable[[AdvantageFn], AdvantageFn]:
+def register_advantages(*names: str, per_rollout: bool = True,
+                        per_token: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
     def add(fn: AdvantageFn) -> AdvantageFn:
         for name in names:
-            _ADVANTAGES[name] = Advantages(fn, per_rollout)
+            _ADVANTAGES[name] = Advantages(fn, per_rollout, per_token)
         return fn
 
     return add
@@ -204,6 +216,12 @@ def _baseline_advantages(r: Rewards, baseline: Baseline, knobs: RecipeKnobs) -> 
     return baseline.advantages(r.values)
 
 
+@register_advantages("ppo_gae", per_rollout=False, per_token=True)
+def _terminal_rewards(r: Rewards, baseline: Baseline, knobs: RecipeKnobs) -> torch.Tensor:
+    """Not advantages: each sample's reward, paid at its last trained token (GAE makes the advantages)."""
+    return r.values
+
+
 @register_advantages("sft", per_rollout=False)
 def _sft_weights(r: Rewards, baseline: Baseline, knobs: RecipeKnobs) -> torch.Tensor:
     """Not advantages: sample weights, 0 below ``sft_min_reward``."""
@@ -239,6 +257,69 @@ def length_scale(tokens: float, sequences: int, max_length: int) -> float:
     """The factor that turns a token mean into Dr. GRPO's constant normalisation:
     Σ loss / (B · L_max) = (Σ loss / T) · T / (B · L_max)."""
     return tokens / max(sequences * max_length, 1)
+
+
+# --- generalised advantage estimation and the value loss (ppo_gae) ----------------------------------
+
+
+def generalised_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0,
+                           lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE per token: ``rewards`` [B] paid at each sequence's last trained token, ``values`` [B, T] the
+    value head's at each position, ``mask`` [B, T] the trained tokens (the steps of the estimate: an
+    untrained token between two turns, a tool's output, is skipped). δ_t = r_t + γ V_next - V_t and
+    A_t = δ_t + γ λ A_next, with V and A 0 after the last token. Returns (advantages, returns = A + V),
+    both [B, T] and 0 off the mask."""
+    mask = mask.to(values.dtype)
+    rows, positions = values.shape
+    trained = mask > 0
+    last = torch.where(trained, torch.arange(positions, device=values.device).expand_as(mask), -1).amax(-1)
+    next_value = values.new_zeros(rows)
+    next_advantage = values.new_zeros(rows)
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(positions)):
+        reward = torch.where(last == t, rewards.to(values.dtype), 0.0)
+        delta = reward + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        here = trained[:, t]
+        advantages[:, t] = torch.where(here, advantage, 0.0)
+        next_value = torch.where(here, values[:, t], next_value)
+        next_advantage = torch.where(here, advantage, next_advantage)
+    return advantages, (advantages + values) * mask
+
+
+def whitened_tokens(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Per-token ``values`` [B, T] shifted and scaled to mean 0, std 1 over the trained tokens (0 off them)."""
+    mask = mask.to(values.dtype)
+    count = mask.sum().clamp(min=1)
+    mean = (values * mask).sum() / count
+    std = (((values - mean) ** 2) * mask).sum().div(count).sqrt()
+    return (values - mean) / (std + eps) * mask
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       clip: float | None = 0.2) -> torch.Tensor:
+    """PPO's value loss per token [B, T]: ½ max((V - R)², (V_clip - R)²), V_clip = V_old + clamp(V - V_old,
+    ±``clip``), so a step cannot move a value far from where the step began by chasing its return
+    (``clip`` None: ½ (V - R)²)."""
+    plain = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * plain
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum(plain, (clipped - returns) ** 2)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the trained tokens: 1 a perfect value, 0 no better than the mean,
+    below 0 worse (0 when the returns do not vary: nothing to explain)."""
+    mask = mask.to(values.dtype)
+    count = mask.sum().clamp(min=1)
+
+    def var(x: torch.Tensor) -> torch.Tensor:
+        mean = (x * mask).sum() / count
+        return (((x - mean) ** 2) * mask).sum() / count
+
+    spread = float(var(returns))
+    return 1.0 - float(var(returns - values)) / spread if spread > 0 else 0.0
 
 
 # --- per-token policy losses -----------------------------------------------------------------------
@@ -291,6 +372,7 @@ def clipped_policy_loss(
 
 @register_objective("grpo")
 @register_objective("ppo")
+@register_objective("ppo_gae", value_head=True)
 @register_objective("reinforce", clip_eps_low=math.inf, clip_eps_high=math.inf)
 @register_objective("rloo")
 @register_objective("reinforce_pp")

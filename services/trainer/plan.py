@@ -12,6 +12,7 @@ import torch
 from fulmen.records import Sample
 from fulmen_trainer.groups import ReadyGroup, rollout_reward
 from fulmen_trainer.objectives import Advantages, Baseline, RecipeKnobs, Rewards, advantages_for, length_scale
+from fulmen_trainer.values import ValueTargets
 
 
 @dataclass
@@ -28,6 +29,10 @@ class StepPlan:
     # The policy's log-probabilities at the start of the step, one [B, T-1] tensor per micro-batch:
     # recorded by the first pass, the centre of the clip in the later ones (see `Trainer._backward`).
     prox_logp: list[torch.Tensor] | None = None
+    # ppo_gae: ``advantages`` are each sample's reward at its last token, and ``weights`` the samples'
+    # (staleness) weights; the first pass turns them into per-token targets (`fulmen_trainer.values`)
+    weights: torch.Tensor | None = None
+    value_targets: ValueTargets | None = None
 
     def share(self, lo: int, hi: int) -> StepPlan:
         """Samples lo..hi: one rank's part of the step (the entries and counts stay the whole step's).
@@ -43,6 +48,8 @@ def merge_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
     metrics["loss/clip_frac"] = passes[-1]["loss/clip_frac"]
     metrics["loss/policy_last_pass"] = passes[-1]["loss/policy"]
     metrics["loss/ppo_epochs"] = len(passes)
+    if "loss/value" in passes[-1]:
+        metrics["loss/value_last_pass"] = passes[-1]["loss/value"]
     return metrics
 
 
@@ -66,7 +73,12 @@ def plan_step(groups: list[ReadyGroup], algorithm: str, reward_source: str, base
     if not samples:
         return StepPlan(samples, rewards, torch.zeros(0), keys, entry_ids, dropped)
     tokens = torch.tensor([float(sum(s.response_mask)) for s in samples])
-    advantages = _advantages(advantages_for(algorithm), samples, keys, rewards, tokens, baseline, knobs)
+    spec = advantages_for(algorithm)
+    advantages = _advantages(spec, samples, keys, rewards, tokens, baseline, knobs)
+    if spec.per_token:  # rewards for GAE: weighed once spread over the tokens, not before
+        plan = StepPlan(samples, rewards, advantages, keys, entry_ids, dropped)
+        plan.weights = torch.tensor(weights, dtype=torch.float)
+        return plan
     advantages = advantages * torch.tensor(weights, dtype=torch.float)
     if knobs.constant_normaliser:  # Dr. GRPO: the trainer's token mean becomes Σ loss / (B · L_max)
         assert knobs.max_response_length is not None

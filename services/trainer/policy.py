@@ -1,5 +1,5 @@
 """The model the trainer trains: its device and precision, LoRA or full fine-tuning, the reference
-for the KL term, and what a model version publishes.
+for the KL term, ppo_gae's value head beside it, and what a model version publishes (never the head).
 
 Precision, LoRA and the KL reference, and why: docs/design/trainer.md; figures: bench/RESULTS.md.
 """
@@ -18,7 +18,9 @@ from fulmen.settings import TrainerSettings
 from fulmen.versions.lora import LORA_FORMAT, lora_description
 from fulmen_trainer.batch import TokenBatch
 from fulmen_trainer.distributed.gradients import trained
-from fulmen_trainer.logprobs import token_logprobs
+from fulmen_trainer.logprobs import scored_tokens, token_logprobs
+from fulmen_trainer.objectives import recipe_defaults
+from fulmen_trainer.values import load_value_head, new_value_head
 
 
 class Policy:
@@ -33,13 +35,28 @@ class Policy:
         self.scorer: Any = None  # the forward that takes part in gradient exchange (a DDP wrapper), if any
         self.gather: Any = None  # FSDP: a collective that returns the whole state on rank 0
         self.autocast_dtype = resolve_dtype(settings.dtype) if device.type == "cuda" else None
+        # ppo_gae: hidden → 1 on the last hidden state; not part of ``model``, so never published
+        self.value_head: torch.nn.Linear | None = None
 
     @property
     def has_reference(self) -> bool:
         return self.reference is not None or (self.lora and self.s.kl_coef > 0)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return trained(self.model)
+        """The trained weights (the adapter's with LoRA), then the value head's, if any (last: a
+        checkpoint's optimizer state is numbered in this order)."""
+        head = list(self.value_head.parameters()) if self.value_head is not None else []
+        return trained(self.model) + head
+
+    def score(self, batch: TokenBatch, chunk_tokens: int, entropy: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`logprobs`, and the value head's values of the trained positions (None without a head),
+        from one forward."""
+        if self.value_head is None:
+            return (*self.logprobs(batch, chunk_tokens, entropy), None)
+        with self.compute():
+            return scored_tokens(self.model, batch, chunk_tokens=chunk_tokens, entropy=entropy,
+                                 value_head=self.value_head)
 
     def logprobs(self, batch: TokenBatch, chunk_tokens: int, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The trained tokens' log-probabilities (and entropy) under the policy, through the scorer
@@ -152,7 +169,12 @@ def load_policy(settings: TrainerSettings, checkpoint: Path | None) -> Policy:
     if device.type != "cuda" and stored != torch.float32:
         _compute_in_fp32(model)
     model.train()
-    return Policy(model, settings, device, reference)
+    policy = Policy(model, settings, device, reference)
+    if recipe_defaults(settings.algorithm).get("value_head"):
+        policy.value_head = new_value_head(model, device)
+        if checkpoint is not None:  # ``checkpoint`` is the folder's model/; the head sits beside it
+            load_value_head(policy.value_head, checkpoint.parent)
+    return policy
 
 
 def _attention(settings: TrainerSettings, device: torch.device) -> dict[str, str]:

@@ -37,7 +37,7 @@ from fulmen_trainer.distributed.rank_group import RankGroup
 from fulmen_trainer.distributed.torch_ranks import TorchRanks
 from fulmen_trainer.groups import GroupCollector, ReadyGroup
 from fulmen_trainer.logprobs import pack_micro_batch
-from fulmen_trainer.loss import clip_fraction, learning_rate, micro_loss, recipe_knobs
+from fulmen_trainer.loss import clip_fraction, learning_rate, micro_loss, recipe_knobs, value_loss
 from fulmen_trainer.metrics import MetricsMirror, StepMetrics
 from fulmen_trainer.objectives import Baseline, objective
 from fulmen_trainer.plan import StepPlan, merge_passes, nonfinite_plan, plan_step
@@ -48,6 +48,7 @@ from fulmen_trainer.publishing import (
     answer_rebuild_asks,
     republish_if_lost,
 )
+from fulmen_trainer.values import ValueTargets, value_targets
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class Trainer:
             raise ValueError("the trainer needs --model-dir (a Hugging Face model folder)")
         objective(settings.algorithm)  # unknown names fail here, at start
         self.knobs = recipe_knobs(settings, announce=rank == 0)  # and settings the recipe cannot run with
+        if self.knobs.value_head and ranks is not None:
+            raise ValueError(f"{settings.algorithm} trains a value head, which one trainer alone keeps: "
+                             "run it without ranks (no torchrun, no --ranks)")
         resolve_device(settings.device)  # likewise a device this machine does not have
         self.store = store
         self.s = settings
@@ -304,22 +308,25 @@ class Trainer:
         first_pass = plan.prox_logp is None
         prox_logps: list[torch.Tensor] = [] if plan.prox_logp is None else plan.prox_logp
         sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "entropy": 0.0, "is_weight": 0.0, "mismatch": 0.0,
-                "clip_frac": 0.0}
+                "clip_frac": 0.0, "value_loss": 0.0}
         with_entropy = self.s.ent_coef > 0 or self.s.entropy_metric
         ranges = batch.micro_batches(self.s.micro_batch, self.s.micro_batch_tokens, packed=self.s.pack_sequences)
+        value_stream = self._value_stream(plan, batch, ranges)
         for index, (lo, hi) in enumerate(ranges):
             micro = batch.slice(lo, hi).trimmed()
             if self.s.pack_sequences:  # the same micro-batch, its forward on rows without padding
                 micro = pack_micro_batch(policy.model, micro, self.s.micro_batch_tokens)
             micro = micro.to(policy.device)
-            adv = advantages[lo:hi].to(policy.device)
+            targets = self._micro_targets(plan, lo, hi, micro)  # ppo_gae: per-token advantages, value targets
+            adv = targets.advantages if targets is not None else advantages[lo:hi].to(policy.device)
             with policy.gradient_sync(last=index == len(ranges) - 1):
-                logp, token_entropy = policy.logprobs(micro, self.s.logprob_chunk_tokens, with_entropy)
+                logp, token_entropy, values = policy.score(micro, self.s.logprob_chunk_tokens, with_entropy)
                 if first_pass:
                     prox_logps.append(logp.detach())
                 prox = prox_logps[index]
                 weight = micro.tokens / total_tokens  # micro-batches add up to the token mean of the batch
-                loss, pg, entropy, kl = micro_loss(self.s, self.policy, micro, adv, logp, token_entropy, prox)
+                targets = targets.with_current(values) if targets is not None else None
+                loss, pg, entropy, kl = micro_loss(self.s, self.policy, micro, adv, logp, token_entropy, prox, targets)
                 (loss * weight).backward()
             mask = micro.mask
             with torch.no_grad():  # diagnostics: how far the proxy's log-probabilities are from ours
@@ -334,7 +341,13 @@ class Trainer:
                 sums["entropy"] += float(entropy) * weight
                 sums["is_weight"] += float(is_weight) * weight
                 sums["mismatch"] += float(gap.abs().sum() / tokens) * weight
+                sums["value_loss"] += (float(value_loss(self.s, mask, targets)) if targets else 0.0) * weight
         plan.prox_logp = prox_logps
+        return self._pass_metrics(plan, batch, sums, value_stream)
+
+    def _pass_metrics(self, plan: StepPlan, batch: TokenBatch, sums: dict[str, float],
+                      value_stream: dict[str, float]) -> dict[str, Any]:
+        """A pass's metrics from its sums over micro-batches (`backward`)."""
         rewards = torch.tensor(plan.rewards) if plan.rewards else torch.zeros(1)
         staleness = batch.staleness
         return {
@@ -347,7 +360,26 @@ class Trainer:
             "perf/samples": len(batch), "perf/tokens": batch.tokens,
             "groups/dropped": plan.dropped_groups,
             **{f"count/{name}": n for name, n in self.collector.counts.items()},
+            **value_stream, **({"loss/value": sums["value_loss"]} if plan.value_targets is not None else {}),
         }
+
+    def _micro_targets(self, plan: StepPlan, lo: int, hi: int, micro: TokenBatch) -> ValueTargets | None:
+        """Sequences lo..hi of the step's value targets, as wide as ``micro`` and on its device (None:
+        no value head)."""
+        if plan.value_targets is None:
+            return None
+        assert self.policy is not None
+        return plan.value_targets.micro(lo, hi, micro.mask.shape[1], self.policy.device)
+
+    def _value_stream(self, plan: StepPlan, batch: TokenBatch, ranges: list[tuple[int, int]]) -> dict[str, float]:
+        """ppo_gae, in a step's first pass: the value head's targets for the step's passes (in
+        ``plan.value_targets``), from the values before any update; and their metrics (``{}`` otherwise)."""
+        assert self.policy is not None
+        if self.policy.value_head is None or plan.weights is None or plan.value_targets is not None:
+            return {}
+        plan.value_targets, stream = value_targets(self.policy, batch, ranges, plan.advantages, plan.weights,
+                                                   self.knobs, self.s.logprob_chunk_tokens)
+        return stream
 
     def _batch(self, plan: StepPlan) -> TokenBatch:
         pad_id = getattr(self.model.config, "pad_token_id", None) or 0
@@ -471,7 +503,8 @@ class Trainer:
         if isinstance(self.ranks, TorchRanks) and self.ranks.sharded:
             await asyncio.to_thread(self.ranks.save_checkpoint, directory, checkpoint, self)
         else:
-            await asyncio.to_thread(ckpt.save, directory, checkpoint, self.model, self.optimizer, codec_state)
+            await asyncio.to_thread(ckpt.save, directory, checkpoint, self.model, self.optimizer, codec_state,
+                                    self.policy.value_head if self.policy is not None else None)
         await self.store.samples.ack_samples(k.TRAINERS_GROUP, self.consumed_since_checkpoint)
         self.consumed_since_checkpoint = []
         self.checkpointed_step = self.step

@@ -16,7 +16,7 @@ from fulmen.settings.base import CommonSettings, with_default
 
 Dtype = Literal["float32", "bfloat16"]
 # the recipes fulmen_trainer.objectives registers (docs/guides/recipes.md)
-Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "reinforce", "sft"]
+Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "ppo_gae", "reinforce", "sft"]
 SampleShape = Literal["triplet", "trajectory"]
 RewardSource = Literal["final", "matched"]
 StalePolicy = Literal["drop", "downweight"]
@@ -432,7 +432,7 @@ class AdapterSettings(CommonSettings):
 class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings, CheckpointDirSettings):
     algorithm: Algorithm = Field(
         "grpo",
-        description="The training recipe: grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, ppo, reinforce or sft "
+        description="The training recipe: grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, ppo, ppo_gae, reinforce or sft "
         "(docs/guides/recipes.md).",
         json_schema_extra={"group": "objective"},
     )
@@ -644,6 +644,38 @@ class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings,
         1.0,
         ge=0,
         description="The overlong penalty at max_response_length and beyond.",
+        json_schema_extra={"group": "objective"},
+    )
+    gamma: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="ppo_gae: the discount per response token of generalised advantage estimation.",
+        json_schema_extra={"group": "objective"},
+    )
+    gae_lambda: float = Field(
+        0.95,
+        ge=0,
+        le=1,
+        description="ppo_gae: GAE's λ (1: the Monte Carlo return minus the value; 0: the one-step TD error).",
+        json_schema_extra={"group": "objective"},
+    )
+    whiten_advantages: bool = Field(
+        True,
+        description="ppo_gae: the per-token advantages shifted and scaled to mean 0, std 1 over the step's tokens.",
+        json_schema_extra={"group": "objective"},
+    )
+    vf_coef: float = Field(
+        0.1,
+        ge=0,
+        description="ppo_gae: the value loss's weight in the loss.",
+        json_schema_extra={"group": "objective"},
+    )
+    value_clip: float = Field(
+        0.2,
+        ge=0,
+        description="ppo_gae: the new value is clipped to within this of the step's start value in the value "
+        "loss (0: not clipped).",
         json_schema_extra={"group": "objective"},
     )
     publish_every: int = Field(
