@@ -5,6 +5,7 @@ weights between decoding steps, so a call that straddles a load would mix them).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -57,6 +58,36 @@ async def test_calls_go_to_ready_replicas_only(real_store: RedisStore) -> None:
     with pytest.raises(ProxyError) as caught:
         backend.upstreams.order("r1")
     assert caught.value.status == 503 and "loading" in str(caught.value)
+    await backend.close()
+
+
+async def test_a_call_waits_while_the_only_replica_loads_then_goes_to_it(real_store: RedisStore) -> None:
+    """No 503 for a reload: with every replica loading, a call waits (up to upstream_load_wait_s) and
+    goes out once one is ready; past the wait it is refused, saying why."""
+    backend = VllmBackend(["http://127.0.0.1:1"])
+    view = ReplicaView(real_store)
+    backend.follow_replicas(view)
+    await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:1", "v3", ready=False, reason="loading v3"))
+    await view.refresh()
+
+    async def loaded() -> None:
+        await asyncio.sleep(0.3)
+        await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:1", "v3", ready=True))
+        await view.refresh()
+
+    loading = asyncio.create_task(loaded())
+    waiting = asyncio.create_task(backend.upstreams.ready_order("r1"))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # still loading: the call waits instead of a 503
+    assert [p.base_url for p in await waiting] == ["http://127.0.0.1:1"]
+    await loading
+    assert backend.upstreams.load_waits > 0
+    await real_store.registry.set_replica(ReplicaState("http://127.0.0.1:1", "v4", ready=False, reason="loading v4"))
+    await view.refresh()
+    backend.upstreams.policy = dataclasses.replace(backend.upstreams.policy, load_wait_s=0.1)
+    with pytest.raises(ProxyError) as caught:
+        await backend.upstreams.ready_order("r1")
+    assert caught.value.status == 503 and caught.value.code == "upstream_loading"
     await backend.close()
 
 
@@ -127,6 +158,7 @@ async def test_no_call_mixes_two_versions_while_versions_load(real_store: RedisS
     backend.follow_replicas(view)
     refreshing = asyncio.create_task(view.run())
     calls: list[Result] = []
+    refused: list[ProxyError] = []
     publishing = True
 
     async def agent(n: int) -> None:
@@ -136,8 +168,8 @@ async def test_no_call_mixes_two_versions_while_versions_load(real_store: RedisS
             try:
                 await backend.complete(_call(f"r{n}-{i}"), result)
                 calls.append(result)
-            except ProxyError as e:
-                assert e.status == 503  # no ready replica while a version loads: the runner retries
+            except ProxyError as e:  # counted: the one replica's reloads must not refuse calls
+                refused.append(e)
                 await asyncio.sleep(0.05)
             i += 1
 
@@ -171,6 +203,7 @@ async def test_no_call_mixes_two_versions_while_versions_load(real_store: RedisS
     assert len(set(map(tuple, expected.values()))) == 4  # the versions answer differently
     seen = {r.model_version for r in calls}
     assert {"v1", "v2", "v3"} <= seen, seen
+    assert [(e.status, e.code, e.message) for e in refused] == []  # calls waited for each reload: no 503
     wrong = [(r.model_version, r.token_ids) for r in calls if r.token_ids != expected[r.model_version or "base"]]
     assert wrong == []  # every call's tokens are those of the version it is recorded with
 

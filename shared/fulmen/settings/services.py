@@ -315,6 +315,13 @@ class ProxySettings(ServedModelSettings, ProxyKeysSettings, ComputeSettings, Che
         description="Most time one call spends on attempts, backoffs and rate-limit waits together.",
         json_schema_extra={"group": "upstream policy"},
     )
+    upstream_load_wait_s: float = Field(
+        120.0,
+        ge=0,
+        description="How long a call waits while every upstream replica loads a model version, before a 503 "
+        "(0: answer 503 at once). The call is then served by the new version, and recorded as such.",
+        json_schema_extra={"group": "upstream policy"},
+    )
     upstream_timeout_s: float = Field(
         300.0,
         gt=0,

@@ -32,6 +32,7 @@ class UpstreamPolicy:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     cache_entries: int = 0
+    load_wait_s: float = 120.0  # a call's wait while every replica loads a version
 
     @classmethod
     def from_settings(cls, settings: ProxySettings) -> UpstreamPolicy:
@@ -40,6 +41,7 @@ class UpstreamPolicy:
             backoff_max_s=settings.upstream_backoff_max_s, budget_s=settings.upstream_budget_s,
             timeout_s=settings.upstream_timeout_s, requests_per_minute=settings.upstream_rpm,
             tokens_per_minute=settings.upstream_tpm, cache_entries=settings.upstream_cache_entries,
+            load_wait_s=settings.upstream_load_wait_s,
         )  # fmt: skip
 
     def backoff(self, retry: int, rng: random.Random | None = None) -> float:

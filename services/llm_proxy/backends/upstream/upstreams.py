@@ -6,10 +6,12 @@ failover: docs/design/proxy.md.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,6 +31,7 @@ from fulmen_llm_proxy.errors import ProxyError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+LOAD_POLL_S = 0.05  # how often a waiting call looks again (the replica view is read every 0.5 s)
 
 
 def normalize(url: str) -> str:
@@ -66,6 +69,7 @@ class Upstreams:
         } if limited else {}  # fmt: skip
         self.cache = ResponseCache(self.policy.cache_entries) if self.policy.cache_entries else None
         self.retries = 0  # sends after a call's first, for metrics and tests
+        self.load_waits = 0  # polls of calls that waited for a replica to finish loading
         self._round_robin = itertools.cycle(range(len(self.pools)))
         # which replicas may take calls now (vllm: not while loading a version); None: all
         self.routable: Callable[[str], bool] | None = None
@@ -88,6 +92,20 @@ class Upstreams:
                              code="upstream_loading")
         return ready
 
+    async def ready_order(self, rollout_id: str) -> list[HttpPool]:
+        """`order`, waiting up to the policy's ``load_wait_s`` while no replica is routable (each is
+        loading a model version: with one replica, every reload), so the call is served by the new
+        version rather than refused; a 503 only once the wait is spent."""
+        deadline = time.monotonic() + self.policy.load_wait_s
+        while True:
+            try:
+                return self.order(rollout_id)
+            except ProxyError as e:
+                if e.code != "upstream_loading" or time.monotonic() >= deadline:
+                    raise
+            self.load_waits += 1
+            await asyncio.sleep(LOAD_POLL_S)
+
     def _order(self, rollout_id: str) -> list[HttpPool]:
         if len(self.pools) == 1:
             return self.pools
@@ -106,7 +124,7 @@ class Upstreams:
         """``send`` to the rollout's replica, or the next one when it cannot be reached; the replica
         that took it and its reply."""
         last: Exception | None = None
-        for pool in self.order(rollout_id):
+        for pool in await self.ready_order(rollout_id):
             try:
                 return pool, await send(pool)
             except (OSError, TimeoutError) as e:

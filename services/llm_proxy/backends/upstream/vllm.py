@@ -6,8 +6,10 @@ weights is sent again or recorded ``text_only``. The fields and why: docs/design
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,7 +21,7 @@ from fulmen_llm_proxy.errors import ProxyError
 
 log = logging.getLogger(__name__)
 
-SENDS_PER_CALL = 2  # a call the replica's weights changed under is sent once more
+MIN_SENDS = 2  # a call the replica's weights changed under is sent again at least once
 
 
 class VllmBackend(OpenAIBackend):
@@ -35,15 +37,21 @@ class VllmBackend(OpenAIBackend):
         view = self.replicas
         if view is None:
             return await self._complete(call, result)
-        for _ in range(SENDS_PER_CALL):
+        # a call the replica's weights changed under is sent again, once its replicas are ready (the
+        # view read again first: the reload that spoiled it is still under way), until the load wait ends
+        deadline = time.monotonic() + self.upstreams.policy.load_wait_s
+        for send in itertools.count(1):
             stamps: list[Stamp] = []
             body = await self._complete(call, result, stamps_into(stamps, view))
             version = await view.confirm(stamps[-1])
             if version is not None:
                 result.model_version = version or result.model_version
                 return body
+            if send >= MIN_SENDS and time.monotonic() >= deadline:
+                break
             log.info("the replica %s changed weights during a call: sending it again", stamps[-1].url)
-        raise ProxyError(503, "the upstream replica changed weights during the call, twice: retry it",
+            await view.refresh()
+        raise ProxyError(503, "the upstream replica changed weights during every send of the call: retry it",
                          code="upstream_loading")
 
     def payload(self, call: Call) -> dict[str, Any]:
