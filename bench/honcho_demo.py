@@ -73,6 +73,12 @@ def honcho_start(folder: Path, env: dict[str, str], argv: list[str] | None = Non
                 os.killpg(honcho.pid, signal.SIGKILL)
 
 
+def log_tail(folder: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of the honcho.log in ``folder`` (why a run ended early)."""
+    path = folder / "honcho.log"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no honcho.log)"
+
+
 def _validations(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     try:
         return [json.loads(fields[b"m"]) for _, fields in client.xrange(keys.validations)]

@@ -1,5 +1,19 @@
 """Benchmark: the trainer's recipes, part by part (`--only NAME` runs one part; every part by default).
 
+``demo``: the README's demo (bench/honcho_demo.py: the repository's Procfile and .env in a fresh
+folder on free ports, `honcho start`) trained with each RL recipe (``--recipes``: every registered
+one but sft by default) for ``--seeds`` seeds (3), each run stopped at the first validation pass at
+``--target`` (0.9) or at ``--budget-s`` (600) since `honcho start`. A run differs from the .env only by
+FULMEN_ALGORITHM, FULMEN_SEED, the knobs its recipe needs on the demo (the generation limit,
+ANSWER_TOKENS, for the recipes that normalise by it or penalise answers near it), a step count too
+large to end it, and FULMEN_MODEL_DIR: the seed's warm start, prepared once into ``--cache`` (as the
+demo prepares it; reused by every run and every later invocation), so each run is RL only. The knobs
+are resolved as the trainer will resolve them before anything starts. One JSON line per run, then
+the per-recipe figures; ``--dry-run`` prints the runs, their environments and knobs, and starts nothing.
+
+    flock /tmp/bench.lock python bench/recipes.py --only demo                  # hours: 9 recipes x 3 seeds
+    python bench/recipes.py --only demo --recipes grpo,dapo --seeds 1 --dry-run
+
 ``packing``: tokens/s of one training step (Trainer.backward + Trainer.update: forward, backward,
 AdamW step; fp32 on the CPU) with ``pack_sequences`` on and off, on one micro-batch of agent traces
 with the tool demo's lengths, at Qwen2.5-0.5B's shape (`Qwen2Config`: hidden 896, 14 heads, 2 KV
@@ -15,21 +29,29 @@ seconds (`_per_cpu_s`) is less moved by other tenants of a shared machine.
 
     flock /tmp/bench.lock python bench/recipes.py --only packing
 
-Progress goes to stderr; the figures are ONE JSON object on the last line of stdout.
+Progress goes to stderr; the figures are ONE JSON object on the last line of stdout (the demo part
+prints a JSON line per run before it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import honcho_demo as honcho
 
 QWEN25_05B = {
     "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
@@ -159,7 +181,154 @@ def lengths_summary(lengths: list[int]) -> dict[str, Any]:
             "counts": dict(sorted(counts.items()))}
 
 
-PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"packing": packing}
+# --- demo: the README's demo trained with each recipe ------------------------------------------------
+
+DEMO_CACHE = honcho.ROOT / ".fulmen" / "bench-recipes"  # warm starts, one folder per seed
+VALUE_HEAD_KNOBS = frozenset({"gamma", "gae_lambda", "whiten_advantages", "value_clip", "vf_coef"})
+NOT_RL = frozenset({"sft"})  # imitates given answers: not a recipe the demo's rewards can train
+# The demo prepares its warm start in the algorithm's process with the .env's torch threads: so here.
+PREPARE = ("import logging, sys, torch; from pathlib import Path; "
+           "from fulmen_algorithm.demos.arithmetic import prepare_demo; "
+           "logging.basicConfig(level=logging.INFO, format='  [warm start] %(message)s'); "
+           "n = int(sys.argv[3]); torch.set_num_threads(n) if n else None; prepare_demo(Path(sys.argv[1]), seed=int(sys.argv[2]))")
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """One run of the demo: its recipe, its seed, and its settings over the repository's .env."""
+
+    recipe: str
+    seed: int
+    env: dict[str, str]
+
+
+def rl_recipes() -> list[str]:
+    """Every registered recipe that trains on rewards."""
+    from fulmen_trainer.objectives import algorithms
+
+    return [name for name in algorithms() if name not in NOT_RL]
+
+
+def recipe_env(recipe: str, seed: int, target: float, cache: Path) -> dict[str, str]:
+    """The run's settings over the .env: the recipe, the seed, its warm start, no step limit, and the
+    knobs the recipe cannot run the demo without (the answers' generation limit)."""
+    from fulmen_algorithm.demos.arithmetic import ANSWER_TOKENS
+    from fulmen_trainer.objectives import recipe_defaults
+
+    env = {"FULMEN_ALGORITHM": recipe, "FULMEN_SEED": str(seed), "FULMEN_MODEL_DIR": str(cache / f"seed-{seed}" / "model"),
+           "FULMEN_TOTAL_STEPS": "100000", "FULMEN_TARGET_ACCURACY": str(target)}
+    defaults = recipe_defaults(recipe)
+    if defaults.get("constant_normaliser") or defaults.get("overlong_penalty"):
+        env["FULMEN_MAX_RESPONSE_LENGTH"] = str(ANSWER_TOKENS)  # Dr. GRPO's constant; DAPO's overlong limit
+    return env
+
+
+def resolved_knobs(env: dict[str, str]) -> dict[str, Any]:
+    """The knobs the trainer will run with, resolved from the .env and ``env`` as it resolves them at
+    start: a setting no service reads, or knobs the trainer refuses, raise here, before anything runs."""
+    from fulmen.cli.dev import read_dotenv
+    from fulmen.settings import TrainerSettings, env_name, known_env_names, load_settings
+    from fulmen_trainer.loss import recipe_knobs
+
+    values = {**read_dotenv(honcho.ROOT / ".env"), **env}
+    unknown = sorted(set(env) - known_env_names())
+    if unknown:
+        raise ValueError(f"no service reads {unknown}")
+    fields = {f: values[env_name(f)] for f in TrainerSettings.model_fields if env_name(f) in values}
+    knobs = dataclasses.asdict(recipe_knobs(load_settings(TrainerSettings, **fields)))
+    if not knobs["value_head"]:  # the value head's knobs say nothing without one
+        knobs = {k: v for k, v in knobs.items() if k not in VALUE_HEAD_KNOBS}
+    return {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in knobs.items()}
+
+
+def demo_runs(args: argparse.Namespace) -> list[DemoRun]:
+    """Seed by seed, every recipe: an interrupted benchmark has every recipe on its first seeds."""
+    seeds = range(args.seed, args.seed + args.seeds)
+    return [DemoRun(r, s, recipe_env(r, s, args.target, args.cache)) for s in seeds for r in args.recipe_names]
+
+
+def prepare_warm_start(cache: Path, seed: int) -> float:
+    """The seed's warm start in ``cache``/seed-N, as the demo prepares it (minutes the first time;
+    reused after). The seconds it took."""
+    from fulmen.cli.dev import read_dotenv
+
+    threads = read_dotenv(honcho.ROOT / ".env").get("FULMEN_TORCH_THREADS", "0")
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", PREPARE, str(cache / f"seed-{seed}"), str(seed), threads], check=True,
+                   env=honcho.clean_env(), stdout=sys.stderr)
+    return time.perf_counter() - started
+
+
+def _reached(passes: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
+    return next((v for v in passes if v["label"] != "v0" and v["accuracy"] >= target), None)
+
+
+def run_recipe(run: DemoRun, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """The demo in ``folder`` with the run's settings, until the target or the budget."""
+    redis_port = honcho.write_folder(folder, "Procfile", ".env", run.env)
+    started = time.time()
+    with honcho.honcho_start(folder, honcho.clean_env()) as process:
+        passes = honcho.watch_validations(process, redis_port, f"{run.recipe} seed {run.seed}", started,
+                                          args.budget_s, lambda passes: _reached(passes, args.target) is not None)
+        exited = process.poll()
+    reached = _reached(passes, args.target)
+    if exited is not None and reached is None:
+        log("%s seed %d: honcho ended (%s) first; its log ends:\n%s", run.recipe, run.seed, exited,
+            honcho.log_tail(folder))
+    points = honcho.curve(passes, started)
+    trained = [c["accuracy"] for c in points if c["label"] != "v0"]
+    return {
+        "recipe": run.recipe, "seed": run.seed, "target": args.target, "budget_s": args.budget_s,
+        "ended": "target" if reached else "budget" if exited is None else f"honcho exited ({exited})",
+        "time_to_target_s": round(reached["time"] - started, 1) if reached else None,
+        "steps_to_target": reached.get("step") if reached else None,
+        "warm_start_accuracy": next((c["accuracy"] for c in points if c["label"] == "v0"), None),
+        "final_accuracy": trained[-1] if trained else None, "best_accuracy": max(trained, default=None),
+        "wall_s": round(time.time() - started, 1), "env": run.env, "curve": points,
+    }
+
+
+def recipe_figures(results: list[dict[str, Any]], recipes: list[str]) -> dict[str, Any]:
+    """Per recipe: runs, runs at the target, the median time to it (a run that missed it counts as
+    never: the median is None unless most runs reached it), final accuracy per seed; the fastest."""
+    figures: dict[str, Any] = {}
+    for recipe in recipes:
+        mine = [r for r in results if r["recipe"] == recipe]
+        times = [r["time_to_target_s"] for r in mine]
+        median = statistics.median([math.inf if t is None else t for t in times]) if times else math.inf
+        figures[recipe] = {
+            "runs": len(mine), "reached_target": sum(t is not None for t in times),
+            "median_time_to_target_s": median if math.isfinite(median) else None,
+            "time_to_target_s": {str(r["seed"]): r["time_to_target_s"] for r in mine},
+            "final_accuracy": {str(r["seed"]): r["final_accuracy"] for r in mine},
+        }
+    timed = {name: f["median_time_to_target_s"] for name, f in figures.items() if f["median_time_to_target_s"] is not None}
+    return {"recipes": figures, "fastest_recipe": min(timed, key=lambda name: timed[name]) if timed else None}
+
+
+def demo(args: argparse.Namespace) -> dict[str, Any]:
+    """Each recipe on the demo, seed by seed; a JSON line per run (``--dry-run``: its settings)."""
+    runs = demo_runs(args)
+    knobs = {r.recipe: resolved_knobs(r.env) for r in runs}  # the trainer's refusals, before hours are spent
+    head = {"target": args.target, "budget_s": args.budget_s, "seeds": sorted({r.seed for r in runs})}
+    if args.dry_run:
+        for r in runs:
+            print(json.dumps({"recipe": r.recipe, "seed": r.seed, "env": r.env, "knobs": knobs[r.recipe]}), flush=True)
+        return head | {"dry_run": True, "runs": len(runs), "recipe_names": args.recipe_names, "cache": str(args.cache)}
+    results, warm_start_s = [], {}
+    for r in runs:
+        if r.seed not in warm_start_s:
+            warm_start_s[r.seed] = round(prepare_warm_start(args.cache, r.seed), 1)
+        with tempfile.TemporaryDirectory(prefix=f"fulmen-recipes-{r.recipe}-") as folder:
+            log("%s seed %d: honcho start in %s (budget %.0f s)", r.recipe, r.seed, folder, args.budget_s)
+            result = run_recipe(r, args, Path(folder)) | {"knobs": knobs[r.recipe]}
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    return head | {"warm_start_s": warm_start_s} | recipe_figures(results, args.recipe_names)
+
+
+PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"packing": packing, "demo": demo}
+DRY_RUN_PARTS = frozenset({"demo"})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,11 +338,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sequences", type=int, default=64, help="packing: traces in the step (default 64: one "
                         "micro-batch, the trainer's default micro_batch)")
     parser.add_argument("--pairs", type=int, default=4, help="packing: timed steps of each kind (default 4)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="packing: its seed; demo: the first seed")
+    parser.add_argument("--recipes", help="demo: comma-separated recipes (default: every RL recipe)")
+    parser.add_argument("--seeds", type=int, default=3, help="demo: seeds per recipe, from --seed (default 3)")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="demo: most seconds a run takes (default 600)")
+    parser.add_argument("--target", type=float, default=0.9, help="demo: the validation accuracy a run stops at")
+    parser.add_argument("--cache", type=Path, default=DEMO_CACHE, help=f"demo: the warm starts (default {DEMO_CACHE})")
+    parser.add_argument("--dry-run", action="store_true", help="demo: print the runs and their settings, start nothing "
+                        "(the packing part is skipped)")
     args = parser.parse_args(argv)
+    names = [args.only] if args.only else list(PARTS)
+    if args.dry_run:
+        names = [name for name in names if name in DRY_RUN_PARTS]
+    if "demo" in names:
+        recipes = rl_recipes()
+        args.recipe_names = honcho.variant_names(parser, args.recipes, recipes) if args.recipes else recipes
     started = time.perf_counter()
     out: dict[str, Any] = {}
-    for name in [args.only] if args.only else list(PARTS):
+    for name in names:
         out |= PARTS[name](args)
     out["wall_s"] = round(time.perf_counter() - started, 1)
     if "packed_vs_padded_tokens_per_s" in out:  # the packing part's figure ends the line

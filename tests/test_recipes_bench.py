@@ -1,0 +1,100 @@
+"""bench/recipes.py's demo part without running it: the dry run lists every RL recipe for every seed,
+each with the settings and knobs its trainer will resolve, and the figures name the fastest recipe."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from fulmen_algorithm.demos.arithmetic import ANSWER_TOKENS
+from fulmen_trainer.objectives import RecipeKnobs, algorithms, recipe_defaults
+
+ROOT = Path(__file__).resolve().parents[1]
+# What differs between two runs of one seed: the recipe, and the knobs the recipe needs.
+RECIPE_SETTINGS = {"FULMEN_ALGORITHM", "FULMEN_MAX_RESPONSE_LENGTH"}
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("recipes_bench", ROOT / "bench" / "recipes.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def dry_run(bench: ModuleType, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    bench.main(["--only", "demo", "--dry-run", *argv])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    return lines[:-1], lines[-1]
+
+
+def test_the_dry_run_lists_every_rl_recipe_for_every_seed_and_starts_nothing(
+        bench: ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Every registered recipe but sft, on seeds --seed.. --seed+--seeds-1, each on its seed's warm
+    start; within a seed the runs differ only by the recipe's settings; no warm start is prepared."""
+    cache = tmp_path / "cache"
+    runs, summary = dry_run(bench, capsys, "--seed", "3", "--seeds", "2", "--cache", str(cache))
+    rl = [name for name in algorithms() if name != "sft"]
+    assert {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "reinforce"} <= set(rl)
+    assert sorted((r["recipe"], r["seed"]) for r in runs) == sorted((name, seed) for name in rl for seed in (3, 4))
+    for r in runs:
+        env = r["env"]
+        assert (env["FULMEN_ALGORITHM"], env["FULMEN_SEED"]) == (r["recipe"], str(r["seed"]))
+        assert env["FULMEN_MODEL_DIR"] == str(cache / f"seed-{r['seed']}" / "model")
+        assert int(env["FULMEN_TOTAL_STEPS"]) >= 10_000  # the target or the budget ends a run, not the steps
+        assert float(env["FULMEN_TARGET_ACCURACY"]) == 0.9
+    for seed in (3, 4):
+        shared = [{k: v for k, v in r["env"].items() if k not in RECIPE_SETTINGS} for r in runs if r["seed"] == seed]
+        assert all(env == shared[0] for env in shared)
+    assert summary["dry_run"] is True and summary["runs"] == 2 * len(rl) and summary["seeds"] == [3, 4]
+    assert not cache.exists()
+
+
+def test_each_recipe_runs_with_its_own_knobs_and_the_length_limit_it_needs(
+        bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    """The knobs the trainer resolves are the recipe's defaults; Dr. GRPO's constant and DAPO's
+    overlong penalty are the answers' generation limit (without it Dr. GRPO would not start)."""
+    runs, _ = dry_run(bench, capsys, "--seeds", "1")
+    knobs = {r["recipe"]: r["knobs"] for r in runs}
+    for name, resolved in knobs.items():
+        for knob, value in recipe_defaults(name).items():
+            if knob in RecipeKnobs.__dataclass_fields__:
+                assert resolved[knob] == (value if value != float("inf") else "inf"), (name, knob)
+    assert knobs["dr_grpo"]["constant_normaliser"] and knobs["dr_grpo"]["max_response_length"] == ANSWER_TOKENS
+    assert knobs["dapo"]["overlong"] == {"max_length": ANSWER_TOKENS, "buffer": 1, "factor": 1.0}
+    assert knobs["dapo"]["dynamic_sampling"] and knobs["grpo"]["overlong"] is None
+    dr_grpo = next(r["env"] for r in runs if r["recipe"] == "dr_grpo")
+    with pytest.raises(ValueError, match="max_response_length"):
+        bench.resolved_knobs({k: v for k, v in dr_grpo.items() if k != "FULMEN_MAX_RESPONSE_LENGTH"})
+
+
+def test_a_recipe_that_is_not_rl_or_not_registered_is_a_usage_error(bench: ModuleType) -> None:
+    """--recipes names registered RL recipes only."""
+    for recipes in ("grpo,sft", "grpo,grpo_typo"):
+        with pytest.raises(SystemExit) as exited:
+            bench.main(["--only", "demo", "--dry-run", "--recipes", recipes])
+        assert exited.value.code == 2
+
+
+def test_the_fastest_recipe_is_the_fastest_median_over_every_seed(bench: ModuleType) -> None:
+    """A run that missed the target counts as never: one fast seed in three does not make a recipe
+    the fastest, and a recipe with two in three has the median of all three."""
+    def result(recipe: str, seed: int, seconds: float | None) -> dict[str, Any]:
+        return {"recipe": recipe, "seed": seed, "time_to_target_s": seconds, "final_accuracy": 0.9 if seconds else 0.5}
+
+    results = [result("steady", 0, 100.0), result("steady", 1, 300.0), result("steady", 2, None),
+               result("lucky", 0, 50.0), result("lucky", 1, None), result("lucky", 2, None)]
+    figures = bench.recipe_figures(results, ["steady", "lucky"])
+    assert figures["fastest_recipe"] == "steady"
+    assert figures["recipes"]["steady"]["median_time_to_target_s"] == 300.0
+    assert figures["recipes"]["steady"]["reached_target"] == 2
+    assert figures["recipes"]["lucky"]["median_time_to_target_s"] is None
+    assert figures["recipes"]["lucky"]["final_accuracy"] == {"0": 0.9, "1": 0.5, "2": 0.5}
