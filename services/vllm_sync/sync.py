@@ -34,6 +34,8 @@ CANARY_PROMPT = [1, 5, 6, 7, 8, 9, 10, 11]  # token ids every vocabulary has
 LORA_LOADINGS = ("auto", "dynamic", "merge")
 ADAPTERS_KEPT = 2  # the served adapter and the one before it, for calls that named it and still run
 POLL_S = 0.2  # how often a new resources version is looked for
+TURN_POLL_S = 0.2  # how often a replica waiting for its turn to load looks again
+LOAD_ROUTES = 5  # a load's routes (pause, reload, set version, reset the cache, resume): its turn lasts their timeouts
 
 
 class SyncFailed(Exception):
@@ -67,6 +69,7 @@ class VllmSync:
         self.syncs = {"ok": 0, "failed": 0}
         self.asked: str | None = None  # the lost version a rebuild was asked for
         self.checkpoint_dir = settings.checkpoint_dir  # the trainer's, rebuilt from if this host reads it
+        self.turn_ttl_s = LOAD_ROUTES * settings.sync_timeout_s  # a dead vllm-sync's turn ends by itself
 
     async def _mark(self, **changes: Any) -> None:
         self.state = await self.store.registry.set_replica(dataclasses.replace(self.state, **changes))
@@ -247,12 +250,16 @@ class VllmSync:
             await self.admin.resume()
         before = await self.admin.canary(self.model, self.canary_prompt)
         await self._after_grace()
-        await self._mark(ready=False, generation=self.state.generation + 1, reason=f"loading {version}")
-        await self.admin.pause(self.pause_mode)
-        await self.admin.reload_weights(str(folder.resolve()))
-        await self.admin.set_version(version)
-        await self.admin.reset_prefix_cache()
-        await self.admin.resume()
+        await self._my_turn(version)
+        try:
+            await self._mark(ready=False, generation=self.state.generation + 1, reason=f"loading {version}")
+            await self.admin.pause(self.pause_mode)
+            await self.admin.reload_weights(str(folder.resolve()))
+            await self.admin.set_version(version)
+            await self.admin.reset_prefix_cache()
+            await self.admin.resume()
+        finally:
+            await self.store.registry.end_replica_load(self.url)
         served = await self.admin.served_version()
         if served != version:
             raise SyncFailed(f"the server reports {served!r} after the load")
@@ -263,6 +270,16 @@ class VllmSync:
         self.weights_known = True
         self.base_loaded = False
         await self._mark(model_version=version, ready=True, reason="", served_model="")
+
+    async def _my_turn(self, version: str) -> None:
+        """Wait until no other replica is loading: reloads are staggered, so with several replicas at
+        least one serves at any time (with one, there is never a wait: calls wait for it instead)."""
+        waited = False
+        while not await self.store.registry.take_replica_load(self.url, self.turn_ttl_s):
+            if not waited:
+                log.info("another replica is loading a version: %s waits for its turn to load %s", self.url, version)
+                waited = True
+            await asyncio.sleep(TURN_POLL_S)
 
     async def _sync_adapter(self, version: str, adapter: Mapping[str, Any], lora: Mapping[str, Any]) -> None:
         """Load a LoRA version as an adapter named ``version``; the replica serves it once verified."""

@@ -36,6 +36,7 @@ WATCH_DEADLINE = "watch:deadline"  # zset: active attempt id -> time it times ou
 WORKERS = "workers"  # hash: worker id -> worker record
 PROXIES = "proxies"  # hash: proxy id -> proxy endpoint record (its heartbeat)
 WEIGHTS = "weights:"  # stream: one model version's weights, msgpack-framed safetensors chunks
+REPLICA_LOADING = "replicas:loading"  # string, with a TTL: the one inference server loading a version now (vllm-sync)
 REPLICAS = "replicas"  # hash: inference server URL -> its replica state (served version, ready), from vllm-sync
 POLICY_RESOURCES_ID = "policy"  # the resources the trainer publishes model versions to and rollouts run with
 STORED_VERSIONS = "weights-stored"  # zset: model version -> resources version, for those whose weights are kept
@@ -182,6 +183,7 @@ class Keys:
         "prefix",
         "proxies",
         "queue",
+        "replica_loading",
         "replicas",
         "resources_log",
         "resources_version",
@@ -255,6 +257,7 @@ class Keys:
         self.version_manifests = p + VERSION_MANIFESTS
         self.version_rebuilds = p + VERSION_REBUILDS
         self.replicas = p + REPLICAS
+        self.replica_loading = p + REPLICA_LOADING
         self.shards_count = p + SHARDS
 
     def shard(self, rollout_id: str) -> ShardKeys:

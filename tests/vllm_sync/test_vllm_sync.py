@@ -364,3 +364,60 @@ async def test_dynamic_lora_on_a_server_without_it_says_what_to_do(real_store: R
 async def _reason_says(store: RedisStore, url: str, text: str) -> bool:
     state = await _replica(store, url)
     return state is not None and text in state.reason
+
+
+async def test_two_replicas_take_turns_to_load_so_one_always_serves(real_store: RedisStore, models, tmp_path):
+    """Reloads are staggered: with two replicas each version is loaded by one at a time, so at every
+    moment at least one is ready; both end on the newest version."""
+    base, trained = models
+    fakes = [FakeVllm(base), FakeVllm(base)]
+    for fake in fakes:
+        await fake.start()
+    runs = [await _run(real_store, fake, base, tmp_path / f"r{i}") for i, fake in enumerate(fakes)]
+    both_down: list[dict] = []
+    watching = True
+
+    async def watch() -> None:
+        while watching:
+            states = await real_store.registry.query_replicas()
+            if len(states) == 2 and not any(s.ready for s in states.values()):
+                both_down.append({url: s.reason for url, s in states.items()})
+            await asyncio.sleep(0.005)
+
+    try:
+        await _until(lambda: _all_ready(real_store, [f.url for f in fakes], "base"))
+        watcher = asyncio.create_task(watch())
+        weights = load_file(str(trained / "model.safetensors"))
+        for version in ("v1", "v2", "v3"):
+            await publish_model_version(real_store, weights, model="tiny")
+            await _until(lambda version=version: _all_ready(real_store, [f.url for f in fakes], version))
+        watching = False
+        await watcher
+        assert both_down == []
+        assert await real_store.redis.get(real_store.keys.replica_loading) is None  # the last turn was given back
+    finally:
+        for _, stop, task, admin in runs:
+            stop.set()
+            await task
+            await admin.close()
+        for fake in fakes:
+            await fake.stop()
+
+
+async def test_a_load_turn_is_held_by_one_replica_and_ends_by_itself(real_store: RedisStore) -> None:
+    registry = real_store.registry
+    assert await registry.take_replica_load("http://a", 0.3)
+    assert await registry.take_replica_load("http://a", 0.3)  # its own turn, again
+    assert not await registry.take_replica_load("http://b", 0.3)
+    await registry.end_replica_load("http://b")  # not b's to end
+    assert not await registry.take_replica_load("http://b", 0.3)
+    await registry.end_replica_load("http://a")
+    assert await registry.take_replica_load("http://b", 0.3)
+    await asyncio.sleep(0.4)  # b's vllm-sync died mid-load: the turn ends with its TTL
+    assert await registry.take_replica_load("http://a", 0.3)
+    await registry.end_replica_load("http://a")
+
+
+async def _all_ready(store: RedisStore, urls: list[str], version: str) -> bool:
+    states = await store.registry.query_replicas()
+    return all(url in states and states[url].ready and states[url].model_version == version for url in urls)

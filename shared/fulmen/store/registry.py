@@ -15,6 +15,7 @@ from fulmen.records import ProxyEndpoint, ReplicaState, Worker
 from fulmen.store.context import StoreContext
 
 PROXY_TTL_S = 15.0  # a proxy silent for longer is not handed to new attempts
+_END_LOAD = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 class Registry:
@@ -55,6 +56,17 @@ class Registry:
         endpoint = replace(endpoint, last_heartbeat_time=time.time())
         await self.redis.hset(self.keys.proxies, endpoint.proxy_id, endpoint.to_wire())
         return endpoint
+
+    async def take_replica_load(self, url: str, ttl_s: float) -> bool:
+        """Whether ``url`` may load a version now: one replica of the experiment loads at a time, so
+        with several, the others serve meanwhile. Held until `end_replica_load` or for ``ttl_s`` (a
+        vllm-sync that dies mid-load does not hold the others back for longer)."""
+        taken = await self.redis.set(self.keys.replica_loading, url, nx=True, px=max(1, int(ttl_s * 1000)))
+        return bool(taken) or await self.redis.get(self.keys.replica_loading) == url.encode()
+
+    async def end_replica_load(self, url: str) -> None:
+        """Let the next replica load (only if ``url`` still holds the turn)."""
+        await self.redis.eval(_END_LOAD, 1, self.keys.replica_loading, url)
 
     async def set_replica(self, state: ReplicaState) -> ReplicaState:
         """Record what an inference server serves and whether it takes requests (its vllm-sync does)."""
