@@ -172,3 +172,32 @@ async def test_vllm_serves_a_lora_and_a_full_version_like_the_torch_backend(real
         _agree(await _vllm_greedy(url, model), await _torch_greedy(base, trained))
     finally:
         await admin.close()
+
+
+async def test_n_choices_on_vllm_are_each_a_sample_with_their_own_token_ids(vllm) -> None:  # type: ignore[no-untyped-def]
+    """n > 1 on the real server: one answer of three choices becomes three results, each with the
+    prompt's ids and its own token ids and log-probabilities, decoding to its own text."""
+    from transformers import AutoTokenizer
+
+    from fulmen_llm_proxy.backends.base import Call, Result
+    from fulmen_llm_proxy.backends.upstream.vllm import VllmBackend
+
+    url, base, _ = vllm
+    backend = VllmBackend([url])
+    admin = VllmAdmin(url, 60.0)
+    try:
+        model = await admin.model_name()
+        body = {"model": model, "prompt": [1, 5, 9, 12, 7], "max_tokens": 8, "temperature": 1.0, "n": 3, "seed": 3}
+        result = Result()
+        await backend.complete(Call("text_completion", body, model, False, 8, 1.0, 1.0, 3, [], n=3), result)
+    finally:
+        await backend.close()
+        await admin.close()
+    choices = [result, *result.more]
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    assert len(choices) == 3
+    for choice in choices:
+        assert choice.fidelity == "exact" and choice.prompt_token_ids == [1, 5, 9, 12, 7]
+        assert choice.token_ids and len(choice.logprobs) == len(choice.token_ids)
+        assert tokenizer.decode(choice.token_ids, skip_special_tokens=True) == choice.text
+    assert len({tuple(c.token_ids) for c in choices}) > 1  # sampled: the choices differ

@@ -120,15 +120,7 @@ class OpenAIBackend:
     def read_response(self, call: Call, body: dict[str, Any], result: Result) -> None:
         result.fidelity = self.fidelity
         self.read_header(body, result)
-        choices = body.get("choices") or [{}]
-        choice = choices[0]
-        result.finish_reason = choice.get("finish_reason")
-        if call.operation == "chat":
-            message = choice.get("message") or {}
-            result.text = message.get("content") or ""
-            result.tool_calls = message.get("tool_calls") or None
-        else:
-            result.text = choice.get("text") or ""
+        read_choice(call, (body.get("choices") or [{}])[0], result)
 
     def read_stream_choice(
         self,
@@ -162,3 +154,13 @@ def _sized(payload: Payload) -> bytes:
     """The body whose size estimates a call's tokens (any replica's: they differ in the model name)."""
     return payload if isinstance(payload, bytes) else payload("")
 
+
+def read_choice(call: Call, choice: dict[str, Any], result: Result) -> None:
+    """One choice of an answer: its finish reason, its text (and a chat's tool calls)."""
+    result.finish_reason = choice.get("finish_reason")
+    if call.operation == "chat":
+        message = choice.get("message") or {}
+        result.text = message.get("content") or ""
+        result.tool_calls = message.get("tool_calls") or None
+    else:
+        result.text = choice.get("text") or ""

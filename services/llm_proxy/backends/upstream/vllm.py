@@ -6,6 +6,7 @@ weights is sent again or recorded ``text_only``. The fields and why: docs/design
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -14,10 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fulmen_llm_proxy.backends.base import Call, Fidelity, Result
-from fulmen_llm_proxy.backends.upstream.openai import OpenAIBackend
+from fulmen_llm_proxy.backends.upstream.openai import OpenAIBackend, read_choice
 from fulmen_llm_proxy.backends.upstream.replicas import ReplicaView, Stamp
 from fulmen_llm_proxy.backends.upstream.upstreams import Payload
-from fulmen_llm_proxy.errors import ProxyError
+from fulmen_llm_proxy.errors import ProxyError, bad_request
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class VllmBackend(OpenAIBackend):
             body = await self._complete(call, result, stamps_into(stamps, view))
             version = await view.confirm(stamps[-1])
             if version is not None:
-                result.model_version = version or result.model_version
+                for choice in (result, *result.more):
+                    choice.model_version = version or choice.model_version
                 return body
             if send >= MIN_SENDS and time.monotonic() >= deadline:
                 break
@@ -81,17 +83,27 @@ class VllmBackend(OpenAIBackend):
 
         return for_replica
 
+    def _check(self, call: Call) -> None:
+        # n > 1 in one answer: every choice carries its own token ids. Streamed, the choices' chunks
+        # would have to be told apart as they come: not done here
+        if call.n > 1 and call.stream:
+            raise bad_request("n > 1 is not streamed on the vllm backend: send stream: false, or n calls", "n")
+
     def read_response(self, call: Call, body: dict[str, Any], result: Result) -> None:
         super().read_response(call, body, result)
-        choice = (body.get("choices") or [{}])[0]
-        prompt_ids = body.get("prompt_token_ids") or choice.get("prompt_token_ids")
-        token_ids = choice.get("token_ids")
-        if prompt_ids is None or token_ids is None:
-            result.fidelity = "text_only"
-            return
-        result.prompt_token_ids = list(prompt_ids)
-        result.token_ids = list(token_ids)
-        result.logprobs = _logprobs(call, choice.get("logprobs"))
+        choices = body.get("choices") or [{}]
+        prompt_ids = body.get("prompt_token_ids") or choices[0].get("prompt_token_ids")
+        result.more = [dataclasses.replace(result, more=[], extra={}) for _ in choices[1:]]
+        for index, (choice, into) in enumerate(zip(choices, [result, *result.more], strict=True)):
+            if index:  # choice 0 was read by the OpenAI backend; the others the same way
+                read_choice(call, choice, into)
+            token_ids = choice.get("token_ids")
+            if prompt_ids is None or token_ids is None:
+                into.fidelity = "text_only"
+                continue
+            into.prompt_token_ids = list(prompt_ids)
+            into.token_ids = list(token_ids)
+            into.logprobs = _logprobs(call, choice.get("logprobs"))
 
     def read_stream_choice(
         self,
