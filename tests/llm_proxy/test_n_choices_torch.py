@@ -104,15 +104,18 @@ async def test_text_completions_take_n_too(
         assert tokenizer.decode(ids, skip_special_tokens=True) == choice.text
 
 
-async def test_the_vllm_backend_refuses_n_rather_than_record_one_choice_of_n() -> None:
+async def test_the_vllm_backend_refuses_a_streamed_n_rather_than_record_one_choice_of_n() -> None:
+    """Not streamed, n > 1 on vLLM is one answer of n choices, each a sample (tests/vllm_sync/test_real_vllm.py);
+    streamed, its choices' chunks are not told apart: refused before anything is sent."""
     from fulmen_llm_proxy.backends.base import Call, Result
     from fulmen_llm_proxy.backends.upstream.vllm import VllmBackend
     from fulmen_llm_proxy.errors import ProxyError
 
     backend = VllmBackend(["http://127.0.0.1:1"])  # never reached: refused before sending
-    call = Call(operation="chat", body={"messages": MESSAGES, "n": 2}, model="m", stream=False, max_tokens=4,
-                temperature=1.0, top_p=1.0, seed=None, stop=[], n=2)  # fmt: skip
+    call = Call(operation="chat", body={"messages": MESSAGES, "n": 2, "stream": True}, model="m", stream=True,
+                max_tokens=4, temperature=1.0, top_p=1.0, seed=None, stop=[], n=2)  # fmt: skip
     with pytest.raises(ProxyError) as caught:
-        await backend.complete(call, Result())
+        async for _ in backend.stream(call, Result()):
+            pass
     assert caught.value.status == 400 and caught.value.param == "n"
     await backend.close()

@@ -27,7 +27,7 @@ KIND = "state"
 HASHES = ("algorithm_state", "adapter_stats", "workers", "version_bases", "version_manifests")
 SETS = ("algorithm_done", "trainer_untrained", "sampled")
 ZSETS = ("stored_versions",)
-STRINGS = ("resources_version", "shards_count")
+STRINGS = ("resources_version", "shards_count", "run_config")
 SET_PAGE = 1000
 
 
