@@ -251,25 +251,25 @@ class VllmSync:
         before = await self.admin.canary(self.model, self.canary_prompt)
         await self._after_grace()
         await self._my_turn(version)
-        try:
+        try:  # the turn is given back once this replica is ready again (or its load failed)
             await self._mark(ready=False, generation=self.state.generation + 1, reason=f"loading {version}")
             await self.admin.pause(self.pause_mode)
             await self.admin.reload_weights(str(folder.resolve()))
             await self.admin.set_version(version)
             await self.admin.reset_prefix_cache()
             await self.admin.resume()
+            served = await self.admin.served_version()
+            if served != version:
+                raise SyncFailed(f"the server reports {served!r} after the load")
+            after = await self.admin.canary(self.model, self.canary_prompt)
+            if after == before and sha != self.served_sha:
+                raise SyncFailed("the canary's log-probabilities did not change: the weights were not applied")
+            self.served_sha = sha
+            self.weights_known = True
+            self.base_loaded = False
+            await self._mark(model_version=version, ready=True, reason="", served_model="")
         finally:
             await self.store.registry.end_replica_load(self.url)
-        served = await self.admin.served_version()
-        if served != version:
-            raise SyncFailed(f"the server reports {served!r} after the load")
-        after = await self.admin.canary(self.model, self.canary_prompt)
-        if after == before and sha != self.served_sha:
-            raise SyncFailed("the canary's log-probabilities did not change: the weights were not applied")
-        self.served_sha = sha
-        self.weights_known = True
-        self.base_loaded = False
-        await self._mark(model_version=version, ready=True, reason="", served_model="")
 
     async def _my_turn(self, version: str) -> None:
         """Wait until no other replica is loading: reloads are staggered, so with several replicas at

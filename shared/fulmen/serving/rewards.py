@@ -28,7 +28,10 @@ def rewards_by_version(stats: Mapping[str, int]) -> dict[str, dict[str, dict[str
         mode, _, version = key[len(PREFIX) : -len(":rollouts")].partition(":")
         total = stats.get(f"{PREFIX}{mode}:{version}:reward_u", 0) / MICRO
         out.setdefault(mode, {})[version] = {"rollouts": value, "mean_reward": round(total / value, 4)}
-    return out
+    # modes in name order: a hash's order is the order its fields were first written (train or val
+    # first, as rollouts happened to end; sorted in a restored experiment's), and `fulmen status --json`
+    # must read the same for the same counters
+    return {mode: out[mode] for mode in sorted(out)}
 
 
 def is_version_counter(key: str) -> bool:
