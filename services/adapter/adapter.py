@@ -31,7 +31,7 @@ from fulmen.tasks import task_id
 from fulmen.telemetry import semconv
 from fulmen_adapter.groups import GroupStep
 from fulmen_adapter.judge import GroupJudge, JudgeConfig
-from fulmen_adapter.triplets import AdapterConfig, AttemptInfo, Skip, sample_fields
+from fulmen_adapter.triplets import Adapted, AdapterConfig, AttemptInfo, Skip, sample_fields
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +73,6 @@ class Counters:
     skipped: dict[str, int] = field(default_factory=dict)
     # judge/... (the group step's outcomes) and calls/... (LLM calls left out for their purpose)
     more: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class Adapted:
-    """One rollout adapted: its records (samples, or one skip) and the counters they add."""
-
-    rollout_id: str
-    records: list[bytes]
-    stats: dict[str, int]
-    model_version: str = ""  # that served the last LLM call: stored with the rollout (dashboard filter)
 
 
 class Adapter:

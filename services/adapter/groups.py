@@ -15,13 +15,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fulmen.records import RolloutFinished, RolloutForSamples, Span
 from fulmen_adapter.judge import GroupJudge
-
-if TYPE_CHECKING:
-    from fulmen_adapter.adapter import Adapted
+from fulmen_adapter.triplets import Adapted
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +34,8 @@ OUTCOME_STATS = {
 }
 RESCORED_STAT = "judge/rollouts_rescored"
 
-Adapt = Callable[[RolloutForSamples], "Adapted"]
-Write = Callable[[Sequence["Adapted"], list[str]], Awaitable[None]]
+Adapt = Callable[[RolloutForSamples], Adapted]
+Write = Callable[[Sequence[Adapted], list[str]], Awaitable[None]]
 DeadLetter = Callable[[str, str], Awaitable[None]]
 GroupKey = Callable[[RolloutForSamples], str]
 Record = Callable[[list[Span]], Awaitable[Any]]

@@ -16,8 +16,8 @@ from fulmen.records.status import TERMINAL_ROLLOUT
 from fulmen.store import RedisStore
 from fulmen.store.replayed import ReplayWriter
 from fulmen.store.samples import rollout_for_samples
-from fulmen_adapter.adapter import Adapted, adapt_rollout
-from fulmen_adapter.triplets import AdapterConfig
+from fulmen_adapter.adapter import adapt_rollout
+from fulmen_adapter.triplets import Adapted, AdapterConfig
 
 BATCH = 128  # rollouts per read (live) and per append
 # The rollout hash fields the adapter reads, in READ_FOR_SAMPLES's order (`fulmen.store.lua.data`).

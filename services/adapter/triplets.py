@@ -347,3 +347,13 @@ def spans_to_samples(spans: Iterable[SpanLike], info: AttemptInfo, config: Adapt
                      ) -> list[Sample]:
     """The samples of one attempt's spans, or `Skip` with the reason."""
     return [Sample(**fields) for fields in sample_fields(spans, info, config)]
+
+
+@dataclass
+class Adapted:
+    """One rollout adapted: its records (samples, or one skip) and the counters they add."""
+
+    rollout_id: str
+    records: list[bytes]
+    stats: dict[str, int]
+    model_version: str = ""  # that served the last LLM call: stored with the rollout (dashboard filter)
