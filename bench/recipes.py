@@ -9,7 +9,8 @@ ANSWER_TOKENS, for the recipes that normalise by it or penalise answers near it)
 large to end it, and FULMEN_MODEL_DIR: the seed's warm start, prepared once into ``--cache`` (as the
 demo prepares it; reused by every run and every later invocation), so each run is RL only. The knobs
 are resolved as the trainer will resolve them before anything starts. One JSON line per run, then
-the per-recipe figures; ``--dry-run`` prints the runs, their environments and knobs, and starts nothing.
+the per-recipe figures (``--results FILE`` keeps the runs in FILE, so an invocation runs only those not
+there yet, and its figures count them all); ``--dry-run`` prints the runs, their environments and knobs, and starts nothing.
 
     flock /tmp/bench.lock python bench/recipes.py --only demo                  # hours: 9 recipes x 3 seeds
     python bench/recipes.py --only demo --recipes grpo,dapo --seeds 1 --dry-run
@@ -315,16 +316,34 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         for r in runs:
             print(json.dumps({"recipe": r.recipe, "seed": r.seed, "env": r.env, "knobs": knobs[r.recipe]}), flush=True)
         return head | {"dry_run": True, "runs": len(runs), "recipe_names": args.recipe_names, "cache": str(args.cache)}
-    results, warm_start_s = [], {}
+    results = done_runs(args.results, args.target, args.budget_s) if args.results else []
+    done = {(r["recipe"], r["seed"]) for r in results}
+    results = [r for r in results if (r["recipe"], r["seed"]) in {(run.recipe, run.seed) for run in runs}]
+    warm_start_s: dict[int, float] = {}
     for r in runs:
+        if (r.recipe, r.seed) in done:
+            log("%s seed %d: in %s already, not run again", r.recipe, r.seed, args.results)
+            continue
         if r.seed not in warm_start_s:
             warm_start_s[r.seed] = round(prepare_warm_start(args.cache, r.seed), 1)
         with tempfile.TemporaryDirectory(prefix=f"fulmen-recipes-{r.recipe}-") as folder:
             log("%s seed %d: honcho start in %s (budget %.0f s)", r.recipe, r.seed, folder, args.budget_s)
             result = run_recipe(r, args, Path(folder)) | {"knobs": knobs[r.recipe]}
         print(json.dumps(result), flush=True)
+        if args.results:
+            with args.results.open("a") as f:
+                f.write(json.dumps(result) + "\n")
         results.append(result)
     return head | {"warm_start_s": warm_start_s} | recipe_figures(results, args.recipe_names)
+
+
+def done_runs(path: Path, target: float, budget_s: float) -> list[dict[str, Any]]:
+    """The runs ``path`` holds (a JSON line each, as this part prints them) with this target and budget:
+    a later invocation with the same file runs only the others, and its figures count them all."""
+    if not path.exists():
+        return []
+    runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in runs if r.get("target") == target and r.get("budget_s") == budget_s]
 
 
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"packing": packing, "demo": demo}
@@ -344,6 +363,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-s", type=float, default=600.0, help="demo: most seconds a run takes (default 600)")
     parser.add_argument("--target", type=float, default=0.9, help="demo: the validation accuracy a run stops at")
     parser.add_argument("--cache", type=Path, default=DEMO_CACHE, help=f"demo: the warm starts (default {DEMO_CACHE})")
+    parser.add_argument("--results", type=Path, help="demo: a file of runs (a JSON line each): the runs it holds "
+                        "with this target and budget are not run again, each new run is appended, and the figures "
+                        "count them all (a benchmark of hours, spread over several invocations)")
     parser.add_argument("--dry-run", action="store_true", help="demo: print the runs and their settings, start nothing "
                         "(the packing part is skipped)")
     args = parser.parse_args(argv)

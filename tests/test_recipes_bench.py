@@ -98,3 +98,31 @@ def test_the_fastest_recipe_is_the_fastest_median_over_every_seed(bench: ModuleT
     assert figures["recipes"]["steady"]["reached_target"] == 2
     assert figures["recipes"]["lucky"]["median_time_to_target_s"] is None
     assert figures["recipes"]["lucky"]["final_accuracy"] == {"0": 0.9, "1": 0.5, "2": 0.5}
+
+
+def test_a_results_file_keeps_its_runs_and_the_figures_count_them(
+        bench: ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --results, a run the file holds (same target and budget) is not run again and counts in
+    the figures; one with another budget is neither skipped nor counted; a new run is appended."""
+    def line(recipe: str, seed: int, seconds: float | None, budget: float = 900.0) -> str:
+        return json.dumps({"recipe": recipe, "seed": seed, "target": 0.9, "budget_s": budget,
+                           "time_to_target_s": seconds, "final_accuracy": 0.9 if seconds else 0.5})
+
+    results = tmp_path / "runs.jsonl"
+    results.write_text(line("grpo", 0, 200.0) + "\n" + line("dapo", 0, 150.0, budget=600.0) + "\n")
+    ran: list[tuple[str, int]] = []
+
+    def fake_run(run: Any, args: Any, folder: Path) -> dict[str, Any]:
+        ran.append((run.recipe, run.seed))
+        return json.loads(line(run.recipe, run.seed, 100.0))
+
+    monkeypatch.setattr(bench, "run_recipe", fake_run)
+    monkeypatch.setattr(bench, "prepare_warm_start", lambda cache, seed: 0.0)
+    bench.main(["--only", "demo", "--recipes", "grpo,dapo", "--seeds", "1", "--budget-s", "900",
+                "--results", str(results), "--cache", str(tmp_path / "cache")])
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert ran == [("dapo", 0)]
+    assert summary["recipes"]["grpo"]["time_to_target_s"] == {"0": 200.0}
+    assert summary["recipes"]["dapo"]["time_to_target_s"] == {"0": 100.0}
+    assert summary["fastest_recipe"] == "dapo"
+    assert [json.loads(s)["recipe"] for s in results.read_text().splitlines()] == ["grpo", "dapo", "dapo"]
