@@ -23,7 +23,12 @@ downloaded) with ``--layers`` of its 24 layers (4 by default: a 24-layer step ta
 cores). The lengths: the demo's own tokenizer and chat template (`fulmen_algorithm.demos.tools`) on
 calculator tasks, three in four whole conversations (call, tool result, answer: 49 or 51 tokens,
 the model's tokens of both turns trained) and one in four a first turn whose call did not parse
-(the 25-token prompt and 1 to 12 tokens, as the agent's max_tokens allows). Packed and padded steps
+(the 25-token prompt and 1 to 12 tokens, as the agent's max_tokens allows). Those are nearly one
+length (``--lengths demo``: packing can remove only their 12% of padding), so by default
+(``--lengths mixed``) each whole conversation's tool result is longer by 1 to ``--long-results``
+(512) characters, log-uniformly: a tool that returns a page beside one that returns a number, 16
+traces. ``padding_ceiling`` is padded tokens over the traces' own: what packing could at most win
+in the decoder (the output layer and the optimizer cost the same either way). Packed and padded steps
 alternate (ABBA), after one warm-up step each; the figures are medians. tokens/s counts the
 sequences' own tokens (no padding) over the step's wall time; the same over the process's CPU
 seconds (`_per_cpu_s`) is less moved by other tenants of a shared machine.
@@ -65,19 +70,27 @@ def log(message: str, *args: Any) -> None:
     print(f"[recipes] {message % args}", file=sys.stderr, flush=True)
 
 
-def demo_traces(count: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(token ids, mask over the model's tokens) of ``count`` traces with the tool demo's lengths."""
+def demo_traces(count: int, seed: int, long_results: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(token ids, mask over the model's tokens) of ``count`` traces with the tool demo's lengths; with
+    ``long_results``, each whole conversation's tool result grows by a number of characters drawn
+    log-uniformly from 1 to ``long_results`` (a tool that returns a page beside one that returns a
+    number: mixed lengths), the rest of the trace as the demo has it."""
     from fulmen.demo import calculator
     from fulmen.demo.tiny_model import load_tiny_model
     from fulmen_algorithm.demos.tools import CALL_TOKENS, _render, build_tool_model, sequence_and_mask
 
     rng = random.Random(seed)
+    grow = random.Random(seed + 1)  # apart: the same traces are whole or cut with and without long results
     with tempfile.TemporaryDirectory() as folder:
         build_tool_model(Path(folder), seed)  # the demo's tokens and template (a 145k-parameter model)
         _, tokenizer = load_tiny_model(folder)
     traces = []
     for demo in calculator.demonstrations(calculator.make_tasks("train", count, seed=seed)):
         messages = demo["messages"]
+        if long_results:
+            extra = round(math.exp(grow.uniform(0, math.log(long_results))))
+            messages = [m | {"content": m["content"] + " " + "".join(grow.choices("0123456789", k=extra))}
+                        if m["role"] == "tool" else m for m in messages]
         if rng.random() < COMPLETE_SHARE:
             traces.append(sequence_and_mask(tokenizer, messages))
         else:
@@ -120,7 +133,9 @@ def packing(args: argparse.Namespace) -> dict[str, Any]:
     shape = {**QWEN25_05B, "num_hidden_layers": args.layers}
     torch.manual_seed(args.seed)
     model = Qwen2ForCausalLM(Qwen2Config(**shape, attn_implementation="sdpa")).float().train()
-    traces = demo_traces(args.sequences, args.seed)
+    mixed = args.lengths == "mixed"
+    sequences = args.sequences or (16 if mixed else 64)
+    traces = demo_traces(sequences, args.seed, args.long_results if mixed else 0)
     plan = step_plan(traces, shape["vocab_size"])
     lengths = [len(ids) for ids, _ in traces]
     log("model: %d layers, %.1fM parameters; %d traces, %d tokens (%d padded)", args.layers,
@@ -151,9 +166,10 @@ def packing(args: argparse.Namespace) -> dict[str, Any]:
     packed_tps = tokens / statistics.median(times[True])
     padded_tps = tokens / statistics.median(times[False])
     return layout_figures(model, trainers[True], plan, lengths) | {
-        "layers": args.layers, "layers_note": f"{args.layers} of Qwen2.5-0.5B's 24 (fewer: a step in seconds on 2 cores)",
+        "lengths_kind": args.lengths, "layers": args.layers, "layers_note": f"{args.layers} of Qwen2.5-0.5B's 24 (fewer: a step in seconds on 2 cores)",
         "sequences": len(lengths), "tokens": tokens, "padded_tokens": len(lengths) * max(lengths),
-        "lengths": lengths_summary(lengths), "pairs": args.pairs,
+        "lengths": lengths_summary(lengths, args.long_results if mixed else 0), "pairs": args.pairs,
+        "padding_ceiling": round(len(lengths) * max(lengths) / tokens, 3),
         "step_s_packed": [round(t, 2) for t in times[True]], "step_s_padded": [round(t, 2) for t in times[False]],
         "step_cpu_s_packed": [round(t, 2) for t in cpu[True]], "step_cpu_s_padded": [round(t, 2) for t in cpu[False]],
         "packed_vs_padded_tokens_per_cpu_s": round(statistics.median(cpu[False]) / statistics.median(cpu[True]), 3),
@@ -171,13 +187,14 @@ def layout_figures(model: Any, trainer: Any, plan: Any, lengths: list[int]) -> d
     return {"packed_rows": int(rows.input_ids.shape[0]), "packed_row_tokens": int(rows.input_ids.shape[1])}
 
 
-def lengths_summary(lengths: list[int]) -> dict[str, Any]:
+def lengths_summary(lengths: list[int], long_results: int) -> dict[str, Any]:
     counts: dict[int, int] = {}
     for n in lengths:
         counts[n] = counts.get(n, 0) + 1
+    longer = (f", each tool result longer by 1..{long_results} characters (log-uniform)" if long_results else "")
     return {"source": f"the tool demo's tokenizer and template on calculator tasks: {COMPLETE_SHARE:.0%} whole "
-                      "conversations (call, tool result, answer), the rest a first turn whose call did not parse "
-                      "(prompt + 1..12 tokens); the mix is assumed, not recorded from a run",
+                      f"conversations (call, tool result, answer{longer}), the rest a first turn whose call did not "
+                      "parse (prompt + 1..12 tokens); the mix is assumed, not recorded from a run",
             "min": min(lengths), "median": statistics.median(lengths), "max": max(lengths),
             "counts": dict(sorted(counts.items()))}
 
@@ -354,8 +371,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--only", choices=list(PARTS), help="run one part (default: every part)")
     parser.add_argument("--layers", type=int, default=4, help="packing: layers of the 0.5B shape (default 4 of 24)")
-    parser.add_argument("--sequences", type=int, default=64, help="packing: traces in the step (default 64: one "
-                        "micro-batch, the trainer's default micro_batch)")
+    parser.add_argument("--lengths", choices=("mixed", "demo"), default="mixed", help="packing: the traces' "
+                        "lengths: the tool demo's (26 to 51 tokens, nearly one length), or mixed (the default): "
+                        "the same traces with tool results longer by up to --long-results characters")
+    parser.add_argument("--long-results", type=int, default=512, help="packing, mixed: the longest addition to a "
+                        "tool result (default 512)")
+    parser.add_argument("--sequences", type=int, help="packing: traces in the step (default 64 with the demo's "
+                        "lengths: the trainer's default micro_batch; 16 mixed: a padded step of 64 is minutes here)")
     parser.add_argument("--pairs", type=int, default=4, help="packing: timed steps of each kind (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="packing: its seed; demo: the first seed")
     parser.add_argument("--recipes", help="demo: comma-separated recipes (default: every RL recipe)")

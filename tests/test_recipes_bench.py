@@ -126,3 +126,15 @@ def test_a_results_file_keeps_its_runs_and_the_figures_count_them(
     assert summary["recipes"]["dapo"]["time_to_target_s"] == {"0": 100.0}
     assert summary["fastest_recipe"] == "dapo"
     assert [json.loads(s)["recipe"] for s in results.read_text().splitlines()] == ["grpo", "dapo", "dapo"]
+
+
+def test_mixed_lengths_lengthen_only_the_tool_results(bench: ModuleType) -> None:
+    """The packing part's mixed traces are the demo's traces with longer tool results: the model's
+    tokens (what is trained) are the same ones, and the untrained tokens grow, unevenly."""
+    demo = bench.demo_traces(12, seed=1)
+    mixed = bench.demo_traces(12, seed=1, long_results=512)
+    assert [sum(m) for _, m in mixed] == [sum(m) for _, m in demo]
+    grown = [len(b) - len(a) for (a, _), (b, _) in zip(demo, mixed, strict=True)]
+    assert min(grown) >= 0 and len(set(grown)) > 3
+    for (ids, mask), (long_ids, long_mask) in zip(demo, mixed, strict=True):
+        assert [t for t, m in zip(ids, mask, strict=True) if m] == [t for t, m in zip(long_ids, long_mask, strict=True) if m]
