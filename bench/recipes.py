@@ -133,9 +133,8 @@ def packing(args: argparse.Namespace) -> dict[str, Any]:
     shape = {**QWEN25_05B, "num_hidden_layers": args.layers}
     torch.manual_seed(args.seed)
     model = Qwen2ForCausalLM(Qwen2Config(**shape, attn_implementation="sdpa")).float().train()
-    mixed = args.lengths == "mixed"
-    sequences = args.sequences or (16 if mixed else 64)
-    traces = demo_traces(sequences, args.seed, args.long_results if mixed else 0)
+    long_results = args.long_results if args.lengths == "mixed" else 0
+    traces = demo_traces(args.sequences or (16 if long_results else 64), args.seed, long_results)
     plan = step_plan(traces, shape["vocab_size"])
     lengths = [len(ids) for ids, _ in traces]
     log("model: %d layers, %.1fM parameters; %d traces, %d tokens (%d padded)", args.layers,
@@ -168,7 +167,7 @@ def packing(args: argparse.Namespace) -> dict[str, Any]:
     return layout_figures(model, trainers[True], plan, lengths) | {
         "lengths_kind": args.lengths, "layers": args.layers, "layers_note": f"{args.layers} of Qwen2.5-0.5B's 24 (fewer: a step in seconds on 2 cores)",
         "sequences": len(lengths), "tokens": tokens, "padded_tokens": len(lengths) * max(lengths),
-        "lengths": lengths_summary(lengths, args.long_results if mixed else 0), "pairs": args.pairs,
+        "lengths": lengths_summary(lengths, long_results), "pairs": args.pairs,
         "padding_ceiling": round(len(lengths) * max(lengths) / tokens, 3),
         "step_s_packed": [round(t, 2) for t in times[True]], "step_s_padded": [round(t, 2) for t in times[False]],
         "step_cpu_s_packed": [round(t, 2) for t in cpu[True]], "step_cpu_s_padded": [round(t, 2) for t in cpu[False]],
@@ -333,9 +332,10 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         for r in runs:
             print(json.dumps({"recipe": r.recipe, "seed": r.seed, "env": r.env, "knobs": knobs[r.recipe]}), flush=True)
         return head | {"dry_run": True, "runs": len(runs), "recipe_names": args.recipe_names, "cache": str(args.cache)}
-    results = done_runs(args.results, args.target, args.budget_s) if args.results else []
+    planned = {(run.recipe, run.seed) for run in runs}
+    kept = done_runs(args.results, args.target, args.budget_s) if args.results else []
+    results = [r for r in kept if (r["recipe"], r["seed"]) in planned]
     done = {(r["recipe"], r["seed"]) for r in results}
-    results = [r for r in results if (r["recipe"], r["seed"]) in {(run.recipe, run.seed) for run in runs}]
     warm_start_s: dict[int, float] = {}
     for r in runs:
         if (r.recipe, r.seed) in done:
