@@ -5,6 +5,7 @@ settings (`recipe_knobs`), the one place where a recipe's defaults meet what the
 from __future__ import annotations
 
 import logging
+import math
 from typing import TypeVar
 
 import torch
@@ -102,12 +103,16 @@ def recipe_knobs(s: TrainerSettings, *, announce: bool = False) -> RecipeKnobs:
         overlong=_overlong(s, bool(d.get("overlong_penalty", False))), sft_min_reward=s.sft_min_reward,
         value_head=bool(d.get("value_head", False)), gamma=s.gamma, gae_lambda=s.gae_lambda,
         whiten_advantages=s.whiten_advantages, value_clip=s.value_clip or None, vf_coef=s.vf_coef,
+        passes=1 if math.isinf(low) or math.isinf(high) else s.ppo_epochs,
     )
     if announce:
         log.info("recipe %s: clip [1 - %g, 1 + %g], %s ratio, %s mean%s, dynamic sampling %s, overlong penalty %s",
                  s.algorithm, knobs.clip_eps_low, knobs.clip_eps_high, knobs.ratio, knobs.aggregation,
                  f" over samples × {s.max_response_length} tokens" if constant else "",
                  "on" if knobs.dynamic_sampling else "off", knobs.overlong or "off")
+        if knobs.passes < s.ppo_epochs:
+            log.info("%s does not clip the ratio: one pass per step (ppo_epochs %d is for the clipped recipes)",
+                     s.algorithm, s.ppo_epochs)
         if knobs.value_head:
             log.info("value head: GAE γ %g, λ %g, advantages %s, value clip %s, vf_coef %g", knobs.gamma,
                      knobs.gae_lambda, "whitened" if knobs.whiten_advantages else "as they are",

@@ -77,6 +77,8 @@ class RecipeKnobs:
     """The knobs of one recipe, as plain numbers (built from the settings by `fulmen_trainer.loss.recipe_knobs`).
 
     ``clip_eps_low``/``clip_eps_high``: the ratio is clipped to [1 - low, 1 + high] (inf: not clipped).
+    ``passes``: optimizer updates per batch: ppo_epochs, but one where the ratio is not clipped (a
+    second unclipped pass over the same rollouts moves the policy without bound).
     ``ratio``: "token" (one ratio per token) or "sequence" (GSPO: one per sequence, the geometric mean).
     ``constant_normaliser``: Dr. GRPO: the summed loss is divided by samples × ``max_response_length``
     (the generation limit, a constant) instead of by the tokens trained. ``dynamic_sampling``: a group
@@ -100,6 +102,7 @@ class RecipeKnobs:
     whiten_advantages: bool = True
     value_clip: float | None = 0.2
     vf_coef: float = 0.1
+    passes: int = 1
 
 
 # --- advantages ------------------------------------------------------------------------------------

@@ -272,9 +272,10 @@ class Trainer:
         return {}
 
     def train_passes(self, plan: StepPlan) -> dict[str, Any]:
-        """One rank alone: ``ppo_epochs`` passes over the batch, each a backward and an update."""
+        """One rank alone: ``ppo_epochs`` passes over the batch (the recipe's `RecipeKnobs.passes`),
+        each a backward and an update."""
         passes = []
-        for _ in range(self.s.ppo_epochs):
+        for _ in range(self.ppo_epochs):
             passes.append(self.backward(plan))
             if not math.isfinite(passes[-1]["loss/total"]):
                 self.nonfinite = self.nonfinite or f"loss {passes[-1]['loss/total']}"
@@ -287,7 +288,7 @@ class Trainer:
 
     @property
     def ppo_epochs(self) -> int:
-        return self.s.ppo_epochs
+        return self.knobs.passes
 
     def batch_tokens(self, plan: StepPlan) -> int:
         return self._batch(plan).tokens

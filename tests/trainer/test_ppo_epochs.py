@@ -39,10 +39,10 @@ def _plan() -> StepPlan:
     return StepPlan(samples, [float(i % 2) for i in range(4)], advantages, ["g"] * 4, [])
 
 
-def _trainer(tiny: Path, epochs: int) -> Trainer:
+def _trainer(tiny: Path, epochs: int, algorithm: str = "ppo") -> Trainer:
     from transformers import AutoModelForCausalLM
 
-    settings = load_settings(TrainerSettings, model_dir=tiny, algorithm="ppo", ppo_epochs=epochs, learning_rate=LR, clip_eps=CLIP,
+    settings = load_settings(TrainerSettings, model_dir=tiny, algorithm=algorithm, ppo_epochs=epochs, learning_rate=LR, clip_eps=CLIP,
                              tis_cap=TIS_CAP, max_grad_norm=MAX_NORM)
     trainer = Trainer(None, settings)  # type: ignore[arg-type]  # no store: only the passes are run
     trainer.model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).train()
@@ -97,3 +97,14 @@ def test_one_epoch_is_the_plain_policy_gradient_step(tiny: Path) -> None:
     metrics = trainer.train_passes(_plan())
     assert metrics["loss/ppo_epochs"] == 1 and metrics["loss/clip_frac"] == 0
     assert _max_gap(trainer.model, _by_hand(start, _plan(), epochs=1, recompute_prox=False)) < 1e-6
+
+
+def test_reinforce_makes_one_pass_whatever_ppo_epochs_says(tiny: Path) -> None:
+    """reinforce does not clip: a second pass over the same rollouts would follow the unclipped ratio
+    without bound (the demo collapsed to 0 that way), so it updates once per step, as REINFORCE does."""
+    trainer = _trainer(tiny, epochs=2, algorithm="reinforce")
+    start = copy.deepcopy(trainer.model)
+    metrics = trainer.train_passes(_plan())
+    assert metrics["loss/ppo_epochs"] == 1
+    assert _max_gap(trainer.model, _by_hand(start, _plan(), epochs=1, recompute_prox=False)) < 1e-6
+    assert trainer.ppo_epochs == 1 and _trainer(tiny, epochs=2, algorithm="ppo").ppo_epochs == 2
