@@ -3,10 +3,11 @@ calculator agent on the demo's model behind a proxy (torch backend), train group
 enqueues them, and the adapter's group judge served by a SECOND proxy on the tiny model.
 
 The tiny model's judgement is junk: the judge sends it back once, then gives up, and the groups keep
-their own rewards; the run completes. The judge's calls are recorded apart: stored in the group's
+their own rewards. The judge's calls are recorded apart: stored in the group's
 first rollout under the adapter's judge span, marked with their purpose, counted, never a sample
 (also when the rollouts are adapted again with those calls stored). A fake judge that answers
-valid scores then shows the rewards really replaced.
+valid scores then shows the rewards really replaced, and the run completes: the trainer takes a step
+on the three groups, the judged rewards among them, and publishes the version.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from pathlib import Path
 import pytest
 from fakes.fake_openai import FakeOpenAI
 
+from fulmen import keys as k
 from fulmen.demo import calculator
 from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.records import RolloutMode, RolloutStatus, Sample
 from fulmen.sdk.agent import load_agent
-from fulmen.settings import RunnerSettings
+from fulmen.settings import RunnerSettings, TrainerSettings, load_settings
 from fulmen.store import RedisStore
 from fulmen.store.samples import decode_sample
 from fulmen.telemetry import semconv
@@ -33,6 +35,7 @@ from fulmen_adapter.adapter import Adapter, adapt_rollout
 from fulmen_adapter.judge import JudgeConfig
 from fulmen_adapter.triplets import SKIPPED_JUDGE_CALLS
 from fulmen_runner.runner import Runner
+from fulmen_trainer.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent / "llm_proxy"))
 from proxy_helpers import RunningProxy
@@ -89,10 +92,12 @@ async def _records(store: RedisStore) -> dict[str, list[Sample]]:
 
 
 async def test_a_judged_tool_demo_run_completes_and_records_the_judges_calls_apart(
-    real_store: RedisStore, proxies: tuple[RunningProxy, RunningProxy], monkeypatch: pytest.MonkeyPatch
+    real_store: RedisStore, proxies: tuple[RunningProxy, RunningProxy], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     """Two groups judged by the tiny model (junk twice each: own rewards), their judge calls stored,
-    marked and never sampled; then one group judged by a fake with valid scores: rewards replaced."""
+    marked and never sampled; then one group judged by a fake with valid scores: rewards replaced;
+    then the trainer's step on all three groups, published."""
     monkeypatch.syspath_prepend(str(ROOT))  # examples.calculator_agent
     policy, judge_proxy = proxies
     await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "tools-policy"}}, resources_id="policy")
@@ -140,3 +145,20 @@ async def test_a_judged_tool_demo_run_completes_and_records_the_judges_calls_apa
         fake.stop()
     records = await _records(real_store)
     assert [{s.final_reward for s in records[rid]} for rid in sorted(group)] == [{0.25}, {0.75}]
+
+    # the run completes: the trainer's step over the three groups trains the judged rewards
+    # (and no judge call, which is no sample), and publishes its version
+    await real_store.samples.ensure_samples_group(k.TRAINERS_GROUP)
+    settings = load_settings(TrainerSettings, model_dir=tmp_path / "tools-policy", algorithm="grpo",
+                             groups_per_step=3, max_steps=1, learning_rate=1e-3, checkpoint_dir=tmp_path / "ck",
+                             metrics_file=tmp_path / "metrics.jsonl", experiment=real_store.experiment)
+    trainer = Trainer(real_store, settings)
+    await trainer.setup()
+    await asyncio.wait_for(trainer.run(asyncio.Event()), 120)
+    assert trainer.step == 1
+    (line,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trained = {sid.split("/")[0].rsplit(".", 1)[0] for sid in line["sample_ids"]}
+    assert trained == set(rollouts) | set(group)
+    latest = await real_store.resources.get_latest_resources()
+    assert latest is not None and latest.version == 2, latest  # the trainer's, after the test's own
+    assert latest.resources["llm"]["model_version"] == "v1", latest
