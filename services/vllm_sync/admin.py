@@ -6,6 +6,7 @@ docs/design/vllm-sync.md.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -25,6 +26,13 @@ class AdminError(Exception):
 
 class LoraNotEnabled(AdminError):
     """The server cannot load adapters at run time (no ``--enable-lora`` or no runtime updating)."""
+
+
+class GroupNotEnabled(AdminError):
+    """The server's workers lack Fulmen's worker extension (no ``--worker-extension-cls``)."""
+
+
+WORKER_EXTENSION = "fulmen.versions.transport.group.WorkerExtension"
 
 
 class VllmAdmin:
@@ -59,6 +67,35 @@ class VllmAdmin:
     async def reload_weights(self, folder: str) -> None:
         await self._call("POST", "/collective_rpc", json={"method": "reload_weights",
                                                           "kwargs": {"weights_path": folder}})
+
+    async def join_group(self, host: str, port: int, world_size: int, backend: str = "",
+                         timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Every worker joins the weight group whose rank 0 listens at ``host:port``, as ranks 1..
+        (`fulmen.versions.transport.group.WorkerExtension.fulmen_join`); their ranks."""
+        kwargs = {"host": host, "port": port, "world_size": world_size, "backend": backend, "timeout_s": timeout_s}
+        return await self._worker_rpc("fulmen_join", kwargs, timeout_s)
+
+    async def receive_group(self, specs: list[list[Any]], checks: dict[str, str], timeout_s: float) -> list[dict[str, Any]]:
+        """Every worker receives the tensors rank 0 broadcasts into its weights (``specs``: [name,
+        dtype, shape] in the sender's order; ``checks``: name → sha256 to verify); what each received."""
+        kwargs = {"specs": json.dumps(specs), "checks": json.dumps(checks)}
+        return await self._worker_rpc("fulmen_receive", kwargs, timeout_s)
+
+    async def _worker_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+        try:
+            answer = await self._call("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs,
+                                                                       "timeout": timeout_s},
+                                      timeout=timeout_s + 10)
+        except AdminError as e:
+            if method in str(e) and "attribute" in str(e):  # vLLM: "... object has no attribute 'fulmen_join'"
+                raise GroupNotEnabled(f"the vLLM server at {self.url} has no Fulmen worker extension: start it with "
+                                      f"--worker-extension-cls {WORKER_EXTENSION} and shared/ on its PYTHONPATH "
+                                      f"({e})") from None
+            raise
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list):
+            raise AdminError(f"POST /collective_rpc ({method}) answered without results: {str(answer)[:200]}")
+        return results
 
     async def set_version(self, version: str) -> None:
         await self._call("POST", "/update_weight_version", json={"new_version": version})

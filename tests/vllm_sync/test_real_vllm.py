@@ -2,7 +2,8 @@
 `fulmen vllm-sync`: after a LoRA version (loaded at run time as an adapter named after the version,
 which /weight_info names) and after a full version (reloaded weights), its greedy token ids for fixed
 prompts equal the torch backend's for the same weights, and its log-probabilities agree within
-LOGPROB_ATOL."""
+LOGPROB_ATOL; and a full version sent by broadcast over a gloo group into the worker extension
+serves the same way."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from fulmen.versions.model_version import publish_model_version
 from fulmen_algorithm.export import write_hf_folder
 from fulmen_llm_proxy.backends.torch.engine import TorchEngine
 from fulmen_llm_proxy.backends.torch.request import SamplingParams
-from fulmen_vllm_sync.admin import VllmAdmin
+from fulmen_vllm_sync.admin import WORKER_EXTENSION, AdminError, VllmAdmin
 from fulmen_vllm_sync.sync import VllmSync
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,14 +60,14 @@ def vllm(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
     port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = str(REPO / "shared")  # the worker extension, from the fulmen package (nothing else of it)
     log = open(root / "vllm.log", "w")  # noqa: SIM115 - closed after the server stops
     # its own process group: the engine and worker processes it starts go down with it, even when the
     # fixture is interrupted (a timeout) before the server is up
     server = subprocess.Popen(
         [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(base), "--enforce-eager",
          "--max-model-len", "256", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-         "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"],
+         "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--worker-extension-cls", WORKER_EXTENSION],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -201,3 +202,40 @@ async def test_n_choices_on_vllm_are_each_a_sample_with_their_own_token_ids(vllm
         assert choice.token_ids and len(choice.logprobs) == len(choice.token_ids)
         assert tokenizer.decode(choice.token_ids, skip_special_tokens=True) == choice.text
     assert len({tuple(c.token_ids) for c in choices}) > 1  # sampled: the choices differ
+
+
+async def test_a_full_version_arrives_by_the_process_group_and_serves_like_the_torch_backend(vllm) -> None:  # type: ignore[no-untyped-def]
+    """This process is rank 0 of a gloo group with the server's worker (rank 1, the worker extension):
+    paused, the tensors broadcast straight into its weights (the sampled ones checked by sha256), the
+    version set, resumed; then greedy ids equal the torch backend's on the same weights. A tensor sent
+    unlike its manifest's sha256 is refused, named."""
+    from fulmen.versions.manifest import tensor_sha256
+    from fulmen.versions.transport import group
+
+    url, base, root = vllm
+    admin = VllmAdmin(url, 120.0)
+    state = load_file(str(_tiny(root / "by-group", seed=3) / "model.safetensors"))
+    specs = group.specs_of(state)
+    port = free_port()
+    try:
+        joining = asyncio.create_task(admin.join_group("127.0.0.1", port, 2, "gloo", timeout_s=60))
+        sender = await asyncio.to_thread(group.join, "127.0.0.1", port, 0, 2, "gloo", 60.0)
+        assert await joining == [{"rank": 1, "world_size": 2}]
+        checks = {n: tensor_sha256(state[n]) for n in group.sampled_names(specs, seed="v9")}
+        await admin.pause("wait")
+        receiving = asyncio.create_task(admin.receive_group([s.to_json() for s in specs], checks, 60))
+        sent = await asyncio.to_thread(group.send, sender, state, specs)
+        assert await receiving == [{"tensors": len(specs), "bytes": sent, "checked": len(checks)}]
+        await admin.set_version("v9")
+        await admin.reset_prefix_cache()
+        await admin.resume()
+        assert httpx.get(f"{url}/weight_info").json()["weight_version"] == "v9"
+        _agree(await _vllm_greedy(url, await admin.model_name()), await _torch_greedy(base, state))
+
+        wrong = dict(checks) | {specs[0].name: "0" * 64}
+        receiving = asyncio.create_task(admin.receive_group([s.to_json() for s in specs], wrong, 60))
+        await asyncio.to_thread(group.send, sender, state, specs)
+        with pytest.raises(AdminError, match=f"arrived unlike their manifest's sha256: {specs[0].name}"):
+            await receiving
+    finally:
+        await admin.close()
