@@ -25,6 +25,10 @@ from fulmen_algorithm.dataset import Task, task_id
 log = logging.getLogger(__name__)
 
 FINISHED_READ_COUNT = 500  # finished rollouts per read; the loop reads until none are left
+# Dynamic sampling (DAPO) replaces each group it leaves out; at most this many rounds of them per
+# round trained (verl's max_num_gen_batches is 10 by default), so a policy that solves or fails
+# every task does not sample without end.
+FILTERED_ROUNDS = 10
 
 
 def recoverable_rollout_config(unresponsive_s: float = 30.0, max_attempts: int = 3) -> RolloutConfig:
@@ -97,10 +101,12 @@ class Scheduler:
         self._last_step = -1
         self._step_changed_at = time.monotonic()
         self.untrained = UntrainedGroups(store.redis, store.keys, f"{run}-e")
+        self.filtered = UntrainedGroups(store.redis, store.keys, f"{run}-e", filtered=True)
         self.version_steps = VersionSteps()  # the trainer step of each version the servers serve
         self._last_served: int | None = None  # the served step last reported by some server
         self._unserved_logged = False  # said once that no server reports what it serves
         self._capped_at = -1  # the trainer step at which replacing untrained groups last hit its cap
+        self._filter_capped_at = -1  # ... and replacing the groups dynamic sampling left out
 
     # --- state in the store ---------------------------------------------------------------------
 
@@ -169,15 +175,22 @@ class Scheduler:
     # --- enqueuing ----------------------------------------------------------------------------------
 
     async def replaceable(self, trainer_step: int) -> int:
-        """The untrained groups to replace: all of them, up to (trainer_step + 1) rounds."""
-        untrained = await self.untrained.count()
+        """The untrained groups to replace: the lost ones (failed, too stale) up to (trainer_step + 1)
+        rounds, and those dynamic sampling left out (rewards all equal: DAPO samples more until a
+        step is full) up to `FILTERED_ROUNDS` times as many."""
+        untrained, filtered = await self.untrained.count(), await self.filtered.count()
         cap = (trainer_step + 1) * self.groups_per_step
         if untrained > cap and self._capped_at != trainer_step:
             self._capped_at = trainer_step
             log.warning("the trainer took %d groups without training on them, more than it trained on: no "
                         "more are replaced until it steps (its log and `fulmen top` say why: rollouts "
                         "failing, samples too stale)", untrained)
-        return min(untrained, cap)
+        if filtered > FILTERED_ROUNDS * cap and self._filter_capped_at != trainer_step:
+            self._filter_capped_at = trainer_step
+            log.warning("dynamic sampling left out %d groups whose rewards were all equal, %d times the groups "
+                        "trained on: the tasks are all solved or all failed at the policy's level; no more are "
+                        "replaced until the trainer steps", filtered, FILTERED_ROUNDS)
+        return min(untrained, cap) + min(filtered, FILTERED_ROUNDS * cap)
 
     @property
     def exhausted(self) -> bool:

@@ -17,6 +17,7 @@ from fulmen.settings.services import RewardSource, SampleShape, StalePolicy
 from fulmen.versions.model_version import ModelVersion
 
 log = logging.getLogger(__name__)
+TOO_FEW, ZERO_VARIANCE = "too_few", "zero_variance"  # why a complete group is not trained on
 
 
 def rollout_reward(sample: Sample, source: str) -> float:
@@ -50,6 +51,7 @@ class ReadyGroup:
     weights: list[float]  # per sample: 1, or less for a stale one
     entry_ids: list[str]  # every stream entry of the group, trained on or not
     weighed_at: int = 0  # the trainer's model version when the weights were computed
+    filtered: bool = False  # left out by dynamic sampling (its rewards all equal), not lost: replaced freely
 
 
 @dataclass
@@ -104,8 +106,9 @@ class GroupCollector:
         for g in sorted(done, key=lambda g: g.first_seen):
             del self.groups[g.key]
             samples, weights = self._select(g, current_version)
-            if not self._trainable(samples):
-                ready.append(ReadyGroup(g.key, [], [], g.entry_ids(), current_version))
+            why = self._untrainable(samples)
+            if why is not None:
+                ready.append(ReadyGroup(g.key, [], [], g.entry_ids(), current_version, filtered=why == ZERO_VARIANCE))
                 continue
             self.counts["groups/complete"] += 1
             ready.append(ReadyGroup(g.key, samples, weights, g.entry_ids(), current_version))
@@ -125,22 +128,23 @@ class GroupCollector:
                 continue
             samples.append(s)
             weights.append(weight)
-        if not self._trainable(samples):
-            samples, weights = [], []
+        why = self._untrainable(samples)
+        if why is not None:
+            return ReadyGroup(group.key, [], [], group.entry_ids, current_version, filtered=why == ZERO_VARIANCE)
         return ReadyGroup(group.key, samples, weights, group.entry_ids, current_version)
 
-    def _trainable(self, samples: list[Sample]) -> bool:
-        """Whether a group's samples can teach anything; if not, why is counted."""
+    def _untrainable(self, samples: list[Sample]) -> str | None:
+        """Why a group's samples cannot teach anything (counted), or None when they can."""
         if len({s.rollout_id for s in samples}) < 2:
             self.counts["groups/dropped_too_few"] += 1
-            return False
+            return TOO_FEW
         if self.dynamic_sampling:
             # one reward per rollout, its last sample's, as `fulmen_trainer.plan` reads them
             rewards = {s.rollout_id: rollout_reward(s, self.reward_source) for s in samples}
             if len(set(rewards.values())) == 1:
                 self.counts["groups/dropped_zero_variance"] += 1
-                return False
-        return True
+                return ZERO_VARIANCE
+        return None
 
     def _select(self, group: Group, current_version: int) -> tuple[list[Sample], list[float]]:
         samples, weights = [], []

@@ -171,8 +171,10 @@ class Trainer:
             complete = self.collector.take_complete(self.version.number)
             # the algorithm enqueues a group for each dropped one now, not once the trainer stalls
             dropped = [new.key for old, new in zip(self.ready, waiting, strict=True) if old.samples and not new.samples]
+            lost = dropped + [g.key for g in complete if not g.samples and not g.filtered]
+            await record_untrained_groups(self.store.redis, self.store.keys, lost)
             await record_untrained_groups(self.store.redis, self.store.keys,
-                                          dropped + [g.key for g in complete if not g.samples])
+                                          [g.key for g in complete if g.filtered], filtered=True)
             self.ready = waiting + complete
             usable = [g for g in self.ready if g.samples]
             if len(usable) < self.s.groups_per_step:

@@ -43,6 +43,8 @@ STORED_VERSIONS = "weights-stored"  # zset: model version -> resources version, 
 VERSION_BASES = "weights-bases"  # hash: delta model version -> the version it applies onto
 VERSION_MANIFESTS = "weights-manifests"  # hash: stored model version -> its manifest (JSON): what a rebuild must match
 VERSION_REBUILDS = "weights-rebuilds"  # stream, capped: asks to rebuild a version whose weights Redis lost, and answers
+WEIGHT_GROUP = "weight-group"  # hash: where the trainer's weight-group rendezvous listens (host, port, backend)
+WEIGHT_GROUP_ASKS = "weight-group-asks"  # stream, capped: vllm-sync's asks to join a weight group or be sent a version
 CONTROL = "control"  # stream: pause / drain / resume for the proxies (synchronous weight updates)
 SAMPLES = "samples"  # stream: training samples, from the adapter to the trainer
 SAMPLED = "sampled"  # set: rollouts sampled (the once-per-rollout marker when there are several shards)
@@ -61,6 +63,7 @@ TRAINER_LEADER_EPOCH = "trainer:leader:epoch"  # counter: the fencing token of e
 TRAINER_AGREED = "trainer:agreed"  # stream, capped: one record per step the ranks agreed on (the commit)
 TRAINER_STEPS = "trainer:steps"  # stream, capped: the leader's per-step summary (reward, loss), for `fulmen top`
 TRAINER_UNTRAINED = "trainer:untrained"  # set: group keys the trainer took without a step (dropped, skipped)
+TRAINER_FILTERED = "trainer:filtered"  # set: group keys dynamic sampling left out (rewards all equal)
 SERVICES = "services"  # hash: process id -> service heartbeat record (every long-running service)
 ARCHIVED = "archived"  # hash: log stream key -> the last entry id `fulmen archive` wrote ("0-0": none yet)
 RUN_CONFIG = "run:config"  # string: the run's effective settings and run file as JSON (written by the algorithm)
@@ -80,6 +83,7 @@ TRAINERS_GROUP = "trainers"  # consumer group on SAMPLES
 ALGORITHM_GROUP = "algorithm"  # consumer group on FINISHED
 ARCHIVE_GROUP = "archive"  # consumer group on every FINISHED and on SAMPLES, once `fulmen archive` ran
 REBUILDERS_GROUP = "rebuilders"  # consumer group on VERSION_REBUILDS: the trainer answers the asks
+WEIGHT_SENDERS_GROUP = "weight-senders"  # consumer group on WEIGHT_GROUP_ASKS: the trainer's rank 0 answers them
 
 # Matched with fullmatch: ``$`` also matches before a trailing newline, which let "r1\n" through
 # (and into log lines). The experiment name's rule lives with the setting (`check_experiment`).
@@ -198,6 +202,7 @@ class Keys:
         "trackers",
         "trainer_aggregates",
         "trainer_agreed",
+        "trainer_filtered",
         "trainer_grads",
         "trainer_leader",
         "trainer_leader_epoch",
@@ -210,6 +215,8 @@ class Keys:
         "version_rebuilds",
         "watch_deadline",
         "watch_heartbeat",
+        "weight_group",
+        "weight_group_asks",
         "workers",
     )
 
@@ -248,6 +255,7 @@ class Keys:
         self.trainer_agreed = p + TRAINER_AGREED
         self.trainer_steps = p + TRAINER_STEPS
         self.trainer_untrained = p + TRAINER_UNTRAINED
+        self.trainer_filtered = p + TRAINER_FILTERED
         self.services = p + SERVICES
         self.archived = p + ARCHIVED
         self.trackers = p + TRACKERS
@@ -256,6 +264,8 @@ class Keys:
         self.version_bases = p + VERSION_BASES
         self.version_manifests = p + VERSION_MANIFESTS
         self.version_rebuilds = p + VERSION_REBUILDS
+        self.weight_group = p + WEIGHT_GROUP
+        self.weight_group_asks = p + WEIGHT_GROUP_ASKS
         self.replicas = p + REPLICAS
         self.replica_loading = p + REPLICA_LOADING
         self.shards_count = p + SHARDS

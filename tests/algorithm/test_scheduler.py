@@ -160,6 +160,26 @@ async def test_replacing_untrained_groups_is_capped_by_what_the_trainer_trained(
     assert await s.fill() == 0
 
 
+async def test_groups_dynamic_sampling_left_out_are_replaced_up_to_ten_rounds(real_store: RedisStore) -> None:
+    """DAPO leaves out every group whose rewards are all equal and samples more until the step is full:
+    those are replaced beyond the cap on lost groups (a weak policy leaves out most of its groups), up
+    to FILTERED_ROUNDS rounds per round trained, and the lost groups keep their own cap."""
+    from fulmen.telemetry.steps import record_untrained_groups
+    from fulmen_algorithm.scheduler import FILTERED_ROUNDS
+
+    s = Scheduler(real_store, TASKS, SchedulerOptions(n_samples=2, groups_per_step=1, max_inflight=1000, stall_s=3600,
+                                                      epochs=None))
+    await s.load()
+    assert await s.fill() == 1
+    await record_untrained_groups(real_store.redis, real_store.keys, [f"run-e{i}-x" for i in range(15)], filtered=True)
+    assert await s.fill() == FILTERED_ROUNDS  # ten rounds' worth before the trainer's first step
+    assert await s.fill() == 0
+    await record_untrained_groups(real_store.redis, real_store.keys, [f"run-e{i}-lost" for i in range(3)])
+    assert await s.fill() == 1  # the lost ones: one round's worth, as before
+    await _trainer_step(real_store, 1)
+    assert await s.fill() == 1 + 5 + 1  # the next round, the five left out beyond the cap, one more lost
+
+
 def test_dataset_errors_name_the_line(tmp_path: Path) -> None:
     """A bad dataset line or a duplicate id is refused with the file, line and reason."""
     bad = tmp_path / "bad.jsonl"

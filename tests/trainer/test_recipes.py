@@ -309,6 +309,8 @@ async def test_each_recipe_trains_a_step(real_store: RedisStore, tiny: Path, tmp
     if algorithm == "dapo":
         assert trained == {"a", "b"} and line["groups/dropped"] == 1
         assert line["count/groups/dropped_zero_variance"] == 1
-        assert await real_store.redis.smembers(real_store.keys.trainer_untrained) == {b"z"}
+        # left out by design: replaced apart from the lost groups (`fulmen_algorithm.scheduler.FILTERED_ROUNDS`)
+        assert await real_store.redis.smembers(real_store.keys.trainer_filtered) == {b"z"}
+        assert await real_store.redis.smembers(real_store.keys.trainer_untrained) == set()
     else:
         assert trained == {"z", "a"} and line["groups/dropped"] == 0

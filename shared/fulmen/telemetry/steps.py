@@ -22,25 +22,28 @@ TAIL_STEPS = 60  # what `fulmen top` draws
 CURVE_PAGE = 1000  # entries per XRANGE page when reading the whole curve
 
 
-async def record_untrained_groups(client: aioredis.Redis, keys: Keys, group_keys: Sequence[str]) -> None:
-    """Say that these groups were taken without training on them (see the module docstring)."""
+async def record_untrained_groups(client: aioredis.Redis, keys: Keys, group_keys: Sequence[str], *,
+                                  filtered: bool = False) -> None:
+    """Say that these groups were taken without training on them (see the module docstring);
+    ``filtered``: left out by the recipe's dynamic sampling (their rewards all equal), not lost."""
     if group_keys:
-        await client.sadd(keys.trainer_untrained, *group_keys)
+        await client.sadd(keys.trainer_filtered if filtered else keys.trainer_untrained, *group_keys)
 
 
 class UntrainedGroups:
     """The number of untrained groups whose key starts with ``prefix`` (one run's), read again only
-    when the set's size changes."""
+    when the set's size changes; ``filtered``: those dynamic sampling left out instead."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, prefix: str) -> None:
-        self.client, self.keys, self.prefix = client, keys, prefix
+    def __init__(self, client: aioredis.Redis, keys: Keys, prefix: str, *, filtered: bool = False) -> None:
+        self.client, self.prefix = client, prefix
+        self.key = keys.trainer_filtered if filtered else keys.trainer_untrained
         self._size = 0
         self._count = 0
 
     async def count(self) -> int:
-        size = int(await self.client.scard(self.keys.trainer_untrained))
+        size = int(await self.client.scard(self.key))
         if size != self._size:
-            members = await self.client.smembers(self.keys.trainer_untrained)
+            members = await self.client.smembers(self.key)
             self._count = sum(1 for m in members if (m.decode() if isinstance(m, bytes) else m).startswith(self.prefix))
             self._size = size
         return self._count
