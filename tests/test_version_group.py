@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -60,52 +59,65 @@ def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
 
 
 def test_a_version_arrives_by_broadcast_into_the_worker_s_weights(tmp_path: Path) -> None:
-    """Rank 0 sends a model's weights; the worker loads them as they arrive and checks the sampled
-    tensors' sha256: afterwards its weights are the sender's, bit for bit."""
+    """Rank 0 sends a model's weights (a header, then the tensors); the worker loads them as they
+    arrive and checks the sampled tensors' sha256: afterwards its weights are the sender's, bit for
+    bit. Two groups share one rendezvous, each under its own name."""
     sender_model, worker_model = _tiny(tmp_path / "a", seed=1), _tiny(tmp_path / "b", seed=2)
     state = {n: p.detach() for n, p in sender_model.named_parameters()}
     assert any(not torch.equal(p, dict(worker_model.named_parameters())[n]) for n, p in state.items())
-    worker, port = TinyWorker(worker_model), free_port()
-    joined = _in_thread(worker.fulmen_join, "127.0.0.1", port, world_size=2, timeout_s=30)
-    sender = group.join("127.0.0.1", port, 0, 2, "gloo", timeout_s=30)
-    joined["thread"].join(30)
-    assert joined.get("value") == {"rank": 1, "world_size": 2}, joined
+    store = group.serve_store(0, 30)
+    worker, other = TinyWorker(worker_model), TinyWorker(_tiny(tmp_path / "c", seed=3))
+    groups = {}
+    for name, w in (("r1", worker), ("r2", other)):
+        joined = _in_thread(w.fulmen_join, "127.0.0.1", store.port, world_size=2, name=name, timeout_s=30)
+        groups[name] = group.join("127.0.0.1", store.port, 0, 2, "gloo", 30, name=name, store=store)
+        joined["thread"].join(30)
+        assert joined.get("value") == {"rank": 1, "world_size": 2}, joined
 
-    specs = group.specs_of(state)
-    checks = {name: tensor_sha256(state[name]) for name in group.sampled_names(specs, seed="v1")}
-    received = _in_thread(worker.fulmen_receive, [s.to_json() for s in specs], checks)
-    sent = group.send(sender, state, specs)
+    checks = {n: tensor_sha256(state[n]) for n in group.sampled_names(group.specs_of(state), seed="v1")}
+    received = _in_thread(worker.fulmen_receive)
+    sent = group.send_version(groups["r1"], "v1", state, checks)
     received["thread"].join(30)
-    assert received.get("value") == {"tensors": len(specs), "bytes": sent, "checked": len(checks)}, received
+    assert received.get("value") == {"version": "v1", "tensors": len(state), "bytes": sent,
+                                     "checked": len(checks)}, received
     got = dict(worker_model.named_parameters())
     assert all(torch.equal(got[n], t) for n, t in state.items())
-    assert worker.loads == [list(state)]  # one load, as the tensors arrived
+    assert worker.loads == [list(state)] and other.loads == []  # one load, as the tensors arrived
 
 
-def test_a_tensor_that_does_not_match_its_manifest_is_refused(tmp_path: Path) -> None:
-    """A check that fails names the tensor, once every tensor has arrived (the JSON forms, as vLLM's
-    /collective_rpc passes them); a worker that has not joined says to join first."""
+def test_a_tensor_unlike_its_manifest_or_no_version_is_refused() -> None:
+    """A check that fails names the tensor, once every tensor has arrived (the sender is not left
+    waiting, and the group serves the next version); a sender with nothing to send says why; a worker
+    that has not joined says to join first."""
     state = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4)}
     worker = TinyWorker(torch.nn.ParameterDict({n: torch.nn.Parameter(torch.zeros_like(t)) for n, t in state.items()}))
     with pytest.raises(GroupError, match="fulmen_join first"):
-        worker.fulmen_receive([s.to_json() for s in group.specs_of(state)])
+        worker.fulmen_receive()
     port = free_port()
     joined = _in_thread(worker.fulmen_join, "127.0.0.1", port, world_size=2, timeout_s=30)
     sender = group.join("127.0.0.1", port, 0, 2, "gloo", timeout_s=30)
     joined["thread"].join(30)
-    specs = group.specs_of(state)
     wrong = {"a": tensor_sha256(state["a"]), "b": tensor_sha256(torch.zeros(4))}
-    received = _in_thread(worker.fulmen_receive, json.dumps([s.to_json() for s in specs]), json.dumps(wrong))
-    group.send(sender, state, specs)
+    received = _in_thread(worker.fulmen_receive)
+    group.send_version(sender, "v2", state, wrong)
     received["thread"].join(30)
     assert isinstance(received.get("error"), GroupError), received
     assert "1 tensor(s) arrived unlike their manifest's sha256: b" in str(received["error"])
-    assert worker.loads == [["a", "b"]]  # every tensor received: the sender is not left waiting
+    assert worker.loads == [["a", "b"]]
+
+    received = _in_thread(worker.fulmen_receive)
+    group.send_refusal(sender, "the trainer holds no full version (a LoRA run)")
+    received["thread"].join(30)
+    assert "the sender sent no version: the trainer holds no full version (a LoRA run)" in str(received.get("error"))
+    received = _in_thread(worker.fulmen_receive)  # still usable
+    group.send_version(sender, "v3", state, {})
+    received["thread"].join(30)
+    assert received.get("value", {}).get("version") == "v3", received
 
 
 def test_joining_a_sender_that_never_comes_times_out_with_a_clear_error() -> None:
     started = time.monotonic()
-    with pytest.raises(GroupError, match=r"rank 1 of 2 could not join the weight group at 127.0.0.1:\d+ \(gloo\)"):
+    with pytest.raises(GroupError, match=r"rank 1 of 2 could not join the weight group '' at 127.0.0.1:\d+ \(gloo\)"):
         group.join("127.0.0.1", free_port(), 1, 2, "gloo", timeout_s=1.0)
     assert time.monotonic() - started < 30
 

@@ -87,17 +87,43 @@ async def _train(store: RedisStore, settings: TrainerSettings, torch_ranks: Any,
             await membership.mark_ready()
         if torch_ranks is not None:
             await torch_ranks.hello(trainer)
-        if membership is not None:  # over Redis: whoever holds the lease leads, the others follow
-            await ranks.serve(trainer, stop)
-        elif rank == 0:
-            await trainer.run(stop)
-        else:
-            await ranks.follow(trainer, stop)
+        async with _weight_sender(store, settings, trainer, rank, membership, stop):
+            if membership is not None:  # over Redis: whoever holds the lease leads, the others follow
+                await ranks.serve(trainer, stop)
+            elif rank == 0:
+                await trainer.run(stop)
+            else:
+                await ranks.follow(trainer, stop)
         if trainer.unlogged and (rank == 0 or torch_ranks is None):  # steps since the last checkpoint
             await trainer.checkpoint()
         if rank == 0 and torch_ranks is not None:
             await torch_ranks.finish()  # after that checkpoint: FSDP ranks write their shards of it
     log.info("trainer rank %d stopped at step %d (model version %s)", rank, trainer.step, trainer.version)
+
+
+@contextlib.asynccontextmanager
+async def _weight_sender(store: RedisStore, settings: TrainerSettings, trainer: Any, rank: int, membership: Any,
+                         stop: asyncio.Event) -> AsyncIterator[None]:
+    """With ``weight_group``, rank 0 sends vLLM servers the full versions they ask for while it trains."""
+    if not settings.weight_group or rank != 0:
+        yield
+        return
+    if membership is not None:
+        raise InvalidInput("weight_group needs one trainer rank or torchrun's ranks (--parallel ddp or fsdp): with "
+                           "ranks over Redis the leader changes; unset FULMEN_WEIGHT_GROUP to load from folders")
+    from fulmen_trainer.weight_sender import WeightSender
+
+    sender = WeightSender(store, settings)
+    await sender.start()
+    trainer.sender = sender
+    answering = asyncio.create_task(sender.run(stop))
+    try:
+        yield
+    finally:
+        answering.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await answering
+        await sender.close()
 
 
 @contextlib.asynccontextmanager

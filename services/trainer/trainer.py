@@ -49,6 +49,7 @@ from fulmen_trainer.publishing import (
     republish_if_lost,
 )
 from fulmen_trainer.values import ValueTargets, value_targets
+from fulmen_trainer.weight_sender import WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Trainer:
         self.publisher = VersionPublisher(settings, lora=settings.lora_rank is not None)
         self.lost_weights = LostWeightsWatch()  # `fulmen_trainer.publishing`
         self.aof_rewrite: asyncio.Task[None] | None = None  # Redis's AOF rewrite, once the proxies serve a version
+        self.sender: WeightSender | None = None  # with weight_group: vLLM servers are sent full versions on asking
         self.vocab_size: int | None = None  # token ids at or above it are refused (set by `setup`)
         self.nonfinite: str | None = None  # why the step under way makes no update (a NaN or inf)
         self.resumed_consumed: set[str] = set()  # entries the resumed checkpoint consumed (Redis ranks)
@@ -427,6 +429,8 @@ class Trainer:
             self.store, state, model=self.model_name, version=self.version.name, replace_unpublished=resumed,
             weights_format=self.policy.published_format(), exact=exact,
         )
+        if self.sender is not None and self.policy.published_format() is None:  # full weights: vLLM may ask
+            await self.sender.hold(self.version.name, state)
         await retain_versions(self.store, self.s.keep_versions, self.s.weights_dir)
         if self.aof_rewrite is not None:  # a version the proxies never loaded: the new one counts
             self.aof_rewrite.cancel()

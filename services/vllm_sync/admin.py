@@ -6,7 +6,6 @@ docs/design/vllm-sync.md.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
@@ -68,18 +67,22 @@ class VllmAdmin:
         await self._call("POST", "/collective_rpc", json={"method": "reload_weights",
                                                           "kwargs": {"weights_path": folder}})
 
-    async def join_group(self, host: str, port: int, world_size: int, backend: str = "",
+    async def join_group(self, host: str, port: int, world_size: int, name: str, backend: str = "",
                          timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """Every worker joins the weight group whose rank 0 listens at ``host:port``, as ranks 1..
+        """Every worker joins the weight group ``name`` met at ``host:port``, as ranks 1..
         (`fulmen.versions.transport.group.WorkerExtension.fulmen_join`); their ranks."""
-        kwargs = {"host": host, "port": port, "world_size": world_size, "backend": backend, "timeout_s": timeout_s}
+        kwargs = {"host": host, "port": port, "world_size": world_size, "name": name, "backend": backend,
+                  "timeout_s": timeout_s}
         return await self._worker_rpc("fulmen_join", kwargs, timeout_s)
 
-    async def receive_group(self, specs: list[list[Any]], checks: dict[str, str], timeout_s: float) -> list[dict[str, Any]]:
-        """Every worker receives the tensors rank 0 broadcasts into its weights (``specs``: [name,
-        dtype, shape] in the sender's order; ``checks``: name → sha256 to verify); what each received."""
-        kwargs = {"specs": json.dumps(specs), "checks": json.dumps(checks)}
-        return await self._worker_rpc("fulmen_receive", kwargs, timeout_s)
+    async def workers(self) -> int:
+        """How many workers the server runs (a weight group holds each, beside its sender)."""
+        return len(await self._worker_rpc("fulmen_workers", {}, 30.0))
+
+    async def receive_group(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Every worker receives the version rank 0 broadcasts into its weights; what each received
+        (``version``, ``tensors``, ``bytes``, ``checked``)."""
+        return await self._worker_rpc("fulmen_receive", {}, timeout_s)
 
     async def _worker_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
         try:

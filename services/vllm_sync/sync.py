@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,9 @@ from fulmen.versions.folder import apply_onto_folder
 from fulmen.versions.lora import LORA_FORMAT
 from fulmen.versions.manifest import DELTA, FULL
 from fulmen.versions.model_version import fetch_full_version, fetch_version, llm_resource
-from fulmen_vllm_sync.admin import AdminError, LoraNotEnabled, VllmAdmin
+from fulmen_vllm_sync.admin import AdminError, GroupNotEnabled, LoraNotEnabled, VllmAdmin
 from fulmen_vllm_sync.materialize import materialize, materialize_adapter, materialize_full
+from fulmen_vllm_sync.weight_group import GroupUnavailable, WeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class VllmSync:
         self.asked: str | None = None  # the lost version a rebuild was asked for
         self.checkpoint_dir = settings.checkpoint_dir  # the trainer's, rebuilt from if this host reads it
         self.turn_ttl_s = LOAD_ROUTES * settings.sync_timeout_s  # a dead vllm-sync's turn ends by itself
+        self.group = (WeightGroup(store, admin, self.url, settings.weight_group_timeout_s)
+                      if settings.weight_group else None)
 
     async def _mark(self, **changes: Any) -> None:
         self.state = await self.store.registry.set_replica(dataclasses.replace(self.state, **changes))
@@ -210,6 +213,8 @@ class VllmSync:
 
     async def _sync(self, version: str, llm: Mapping[str, Any]) -> None:
         weights = llm.get("weights") if isinstance(llm.get("weights"), Mapping) else {}
+        if self.group is not None and weights.get("format", FULL) != LORA_FORMAT and await self._by_group(version, weights.get("sha256")):
+            return
         folder = None
         if weights.get("format", FULL) == FULL:  # the published file as it is, checked on the way
             folder = await materialize_full(self.store, version, weights, self.model_dir, self.sync_dir)
@@ -245,7 +250,36 @@ class VllmSync:
             weights = {**weights, "format": "full"}
         return await asyncio.to_thread(materialize, version, state, weights, self.model_dir, self.sync_dir)
 
+    async def _by_group(self, version: str, sha: str | None) -> bool:
+        """Load ``version`` (or the trainer's newer one) over the weight group; False when it cannot be,
+        with the server as it was or marked as not known (the folder path then loads it)."""
+        assert self.group is not None
+        try:
+            if self.group.name is None:  # before the pause: the server serves meanwhile
+                await self.group.join()
+            await self._load(version, lambda: self.group.receive(version), sha)  # type: ignore[union-attr]
+            return True
+        except GroupUnavailable:
+            return False
+        except GroupNotEnabled as e:
+            log.error("%s; loading from folders from now on", e)
+            self.group = None
+        except (AdminError, SyncFailed) as e:
+            log.warning("%s: loading %s over the weight group failed (%s); loading it from a folder", self.url,
+                        version, e)
+        self.weights_known = False  # paused, or part of the weights received
+        return False
+
     async def _load_folder(self, version: str, folder: Path, sha: str | None) -> None:
+        async def reload() -> str:
+            await self.admin.reload_weights(str(folder.resolve()))
+            return version
+
+        await self._load(version, reload, sha)
+
+    async def _load(self, version: str, reload: Callable[[], Awaitable[str]], sha: str | None) -> None:
+        """The swap around ``reload`` (which returns the version it loaded): canary, turn, pause, reload,
+        set the version, reset the cache, resume, verify."""
         if not self.weights_known:  # a failed attempt may have left the server paused
             await self.admin.resume()
         before = await self.admin.canary(self.model, self.canary_prompt)
@@ -254,7 +288,8 @@ class VllmSync:
         try:  # the turn is given back once this replica is ready again (or its load failed)
             await self._mark(ready=False, generation=self.state.generation + 1, reason=f"loading {version}")
             await self.admin.pause(self.pause_mode)
-            await self.admin.reload_weights(str(folder.resolve()))
+            loaded = await reload()
+            sha, version = (sha if loaded == version else None), loaded
             await self.admin.set_version(version)
             await self.admin.reset_prefix_cache()
             await self.admin.resume()

@@ -12,6 +12,10 @@ Faults (``fault``, consumed by the next ``reload_weights``): ``"hang"`` (never a
 loads nothing). ``restart()`` stands for a server restart: the base weights again, no version, no
 adapter. While paused, completions wait for the resume, as vLLM's do.
 
+With ``worker_extension`` (``--worker-extension-cls`` Fulmen's `WorkerExtension`) its one worker answers
+the weight group's ``/collective_rpc`` methods (join, receive: the tensors received go into the
+engine's weights); without it those calls fail as vLLM's do (no such attribute).
+
 With ``lora_enabled`` (vLLM's ``--enable-lora`` with runtime updating) it loads PEFT adapter folders
 under a name (``/v1/load_lora_adapter``; a server without it answers 404, as vLLM does), lists them
 in ``/v1/models``, and serves a completion whose ``model`` names one with the base model's weights
@@ -30,6 +34,7 @@ from aiohttp import web
 from safetensors.torch import load_file
 
 from fulmen.store.redis.embedded import free_port
+from fulmen.versions.transport.group import WorkerExtension
 from fulmen_llm_proxy.backends.torch.engine import TorchEngine
 from fulmen_llm_proxy.backends.torch.request import SamplingParams
 
@@ -49,6 +54,8 @@ class FakeVllm:
         self.lora_enabled = False
         self.adapters: dict[str, TorchEngine] = {}
         self.requested_models: list[str] = []
+        self.worker_extension = False
+        self.worker = _Worker()
 
     async def start(self) -> str:
         app = web.Application()
@@ -100,6 +107,8 @@ class FakeVllm:
 
     async def collective_rpc(self, request: web.Request) -> web.Response:
         body = await request.json()
+        if str(body.get("method")).startswith("fulmen_"):
+            return await self._worker_rpc(body["method"], body.get("kwargs") or {})
         if body.get("method") != "reload_weights":
             return web.json_response({"error": "unknown method"}, status=400)
         self.calls.append("reload_weights")
@@ -115,6 +124,19 @@ class FakeVllm:
             return web.json_response({"error": "worker died while loading"}, status=500)
         await self.engine.load_weights(weights, self.engine.model_version)
         return web.json_response({})
+
+    async def _worker_rpc(self, method: str, kwargs: dict[str, Any]) -> web.Response:
+        if not self.worker_extension:
+            return web.json_response({"error": f"'CPUWorker' object has no attribute '{method}'"}, status=500)
+        self.calls.append(method)
+        try:
+            result = await asyncio.to_thread(getattr(self.worker, method), **kwargs)
+        except Exception as e:  # as vLLM answers a worker's exception
+            return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
+        if self.worker.received is not None:
+            received, self.worker.received = self.worker.received, None
+            await self.engine.load_weights(received, self.engine.model_version)
+        return web.json_response({"results": [result]})
 
     async def set_version(self, request: web.Request) -> web.Response:
         self.version = (await request.json())["new_version"]
@@ -167,3 +189,16 @@ class FakeVllm:
         choice = {"index": 0, "text": "", "token_ids": g.token_ids, "finish_reason": g.finish_reason,
                   "logprobs": {"token_logprobs": g.logprobs}}
         return web.json_response({"choices": [choice], "prompt_token_ids": g.prompt_token_ids})
+
+
+class _Worker(WorkerExtension):
+    """The fake's one worker: what it receives is handed to the engine after the call."""
+
+    def __init__(self) -> None:
+        self.received: dict[str, Any] | None = None
+
+    def fulmen_load(self, weights: Any) -> None:
+        self.received = dict(weights)
+
+    def fulmen_worker_rank(self) -> int:
+        return 0

@@ -215,27 +215,59 @@ async def test_a_full_version_arrives_by_the_process_group_and_serves_like_the_t
     url, base, root = vllm
     admin = VllmAdmin(url, 120.0)
     state = load_file(str(_tiny(root / "by-group", seed=3) / "model.safetensors"))
-    specs = group.specs_of(state)
     port = free_port()
     try:
-        joining = asyncio.create_task(admin.join_group("127.0.0.1", port, 2, "gloo", timeout_s=60))
-        sender = await asyncio.to_thread(group.join, "127.0.0.1", port, 0, 2, "gloo", 60.0)
+        assert await admin.workers() == 1
+        joining = asyncio.create_task(admin.join_group("127.0.0.1", port, 2, "replica-a", "gloo", timeout_s=60))
+        sender = await asyncio.to_thread(group.join, "127.0.0.1", port, 0, 2, "gloo", 60.0, name="replica-a")
         assert await joining == [{"rank": 1, "world_size": 2}]
-        checks = {n: tensor_sha256(state[n]) for n in group.sampled_names(specs, seed="v9")}
+        checks = {n: tensor_sha256(state[n]) for n in group.sampled_names(group.specs_of(state), seed="v9")}
         await admin.pause("wait")
-        receiving = asyncio.create_task(admin.receive_group([s.to_json() for s in specs], checks, 60))
-        sent = await asyncio.to_thread(group.send, sender, state, specs)
-        assert await receiving == [{"tensors": len(specs), "bytes": sent, "checked": len(checks)}]
+        receiving = asyncio.create_task(admin.receive_group(60))
+        sent = await asyncio.to_thread(group.send_version, sender, "v9", state, checks)
+        assert await receiving == [{"version": "v9", "tensors": len(state), "bytes": sent, "checked": len(checks)}]
         await admin.set_version("v9")
         await admin.reset_prefix_cache()
         await admin.resume()
         assert httpx.get(f"{url}/weight_info").json()["weight_version"] == "v9"
         _agree(await _vllm_greedy(url, await admin.model_name()), await _torch_greedy(base, state))
 
-        wrong = dict(checks) | {specs[0].name: "0" * 64}
-        receiving = asyncio.create_task(admin.receive_group([s.to_json() for s in specs], wrong, 60))
-        await asyncio.to_thread(group.send, sender, state, specs)
-        with pytest.raises(AdminError, match=f"arrived unlike their manifest's sha256: {specs[0].name}"):
+        first = next(iter(state))
+        receiving = asyncio.create_task(admin.receive_group(60))
+        await asyncio.to_thread(group.send_version, sender, "v10", state, checks | {first: "0" * 64})
+        with pytest.raises(AdminError, match=f"arrived unlike their manifest's sha256: {first}"):
             await receiving
     finally:
+        await admin.close()
+
+
+async def test_vllm_sync_with_the_weight_group_serves_the_trainer_s_version(real_store: RedisStore, vllm) -> None:  # type: ignore[no-untyped-def]
+    """The whole path on the real server: the trainer's WeightSender advertises its group and holds a
+    published version; vllm-sync with weight_group joins, asks, receives it into the worker's
+    weights (no folder), and the server then answers like the torch backend on those weights."""
+    from fulmen.settings import TrainerSettings, load_settings
+    from fulmen_trainer.weight_sender import WeightSender
+
+    url, base, root = vllm
+    settings = load_settings(TrainerSettings, model_dir=base, experiment=real_store.experiment, weight_group=True)
+    sender = WeightSender(real_store, settings)
+    await sender.start()
+    stop = asyncio.Event()
+    sending = asyncio.create_task(sender.run(stop))
+    admin = VllmAdmin(url, 120.0)
+    sync = VllmSync(real_store, admin, VllmSyncSettings(vllm_url=url, model_dir=base, sync_dir=root / "group-sync",
+                                                        sync_retry_s=1.0, weight_group=True))
+    try:
+        state = load_file(str(_tiny(root / "sent", seed=4) / "model.safetensors"))
+        update = await publish_model_version(real_store, state, model="tiny")
+        version = update.resources["llm"]["model_version"]
+        await sender.hold(version, state)
+        await _synced(real_store, sync, version)
+        assert sender.sent == 1 and not list((root / "group-sync").glob("v*"))  # no folder written
+        assert httpx.get(f"{url}/weight_info").json()["weight_version"] == version
+        _agree(await _vllm_greedy(url, await admin.model_name()), await _torch_greedy(base, state))
+    finally:
+        stop.set()
+        await sending
+        await sender.close()
         await admin.close()

@@ -1,6 +1,6 @@
 """Every record Fulmen stores or sends, each with its wire form. One schema version (`fulmen.codec`).
 
-One module per area (rollouts, spans, status, messages, samples, ranks, ops, control, rebuilds; `base` for
+One module per area (rollouts, spans, status, messages, samples, ranks, ops, control, rebuilds, weight_groups; `base` for
 `Record`), every record importable from here. Wire forms and why: docs/design/records.md.
 """
 
@@ -23,6 +23,7 @@ from fulmen.records.rollouts import Attempt, AttemptedRollout, Rollout, RolloutC
 from fulmen.records.samples import RolloutForSamples, Sample, SampleSkip, pack_sample
 from fulmen.records.spans import Span, SpanView
 from fulmen.records.status import AttemptStatus, Priority, RolloutMode, RolloutStatus
+from fulmen.records.weight_groups import WeightGroupAction, WeightGroupAsk
 
 __all__ = [
     "Attempt",
@@ -54,6 +55,8 @@ __all__ = [
     "SpanView",
     "TrainStep",
     "VersionRebuild",
+    "WeightGroupAction",
+    "WeightGroupAsk",
     "WeightsChunk",
     "Worker",
     "pack_sample",

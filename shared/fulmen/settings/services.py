@@ -97,6 +97,26 @@ class CheckpointDirSettings(CommonSettings):
         return self
 
 
+class WeightGroupSettings(CommonSettings):
+    """Full versions sent to vLLM over a process group (the trainer's rank 0 to the server's workers),
+    where vllm-sync asks for them: one switch for both."""
+
+    weight_group: bool = Field(
+        False,
+        description="Send full versions to vLLM servers over a process group (gloo, NCCL on GPUs) instead of a "
+        "folder they reload: the trainer serves it, vllm-sync asks for it; the server runs with "
+        "--worker-extension-cls fulmen.versions.transport.group.WorkerExtension (docs/guides/vllm.md).",
+        json_schema_extra={"group": "weight group"},
+    )
+    weight_group_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long joining a weight group, or one version sent over it, may take before it counts as "
+        "failed (vllm-sync then loads the version from a folder).",
+        json_schema_extra={"group": "weight group"},
+    )
+
+
 class RolloutPolicySettings(CommonSettings):
     """The retry policy of the rollouts the algorithm and the validation passes enqueue."""
 
@@ -436,7 +456,20 @@ class AdapterSettings(CommonSettings):
     )
 
 
-class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings, CheckpointDirSettings):
+class TrainerSettings(ServedModelSettings, TrainingRunSettings, ComputeSettings, CheckpointDirSettings,
+                      WeightGroupSettings):
+    weight_group_host: str = Field(
+        "127.0.0.1",
+        description="The address vLLM's workers reach this trainer's weight-group rendezvous at.",
+        json_schema_extra={"group": "weight group"},
+    )
+    weight_group_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="The port the weight-group rendezvous listens on (0: a free one, advertised in the store).",
+        json_schema_extra={"group": "weight group"},
+    )
     algorithm: Algorithm = Field(
         "grpo",
         description="The training recipe: grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, ppo, ppo_gae, reinforce or sft "
@@ -880,7 +913,7 @@ class EvalSettings(ValidationSettings):
     pass
 
 
-class VllmSyncSettings(ServedModelSettings, CheckpointDirSettings):
+class VllmSyncSettings(ServedModelSettings, CheckpointDirSettings, WeightGroupSettings):
     vllm_url: str | None = Field(
         None,
         description="The vLLM server to keep in step (its base URL, as in upstream_urls).",

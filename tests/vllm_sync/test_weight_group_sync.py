@@ -1,0 +1,184 @@
+"""Full versions over the weight group, end to end in this process: the trainer's `WeightSender`
+(rank 0, advertised in a real Redis) and `fulmen vllm-sync` with ``weight_group`` against a fake vLLM
+server whose one worker runs Fulmen's worker extension. No folder is written or reloaded; without a
+trainer's group, or without the extension, versions load from folders as before."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from fulmen.demo.tiny_model import build_tiny_model
+from fulmen.settings import TrainerSettings, VllmSyncSettings, load_settings
+from fulmen.store import RedisStore
+from fulmen.versions.model_version import publish_model_version
+from fulmen.versions.transport.group_asks import advertised
+from fulmen_llm_proxy.backends.torch.request import SamplingParams
+from fulmen_trainer.weight_sender import WeightSender
+from fulmen_vllm_sync.admin import VllmAdmin
+from fulmen_vllm_sync.sync import VllmSync
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fakes.fake_vllm import FakeVllm
+
+PROMPT = [1, 5, 9, 12, 7]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("m")
+    return tuple(build_tiny_model(root / name, seed=seed) for name, seed in (("base", 0), ("a", 1), ("b", 2)))  # type: ignore[return-value]
+
+
+async def _ids(fake: FakeVllm) -> list[int]:
+    return (await fake.engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))).token_ids
+
+
+async def _until(predicate, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout_s / 0.05)):
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+async def _ready(store: RedisStore, url: str, version: str) -> bool:
+    state = (await store.registry.query_replicas()).get(url)
+    return state is not None and state.ready and state.model_version == version
+
+
+async def _sender(store: RedisStore, model_dir: Path) -> tuple[WeightSender, asyncio.Event, asyncio.Task[None]]:
+    settings = load_settings(TrainerSettings, model_dir=model_dir, experiment=store.experiment, weight_group=True,
+                             weight_group_timeout_s=20.0)
+    sender = WeightSender(store, settings)
+    await sender.start()
+    stop = asyncio.Event()
+    return sender, stop, asyncio.create_task(sender.run(stop))
+
+
+async def _sync(store: RedisStore, fake: FakeVllm, base: Path, tmp: Path) -> tuple[VllmSync, asyncio.Event, asyncio.Task[None]]:
+    settings = VllmSyncSettings(vllm_url=fake.url, model_name="tiny", model_dir=base, sync_dir=tmp / "sync",
+                                sync_retry_s=0.2, weight_group=True, weight_group_timeout_s=20.0)
+    sync = VllmSync(store, VllmAdmin(fake.url, 30.0), settings, check_s=0.2)
+    stop = asyncio.Event()
+    return sync, stop, asyncio.create_task(sync.run(stop))
+
+
+async def _publish(store: RedisStore, sender: WeightSender | None, model: Path, version: str) -> dict:
+    state = load_file(str(model / "model.safetensors"))
+    await publish_model_version(store, state, model="tiny")
+    if sender is not None:
+        await sender.hold(version, state)  # as the trainer's publish does
+    return state
+
+
+async def _greedy(model_dir: Path) -> list[int]:
+    from fulmen_llm_proxy.backends.torch.engine import TorchEngine
+
+    engine = TorchEngine(model_dir)
+    ids = (await engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))).token_ids
+    await engine.close()
+    return ids
+
+
+async def test_full_versions_arrive_over_the_group_without_a_folder(real_store: RedisStore, models, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two versions in a row: each is asked for, sent by the trainer's rank 0 and received into the
+    worker's weights (the server paused around it), served, verified; the group is joined once and no
+    folder is reloaded."""
+    base, a, b = models
+    fake = FakeVllm(base)
+    fake.worker_extension = True
+    await fake.start()
+    sender, sender_stop, sending = await _sender(real_store, base)
+    sync, stop, syncing = await _sync(real_store, fake, base, tmp_path)
+    try:
+        assert (await advertised(real_store)).port == sender.rendezvous.port  # type: ignore[union-attr]
+        await _until(lambda: _ready(real_store, fake.url, "base"))
+        await _publish(real_store, sender, a, "v1")
+        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        assert await _ids(fake) == await _greedy(a)
+        await _publish(real_store, sender, b, "v2")
+        await _until(lambda: _ready(real_store, fake.url, "v2"))
+        assert await _ids(fake) == await _greedy(b)
+        assert fake.calls == ["fulmen_workers", "fulmen_join",
+                              "pause:wait", "fulmen_receive", "version:v1", "reset_prefix_cache", "resume",
+                              "pause:wait", "fulmen_receive", "version:v2", "reset_prefix_cache", "resume"]
+        assert sender.sent == 2
+        assert not list((tmp_path / "sync").glob("v*"))  # no version folder written
+    finally:
+        stop.set()
+        sender_stop.set()
+        await syncing
+        await sending
+        await sync.admin.close()
+        await sender.close()
+        await fake.stop()
+
+
+async def test_without_a_trainer_s_group_or_the_extension_versions_load_from_folders(real_store: RedisStore, models,
+                                                                                       tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """No trainer advertises a group: the version is reloaded from a folder, said once. A server
+    without the worker extension: said with the flag to add, and folders from then on."""
+    base, a, b = models
+    fake = FakeVllm(base)
+    fake.worker_extension = True
+    await fake.start()
+    sync, stop, syncing = await _sync(real_store, fake, base, tmp_path)
+    try:
+        await _until(lambda: _ready(real_store, fake.url, "base"))
+        await _publish(real_store, None, a, "v1")
+        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        assert "reload_weights" in fake.calls and "fulmen_join" not in fake.calls
+        assert "no trainer advertises a weight group" in caplog.text
+
+        fake.worker_extension = False
+        sender, sender_stop, sending = await _sender(real_store, base)
+        try:
+            await _publish(real_store, sender, b, "v2")
+            await _until(lambda: _ready(real_store, fake.url, "v2"))
+            assert await _ids(fake) == await _greedy(b)
+            assert "--worker-extension-cls fulmen.versions.transport.group.WorkerExtension" in caplog.text
+            assert sync.group is None and fake.calls.count("reload_weights") == 2
+        finally:
+            sender_stop.set()
+            await sending
+            await sender.close()
+    finally:
+        stop.set()
+        await syncing
+        await sync.admin.close()
+        await fake.stop()
+
+
+async def test_a_poison_or_stale_ask_does_not_stop_the_sender(real_store: RedisStore, models) -> None:  # type: ignore[no-untyped-def]
+    """An ask that does not decode is dead-lettered with the reason, a stale one (its asker gave up) is
+    skipped without joining anything, and the sender answers the next ask."""
+    import time
+
+    from fulmen.errors import RecordError
+    from fulmen.records import WeightGroupAction, WeightGroupAsk
+    from fulmen.versions.transport.group_asks import ask
+
+    with pytest.raises(RecordError, match="world_size"):  # a group of one has nobody to send to
+        WeightGroupAsk.from_wire(WeightGroupAsk(WeightGroupAction.JOIN, "g1", 1).to_wire())
+    base, _, _ = models
+    sender, stop, sending = await _sender(real_store, base)
+    try:
+        await real_store.redis.xadd(real_store.keys.weight_group_asks, {"m": b"\x93not a record"})
+        await ask(real_store, WeightGroupAsk(WeightGroupAction.JOIN, "old", 2, "", "vllm-sync x", time.time() - 3600))
+        await ask(real_store, WeightGroupAsk(WeightGroupAction.SEND, "nobody", 2, "v1", "vllm-sync y", time.time()))
+
+        async def handled() -> bool:
+            pending = await real_store.redis.xpending(real_store.keys.weight_group_asks, "weight-senders")
+            return await real_store.redis.xlen(real_store.keys.dead_letters) == 1 and pending["pending"] == 0
+
+        await _until(handled, 20)
+        assert sender.groups == {} and not sending.done()
+    finally:
+        stop.set()
+        await sending
+        await sender.close()
