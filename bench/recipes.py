@@ -6,8 +6,11 @@ one but sft by default) for ``--seeds`` seeds (3), each run stopped at the first
 ``--target`` (0.9) or at ``--budget-s`` (600) since `honcho start`. A run differs from the .env only by
 FULMEN_ALGORITHM, FULMEN_SEED, the knobs its recipe needs on the demo (the generation limit,
 ANSWER_TOKENS, for the recipes that normalise by it or penalise answers near it), a step count too
-large to end it, and FULMEN_MODEL_DIR: the seed's warm start, prepared once into ``--cache`` (as the
-demo prepares it; reused by every run and every later invocation), so each run is RL only. The knobs
+large to end it, and FULMEN_MODEL_DIR: the warm start, prepared once into ``--cache`` (as the demo
+prepares it; reused by every run and every later invocation), so each run is RL only. The warm start
+is seed ``--warm-start-seed``'s (0, the README demo's) for every seed, as RL papers fix the base model
+and vary the run's seed; ``--warm-start-per-seed`` gives each seed its own (seed 1's reads 0.15
+held-out, seed 0's 0.40: a different task more than a different run). The knobs
 are resolved as the trainer will resolve them before anything starts. One JSON line per run, then
 the per-recipe figures (``--results FILE`` keeps the runs in FILE, so an invocation runs only those not
 there yet, and its figures count them all); ``--dry-run`` prints the runs, their environments and knobs, and starts nothing.
@@ -212,10 +215,12 @@ PREPARE = ("import logging, sys, torch; from pathlib import Path; "
 
 @dataclass(frozen=True)
 class DemoRun:
-    """One run of the demo: its recipe, its seed, and its settings over the repository's .env."""
+    """One run of the demo: its recipe, its seed, its warm start's seed, and its settings over the
+    repository's .env."""
 
     recipe: str
     seed: int
+    warm_start_seed: int
     env: dict[str, str]
 
 
@@ -226,13 +231,13 @@ def rl_recipes() -> list[str]:
     return [name for name in algorithms() if name not in NOT_RL]
 
 
-def recipe_env(recipe: str, seed: int, target: float, cache: Path) -> dict[str, str]:
+def recipe_env(recipe: str, seed: int, target: float, cache: Path, warm_start_seed: int) -> dict[str, str]:
     """The run's settings over the .env: the recipe, the seed, its warm start, no step limit, and the
     knobs the recipe cannot run the demo without (the answers' generation limit)."""
     from fulmen_algorithm.demos.arithmetic import ANSWER_TOKENS
     from fulmen_trainer.objectives import recipe_defaults
 
-    env = {"FULMEN_ALGORITHM": recipe, "FULMEN_SEED": str(seed), "FULMEN_MODEL_DIR": str(cache / f"seed-{seed}" / "model"),
+    env = {"FULMEN_ALGORITHM": recipe, "FULMEN_SEED": str(seed), "FULMEN_MODEL_DIR": str(cache / f"seed-{warm_start_seed}" / "model"),
            "FULMEN_TOTAL_STEPS": "100000", "FULMEN_TARGET_ACCURACY": str(target)}
     defaults = recipe_defaults(recipe)
     if defaults.get("constant_normaliser") or defaults.get("overlong_penalty"):
@@ -261,7 +266,9 @@ def resolved_knobs(env: dict[str, str]) -> dict[str, Any]:
 def demo_runs(args: argparse.Namespace) -> list[DemoRun]:
     """Seed by seed, every recipe: an interrupted benchmark has every recipe on its first seeds."""
     seeds = range(args.seed, args.seed + args.seeds)
-    return [DemoRun(r, s, recipe_env(r, s, args.target, args.cache)) for s in seeds for r in args.recipe_names]
+    warm = {s: s if args.warm_start_per_seed else args.warm_start_seed for s in seeds}
+    return [DemoRun(r, s, warm[s], recipe_env(r, s, args.target, args.cache, warm[s]))
+            for s in seeds for r in args.recipe_names]
 
 
 def prepare_warm_start(cache: Path, seed: int) -> float:
@@ -295,7 +302,8 @@ def run_recipe(run: DemoRun, args: argparse.Namespace, folder: Path) -> dict[str
     points = honcho.curve(passes, started)
     trained = [c["accuracy"] for c in points if c["label"] != "v0"]
     return {
-        "recipe": run.recipe, "seed": run.seed, "target": args.target, "budget_s": args.budget_s,
+        "recipe": run.recipe, "seed": run.seed, "warm_start_seed": run.warm_start_seed, "target": args.target,
+        "budget_s": args.budget_s,
         "ended": "target" if reached else "budget" if exited is None else f"honcho exited ({exited})",
         "time_to_target_s": round(reached["time"] - started, 1) if reached else None,
         "steps_to_target": reached.get("step") if reached else None,
@@ -330,19 +338,20 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     head = {"target": args.target, "budget_s": args.budget_s, "seeds": sorted({r.seed for r in runs})}
     if args.dry_run:
         for r in runs:
-            print(json.dumps({"recipe": r.recipe, "seed": r.seed, "env": r.env, "knobs": knobs[r.recipe]}), flush=True)
+            print(json.dumps({"recipe": r.recipe, "seed": r.seed, "warm_start_seed": r.warm_start_seed, "env": r.env,
+                              "knobs": knobs[r.recipe]}), flush=True)
         return head | {"dry_run": True, "runs": len(runs), "recipe_names": args.recipe_names, "cache": str(args.cache)}
-    planned = {(run.recipe, run.seed) for run in runs}
+    planned = {(run.recipe, run.seed, run.warm_start_seed) for run in runs}
     kept = done_runs(args.results, args.target, args.budget_s) if args.results else []
-    results = [r for r in kept if (r["recipe"], r["seed"]) in planned]
+    results = [r for r in kept if (r["recipe"], r["seed"], r["warm_start_seed"]) in planned]
     done = {(r["recipe"], r["seed"]) for r in results}
     warm_start_s: dict[int, float] = {}
     for r in runs:
         if (r.recipe, r.seed) in done:
             log("%s seed %d: in %s already, not run again", r.recipe, r.seed, args.results)
             continue
-        if r.seed not in warm_start_s:
-            warm_start_s[r.seed] = round(prepare_warm_start(args.cache, r.seed), 1)
+        if r.warm_start_seed not in warm_start_s:
+            warm_start_s[r.warm_start_seed] = round(prepare_warm_start(args.cache, r.warm_start_seed), 1)
         with tempfile.TemporaryDirectory(prefix=f"fulmen-recipes-{r.recipe}-") as folder:
             log("%s seed %d: honcho start in %s (budget %.0f s)", r.recipe, r.seed, folder, args.budget_s)
             result = run_recipe(r, args, Path(folder)) | {"knobs": knobs[r.recipe]}
@@ -360,6 +369,8 @@ def done_runs(path: Path, target: float, budget_s: float) -> list[dict[str, Any]
     if not path.exists():
         return []
     runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for r in runs:  # kept before the warm start was a setting: each seed had its own
+        r.setdefault("warm_start_seed", r["seed"])
     return [r for r in runs if r.get("target") == target and r.get("budget_s") == budget_s]
 
 
@@ -384,6 +395,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="demo: seeds per recipe, from --seed (default 3)")
     parser.add_argument("--budget-s", type=float, default=600.0, help="demo: most seconds a run takes (default 600)")
     parser.add_argument("--target", type=float, default=0.9, help="demo: the validation accuracy a run stops at")
+    parser.add_argument("--warm-start-seed", type=int, default=0, help="demo: the seed of the warm start every run "
+                        "starts from (default 0, the README demo's)")
+    parser.add_argument("--warm-start-per-seed", action="store_true", help="demo: each seed its own warm start instead")
     parser.add_argument("--cache", type=Path, default=DEMO_CACHE, help=f"demo: the warm starts (default {DEMO_CACHE})")
     parser.add_argument("--results", type=Path, help="demo: a file of runs (a JSON line each): the runs it holds "
                         "with this target and budget are not run again, each new run is appended, and the figures "

@@ -38,9 +38,15 @@ def dry_run(bench: ModuleType, capsys: pytest.CaptureFixture[str], *argv: str) -
 
 def test_the_dry_run_lists_every_rl_recipe_for_every_seed_and_starts_nothing(
         bench: ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """Every registered recipe but sft, on seeds --seed.. --seed+--seeds-1, each on its seed's warm
-    start; within a seed the runs differ only by the recipe's settings; no warm start is prepared."""
+    """Every registered recipe but sft, on seeds --seed.. --seed+--seeds-1, all from the warm start of
+    seed 0 (or --warm-start-seed; each seed its own with --warm-start-per-seed); within a seed the runs
+    differ only by the recipe's settings; no warm start is prepared."""
     cache = tmp_path / "cache"
+    for flags, warm in (((), lambda seed: 0), (("--warm-start-seed", "7"), lambda seed: 7),
+                        (("--warm-start-per-seed",), lambda seed: seed)):
+        runs, _ = dry_run(bench, capsys, "--seed", "3", "--seeds", "2", "--cache", str(cache), *flags)
+        assert all(r["env"]["FULMEN_MODEL_DIR"] == str(cache / f"seed-{warm(r['seed'])}" / "model") for r in runs)
+        assert all(r["warm_start_seed"] == warm(r["seed"]) for r in runs)
     runs, summary = dry_run(bench, capsys, "--seed", "3", "--seeds", "2", "--cache", str(cache))
     rl = [name for name in algorithms() if name != "sft"]
     assert {"grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "reinforce"} <= set(rl)
@@ -48,7 +54,6 @@ def test_the_dry_run_lists_every_rl_recipe_for_every_seed_and_starts_nothing(
     for r in runs:
         env = r["env"]
         assert (env["FULMEN_ALGORITHM"], env["FULMEN_SEED"]) == (r["recipe"], str(r["seed"]))
-        assert env["FULMEN_MODEL_DIR"] == str(cache / f"seed-{r['seed']}" / "model")
         assert int(env["FULMEN_TOTAL_STEPS"]) >= 10_000  # the target or the budget ends a run, not the steps
         assert float(env["FULMEN_TARGET_ACCURACY"]) == 0.9
     for seed in (3, 4):
