@@ -40,7 +40,7 @@ def test_a_demonstration_is_what_the_proxy_parses_and_records(tmp_path: Path) ->
     back) extends the tokens generated so far: one trajectory, the mask over the model's tokens."""
     from fulmen.demo.tiny_model import load_tiny_model
     from fulmen_algorithm.demos.tools import build_tool_model, sequence_and_mask
-    from fulmen_llm_proxy.backends.torch import tool_calls
+    from fulmen_llm_proxy.backends import tool_calls
 
     build_tool_model(tmp_path, seed=0)
     _, tokenizer = load_tiny_model(tmp_path)

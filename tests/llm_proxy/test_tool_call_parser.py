@@ -1,4 +1,4 @@
-"""The tool-call parser (`fulmen_llm_proxy.backends.torch.tool_calls`) and its schema checker, without a model."""
+"""The tool-call parser (`fulmen_llm_proxy.backends.tool_calls`) and its schema checker, without a model."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from fulmen_llm_proxy.backends.torch.json_schema import validate
-from fulmen_llm_proxy.backends.torch.tool_calls import ContentGate, parse, plan, safe_prefix
+from fulmen_llm_proxy.backends.json_schema import validate
+from fulmen_llm_proxy.backends.tool_calls import ContentGate, parse, plan, safe_prefix
 from fulmen_llm_proxy.errors import ProxyError
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -67,7 +68,8 @@ def vllm(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
     server = subprocess.Popen(
         [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(base), "--enforce-eager",
          "--max-model-len", "256", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-         "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--worker-extension-cls", WORKER_EXTENSION],
+         "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--worker-extension-cls", WORKER_EXTENSION,
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -271,3 +273,41 @@ async def test_vllm_sync_with_the_weight_group_serves_the_trainer_s_version(real
         await sending
         await sender.close()
         await admin.close()
+
+
+async def test_a_tool_call_on_vllm_is_checked_and_recorded_with_its_token_ids(vllm) -> None:  # type: ignore[no-untyped-def]
+    """A chat request naming its tool (vLLM decodes the arguments to its schema, here an enum of one
+    expression) through the proxy's vllm backend: the answer's tool call passes the proxy's schema
+    check and is recorded with the model's token ids; the same call against a schema it breaks comes
+    back as text with the reason."""
+    from fulmen_llm_proxy.backends.base import Call, Result
+    from fulmen_llm_proxy.backends.upstream.vllm import VllmBackend
+
+    url, _, _ = vllm
+    backend = VllmBackend([url])
+    admin = VllmAdmin(url, 60.0)
+    schema = {"type": "object", "properties": {"expression": {"type": "string", "enum": ["2+3"]}},
+              "required": ["expression"]}
+    tool = {"type": "function", "function": {"name": "calculator", "parameters": schema}}
+    try:
+        model = await admin.model_name()
+        body = {"model": model, "messages": [{"role": "user", "content": "2+3?"}], "tools": [tool], "max_tokens": 48,
+                "tool_choice": {"type": "function", "function": {"name": "calculator"}}, "temperature": 0}
+        result = Result()
+        answer = await backend.complete(Call("chat", body, model, False, 48, 0.0, 1.0, None, []), result)
+    finally:
+        await backend.close()
+        await admin.close()
+    (call,) = result.tool_calls or [None]
+    assert call is not None, answer
+    assert call["function"]["name"] == "calculator" and json.loads(call["function"]["arguments"]) == {"expression": "2+3"}
+    assert "fulmen_tool_error" not in answer["choices"][0]
+    assert result.fidelity == "exact" and result.token_ids and len(result.logprobs or []) == len(result.token_ids)
+
+    from fulmen_llm_proxy.backends.upstream.vllm import check_tool_calls
+
+    stricter = {**body, "tools": [{"type": "function", "function": {"name": "calculator", "parameters": {
+        **schema, "properties": {"expression": {"type": "string", "enum": ["7*7"]}}}}}]}
+    again = Result(tool_calls=result.tool_calls)
+    check_tool_calls(Call("chat", stricter, model, False, 48, 0.0, 1.0, None, []), answer["choices"], [again])
+    assert "do not fit its schema" in answer["choices"][0]["fulmen_tool_error"] and again.tool_calls is None

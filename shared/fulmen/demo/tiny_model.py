@@ -63,7 +63,7 @@ PRESETS: dict[str, TinyModelSpec] = {"default": TinyModelSpec(), "vllm": TinyMod
 # content (an assistant turn that only calls tools) renders as nothing. With ``tools``, a system turn
 # listing them (one JSON object a line, Hermes/Qwen style) comes first, and an assistant turn's
 # ``tool_calls`` render as the model is asked to write them: ``<tool_call>{"name": ..., "arguments":
-# {...}}</tool_call>``, which `fulmen_llm_proxy.backends.torch.tool_calls` parses. Without tools and tool calls the
+# {...}}</tool_call>``, which `fulmen_llm_proxy.backends.tool_calls` parses. Without tools and tool calls the
 # rendering is what it always was.
 TOOLS_PREAMBLE = (
     "{% if tools %}<|system|>You may call these tools:\n<tools>\n"

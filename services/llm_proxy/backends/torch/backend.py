@@ -1,6 +1,6 @@
 """The ``torch`` backend: a Hugging Face causal LM in this process, batched by `TorchEngine`.
 
-Tool calls: `fulmen_llm_proxy.backends.torch.tool_calls`; ``n > 1``: `fulmen_llm_proxy.backends.torch.choices`; the engine:
+Tool calls: `fulmen_llm_proxy.backends.tool_calls`; ``n > 1``: `fulmen_llm_proxy.backends.torch.choices`; the engine:
 `fulmen_llm_proxy.backends.torch.engine`. Prompts, stop strings and why: docs/design/proxy.md.
 """
 
@@ -15,8 +15,9 @@ from typing import Any
 from fulmen.errors import InvalidInput, RetryableError
 from fulmen_llm_proxy.api import formatting
 from fulmen_llm_proxy.api.parsing import single_prompt
+from fulmen_llm_proxy.backends import tool_calls
 from fulmen_llm_proxy.backends.base import Call, Result
-from fulmen_llm_proxy.backends.torch import tool_calls
+from fulmen_llm_proxy.backends.tool_calls import ContentGate, ToolPlan
 from fulmen_llm_proxy.backends.torch.choices import (
     apply_tools,
     as_choice,
@@ -31,7 +32,6 @@ from fulmen_llm_proxy.backends.torch.engine import (
     SamplingParams,
     TorchEngine,
 )
-from fulmen_llm_proxy.backends.torch.tool_calls import ContentGate, ToolPlan
 from fulmen_llm_proxy.errors import ProxyError, bad_request
 
 DEFAULT_MAX_TOKENS = 256  # a call without max_tokens: `ProxySettings.default_max_tokens`

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fulmen_llm_proxy.api import formatting
+from fulmen_llm_proxy.backends import tool_calls
 from fulmen_llm_proxy.backends.base import Call, Result
-from fulmen_llm_proxy.backends.torch import tool_calls
-from fulmen_llm_proxy.backends.torch.tool_calls import ToolPlan
+from fulmen_llm_proxy.backends.tool_calls import ToolPlan
 
 Step = tuple[str, int, float]  # new text, token id, logprob
 Generate = Callable[[Call, Result, list[int], int], AsyncIterator[Step]]

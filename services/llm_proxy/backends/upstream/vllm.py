@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from fulmen_llm_proxy.backends import tool_calls
 from fulmen_llm_proxy.backends.base import Call, Fidelity, Result
 from fulmen_llm_proxy.backends.upstream.openai import OpenAIBackend, read_choice
 from fulmen_llm_proxy.backends.upstream.replicas import ReplicaView, Stamp
@@ -104,6 +105,8 @@ class VllmBackend(OpenAIBackend):
             into.prompt_token_ids = list(prompt_ids)
             into.token_ids = list(token_ids)
             into.logprobs = _logprobs(call, choice.get("logprobs"))
+        if call.operation == "chat":
+            check_tool_calls(call, choices, [result, *result.more])
 
     def read_stream_choice(
         self,
@@ -146,6 +149,30 @@ class VllmBackend(OpenAIBackend):
                 result.fidelity = "text_only"
             elif version:
                 result.model_version = version
+
+
+def check_tool_calls(call: Call, choices: list[dict[str, Any]], results: list[Result]) -> None:
+    """The tool calls vLLM's parser found, held to the request's tools as the torch backend holds its
+    own: a call that breaks them (an unknown tool, arguments its schema refuses, tool_choice unmet)
+    comes back as plain content, the calls written as the model wrote them, with ``fulmen_tool_error``
+    saying why; the span records the same."""
+    try:
+        tools = tool_calls.plan(call.body)
+    except ProxyError:
+        return  # tools this proxy would refuse, which vLLM took: its answer stands
+    if tools is None:
+        return
+    for choice, result in zip(choices, results, strict=True):
+        message = choice.get("message") or {}
+        calls = message.get("tool_calls") or []
+        problem = tool_calls.check_calls(calls, tools) if calls or tools.required is not None else None
+        if problem is None:
+            continue
+        text = (message.get("content") or "") + tool_calls.as_text(calls)
+        message["content"], message["tool_calls"] = text, []
+        choice["message"], choice["finish_reason"], choice["fulmen_tool_error"] = message, "stop", problem
+        result.text, result.tool_calls, result.finish_reason = text, None, "stop"
+        result.extra["tool_error"] = problem
 
 
 def stamps_into(stamps: list[Stamp], view: ReplicaView) -> Callable[[str], None]:

@@ -1,4 +1,5 @@
-"""Tool calls for backends that generate text (torch): which tools the template sees, and the parser.
+"""Tool calls: which tools the template sees and the parser, for backends that generate text (torch),
+and the same rules for calls an upstream parsed (vLLM's tool parser: `check_calls`).
 
 Hermes / Qwen2.5 ``<tool_call>`` JSON blocks, parsed all-or-nothing: otherwise the output is plain
 content with a ``fulmen_tool_error``. The format and ``tool_choice``: docs/design/proxy.md.
@@ -6,13 +7,14 @@ content with a ``fulmen_tool_error``. The format and ``tool_choice``: docs/desig
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from fulmen_llm_proxy.backends.torch.json_schema import validate
+from fulmen_llm_proxy.backends.json_schema import validate
 from fulmen_llm_proxy.errors import bad_request
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -114,6 +116,38 @@ def parse(text: str, tools: ToolPlan) -> Parsed:
         return _unmet(text, tools, None)
     content = "".join(outside).strip()
     return Parsed(content or None, calls)
+
+
+def check_calls(calls: list[Any], tools: ToolPlan) -> str | None:
+    """Why tool calls an upstream parsed (OpenAI's form) break the rules `parse` applies to text, or
+    None: each names a tool offered with arguments its schema accepts, ``parallel_tool_calls`` and
+    ``tool_choice`` are kept."""
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            return 'a tool call must be {"type": "function", "function": {...}}'
+        _, problem = _call(json.dumps({"name": function.get("name"), "arguments": function.get("arguments") or {}}),
+                           tools)
+        if problem is not None:
+            return problem
+    if len(calls) > 1 and not tools.parallel:
+        return f"{len(calls)} tool calls, and parallel_tool_calls is false"
+    if tools.required is not None and not any(not tools.required or c["function"].get("name") == tools.required
+                                              for c in calls):
+        return _unmet("", tools, None).error
+    return None
+
+
+def as_text(calls: list[dict[str, Any]]) -> str:
+    """Tool calls written back as the model writes them (``<tool_call>`` blocks)."""
+    blocks = []
+    for call in calls:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        with contextlib.suppress(ValueError):  # else as the upstream sent it
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        blocks.append(OPEN + json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False) + CLOSE)
+    return "".join(blocks)
 
 
 def _call(inner: str, tools: ToolPlan) -> tuple[dict[str, Any], str | None]:
