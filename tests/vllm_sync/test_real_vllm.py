@@ -67,7 +67,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
     # fixture is interrupted (a timeout) before the server is up
     server = subprocess.Popen(
         [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(base), "--enforce-eager",
-         "--max-model-len", "256", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+         "--max-model-len", "1024", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
          "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--worker-extension-cls", WORKER_EXTENSION,
          "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -276,38 +276,40 @@ async def test_vllm_sync_with_the_weight_group_serves_the_trainer_s_version(real
 
 
 async def test_a_tool_call_on_vllm_is_checked_and_recorded_with_its_token_ids(vllm) -> None:  # type: ignore[no-untyped-def]
-    """A chat request naming its tool (vLLM decodes the arguments to its schema, here an enum of one
-    expression) through the proxy's vllm backend: the answer's tool call passes the proxy's schema
-    check and is recorded with the model's token ids; the same call against a schema it breaks comes
-    back as text with the reason."""
+    """A chat request with tools through the proxy's vllm backend, the untrained model's text held to a
+    Hermes call by vLLM's structured outputs (a regex): vLLM's hermes parser turns it into a tool
+    call, which passes the proxy's schema check and is recorded with the model's token ids. The same
+    call with an argument its schema refuses comes back as text with the reason."""
     from fulmen_llm_proxy.backends.base import Call, Result
     from fulmen_llm_proxy.backends.upstream.vllm import VllmBackend
 
     url, _, _ = vllm
     backend = VllmBackend([url])
     admin = VllmAdmin(url, 60.0)
-    schema = {"type": "object", "properties": {"expression": {"type": "string", "enum": ["2+3"]}},
-              "required": ["expression"]}
+    schema = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
     tool = {"type": "function", "function": {"name": "calculator", "parameters": schema}}
+
+    async def ask(argument: str) -> tuple[dict, Result]:
+        regex = '<tool_call>[{]"name": "calculator", "arguments": [{]"expression": ' + argument + "[}][}]</tool_call>"
+        body = {"model": model, "messages": [{"role": "user", "content": "2+3?"}], "tools": [tool], "max_tokens": 120,
+                "temperature": 0, "structured_outputs": {"regex": regex}}
+        result = Result()
+        return await backend.complete(Call("chat", body, model, False, 120, 0.0, 1.0, None, []), result), result
+
     try:
         model = await admin.model_name()
-        body = {"model": model, "messages": [{"role": "user", "content": "2+3?"}], "tools": [tool], "max_tokens": 48,
-                "tool_choice": {"type": "function", "function": {"name": "calculator"}}, "temperature": 0}
-        result = Result()
-        answer = await backend.complete(Call("chat", body, model, False, 48, 0.0, 1.0, None, []), result)
+        answer, result = await ask('"2[+]3"')
+        refused, wrong = await ask("5")
     finally:
         await backend.close()
         await admin.close()
     (call,) = result.tool_calls or [None]
-    assert call is not None, answer
+    assert call is not None, json.dumps(answer["choices"][0]["message"])[:1000]
     assert call["function"]["name"] == "calculator" and json.loads(call["function"]["arguments"]) == {"expression": "2+3"}
-    assert "fulmen_tool_error" not in answer["choices"][0]
+    assert "fulmen_tool_error" not in answer["choices"][0] and result.finish_reason == "tool_calls"
     assert result.fidelity == "exact" and result.token_ids and len(result.logprobs or []) == len(result.token_ids)
 
-    from fulmen_llm_proxy.backends.upstream.vllm import check_tool_calls
-
-    stricter = {**body, "tools": [{"type": "function", "function": {"name": "calculator", "parameters": {
-        **schema, "properties": {"expression": {"type": "string", "enum": ["7*7"]}}}}}]}
-    again = Result(tool_calls=result.tool_calls)
-    check_tool_calls(Call("chat", stricter, model, False, 48, 0.0, 1.0, None, []), answer["choices"], [again])
-    assert "do not fit its schema" in answer["choices"][0]["fulmen_tool_error"] and again.tool_calls is None
+    choice = refused["choices"][0]
+    assert "do not fit its schema: $.expression: expected string" in choice["fulmen_tool_error"], choice
+    assert choice["message"]["tool_calls"] == [] and wrong.tool_calls is None and wrong.finish_reason == "stop"
+    assert '"expression": 5' in wrong.text and wrong.token_ids
