@@ -117,13 +117,19 @@ async def _weight_sender(store: RedisStore, settings: TrainerSettings, trainer: 
     await sender.start()
     trainer.sender = sender
     answering = asyncio.create_task(sender.run(stop))
+    answering.add_done_callback(_said_if_failed)
     try:
         yield
     finally:
         answering.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await answering
+        await asyncio.gather(answering, return_exceptions=True)
         await sender.close()
+
+
+def _said_if_failed(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the weight sender stopped (%s: %s): vLLM servers load versions from folders until the trainer "
+                  "restarts", type(task.exception()).__name__, task.exception())
 
 
 @contextlib.asynccontextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,12 +20,22 @@ from fulmen.records import WeightGroupAction, WeightGroupAsk
 from fulmen.settings import TrainerSettings
 from fulmen.store import RedisStore
 from fulmen.versions.manifest import tensor_sha256
+from fulmen.versions.model_version import ModelVersion
 from fulmen.versions.transport import group
-from fulmen.versions.transport.group_asks import Rendezvous, advertise, ask_stream, stale, withdraw
+from fulmen.versions.transport.group_asks import (
+    ADVERTISEMENT_TTL_S,
+    Rendezvous,
+    advertise,
+    ask_stream,
+    entry_time,
+    redis_time,
+    withdraw,
+)
 
 log = logging.getLogger(__name__)
 
 READ_BLOCK_S = 1.0
+HELD_WAIT_S = 10.0  # an ask for a version announced but not held yet (its copy is being taken) waits this long
 
 
 class WeightSender:
@@ -34,7 +45,9 @@ class WeightSender:
         # the held copy is on the host, so gloo whatever the device (NCCL from the GPU weights is next)
         self.backend = "gloo"
         self.rendezvous: Any = None
-        self.groups: dict[str, Any] = {}
+        self.where: Rendezvous | None = None
+        self.groups: dict[str, Any] = {}  # group name -> its process group
+        self.group_of: dict[str, str] = {}  # asker -> the group it joined last (an older one is dropped)
         self.held: tuple[str, dict[str, torch.Tensor], dict[str, str]] | None = None
         self.sent = 0
         self.asks = ask_stream(store)
@@ -43,15 +56,17 @@ class WeightSender:
         """Listen for the groups' members, and say where in the store."""
         self.rendezvous = await asyncio.to_thread(group.serve_store, self.s.weight_group_port,
                                                   self.s.weight_group_timeout_s)
-        where = Rendezvous(self.s.weight_group_host, int(self.rendezvous.port), self.backend)
+        self.where = Rendezvous(self.s.weight_group_host, int(self.rendezvous.port), self.backend)
         await self.asks.ensure_group()  # before the advertisement: no ask made after it is missed
-        await advertise(self.store, where)
-        log.info("weight group: vLLM servers join at %s:%d (%s)", where.host, where.port, where.backend)
-        return where
+        await advertise(self.store, self.where)
+        log.info("weight group: vLLM servers join at %s:%d (%s)", self.where.host, self.where.port, self.where.backend)
+        return self.where
 
     async def close(self) -> None:
         await withdraw(self.store)
         self.groups.clear()
+        self.group_of.clear()
+        self.rendezvous = None
 
     async def hold(self, version: str, state: Mapping[str, torch.Tensor]) -> None:
         """Keep ``version`` (a full one, just published) to send: a host copy, and the sha256 of the
@@ -66,31 +81,49 @@ class WeightSender:
         self.held = (version, held, checks)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Answer the asks until ``stop``; an ask that fails is logged (its asker loads from a folder)."""
+        """Answer the asks until ``stop``, keeping the advertisement fresh (it expires when this stops
+        without a word); an ask that fails is logged (its asker loads from a folder)."""
         consumer = f"trainer-{self.s.experiment}"
+        refreshed = 0.0
         while not stop.is_set():
+            if self.where is not None and time.monotonic() - refreshed > ADVERTISEMENT_TTL_S / 3:
+                await advertise(self.store, self.where)
+                refreshed = time.monotonic()
             entries = await self.asks.read(consumer, 8, READ_BLOCK_S)
-            for _, record in entries:
-                await self.answer(record)
+            now = await redis_time(self.store)
+            for entry_id, record in entries:
+                await self.answer(record, age_s=now - entry_time(entry_id))
             await self.asks.ack([entry_id for entry_id, _ in entries])
 
-    async def answer(self, record: WeightGroupAsk) -> None:
-        if stale(record, self.s.weight_group_timeout_s):
-            log.info("weight group: skipped a stale %s ask from %s", record.action, record.by)
+    async def answer(self, record: WeightGroupAsk, age_s: float = 0.0) -> None:
+        """One ask; whatever goes wrong drops its group (the asker joins a new one), and never this loop."""
+        if age_s > self.s.weight_group_timeout_s / 2:
+            log.warning("weight group: skipped a %s ask from %s made %.0f s ago (its asker waits %.0f s at most)",
+                        record.action, record.by, age_s, self.s.weight_group_timeout_s)
             return
         try:
             if record.action is WeightGroupAction.JOIN:
                 await self._join(record)
             else:
                 await self._send(record)
-        except group.GroupError as e:
-            self.groups.pop(record.group, None)  # a broken group: its asker joins a new one
-            log.warning("weight group %s (%s): %s; it loads from a folder instead", record.group, record.by, e)
+        except Exception as e:  # gloo raises RuntimeError on a receiver gone; nothing may stop the loop
+            self._drop(record.group)
+            log.warning("weight group %s (%s): %s: %s; it loads from a folder instead", record.group, record.by,
+                        type(e).__name__, e)
+
+    def _drop(self, name: str) -> None:
+        self.groups.pop(name, None)
+        for asker in [a for a, g in self.group_of.items() if g == name]:
+            del self.group_of[asker]
 
     async def _join(self, record: WeightGroupAsk) -> None:
+        old = self.group_of.get(record.by)
+        if old is not None:
+            self._drop(old)  # the asker's earlier group: it left it
         self.groups[record.group] = await asyncio.to_thread(
             group.join, self.s.weight_group_host, int(self.rendezvous.port), 0, record.world_size, self.backend,
             self.s.weight_group_timeout_s, name=record.group, store=self.rendezvous)
+        self.group_of[record.by] = record.group
         log.info("weight group %s: %s joined (%d members)", record.group, record.by, record.world_size)
 
     async def _send(self, record: WeightGroupAsk) -> None:
@@ -99,12 +132,27 @@ class WeightSender:
             log.warning("weight group %s: %s asked for %s in a group this trainer does not hold (restarted?); "
                         "it times out and joins again", record.group, record.by, record.model_version)
             return
-        if self.held is None:
-            await asyncio.to_thread(group.send_refusal, members, "the trainer has published no full version yet "
-                                    "(or publishes LoRA adapters, which vllm-sync loads as adapters)")
+        held = await self._held_for(record.model_version)
+        if held is None:
+            await asyncio.to_thread(group.send_refusal, members, "the trainer holds no full version as new as "
+                                    f"{record.model_version} (it publishes LoRA adapters, which vllm-sync loads as "
+                                    "adapters, or has published none since it started)")
             return
-        version, state, checks = self.held
+        version, state, checks = held
         sent = await asyncio.to_thread(group.send_version, members, version, state, checks)
         self.sent += 1
         log.info("weight group %s: sent %s to %s (%.1f MB; %s asked)", record.group, version, record.by, sent / 1e6,
                  record.model_version)
+
+    async def _held_for(self, asked: str) -> tuple[str, dict[str, torch.Tensor], dict[str, str]] | None:
+        """The held version if it is ``asked`` or newer, waiting a little for one announced before its
+        copy was taken (`hold` runs after the publish); None if none comes."""
+        wanted = ModelVersion.parse(asked).number
+        deadline = time.monotonic() + HELD_WAIT_S
+        while True:
+            held = self.held
+            if held is not None and (held[0] == asked or ModelVersion.parse(held[0]).number >= wanted):
+                return held
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.05)

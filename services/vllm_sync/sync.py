@@ -63,6 +63,7 @@ class VllmSync:
         self.state = ReplicaState(self.url, "base", ready=False, reason="starting")
         self.recorded_at: float | None = None  # when this replica was first recorded (monotonic)
         self.served_sha: str | None = None
+        self.verified_canary: list[float] | None = None  # the canary of the weights last verified
         self.weights_known = True  # False from a failed load until a sync succeeds: what it serves is unknown
         self.lora_loading: str = settings.lora_loading
         self.base_loaded = True  # the server's own weights are the base model's (adapters apply onto them)
@@ -129,6 +130,8 @@ class VllmSync:
         if (served or "base") != own:
             log.warning("%s serves %r, not %s (restarted?): out of routing until it is loaded again", self.url,
                         served, own)
+            if self.group is not None:
+                self.group.name = None  # a restarted server's workers are in no group
             await self._mark(ready=False, reason=f"serves {served!r} after a restart")
         elif self.state.served_model:
             try:
@@ -255,8 +258,7 @@ class VllmSync:
         with the server as it was or marked as not known (the folder path then loads it)."""
         assert self.group is not None
         try:
-            if self.group.name is None:  # before the pause: the server serves meanwhile
-                await self.group.join()
+            await self.group.ready()  # before the pause: the server serves meanwhile
             await self._load(version, lambda: self.group.receive(version), sha)  # type: ignore[union-attr]
             return True
         except GroupUnavailable:
@@ -282,7 +284,14 @@ class VllmSync:
         set the version, reset the cache, resume, verify."""
         if not self.weights_known:  # a failed attempt may have left the server paused
             await self.admin.resume()
-        before = await self.admin.canary(self.model, self.canary_prompt)
+        # after a failed load the weights may be part (or all) of the new version: compare with the last
+        # verified ones instead, or a load that did apply would look like one that did nothing
+        if self.weights_known or self.verified_canary is None:
+            before = await self.admin.canary(self.model, self.canary_prompt)
+            if self.weights_known:
+                self.verified_canary = before
+        else:
+            before = self.verified_canary
         await self._after_grace()
         await self._my_turn(version)
         try:  # the turn is given back once this replica is ready again (or its load failed)
@@ -297,9 +306,9 @@ class VllmSync:
             if served != version:
                 raise SyncFailed(f"the server reports {served!r} after the load")
             after = await self.admin.canary(self.model, self.canary_prompt)
-            if after == before and sha != self.served_sha:
+            if after == before and (sha is None or sha != self.served_sha):  # unknown weights must change it
                 raise SyncFailed("the canary's log-probabilities did not change: the weights were not applied")
-            self.served_sha = sha
+            self.served_sha, self.verified_canary = sha, after
             self.weights_known = True
             self.base_loaded = False
             await self._mark(model_version=version, ready=True, reason="", served_model="")

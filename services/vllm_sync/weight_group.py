@@ -14,7 +14,7 @@ import uuid
 
 from fulmen.records import WeightGroupAction, WeightGroupAsk
 from fulmen.store import RedisStore
-from fulmen.versions.transport.group_asks import advertised, ask
+from fulmen.versions.transport.group_asks import Rendezvous, advertised, ask
 from fulmen_vllm_sync.admin import AdminError, VllmAdmin
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class WeightGroup:
         self.timeout_s = timeout_s
         self.name: str | None = None  # the group the server's workers are in
         self.world_size = 0
+        self.joined: Rendezvous | None = None  # the trainer's rendezvous the group was made at
         self.said_unadvertised = False
 
     async def join(self) -> None:
@@ -49,9 +50,18 @@ class WeightGroup:
         name = f"vs-{uuid.uuid4().hex[:12]}"
         await ask(self.store, WeightGroupAsk(WeightGroupAction.JOIN, name, world_size, "", self.by, time.time()))
         await self.admin.join_group(where.host, where.port, world_size, name, where.backend, self.timeout_s)
-        self.name, self.world_size = name, world_size
+        self.name, self.world_size, self.joined = name, world_size, where
         log.info("%s joined the weight group %s at %s:%d (%d members)", self.by, name, where.host, where.port,
                  world_size)
+
+    async def ready(self) -> None:
+        """Be in a group with the trainer that advertises one now: joined again when none was joined, or
+        the advertisement changed since (the trainer restarted: its groups are gone), before a load
+        pauses the server; GroupUnavailable when no trainer advertises one."""
+        if self.name is not None and await advertised(self.store) == self.joined:
+            return
+        self.name = None
+        await self.join()
 
     async def receive(self, version: str) -> str:
         """Ask for ``version`` and receive it into the workers' weights (the server paused); the version

@@ -8,8 +8,8 @@ uses (dev mode) and ``/v1/completions`` with token ids and log-probabilities, wi
     await fake.stop()
 
 Faults (``fault``, consumed by the next ``reload_weights``): ``"hang"`` (never answers), ``"500"``
-(loads half of the tensors, then answers 500: the weights are now a mix), ``"noop"`` (answers 200,
-loads nothing). ``restart()`` stands for a server restart: the base weights again, no version, no
+(loads half of the tensors, then answers 500: the weights are now a mix), ``"applied-500"`` (loads
+them all, then answers 500), ``"noop"`` (answers 200, loads nothing). ``restart()`` stands for a server restart: the base weights again, no version, no
 adapter. While paused, completions wait for the resume, as vLLM's do.
 
 With ``worker_extension`` (``--worker-extension-cls`` Fulmen's `WorkerExtension`) its one worker answers
@@ -118,6 +118,9 @@ class FakeVllm:
         if fault == "noop":
             return web.json_response({})
         weights = load_file(str(Path(body["kwargs"]["weights_path"]) / "model.safetensors"))
+        if fault == "applied-500":  # every tensor loaded, then the answer lost
+            await self.engine.load_weights(weights, self.engine.model_version)
+            return web.json_response({"error": "the reply was lost"}, status=500)
         if fault == "500":
             half = dict(list(weights.items())[: len(weights) // 2])
             await self.engine.load_weights(half, self.engine.model_version)

@@ -155,8 +155,9 @@ async def test_without_a_trainer_s_group_or_the_extension_versions_load_from_fol
 
 
 async def test_a_poison_or_stale_ask_does_not_stop_the_sender(real_store: RedisStore, models) -> None:  # type: ignore[no-untyped-def]
-    """An ask that does not decode is dead-lettered with the reason, a stale one (its asker gave up) is
-    skipped without joining anything, and the sender answers the next ask."""
+    """An ask that does not decode is dead-lettered with the reason; one Redis added long ago (aged by
+    its entry id, not the asker's clock) is skipped without joining anything; a send to a group the
+    trainer does not hold is logged; the sender answers on."""
     import time
 
     from fulmen.errors import RecordError
@@ -166,11 +167,13 @@ async def test_a_poison_or_stale_ask_does_not_stop_the_sender(real_store: RedisS
     with pytest.raises(RecordError, match="world_size"):  # a group of one has nobody to send to
         WeightGroupAsk.from_wire(WeightGroupAsk(WeightGroupAction.JOIN, "g1", 1).to_wire())
     base, _, _ = models
+    await real_store.redis.xadd(real_store.keys.weight_group_asks, {"m": WeightGroupAsk(
+        WeightGroupAction.JOIN, "old", 2, "", "vllm-sync x", time.time()).to_wire()}, id="1-0")  # Redis: 1970
     sender, stop, sending = await _sender(real_store, base)
     try:
         await real_store.redis.xadd(real_store.keys.weight_group_asks, {"m": b"\x93not a record"})
-        await ask(real_store, WeightGroupAsk(WeightGroupAction.JOIN, "old", 2, "", "vllm-sync x", time.time() - 3600))
         await ask(real_store, WeightGroupAsk(WeightGroupAction.SEND, "nobody", 2, "v1", "vllm-sync y", time.time()))
+        await sender.answer(WeightGroupAsk(WeightGroupAction.JOIN, "old", 2, "", "vllm-sync x"), age_s=3600)
 
         async def handled() -> bool:
             pending = await real_store.redis.xpending(real_store.keys.weight_group_asks, "weight-senders")
@@ -182,3 +185,94 @@ async def test_a_poison_or_stale_ask_does_not_stop_the_sender(real_store: RedisS
         stop.set()
         await sending
         await sender.close()
+
+
+async def test_a_receiver_that_goes_away_drops_its_group_not_the_sender(real_store: RedisStore, models) -> None:  # type: ignore[no-untyped-def]
+    """A worker joins, then never receives (its server died): the send fails inside gloo after the
+    timeout, the group is dropped, and the sender answers the next ask; an asker that joins again
+    leaves its older group behind."""
+    import threading
+    import time
+
+    from fulmen.records import WeightGroupAction, WeightGroupAsk
+    from fulmen.versions.transport.group import WorkerExtension
+    from fulmen.versions.transport.group_asks import advertised
+
+    base, a, _ = models
+    settings = load_settings(TrainerSettings, model_dir=base, experiment=real_store.experiment, weight_group=True,
+                             weight_group_timeout_s=3.0)
+    sender = WeightSender(real_store, settings)
+    await sender.start()
+    where = await advertised(real_store)
+    assert where is not None
+
+    class Worker(WorkerExtension):
+        def fulmen_worker_rank(self) -> int:
+            return 0
+
+    try:
+        for name in ("first", "second"):
+            worker = Worker()
+            joining = threading.Thread(target=worker.fulmen_join, args=(where.host, where.port, 2, name),
+                                       kwargs={"timeout_s": 3.0}, daemon=True)
+            joining.start()
+            await sender.answer(WeightGroupAsk(WeightGroupAction.JOIN, name, 2, "", "vllm-sync z", time.time()))
+            joining.join(5)
+        assert list(sender.groups) == ["second"] and sender.group_of == {"vllm-sync z": "second"}
+        await sender.hold("v1", load_file(str(a / "model.safetensors")))
+        await sender.answer(WeightGroupAsk(WeightGroupAction.SEND, "second", 2, "v1", "vllm-sync z", time.time()))
+        assert sender.groups == {} and sender.sent == 0  # the worker never received: dropped
+    finally:
+        await sender.close()
+
+
+async def test_an_ask_for_a_version_not_held_yet_waits_for_it_then_is_refused(real_store: RedisStore, models,
+                                                                                 monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The resources announce a version before the trainer's copy of it is taken: an ask for it waits
+    for the copy (or takes a newer one) rather than get the version before; none coming, refused."""
+    from fulmen_trainer import weight_sender
+
+    base, a, _ = models
+    monkeypatch.setattr(weight_sender, "HELD_WAIT_S", 1.0)
+    sender = WeightSender(real_store, load_settings(TrainerSettings, model_dir=base, weight_group=True))
+    state = load_file(str(a / "model.safetensors"))
+    await sender.hold("v1", state)
+    assert await sender._held_for("v2") is None
+    later = asyncio.create_task(asyncio.sleep(0.3))
+    later.add_done_callback(lambda _: asyncio.ensure_future(sender.hold("v2", state)))
+    held = await sender._held_for("v2")
+    assert held is not None and held[0] == "v2"
+    await sender.hold("v3", state)
+    assert (await sender._held_for("v2"))[0] == "v3"  # type: ignore[index]
+
+
+async def test_a_restarted_trainer_is_joined_again_before_the_next_load(real_store: RedisStore, models,
+                                                                         tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The trainer restarts (a new rendezvous, its groups gone): vllm-sync sees the advertisement
+    change before it pauses the server, joins the new trainer's group, and the next version arrives
+    over it."""
+    base, a, b = models
+    fake = FakeVllm(base)
+    fake.worker_extension = True
+    await fake.start()
+    sender, sender_stop, sending = await _sender(real_store, base)
+    sync, stop, syncing = await _sync(real_store, fake, base, tmp_path)
+    try:
+        await _publish(real_store, sender, a, "v1")
+        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        sender_stop.set()
+        await sending
+        await sender.close()
+        sender, sender_stop, sending = await _sender(real_store, base)  # the trainer again
+        await _publish(real_store, sender, b, "v2")
+        await _until(lambda: _ready(real_store, fake.url, "v2"))
+        assert await _ids(fake) == await _greedy(b)
+        assert fake.calls.count("fulmen_join") == 2 and "reload_weights" not in fake.calls
+    finally:
+        stop.set()
+        sender_stop.set()
+        await syncing
+        await sending
+        await sync.admin.close()
+        await sender.close()
+        await fake.stop()

@@ -25,7 +25,7 @@ from fulmen.store.redis_store import RedisStore
 KIND = "state"
 # `fulmen.keys.Keys` attributes, by the type of key they name
 HASHES = ("algorithm_state", "adapter_stats", "workers", "version_bases", "version_manifests")
-SETS = ("algorithm_done", "trainer_untrained", "sampled")
+SETS = ("algorithm_done", "trainer_untrained", "trainer_filtered", "sampled")
 ZSETS = ("stored_versions",)
 STRINGS = ("resources_version", "shards_count", "run_config")
 SET_PAGE = 1000

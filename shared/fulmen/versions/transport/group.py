@@ -195,7 +195,13 @@ class WorkerExtension:
                 size += tensor.numel() * tensor.element_size()
                 yield name, tensor
 
-        self.fulmen_load(arriving())
+        stream = arriving()
+        try:
+            self.fulmen_load(stream)
+        finally:
+            left = sum(1 for _ in stream)  # the rest received all the same: the sender is never left waiting
+        if left:
+            raise GroupError(f"the loader took {len(wanted) - left} of the {len(wanted)} tensors sent")
         if wrong:
             raise GroupError(f"{len(wrong)} tensor(s) arrived unlike their manifest's sha256: {', '.join(wrong[:5])}")
         return {"version": header["version"], "tensors": len(wanted), "bytes": size, "checked": len(expected_sha)}

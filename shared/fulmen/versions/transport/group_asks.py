@@ -1,14 +1,16 @@
 """Meeting over the store for a weight group (`fulmen.versions.transport.group`): where the trainer's
 rendezvous listens (`advertise`, `advertised`), and vllm-sync's asks to it (`ask`, `AskStream`).
 
-An ask older than the timeout its asker waits is stale: the asker has given up (and loads from a
-folder), so the trainer skips it. The design: docs/design/vllm-sync.md.
+An ask is aged by Redis's clock (its entry id), not the asker's: one older than half the time its
+asker waits is skipped (the asker is giving up, and loads from a folder). The advertisement expires
+unless the trainer refreshes it, so a trainer gone without a word stops being joined. The design:
+docs/design/vllm-sync.md.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fulmen import keys as k
@@ -19,20 +21,26 @@ if TYPE_CHECKING:
     from fulmen.store import RedisStore
 
 MAX_ENTRIES = 1000  # asks matter for seconds, not for the run
+ADVERTISEMENT_TTL_S = 30  # the trainer refreshes it every third of this
 
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where the trainer's rank 0 meets the vLLM workers of each group."""
+    """Where the trainer's rank 0 meets the vLLM workers of each group (``started``: when it began
+    listening; a restarted trainer's differs even on the same port)."""
 
     host: str
     port: int
     backend: str
+    started: float = field(default_factory=time.time)
 
 
-async def advertise(store: RedisStore, rendezvous: Rendezvous) -> None:
-    await store.redis.hset(store.keys.weight_group, mapping={"host": rendezvous.host, "port": rendezvous.port,
-                                                             "backend": rendezvous.backend, "time": time.time()})
+async def advertise(store: RedisStore, rendezvous: Rendezvous, ttl_s: float = ADVERTISEMENT_TTL_S) -> None:
+    async with store.redis.pipeline(transaction=True) as pipe:
+        pipe.hset(store.keys.weight_group, mapping={"host": rendezvous.host, "port": rendezvous.port,
+                                                    "backend": rendezvous.backend, "started": rendezvous.started})
+        pipe.expire(store.keys.weight_group, max(1, round(ttl_s)))
+        await pipe.execute()
 
 
 async def withdraw(store: RedisStore) -> None:
@@ -44,7 +52,7 @@ async def advertised(store: RedisStore) -> Rendezvous | None:
     fields = {(key.decode() if isinstance(key, bytes) else key): (v.decode() if isinstance(v, bytes) else v)
               for key, v in (await store.redis.hgetall(store.keys.weight_group)).items()}
     try:
-        return Rendezvous(fields["host"], int(fields["port"]), fields["backend"])
+        return Rendezvous(fields["host"], int(fields["port"]), fields["backend"], float(fields["started"]))
     except (KeyError, ValueError):
         return None
 
@@ -62,8 +70,14 @@ def ask_stream(store: RedisStore) -> Stream[WeightGroupAsk]:
                   dead_letters=store.keys.dead_letters, group_start="$")
 
 
-def stale(record: WeightGroupAsk, timeout_s: float, now: float | None = None) -> bool:
-    return (now if now is not None else time.time()) - record.time > timeout_s
+async def redis_time(store: RedisStore) -> float:
+    seconds, micros = await store.redis.time()
+    return float(seconds) + float(micros) / 1e6
+
+
+def entry_time(entry_id: str) -> float:
+    """When Redis added a stream entry (its id's milliseconds), in seconds."""
+    return int(entry_id.split("-", 1)[0]) / 1000.0
 
 
 def _decode(entry_id: str, fields: dict[bytes, bytes]) -> WeightGroupAsk:
