@@ -7,7 +7,8 @@
 # time-boxed by `timeout` and independent of the others (a failure is recorded with its last lines
 # and the next step runs): b (the trainer's step: 0.5B full and LoRA, 7B LoRA), c (torchrun, every
 # codec under DDP, and FSDP), d (the proxy's torch engine against HF generate), a (the device tests),
-# e (the demo through `fulmen dev`). The steps are bench/gpu_check/step_<x>.py. Into DIR:
+# f (the weight group: a 0.5B version over gloo into GPU weights; vLLM is not in the image), e (the
+# demo through `fulmen dev`). The steps are bench/gpu_check/step_<x>.py. Into DIR:
 # gpu_check.json (one line), gpu_check.md (a table) and steps.log (every step's output), rewritten
 # after each step; the last stdout line is the summary JSON object. A dry run runs the same steps on
 # tiny shapes (gloo, device cpu) and must end with every step "ok". --only runs the steps named
@@ -92,7 +93,7 @@ if ((DRY)); then
     export PATH="$(dirname "$PY"):$PATH"
     FLAG=(--dry-run)
     export GPU_CHECK_E_CAP_S=${GPU_CHECK_E_CAP_S:-240}
-    B=(150 150 150) C=300 D=150 A=240 E=270
+    B=(150 150 150) C=300 D=150 A=240 F=120 E=270
 else
     PY=python3
     FLAG=()
@@ -117,7 +118,7 @@ EOF"
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
     export GPU_CHECK_E_CAP_S=${GPU_CHECK_E_CAP_S:-140}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$OUT/steps.log" 2>&1
-    B=(50 45 90) C=90 D=60 A=75 E=$((GPU_CHECK_E_CAP_S + 20))
+    B=(50 45 90) C=90 D=60 A=75 F=30 E=$((GPU_CHECK_E_CAP_S + 20))
 fi
 export PYTHONPATH="$ROOT/bench/gpu_check${PYTHONPATH:+:$PYTHONPATH}"
 S="$ROOT/bench/gpu_check"
@@ -127,6 +128,7 @@ step b_lora7b "${B[2]}" "$PY" "$S/step_b.py" --config lora7b --work "$WORK/b" "$
 step c "$C" "$PY" "$S/step_c.py" --work "$WORK/c" "${FLAG[@]}"
 step d "$D" "$PY" "$S/step_d.py" --work "$WORK/d" "${FLAG[@]}"
 step a "$A" "$PY" "$S/step_a.py" --work "$WORK/a" "${FLAG[@]}"
+step f "$F" "$PY" "$S/step_f.py" --work "$WORK/f" "${FLAG[@]}"
 # the demo's cap: what is left of the run, less the time to stop it and to start Python
 LEFT=$((TOTAL_S - ($(date +%s) - STARTED) - 35))
 ((DRY || LEFT >= GPU_CHECK_E_CAP_S)) || GPU_CHECK_E_CAP_S=$LEFT

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ORDER = ["install", "b_full", "b_lora", "b_lora7b", "c", "d", "a", "e"]
+ORDER = ["install", "b_full", "b_lora", "b_lora7b", "c", "d", "a", "f", "e"]
 # the figures worth a row of the table: (step, key, label)
 ROWS = [
     ("b_full", "tokens_per_s", "0.5B full fine-tuning bf16: tokens/s"), ("b_full", "mfu", "0.5B full: MFU"),
@@ -26,6 +26,8 @@ ROWS = [
     ("d", "engine_vs_generate_1", "engine / HF generate, batch 1"),
     ("d", "engine_tokens_per_s_c32", "torch engine, 32 concurrent: tokens/s"),
     ("d", "engine_vs_generate_32", "engine / HF generate, batch 32"),
+    ("f", "send_s_2", "weight group: a 0.5B bf16 version over gloo into GPU weights (s)"),
+    ("f", "gb_per_s_2", "weight group: GB/s"), ("f", "vllm", "vLLM in the image"),
     ("e", "time_to_target_s", "fulmen dev demo: seconds to 0.9 held-out"), ("e", "best_accuracy", "demo: best accuracy"),
 ]
 
