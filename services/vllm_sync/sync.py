@@ -64,6 +64,8 @@ class VllmSync:
         self.recorded_at: float | None = None  # when this replica was first recorded (monotonic)
         self.served_sha: str | None = None
         self.verified_canary: list[float] | None = None  # the canary of the weights last verified
+        self.ab_refused: str | None = None  # the A/B version said once not to be servable here
+        self.b_failed: tuple[str, float] | None = None  # the A/B version whose load failed, and when
         self.weights_known = True  # False from a failed load until a sync succeeds: what it serves is unknown
         self.lora_loading: str = settings.lora_loading
         self.base_loaded = True  # the server's own weights are the base model's (adapters apply onto them)
@@ -97,6 +99,8 @@ class VllmSync:
             if stale and target is not None and not await self.sync(*target):
                 await _sleep_or_stop(stop, self.retry_s)
                 continue
+            if target is not None and self.state.ready:
+                await self.follow_b(target[1])
             await self._wait_for_news(stop, seen)
             await self.check()
 
@@ -311,7 +315,8 @@ class VllmSync:
             self.served_sha, self.verified_canary = sha, after
             self.weights_known = True
             self.base_loaded = False
-            await self._mark(model_version=version, ready=True, reason="", served_model="")
+            # an A/B test's B adapter applied onto the base weights, which are gone
+            await self._mark(model_version=version, ready=True, reason="", served_model="", b_version="", b_split=0.0)
         finally:
             await self.store.registry.end_replica_load(self.url)
 
@@ -325,6 +330,73 @@ class VllmSync:
                 waited = True
             await asyncio.sleep(TURN_POLL_S)
 
+    async def follow_b(self, llm: Mapping[str, Any]) -> None:
+        """An A/B test's B version (`fulmen.serving.ab`) beside the served one: loaded as an adapter of
+        its name while the test lasts (a LoRA version, on a server that loads adapters onto its base
+        weights), and unloaded after; the replica state names it, so proxies send B's calls there."""
+        from fulmen.serving.ab import ab_of
+
+        arm = ab_of(dict(llm))
+        if arm is None:
+            if self.state.b_version:
+                await self._end_b()
+            return
+        version, weights, split = arm
+        if version == self.state.b_version:
+            if split != self.state.b_split:
+                await self._mark(b_split=split)
+            return
+        if weights.get("format") != LORA_FORMAT or not self.base_loaded or self.lora_loading == "merge":
+            if self.ab_refused != version:
+                self.ab_refused = version
+                log.warning("A/B test of %s on %s: vLLM serves B beside A only as a LoRA adapter on its base weights "
+                            "(%s is a %s version): B is not served here, its calls get A and are recorded so; use "
+                            "torch proxies for A/B of full versions", version, self.url, version,
+                            weights.get("format", "full"))
+            return
+        failed = self.b_failed
+        if failed is not None and failed[0] == version and time.monotonic() - failed[1] < self.retry_s:
+            return
+        try:
+            await self._load_b(version, weights)
+        except (AdminError, SyncFailed, RecordError, NotFound, OSError) as e:
+            if failed is None or failed[0] != version:
+                log.error("A/B test: loading %s on %s failed (%s); its calls get %s until a retry succeeds (every "
+                          "%.0f s)", version, self.url, e, self.state.model_version, self.retry_s)
+            self.b_failed = (version, time.monotonic())
+            return
+        self.b_failed = None
+        await self._mark(b_version=version, b_split=split)
+        log.info("A/B test on %s: %s for %.0f%% of rollouts (adapter %s), %s for the rest", self.url, version,
+                 100 * split, version, self.state.model_version)
+
+    async def _load_b(self, version: str, weights: Mapping[str, Any]) -> None:
+        found = await fetch_version(self.store, version, resource={"weights": dict(weights)})
+        folder = await asyncio.to_thread(materialize_adapter, version, found.state, weights.get("lora") or {},
+                                         self.model_dir, self.sync_dir)
+        if version not in self.adapters:
+            await self._load_adapter(version, folder)
+        if version not in await self.admin.models():
+            raise SyncFailed(f"the server does not list the adapter {version} after loading it")
+
+    async def _end_b(self) -> None:
+        old = self.state.b_version
+        await self._mark(b_version="", b_split=0.0)
+        if old != self.state.served_model and old in self.adapters:
+            with contextlib.suppress(AdminError):
+                await self.admin.unload_lora(old)
+            self.adapters.remove(old)
+        log.info("%s: the A/B test is over; serving %s alone", self.url, self.state.model_version)
+
+    async def _load_adapter(self, version: str, folder: Path) -> None:
+        """Load the adapter ``version`` from ``folder``; one of that name the server holds already (an
+        earlier vllm-sync's, maybe of another experiment: not known to be these weights) goes first."""
+        if version in await self.admin.models():
+            with contextlib.suppress(AdminError):
+                await self.admin.unload_lora(version)
+        await self.admin.load_lora(version, str(folder.resolve()))
+        self.adapters.append(version)
+
     async def _sync_adapter(self, version: str, adapter: Mapping[str, Any], lora: Mapping[str, Any]) -> None:
         """Load a LoRA version as an adapter named ``version``; the replica serves it once verified."""
         folder = await asyncio.to_thread(materialize_adapter, version, adapter, lora, self.model_dir, self.sync_dir)
@@ -335,8 +407,7 @@ class VllmSync:
             with contextlib.suppress(AdminError):
                 await self.admin.unload_lora(version)
             self.adapters.remove(version)
-        await self.admin.load_lora(version, str(folder.resolve()))
-        self.adapters.append(version)
+        await self._load_adapter(version, folder)
         if version not in await self.admin.models():
             raise SyncFailed(f"the server does not list the adapter {version} after loading it")
         zero = all(float(t.abs().max()) == 0 for n, t in adapter.items() if ".lora_B." in n) or not lora.get("scaling")
@@ -348,7 +419,7 @@ class VllmSync:
         except AdminError as e:
             log.warning("%s: naming %s in /weight_info failed (%s); it serves it all the same", self.url, version, e)
         await self._mark(model_version=version, ready=True, reason="", served_model=version)
-        for old in self.adapters[:-ADAPTERS_KEPT]:
+        for old in [a for a in self.adapters[:-ADAPTERS_KEPT] if a != self.state.b_version]:
             try:
                 await self.admin.unload_lora(old)
             except AdminError as e:

@@ -313,3 +313,68 @@ async def test_a_tool_call_on_vllm_is_checked_and_recorded_with_its_token_ids(vl
     assert "do not fit its schema: $.expression: expected string" in choice["fulmen_tool_error"], choice
     assert choice["message"]["tool_calls"] == [] and wrong.tool_calls is None and wrong.finish_reason == "stop"
     assert '"expression": 5' in wrong.text and wrong.token_ids
+
+
+async def test_an_ab_test_of_lora_versions_on_vllm_serves_each_arm_its_adapter(real_store: RedisStore, vllm) -> None:  # type: ignore[no-untyped-def]
+    """The server back on its base weights; LoRA v1 then v2 published (v2 served as A); `fulmen ab v2 v1`:
+    vllm-sync keeps v1 loaded as B, the proxy's vllm backend sends each arm's rollout to its adapter,
+    records the version it got, and each answers as the torch backend does with that adapter."""
+    from fulmen.serving.ab import arm_of, start_ab
+    from fulmen_llm_proxy.backends.base import Call, Result
+    from fulmen_llm_proxy.backends.upstream.replicas import ReplicaView
+    from fulmen_llm_proxy.backends.upstream.vllm import VllmBackend
+
+    url, base, root = vllm
+    admin = VllmAdmin(url, 120.0)
+    await admin.pause("wait")  # earlier tests left other weights: the base again, as a restarted server
+    await admin.reload_weights(str(base))
+    await admin.set_version("base")
+    await admin.reset_prefix_cache()
+    await admin.resume()
+    sync = VllmSync(real_store, admin, VllmSyncSettings(vllm_url=url, model_dir=base, sync_dir=root / "ab-sync",
+                                                        sync_retry_s=1.0, lora_loading="dynamic"))
+    stop = asyncio.Event()
+    task = asyncio.create_task(sync.run(stop))
+    backend = VllmBackend([url])
+    weights = load_file(str(base / "model.safetensors"))
+    lora = lora_description(8, 16.0)
+    adapters = {}
+    try:
+        for n in (1, 2):
+            g = torch.Generator().manual_seed(10 + n)
+            adapters[n] = {}
+            for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"):
+                out_f, in_f = weights[name + ".weight"].shape
+                adapters[n][f"base_model.model.{name}.lora_A.weight"] = torch.randn(8, in_f, generator=g) * 0.1
+                adapters[n][f"base_model.model.{name}.lora_B.weight"] = torch.randn(out_f, 8, generator=g) * 0.1
+            await publish_model_version(real_store, adapters[n], model="tiny",
+                                        weights_format={"format": "lora", "lora": lora})
+        await start_ab(real_store, "v2", "v1", 0.5)
+        for _ in range(1200):
+            state = (await real_store.registry.query_replicas()).get(url)
+            if state is not None and state.ready and state.model_version == "v2" and state.b_version == "v1":
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"vllm-sync did not serve v1 beside v2: {state}")
+        view = ReplicaView(real_store)
+        await view.refresh()
+        backend.follow_replicas(view)
+        arms = {}
+        for i in range(100):
+            arms.setdefault(arm_of(f"r{i}", 0.5), f"r{i}")
+        for arm, version, n in (("a", "v2", 2), ("b", "v1", 1)):
+            got = []
+            for prompt in PROMPTS:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "logprobs": 0}
+                result = Result()
+                await backend.complete(Call("text_completion", body, "tiny", False, TOKENS, 0.0, 1.0, None, [],
+                                            rollout_id=arms[arm]), result)
+                assert result.model_version == version and result.fidelity == "exact"
+                got.append((result.token_ids, result.logprobs))
+            _agree(got, await _torch_greedy(base, adapters[n], lora))
+    finally:
+        stop.set()
+        await task
+        await backend.close()
+        await admin.close()

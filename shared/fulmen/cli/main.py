@@ -224,7 +224,7 @@ def ab_command(
 ) -> None:
     """Serve two model versions at once and split rollouts between them; `fulmen status` shows the reward per version.
 
-    Torch proxies hold both versions (twice the model's memory); every call of a rollout goes to the same version. A new version from the trainer ends the test: run it with the trainer stopped."""
+    Torch proxies hold both versions (twice the model's memory); vLLM replicas hold a LoRA B as an adapter beside A; every call of a rollout goes to the same version. A new version from the trainer ends the test: run it with the trainer stopped."""
     settings = settings_from_flags(experiment=experiment)
     if not off and (a is None or b is None):
         err.print("[red]error:[/red] give two versions (fulmen ab A B [--split F]) or --off")

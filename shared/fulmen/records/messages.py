@@ -140,11 +140,16 @@ class ReplicaState(Record):
     # the model name a request must carry to be served model_version: a LoRA adapter's name when the
     # version was loaded as one, empty for the server's own model
     served_model: str = ""
+    # an A/B test's B version (`fulmen.serving.ab`) this replica serves beside it, as a LoRA adapter of
+    # that name, to the ``b_split`` fraction of rollouts `fulmen.serving.ab.arm_of` gives B; "" when none
+    b_version: str = ""
+    b_split: float = 0.0
 
     def check_wire(self) -> None:
         require_nonempty(self, "url")
         require_nonempty(self, "model_version")
         require_at_least(self, 0, "generation")
+        require_finite(self, "b_split", minimum=0.0)
 
 
 @dataclass(frozen=True, slots=True)

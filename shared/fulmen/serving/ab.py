@@ -1,7 +1,8 @@
 """A/B serving: two model versions at once, rollouts split between them by a stable hash.
 
 `fulmen ab A B --split 0.3` names B beside A in the policy's ``llm`` entry; `arm_of` picks a rollout's
-arm. torch proxies only; a new version from the trainer ends the test. More: docs/design/model-versions.md.
+arm. Torch proxies serve B from a second engine; vLLM replicas serve a LoRA B as an adapter beside A (vllm-sync
+loads it, the proxy routes B's rollouts to it). A new version from the trainer ends the test. More: docs/design/model-versions.md.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from fulmen.records import ReplicaState
 from fulmen_llm_proxy.backends import tool_calls
 from fulmen_llm_proxy.backends.base import Call, Fidelity, Result
 from fulmen_llm_proxy.backends.upstream.openai import OpenAIBackend, read_choice
@@ -31,6 +32,18 @@ class VllmBackend(OpenAIBackend):
     fidelity: Fidelity = "exact"
     replicas: ReplicaView | None = None
 
+    @staticmethod
+    def _arm_b(call: Call, state: ReplicaState | None) -> bool:
+        """Whether a call goes to the A/B test's B on this replica: it serves B (its state says so, with
+        the split) and `fulmen.serving.ab.arm_of` gives the call's rollout to B."""
+        from fulmen.serving.ab import arm_of
+
+        return state is not None and bool(state.b_version) and arm_of(call.rollout_id, state.b_split) == "b"
+
+    def _served(self, call: Call, stamp: Stamp, version: str) -> str:
+        """The version a call confirmed under ``stamp`` got: B's when it went to B."""
+        return stamp.state.b_version if self._arm_b(call, stamp.state) and stamp.state is not None else version
+
     def follow_replicas(self, view: ReplicaView) -> None:
         self.replicas = view
         self.upstreams.routable = view.routable
@@ -47,6 +60,7 @@ class VllmBackend(OpenAIBackend):
             body = await self._complete(call, result, stamps_into(stamps, view))
             version = await view.confirm(stamps[-1])
             if version is not None:
+                version = self._served(call, stamps[-1], version)
                 for choice in (result, *result.more):
                     choice.model_version = version or choice.model_version
                 return body
@@ -78,6 +92,8 @@ class VllmBackend(OpenAIBackend):
 
         def for_replica(url: str) -> bytes:
             state = view.states.get(url)
+            if self._arm_b(call, state):
+                return json.dumps({**self.payload(call), "model": state.b_version}).encode()  # type: ignore[union-attr]
             if state is None or not state.served_model:
                 return plain
             return json.dumps({**self.payload(call), "model": state.served_model}).encode()
@@ -148,7 +164,7 @@ class VllmBackend(OpenAIBackend):
                          stamps[-1].url)
                 result.fidelity = "text_only"
             elif version:
-                result.model_version = version
+                result.model_version = self._served(call, stamps[-1], version)
 
 
 def check_tool_calls(call: Call, choices: list[dict[str, Any]], results: list[Result]) -> None:
