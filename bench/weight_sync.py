@@ -1,4 +1,5 @@
-"""Benchmark: from publishing a model version to every replica serving it (issue 16).
+"""Benchmark: from publishing a model version to every replica serving it (issue 16). Into a real vLLM
+server (the Redis, folder and weight-group paths): bench/vllm_weight_sync.py.
 
 For the tiny model (two proxies' torch backends) and a randomly initialised model with
 Qwen2.5-0.5B's dimensions saved in bf16 (one torch backend: its fp32 copy alone is 2 GB), each

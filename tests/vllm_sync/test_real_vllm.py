@@ -378,3 +378,69 @@ async def test_an_ab_test_of_lora_versions_on_vllm_serves_each_arm_its_adapter(r
         await task
         await backend.close()
         await admin.close()
+
+
+async def test_one_replica_reloading_every_version_refuses_no_call_and_mixes_none(real_store: RedisStore,
+                                                                                  vllm) -> None:  # type: ignore[no-untyped-def]
+    """The issue's run on the real server: one replica, three full versions in a row while three agents
+    call it through the proxy's vllm backend. No call gets a 503 (they wait for each reload), and every
+    call's token ids are those of the version it is recorded with."""
+    from fulmen_llm_proxy.backends.base import Call, Result
+    from fulmen_llm_proxy.backends.upstream.replicas import ReplicaView
+    from fulmen_llm_proxy.backends.upstream.vllm import VllmBackend
+    from fulmen_llm_proxy.errors import ProxyError
+
+    url, base, root = vllm
+    admin = VllmAdmin(url, 120.0)
+    sync = VllmSync(real_store, admin, VllmSyncSettings(vllm_url=url, model_dir=base, sync_dir=root / "mix-sync",
+                                                        sync_retry_s=1.0))
+    stop = asyncio.Event()
+    syncing = asyncio.create_task(sync.run(stop))
+    backend = VllmBackend([url])
+    view = ReplicaView(real_store)
+    await view.refresh()
+    backend.follow_replicas(view)
+    refreshing = asyncio.create_task(view.run())
+    states = {f"v{n}": load_file(str(_tiny(root / f"mix-{n}", seed=20 + n) / "model.safetensors")) for n in (1, 2, 3)}
+    calls: list[Result] = []
+    refused: list[ProxyError] = []
+    publishing = True
+    model = await admin.model_name()
+
+    async def agent(n: int) -> None:
+        i = 0
+        while publishing:
+            body = {"model": model, "prompt": PROMPTS[0], "max_tokens": TOKENS, "temperature": 0, "logprobs": 0}
+            result = Result()
+            try:
+                await backend.complete(Call("text_completion", body, model, False, TOKENS, 0.0, 1.0, None, [],
+                                            rollout_id=f"r{n}-{i}"), result)
+                calls.append(result)
+            except ProxyError as e:  # counted: the one replica's reloads must not refuse calls
+                refused.append(e)
+                await asyncio.sleep(0.05)
+            i += 1
+
+    async def served(version: str) -> None:
+        while not any(r.model_version == version for r in calls):
+            await asyncio.sleep(0.05)
+
+    agents = [asyncio.create_task(agent(n)) for n in range(3)]
+    try:
+        for version, state in states.items():
+            await publish_model_version(real_store, state, model="tiny")
+            await asyncio.wait_for(served(version), 120)
+        await asyncio.sleep(0.5)
+    finally:
+        publishing = False
+        await asyncio.gather(*agents)
+        stop.set()
+        await syncing
+        refreshing.cancel()
+        await backend.close()
+        await admin.close()
+    expected = {v: (await _torch_greedy(base, state))[0][0] for v, state in states.items()}
+    assert [(e.status, e.code, e.message) for e in refused] == []
+    ours = [r for r in calls if r.model_version in states]
+    assert {r.model_version for r in ours} == set(states)
+    assert [(r.model_version, r.token_ids) for r in ours if r.token_ids != expected[r.model_version]] == []
