@@ -11,7 +11,8 @@ then made served by `fulmen vllm-sync`:
 - ``folder``: published to the shared folder; vllm-sync copies the file into its sync folder, checks
   it, and the server reloads it;
 - ``group``: the trainer's `WeightSender` also holds the version (its host copy, eight tensors
-  hashed), and vllm-sync has it sent over the weight group (gloo) straight into the worker's weights.
+  hashed, taken beside the publish as the trainer takes it), and vllm-sync has it sent over the
+  weight group (gloo) straight into the worker's weights.
 
 The clock runs from the call to publish until vllm-sync marks the replica ready serving the version
 (polled every 2 ms), so each includes the publish; ``--repeats`` of each, alternated (ABC CBA), medians.
@@ -165,10 +166,12 @@ async def measure(args: argparse.Namespace, tmp: Path, url: str, model: Path) ->
                 state = moved(base, seed=i)
                 started = time.perf_counter()
                 transport = FolderTransport(shared) if path != "redis" else DEFAULT_TRANSPORT
-                update = await publish_model_version(store, state, model="m", transport=transport)
-                version = update.resources["llm"]["model_version"]
-                if path == "group":
-                    await sender.hold(version, state)
+                version = f"v{i}"
+                # as the trainer publishes: the weight group's copy taken beside the publish
+                holding = asyncio.create_task(sender.hold(version, state)) if path == "group" else None
+                await publish_model_version(store, state, model="m", model_version=version, transport=transport)
+                if holding is not None:
+                    await holding
                 await asyncio.wait_for(serving(store, sync.url, version), 600)
                 seconds = time.perf_counter() - started
                 times[path].append(seconds)

@@ -425,12 +425,17 @@ class Trainer:
         assert self.policy is not None
         # FSDP: a collective with every rank
         state = await asyncio.to_thread(self.policy.published_state, exact=exact)
-        await self.publisher.publish(
-            self.store, state, model=self.model_name, version=self.version.name, replace_unpublished=resumed,
-            weights_format=self.policy.published_format(), exact=exact,
-        )
-        if self.sender is not None and self.policy.published_format() is None:  # full weights: vLLM may ask
-            await self.sender.hold(self.version.name, state)
+        # full weights: vLLM may ask for them over the weight group; the copy is taken beside the publish
+        holding = (asyncio.create_task(self.sender.hold(self.version.name, state))
+                   if self.sender is not None and self.policy.published_format() is None else None)
+        try:
+            await self.publisher.publish(
+                self.store, state, model=self.model_name, version=self.version.name, replace_unpublished=resumed,
+                weights_format=self.policy.published_format(), exact=exact,
+            )
+        finally:
+            if holding is not None:
+                await holding
         await retain_versions(self.store, self.s.keep_versions, self.s.weights_dir)
         if self.aof_rewrite is not None:  # a version the proxies never loaded: the new one counts
             self.aof_rewrite.cancel()
