@@ -81,5 +81,7 @@ def test_two_experiments_at_once_in_one_folder_keep_to_their_own(tmp_path: Path)
         assert {json.loads(p.read_text())["experiment"] for p in checkpoints} == {name}
         assert other not in logs[name].replace(f"{other}.env", ""), f"{name}'s log names {other}"
         labels = [v["label"] for v in summary["validations"]]
-        assert labels == ["v0", "final"], labels
+        # the pass the algorithm queued at the last step (val-<exp>-v<steps>, above) is in the summary when
+        # the evaluator finished it before the final pass: on a busy machine it may
+        assert labels in (["v0", "final"], ["v0", f"v{steps}", "final"]), labels
         assert Path(tmp_path / summary["final_model"]).is_relative_to(tmp_path / ".fulmen" / "run" / name)
