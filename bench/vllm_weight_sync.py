@@ -10,12 +10,17 @@ then made served by `fulmen vllm-sync`:
   checks them, and the server reloads it (``reload_weights``);
 - ``folder``: published to the shared folder; vllm-sync copies the file into its sync folder, checks
   it, and the server reloads it;
-- ``group``: the trainer's `WeightSender` also holds the version (its host copy, eight tensors
-  hashed, taken beside the publish as the trainer takes it), and vllm-sync has it sent over the
-  weight group (gloo) straight into the worker's weights.
+- ``group``: the trainer's `WeightSender` first holds the version (its host copy, eight tensors
+  hashed, as the trainer takes it before its publish) and says so in the store; vllm-sync has it
+  sent over the weight group (gloo) straight into the worker's weights while the folder is written,
+  and serves it once the publish announces it.
 
 The clock runs from the call to publish until vllm-sync marks the replica ready serving the version
-(polled every 2 ms), so each includes the publish; ``--repeats`` of each, alternated (ABC CBA), medians.
+(polled every 2 ms), so each includes the publish; after ``--warmup`` untimed versions through each
+path (the first through each is slower), ``--repeats`` of each, alternated (ABC CBA), medians.
+``greedy_ids_equal_torch``: the first version the group sent, served, against the torch backend on
+the same weights (``greedy_logprob_max_diff`` beside). ``stages_s``: per path, the median seconds of each part (``hold`` and ``publish``: since the clock
+started; the server's routes: summed per version).
 The JSON line holds ``full_redis_publish_to_serving_s``, ``full_folder_publish_to_serving_s``,
 ``full_group_publish_to_serving_s`` and ``group_vs_folder`` (the issue's target: <= 0.5).
 
@@ -49,6 +54,8 @@ QWEN25_05B = {
     "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 4096,
 }
 POLL_S = 0.002
+PROMPTS = [[1, 5, 9, 12, 7], [1, 20, 21, 22]]  # token ids, as tests/vllm_sync/test_real_vllm.py
+GREEDY_TOKENS = 8
 START_TIMEOUT_S = 600
 
 
@@ -111,12 +118,58 @@ def vllm_server(model: Path, log_path: Path) -> Iterator[str]:
         out.close()
 
 
+STAGES = ("canary", "pause", "reload_weights", "receive_group", "set_version", "reset_prefix_cache", "resume",
+          "served_version")
+
+
+def timed(admin: Any, spent: dict[str, float]) -> None:
+    """Wrap ``admin``'s calls of a load so each adds its seconds to ``spent`` (the current version's)."""
+    for name in STAGES:
+        call = getattr(admin, name)
+
+        async def wrapper(*args: Any, _call: Any = call, _name: str = name, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return await _call(*args, **kwargs)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - started
+
+        setattr(admin, name, wrapper)
+
+
 def moved(state: dict[str, Any], seed: int) -> dict[str, Any]:
     """Every weight moved by 1e-5 x a standard normal (an RL step's size)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     return {n: t + 1e-5 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in state.items()}
+
+
+async def greedy_agrees(url: str, served_model: str, model: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's greedy ids for `PROMPTS` on the version it serves against the torch backend's on the
+    same weights, and the largest difference of their log-probabilities."""
+    import httpx
+
+    from fulmen_llm_proxy.backends.torch.engine import TorchEngine
+    from fulmen_llm_proxy.backends.torch.request import SamplingParams
+
+    got = []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for prompt in PROMPTS:
+            body = {"model": served_model, "prompt": prompt, "max_tokens": GREEDY_TOKENS, "temperature": 0,
+                    "logprobs": 0, "return_token_ids": True}
+            choice = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+            got.append((list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]))
+    engine = TorchEngine(model)
+    await engine.load_weights(state, "x")
+    want = []
+    for prompt in PROMPTS:
+        g = await engine.generate(prompt, SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0))
+        want.append((g.token_ids, g.logprobs))
+    await engine.close()
+    return {"greedy_ids_equal_torch": all(a[0] == b[0] for a, b in zip(got, want, strict=True)),
+            "greedy_logprob_max_diff": round(max(abs(x - y) for a, b in zip(got, want, strict=True)
+                                                 for x, y in zip(a[1], b[1], strict=True)), 6)}
 
 
 async def serving(store: Any, url: str, version: str) -> None:
@@ -144,6 +197,9 @@ async def measure(args: argparse.Namespace, tmp: Path, url: str, model: Path) ->
     base = {n: t.float() for n, t in base_weights(model).items()}
     shared = tmp / "shared"
     times: dict[str, list[float]] = {"redis": [], "folder": [], "group": []}
+    stages: dict[str, list[dict[str, float]]] = {"redis": [], "folder": [], "group": []}
+    spent: dict[str, float] = {}
+    greedy: dict[str, Any] = {}
     with EmbeddedRedis(tmp / "redis", port=None) as server:
         client = await connect(CommonSettings(redis_url=server.url), wait_s=30)
         store = RedisStore(client, "bench-vllm")
@@ -153,6 +209,7 @@ async def measure(args: argparse.Namespace, tmp: Path, url: str, model: Path) ->
         stop = asyncio.Event()
         sending = asyncio.create_task(sender.run(stop))
         admin = VllmAdmin(url, 600.0)
+        timed(admin, spent)
         settings = VllmSyncSettings(vllm_url=url, model_dir=model, sync_dir=tmp / "sync", sync_timeout_s=600.0,
                                     experiment="bench-vllm", weight_group_timeout_s=300.0)
         sync = VllmSync(store, admin, settings, check_s=0.05)
@@ -160,22 +217,31 @@ async def measure(args: argparse.Namespace, tmp: Path, url: str, model: Path) ->
         syncing = asyncio.create_task(sync.run(stop))
         try:
             cycle = ("redis", "folder", "group", "group", "folder", "redis")
-            order = [p for _ in range(args.repeats) for p in cycle][: 3 * args.repeats]
+            warmup = list(cycle[:3]) * args.warmup  # untimed: each path's first version is slower
+            order = warmup + [p for _ in range(args.repeats) for p in cycle][: 3 * args.repeats]
             for i, path in enumerate(order, start=1):
                 sync.group = group if path == "group" else None
                 state = moved(base, seed=i)
+                spent.clear()
                 started = time.perf_counter()
                 transport = FolderTransport(shared) if path != "redis" else DEFAULT_TRANSPORT
                 version = f"v{i}"
-                # as the trainer publishes: the weight group's copy taken beside the publish
-                holding = asyncio.create_task(sender.hold(version, state)) if path == "group" else None
+                if path == "group":  # as the trainer publishes: the weight group's copy first
+                    await sender.hold(version, state)
+                    spent["hold"] = time.perf_counter() - started
                 await publish_model_version(store, state, model="m", model_version=version, transport=transport)
-                if holding is not None:
-                    await holding
+                spent["publish"] = time.perf_counter() - started
                 await asyncio.wait_for(serving(store, sync.url, version), 600)
                 seconds = time.perf_counter() - started
-                times[path].append(seconds)
-                log("%s: %s served after %.2f s", path, version, seconds)
+                if i > len(warmup):
+                    times[path].append(seconds)
+                    stages[path].append(dict(spent))
+                log("%s%s: %s served after %.2f s (%s)", "warm-up " if i <= len(warmup) else "", path, version, seconds,
+                    ", ".join(f"{k} {v:.2f}" for k, v in spent.items()))
+                if path == "group" and not greedy:  # the first version the group sent, off the clock
+                    greedy = await greedy_agrees(url, await admin.model_name(), model, state)
+                    log("group: %s greedy ids equal the torch backend's: %s (log-probabilities within %g)",
+                        version, greedy["greedy_ids_equal_torch"], greedy["greedy_logprob_max_diff"])
                 await retain_versions(store, 2, shared)
         finally:
             stop.set()
@@ -190,7 +256,9 @@ async def measure(args: argparse.Namespace, tmp: Path, url: str, model: Path) ->
             "full_folder_publish_to_serving_s": round(folder, 3), "full_group_publish_to_serving_s": round(grouped, 3),
             "group_vs_folder": round(grouped / folder, 3), "target_group_vs_folder": "<= 0.5",
             "met": grouped <= 0.5 * folder, "runs_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
-            "version_mb": round(nbytes / 1e6, 1), "sync_groups_sent": sender.sent}
+            "version_mb": round(nbytes / 1e6, 1), "sync_groups_sent": sender.sent, **greedy,
+            "stages_s": {path: {k: round(statistics.median(r.get(k, 0.0) for r in runs), 3)
+                                for k in sorted({k for r in runs for k in r})} for path, runs in stages.items()}}
 
 
 def main() -> None:
@@ -198,6 +266,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("qwen", "tiny"), default="qwen", help="the served model (default qwen)")
     parser.add_argument("--repeats", type=int, default=2, help="versions per path (median; default 2)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed versions per path first (default 1)")
     args = parser.parse_args()
     if not VLLM_PYTHON.exists():
         raise SystemExit(f"{VLLM_PYTHON} is missing: run deploy/vllm-venv.sh first")
@@ -210,7 +279,7 @@ def main() -> None:
         with vllm_server(model, tmp / "vllm.log") as url:
             log("vLLM up after %.0f s", time.perf_counter() - started)
             figures = asyncio.run(measure(args, tmp, url, model))
-    figures.update({"bench": "vllm_weight_sync", "model": args.model, "repeats": args.repeats, "cpus": os.cpu_count(),
+    figures.update({"bench": "vllm_weight_sync", "model": args.model, "repeats": args.repeats, "warmup": args.warmup, "cpus": os.cpu_count(),
                     "elapsed_s": round(time.perf_counter() - started, 1)})
     print(json.dumps(figures))
 

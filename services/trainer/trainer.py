@@ -425,17 +425,14 @@ class Trainer:
         assert self.policy is not None
         # FSDP: a collective with every rank
         state = await asyncio.to_thread(self.policy.published_state, exact=exact)
-        # full weights: vLLM may ask for them over the weight group; the copy is taken beside the publish
-        holding = (asyncio.create_task(self.sender.hold(self.version.name, state))
-                   if self.sender is not None and self.policy.published_format() is None else None)
-        try:
-            await self.publisher.publish(
-                self.store, state, model=self.model_name, version=self.version.name, replace_unpublished=resumed,
-                weights_format=self.policy.published_format(), exact=exact,
-            )
-        finally:
-            if holding is not None:
-                await holding
+        # full weights: the weight group's copy first (vLLM receives it while the folder is written;
+        # taken beside the publish, the two copies slow each other down)
+        if self.sender is not None and self.policy.published_format() is None:
+            await self.sender.hold(self.version.name, state)
+        await self.publisher.publish(
+            self.store, state, model=self.model_name, version=self.version.name, replace_unpublished=resumed,
+            weights_format=self.policy.published_format(), exact=exact,
+        )
         await retain_versions(self.store, self.s.keep_versions, self.s.weights_dir)
         if self.aof_rewrite is not None:  # a version the proxies never loaded: the new one counts
             self.aof_rewrite.cancel()

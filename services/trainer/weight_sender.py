@@ -26,6 +26,7 @@ from fulmen.versions.transport.group_asks import (
     ADVERTISEMENT_TTL_S,
     Rendezvous,
     advertise,
+    announce_held,
     ask_stream,
     entry_time,
     redis_time,
@@ -58,6 +59,7 @@ class WeightSender:
                                                   self.s.weight_group_timeout_s)
         self.where = Rendezvous(self.s.weight_group_host, int(self.rendezvous.port), self.backend)
         await self.asks.ensure_group()  # before the advertisement: no ask made after it is missed
+        await withdraw(self.store)  # an earlier trainer's, with the version it held
         await advertise(self.store, self.where)
         log.info("weight group: vLLM servers join at %s:%d (%s)", self.where.host, self.where.port, self.where.backend)
         return self.where
@@ -69,8 +71,9 @@ class WeightSender:
         self.rendezvous = None
 
     async def hold(self, version: str, state: Mapping[str, torch.Tensor]) -> None:
-        """Keep ``version`` (a full one, just published) to send: a host copy, and the sha256 of the
-        tensors the receivers check (the same sample `group.sampled_names` draws for them)."""
+        """Keep ``version`` (a full one, being published) to send: a host copy, and the sha256 of the
+        tensors the receivers check (the same sample `group.sampled_names` draws for them). Said in
+        the store at once: vllm-sync may receive it while its folder is still written."""
 
         def copy() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             held = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
@@ -79,6 +82,7 @@ class WeightSender:
 
         held, checks = await asyncio.to_thread(copy)
         self.held = (version, held, checks)
+        await announce_held(self.store, version)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Answer the asks until ``stop``, keeping the advertisement fresh (it expires when this stops

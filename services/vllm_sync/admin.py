@@ -47,7 +47,8 @@ class VllmAdmin:
         try:
             response = await self.client.request(method, path, **kwargs)
         except httpx.TimeoutException:
-            raise AdminError(f"{method} {path} did not answer within {self.client.timeout.read} s") from None
+            waited = kwargs.get("timeout", self.client.timeout.read)  # this call's own, else the client's
+            raise AdminError(f"{method} {path} did not answer within {waited} s") from None
         except httpx.HTTPError as e:
             raise AdminError(f"{method} {path}: {type(e).__name__}: {e}") from None
         if response.status_code >= 400:

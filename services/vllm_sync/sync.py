@@ -36,6 +36,7 @@ LORA_LOADINGS = ("auto", "dynamic", "merge")
 ADAPTERS_KEPT = 2  # the served adapter and the one before it, for calls that named it and still run
 POLL_S = 0.2  # how often a new resources version is looked for
 TURN_POLL_S = 0.2  # how often a replica waiting for its turn to load looks again
+ANNOUNCED_POLL_S = 0.02  # how often a version received ahead of its announcement looks for it
 LOAD_ROUTES = 5  # a load's routes (pause, reload, set version, reset the cache, resume): its turn lasts their timeouts
 
 
@@ -76,6 +77,7 @@ class VllmSync:
         self.turn_ttl_s = LOAD_ROUTES * settings.sync_timeout_s  # a dead vllm-sync's turn ends by itself
         self.group = (WeightGroup(store, admin, self.url, settings.weight_group_timeout_s)
                       if settings.weight_group else None)
+        self.announced: str | None = None  # the newest model version a resources entry names
 
     async def _mark(self, **changes: Any) -> None:
         self.state = await self.store.registry.set_replica(dataclasses.replace(self.state, **changes))
@@ -95,6 +97,8 @@ class VllmSync:
         await self.start()
         while not stop.is_set():
             seen, target = await self._newest()
+            if self.group is not None and await self._load_ahead():
+                continue
             stale = target is not None and (target[0] != self.state.model_version or not self.state.ready)
             if stale and target is not None and not await self.sync(*target):
                 await _sleep_or_stop(stop, self.retry_s)
@@ -154,7 +158,9 @@ class VllmSync:
         ``llm`` entry (the latest entry may name none: the algorithm's validation resources)."""
         updates = await self.store.resources.query_resources(descending=True)
         seen = updates[0].version if updates else None
-        return seen, next((found for u in updates if (found := _named(u)) is not None), None)
+        target = next((found for u in updates if (found := _named(u)) is not None), None)
+        self.announced = target[0] if target is not None else None
+        return seen, target
 
     async def _wait_for_news(self, stop: asyncio.Event, after: int | None) -> None:
         """Until a resources version newer than ``after`` exists, ``stop`` is set, or ``check_s`` passed.
@@ -163,6 +169,8 @@ class VllmSync:
         while not stop.is_set() and time.monotonic() < deadline:
             latest = await self.store.resources.get_latest_resources()
             if latest is not None and (after is None or latest.version > after):
+                return
+            if self.group is not None and await self.group.ahead(self.announced, self.state.model_version):
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), POLL_S)
@@ -257,13 +265,38 @@ class VllmSync:
             weights = {**weights, "format": "full"}
         return await asyncio.to_thread(materialize, version, state, weights, self.model_dir, self.sync_dir)
 
-    async def _by_group(self, version: str, sha: str | None) -> bool:
-        """Load ``version`` (or the trainer's newer one) over the weight group; False when it cannot be,
-        with the server as it was or marked as not known (the folder path then loads it)."""
+    async def _load_ahead(self) -> bool:
+        """The version the trainer holds for the weight group, newer than any announced: received while
+        its folder is still written, served once it is announced. True when one was tried (if that
+        failed, the announced version loads as usual)."""
         assert self.group is not None
+        version = await self.group.ahead(self.announced, self.state.model_version)
+        if version is None:
+            return False
+        self.group.tried_ahead = version
+        started = time.perf_counter()
+        if await self._by_group(version, None, ahead=True):
+            self.syncs["ok"] += 1
+            log.info("%s serves model version %s (received over the weight group while its folder was written; "
+                     "loaded and verified in %.2f s)", self.url, version, time.perf_counter() - started)
+        return True
+
+    async def _by_group(self, version: str, sha: str | None, *, ahead: bool = False) -> bool:
+        """Load ``version`` (or the trainer's newer one) over the weight group; False when it cannot be,
+        with the server as it was or marked as not known (the folder path then loads it). A version
+        not announced yet (``ahead``, or a newer one sent) is served once it is (`_announced`)."""
+        assert self.group is not None
+        group = self.group
+
+        async def receive() -> tuple[str, str | None]:
+            arrived = await group.receive(version)
+            if ahead or arrived != version:
+                return arrived, await self._announced(arrived)
+            return arrived, sha
+
         try:
-            await self.group.ready()  # before the pause: the server serves meanwhile
-            await self._load(version, lambda: self.group.receive(version), sha)  # type: ignore[union-attr]
+            await group.ready()  # before the pause: the server serves meanwhile
+            await self._load(version, receive)
             return True
         except GroupUnavailable:
             return False
@@ -276,21 +309,42 @@ class VllmSync:
         self.weights_known = False  # paused, or part of the weights received
         return False
 
+    async def _announced(self, version: str) -> str | None:
+        """Wait, paused with ``version`` received, until a resources entry names it: its sha256. The
+        server never serves a version the trainer did not announce (its publish may yet fail)."""
+        assert self.group is not None
+        deadline = time.monotonic() + self.group.timeout_s
+        looked_at: int | None = -1  # the resources version the log was read at last
+        while True:
+            latest = await self.store.resources.get_latest_resources()  # one small read per poll
+            if (latest.version if latest is not None else None) != looked_at:
+                looked_at = latest.version if latest is not None else None
+                for update in await self.store.resources.query_resources(descending=True):
+                    named = _named(update)
+                    if named is not None and named[0] == version:
+                        weights = named[1].get("weights")
+                        return weights.get("sha256") if isinstance(weights, Mapping) else None
+            if time.monotonic() > deadline:
+                raise SyncFailed(f"{version} arrived over the weight group but the trainer did not announce it "
+                                 f"within {self.group.timeout_s:.0f} s (weight_group_timeout_s): did its publish fail?")
+            await asyncio.sleep(ANNOUNCED_POLL_S)
+
     async def _load_folder(self, version: str, folder: Path, sha: str | None) -> None:
-        async def reload() -> str:
+        async def reload() -> tuple[str, str | None]:
             await self.admin.reload_weights(str(folder.resolve()))
-            return version
+            return version, sha
 
-        await self._load(version, reload, sha)
+        await self._load(version, reload)
 
-    async def _load(self, version: str, reload: Callable[[], Awaitable[str]], sha: str | None) -> None:
-        """The swap around ``reload`` (which returns the version it loaded): canary, turn, pause, reload,
-        set the version, reset the cache, resume, verify."""
+    async def _load(self, version: str, reload: Callable[[], Awaitable[tuple[str, str | None]]]) -> None:
+        """The swap around ``reload`` (which returns the version it loaded, and its sha256 if known):
+        canary, turn, pause, reload, set the version, reset the cache, resume, verify."""
         if not self.weights_known:  # a failed attempt may have left the server paused
             await self.admin.resume()
-        # after a failed load the weights may be part (or all) of the new version: compare with the last
-        # verified ones instead, or a load that did apply would look like one that did nothing
-        if self.weights_known or self.verified_canary is None:
+        # the canary of the weights verified last stands for the served ones (nothing else changes
+        # them; a restarted server is loaded again): after a failed load the weights may be part (or
+        # all) of the new version, and a load that did apply would look like one that did nothing
+        if self.verified_canary is None:
             before = await self.admin.canary(self.model, self.canary_prompt)
             if self.weights_known:
                 self.verified_canary = before
@@ -301,8 +355,7 @@ class VllmSync:
         try:  # the turn is given back once this replica is ready again (or its load failed)
             await self._mark(ready=False, generation=self.state.generation + 1, reason=f"loading {version}")
             await self.admin.pause(self.pause_mode)
-            loaded = await reload()
-            sha, version = (sha if loaded == version else None), loaded
+            version, sha = await reload()
             await self.admin.set_version(version)
             await self.admin.reset_prefix_cache()
             await self.admin.resume()

@@ -2,8 +2,9 @@
 once, and each full version is then received straight into their weights, no folder between.
 
 The trainer advertises its rendezvous in the store; this asks it to make a group (``join``) and, per
-version, to send (``send``), while the workers wait for it over ``/collective_rpc``. The design:
-docs/design/vllm-sync.md.
+version, to send (``send``), while the workers wait for it over ``/collective_rpc``. A version the
+trainer says it holds (`ahead`) can be received before it is announced, while its folder is written.
+The design: docs/design/vllm-sync.md.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import uuid
 
 from fulmen.records import WeightGroupAction, WeightGroupAsk
 from fulmen.store import RedisStore
-from fulmen.versions.transport.group_asks import Rendezvous, advertised, ask
+from fulmen.versions.model_version import ModelVersion
+from fulmen.versions.transport.group_asks import Rendezvous, advertised, ask, held
 from fulmen_vllm_sync.admin import AdminError, VllmAdmin
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,17 @@ class WeightGroup:
         self.world_size = 0
         self.joined: Rendezvous | None = None  # the trainer's rendezvous the group was made at
         self.said_unadvertised = False
+        self.tried_ahead: str | None = None  # the held version last received ahead of its announcement
+
+    async def ahead(self, announced: str | None, served: str) -> str | None:
+        """The full version the trainer holds to send when it is newer than both the newest ``announced``
+        and the ``served`` one (its folder is still being written), and was not tried ahead already."""
+        version = await held(self.store)
+        if version is None or version == self.tried_ahead:
+            return None
+        number = ModelVersion.parse(version).number
+        newest = max(ModelVersion.parse(announced).number, ModelVersion.parse(served).number)
+        return version if number > newest else None
 
     async def join(self) -> None:
         """Put the server's workers in a new group with the trainer's rank 0 (GroupUnavailable when no

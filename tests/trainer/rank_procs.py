@@ -4,14 +4,14 @@ metrics file read back."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+from polling import until
 
 from fulmen import keys as k
 from fulmen.records import Sample
@@ -34,14 +34,6 @@ def trainer_env(redis_url: str, experiment: str, tiny: Path, out: Path, **extra:
             "FULMEN_LEARNING_RATE": "0.001", **extra}
 
 
-async def wait_for(predicate: Callable[[], Awaitable[Any]], timeout_s: float = 60.0) -> None:
-    for _ in range(int(timeout_s / 0.05)):
-        if await predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("timed out")
-
-
 async def ready(store: RedisStore, rank: int) -> bool:
     return (await store.redis.get(store.keys.trainer_slot(rank)) or b"").endswith(b":ready")
 
@@ -51,9 +43,9 @@ async def start_two_ranks(store: RedisStore, env: dict[str, str], procs: list[su
     """`fulmen trainer` as rank 0 (with ``leader_args``), then as rank 1 once rank 0 is ready: each
     added to ``procs`` as it starts (for the caller to stop), both ready on return."""
     procs.append(leader := subprocess.Popen([FULMEN, "trainer", *leader_args], env=env))
-    await wait_for(lambda: ready(store, 0))
+    await until(lambda: ready(store, 0))
     procs.append(follower := subprocess.Popen([FULMEN, "trainer"], env=env))
-    await wait_for(lambda: ready(store, 1))
+    await until(lambda: ready(store, 1))
     return leader, follower
 
 

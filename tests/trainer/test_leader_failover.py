@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from rank_procs import push, ready, wait_for
+from polling import until
+from rank_procs import push, ready
 
 from fulmen import keys as k
 from fulmen.demo.tiny_model import build_tiny_model
@@ -120,7 +121,7 @@ async def _three_ranks(store: RedisStore, tiny: Path, tmp_path: Path) -> AsyncIt
         for _ in range(WORLD):
             ranks.append(rank := Rank(store, settings))
             await rank.start()
-            await wait_for(lambda: ready(store, ranks[-1].trainer.rank))
+            await until(lambda: ready(store, ranks[-1].trainer.rank))
         yield ranks
     finally:
         for rank in ranks:
@@ -135,7 +136,7 @@ async def _until_agreed(store: RedisStore, step: int) -> list[AgreedStep]:
     async def there() -> bool:
         return any(r.step == step for r in await _agreed(store))
 
-    await wait_for(there)
+    await until(there)
     return await _agreed(store)
 
 
@@ -187,17 +188,17 @@ async def test_a_leader_frozen_mid_step_is_replaced_and_nothing_is_trained_twice
         await _until_agreed(store, 2)
         _freezing(old, phase, 3)
         await push(store, _steps(2, start=2))
-        await wait_for(lambda: asyncio.sleep(0, old.frozen.is_set()))
+        await until(lambda: asyncio.sleep(0, old.frozen.is_set()))
         records = await _until_agreed(store, 4)
         by_old = 3 if phase == "after_record" else 2  # the steps the old leader agreed
         assert new.group.leading and {r.rank for r in records if r.step > by_old} == {new.trainer.rank}
         old.thaw.set()  # the old leader comes back: it must step down and follow
-        await wait_for(lambda: asyncio.sleep(0, old.following.is_set()))
-        await wait_for(lambda: ready(store, old.trainer.rank))
+        await until(lambda: asyncio.sleep(0, old.following.is_set()))
+        await until(lambda: ready(store, old.trainer.rank))
         await push(store, _steps(1, start=4))
         records = await _until_agreed(store, 5)
-        await wait_for(lambda: asyncio.sleep(0, all(r.trainer.step == 5 for r in (old, new, other))))
-        await wait_for(lambda: _none_pending(store))  # the leader acknowledges after its checkpoint
+        await until(lambda: asyncio.sleep(0, all(r.trainer.step == 5 for r in (old, new, other))))
+        await until(lambda: _none_pending(store))  # the leader acknowledges after its checkpoint
         weights = [r.weights() for r in (new, other)]
     assert not old.group.leading
     lineage = _lineage(records)
@@ -222,7 +223,7 @@ async def test_the_lease_fences_a_deposed_leader(real_store: RedisStore) -> None
     assert await first.acquire(0) == 1 and await second.acquire(1) is None
     record = AgreedStep(1, 1, 0, "v1", True, ["1-0"], b"")
     assert await first.agree(record)
-    await wait_for(lambda: _lease_gone(real_store))
+    await until(lambda: _lease_gone(real_store))
     assert await second.acquire(1) == 2
     assert not await first.renew() and not await first.agree(AgreedStep(2, 1, 0, "v2", True, ["2-0"], b""))
     assert await second.agree(AgreedStep(2, 2, 1, "v2", True, ["2-0"], b""))

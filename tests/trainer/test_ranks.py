@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from polling import until
 from procs import stop
-from rank_procs import FULMEN, metrics_lines, push, ready, start_two_ranks, trainer_env, wait_for
+from rank_procs import FULMEN, metrics_lines, push, ready, start_two_ranks, trainer_env
 from safetensors.torch import load_file
 
 from fulmen import keys as k
@@ -82,7 +83,7 @@ async def _two_steps_then_sigkill(store: RedisStore, rank: subprocess.Popen[byte
                                   metrics: Path) -> None:
     """Two steps taken by both ranks on ``samples``, then ``rank`` SIGKILLed."""
     await push(store, samples)
-    await wait_for(lambda: asyncio.sleep(0, len(metrics_lines(metrics)) >= 2))
+    await until(lambda: asyncio.sleep(0, len(metrics_lines(metrics)) >= 2))
     rank.send_signal(signal.SIGKILL)
     rank.wait(timeout=10)
 
@@ -110,7 +111,7 @@ async def test_two_ranks_reach_the_weights_of_one_rank(redis_url: str, tiny: Pat
         leader, follower = await start_two_ranks(two, env2, procs, "--max-steps", "3")
         await push(two, samples)
         assert await asyncio.to_thread(leader.wait, 120) == 0
-        await wait_for(lambda: asyncio.sleep(0, (tmp_path / "two" / "ck" / "rank-1" / "step-3").exists()))
+        await until(lambda: asyncio.sleep(0, (tmp_path / "two" / "ck" / "rank-1" / "step-3").exists()))
         follower.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(follower.wait, 30) == 0
     finally:
@@ -142,9 +143,9 @@ async def test_a_rank_that_dies_is_left_out_and_picked_up_when_back(redis_url: s
         samples = _samples(12)
         await _two_steps_then_sigkill(store, follower, samples[:16], metrics)
         await push(store, samples[16:32])  # two steps: the dead rank is left out
-        await wait_for(lambda: asyncio.sleep(0, len(_ranks_per_step(metrics)) >= 4))
+        await until(lambda: asyncio.sleep(0, len(_ranks_per_step(metrics)) >= 4))
         procs.append(subprocess.Popen([FULMEN, "trainer"], env=env))  # it comes back
-        await wait_for(lambda: ready(store, 1))
+        await until(lambda: ready(store, 1))
         await push(store, samples[32:])
         assert await asyncio.to_thread(leader.wait, 120) == 0
     finally:
@@ -174,7 +175,7 @@ async def test_with_wait_the_run_pauses_while_a_rank_is_gone_and_resumes_when_ba
         leader, follower = await start_two_ranks(store, env, procs, "--max-steps", "4")
         samples = _samples(8)
         await _two_steps_then_sigkill(store, follower, samples[:16], metrics)
-        await wait_for(lambda: _absent(store, 1))  # its slot expired: the leader now sees it gone
+        await until(lambda: _absent(store, 1))  # its slot expired: the leader now sees it gone
         await push(store, samples[16:])  # two more steps' worth: the leader must wait
         await asyncio.sleep(4)  # two rank timeouts; "continue" steps alone within this (the test above)
         assert _ranks_per_step(metrics) == [2, 2] and leader.poll() is None, "paused, not stepped alone or exited"
@@ -249,11 +250,11 @@ async def test_when_the_leader_dies_rank_1_leads_and_the_restarted_rank_0_follow
         samples = _samples(12)
         await _two_steps_then_sigkill(store, leader, samples[:16], metrics)
         await push(store, samples[16:32])
-        await wait_for(lambda: _steps_logged(store, 4))
+        await until(lambda: _steps_logged(store, 4))
         procs.append(subprocess.Popen([FULMEN, "trainer"], env=env))  # the old rank 0 comes back
-        await wait_for(lambda: ready(store, 0))
+        await until(lambda: ready(store, 0))
         await push(store, samples[32:])
-        await wait_for(lambda: _steps_logged(store, 6))
+        await until(lambda: _steps_logged(store, 6))
         assert follower.poll() is None
     finally:
         stop(procs, timeout_s=20)

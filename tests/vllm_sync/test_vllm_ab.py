@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from fulmen.demo.tiny_model import build_tiny_model
 from fulmen.serving.ab import arm_of, start_ab, stop_ab
@@ -26,28 +24,11 @@ from fulmen_vllm_sync.sync import VllmSync
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fakes.fake_vllm import FakeVllm
+from polling import until
+from vllm_sync_helpers import random_adapter
 
 SPLIT = 0.5
 PROMPT = [1, 5, 9, 12, 7]
-
-
-def _adapter(base: Path, seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
-    weights = load_file(str(base / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    adapter = {}
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
-        out_f, in_f = weights[name + ".weight"].shape
-        adapter[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, in_f, generator=g)
-        adapter[f"base_model.model.{name}.lora_B.weight"] = torch.randn(out_f, rank, generator=g)
-    return adapter
-
-
-async def _until(predicate, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout_s / 0.05)):
-        if await predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("timed out")
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +71,12 @@ async def test_b_is_an_adapter_beside_a_and_each_call_names_the_version_it_got(r
     try:
         lora = {"format": "lora", "lora": lora_description(4, 8.0)}
         for n in (1, 2, 3):
-            await publish_model_version(real_store, _adapter(base, seed=n), model="tiny", weights_format=lora)
-        await _until(lambda: _is(state, model_version="v3", ready=True))
+            await publish_model_version(real_store, random_adapter(base, seed=n), model="tiny", weights_format=lora)
+        await until(lambda: _is(state, model_version="v3", ready=True))
         assert "v3" in fake.adapters and "v1" not in fake.adapters
 
         await start_ab(real_store, "v3", "v1", SPLIT)
-        await _until(lambda: _is(state, b_version="v1", b_split=SPLIT))
+        await until(lambda: _is(state, b_version="v1", b_split=SPLIT))
         assert {"v1", "v3"} <= set(fake.adapters)
         await backend.start()
         await view.refresh()
@@ -107,8 +88,8 @@ async def test_b_is_an_adapter_beside_a_and_each_call_names_the_version_it_got(r
         assert all(r.fidelity == "exact" and r.token_ids for r in got.values())
 
         await stop_ab(real_store)
-        await _until(lambda: _is(state, b_version=""))
-        await _until(lambda: _gone(fake, "v1"))
+        await until(lambda: _is(state, b_version=""))
+        await until(lambda: _gone(fake, "v1"))
         await view.refresh()
         assert (await _call(backend, arms["b"])).model_version == "v3"  # the test is over: A for every rollout
     finally:

@@ -19,11 +19,13 @@ from fulmen.store import RedisStore
 from fulmen.versions.model_version import llm_resource, publish_model_version
 from fulmen_llm_proxy.backends.torch.engine import TorchEngine
 from fulmen_llm_proxy.backends.torch.request import SamplingParams
-from fulmen_vllm_sync.admin import VllmAdmin
+from fulmen_vllm_sync.admin import AdminError, VllmAdmin
 from fulmen_vllm_sync.sync import VllmSync
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fakes.fake_vllm import FakeVllm
+from polling import until
+from vllm_sync_helpers import random_adapter
 
 PROMPT = [1, 5, 9, 12, 7]
 
@@ -57,14 +59,6 @@ async def _run(store: RedisStore, fake: FakeVllm, base: Path, tmp: Path, **knobs
     return sync, stop, task, admin
 
 
-async def _until(predicate, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout_s / 0.05)):
-        if await predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("timed out")
-
-
 async def _replica(store: RedisStore, url: str):  # type: ignore[no-untyped-def]
     return (await store.registry.query_replicas()).get(url)
 
@@ -75,9 +69,9 @@ async def test_a_published_version_is_loaded_verified_and_marked_ready(real_stor
     await fake.start()
     _, stop, task, admin = await _run(real_store, fake, base, tmp_path)
     try:
-        await _until(lambda: _ready(real_store, fake.url, "base"))
+        await until(lambda: _ready(real_store, fake.url, "base"))
         await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
-        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        await until(lambda: _ready(real_store, fake.url, "v1"))
         assert await _served_ids(fake) == await _greedy_with(trained)  # the trained weights, really
         assert fake.calls == ["pause:wait", "reload_weights", "version:v1", "reset_prefix_cache", "resume"]
         state = await _replica(real_store, fake.url)
@@ -98,14 +92,14 @@ async def test_a_version_that_cannot_be_read_leaves_the_server_serving_its_weigh
     await fake.start()
     sync, stop, task, admin = await _run(real_store, fake, base, tmp_path)
     try:
-        await _until(lambda: _ready(real_store, fake.url, "base"))
+        await until(lambda: _ready(real_store, fake.url, "base"))
         update = await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
         await real_store.redis.delete(llm_resource(update)["weights"]["stream"])  # type: ignore[index]
         await real_store.redis.zrem(real_store.keys.stored_versions, "v1")  # as retention deletes one
-        await _until(lambda: _said(caplog, "v1 cannot be read"))
+        await until(lambda: _said(caplog, "v1 cannot be read"))
         assert fake.calls == [] and await _ready(real_store, fake.url, "base")
         await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
-        await _until(lambda: _ready(real_store, fake.url, "v2"))
+        await until(lambda: _ready(real_store, fake.url, "v2"))
         assert sync.syncs["failed"] >= 1
     finally:
         stop.set()
@@ -125,12 +119,12 @@ async def test_a_version_redis_lost_takes_the_replica_out_of_routing_and_is_aske
     await fake.start()
     _, stop, task, admin = await _run(real_store, fake, base, tmp_path)
     try:
-        await _until(lambda: _ready(real_store, fake.url, "base"))
+        await until(lambda: _ready(real_store, fake.url, "base"))
         published = load_file(str(trained / "model.safetensors"))
         update = await publish_model_version(real_store, published, model="tiny")
         chunks = await real_store.redis.xrange(llm_resource(update)["weights"]["stream"])  # type: ignore[index]
         await real_store.redis.delete(llm_resource(update)["weights"]["stream"])  # type: ignore[index]
-        await _until(lambda: _not_ready(real_store, fake.url, "waiting for model version v1"))
+        await until(lambda: _not_ready(real_store, fake.url, "waiting for model version v1"))
         await asyncio.sleep(0.5)  # a few retries
         asks = [VersionRebuild.from_wire(f[b"m"]) for _, f in await real_store.redis.xrange(real_store.keys.version_rebuilds)]
         assert [(a.action.value, a.model_version, a.by) for a in asks] == [("ask", "v1", f"vllm-sync {fake.url}")]
@@ -138,7 +132,7 @@ async def test_a_version_redis_lost_takes_the_replica_out_of_routing_and_is_aske
         for entry_id, fields in chunks:  # rebuilt: the same chunks under the same name
             await real_store.redis.xadd(llm_resource(update)["weights"]["stream"], fields, id=entry_id)  # type: ignore[index]
         await announce_rebuilt(real_store, "v1", "trainer-0")
-        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        await until(lambda: _ready(real_store, fake.url, "v1"))
     finally:
         stop.set()
         await task
@@ -174,11 +168,11 @@ async def test_a_failed_load_keeps_the_replica_out_of_routing_until_a_retry_succ
     await fake.start()
     sync, stop, task, admin = await _run(real_store, fake, base, tmp_path, timeout_s=1.0, retry_s=1.5)
     try:
-        await _until(lambda: _ready(real_store, fake.url, "base"))
+        await until(lambda: _ready(real_store, fake.url, "base"))
         fake.fault = fault
         await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
-        await _until(lambda: _not_ready(real_store, fake.url, reason))  # out of routing, with the reason
-        await _until(lambda: _ready(real_store, fake.url, "v1"))  # the retry (the fault was one-off)
+        await until(lambda: _not_ready(real_store, fake.url, reason))  # out of routing, with the reason
+        await until(lambda: _ready(real_store, fake.url, "v1"))  # the retry (the fault was one-off)
         assert await _served_ids(fake) == await _greedy_with(trained)
         assert sync.syncs == {"ok": 1, "failed": 1}
     finally:
@@ -195,7 +189,7 @@ async def test_a_restarted_server_leaves_routing_and_gets_its_version_back(real_
     _, stop, task, admin = await _run(real_store, fake, base, tmp_path)
     try:
         await publish_model_version(real_store, load_file(str(trained / "model.safetensors")), model="tiny")
-        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        await until(lambda: _ready(real_store, fake.url, "v1"))
         generation = (await _replica(real_store, fake.url)).generation
         await fake.restart()  # base weights, no version
 
@@ -203,7 +197,7 @@ async def test_a_restarted_server_leaves_routing_and_gets_its_version_back(real_
             state = await _replica(real_store, fake.url)
             return state.ready and state.model_version == "v1" and state.generation == generation + 1
 
-        await _until(loaded_again)
+        await until(loaded_again)
         assert await _served_ids(fake) == await _greedy_with(trained)
     finally:
         stop.set()
@@ -229,7 +223,7 @@ async def test_a_lora_version_is_served_merged_onto_the_base(real_store: RedisSt
     _, stop, task, admin = await _run(real_store, fake, base, tmp_path)
     try:
         await publish_model_version(real_store, adapter, model="tiny", weights_format={"format": "lora", "lora": lora})
-        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        await until(lambda: _ready(real_store, fake.url, "v1"))
         engine = TorchEngine(base)
         await engine.load_weights(adapter, "v1", lora=lora)  # the proxy's own merge, for comparison
         want = (await engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))).token_ids
@@ -258,7 +252,7 @@ async def test_delta_versions_are_applied_onto_the_last_folder_or_rebuilt_from_t
     _, stop, task, admin = await _run(real_store, fake, base, tmp_path)
     try:
         await publish_model_version(real_store, states[0], model="tiny", model_version="v1")
-        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        await until(lambda: _ready(real_store, fake.url, "v1"))
         for i in (1, 2):
             if i == 2:  # the folder of v2 is gone (a new pod): v3 is rebuilt from v1 + v2 + v3
                 shutil.rmtree(tmp_path / "sync" / "v2")
@@ -266,24 +260,13 @@ async def test_delta_versions_are_applied_onto_the_last_folder_or_rebuilt_from_t
             await publish_model_version(real_store, delta, model="tiny", model_version=f"v{i + 1}",
                                         manifest=Manifest(DELTA, f"v{i}", describe_all(states[i])),
                                         weights_format={"format": DELTA, "base_version": f"v{i}"})
-            await _until(lambda i=i: _ready(real_store, fake.url, f"v{i + 1}"))
+            await until(lambda i=i: _ready(real_store, fake.url, f"v{i + 1}"))
             assert await _served_ids(fake) == await _greedy_with(base, states[i])
     finally:
         stop.set()
         await task
         await admin.close()
         await fake.stop()
-
-
-def _adapter(base: Path, seed: int, rank: int = 4) -> dict[str, torch.Tensor]:
-    weights = load_file(str(base / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    adapter = {}
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
-        out_f, in_f = weights[name + ".weight"].shape
-        adapter[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, in_f, generator=g)
-        adapter[f"base_model.model.{name}.lora_B.weight"] = torch.randn(out_f, rank, generator=g)
-    return adapter
 
 
 async def _adapter_ids(fake: FakeVllm, name: str) -> list[int]:
@@ -306,10 +289,10 @@ async def test_lora_versions_load_as_adapters_without_a_pause(real_store: RedisS
     try:
         adapters = {}
         for n in (1, 2, 3):
-            adapters[n] = _adapter(base, seed=n)
+            adapters[n] = random_adapter(base, seed=n)
             await publish_model_version(real_store, adapters[n], model="tiny",
                                         weights_format={"format": "lora", "lora": lora})
-            await _until(lambda n=n: _ready(real_store, fake.url, f"v{n}"))
+            await until(lambda n=n: _ready(real_store, fake.url, f"v{n}"))
             state = await _replica(real_store, fake.url)
             assert state.served_model == f"v{n}"
             # what a person reads from the server itself names the adapter's version too
@@ -328,8 +311,8 @@ async def test_lora_versions_load_as_adapters_without_a_pause(real_store: RedisS
         async def loaded_again() -> bool:
             return fake.calls.count("load_lora:v3") == 2
 
-        await _until(loaded_again)
-        await _until(lambda: _ready(real_store, fake.url, "v3"))
+        await until(loaded_again)
+        await until(lambda: _ready(real_store, fake.url, "v3"))
         assert "v3" in fake.adapters and "lost the adapter v3" in caplog.text
     finally:
         stop.set()
@@ -348,9 +331,9 @@ async def test_dynamic_lora_on_a_server_without_it_says_what_to_do(real_store: R
     await fake.start()
     _, stop, task, admin = await _run(real_store, fake, base, tmp_path, lora_loading="dynamic", retry_s=5.0)
     try:
-        await publish_model_version(real_store, _adapter(base, seed=1), model="tiny",
+        await publish_model_version(real_store, random_adapter(base, seed=1), model="tiny",
                                     weights_format={"format": "lora", "lora": lora_description(4, 8.0)})
-        await _until(lambda: _reason_says(real_store, fake.url, "--enable-lora"))
+        await until(lambda: _reason_says(real_store, fake.url, "--enable-lora"))
         state = await _replica(real_store, fake.url)
         assert not state.ready and state.model_version == "base"
         assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in caplog.text
@@ -386,12 +369,12 @@ async def test_two_replicas_take_turns_to_load_so_one_always_serves(real_store: 
             await asyncio.sleep(0.005)
 
     try:
-        await _until(lambda: _all_ready(real_store, [f.url for f in fakes], "base"))
+        await until(lambda: _all_ready(real_store, [f.url for f in fakes], "base"))
         watcher = asyncio.create_task(watch())
         weights = load_file(str(trained / "model.safetensors"))
         for version in ("v1", "v2", "v3"):
             await publish_model_version(real_store, weights, model="tiny")
-            await _until(lambda version=version: _all_ready(real_store, [f.url for f in fakes], version))
+            await until(lambda version=version: _all_ready(real_store, [f.url for f in fakes], version))
         watching = False
         await watcher
         assert both_down == []
@@ -422,3 +405,21 @@ async def test_a_load_turn_is_held_by_one_replica_and_ends_by_itself(real_store:
 async def _all_ready(store: RedisStore, urls: list[str], version: str) -> bool:
     states = await store.registry.query_replicas()
     return all(url in states and states[url].ready and states[url].model_version == version for url in urls)
+
+
+async def test_a_route_that_times_out_names_the_timeout_it_was_given() -> None:
+    """A worker call's own timeout (the weight group's), not the client's default, is the one said."""
+    import httpx
+
+    def timing_out(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("no answer", request=request)
+
+    admin = VllmAdmin("http://vllm.invalid", 30.0)
+    admin.client = httpx.AsyncClient(base_url=admin.url, transport=httpx.MockTransport(timing_out), timeout=30.0)
+    try:
+        with pytest.raises(AdminError, match=r"collective_rpc did not answer within 310\.0 s"):
+            await admin.receive_group(300.0)
+        with pytest.raises(AdminError, match=r"/pause did not answer within 30\.0 s"):
+            await admin.pause("wait")
+    finally:
+        await admin.close()

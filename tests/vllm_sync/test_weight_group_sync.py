@@ -6,7 +6,10 @@ trainer's group, or without the extension, versions load from folders as before.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,7 @@ from fulmen_vllm_sync.sync import VllmSync
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fakes.fake_vllm import FakeVllm
+from polling import until
 
 PROMPT = [1, 5, 9, 12, 7]
 
@@ -39,11 +43,7 @@ async def _ids(fake: FakeVllm) -> list[int]:
 
 
 async def _until(predicate, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout_s / 0.05)):
-        if await predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("timed out")
+    await until(predicate, timeout_s)
 
 
 async def _ready(store: RedisStore, url: str, version: str) -> bool:
@@ -51,28 +51,49 @@ async def _ready(store: RedisStore, url: str, version: str) -> bool:
     return state is not None and state.ready and state.model_version == version
 
 
-async def _sender(store: RedisStore, model_dir: Path) -> tuple[WeightSender, asyncio.Event, asyncio.Task[None]]:
+@contextlib.asynccontextmanager
+async def _sending(store: RedisStore, model_dir: Path) -> AsyncIterator[WeightSender]:
+    """The trainer's end, advertised and answering asks, until the block ends."""
     settings = load_settings(TrainerSettings, model_dir=model_dir, experiment=store.experiment, weight_group=True,
                              weight_group_timeout_s=20.0)
     sender = WeightSender(store, settings)
     await sender.start()
     stop = asyncio.Event()
-    return sender, stop, asyncio.create_task(sender.run(stop))
+    task = asyncio.create_task(sender.run(stop))
+    try:
+        yield sender
+    finally:
+        stop.set()
+        await task
+        await sender.close()
 
 
-async def _sync(store: RedisStore, fake: FakeVllm, base: Path, tmp: Path) -> tuple[VllmSync, asyncio.Event, asyncio.Task[None]]:
+@contextlib.asynccontextmanager
+async def _syncing(store: RedisStore, base: Path, tmp: Path,
+                   timeout_s: float = 20.0) -> AsyncIterator[tuple[FakeVllm, VllmSync]]:
+    """A fake vLLM server with the worker extension, and vllm-sync with weight_group following it."""
+    fake = FakeVllm(base)
+    fake.worker_extension = True
+    await fake.start()
     settings = VllmSyncSettings(vllm_url=fake.url, model_name="tiny", model_dir=base, sync_dir=tmp / "sync",
-                                sync_retry_s=0.2, weight_group=True, weight_group_timeout_s=20.0)
+                                sync_retry_s=0.2, weight_group=True, weight_group_timeout_s=timeout_s)
     sync = VllmSync(store, VllmAdmin(fake.url, 30.0), settings, check_s=0.2)
     stop = asyncio.Event()
-    return sync, stop, asyncio.create_task(sync.run(stop))
+    task = asyncio.create_task(sync.run(stop))
+    try:
+        yield fake, sync
+    finally:
+        stop.set()
+        await task
+        await sync.admin.close()
+        await fake.stop()
 
 
 async def _publish(store: RedisStore, sender: WeightSender | None, model: Path, version: str) -> dict:
     state = load_file(str(model / "model.safetensors"))
-    await publish_model_version(store, state, model="tiny")
     if sender is not None:
-        await sender.hold(version, state)  # as the trainer's publish does
+        await sender.hold(version, state)  # as the trainer's publish does, before the folder is written
+    await publish_model_version(store, state, model="tiny")
     return state
 
 
@@ -90,12 +111,7 @@ async def test_full_versions_arrive_over_the_group_without_a_folder(real_store: 
     worker's weights (the server paused around it), served, verified; the group is joined once and no
     folder is reloaded."""
     base, a, b = models
-    fake = FakeVllm(base)
-    fake.worker_extension = True
-    await fake.start()
-    sender, sender_stop, sending = await _sender(real_store, base)
-    sync, stop, syncing = await _sync(real_store, fake, base, tmp_path)
-    try:
+    async with _syncing(real_store, base, tmp_path) as (fake, _), _sending(real_store, base) as sender:
         assert (await advertised(real_store)).port == sender.rendezvous.port  # type: ignore[union-attr]
         await _until(lambda: _ready(real_store, fake.url, "base"))
         await _publish(real_store, sender, a, "v1")
@@ -109,14 +125,45 @@ async def test_full_versions_arrive_over_the_group_without_a_folder(real_store: 
                               "pause:wait", "fulmen_receive", "version:v2", "reset_prefix_cache", "resume"]
         assert sender.sent == 2
         assert not list((tmp_path / "sync").glob("v*"))  # no version folder written
-    finally:
-        stop.set()
-        sender_stop.set()
-        await syncing
-        await sending
-        await sync.admin.close()
-        await sender.close()
-        await fake.stop()
+
+
+async def test_a_held_version_is_received_while_its_folder_is_written_and_served_once_announced(
+        real_store: RedisStore, models, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The trainer holds v1 before its publish ends: vllm-sync receives it at once, but the server
+    serves it only once a resources entry names it. Held and never announced (the publish failed),
+    the replica stays out of routing with the reason, and the version announced next loads."""
+    caplog.set_level(logging.INFO, logger="fulmen_vllm_sync")
+    base, a, b = models
+    async with (_syncing(real_store, base, tmp_path, timeout_s=5.0) as (fake, _),
+                _sending(real_store, base) as sender):
+        await _until(lambda: _ready(real_store, fake.url, "base"))
+        state_a = load_file(str(a / "model.safetensors"))
+        await sender.hold("v1", state_a)  # the trainer's copy, its folder still being written
+        await _until(lambda: _called(fake, "fulmen_receive"))
+        await asyncio.sleep(0.5)
+        replica = (await real_store.registry.query_replicas())[fake.url]
+        assert not replica.ready and replica.model_version == "base" and "version:v1" not in fake.calls
+        await publish_model_version(real_store, state_a, model="tiny")  # announced: v1
+        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        assert await _ids(fake) == await _greedy(a)
+        assert sender.sent == 1 and "reload_weights" not in fake.calls
+        assert "received over the weight group while its folder was written" in caplog.text
+
+        await sender.hold("v2", load_file(str(b / "model.safetensors")))  # never announced
+        await _until(lambda: _said(caplog, "did not announce it within 5 s"), 30)
+        replica = (await real_store.registry.query_replicas())[fake.url]
+        assert not replica.ready and replica.model_version == "v1"
+        await _publish(real_store, sender, b, "v2")
+        await _until(lambda: _ready(real_store, fake.url, "v2"))
+        assert await _ids(fake) == await _greedy(b)
+
+
+async def _called(fake: FakeVllm, call: str) -> bool:
+    return call in fake.calls
+
+
+async def _said(caplog: pytest.LogCaptureFixture, text: str) -> bool:
+    return text in caplog.text
 
 
 async def test_without_a_trainer_s_group_or_the_extension_versions_load_from_folders(real_store: RedisStore, models,
@@ -124,11 +171,7 @@ async def test_without_a_trainer_s_group_or_the_extension_versions_load_from_fol
     """No trainer advertises a group: the version is reloaded from a folder, said once. A server
     without the worker extension: said with the flag to add, and folders from then on."""
     base, a, b = models
-    fake = FakeVllm(base)
-    fake.worker_extension = True
-    await fake.start()
-    sync, stop, syncing = await _sync(real_store, fake, base, tmp_path)
-    try:
+    async with _syncing(real_store, base, tmp_path) as (fake, sync):
         await _until(lambda: _ready(real_store, fake.url, "base"))
         await _publish(real_store, None, a, "v1")
         await _until(lambda: _ready(real_store, fake.url, "v1"))
@@ -136,22 +179,12 @@ async def test_without_a_trainer_s_group_or_the_extension_versions_load_from_fol
         assert "no trainer advertises a weight group" in caplog.text
 
         fake.worker_extension = False
-        sender, sender_stop, sending = await _sender(real_store, base)
-        try:
+        async with _sending(real_store, base) as sender:
             await _publish(real_store, sender, b, "v2")
             await _until(lambda: _ready(real_store, fake.url, "v2"))
             assert await _ids(fake) == await _greedy(b)
             assert "--worker-extension-cls fulmen.versions.transport.group.WorkerExtension" in caplog.text
             assert sync.group is None and fake.calls.count("reload_weights") == 2
-        finally:
-            sender_stop.set()
-            await sending
-            await sender.close()
-    finally:
-        stop.set()
-        await syncing
-        await sync.admin.close()
-        await fake.stop()
 
 
 async def test_a_poison_or_stale_ask_does_not_stop_the_sender(real_store: RedisStore, models) -> None:  # type: ignore[no-untyped-def]
@@ -169,22 +202,19 @@ async def test_a_poison_or_stale_ask_does_not_stop_the_sender(real_store: RedisS
     base, _, _ = models
     await real_store.redis.xadd(real_store.keys.weight_group_asks, {"m": WeightGroupAsk(
         WeightGroupAction.JOIN, "old", 2, "", "vllm-sync x", time.time()).to_wire()}, id="1-0")  # Redis: 1970
-    sender, stop, sending = await _sender(real_store, base)
-    try:
+    async with _sending(real_store, base) as sender:
         await real_store.redis.xadd(real_store.keys.weight_group_asks, {"m": b"\x93not a record"})
         await ask(real_store, WeightGroupAsk(WeightGroupAction.SEND, "nobody", 2, "v1", "vllm-sync y", time.time()))
         await sender.answer(WeightGroupAsk(WeightGroupAction.JOIN, "old", 2, "", "vllm-sync x"), age_s=3600)
 
-        async def handled() -> bool:
+        async def handled(letters: int) -> bool:
             pending = await real_store.redis.xpending(real_store.keys.weight_group_asks, "weight-senders")
-            return await real_store.redis.xlen(real_store.keys.dead_letters) == 1 and pending["pending"] == 0
+            return await real_store.redis.xlen(real_store.keys.dead_letters) == letters and pending["pending"] == 0
 
-        await _until(handled, 20)
-        assert sender.groups == {} and not sending.done()
-    finally:
-        stop.set()
-        await sending
-        await sender.close()
+        await _until(lambda: handled(1), 20)
+        assert sender.groups == {}
+        await real_store.redis.xadd(real_store.keys.weight_group_asks, {"m": b"\x93again"})
+        await _until(lambda: handled(2), 20)  # it answers on
 
 
 async def test_a_receiver_that_goes_away_drops_its_group_not_the_sender(real_store: RedisStore, models) -> None:  # type: ignore[no-untyped-def]
@@ -252,27 +282,12 @@ async def test_a_restarted_trainer_is_joined_again_before_the_next_load(real_sto
     change before it pauses the server, joins the new trainer's group, and the next version arrives
     over it."""
     base, a, b = models
-    fake = FakeVllm(base)
-    fake.worker_extension = True
-    await fake.start()
-    sender, sender_stop, sending = await _sender(real_store, base)
-    sync, stop, syncing = await _sync(real_store, fake, base, tmp_path)
-    try:
-        await _publish(real_store, sender, a, "v1")
-        await _until(lambda: _ready(real_store, fake.url, "v1"))
-        sender_stop.set()
-        await sending
-        await sender.close()
-        sender, sender_stop, sending = await _sender(real_store, base)  # the trainer again
-        await _publish(real_store, sender, b, "v2")
-        await _until(lambda: _ready(real_store, fake.url, "v2"))
-        assert await _ids(fake) == await _greedy(b)
+    async with _syncing(real_store, base, tmp_path) as (fake, _):
+        async with _sending(real_store, base) as sender:
+            await _publish(real_store, sender, a, "v1")
+            await _until(lambda: _ready(real_store, fake.url, "v1"))
+        async with _sending(real_store, base) as sender:  # the trainer again
+            await _publish(real_store, sender, b, "v2")
+            await _until(lambda: _ready(real_store, fake.url, "v2"))
+            assert await _ids(fake) == await _greedy(b)
         assert fake.calls.count("fulmen_join") == 2 and "reload_weights" not in fake.calls
-    finally:
-        stop.set()
-        sender_stop.set()
-        await syncing
-        await sending
-        await sync.admin.close()
-        await sender.close()
-        await fake.stop()

@@ -1,9 +1,9 @@
 """Meeting over the store for a weight group (`fulmen.versions.transport.group`): where the trainer's
-rendezvous listens (`advertise`, `advertised`), and vllm-sync's asks to it (`ask`, `AskStream`).
+rendezvous listens (`advertise`, `advertised`), the full version it holds to send (`announce_held`,
+`held`: before its folder is written), and vllm-sync's asks to it (`ask`, `ask_stream`).
 
-An ask is aged by Redis's clock (its entry id), not the asker's: one older than half the time its
-asker waits is skipped (the asker is giving up, and loads from a folder). The advertisement expires
-unless the trainer refreshes it, so a trainer gone without a word stops being joined. The design:
+An ask is aged by Redis's clock (its entry id): one older than half its asker's wait is skipped. The
+advertisement expires unless the trainer refreshes it (a trainer gone is not joined). The design:
 docs/design/vllm-sync.md.
 """
 
@@ -45,6 +45,20 @@ async def advertise(store: RedisStore, rendezvous: Rendezvous, ttl_s: float = AD
 
 async def withdraw(store: RedisStore) -> None:
     await store.redis.delete(store.keys.weight_group)
+
+
+async def announce_held(store: RedisStore, version: str) -> None:
+    """Say that the advertised trainer holds ``version`` to send (a field of its advertisement: gone
+    with it)."""
+    await store.redis.hset(store.keys.weight_group, "held", version)
+
+
+async def held(store: RedisStore) -> str | None:
+    """The version the advertised trainer holds to send, or None (no trainer, or none held yet)."""
+    host, version = await store.redis.hmget(store.keys.weight_group, ["host", "held"])
+    if host is None or version is None:
+        return None
+    return version.decode() if isinstance(version, bytes) else str(version)
 
 
 async def advertised(store: RedisStore) -> Rendezvous | None:
