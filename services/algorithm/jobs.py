@@ -115,6 +115,27 @@ def enqueue_validation(settings: AlgorithmSettings, version: int) -> None:
     log.info("validation of version %d queued", version)
 
 
+# rq's statuses of a job that has not ended yet
+PENDING = frozenset({"queued", "started", "deferred", "scheduled"})
+
+
+def pending_validations(settings: AlgorithmSettings, versions: list[int]) -> tuple[list[int], bool]:
+    """Which of ``versions``' passes have not ended on the evaluator, and whether any evaluator is
+    listening on the queue (with none, a queued pass would wait for nobody)."""
+    from rq import Worker
+
+    queue = validation_queue(settings)
+    try:
+        pending = []
+        for version in versions:
+            job = queue.fetch_job(validation_job_id(settings.experiment, version))
+            if job is not None and getattr(job.get_status(refresh=False), "value", None) in PENDING:
+                pending.append(version)
+        return pending, Worker.count(queue=queue) > 0
+    finally:
+        queue.connection.close()
+
+
 def evaluator_worker(queue: Queue) -> SimpleWorker:
     """The rq worker of the eval queue: in this process (the jobs are asyncio passes), JSON only,
     and running Fulmen's jobs only; ``running`` names the job under way. The evaluator that works

@@ -19,7 +19,7 @@ from typing import Any
 from fulmen.settings import AlgorithmSettings
 from fulmen.store import RedisStore
 from fulmen_algorithm.dataset import Task
-from fulmen_algorithm.jobs import enqueue_validation
+from fulmen_algorithm.jobs import enqueue_validation, pending_validations
 from fulmen_algorithm.pass_at_k import score_fields
 from fulmen_algorithm.run_state import RunProgress
 from fulmen_algorithm.scheduler import Scheduler, SchedulerOptions, recoverable_rollout_config
@@ -31,6 +31,8 @@ log = logging.getLogger("fulmen.algorithm")
 TICK_WAIT_S = 0.5
 # Seconds between two progress lines in the log.
 PROGRESS_EVERY_S = 2.0
+# How often the end of a run looks whether the evaluator's passes it queued have ended.
+PASS_POLL_S = 0.5
 # Where in the data folder the runs write their curve, summary and final model: a folder per experiment.
 RUN_DIR = "run"
 VALIDATION_FIELDS = ("label", "step", "accuracy", "mean_reward")
@@ -63,6 +65,7 @@ class Run:
         self._last_line = 0.0
         self._done_at_start = 0
         self._next_validation = 0
+        self._queued_passes: list[int] = []  # the versions whose pass this run queued for the evaluator
         self._best_saved: str | None = None  # the best validated version, written to BEST_DIR while stored
 
     def stop(self) -> None:
@@ -111,6 +114,7 @@ class Run:
         if not (self.val_tasks and self.settings.val_every) or step < self._next_validation:
             return
         await asyncio.to_thread(enqueue_validation, self.settings, step)
+        self._queued_passes.append(step)
         self._next_validation = step + self.settings.val_every
         await self.progress.set_next_validation(self._next_validation)
 
@@ -155,6 +159,8 @@ class Run:
         summary: dict[str, Any] = {"steps": await self.scheduler.trainer_step(), **self.scheduler.snapshot(),
                                    "wall_s": round(time.monotonic() - self.started, 1)}
         if self.val_tasks and not self.stopping.is_set():
+            await self._unless_stopped(self._queued_passes_end())
+        if self.val_tasks and not self.stopping.is_set():
             final = await self._unless_stopped(validate(
                 self.store, self.val_tasks, label="final", step=await self.scheduler.trainer_step(),
                 timeout_s=self.settings.val_timeout_s, config=self.scheduler.rollout_config,
@@ -174,6 +180,30 @@ class Run:
             return summary
         summary.update(await self.write_report(summary))
         return summary
+
+    async def _queued_passes_end(self) -> dict[str, Any]:
+        """Wait (up to a pass's timeout) for the evaluator's passes this run queued, so that the curve and
+        the summary have every scheduled pass and none is left half-run in the queue when the run ends."""
+        deadline, said = time.monotonic() + self.settings.val_timeout_s, False
+        while self._queued_passes:
+            pending, listening = await asyncio.to_thread(pending_validations, self.settings, self._queued_passes)
+            self._queued_passes = pending  # an ended pass is not asked about again
+            if not pending:
+                break
+            versions = ", ".join(f"v{v}" for v in pending)
+            if listening and not said:
+                log.info("waiting for the evaluator's validation pass of %s before the final pass", versions)
+                said = True
+            if not listening:
+                log.warning("the validation pass of %s is still queued and no `fulmen evaluator` is running: "
+                            "the run ends without it (start one and it runs the pass)", versions)
+                return {}
+            if time.monotonic() > deadline:
+                log.warning("the validation pass of %s has not ended within val_timeout_s (%g s): the run "
+                            "ends without it", versions, self.settings.val_timeout_s)
+                return {}
+            await asyncio.sleep(PASS_POLL_S)
+        return {}
 
     async def _unless_stopped(self, work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any] | None:
         """``work`` (the final pass: up to val_timeout_s), cancelled if the run is stopped first (SIGTERM

@@ -13,6 +13,7 @@ from fulmen_algorithm.jobs import (
     allowlisted_job_class,
     enqueue_validation,
     evaluator_worker,
+    pending_validations,
     validation_job_id,
     validation_queue,
 )
@@ -98,3 +99,25 @@ def test_validation_job_ids_are_valid_rq_ids_and_one_per_experiment() -> None:
     for job_id in ids:
         validate_job_id(job_id)
     assert len(set(ids)) == len(names)
+
+
+def test_a_queued_pass_is_pending_until_it_ends_and_an_evaluator_listening_is_seen(
+    redis_url: str, experiment: str, tmp_path: Path
+) -> None:
+    """Version 2's pass queued: pending (version 4's, never queued, is not), with nobody listening until an
+    evaluator's worker registers; ended, it is pending no more."""
+    settings = load_settings(AlgorithmSettings, redis_url=redis_url, experiment=experiment,
+                             val_data=tmp_path / "val.jsonl", val_timeout_s=30)
+    enqueue_validation(settings, 2)
+    assert pending_validations(settings, [2, 4]) == ([2], False)
+    queue = validation_queue(settings)
+    worker = evaluator_worker(queue)
+    worker.register_birth()
+    try:
+        assert pending_validations(settings, [2]) == ([2], True)
+        queue.fetch_job(validation_job_id(experiment, 2)).set_status(JobStatus.FINISHED)
+        assert pending_validations(settings, [2, 4]) == ([], True)
+    finally:
+        worker.register_death()
+        queue.connection.close()
+    assert pending_validations(settings, [2]) == ([], False)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +20,7 @@ from fulmen_algorithm.dataset import task_id
 from fulmen_algorithm.run import Run
 from fulmen_algorithm.run_state import RunProgress
 from fulmen_algorithm.scheduler import Scheduler
+from fulmen_algorithm.validation import validate
 
 TASKS = [{"id": f"t{i}", "question": f"{i}+1="} for i in range(4)]
 VAL = [{"id": "v0", "question": "1+1="}]
@@ -31,6 +34,7 @@ async def test_run_ends_validates_on_schedule_and_resumes(
     (kept in the store), the summary written; a restarted run queues no pass again."""
     queued: list[int] = []
     monkeypatch.setattr("fulmen_algorithm.run.enqueue_validation", lambda _settings, step: queued.append(step))
+    monkeypatch.setattr("fulmen_algorithm.run.pending_validations", lambda _settings, versions: ([], True))
 
     async def at_step_one(_self: Scheduler) -> int:
         return 1
@@ -49,6 +53,52 @@ async def test_run_ends_validates_on_schedule_and_resumes(
     assert json.loads((tmp_path / "run" / real_store.experiment / "summary.json").read_text())["steps"] == 1
     await Run(settings, TASKS, VAL).run(real_store)
     assert queued == [1]  # version 1's pass is not queued twice
+
+
+@pytest.mark.parametrize("evaluator", ["ends the pass", "not running", "never ends it"])
+async def test_the_final_pass_waits_for_the_evaluators_pass_the_run_queued(
+    real_store: RedisStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    evaluator: str,
+) -> None:
+    """The pass of version 1, queued for the evaluator, still under way when the run ends: the final pass
+    starts only once it has ended, so the curve has every scheduled pass. With no evaluator listening,
+    the run does not wait for it; with one that never ends it, it waits val_timeout_s; each says why."""
+    events: list[str] = []
+    monkeypatch.setattr("fulmen_algorithm.run.enqueue_validation", lambda _settings, step: events.append(f"queued v{step}"))
+
+    def pending(_settings: AlgorithmSettings, versions: list[int]) -> tuple[list[int], bool]:
+        events.append("asked")
+        ended = evaluator == "ends the pass" and events.count("asked") >= 3
+        return ([] if ended else versions), evaluator != "not running"
+
+    monkeypatch.setattr("fulmen_algorithm.run.pending_validations", pending)
+    monkeypatch.setattr("fulmen_algorithm.run.PASS_POLL_S", 0.01)  # well within the pass's timeout of 0.5 s
+    real_validate = validate
+
+    async def final_pass(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        events.append(f"pass {kwargs['label']}")
+        return await real_validate(*args, **kwargs)
+
+    monkeypatch.setattr("fulmen_algorithm.run.validate", final_pass)
+
+    async def at_step_one(_self: Scheduler) -> int:
+        return 1
+
+    monkeypatch.setattr(Scheduler, "trainer_step", at_step_one)
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "m", "model_version": "base"}}, resources_id="policy")
+    settings = AlgorithmSettings(experiment=real_store.experiment, data_dir=tmp_path, n_samples=2, groups_per_step=1,
+                                 total_steps=1, val_every=5, val_timeout_s=0.5)
+    with caplog.at_level(logging.INFO, logger="fulmen.algorithm"):
+        summary = await Run(settings, TASKS, VAL).run(real_store)
+    asked = events.count("asked")
+    assert events == ["queued v1", *["asked"] * asked, "pass final"]
+    if evaluator == "ends the pass":
+        assert asked == 3 and "waiting for the evaluator's validation pass of v1" in caplog.text
+    elif evaluator == "not running":
+        assert asked == 1 and "no `fulmen evaluator` is running" in caplog.text
+    else:
+        assert asked > 10 and "the validation pass of v1 has not ended within val_timeout_s (0.5 s)" in caplog.text
+    assert summary["final_val_accuracy"] == 0.0
 
 
 async def test_a_stopped_run_skips_the_final_validation(real_store: RedisStore, tmp_path: Path) -> None:
