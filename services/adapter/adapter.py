@@ -21,9 +21,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fulmen import keys as k
-from fulmen.codec import unpack
+from fulmen.codec import pack, unpack
 from fulmen.errors import RecordError, RedisUnavailable
-from fulmen.records import Rollout, RolloutFinished, RolloutForSamples, RolloutStatus, SampleSkip, pack_sample
+from fulmen.records import Rollout, RolloutFinished, RolloutForSamples, RolloutStatus, SampleSkip
 from fulmen.records.status import TERMINAL_ROLLOUT
 from fulmen.serving.rewards import version_reward_stats
 from fulmen.store import RedisStore
@@ -31,7 +31,7 @@ from fulmen.tasks import task_id
 from fulmen.telemetry import semconv
 from fulmen_adapter.groups import GroupStep
 from fulmen_adapter.judge import GroupJudge, JudgeConfig
-from fulmen_adapter.triplets import Adapted, AdapterConfig, AttemptInfo, Skip, sample_fields
+from fulmen_adapter.triplets import Adapted, AdapterConfig, AttemptInfo, Skip, wire_samples
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ MIN_RECLAIM_INTERVAL_S = 1.0
 # Errors of the connection, not of an entry: never a reason to dead-letter one (the loop's caller
 # rides out the outage).
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, RedisUnavailable)
+_new_tuple = tuple.__new__
 GC_THRESHOLD_0 = 50_000  # allocations between young-generation collections (`tune_gc_for_batches`)
 
 
@@ -222,27 +223,31 @@ def adapt_rollout(rollout: RolloutForSamples, config: AdapterConfig, max_bytes: 
 
 def _samples(rollout: RolloutForSamples, config: AdapterConfig, max_bytes: int) -> Adapted:
     spans = rollout.spans
-    info = AttemptInfo(
+    info = _new_tuple(AttemptInfo, (  # without the named tuple's Python-level __new__ (one per rollout)
         rollout.rollout_id,
         rollout.attempt_id or "",
         group_key(rollout),
         rollout.mode,
         _int_or_none(rollout.metadata.get("group_size")),
         rollout.reward,
-    )
+    ))
     counted: dict[str, int] = {}  # the calls left out for their purpose (a judge's)
     try:
         if rollout.status is not RolloutStatus.SUCCEEDED:
             raise Skip(rollout.status.value, f"rollout {rollout.status.value}")
         if isinstance(spans, RecordError):
             raise Skip("malformed_span", f"malformed span record: {spans}")
-        fields = list(sample_fields(spans, info, config, counted))
-        records = [pack_sample(f, max_bytes) for f in fields]
+        samples = wire_samples(spans, info, config, counted)
+        records = [pack(sample, max_bytes) for sample in samples]  # `pack_sample`'s bytes
         stats = {"rollouts": 1, "samples": len(records), **counted}
-        last = next((f for f in reversed(fields) if f.get("model_version")), None)
-        reward = last.get("final_reward") if last is not None else None
-        if last is not None and isinstance(reward, int | float) and math.isfinite(reward):
-            stats.update(version_reward_stats(info.mode or "train", str(last["model_version"]), float(reward)))
+        version = None  # of the last sample that names one
+        for sample in reversed(samples):
+            if sample["model_version"]:
+                version = sample["model_version"]
+                break
+        reward = samples[-1]["final_reward"]  # every sample has the attempt's
+        if version is not None and isinstance(reward, (int, float)) and math.isfinite(reward):
+            stats.update(version_reward_stats(info.mode or "train", str(version), float(reward)))
         return Adapted(rollout.rollout_id, records, stats)
     except Skip as e:
         code, reason = e.code, str(e)

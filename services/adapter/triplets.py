@@ -14,6 +14,7 @@ from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 from fulmen import tokens
+from fulmen.codec import SCHEMA_VERSION
 from fulmen.errors import RecordError
 from fulmen.records import Sample, Span, SpanView
 from fulmen.telemetry import semconv
@@ -76,6 +77,11 @@ def _time(value: float | None) -> float:
     return value if value is not None else math.inf
 
 
+def _call_order(span: SpanLike) -> tuple[float, int]:
+    start = span.start_time
+    return (start if start is not None else math.inf), span.sequence_id
+
+
 _BY_SEQUENCE = attrgetter("sequence_id")
 _FIRST_TWO = itemgetter(0, 1)
 
@@ -85,8 +91,9 @@ def dedupe(spans: Iterable[SpanLike], attempt_id: str | None = None) -> list[Spa
     seen: set[str] = set()
     unique = []
     for s in sorted(spans, key=_BY_SEQUENCE):
-        if s.span_id not in seen and (attempt_id is None or s.attempt_id == attempt_id):
-            seen.add(s.span_id)
+        span_id = s.span_id
+        if span_id not in seen and (attempt_id is None or s.attempt_id == attempt_id):
+            seen.add(span_id)
             unique.append(s)
     return unique
 
@@ -94,14 +101,15 @@ def dedupe(spans: Iterable[SpanLike], attempt_id: str | None = None) -> list[Spa
 def repaired_parents(spans: Sequence[SpanLike]) -> dict[str, str | None]:
     """Each span's parent within the attempt. A parent that was never stored (lost, or outside the
     runner) is replaced by the attempt's root span, so nothing hangs loose."""
-    ids = {s.span_id for s in spans}
+    parents = {s.span_id: s.parent_id for s in spans}  # a span id stored twice: its last span's parent
+    missing = set(parents.values()).difference(parents)
+    missing.discard(None)
+    if not missing:  # every parent is stored (the usual trace): nothing to repair
+        return parents
     root = next((s.span_id for s in spans if s.name == semconv.ROLLOUT_SPAN), None)
-    parents: dict[str, str | None] = {}
-    for s in spans:
-        parent = s.parent_id
-        if parent is not None and parent not in ids:
-            parent = root if root != s.span_id else None
-        parents[s.span_id] = parent
+    for span_id, parent in parents.items():
+        if parent in missing:
+            parents[span_id] = root if root != span_id else None
     return parents
 
 
@@ -144,7 +152,7 @@ def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], co
     calls: list[LlmCall] = []
     responses: set[str] = set()
     if len(call_spans) > 1:
-        call_spans.sort(key=lambda s: (_time(s.start_time), s.sequence_id))
+        call_spans.sort(key=_call_order)
         call_spans = _last_per_call_key(call_spans)
     # A call has a call among its ancestors only if some call is some span's parent: the usual trace
     # (every call under the agent's or the root span) needs no walk up the tree at all.
@@ -167,14 +175,26 @@ def find_llm_calls(spans: Sequence[SpanLike], parents: dict[str, str | None], co
         if semconv.PROMPT_TOKEN_IDS not in attributes or semconv.RESPONSE_TOKEN_IDS not in attributes:
             calls.append(_retokenized_call(s, request, answer, config))
             continue
-        prompt = _packed(attributes[semconv.PROMPT_TOKEN_IDS], "prompt token ids", tokens.pack_ids)
-        response = _packed(attributes[semconv.RESPONSE_TOKEN_IDS], "response token ids", tokens.pack_ids)
-        logprobs = _packed(attributes.get(semconv.RESPONSE_LOGPROBS) or b"", "logprobs", tokens.pack_floats)
-        if len(logprobs) != len(response):  # 4 bytes each
-            raise Skip("malformed_span",
-                       f"malformed span: {len(logprobs) // 4} logprobs for {len(response) // 4} response tokens")
-        calls.append(LlmCall(s, prompt, response, logprobs, None, request, answer))
+        calls.append(LlmCall(s, *_token_arrays(attributes), None, request, answer))
     return calls
+
+
+def _token_arrays(attributes: dict[str, Any]) -> tuple[bytes, bytes, bytes]:
+    """A call's prompt ids, response ids and log-probabilities, packed; `Skip` if they do not fit."""
+    prompt = attributes[semconv.PROMPT_TOKEN_IDS]
+    response = attributes[semconv.RESPONSE_TOKEN_IDS]
+    logprobs = attributes.get(semconv.RESPONSE_LOGPROBS) or b""
+    # packed, as the proxy writes them: nothing to do (`_packed` checks and converts the rest)
+    if type(prompt) is not bytes or len(prompt) % 4:
+        prompt = _packed(prompt, "prompt token ids", tokens.pack_ids)
+    if type(response) is not bytes or len(response) % 4:
+        response = _packed(response, "response token ids", tokens.pack_ids)
+    if type(logprobs) is not bytes or len(logprobs) % 4:
+        logprobs = _packed(logprobs, "logprobs", tokens.pack_floats)
+    if len(logprobs) != len(response):  # 4 bytes each
+        raise Skip("malformed_span",
+                   f"malformed span: {len(logprobs) // 4} logprobs for {len(response) // 4} response tokens")
+    return prompt, response, logprobs
 
 
 def _policy_call_spans(spans: Sequence[SpanLike], config: AdapterConfig, stats: dict[str, int] | None
@@ -183,8 +203,10 @@ def _policy_call_spans(spans: Sequence[SpanLike], config: AdapterConfig, stats: 
         name_match = re.compile(config.llm_call_match)
         call_spans = [s for s in spans if name_match.search(s.name)]
     else:
-        call_spans = [s for s in spans if s.attributes.get(semconv.SPAN_KIND) == semconv.KIND_LLM_CALL]
-    policy = [s for s in call_spans if s.attributes.get(semconv.CALL_PURPOSE) in _POLICY]
+        kind, llm_call = semconv.SPAN_KIND, semconv.KIND_LLM_CALL
+        call_spans = [s for s in spans if s.attributes.get(kind) == llm_call]
+    purpose = semconv.CALL_PURPOSE
+    policy = [s for s in call_spans if s.attributes.get(purpose) in _POLICY]
     if len(policy) < len(call_spans) and stats is not None:
         _count_other_purposes(call_spans, stats)
     return policy
@@ -269,13 +291,15 @@ def match_rewards(spans: Sequence[SpanLike], calls: list[LlmCall]) -> float | No
 def _trajectories(calls: list[LlmCall]) -> list[list[int]]:
     """Indices of calls joined by token-prefix match: each next prompt extends the sequence so far."""
     chains: list[list[int]] = []
-    sequence: list[int] = []
+    previous: LlmCall | None = None
     for i, call in enumerate(calls):
-        if chains and call.prompt.startswith(sequence):
+        # the prompt extends the previous call's prompt and response (compared in place, not joined)
+        if previous is not None and call.prompt.startswith(previous.prompt) and call.prompt.startswith(
+                previous.response, len(previous.prompt)):
             chains[-1].append(i)
         else:
             chains.append([i])
-        sequence = call.prompt + call.response
+        previous = call
     return [c for c in chains if len(c) > 1]
 
 
@@ -305,6 +329,17 @@ def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterC
     """The samples of one attempt's spans as `Sample` fields (token arrays as packed bytes), ready for
     `fulmen.records.pack_sample`; or `Skip` with the reason. ``stats``: counts the calls left out for
     their purpose (`find_llm_calls`), also when the attempt is skipped."""
+    samples = wire_samples(spans, info, config, stats)
+    for fields in samples:
+        del fields["v"], fields["kind"]
+    return samples
+
+
+def wire_samples(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterConfig | None = None,
+                 stats: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """`sample_fields` as whole wire records: each map the schema version ``v`` and the ``kind``, then
+    the fields, so `fulmen.codec.pack` makes of it the bytes `fulmen.records.pack_sample` makes of the
+    fields (the adapter's path: no second map per sample)."""
     config = config or AdapterConfig()
     unique = dedupe(spans, info.attempt_id)
     parents = repaired_parents(unique)
@@ -317,10 +352,12 @@ def sample_fields(spans: Iterable[SpanLike], info: AttemptInfo, config: AdapterC
         raise Skip("no_reward", "no reward")
     rollout_id, attempt_id, group_key = info.rollout_id, info.attempt_id, info.group_key
     mode, group_size = info.mode, info.group_size
+    version, kind = SCHEMA_VERSION, Sample.KIND
 
     def sample(sample_id: str, shape: str, first: int, call: LlmCall, mask: bytes, turns: int) -> dict[str, Any]:
         # a dict literal in `Sample`'s field order: the wire bytes are those `Sample.to_wire` writes
         return {
+            "v": version, "kind": kind,
             "sample_id": sample_id, "shape": shape, "rollout_id": rollout_id, "attempt_id": attempt_id,
             "group_key": group_key, "turn_index": first,
             "prompt_token_ids": call.prompt, "response_token_ids": call.response,
@@ -349,7 +386,7 @@ def spans_to_samples(spans: Iterable[SpanLike], info: AttemptInfo, config: Adapt
     return [Sample(**fields) for fields in sample_fields(spans, info, config)]
 
 
-@dataclass
+@dataclass(slots=True)
 class Adapted:
     """One rollout adapted: its records (samples, or one skip) and the counters they add."""
 

@@ -94,7 +94,7 @@ def _reward_of(result: Any) -> float | Mapping[str, float] | None:
 async def _run_agent(ctx: AttemptContext, claimed: AttemptedRollout) -> Any:
     """The agent under its timeout; cancelled by the heartbeat loop if the store abandons it."""
     timeout_s = claimed.rollout.config.timeout_seconds
-    inputs = await ctx.resolver.resolve(claimed)
+    inputs = await ctx.resolver.resolve(claimed, wants_llm=ctx.agent.wants("llm"))
     try:
         async with asyncio.timeout(timeout_s):
             return await ctx.agent.call(inputs, ctx.threads.run if ctx.threads is not None else None)

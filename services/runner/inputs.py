@@ -148,14 +148,17 @@ class InputResolver:
             "or pass --llm-base-url URL of a running proxy"
         )
 
-    async def resolve(self, claimed: AttemptedRollout) -> AgentInputs:
+    async def resolve(self, claimed: AttemptedRollout, *, wants_llm: bool = True) -> AgentInputs:
+        """The attempt's inputs; without ``wants_llm`` (an agent that takes no ``llm``) no LLM is
+        looked for."""
         rollout = claimed.rollout
         snapshot = await self.snapshot(rollout.resources_id)
         resources = dict(snapshot.resources) if snapshot else {}
         llm_spec = resources.get("llm")
-        if isinstance(llm_spec, dict):
-            llm: LLM | MissingLLM = await self.llm(llm_spec, rollout.rollout_id, claimed.attempt.attempt_id)
-        else:
+        llm: LLM | MissingLLM | None = None
+        if wants_llm and isinstance(llm_spec, dict):
+            llm = await self.llm(llm_spec, rollout.rollout_id, claimed.attempt.attempt_id)
+        elif wants_llm:
             llm = await self._default_llm(rollout.rollout_id, claimed.attempt.attempt_id)
         template = resources.get("prompt_template")
         return AgentInputs(

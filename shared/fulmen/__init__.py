@@ -34,5 +34,7 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         module = importlib.import_module(_SDK[name])
-        return getattr(module, "Agent" if name == "LitAgent" else name)
+        value = getattr(module, "Agent" if name == "LitAgent" else name)
+        globals()[name] = value  # kept: the next `fulmen.emit_reward` is a plain attribute, not an import
+        return value
     raise AttributeError(f"module 'fulmen' has no attribute {name!r}")

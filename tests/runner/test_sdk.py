@@ -218,3 +218,16 @@ gc.collect()
     assert done.returncode == 0, done.stderr
     assert "request failed as expected" in done.stdout
     assert "Unclosed" not in done.stderr, done.stderr
+
+
+def test_the_sdk_names_on_fulmen_are_its_functions_and_kept_once_looked_up() -> None:
+    """`fulmen.emit_reward` and friends are the SDK's own objects (`LitAgent` is `Agent`), imported on
+    first use and then kept on the module: an agent that emits per call pays no import each time."""
+    import fulmen.sdk.agent
+    import fulmen.sdk.emit
+
+    assert fulmen.emit_reward is fulmen.sdk.emit.emit_reward and fulmen.LitAgent is fulmen.sdk.agent.Agent
+    assert fulmen.emit_message is fulmen.sdk.emit.emit_message
+    assert vars(fulmen)["emit_message"] is fulmen.sdk.emit.emit_message
+    with pytest.raises(AttributeError, match="no attribute 'emit_rewards'"):
+        fulmen.emit_rewards  # noqa: B018

@@ -6,10 +6,10 @@ What and why: docs/design/proxy.md.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
+from fulmen_llm_proxy.api import json_body
 from fulmen_llm_proxy.backends.base import Call, Operation
 from fulmen_llm_proxy.errors import ProxyError, bad_request
 
@@ -89,7 +89,7 @@ def parse_call(raw: bytes, operation: Operation, default_model: str | None) -> C
 def load_body(raw: bytes) -> dict[str, Any]:
     """The request JSON object, checked by `check_shape`; a 400 when it is not one."""
     try:
-        body = json.loads(raw)
+        body = json_body.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProxyError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:

@@ -144,17 +144,21 @@ class SpanView(NamedTuple):
         unpackb, new_tuple = msgpack.unpackb, _new_tuple
         try:
             for entry_id, fields in entries:
-                for sequence_id, record in entry_records(entry_id, fields):
+                sequence_id, records = _entry_batch(entry_id, fields)
+                for record in records:
+                    sequence_id += 1
                     try:
                         d = unpackb(record, use_list=False, strict_map_key=False) if len(record) <= max_bytes else None
                     except (ValueError, TypeError, msgpack.UnpackException):
                         d = None  # `from_wire` below says what is wrong
                     if type(d) is tuple and _REQUIRED <= len(d) <= _MOST and d[0] == SCHEMA_VERSION and d[1] == "span":
-                        _, _, _, _, span_id, parent_id, name, start_time, end_time, attributes = d[:_REQUIRED]
+                        _, _, rollout_id, attempt_id, span_id, parent_id, name, start_time, end_time, attributes = (
+                            d[:_REQUIRED])
                         if (type(span_id) is str and type(name) is str and type(attributes) is dict
                                 and (parent_id is None or type(parent_id) is str)
                                 and type(start_time) in _TIMES and type(end_time) in _TIMES):
-                            views.append(new_tuple(cls, (*d[2:_REQUIRED], sequence_id)))
+                            views.append(new_tuple(cls, (rollout_id, attempt_id, span_id, parent_id, name, start_time,
+                                                         end_time, attributes, sequence_id)))
                             continue
                     views.append(cls.from_wire(record, sequence_id, max_bytes))
         except RecordError:
@@ -175,6 +179,7 @@ BATCH_FIELD = "z"
 MAX_BATCH_BYTES = 256 * 1024 * 1024
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes; a zlib stream starts with 0x78
 _codecs = threading.local()  # zstd contexts are not thread-safe: one pair per thread
+_ONLY_BYTES = frozenset({bytes})
 
 
 def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
@@ -197,7 +202,7 @@ def unpack_span_batch(blob: bytes, max_bytes: int = MAX_BATCH_BYTES) -> list[byt
         records = msgpack.unpackb(raw, use_list=True)
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise RecordError(f"span batch is not a msgpack array: {e}") from None
-    if type(records) is not list or not all(type(r) is bytes for r in records):
+    if type(records) is not list or not _ONLY_BYTES.issuperset(map(type, records)):
         raise RecordError("span batch is not an array of span records")
     return records
 
@@ -231,27 +236,31 @@ def entry_records(entry_id: bytes | str, fields: Any) -> list[tuple[int, bytes]]
     ``m``, ``m1``, ``m2``, … in order (one XADD per call), or ``m`` alone for one span under its own
     sequence id (one entry per span). ``fields`` is a flat ``[name, value, ...]`` list (XREAD's raw
     reply) or a mapping (redis-py's parsed one); fields named otherwise are not span records."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    last = int(text[:text.index("-")])
+    before, records = _entry_batch(entry_id, fields)
+    return [(before + 1 + i, record) for i, record in enumerate(records)]
+
+
+def _entry_batch(entry_id: bytes | str, fields: Any) -> tuple[int, list[bytes]]:
+    """`entry_records` as (the sequence id before the entry's first span, its records)."""
+    last = int(entry_id[:entry_id.index(b"-" if isinstance(entry_id, bytes) else "-")])
     if isinstance(fields, dict):
         batch = fields.get(b"z")
         if batch is not None:
             records = unpack_span_batch(batch)
-            return [(last - len(records) + 1 + i, record) for i, record in enumerate(records)]
+            return last - len(records), records
         if len(fields) == 1 and b"m" in fields:
-            return [(last, fields[b"m"])]
+            return last - 1, [fields[b"m"]]
         items: Iterable[tuple[Any, Any]] = fields.items()
     else:
         if len(fields) == 2:
             if fields[0] == b"z":  # as the store writes a call's spans
                 records = unpack_span_batch(fields[1])
-                return [(last - len(records) + 1 + i, record) for i, record in enumerate(records)]
+                return last - len(records), records
             if fields[0] == b"m":  # as the store wrote one span
-                return [(last, fields[1])]
+                return last - 1, [fields[1]]
         items = zip(fields[::2], fields[1::2], strict=True)
     records = [value for name, value in items if _is_record_field(name)]
-    first = last - len(records) + 1
-    return [(first + i, record) for i, record in enumerate(records)]
+    return last - len(records), records
 
 
 def _is_record_field(name: bytes | str) -> bool:

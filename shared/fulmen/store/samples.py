@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import msgpack
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from fulmen import keys as k
-from fulmen.codec import unpack
+from fulmen.codec import packb_kept, unpack
 from fulmen.errors import RecordError
 from fulmen.records import RolloutForSamples, RolloutStatus, Sample, SampleSkip, SpanView
 from fulmen.store.context import StoreContext
@@ -19,6 +18,8 @@ from fulmen.store.lua import data as data_scripts
 from fulmen.store.redis.stream import Fields, Stream
 
 SampleEntry = tuple[str, Sample | SampleSkip]
+_STATUSES = {status.value.encode(): status for status in RolloutStatus}
+_new_tuple = tuple.__new__  # a `RolloutForSamples` without its Python-level __new__ (one per rollout read)
 DEFAULT_READ_COUNT = 256  # sample entries per read unless the trainer asks for another number
 
 
@@ -52,7 +53,7 @@ class Samples:
         A rollout with an unreadable span gets the error instead of its spans."""
         if not rollout_ids:
             return []
-        span_keys = [self.keys.spans(rid) for rid in rollout_ids]
+        span_keys = [self.keys.spans(rid).encode() for rid in rollout_ids]  # as the reply names them
         if len(self.keys.shards) == 1:
             rows, streams = await self._read_rollouts_and_spans(self.keys.prefix, rollout_ids, span_keys)
             entries_by_key: dict[bytes, Any] = dict(streams or ())
@@ -72,11 +73,11 @@ class Samples:
                 entries_by_key.update(dict(part_streams or ()))
         max_bytes = self.max_record_bytes
         return [
-            rollout_for_samples(rid, row, entries_by_key.get(key.encode(), ()), max_bytes) if row else None
+            rollout_for_samples(rid, row, entries_by_key.get(key, ()), max_bytes) if row else None
             for rid, key, row in zip(rollout_ids, span_keys, rows, strict=True)
         ]
 
-    async def _read_rollouts_and_spans(self, prefix: str, rollout_ids: Sequence[str], span_keys: list[str]) -> list[Any]:
+    async def _read_rollouts_and_spans(self, prefix: str, rollout_ids: Sequence[str], span_keys: list[bytes]) -> list[Any]:
         """[READ_FOR_SAMPLES's rows, XREAD's reply over the span streams], atomically (one MULTI) on
         one node. On a cluster the two go in one plain pipeline to the experiment's node (redis-py
         8.1's async cluster transactions fail with "attached to a different loop"): a span stored
@@ -85,7 +86,8 @@ class Samples:
         await self.ctx.load_scripts()
         for attempt in (1, 2):
             pipe = self.redis.pipeline(transaction=not isinstance(self.redis, RedisCluster))
-            pipe.execute_command("EVALSHA", self._read_for_samples.sha, 1, prefix, *rollout_ids)
+            # (arguments as bytes: redis-py passes them through, and encodes the rest one call each)
+            pipe.execute_command("EVALSHA", self._read_for_samples.sha, 1, prefix, *[rid.encode() for rid in rollout_ids])
             # The command name as bytes: redis-py looks its response callbacks up by the str name, so
             # this reply stays hiredis's nested lists; its XREAD callback would build a dict per span
             # entry in Python. No COUNT: every span of every stream.
@@ -119,12 +121,12 @@ class Samples:
             return []
         # use_bin_type=False: the records go as msgpack raw strings, the type Redis's cmsgpack reads
         # (it refuses the bin types); Lua strings are bytes either way
-        payload = msgpack.packb(
+        payload = packb_kept(
             [[item[0], dict(item[2]), list(item[1]), *item[3:]] for item in batch], use_bin_type=False
         )
         if len(self.keys.shards) > 1:
             return await self._append_sharded(batch, payload, ack_group, ack_entry_ids)
-        ack = [ack_group, *ack_entry_ids] if ack_group and ack_entry_ids else [""]
+        ack = [ack_group, *[e.encode() for e in ack_entry_ids]] if ack_group and ack_entry_ids else [""]
         replies = await self._append_samples(keys=[self.keys.prefix], args=[payload, *ack])
         return [int(n) for n in replies or []]
 
@@ -143,7 +145,7 @@ class Samples:
         exists = await pipe.execute() if batch else []
         present = [bool(e) for e in exists]
         if any(present):
-            kept = msgpack.packb(
+            kept = packb_kept(
                 [[item[0], dict(item[2]), list(item[1])] for item, ok in zip(batch, present, strict=True) if ok],
                 use_bin_type=False,
             )
@@ -205,10 +207,12 @@ def rollout_for_samples(rollout_id: str, row: Sequence[bytes], span_entries: Any
         meta = unpack(metadata, max_bytes) if metadata else {}
     except RecordError:
         meta = {}
-    return RolloutForSamples(
-        rollout_id, RolloutStatus(status.decode()), attempt_id.decode() or None, mode.decode() or None,
-        meta if isinstance(meta, dict) else {}, input_blob, spans, float(reward) if reward else None,
-    )
+    known = _STATUSES.get(status)  # a dict lookup; the enum's own lookup says what is wrong with another
+    return _new_tuple(RolloutForSamples, (
+        rollout_id, known if known is not None else RolloutStatus(status.decode()), attempt_id.decode() or None,
+        mode.decode() or None, meta if isinstance(meta, dict) else {}, input_blob, spans,
+        float(reward) if reward else None,
+    ))
 
 
 def decode_sample(data: bytes | None, max_bytes: int) -> Sample | SampleSkip:

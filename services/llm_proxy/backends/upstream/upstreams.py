@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from fulmen_llm_proxy.api import json_body
 from fulmen_llm_proxy.backends.upstream.cache import ResponseCache
 from fulmen_llm_proxy.backends.upstream.http_client import HttpPool
 from fulmen_llm_proxy.backends.upstream.policy import (
@@ -178,7 +179,7 @@ class Upstreams:
         if reply.status != 200:
             raise upstream_error(reply.status, reply.data)
         try:
-            body: dict[str, Any] = json.loads(reply.data)
+            body: dict[str, Any] = json_body.loads(reply.data)
         except ValueError:
             raise ProxyError(502, "upstream sent a body that is not JSON", code="upstream_error") from None
         limiter = self.limits.get(reply.pool.base_url) if reply.pool is not None else None
@@ -235,7 +236,7 @@ class Upstreams:
                     if data == b"[DONE]":
                         return
                     try:
-                        event = json.loads(data)
+                        event = json_body.loads(data)
                     except ValueError:
                         raise ProxyError(
                             502, "upstream sent an event that is not JSON", code="upstream_error"

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fulmen.records import ReplicaState
+from fulmen.serving.ab import arm_of
 from fulmen_llm_proxy.backends import tool_calls
 from fulmen_llm_proxy.backends.base import Call, Fidelity, Result
 from fulmen_llm_proxy.backends.upstream.openai import OpenAIBackend, read_choice
@@ -36,8 +37,6 @@ class VllmBackend(OpenAIBackend):
     def _arm_b(call: Call, state: ReplicaState | None) -> bool:
         """Whether a call goes to the A/B test's B on this replica: it serves B (its state says so, with
         the split) and `fulmen.serving.ab.arm_of` gives the call's rollout to B."""
-        from fulmen.serving.ab import arm_of
-
         return state is not None and bool(state.b_version) and arm_of(call.rollout_id, state.b_split) == "b"
 
     def _served(self, call: Call, stamp: Stamp, version: str) -> str:
