@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 
 from fulmen.errors import NotFound, RecordTooLarge
 from fulmen.telemetry import semconv
+from fulmen_llm_proxy.api import json_body
 from fulmen_llm_proxy.api.dialects import OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect, Parsed
 from fulmen_llm_proxy.api.messages import MESSAGES
 from fulmen_llm_proxy.api.responses import RESPONSES
@@ -193,7 +194,10 @@ class ProxyApp:
             else:
                 body = await service.backend.complete(call, result)
                 body["model_version"] = result.model_version
-                payload = json.dumps(dialect.body(body, parsed)).encode()
+                answer = dialect.body(body, parsed)
+                # an upstream's answer as read (`json_body`); a local backend's may hold a NaN of its own
+                payload = (json_body.dumps(answer) if getattr(service.backend, "parsed_answers", False)
+                           else json.dumps(answer).encode())
                 await self._record(call, result, raw, headers, start_time)
                 await _send_body(send, 200, payload, version=result.model_version)
         finally:

@@ -6,10 +6,10 @@ and the cache: `fulmen_llm_proxy.backends.upstream.policy`; why only text-only b
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+from fulmen_llm_proxy.api import json_body
 from fulmen_llm_proxy.backends.base import BASE_MODEL_VERSION, Call, Fidelity, Result
 from fulmen_llm_proxy.backends.upstream.cache import request_key
 from fulmen_llm_proxy.backends.upstream.policy import UpstreamPolicy
@@ -23,6 +23,8 @@ _PATHS = {"chat": "/v1/chat/completions", "text_completion": "/v1/completions"}
 class OpenAIBackend:
     system = "openai"
     fidelity: Fidelity = "text_only"
+    # its answers are the upstream's JSON as `json_body.loads` read it: `json_body.dumps` writes them
+    parsed_answers = True
 
     def __init__(
         self, urls: list[str], *, model_name: str | None = None, api_key: str | None = None,
@@ -62,7 +64,7 @@ class OpenAIBackend:
 
     def encode(self, call: Call) -> Payload:
         """The bytes sent upstream, or a function of the replica's base URL giving them."""
-        return json.dumps(self.payload(call)).encode()
+        return json_body.dumps(self.payload(call))
 
     async def complete(self, call: Call, result: Result) -> dict[str, Any]:
         return await self._complete(call, result)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +15,7 @@ from typing import Any
 
 from fulmen.records import ReplicaState
 from fulmen.serving.ab import arm_of
+from fulmen_llm_proxy.api import json_body
 from fulmen_llm_proxy.backends import tool_calls
 from fulmen_llm_proxy.backends.base import Call, Fidelity, Result
 from fulmen_llm_proxy.backends.upstream.openai import OpenAIBackend, read_choice
@@ -85,17 +85,17 @@ class VllmBackend(OpenAIBackend):
 
     def encode(self, call: Call) -> Payload:
         view = self.replicas
-        plain = json.dumps(self.payload(call)).encode()
+        plain = json_body.dumps(self.payload(call))
         if view is None:
             return plain
 
         def for_replica(url: str) -> bytes:
             state = view.states.get(url)
             if self._arm_b(call, state):
-                return json.dumps({**self.payload(call), "model": state.b_version}).encode()  # type: ignore[union-attr]
+                return json_body.dumps({**self.payload(call), "model": state.b_version})  # type: ignore[union-attr]
             if state is None or not state.served_model:
                 return plain
-            return json.dumps({**self.payload(call), "model": state.served_model}).encode()
+            return json_body.dumps({**self.payload(call), "model": state.served_model})
 
         return for_replica
 
