@@ -42,10 +42,6 @@ async def _ids(fake: FakeVllm) -> list[int]:
     return (await fake.engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))).token_ids
 
 
-async def _until(predicate, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    await until(predicate, timeout_s)
-
-
 async def _ready(store: RedisStore, url: str, version: str) -> bool:
     state = (await store.registry.query_replicas()).get(url)
     return state is not None and state.ready and state.model_version == version
@@ -113,12 +109,12 @@ async def test_full_versions_arrive_over_the_group_without_a_folder(real_store: 
     base, a, b = models
     async with _syncing(real_store, base, tmp_path) as (fake, _), _sending(real_store, base) as sender:
         assert (await advertised(real_store)).port == sender.rendezvous.port  # type: ignore[union-attr]
-        await _until(lambda: _ready(real_store, fake.url, "base"))
+        await until(lambda: _ready(real_store, fake.url, "base"))
         await _publish(real_store, sender, a, "v1")
-        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        await until(lambda: _ready(real_store, fake.url, "v1"))
         assert await _ids(fake) == await _greedy(a)
         await _publish(real_store, sender, b, "v2")
-        await _until(lambda: _ready(real_store, fake.url, "v2"))
+        await until(lambda: _ready(real_store, fake.url, "v2"))
         assert await _ids(fake) == await _greedy(b)
         assert fake.calls == ["fulmen_workers", "fulmen_join",
                               "pause:wait", "fulmen_receive", "version:v1", "reset_prefix_cache", "resume",
@@ -136,25 +132,25 @@ async def test_a_held_version_is_received_while_its_folder_is_written_and_served
     base, a, b = models
     async with (_syncing(real_store, base, tmp_path, timeout_s=5.0) as (fake, _),
                 _sending(real_store, base) as sender):
-        await _until(lambda: _ready(real_store, fake.url, "base"))
+        await until(lambda: _ready(real_store, fake.url, "base"))
         state_a = load_file(str(a / "model.safetensors"))
         await sender.hold("v1", state_a)  # the trainer's copy, its folder still being written
-        await _until(lambda: _called(fake, "fulmen_receive"))
+        await until(lambda: _called(fake, "fulmen_receive"))
         await asyncio.sleep(0.5)
         replica = (await real_store.registry.query_replicas())[fake.url]
         assert not replica.ready and replica.model_version == "base" and "version:v1" not in fake.calls
         await publish_model_version(real_store, state_a, model="tiny")  # announced: v1
-        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        await until(lambda: _ready(real_store, fake.url, "v1"))
         assert await _ids(fake) == await _greedy(a)
         assert sender.sent == 1 and "reload_weights" not in fake.calls
         assert "received over the weight group while its folder was written" in caplog.text
 
         await sender.hold("v2", load_file(str(b / "model.safetensors")))  # never announced
-        await _until(lambda: _said(caplog, "did not announce it within 5 s"), 30)
+        await until(lambda: _said(caplog, "did not announce it within 5 s"), 30)
         replica = (await real_store.registry.query_replicas())[fake.url]
         assert not replica.ready and replica.model_version == "v1"
         await _publish(real_store, sender, b, "v2")
-        await _until(lambda: _ready(real_store, fake.url, "v2"))
+        await until(lambda: _ready(real_store, fake.url, "v2"))
         assert await _ids(fake) == await _greedy(b)
 
 
@@ -172,16 +168,16 @@ async def test_without_a_trainer_s_group_or_the_extension_versions_load_from_fol
     without the worker extension: said with the flag to add, and folders from then on."""
     base, a, b = models
     async with _syncing(real_store, base, tmp_path) as (fake, sync):
-        await _until(lambda: _ready(real_store, fake.url, "base"))
+        await until(lambda: _ready(real_store, fake.url, "base"))
         await _publish(real_store, None, a, "v1")
-        await _until(lambda: _ready(real_store, fake.url, "v1"))
+        await until(lambda: _ready(real_store, fake.url, "v1"))
         assert "reload_weights" in fake.calls and "fulmen_join" not in fake.calls
         assert "no trainer advertises a weight group" in caplog.text
 
         fake.worker_extension = False
         async with _sending(real_store, base) as sender:
             await _publish(real_store, sender, b, "v2")
-            await _until(lambda: _ready(real_store, fake.url, "v2"))
+            await until(lambda: _ready(real_store, fake.url, "v2"))
             assert await _ids(fake) == await _greedy(b)
             assert "--worker-extension-cls fulmen.versions.transport.group.WorkerExtension" in caplog.text
             assert sync.group is None and fake.calls.count("reload_weights") == 2
@@ -211,10 +207,10 @@ async def test_a_poison_or_stale_ask_does_not_stop_the_sender(real_store: RedisS
             pending = await real_store.redis.xpending(real_store.keys.weight_group_asks, "weight-senders")
             return await real_store.redis.xlen(real_store.keys.dead_letters) == letters and pending["pending"] == 0
 
-        await _until(lambda: handled(1), 20)
+        await until(lambda: handled(1), 20)
         assert sender.groups == {}
         await real_store.redis.xadd(real_store.keys.weight_group_asks, {"m": b"\x93again"})
-        await _until(lambda: handled(2), 20)  # it answers on
+        await until(lambda: handled(2), 20)  # it answers on
 
 
 async def test_a_receiver_that_goes_away_drops_its_group_not_the_sender(real_store: RedisStore, models) -> None:  # type: ignore[no-untyped-def]
@@ -285,9 +281,9 @@ async def test_a_restarted_trainer_is_joined_again_before_the_next_load(real_sto
     async with _syncing(real_store, base, tmp_path) as (fake, _):
         async with _sending(real_store, base) as sender:
             await _publish(real_store, sender, a, "v1")
-            await _until(lambda: _ready(real_store, fake.url, "v1"))
+            await until(lambda: _ready(real_store, fake.url, "v1"))
         async with _sending(real_store, base) as sender:  # the trainer again
             await _publish(real_store, sender, b, "v2")
-            await _until(lambda: _ready(real_store, fake.url, "v2"))
+            await until(lambda: _ready(real_store, fake.url, "v2"))
             assert await _ids(fake) == await _greedy(b)
         assert fake.calls.count("fulmen_join") == 2 and "reload_weights" not in fake.calls
