@@ -33,6 +33,9 @@ TICK_WAIT_S = 0.5
 PROGRESS_EVERY_S = 2.0
 # How often the end of a run looks whether the evaluator's passes it queued have ended.
 PASS_POLL_S = 0.5
+# How long no evaluator may be seen on the queue before the run ends without its passes: the evaluator's
+# rq worker is registered only while it works the queue, and it starts a new worker each second.
+EVALUATOR_ABSENT_S = 10.0
 # Where in the data folder the runs write their curve, summary and final model: a folder per experiment.
 RUN_DIR = "run"
 VALIDATION_FIELDS = ("label", "step", "accuracy", "mean_reward")
@@ -183,8 +186,10 @@ class Run:
 
     async def _queued_passes_end(self) -> dict[str, Any]:
         """Wait (up to a pass's timeout) for the evaluator's passes this run queued, so that the curve and
-        the summary have every scheduled pass and none is left half-run in the queue when the run ends."""
+        the summary have every scheduled pass and none is left half-run in the queue when the run ends.
+        With no evaluator seen on the queue for EVALUATOR_ABSENT_S, the run ends without them."""
         deadline, said = time.monotonic() + self.settings.val_timeout_s, False
+        heard = time.monotonic()  # when an evaluator was last seen listening (a gap between its workers is not its absence)
         while self._queued_passes:
             pending, listening = await asyncio.to_thread(pending_validations, self.settings, self._queued_passes)
             self._queued_passes = pending  # an ended pass is not asked about again
@@ -194,11 +199,14 @@ class Run:
             if listening and not said:
                 log.info("waiting for the evaluator's validation pass of %s before the final pass", versions)
                 said = True
-            if not listening:
+            now = time.monotonic()
+            if listening:
+                heard = now
+            elif now - heard >= EVALUATOR_ABSENT_S or now > deadline:
                 log.warning("the validation pass of %s is still queued and no `fulmen evaluator` is running: "
                             "the run ends without it (start one and it runs the pass)", versions)
                 return {}
-            if time.monotonic() > deadline:
+            if now > deadline:
                 log.warning("the validation pass of %s has not ended within val_timeout_s (%g s): the run "
                             "ends without it", versions, self.settings.val_timeout_s)
                 return {}

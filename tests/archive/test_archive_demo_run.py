@@ -61,7 +61,7 @@ def test_a_real_run_archived_and_restored_reads_as_the_original(tmp_path: Path) 
         original = _fulmen(first.url, tmp_path, "status", "--json", "-e", EXPERIMENT)
         # nothing left queued: the run waited for the evaluator's step-2 pass (unfinished rollouts are
         # not archived, by design: docs/design/store.md, "Restore")
-        assert json.loads(original)["queue_depth"] == 0, original
+        assert json.loads(original)["queue_depth"] == 0, (original, (done.stdout + done.stderr)[-6000:])
         pages = asyncio.run(_view(first.url))
         print(_fulmen(first.url, tmp_path, "archive", "--to", str(tmp_path / "archive"), "-e", EXPERIMENT))
     with EmbeddedRedis(tmp_path / "second-redis", port=None) as second:
