@@ -49,6 +49,11 @@ _DIALECTS: dict[str, Dialect] = {
     "/chat/completions": OPENAI_CHAT, "/completions": OPENAI_COMPLETIONS,
     "/responses": RESPONSES, "/messages": MESSAGES,
 }  # fmt: skip
+# A scope extension of the proxy's own server: respond(status, headers, body) writes a whole response
+# (its headers include its content-length) and returns True, or returns False when it cannot (the
+# response has started, writing is paused, a HEAD request): then it goes as ASGI messages.
+RESPOND = "fulmen.respond"
+Respond = Callable[[int, list[tuple[bytes, bytes]], bytes], bool]
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status logged when nothing was answered
 
 
@@ -92,6 +97,7 @@ class ProxyApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
+        out = Out(scope, send)
         endpoint = "other"
         status = 500
         dialect: Dialect = OPENAI_CHAT  # whose error shape an error takes
@@ -106,35 +112,35 @@ class ProxyApp:
                 headers = dict(scope["headers"])
                 self._authorize(headers)
                 from_headers(target, headers)
-                status = await self._completion(receive, send, target, headers, dialect)
+                status = await self._completion(receive, out, target, headers, dialect)
             elif route == "/models":
                 endpoint = route
                 self._authorize(dict(scope["headers"]))
-                status = await self._models(send)
+                status = await self._models(out)
             elif target.path == "/healthz":
                 endpoint, status = "/healthz", 200
-                await _send_body(send, 200, b'{"status":"ok"}')
+                await out.body(200, b'{"status":"ok"}')
             elif target.path == "/readyz":
                 endpoint = "/readyz"
                 ready = await self.service.ready()
                 status = 200 if ready else 503
                 waiting = getattr(self.service, "waiting", None)  # the model version it must serve first
                 body = {"ready": ready, **({"waiting": waiting} if waiting else {})}
-                await _send_body(send, status, json.dumps(body, separators=(",", ":")).encode())
+                await out.body(status, json.dumps(body, separators=(",", ":")).encode())
             elif target.path == "/metrics":
                 endpoint, status = "/metrics", 200
-                await _send_body(send, 200, self.service.metrics.render(), METRICS_CONTENT_TYPE)
+                await out.body(200, self.service.metrics.render(), METRICS_CONTENT_TYPE)
             else:
                 raise ProxyError(404, f"no route {scope['method']} {scope['path']}", code="unknown_route")
         except ProxyError as e:
             status = e.status
-            await _send_body(send, e.status, dialect.error_body(e))
+            await out.body(e.status, dialect.error_body(e))
         except ClientGone:
             status = CLIENT_CLOSED
         except Exception as e:  # a bug must cost one request, never the server
             log.exception("unexpected error on %s %s", scope["method"], scope["path"])
             status = 500
-            await _send_body(send, 500, dialect.error_body(ProxyError(500, f"internal error: {type(e).__name__}")))
+            await out.body(500, dialect.error_body(ProxyError(500, f"internal error: {type(e).__name__}")))
         self.service.metrics.observe(endpoint, status, time.perf_counter() - started)
 
     def _authorize(self, headers: dict[bytes, bytes]) -> None:
@@ -153,20 +159,20 @@ class ProxyApp:
                 401, "missing or invalid API key (Authorization: Bearer <key>, or x-api-key)", code="invalid_api_key"
             )
 
-    async def _models(self, send: Send) -> int:
+    async def _models(self, out: Out) -> int:
         now = int(time.time())
         version = self.service.backend.model_version
         data = [
             {"id": name, "object": "model", "created": now, "owned_by": "fulmen", "model_version": version}
             for name in self.service.backend.model_names
         ]
-        await _send_body(send, 200, json.dumps({"object": "list", "data": data}).encode())
+        await out.body(200, json.dumps({"object": "list", "data": data}).encode())
         return 200
 
     # --- the completion routes (every dialect) -------------------------------------------------------
 
     async def _completion(
-        self, receive: Receive, send: Send, target: Target, headers: dict[bytes, bytes], dialect: Dialect
+        self, receive: Receive, out: Out, target: Target, headers: dict[bytes, bytes], dialect: Dialect
     ) -> int:
         service = self.service
         start_time = time.time()
@@ -183,14 +189,14 @@ class ProxyApp:
         call.call_key = call_key(headers)
         if not call.rollout_id:
             service.metrics.unattributed.inc()
-        elif call.call_key and may_be_retry(headers) and await self._replay(send, parsed, dialect):
+        elif call.call_key and may_be_retry(headers) and await self._replay(out, parsed, dialect):
             return 200
         await service.gate.enter()
         service.metrics.in_flight.inc()
         try:
             result = Result()
             if call.stream:
-                await self._stream(send, parsed, dialect, result, headers, start_time)
+                await self._stream(out.send, parsed, dialect, result, headers, start_time)
             else:
                 body = await service.backend.complete(call, result)
                 body["model_version"] = result.model_version
@@ -199,7 +205,7 @@ class ProxyApp:
                 payload = (json_body.dumps(answer) if getattr(service.backend, "parsed_answers", False)
                            else json.dumps(answer).encode())
                 await self._record(call, result, raw, headers, start_time)
-                await _send_body(send, 200, payload, version=result.model_version)
+                await out.body(200, payload, version=result.model_version)
         finally:
             service.metrics.in_flight.dec()
             service.gate.leave()
@@ -251,7 +257,7 @@ class ProxyApp:
         await self._record(call, result, parsed.record, headers, start_time)
         await send({"type": "http.response.body", "body": (pending or b"") + encoder.end(result), "more_body": False})
 
-    async def _replay(self, send: Send, parsed: Parsed, dialect: Dialect) -> bool:
+    async def _replay(self, out: Out, parsed: Parsed, dialect: Dialect) -> bool:
         """Answer a retried call from its recorded span (`fulmen_llm_proxy.replay`); False when the
         call was not recorded (then it is served as a new one)."""
         call = parsed.call
@@ -276,13 +282,13 @@ class ProxyApp:
         version = span.attributes.get(semconv.MODEL_VERSION, "")
         if not call.stream:
             body = dialect.body(body_of(call, span, more), parsed)
-            await _send_body(send, 200, json.dumps(body).encode(), version=str(version))
+            await out.body(200, json.dumps(body).encode(), version=str(version))
             return True
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_SSE, (_VERSION_HEADER, str(version).encode())]})  # fmt: skip
+        await out.send({"type": "http.response.start", "status": 200,
+                        "headers": [*_SSE, (_VERSION_HEADER, str(version).encode())]})  # fmt: skip
         encoder = dialect.encoder(parsed)
         events = b"".join(encoder.chunk(c) for c in chunks_of(call, span, more))
-        await send({"type": "http.response.body", "body": events + encoder.end(Result()), "more_body": False})
+        await out.send({"type": "http.response.body", "body": events + encoder.end(Result()), "more_body": False})
         return True
 
     async def _record(
@@ -356,15 +362,25 @@ def _too_large(limit: int) -> ProxyError:
     )
 
 
-async def _send_body(
-    send: Send,
-    status: int,
-    body: bytes,
-    content_type: bytes = b"application/json",
-    version: str | None = None,
-) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
-    if version is not None:
-        headers.append((_VERSION_HEADER, version.encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+class Out:
+    """Where a request's response goes: the ASGI ``send``, and, under the proxy's own server
+    (`fulmen_llm_proxy.server`), its scope's `RESPOND` extension, which writes a whole response with a
+    length in one call and one write instead of two ASGI messages."""
+
+    __slots__ = ("respond", "send")
+
+    def __init__(self, scope: Scope, send: Send) -> None:
+        self.send = send
+        extensions = scope.get("extensions")
+        self.respond: Respond | None = extensions.get(RESPOND) if extensions else None
+
+    async def body(self, status: int, body: bytes, content_type: bytes = b"application/json",
+                   version: str | None = None) -> None:
+        """Send a whole response: ``body`` with its type, length and (a completion's) model version."""
+        headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
+        if version is not None:
+            headers.append((_VERSION_HEADER, version.encode()))
+        if self.respond is not None and self.respond(status, headers, body):
+            return
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})

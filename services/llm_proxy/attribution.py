@@ -7,6 +7,7 @@ From the ``/rollout/{r}/attempt/{a}`` prefix or the ``x-fulmen-*`` headers, and 
 from __future__ import annotations
 
 import os
+import random
 import re
 from dataclasses import dataclass
 
@@ -81,4 +82,6 @@ def trace_context(traceparent: bytes | None, rollout_id: str) -> tuple[str, str 
 
 
 def new_span_id() -> str:
-    return os.urandom(8).hex()
+    """A random span id. Not from os.urandom, a system call per call: ids need to be unique, not
+    secret, and `random` is seeded from the system once per process (again in a forked child)."""
+    return f"{random.getrandbits(64):016x}"

@@ -1,7 +1,7 @@
 """Run the proxy app under uvicorn: httptools parser, uvloop when installed, no access log.
 
 The socket is bound here (so ``--proxy-port 0`` works); `_Protocol` adds a request read timeout and
-sends a response with a length in one write.
+the app's `RESPOND` extension, a response with a length in one call and one write.
 Why: docs/design/proxy.md.
 """
 
@@ -12,12 +12,18 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from functools import partial
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from fulmen.settings import ProxySettings
-from fulmen_llm_proxy.app import ProxyApp
+from fulmen_llm_proxy.app import RESPOND, ProxyApp
 from fulmen_llm_proxy.backends.base import Backend
 from fulmen_llm_proxy.registry import default_base_url
 from fulmen_llm_proxy.service import ProxyService
@@ -70,7 +76,8 @@ class _Protocol(HttpToolsProtocol):
         before = self.cycle
         super().on_headers_complete()
         if self.cycle is not before:  # a new request's cycle (an upgrade request gets none)
-            self.cycle.transport = _OneWrite(self.transport)  # type: ignore[assignment]
+            self.scope.setdefault("extensions", {})[RESPOND] = partial(
+                _respond, self.cycle, self.server_state.default_headers)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
@@ -90,36 +97,34 @@ class _Protocol(HttpToolsProtocol):
             self.transport.close()
 
 
-class _OneWrite:
-    """A response's transport that holds a head with a content-length until its body, so that a
-    whole response is one write (one syscall, one segment) rather than two: the proxy sends every
-    such body right after its head (`fulmen_llm_proxy.app`). Streams (no length) go out at once."""
-
-    __slots__ = ("_fresh", "_head", "_transport")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._head: bytes | None = None
-        self._fresh = True  # the cycle's first write (after any "100 Continue") is its head
-
-    def write(self, data: bytes) -> None:
-        if self._head is not None:
-            data, self._head = self._head + data, None
-        elif self._fresh and not data.startswith(b"HTTP/1.1 100 "):
-            self._fresh = False
-            if b"\r\ncontent-length: " in data:
-                self._head = data
-                return
-        self._transport.write(data)
-
-    def close(self) -> None:
-        if self._head is not None:
-            self._transport.write(self._head)
-            self._head = None
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._transport, name)
+def _respond(cycle: RequestResponseCycle, defaults: list[tuple[bytes, bytes]], status: int,
+             headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+    """The `fulmen_llm_proxy.app.RESPOND` extension for one request's ``cycle``: its whole response in
+    one write, with the server's default headers (date, server), as uvicorn's ``send`` writes a head
+    and a body, minus its checks of headers it did not make."""
+    if (cycle.response_started or cycle.disconnected or cycle.flow.write_paused or status not in STATUS_LINE
+            or cycle.scope["method"] == "HEAD"):
+        return False
+    for _, value in headers:
+        if HEADER_VALUE_RE.search(value):  # uvicorn's send refuses it (a 500)
+            return False
+    parts = [STATUS_LINE[status]]
+    for name, value in defaults:
+        parts += (name, b": ", value, b"\r\n")
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    if not cycle.keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts += (b"\r\n", body)
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    cycle.transport.write(b"".join(parts))
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not cycle.keep_alive:
+        cycle.transport.close()
+    cycle.on_response()
+    return True
 
 
 def loop_name() -> str:

@@ -177,5 +177,7 @@ class ProxyService:
             await asyncio.to_thread(self.otlp.close)
         if self.hot is not None:
             await self.hot.close()
+        if self.store is not None:
+            await self.store.ctx.pipeline.aclose()
         if self.redis is not None:
             await self.redis.aclose()

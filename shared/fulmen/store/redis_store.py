@@ -64,6 +64,7 @@ class RedisStore:
         return f"RedisStore(experiment={self.experiment!r})"
 
     async def aclose(self) -> None:
+        await self.ctx.pipeline.aclose()
         await self.redis.aclose()
 
     async def statistics(self) -> dict[str, Any]:
