@@ -6,7 +6,6 @@ Why: docs/design/proxy.md.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -22,6 +21,7 @@ from fulmen import tokens
 from fulmen.records import Span
 from fulmen.telemetry import semconv
 from fulmen.telemetry.tracing import otlp_exporter_from_env
+from fulmen_llm_proxy.api import json_body
 from fulmen_llm_proxy.attribution import new_span_id
 from fulmen_llm_proxy.backends.base import Call, Result
 from fulmen_llm_proxy.replay import choice_key, keyed_span_id
@@ -122,7 +122,7 @@ def _add_answer(attributes: dict[str, Any], call: Call, result: Result, system: 
     if result.logprobs is not None:
         attributes[semconv.RESPONSE_LOGPROBS] = tokens.pack_floats(result.logprobs)
     response = result.message() if call.operation == "chat" else {"text": result.text}
-    attributes[semconv.RESPONSE_JSON] = json.dumps(response, ensure_ascii=False)
+    attributes[semconv.RESPONSE_JSON] = json_body.dumps(response).decode()
 
 
 _WARNED: set[str] = set()  # the causes already logged: one warning per cause per process

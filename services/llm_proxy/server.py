@@ -54,22 +54,28 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class _Protocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline for reading each request: when it passes, the
-    connection is closed (the request's handler, if started, sees a disconnect)."""
+    """uvicorn's httptools protocol with a deadline for reading each request (when it passes, the
+    connection is closed; the request's handler, if started, sees a disconnect) and the app's
+    `RESPOND` extension.
 
-    _read_timer: asyncio.TimerHandle | None = None
+    The read deadline and the keep-alive one share one timer per connection, armed at most
+    `REQUEST_READ_TIMEOUT_S` ahead and moved on when it fires, so a request arms and cancels none
+    (uvicorn arms a keep-alive timer after every response and cancels it on the next request)."""
+
+    _deadline: float | None = None  # when the connection is closed unless it moves on; None while serving
+    _timer: asyncio.TimerHandle | None = None
+    _timer_at = 0.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_read_timer()  # a connection that never sends a byte is half-open too
+        self._watch(REQUEST_READ_TIMEOUT_S)  # a connection that never sends a byte is half-open too
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._read_timer is None:
-            self._arm_read_timer()
+        self._watch(REQUEST_READ_TIMEOUT_S)
 
     def on_message_complete(self) -> None:
-        self._cancel_read_timer()
+        self._deadline = None  # read: the handler has the request
         super().on_message_complete()
 
     def on_headers_complete(self) -> None:
@@ -79,22 +85,43 @@ class _Protocol(HttpToolsProtocol):
             self.scope.setdefault("extensions", {})[RESPOND] = partial(
                 _respond, self.cycle, self.server_state.default_headers)
 
+    def on_response_complete(self) -> None:
+        # uvicorn's, with the keep-alive deadline on the connection's one timer
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:  # the next pipelined request was read already
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self._watch(self.timeout_keep_alive)
+
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_read_timer()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         super().connection_lost(exc)
 
-    def _arm_read_timer(self) -> None:
-        self._read_timer = self.loop.call_later(REQUEST_READ_TIMEOUT_S, self._read_timed_out)
+    def _watch(self, timeout_s: float) -> None:
+        now = self.loop.time()
+        self._deadline = deadline = now + timeout_s
+        if self._timer is None or deadline < self._timer_at:  # else the armed timer comes first
+            self._arm(min(deadline, now + REQUEST_READ_TIMEOUT_S))
 
-    def _cancel_read_timer(self) -> None:
-        if self._read_timer is not None:
-            self._read_timer.cancel()
-            self._read_timer = None
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = self.loop.call_at(when, self._check), when
 
-    def _read_timed_out(self) -> None:
-        self._read_timer = None
-        if not self.transport.is_closing():
-            self.transport.close()
+    def _check(self) -> None:
+        self._timer = None
+        now, deadline = self.loop.time(), self._deadline
+        if deadline is not None and now >= deadline:
+            if not self.transport.is_closing():
+                self.transport.close()
+            return
+        self._arm(now + REQUEST_READ_TIMEOUT_S if deadline is None else min(deadline, now + REQUEST_READ_TIMEOUT_S))
 
 
 def _respond(cycle: RequestResponseCycle, defaults: list[tuple[bytes, bytes]], status: int,

@@ -1,4 +1,4 @@
-"""How the proxy's HTTP server writes a whole response (`fulmen_llm_proxy.server`, the app's RESPOND)."""
+"""The proxy's HTTP server (`fulmen_llm_proxy.server`): whole responses in one write (the app's RESPOND) and the connection deadlines."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 import uvicorn
 
+from fulmen_llm_proxy import server as server_module
 from fulmen_llm_proxy.app import RESPOND, Out
 from fulmen_llm_proxy.server import _Protocol
 
@@ -22,25 +23,40 @@ class _App:
     async def __call__(self, scope: dict, receive: object, send: object) -> None:
         if scope["type"] != "http":
             return
+        if scope["method"] == "POST":  # the whole body first, as the proxy reads it
+            message = await receive()  # type: ignore[operator]
+            while message.get("more_body"):
+                message = await receive()  # type: ignore[operator]
+            if message["type"] == "http.disconnect":
+                return
         out = Out(scope, send)  # type: ignore[arg-type]
         self.took.append(out.respond is not None)
         version = "v\n1" if scope["path"] == "/bad" else "v1"
         await out.body(200, b'{"ok":1}', version=version)
 
 
+KEEP_ALIVE_S = 0.6
+
+
 @pytest.fixture
-async def server() -> AsyncIterator[tuple[_App, int]]:
+async def served() -> AsyncIterator[tuple[_App, int, uvicorn.Server]]:
     app = _App()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, http=_Protocol, lifespan="off", access_log=False, log_level="warning")
+    config = uvicorn.Config(app, http=_Protocol, lifespan="off", access_log=False, log_level="warning",
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
-    yield app, sock.getsockname()[1]
+    yield app, sock.getsockname()[1], server
     server.should_exit = True
     await task
+
+
+@pytest.fixture
+def server(served: tuple[_App, int, uvicorn.Server]) -> tuple[_App, int]:
+    return served[0], served[1]
 
 
 async def _exchange(port: int, request: bytes, replies: int = 1) -> list[bytes]:
@@ -107,3 +123,38 @@ def test_without_the_extension_the_app_sends_asgi_messages() -> None:
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
     assert sent[0]["status"] == 201 and (b"content-length", b"2") in sent[0]["headers"]
     assert RESPOND == "fulmen.respond"
+
+
+async def test_an_idle_connection_is_closed_after_the_keep_alive_and_requests_arm_no_timer(
+        served: tuple[_App, int, uvicorn.Server]) -> None:
+    """Requests on one connection move its one timer on rather than arming their own; once idle for
+    the keep-alive, the server closes the connection."""
+    _, port, server = served
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(GET)
+    await reader.readuntil(b'{"ok":1}')
+    (protocol,) = server.server_state.connections
+    timer = protocol._timer
+    for _ in range(5):
+        writer.write(GET)
+        await reader.readuntil(b'{"ok":1}')
+    assert protocol._timer is timer and protocol.timeout_keep_alive_task is None
+    idle_since = loop.time()
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+    assert KEEP_ALIVE_S - 0.05 <= loop.time() - idle_since < KEEP_ALIVE_S + 0.5
+    writer.close()
+
+
+async def test_a_request_read_too_slowly_is_cut_off(served: tuple[_App, int, uvicorn.Server],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose bytes stop coming is closed at the read deadline, keep-alive or not."""
+    monkeypatch.setattr(server_module, "REQUEST_READ_TIMEOUT_S", 0.3)
+    _, port, _ = served
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    started = loop.time()
+    writer.write(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 10\r\n\r\n{")
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    assert 0.25 <= loop.time() - started < KEEP_ALIVE_S  # the read deadline, not the keep-alive
+    writer.close()

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import fields as dataclass_fields
+from operator import attrgetter
 from typing import Any
 
 from fulmen.errors import NotFound
@@ -19,8 +20,11 @@ from fulmen.store.lua import spans as span_scripts
 _SPAN_FIELDS = tuple(f.name for f in dataclass_fields(Span) if f.name != "sequence_id")
 
 
+_span_fields = attrgetter(*_SPAN_FIELDS)
+
+
 def _with_sequence(span: Span, sequence_id: int) -> Span:
-    return Span(*[getattr(span, name) for name in _SPAN_FIELDS], sequence_id=sequence_id)
+    return Span(*_span_fields(span), sequence_id=sequence_id)
 
 
 def dedupe_key(span: Span) -> str:

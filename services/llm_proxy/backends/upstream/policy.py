@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from fulmen_llm_proxy.backends.upstream.deadlines import Deadlines
 from fulmen_llm_proxy.errors import ProxyError
 
 if TYPE_CHECKING:
@@ -89,21 +90,28 @@ R = TypeVar("R", bound=Reply)
 async def with_retries(
     attempt: Callable[[float], Awaitable[R]], policy: UpstreamPolicy, *,
     clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
-    on_retry: Callable[[R | None, float], None] | None = None,
+    on_retry: Callable[[R | None, float], None] | None = None, deadlines: Deadlines | None = None,
 ) -> R:
     """Call ``attempt(deadline)`` until it answers a status not to retry, the attempts run out or the
     budget would be exceeded; its last answer. ``deadline`` (a ``clock`` time) bounds what the
-    attempt may wait for itself (a rate limit). A last attempt that timed out is a 504."""
+    attempt may wait for itself (a rate limit). A last attempt that timed out is a 504. ``deadlines``
+    times the attempts out (pass one per process: its calls then share one timer)."""
     deadline = clock() + policy.budget_s
+    if deadlines is None:
+        deadlines = Deadlines()
     for number in range(1, policy.max_attempts + 1):
         remaining = deadline - clock()
         reply: R | None = None
+        # not wait_for (a task per attempt) nor asyncio.timeout (a timer per attempt): `Deadlines`
+        task = deadlines.start(max(0.0, min(policy.timeout_s, remaining)))
         try:
-            # asyncio.timeout, not wait_for: no task per attempt on the proxy's hot path
-            async with asyncio.timeout(max(0.0, min(policy.timeout_s, remaining))):
-                reply = await attempt(deadline)
-        except TimeoutError:
+            reply = await attempt(deadline)
+        except asyncio.CancelledError:
+            if not deadlines.expired(task):
+                raise
             reply = None
+        finally:
+            deadlines.stop(task)
         if reply is not None and not retryable(reply.status):
             return reply
         if number == policy.max_attempts:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from fulmen_llm_proxy.api import json_body
 from fulmen_llm_proxy.backends.upstream.cache import ResponseCache
+from fulmen_llm_proxy.backends.upstream.deadlines import Deadlines
 from fulmen_llm_proxy.backends.upstream.http_client import HttpPool
 from fulmen_llm_proxy.backends.upstream.policy import (
     Reply,
@@ -69,6 +70,7 @@ class Upstreams:
             p.base_url: RateLimiter(self.policy.requests_per_minute, self.policy.tokens_per_minute) for p in self.pools
         } if limited else {}  # fmt: skip
         self.cache = ResponseCache(self.policy.cache_entries) if self.policy.cache_entries else None
+        self.deadlines = Deadlines()  # every call's attempt timeout, on one timer
         self.retries = 0  # sends after a call's first, for metrics and tests
         self.load_waits = 0  # polls of calls that waited for a replica to finish loading
         self._round_robin = itertools.cycle(range(len(self.pools)))
@@ -175,7 +177,7 @@ class Upstreams:
                 return Sent(502, data=e.body())
             return Sent(status, retry_after(after), pool=pool, data=data)
 
-        reply = await with_retries(attempt, self.policy, on_retry=self._retrying)
+        reply = await with_retries(attempt, self.policy, on_retry=self._retrying, deadlines=self.deadlines)
         if reply.status != 200:
             raise upstream_error(reply.status, reply.data)
         try:
@@ -209,7 +211,7 @@ class Upstreams:
                 return Sent(status, after, pool=pool)
             return Sent(status, pool=pool, value=conn)
 
-        reply = await with_retries(attempt, self.policy, on_retry=self._retrying)
+        reply = await with_retries(attempt, self.policy, on_retry=self._retrying, deadlines=self.deadlines)
         if reply.value is None:
             raise upstream_error(reply.status, b"")
         assert reply.pool is not None
