@@ -189,13 +189,14 @@ class AutoPipeline:
         if self._wire is not None or not self._wire_possible or loop.time() < self._wire_retry_at:
             return
         self._wire_retry_at = math.inf  # one try at a time
+        wire: Wire | None = None
         try:
             wire = await Wire.take(self.redis)
         except (RedisError, OSError) as e:
             log.debug("no connection for the auto-pipeline's wire yet (%s)", e)
-            self._wire_retry_at = loop.time() + self.WIRE_RETRY_S
             return
-        self._wire_retry_at = 0.0
+        finally:  # a failed or cancelled try is made again later
+            self._wire_retry_at = 0.0 if wire is not None else loop.time() + self.WIRE_RETRY_S
         if wire is None:
             self._wire_possible = False
         elif self._wire is not None or loop is not self._loop:  # taken meanwhile, or the loop changed
