@@ -159,9 +159,9 @@ async def test_a_stalled_connection_is_dropped_and_its_call_answered(
     log = f"{experiment}:log"
     await pipeline.submit(push, [log, "a"])
     wire = await _on_wire(pipeline)
-    await admin.client_pause(1000, all=False)
+    await admin.client_pause(1500, all=False)
     call = pipeline.submit(push, [log, "b"])
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.8)
     assert not wire.open  # dropped before the pause ended
     assert await call == b"b"
     await pipeline.aclose()
