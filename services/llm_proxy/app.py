@@ -312,7 +312,7 @@ class ProxyApp:
         store = self.service.store
         assert store is not None
         try:
-            await store.spans.add_spans(spans)
+            await store.spans.record_spans(spans)
         except NotFound:
             # No such attempt: nothing can succeed without this span, so the call is served anyway.
             self.service.metrics.span_failures.labels("unknown_attempt").inc()

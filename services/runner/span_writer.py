@@ -122,7 +122,7 @@ class SpanWriter:
         delay = 0.1
         while True:
             try:
-                await self.store.spans.add_spans(spans)
+                await self.store.spans.record_spans(spans)
                 self.written += len(spans)
                 return
             except (RedisConnectionError, RedisTimeoutError, RetryableError) as e:
@@ -133,7 +133,7 @@ class SpanWriter:
                 break  # a bad span in the batch: write them one by one below
         for span in spans:
             try:
-                await self.store.spans.add_spans([span])
+                await self.store.spans.record_spans([span])
                 self.written += 1
             except RecordError as e:
                 await self._mark_dropped(span, e)
@@ -166,7 +166,7 @@ class SpanWriter:
             span.start_time, span.end_time, attributes=attributes,
         )
         try:
-            await self.store.spans.add_spans([marker])
+            await self.store.spans.record_spans([marker])
         except (RedisError, FulmenError) as e:
             log.error("%s; its %s span was not stored either: %s", reason, DROPPED_SPAN, e)
         try:  # Stream.dead_letter logs the reason

@@ -304,3 +304,13 @@ async def test_dedupe_keys_are_64_bit_integers_so_a_rollouts_set_is_an_intset(st
     assert len(await store.spans.add_spans([_span(aid, f"s{i}") for i in range(20)])) == 20
     assert await store.redis.object("encoding", store.keys.span_ids("r1")) == b"intset"
     assert await store.spans.add_spans([_span(aid, "s3"), _span(aid, "s20")]) == [_span(aid, "s20", sequence_id=21)]
+
+
+async def test_record_spans_stores_as_add_spans_does_and_counts(store: RedisStore) -> None:
+    """`record_spans` stores what `add_spans` would (repeats dropped, sequence ids given) and says how many."""
+    await store.rollouts.enqueue_rollout({"i": 1}, rollout_id="rr")
+    (c,) = await store.queue.dequeue_rollouts("w", 1)
+    aid = c.attempt.attempt_id
+    assert await store.spans.record_spans([_span(aid, "a"), _span(aid, "b"), _span(aid, "a")]) == 2
+    assert await store.spans.record_spans([_span(aid, "b"), _span(aid, "c")]) == 1  # b stored already
+    assert [(s.sequence_id, s.span_id) for s in await store.spans.query_spans("rr")] == [(1, "a"), (2, "b"), (3, "c")]

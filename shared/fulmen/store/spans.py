@@ -80,6 +80,15 @@ class Spans:
         Returns the spans stored now, with their sequence ids. Spans of an unknown attempt raise
         NotFound; the other attempts' spans in the same call are stored all the same (retrying the
         call is safe: duplicates are ignored)."""
+        return [s for batch, last_seq in await self._store(spans) for s in batch.stored(last_seq)]
+
+    async def record_spans(self, spans: Sequence[Span]) -> int:
+        """`add_spans` for a writer that needs no copies of what was stored (the proxy, the runner):
+        how many spans were stored now."""
+        return sum(len(batch.spans) for batch, _ in await self._store(spans))
+
+    async def _store(self, spans: Sequence[Span]) -> list[tuple[SpanBatch, int]]:
+        """Each attempt's batch as stored, and the sequence id of its last span."""
         by_attempt: dict[tuple[str, str], list[Span]] = {}
         for s in spans:
             by_attempt.setdefault((s.rollout_id, s.attempt_id), []).append(s)
@@ -87,13 +96,12 @@ class Spans:
             return []
         if len(by_attempt) == 1:  # the usual call (a proxy's, a runner's): no task for a gather of one
             [((rollout_id, attempt_id), group)] = by_attempt.items()
-            return await self._add(rollout_id, attempt_id, group)
-        stored_lists = await asyncio.gather(*(
+            return [await self._add(rollout_id, attempt_id, group)]
+        return list(await asyncio.gather(*(
             self._add(rollout_id, attempt_id, group) for (rollout_id, attempt_id), group in by_attempt.items()
-        ))
-        return [s for stored in stored_lists for s in stored]
+        )))
 
-    async def _add(self, rollout_id: str, attempt_id: str, spans: list[Span]) -> list[Span]:
+    async def _add(self, rollout_id: str, attempt_id: str, spans: list[Span]) -> tuple[SpanBatch, int]:
         """One attempt's spans, sent again without those the store reports as already stored."""
         prefix = self.ctx.keys.shard(rollout_id).prefix
         batch = SpanBatch(spans, self.ctx.max_record_bytes)
@@ -102,7 +110,7 @@ class Spans:
             if result[0] == b"missing":
                 raise NotFound(f"attempt {attempt_id} of rollout {rollout_id} does not exist")
             if result[0] != b"dup":
-                return batch.stored(int(result[2]))
+                return batch, int(result[2])
             batch = batch.without(result[1:])  # with none left, the call is a heartbeat, as a duplicate is
 
     async def add_span(self, span: Span) -> Span | None:

@@ -216,6 +216,8 @@ class AutoPipeline:
         the first of them was, unless a call of another script on that key comes between them: each
         call then still runs after every earlier call on its key (calls on other keys touch none of its
         keys, so where it stands among them does not matter)."""
+        if len(batch) == 1:  # the usual round trip at low load: nothing to join
+            return [batch[0][:2]], [[0]]
         members: list[list[int]] = []
         sizes: list[int] = []  # argument bytes of each group
         open_group: dict[Any, int] = {}  # key -> index in members of the group a call on it may join
