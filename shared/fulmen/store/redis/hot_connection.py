@@ -1,4 +1,5 @@
-"""A client's every-call Redis commands (the proxy's span EVALSHA and replica HMGET) on one connection.
+"""A client's every-call Redis commands (the proxy's replica checks, and the span writes that the
+auto-pipeline's wire hands back to the client) on one connection.
 
 redis-py's path for a command (pool checkout and release, retry wrapper, events, observability)
 costs the proxy more CPU than building the span; `HotConnection` keeps one connection out of the
