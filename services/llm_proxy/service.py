@@ -178,6 +178,6 @@ class ProxyService:
         if self.hot is not None:
             await self.hot.close()
         if self.store is not None:
-            await self.store.ctx.pipeline.aclose()
-        if self.redis is not None:
+            await self.store.aclose()  # its auto-pipeline's wire, then the client
+        elif self.redis is not None:
             await self.redis.aclose()

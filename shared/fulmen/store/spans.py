@@ -17,10 +17,7 @@ from fulmen.store.lua import spans as span_scripts
 
 # Every Span field but sequence_id, in order: building a Span positionally is much cheaper than
 # dataclasses.replace, which add_spans would otherwise call for every stored span.
-_SPAN_FIELDS = tuple(f.name for f in dataclass_fields(Span) if f.name != "sequence_id")
-
-
-_span_fields = attrgetter(*_SPAN_FIELDS)
+_span_fields = attrgetter(*(f.name for f in dataclass_fields(Span) if f.name != "sequence_id"))
 
 
 def _with_sequence(span: Span, sequence_id: int) -> Span:
