@@ -802,10 +802,11 @@ async def rollouts_in_flight(run: ChaosRun) -> bool:
 
 
 async def validation_running(run: ChaosRun) -> bool:
-    """A validation pass has its rollouts out: the evaluator dies inside its rq job."""
+    """A periodic validation pass has its rollouts out: the evaluator dies inside its rq job (the
+    baseline's rollouts are queued by the algorithm before the evaluator takes its job)."""
     assert run.store is not None
     indexed = await run.store.redis.zrange(run.store.keys.rollout_index, 0, -1)
-    return any(rid.startswith(b"val-v") for rid in indexed)
+    return any(rid.startswith(b"val-v") and not rid.startswith(b"val-v0-") for rid in indexed)
 
 
 MOMENTS: dict[str, Callable[[ChaosRun], Awaitable[bool]]] = {

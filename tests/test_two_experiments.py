@@ -83,5 +83,5 @@ def test_two_experiments_at_once_in_one_folder_keep_to_their_own(tmp_path: Path)
         labels = [v["label"] for v in summary["validations"]]
         # the pass the algorithm queued at the last step (val-<exp>-v<steps>, above) is in the summary when
         # the evaluator finished it before the final pass: on a busy machine it may
-        assert labels in (["v0", "final"], ["v0", f"v{steps}", "final"]), labels
+        assert labels in (["v0", "final"], ["v0", f"v{steps}", "final"]), f"{labels}\n{logs[name][-5000:]}"
         assert Path(tmp_path / summary["final_model"]).is_relative_to(tmp_path / ".fulmen" / "run" / name)

@@ -23,7 +23,7 @@ from fulmen_algorithm.jobs import enqueue_validation, pending_validations
 from fulmen_algorithm.pass_at_k import score_fields
 from fulmen_algorithm.run_state import RunProgress
 from fulmen_algorithm.scheduler import Scheduler, SchedulerOptions, recoverable_rollout_config
-from fulmen_algorithm.validation import PassSampling, reached_target, recorded, validate
+from fulmen_algorithm.validation import PassSampling, reached_target, recorded, start_pass, validate
 
 log = logging.getLogger("fulmen.algorithm")
 
@@ -69,6 +69,7 @@ class Run:
         self._done_at_start = 0
         self._next_validation = 0
         self._queued_passes: list[int] = []  # the versions whose pass this run queued for the evaluator
+        self._baseline_started = False  # the baseline pass's rollouts queued by this run, ahead of training
         self._best_saved: str | None = None  # the best validated version, written to BEST_DIR while stored
 
     def stop(self) -> None:
@@ -102,10 +103,10 @@ class Run:
 
     async def tick(self) -> bool:
         """Enqueue what pacing allows, schedule a validation when one is due; True once the run is over."""
-        await self.scheduler.fill()
         step = await self.scheduler.trainer_step()
+        await self.schedule_validation(step)  # first: the baseline's rollouts go ahead of any training rollout
+        await self.scheduler.fill()
         inflight = await self.scheduler.inflight()
-        await self.schedule_validation(step)
         if await self.ended(step, inflight):
             return True
         if time.monotonic() - self._last_line > PROGRESS_EVERY_S:
@@ -116,6 +117,13 @@ class Run:
         """Every ``val_every`` trainer steps, a pass for the evaluator; the next due step is stored."""
         if not (self.val_tasks and self.settings.val_every) or step < self._next_validation:
             return
+        if step == 0:
+            # The baseline measures the starting weights: its rollouts are queued here, urgent, before the
+            # first training rollout, so v0 serves them however late the evaluator starts its job (whose
+            # own enqueue of the same ids then adds nothing).
+            await start_pass(self.store, self.val_tasks, label="v0", config=self.scheduler.rollout_config,
+                             sampling=PassSampling.of(self.settings))
+            self._baseline_started = True
         await asyncio.to_thread(enqueue_validation, self.settings, step)
         self._queued_passes.append(step)
         self._next_validation = step + self.settings.val_every
@@ -203,8 +211,10 @@ class Run:
             if listening:
                 heard = now
             elif now - heard >= EVALUATOR_ABSENT_S or now > deadline:
-                log.warning("the validation pass of %s is still queued and no `fulmen evaluator` is running: "
-                            "the run ends without it (start one and it runs the pass)", versions)
+                await self._baseline_here()
+                if others := ", ".join(f"v{v}" for v in self._queued_passes):
+                    log.warning("the validation pass of %s is still queued and no `fulmen evaluator` is running: "
+                                "the run ends without it (start one and it runs the pass)", others)
                 return {}
             if now > deadline:
                 log.warning("the validation pass of %s has not ended within val_timeout_s (%g s): the run "
@@ -212,6 +222,18 @@ class Run:
                 return {}
             await asyncio.sleep(PASS_POLL_S)
         return {}
+
+    async def _baseline_here(self) -> None:
+        """With no evaluator, the baseline pass whose rollouts this run queued (served by the starting
+        weights) is waited for and recorded here, so that the curve keeps its first point; a pass the
+        evaluator records as well counts once (`recorded`)."""
+        if not (self._baseline_started and 0 in self._queued_passes):
+            return
+        log.info("no `fulmen evaluator` is running: the baseline pass (v0), whose rollouts this run queued, "
+                 "is recorded here")
+        await validate(self.store, self.val_tasks, label="v0", step=0, timeout_s=self.settings.val_timeout_s,
+                       config=self.scheduler.rollout_config, sampling=PassSampling.of(self.settings))
+        self._queued_passes.remove(0)
 
     async def _unless_stopped(self, work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any] | None:
         """``work`` (the final pass: up to val_timeout_s), cancelled if the run is stopped first (SIGTERM

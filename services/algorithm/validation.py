@@ -134,8 +134,8 @@ async def validate(
     so a pass does not wait out ``timeout_s`` on attempts nobody runs any more)."""
     started = time.monotonic()
     samples = sampling.samples
-    resources_id, sampled_at = await _pass_resources(store, policy_id, sampling)
-    of_task = await _enqueue_pass(store, tasks, label, samples, resources_id, config or recoverable_rollout_config())
+    of_task, sampled_at = await start_pass(store, tasks, label=label, policy_id=policy_id, config=config,
+                                           sampling=sampling)
     finished = await store.finished.wait_for_rollouts(list(of_task), timeout_s=timeout_s)
     rewards = []
     versions: Counter[str] = Counter()
@@ -163,6 +163,20 @@ async def validate(
         result.update({"samples": samples, "temperature": sampled_at, **pass_scores(per_task, samples)})
     await store.validations.append(result)
     return result
+
+
+async def start_pass(
+    store: RedisStore, tasks: list[Task], *, label: str, policy_id: str = POLICY_RESOURCES_ID,
+    config: RolloutConfig | None = None, sampling: PassSampling = GREEDY,
+) -> tuple[dict[str, int], float]:
+    """Publish the pass's resources and queue its rollouts, urgent (idempotent: their ids are fixed, so
+    starting a pass again adds nothing); each rollout id mapped to its task's index, and the temperature
+    the pass samples at. `validate` starts its pass so; the algorithm starts the baseline pass (v0) so
+    before training, for the starting weights to serve it however late the evaluator comes."""
+    resources_id, sampled_at = await _pass_resources(store, policy_id, sampling)
+    of_task = await _enqueue_pass(store, tasks, label, sampling.samples, resources_id,
+                                  config or recoverable_rollout_config())
+    return of_task, sampled_at
 
 
 async def _enqueue_pass(store: RedisStore, tasks: list[Task], label: str, samples: int, resources_id: str,

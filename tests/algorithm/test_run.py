@@ -121,19 +121,25 @@ async def test_a_stopped_run_skips_the_final_validation(real_store: RedisStore, 
     assert not (report / "reward-curve.png").exists()
 
 
-async def _runner_and_trainer(store: RedisStore, groups_per_step: int, group_size: int) -> None:
-    """Stand-ins for the runners, the trainer and a torch proxy: every queued rollout succeeds, the
-    trainer steps (appending its summary as v<step>) each time ``groups_per_step`` more groups are
-    complete, as long as rollouts keep coming, whether the algorithm still runs or not, and the proxy
-    serves the newest version at once (the pacing waits for what is served)."""
+async def _runner_and_trainer(store: RedisStore, groups_per_step: int, group_size: int,
+                              claimed_ids: list[str] | None = None) -> None:
+    """Stand-ins for the runners, the trainer and a torch proxy: every queued rollout succeeds (its id
+    appended to ``claimed_ids`` as it is claimed), the trainer steps (appending its summary as v<step>)
+    each time ``groups_per_step`` more groups are complete, as long as rollouts keep coming, whether the
+    algorithm still runs or not, and the proxy serves the newest version at once (the pacing waits for
+    what is served)."""
     done: Counter[str] = Counter()
     step = 0
     while True:
         await store.registry.register_proxy(ProxyEndpoint("proxy", "http://proxy:1", "m", f"v{step}" if step else "base",
                                                           metadata={"backend": "torch"}))
         for claimed in await store.queue.dequeue_rollouts("w", 100):
-            await store.rollouts.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")
-            done[claimed.rollout.metadata["group_key"]] += 1
+            await store.rollouts.update_attempt(claimed.rollout.rollout_id, claimed.attempt.attempt_id,
+                                                status="succeeded", reward=1.0)
+            if claimed_ids is not None:
+                claimed_ids.append(claimed.rollout.rollout_id)
+            if group := claimed.rollout.metadata.get("group_key"):
+                done[group] += 1
         complete = sum(1 for n in done.values() if n == group_size)
         while complete >= (step + 1) * groups_per_step:
             step += 1
@@ -187,3 +193,36 @@ async def test_a_run_stopped_during_its_final_validation_ends_at_once(
     assert summary["stopped"] is True and "final_val_accuracy" not in summary
     assert not (tmp_path / "run" / real_store.experiment / "summary.json").exists()
 
+
+
+async def test_the_baseline_is_served_before_training_and_recorded_without_an_evaluator(
+    real_store: RedisStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The pass of the starting weights (v0) measures them however late the evaluator comes: the run
+    queues its rollouts before the first training rollout, and they are claimed first. With no evaluator
+    listening at the end, the run waits for those rollouts and records v0 itself; a periodic pass, whose
+    rollouts only the evaluator queues, is left to it, as the log says."""
+    queued: list[int] = []
+    monkeypatch.setattr("fulmen_algorithm.run.enqueue_validation", lambda _settings, step: queued.append(step))
+    monkeypatch.setattr("fulmen_algorithm.run.pending_validations", lambda _settings, versions: (versions, False))
+    monkeypatch.setattr("fulmen_algorithm.run.PASS_POLL_S", 0.01)
+    monkeypatch.setattr("fulmen_algorithm.run.EVALUATOR_ABSENT_S", 0.1)
+    await real_store.resources.add_resources({"llm": {"kind": "llm", "model": "m", "model_version": "base"}},
+                                             resources_id="policy")
+    settings = AlgorithmSettings(
+        experiment=real_store.experiment, data_dir=tmp_path, metrics_file=tmp_path / "m.jsonl", n_samples=2,
+        groups_per_step=2, max_inflight=100, total_steps=2, val_every=2, val_timeout_s=5,
+    )
+    claimed: list[str] = []
+    pipeline = asyncio.create_task(_runner_and_trainer(real_store, groups_per_step=2, group_size=2, claimed_ids=claimed))
+    try:
+        with caplog.at_level(logging.INFO, logger="fulmen.algorithm"):
+            summary = await asyncio.wait_for(Run(settings, MANY_TASKS, VAL).run(real_store), 30)
+    finally:
+        pipeline.cancel()
+    assert queued == [0, 2]  # both passes are still the evaluator's jobs
+    assert claimed[0] == f"val-v0-{task_id(VAL[0])}", claimed[:3]  # ahead of every training rollout
+    assert [v["label"] for v in summary["validations"]] == ["v0", "final"]
+    assert summary["validations"][0]["accuracy"] == 1.0  # its rollout's reward, read once it had ended
+    assert "the baseline pass (v0), whose rollouts this run queued, is recorded here" in caplog.text
+    assert "the validation pass of v2 is still queued and no `fulmen evaluator` is running" in caplog.text
