@@ -67,7 +67,9 @@ class Failing(Recording):
 
 async def test_a_hanging_tracker_blocks_neither_the_steps_nor_the_other_trackers(real_store: RedisStore) -> None:
     """With one tracker stuck inside log(), the trainer logs every step, the reporter reads them all
-    and the healthy tracker gets them all; the stuck one's queue holds its bound, the rest is dropped."""
+    and the healthy tracker gets them all; the stuck one's queue holds its bound, the rest is dropped.
+    Each step waits for the healthy tracker to have it: on a busy machine slow to run that tracker's
+    thread, steps 5 ms apart would fill its queue of 3 too, and it would drop steps for that."""
     hanging, healthy = Hanging(), Recording()
     reporter = Reporter(real_store, [hanging, healthy], name=real_store.experiment, queue_size=3, retry=NO_WAIT)
     await reporter.start()
@@ -78,7 +80,10 @@ async def test_a_hanging_tracker_blocks_neither_the_steps_nor_the_other_trackers
         for step in range(1, 41):  # the training loop: a step, its record, the next step
             metrics.record(step, {"loss/total": 1.0 / step})
             await metrics.flush()
-            await asyncio.sleep(0.005)
+            deadline = asyncio.get_running_loop().time() + 30
+            while step not in healthy.steps():  # the stuck tracker's worker does not hold it up
+                assert asyncio.get_running_loop().time() < deadline, f"step {step} never reached the healthy tracker"
+                await asyncio.sleep(0.005)
             if step == 1:
                 await asyncio.to_thread(hanging.inside.wait, 30)  # from here on the tracker hangs
         while int(await real_store.redis.hget(real_store.keys.trackers, STEP) or 0) < 40:
