@@ -6,6 +6,7 @@ import pytest
 
 from fulmen.errors import InvalidInput, NotFound
 from fulmen.records import Span
+from fulmen.retention.cuts import safe_cut, trim_below
 from fulmen.retention.trim import RetentionPolicy, trim
 from fulmen.store import RedisStore
 
@@ -53,6 +54,22 @@ async def test_trims_only_acknowledged_completions(store: RedisStore) -> None:
     remaining = await store.redis.xrange(store.keys.finished)
     assert len(remaining) == 2
     assert (await store.rollouts.get_rollout("a")).status == "succeeded"  # records kept unless asked
+
+
+async def test_age_zero_takes_entries_of_this_very_millisecond(store: RedisStore) -> None:
+    """max_age_s=0 removes every acknowledged entry up to now, those written in the same millisecond
+    as the trim's clock reading included; a later one stays."""
+    key, redis = store.keys.samples, store.redis
+    for entry_id in ("1000-0", "1000-1", "1001-0"):
+        await redis.xadd(key, {"m": b"x"}, id=entry_id)
+    await redis.xgroup_create(key, "g", id="0")
+    read = await redis.xreadgroup("g", "c", {key: ">"}, count=10)
+    await redis.xack(key, "g", *[entry_id for entry_id, _ in read[0][1]])
+
+    cut = await safe_cut(redis, key, 0, None, now_ms=1000)
+
+    assert await trim_below(redis, key, cut, dry_run=False) == 2
+    assert [entry_id for entry_id, _ in await redis.xrange(key)] == [b"1001-0"]
 
 
 async def test_count_policy_and_delete_rollouts(store: RedisStore) -> None:

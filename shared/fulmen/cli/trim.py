@@ -21,7 +21,7 @@ from fulmen.watchdog import RETENTION_INTERVAL_S, RetentionSchedule
 def trim_command(
     experiment: ExperimentOpt = None,
     max_age_s: Annotated[float | None, typer.Option(
-        help="Queue, finished and samples entries older than this go, once every consumer group acknowledged them.")] = None,
+        help="Queue, finished and samples entries at least this old (seconds) go, once every consumer group acknowledged them.")] = None,
     max_count: Annotated[int | None, typer.Option(
         help="At most this many entries stay per queue, finished and samples stream (acknowledged ones go first).")] = None,
     queue: Annotated[bool, typer.Option(help="Trim every shard's queue by the limits.")] = True,
@@ -35,7 +35,7 @@ def trim_command(
         help="Delete the weights of all model versions but the newest this many and every one served.")] = None,
     weights_dir: Annotated[Path | None, typer.Option(help="The shared folder of folder versions, whose folders go too.")] = None,
     steps_max_count: Annotated[int | None, typer.Option(help="Keep the trainer's newest this many step records.")] = None,
-    dead_letters_max_age_s: Annotated[float | None, typer.Option(help="Delete dead letters older than this.")] = None,
+    dead_letters_max_age_s: Annotated[float | None, typer.Option(help="Delete dead letters at least this old (seconds).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Remove nothing; print what would go.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON line.")] = False,
 ) -> None:

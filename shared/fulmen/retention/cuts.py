@@ -20,13 +20,19 @@ async def server_now_ms(redis: Any) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
+def age_cut(now_ms: int, max_age_s: float) -> StreamId:
+    """The cut that removes every entry at least ``max_age_s`` old at ``now_ms``: with 0, every entry
+    up to now, those written in this very millisecond included."""
+    return (max(0, now_ms - int(max_age_s * 1000)) + 1, 0)
+
+
 async def policy_cut(
     redis: Any, stream: str, max_age_s: float | None, max_count: int | None, now_ms: int
 ) -> StreamId | None:
     """The smallest id the limits keep (entries below it are old or surplus), or None: keep all."""
     cut: StreamId | None = None
     if max_age_s is not None:
-        cut = (max(0, now_ms - int(max_age_s * 1000)), 0)
+        cut = age_cut(now_ms, max_age_s)
     if max_count is not None:
         newest = await redis.xrevrange(stream, count=max_count + 1)
         if len(newest) > max_count:

@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fulmen.errors import InvalidInput
-from fulmen.retention.cuts import archived_cut, lower, policy_cut, safe_cut, server_now_ms, trim_below
+from fulmen.retention.cuts import (
+    age_cut,
+    archived_cut,
+    lower,
+    policy_cut,
+    safe_cut,
+    server_now_ms,
+    trim_below,
+)
 from fulmen.retention.rollouts import trim_finished
 from fulmen.retention.weights import trim_resources_log, trim_weights
 from fulmen.store.redis_store import RedisStore
@@ -29,7 +37,7 @@ Progress = Callable[[str, str, int], None]
 
 @dataclass(frozen=True, slots=True)
 class RetentionPolicy:
-    max_age_s: float | None = None  # consumed entries older than this go
+    max_age_s: float | None = None  # consumed entries at least this old go
     max_count: int | None = None  # keep at most this many entries per stream (consumed ones go first)
     delete_rollouts: bool = False  # also delete the trimmed finished entries' rollouts and attempts
     streams: frozenset[str] = CONSUMED_STREAMS  # which consumed streams the two limits apply to
@@ -37,7 +45,7 @@ class RetentionPolicy:
     keep_versions: int | None = None  # the weights of the newest so many versions (and served ones) stay
     weights_dir: Path | None = None  # the shared folder of folder versions, whose folders go with them
     steps_max_count: int | None = None  # the trainer's newest so many steps stay
-    dead_letters_max_age_s: float | None = None  # dead letters older than this go
+    dead_letters_max_age_s: float | None = None  # dead letters at least this old go
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "streams", frozenset(self.streams))  # a list or set given: still hashable
@@ -122,7 +130,7 @@ async def trim(
         steps = run.done(STEPS, keys.trainer_steps, await trim_below(redis, keys.trainer_steps, cut, dry_run))
     dead = 0
     if policy.dead_letters_max_age_s is not None:
-        cut = lower((max(0, run.now_ms - int(policy.dead_letters_max_age_s * 1000)), 0),
+        cut = lower(age_cut(run.now_ms, policy.dead_letters_max_age_s),
                     await archived_cut(redis, keys.archived, keys.dead_letters))
         dead = run.done(DEAD_LETTERS, keys.dead_letters, await trim_below(redis, keys.dead_letters, cut, dry_run))
 

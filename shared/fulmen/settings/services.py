@@ -1018,7 +1018,7 @@ class WatchdogSettings(CommonSettings):
     retention_max_age_s: float | None = Field(
         None,
         ge=0,
-        description="Retention: queue, finished and samples entries older than this go, once every consumer group "
+        description="Retention: queue, finished and samples entries at least this old (seconds) go, once every consumer group "
         "acknowledged them (with a finished entry, its rollout's spans).",
         json_schema_extra={"group": "retention"},
     )
@@ -1056,7 +1056,7 @@ class WatchdogSettings(CommonSettings):
     retention_dead_letters_max_age_s: float | None = Field(
         None,
         ge=0,
-        description="Retention: dead letters older than this go (unset: all stay).",
+        description="Retention: dead letters at least this old (seconds) go (unset: all stay).",
         json_schema_extra={"group": "retention"},
     )
     weights_dir: Path | None = with_default(TrainerSettings, "weights_dir", None)
