@@ -7,6 +7,7 @@ marked and acknowledged in one Lua step; a redelivery is a no-op. Why: docs/desi
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import math
@@ -48,7 +49,11 @@ MIN_RECLAIM_INTERVAL_S = 1.0
 # rides out the outage).
 TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, RedisUnavailable)
 _new_tuple = tuple.__new__
-GC_THRESHOLD_0 = 50_000  # allocations between young-generation collections (`tune_gc_for_batches`)
+GC_THRESHOLD_0 = 50_000  # allocations between young-generation collections (`tune_for_batches`)
+# glibc's mallopt parameters (malloc.h) and what `keep_freed_memory` sets them to: blocks up to 32 MiB
+# (glibc's largest) from the heap, whose free top is kept up to 128 MiB (a few batches' worth).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 128 << 20
 
 
 def group_key(rollout: Rollout | RolloutForSamples) -> str:
@@ -268,15 +273,32 @@ def held_reclaim_idle_s(judge: JudgeConfig | None) -> float:
     return judge.wait_s + judge.timeout_s + DEFAULT_RECLAIM_IDLE_S
 
 
-def tune_gc_for_batches() -> None:
-    """Process-wide: run Python's cycle collector less often (call once, from the entry point).
+def tune_for_batches() -> None:
+    """Process-wide: the cycle collector and the C allocator set for batches (call once, from the
+    entry point, last).
 
     A batch allocates tens of thousands of short-lived containers (decoded span records, reply lists):
     with the default threshold (700) the collector runs many times per batch, mostly re-scanning the
     same live batch, a visible share of the adapter's CPU (bench/RESULTS.md). Objects from start-up
-    are frozen out of its way; cycles are still collected, only in larger steps."""
+    are frozen out of its way; cycles are still collected, only in larger steps. A batch's buffers
+    (its spans' reply, its samples' write: about a megabyte each) are freed and made again a moment
+    later: glibc gives such memory back to the kernel and then faults it in again page by page,
+    so it is told to keep it (`keep_freed_memory`)."""
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD_0, 20, 20)
+    keep_freed_memory()
+
+
+def keep_freed_memory() -> bool:
+    """glibc's malloc set to serve blocks up to `MMAP_THRESHOLD` from its heap and to give the heap's
+    free top back only past `TRIM_THRESHOLD`; False where the C library has no ``mallopt`` (not glibc)
+    or refuses."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def _served_version(spans: Sequence[Any], attempt_id: str | None) -> str:

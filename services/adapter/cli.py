@@ -29,7 +29,7 @@ def command(
     ids and log-probabilities the proxy recorded, plus one trajectory sample per multi-turn
     conversation; any other rollout yields a skip record with the reason. Once per rollout, however
     often a completion is delivered. Several adapters may run (one consumer group)."""
-    run_service(SERVICE, settings, batch=batch, tune_gc=True)  # the collector tuned: this process only
+    run_service(SERVICE, settings, batch=batch, tune_process=True)  # collector and allocator: this process only
 
 
 @settings_command(AdapterSettings)

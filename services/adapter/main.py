@@ -21,12 +21,12 @@ MAX_BATCH = 10_000
 
 
 async def run(settings: AdapterSettings, stop: asyncio.Event, *, batch: int = DEFAULT_BATCH,
-              tune_gc: bool = False) -> None:
+              tune_process: bool = False) -> None:
     """Adapt every finished rollout until ``stop`` is set (bad settings raise InvalidInput before
-    anything connects). ``tune_gc``: the process is the adapter's alone (its command, not `fulmen dev`)."""
+    anything connects). ``tune_process``: the process is the adapter's alone (its command, not `fulmen dev`)."""
     from fulmen.telemetry.http import start_ops
     from fulmen.telemetry.metrics import CountersCollector
-    from fulmen_adapter.adapter import Adapter, held_reclaim_idle_s, tune_gc_for_batches
+    from fulmen_adapter.adapter import Adapter, held_reclaim_idle_s, tune_for_batches
     from fulmen_adapter.config import adapter_config, judge_config
 
     try:
@@ -40,8 +40,8 @@ async def run(settings: AdapterSettings, stop: asyncio.Event, *, batch: int = DE
         adapter = Adapter(store, config, batch=batch, reclaim_idle_s=held_reclaim_idle_s(judge), judge=judge)
         with start_ops(settings, "adapter", groups=[("finished", k.ADAPTER_GROUP)]) as ops:
             ops.add(CountersCollector(lambda: adapter_counters(adapter.counters)))
-            if tune_gc:  # last, so that everything start-up made is frozen out of the collector's way
-                tune_gc_for_batches()
+            if tune_process:  # last, so that everything start-up made is frozen out of the collector's way
+                tune_for_batches()
             await adapter.run(stop)
     log.info(
         "adapter stopped: %d rollouts, %d samples, skipped %s",

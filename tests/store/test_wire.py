@@ -192,3 +192,47 @@ async def test_the_wire_takes_no_connection_from_the_callers_limit(redis_server:
         assert client.connection_pool.max_connections == 5
     finally:
         await client.aclose()
+
+
+async def test_commands_on_the_wire_answer_as_hiredis_reads_them(client: aioredis.Redis, experiment: str) -> None:
+    """`on_wire` takes the wire itself (no script call first) and answers each command's reply in
+    order, an error reply as its exception, beside the script calls' round trips."""
+    pipeline, (push,) = await _pipeline(client, PUSH)
+    key, log = f"{experiment}:k", f"{experiment}:log"
+    replies = await pipeline.on_wire([(b"SET", key, b"v"), (b"GET", key), (b"INCR", key)])
+    assert replies is not None and replies[:2] == [b"OK", b"v"]
+    assert isinstance(replies[2], ResponseError) and "not an integer" in str(replies[2])
+    wire = await _on_wire(pipeline)
+    call = pipeline.submit(push, [log, "a"])
+    assert await asyncio.gather(call, pipeline.on_wire([(b"GET", key)])) == [b"a", [b"v"]]
+    assert pipeline._wire is wire and wire.open
+    await pipeline.aclose()
+
+
+async def test_commands_on_a_wire_lost_in_flight_answer_none(
+        client: aioredis.Redis, admin: aioredis.Redis, experiment: str) -> None:
+    """The wire's connection killed while commands wait on it: None, for the caller to send them
+    through the client; the next commands take a new wire."""
+    pipeline, _ = await _pipeline(client)
+    key = f"{experiment}:k"
+    assert await pipeline.on_wire([(b"SET", key, b"v")]) == [b"OK"]
+    wire = await _on_wire(pipeline)
+    wire_id = await _wire_id(wire)
+    await admin.client_pause(300, all=False)  # writes wait
+    write = asyncio.ensure_future(pipeline.on_wire([(b"SET", key, b"w")]))
+    await asyncio.sleep(0.05)
+    await admin.client_kill_filter(_id=wire_id)
+    assert await write is None and not wire.open
+    assert await pipeline.on_wire([(b"GET", key)]) in ([b"v"], [b"w"])  # whether the SET ran, the caller cannot know
+    assert await _wire_id(await _on_wire(pipeline)) != wire_id
+    await pipeline.aclose()
+
+
+async def test_no_wire_for_a_client_whose_connections_cannot_be_taken(experiment: str) -> None:
+    """A client with no socket to take over (fakeredis here; a cluster client likewise): None."""
+    import fakeredis
+
+    client = fakeredis.FakeAsyncRedis()
+    pipeline = AutoPipeline(client)
+    assert await pipeline.on_wire([(b"PING",)]) is None
+    await client.aclose()

@@ -84,17 +84,25 @@ class Samples:
         between the two is then read too, as it would have been a moment later; a rollout read as
         succeeded has all the spans its runner sent before it ended."""
         await self.ctx.load_scripts()
+        cluster = isinstance(self.redis, RedisCluster)
+        ids = [rid.encode() for rid in rollout_ids]  # bytes: redis-py passes them through, encodes the rest one call each
         for attempt in (1, 2):
-            pipe = self.redis.pipeline(transaction=not isinstance(self.redis, RedisCluster))
-            # (arguments as bytes: redis-py passes them through, and encodes the rest one call each)
-            pipe.execute_command("EVALSHA", self._read_for_samples.sha, 1, prefix, *[rid.encode() for rid in rollout_ids])
-            # The command name as bytes: redis-py looks its response callbacks up by the str name, so
-            # this reply stays hiredis's nested lists; its XREAD callback would build a dict per span
-            # entry in Python. No COUNT: every span of every stream.
-            # (A cluster client refuses a bytes command name: there the parsed reply is turned back.)
-            cluster = isinstance(self.redis, RedisCluster)
-            pipe.execute_command("XREAD" if cluster else b"XREAD", b"STREAMS", *span_keys, *([b"0"] * len(span_keys)))
+            # No COUNT: every span of every stream.
+            read = (b"EVALSHA", self._read_for_samples.sha, 1, prefix, *ids)
+            spans = (b"XREAD", b"STREAMS", *span_keys, *([b"0"] * len(span_keys)))
             try:
+                # The auto-pipeline's wire first: hiredis's replies as they are, none of redis-py's
+                # per-command path (a read: sent again through the client if the connection is lost).
+                replies = None if cluster else await self.ctx.pipeline.on_wire([(b"MULTI",), read, spans, (b"EXEC",)])
+                if replies is not None:
+                    return _executed(replies)
+                pipe = self.redis.pipeline(transaction=not cluster)
+                pipe.execute_command("EVALSHA", *read[1:])
+                # The command name as bytes: redis-py looks its response callbacks up by the str name,
+                # so this reply stays hiredis's nested lists; its XREAD callback would build a dict per
+                # span entry in Python. (A cluster client refuses a bytes command name: there the
+                # parsed reply is turned back.)
+                pipe.execute_command("XREAD" if cluster else b"XREAD", *spans[1:])
                 rows, streams = await pipe.execute()
                 return [rows, _raw_streams(streams) if cluster else streams]
             except NoScriptError:  # the server restarted or flushed its scripts: load it, go again
@@ -230,6 +238,21 @@ def _span_views(entries: Any, max_bytes: int) -> list[SpanView] | RecordError:
         return SpanView.from_entries(entries, max_bytes)
     except RecordError as e:
         return e
+
+
+def _executed(replies: list[Any]) -> list[Any]:
+    """EXEC's reply from the replies of MULTI, its commands and EXEC sent on the wire; the first error
+    raised, as redis-py's transaction raises it (NOSCRIPT as `NoScriptError`)."""
+    for reply in replies[:-1]:
+        if isinstance(reply, Exception):  # refused as it was queued: EXEC then aborts too
+            raise reply
+    executed = replies[-1]
+    if isinstance(executed, Exception):
+        raise executed
+    for reply in executed:
+        if isinstance(reply, Exception):
+            raise reply
+    return executed
 
 
 def _raw_streams(reply: Any) -> list[Any]:

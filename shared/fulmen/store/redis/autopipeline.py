@@ -81,6 +81,26 @@ class AutoPipeline:
         self._queued.append((script, args, future))
         return future
 
+    async def on_wire(self, commands: list[tuple[Any, ...]]) -> list[Any] | None:
+        """The replies of ``commands`` (each a command and its arguments), written in one write on the
+        wire beside the script calls' round trips, error replies as exceptions; None where the wire
+        cannot carry them (a cluster, no connection to take, one lost before the replies came): the
+        caller then sends them through the client, so only commands safe to send twice belong here."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # as in `submit`: a wire of another loop is of no use here
+            self._loop, self._queued, self._wire, self._wire_busy = loop, [], None, False
+        if self._wire is None or not self._wire.open:
+            await self._take_wire()
+        wire = self._wire
+        if wire is None or not wire.open:
+            return None
+        future: asyncio.Future[list[Any] | None] = loop.create_future()
+        try:
+            wire.send(commands, partial(_resolve, future))
+        except (TypeError, ValueError, OverflowError):  # an argument hiredis cannot pack: the client says which
+            return None
+        return await future
+
     async def aclose(self) -> None:
         """Give the wire's connection back to the client (calls in flight on it go through the client)."""
         wire, self._wire = self._wire, None
@@ -248,6 +268,11 @@ class AutoPipeline:
                 joined_args += [len(batch[i][1]) - 1, *batch[i][1][1:]]
             calls.append((self._joined[script], joined_args))
         return calls, members
+
+
+def _resolve(future: asyncio.Future[Any], replies: list[Any] | None) -> None:
+    if not future.done():  # its caller was cancelled meanwhile
+        future.set_result(replies)
 
 
 def split_joined(replies: list[Any], members: list[list[int]]) -> list[Any]:
