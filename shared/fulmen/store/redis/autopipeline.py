@@ -72,9 +72,7 @@ class AutoPipeline:
     def submit(self, script: AsyncScript, args: list[Any]) -> asyncio.Future[Any]:
         """Queue one EVALSHA of a lifecycle script: ``args[0]`` is its one key (KEYS[1], the experiment
         prefix), the rest its ARGV. The future resolves to its reply (or raises its error)."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # used from a new loop: what was queued on the old one died with it
-            self._loop, self._queued, self._wire, self._wire_busy = loop, [], None, False
+        loop = self._running_loop()
         if not self._queued:
             loop.call_soon(self._flush)
         future = loop.create_future()
@@ -86,9 +84,7 @@ class AutoPipeline:
         wire beside the script calls' round trips, error replies as exceptions; None where the wire
         cannot carry them (a cluster, no connection to take, one lost before the replies came): the
         caller then sends them through the client, so only commands safe to send twice belong here."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # as in `submit`: a wire of another loop is of no use here
-            self._loop, self._queued, self._wire, self._wire_busy = loop, [], None, False
+        loop = self._running_loop()
         if self._wire is None or not self._wire.open:
             await self._take_wire()
         wire = self._wire
@@ -100,6 +96,14 @@ class AutoPipeline:
         except (TypeError, ValueError, OverflowError):  # an argument hiredis cannot pack: the client says which
             return None
         return await future
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop; used from a new one, what was queued on the old one died with it, and
+        its wire is of no use here."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._loop, self._queued, self._wire, self._wire_busy = loop, [], None, False
+        return loop
 
     async def aclose(self) -> None:
         """Give the wire's connection back to the client (calls in flight on it go through the client)."""
