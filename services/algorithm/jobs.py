@@ -138,13 +138,24 @@ def pending_validations(settings: AlgorithmSettings, versions: list[int]) -> tup
 
 def evaluator_worker(queue: Queue) -> SimpleWorker:
     """The rq worker of the eval queue: in this process (the jobs are asyncio passes), JSON only,
-    and running Fulmen's jobs only; ``running`` names the job under way. The evaluator that works
-    it: `fulmen_algorithm.main.run_evaluator`."""
+    and running Fulmen's jobs only; ``running`` names the job under way. It works in a thread
+    (`fulmen_algorithm.main.run_evaluator`): rq's thread-safe job timeout (its default, SIGALRM,
+    needs the main thread), and no signal handlers of its own (the evaluator's ``stop`` answers them)."""
     from rq import SimpleWorker
     from rq.serializers import JSONSerializer
+    from rq.timeouts import TimerDeathPenalty
 
     class EvaluatorWorker(SimpleWorker):
         running: str | None = None  # the job under way (kept here: asking Redis would race the job)
+        death_penalty_class = TimerDeathPenalty
+
+        def _install_signal_handlers(self) -> None:
+            pass
+
+        def subscribe(self) -> None:
+            """No command channel (rq's pubsub thread, made and joined on every one-second burst): its
+            join can hang a burst's end for the thread's 60 s read, and the evaluator takes no rq commands;
+            its own signal stops it. Why: docs/design/algorithm.md."""
 
         def execute_job(self, job: Any, queue: Queue) -> None:
             self.running = job.id

@@ -77,11 +77,11 @@ async def _drive(inputs: RunInputs, stop: asyncio.Event, trackers: list[Tracker]
 
 async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> None:
     """Run validation passes from the eval queue until ``stop`` is set, after putting back the passes a
-    killed evaluator left. The rq worker works the queue a second at a time, in a thread, with rq's thread-safe
-    job timeout (its default, SIGALRM, needs the main thread). Stopped during a pass, it leaves at once
-    (rq would wait for the pass, minutes, and honcho SIGKILLs after 5 s): the job stays started, and the
-    next evaluator runs it again (`requeue_abandoned`), as after a kill. Redis going away is ridden out:
-    it waits for Redis, puts back what the outage left started, and works on with a new worker."""
+    killed evaluator left. The rq worker works the queue a second at a time, in a thread. Stopped during
+    a pass, it leaves at once (rq would wait for the pass, minutes, and honcho SIGKILLs after 5 s): the
+    job stays started, and the next evaluator runs it again (`requeue_abandoned`), as after a kill. Redis
+    going away is ridden out: it waits for Redis, puts back what the outage left started, and works on
+    with a new worker."""
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -112,17 +112,12 @@ async def run_evaluator(settings: EvaluatorSettings, stop: asyncio.Event) -> Non
 
 def _evaluator_worker(queue: Any) -> Any:
     """The eval queue's rq worker, after putting back the passes a dead evaluator (or a Redis outage)
-    left started: rq's thread-safe job timeout, no signal handlers of its own (``stop`` answers them)."""
-    from rq.timeouts import TimerDeathPenalty
-
+    left started."""
     from fulmen_algorithm.jobs import evaluator_worker
     from fulmen_algorithm.validation import requeue_abandoned
 
     requeue_abandoned(queue)
-    worker = evaluator_worker(queue)
-    worker.death_penalty_class = TimerDeathPenalty
-    worker._install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    return worker
+    return evaluator_worker(queue)
 
 
 ALGORITHM = Service("algorithm", AlgorithmSettings, run_algorithm)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,34 @@ def test_a_queued_pass_is_pending_until_it_ends_and_an_evaluator_listening_is_se
         worker.register_death()
         queue.connection.close()
     assert pending_validations(settings, [2]) == ([], False)
+
+
+def test_bursts_end_on_time_when_rqs_pubsub_thread_would_win_the_race(queue, monkeypatch) -> None:
+    """rq ends each burst by unsubscribing its pubsub thread and joining it; a thread that reads the
+    unsubscribe reply before the join is asked for waits out its 60 s read, and the burst with it (seen
+    as an evaluator taking no pass for a minute). Made certain here by a pause after the unsubscribe:
+    the evaluator's worker runs three one-second bursts, a job queued before each taken, within seconds."""
+    import threading
+
+    import redis.client
+
+    unsubscribe = redis.client.PubSub.unsubscribe
+
+    def unsubscribe_then_lose_the_race(self, *args):
+        reply = unsubscribe(self, *args)
+        time.sleep(0.1)  # the pubsub thread reads the reply and goes back to its read meanwhile
+        return reply
+
+    monkeypatch.setattr(redis.client.PubSub, "unsubscribe", unsubscribe_then_lose_the_race)
+    worker, jobs = evaluator_worker(queue), []
+
+    def bursts() -> None:
+        for _ in range(3):
+            jobs.append(_plain_enqueue(queue, "os.getcwd"))
+            worker.work(max_idle_time=1, with_scheduler=False)
+
+    thread = threading.Thread(target=bursts, daemon=True)
+    thread.start()
+    thread.join(timeout=30)  # 3 bursts of about 1 s each; losing the race, the first alone takes 61 s
+    assert not thread.is_alive(), f"{len(jobs)} burst(s) started in 30 s"
+    assert [job.get_status(refresh=True) for job in jobs] == [JobStatus.FAILED] * 3  # each taken (and refused)
