@@ -6,7 +6,6 @@ only when both are free."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -14,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from fulmen import keys as k
-from fulmen.store.redis.embedded import redis_server_binary, server_args, wait_for_port
+from fulmen.store.redis.embedded import (
+    LOWEST_PORT,
+    free_port,
+    port_is_free,
+    redis_server_binary,
+    server_args,
+    wait_for_port,
+)
 
 BUS_OFFSET = 10000  # Redis Cluster's bus port is the client port + 10000
 NODE_TIMEOUT_MS = 2000  # how long a silent master counts as up: short, so a killed node is seen soon
@@ -27,23 +33,12 @@ def redis_cli_binary() -> str:
     return str(path)
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_cluster_ports(n: int) -> list[int]:
-    """``n`` client ports whose bus ports are free too (asked of the OS, never fixed numbers)."""
+    """``n`` free client ports whose bus ports are free too, all under the ephemeral range (`free_port`)."""
     ports: list[int] = []
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + BUS_OFFSET < 65536 and port not in ports and _port_free(port + BUS_OFFSET):
+        port = free_port(below=LOWEST_PORT + BUS_OFFSET)
+        if port not in ports and port_is_free(port + BUS_OFFSET):
             ports.append(port)
             if len(ports) == n:
                 return ports

@@ -4,6 +4,7 @@ requirement, and a taken port is an error that names it and the setting."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,26 @@ def test_the_proxy_names_its_taken_port_and_the_setting(taken_port: int) -> None
 
     with pytest.raises(OSError, match=f"proxy cannot listen on 127.0.0.1:{taken_port} .*FULMEN_PROXY_PORT"):
         bind("127.0.0.1", taken_port)
+
+
+def test_free_ports_are_never_where_outgoing_connections_take_theirs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port picked for a server lies under the kernel's ephemeral range (a client's connect takes its
+    local port there, and once took a port picked for a proxy before the proxy bound it); it is free,
+    and no port is picked twice in one process even before either is bound."""
+    from fulmen.store.redis import embedded
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [embedded.free_port() for _ in range(200)]
+    assert len(set(ports)) == 200
+    assert all(embedded.LOWEST_PORT <= p < low and embedded.port_is_free(p) for p in ports)
+    assert all(p < 12_000 for p in (embedded.free_port(below=12_000) for _ in range(20)))
+    monkeypatch.setattr(embedded, "_ephemeral_low", lambda: embedded.LOWEST_PORT + 10)  # no room below it
+    assert embedded.free_port() >= low  # asked of the OS instead
+
+
+def test_a_taken_port_is_not_picked(taken_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fulmen.store.redis import embedded
+
+    picks = iter([taken_port, *range(embedded.LOWEST_PORT, embedded.LOWEST_PORT + 50)])
+    monkeypatch.setattr(embedded._random, "randrange", lambda *_: next(picks))
+    assert embedded.free_port() != taken_port

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from fulmen.store.redis.embedded import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +35,6 @@ FRAMEWORKS = {
     "autogen": ("examples.autogen.agent:agent", "autogen_agentchat"),
     "anthropic": ("examples.anthropic.agent:agent", "anthropic"),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class User:
@@ -77,7 +72,7 @@ def _stop(process: subprocess.Popen[str]) -> None:
 @pytest.fixture(scope="module")
 def user(tmp_path_factory: pytest.TempPathFactory) -> Iterator[User]:
     """`fulmen redis` kept up, as the tour starts (run-once and train would start it themselves)."""
-    the_user = User(tmp_path_factory.mktemp("user"), _free_port())
+    the_user = User(tmp_path_factory.mktemp("user"), free_port())
     redis = the_user.start(the_user.home, "redis")
     try:
         ping = the_user.run(the_user.home, "status", timeout_s=60)
@@ -117,7 +112,7 @@ def _assert_recorded_call(done: subprocess.CompletedProcess[str]) -> None:
 def test_run_once_with_nothing_running_serves_the_tiny_model_itself(tmp_path: Path) -> None:
     """On a fresh folder with no Redis and no proxy, run-once starts both, records the call, stops both."""
     _needs("openai")
-    the_user = User(tmp_path, _free_port())
+    the_user = User(tmp_path, free_port())
     done = the_user.run(tmp_path, "run-once", "--agent", FRAMEWORKS["openai"][0], "--task", TASK)
     _assert_recorded_call(done)
     assert "started the embedded one" in done.stderr
@@ -140,7 +135,7 @@ def test_an_agent_that_calls_no_model_is_told_why(user: User, running_proxy: Non
 def running_proxy(user: User) -> Iterator[None]:
     """`fulmen llm-proxy` (the tiny model) and `fulmen serve`, as the tour's "keep a proxy up" step."""
     cwd = user.folder("proxy")
-    port = _free_port()
+    port = free_port()
     proxy = user.start(cwd, "llm-proxy", "--port", str(port))  # no --model-dir: the tiny model, built here
     try:
         _wait_registered(user, port, proxy)

@@ -4,6 +4,7 @@ process on loopback with AOF persistence, so Fulmen works on a fresh machine wit
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,10 +37,43 @@ def redis_server_binary() -> str:
     return found
 
 
-def free_port() -> int:
+LOWEST_PORT = 10_000  # free_port's picks start here, above the ports of well-known services
+_given: set[int] = set()  # this process's picks: two picked before either is bound are never one port
+_random = random.SystemRandom()  # not `random`'s generator, which a test plugin may seed alike in every worker
+
+
+def free_port(below: int | None = None) -> int:
+    """A free loopback port for a server to listen on, under ``below`` and under the kernel's ephemeral
+    range: the machine's outgoing connections take their local ports from that range, so one of them
+    could take a port picked there (bind to 0) before the server binds it. Asked of the OS where the
+    range leaves no room below it."""
+    top = min(_ephemeral_low(), below or 65_536)
+    if top - LOWEST_PORT >= 1_000:
+        for _ in range(100):
+            port = _random.randrange(LOWEST_PORT, top)
+            if port not in _given and port_is_free(port):
+                _given.add(port)
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default (macOS's range starts at 49152)
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` on loopback now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def server_args(port: int, data_dir: Path) -> list[str]:
