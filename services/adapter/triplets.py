@@ -64,8 +64,8 @@ class LlmCall:
     prefix matching and joining are bytes operations, and the samples carry the bytes as they are."""
 
     span: SpanLike
-    prompt: bytes  # int32 token ids
-    response: bytes  # int32 token ids
+    prompt: bytes  # token ids as byte planes (`fulmen.tokens.pack_ids`)
+    response: bytes  # token ids as byte planes
     logprobs: bytes  # float32, one per response token
     reward: float | None = None
     request_json: str = ""
@@ -125,12 +125,11 @@ def _ancestors(span_id: str, parents: dict[str, str | None]) -> list[str]:
 
 
 def _packed(value: Any, what: str, pack: Any) -> bytes:
-    if type(value) is bytes and not len(value) % 4:  # as the proxy writes them: nothing to do
-        return value
     try:
-        return pack(value)
+        packed = pack(value)
     except RecordError:
         raise Skip("malformed_span", f"malformed span: {what} is not a packed array or a list") from None
+    return tokens.as_planes(packed) if pack is tokens.pack_ids else packed  # int32 ids as written before
 
 
 # Adapter stats: calls stored with a rollout that are not the policy's, so never sampled.
@@ -184,14 +183,15 @@ def _token_arrays(attributes: dict[str, Any]) -> tuple[bytes, bytes, bytes]:
     prompt = attributes[semconv.PROMPT_TOKEN_IDS]
     response = attributes[semconv.RESPONSE_TOKEN_IDS]
     logprobs = attributes.get(semconv.RESPONSE_LOGPROBS) or b""
-    # packed, as the proxy writes them: nothing to do (`_packed` checks and converts the rest)
-    if type(prompt) is not bytes or len(prompt) % 4:
+    # packed as the proxy writes them: nothing to do (`_packed` checks and converts the rest)
+    planes = tokens.PLANES
+    if type(prompt) is not bytes or len(prompt) % 4 != 1 or prompt[-1] != planes:
         prompt = _packed(prompt, "prompt token ids", tokens.pack_ids)
-    if type(response) is not bytes or len(response) % 4:
+    if type(response) is not bytes or len(response) % 4 != 1 or response[-1] != planes:
         response = _packed(response, "response token ids", tokens.pack_ids)
     if type(logprobs) is not bytes or len(logprobs) % 4:
         logprobs = _packed(logprobs, "logprobs", tokens.pack_floats)
-    if len(logprobs) != len(response):  # 4 bytes each
+    if len(logprobs) != len(response) - 1:  # 4 bytes a token each, and the planes' last byte
         raise Skip("malformed_span",
                    f"malformed span: {len(logprobs) // 4} logprobs for {len(response) // 4} response tokens")
     return prompt, response, logprobs
@@ -229,7 +229,7 @@ def _retokenized_call(span: SpanLike, request: str, answer: str, config: Adapter
                                    "for SFT on such calls give the adapter the policy's --tokenizer-dir)")
     prompt_ids, response_ids = config.retokenize(request, answer)
     response = tokens.pack_ids(response_ids)
-    return LlmCall(span, tokens.pack_ids(prompt_ids), response, bytes(len(response)), None, request, answer,
+    return LlmCall(span, tokens.pack_ids(prompt_ids), response, bytes(4 * len(response_ids)), None, request, answer,
                    retokenized=True)
 
 
@@ -294,8 +294,8 @@ def _trajectories(calls: list[LlmCall]) -> list[list[int]]:
     previous: LlmCall | None = None
     for i, call in enumerate(calls):
         # the prompt extends the previous call's prompt and response (compared in place, not joined)
-        if previous is not None and call.prompt.startswith(previous.prompt) and call.prompt.startswith(
-                previous.response, len(previous.prompt)):
+        if previous is not None and tokens.starts_with(call.prompt, previous.prompt) and tokens.starts_with(
+                call.prompt, previous.response, len(previous.prompt) // 4):
             chains[-1].append(i)
         else:
             chains.append([i])
@@ -308,19 +308,19 @@ def _joined(calls: list[LlmCall], chain: list[int], reward: float) -> tuple[LlmC
     then each response and what the environment said before the next (masked out, log-probability 0);
     the last call's span (its model version) and JSON."""
     first, last = calls[chain[0]], calls[chain[-1]]
-    response, logprobs = first.response, first.logprobs
+    responses, logprobs = [first.response], first.logprobs
     mask = b"\x01" * (len(first.response) // 4)
-    sequence_len = len(first.prompt) + len(first.response)
+    sequence_len = len(first.prompt) // 4 + len(first.response) // 4  # in ids
     for j in chain[1:]:
         c = calls[j]
-        added = c.prompt[sequence_len:]  # what the environment said between the turns
-        response += added + c.response
-        logprobs += bytes(len(added)) + c.logprobs  # float32 0.0 is four zero bytes
+        added = tokens.tail(c.prompt, sequence_len)  # what the environment said between the turns
+        responses += (added, c.response)
+        logprobs += bytes(4 * (len(added) // 4)) + c.logprobs  # float32 0.0 is four zero bytes
         mask += b"\x00" * (len(added) // 4) + b"\x01" * (len(c.response) // 4)
-        sequence_len = len(c.prompt) + len(c.response)
+        sequence_len = len(c.prompt) // 4 + len(c.response) // 4
     retokenized = any(calls[j].retokenized for j in chain)
-    joined = LlmCall(last.span, first.prompt, response, logprobs, reward, last.request_json, last.response_json,
-                     retokenized)
+    joined = LlmCall(last.span, first.prompt, tokens.joined(responses), logprobs, reward, last.request_json,
+                     last.response_json, retokenized)
     return joined, mask
 
 

@@ -1,6 +1,8 @@
 """Token ids and log-probabilities on the wire: packed little-endian arrays, not msgpack lists.
 
-int32 ids, float32 log-probabilities; `ids` and `floats` read either form into plain lists. Why:
+Token ids as the byte planes of their int32 values (`pack_ids`; int32 bytes as written before are
+read too), float32 log-probabilities; `ids` and `floats` read any of these into plain lists, and
+`starts_with`, `tail` and `joined` work on packed ids without unpacking them. Why:
 docs/design/records.md; figures: bench/RESULTS.md.
 """
 
@@ -37,13 +39,65 @@ def _unpacked(kind: str, data: bytes) -> list[Any]:
     return a.tolist()
 
 
+# The last byte of token ids packed as byte planes: n ids take 4n + 1 bytes, int32 ids 4n, so the two
+# never read as each other. Either way ``len(packed) // 4`` is the number of ids.
+PLANES = 0xF4
+_PLANES_END = bytes([PLANES])
+
+
 def pack_ids(values: Sequence[int] | bytes) -> bytes:
-    """int32 little-endian bytes (bytes given are checked and passed through)."""
+    """Token ids packed as stored: the int32 little-endian values' four byte planes (every id's low
+    byte, then every id's second byte, ...), then `PLANES`. The high planes of a vocabulary's ids are
+    nearly constant, so zstd stores them in a few bytes without the entropy coding that would make
+    reading them slow. Bytes given (planes, or int32 as written before) are checked and passed through."""
     if isinstance(values, bytes | bytearray):
-        if len(values) % 4:
-            raise RecordError("packed token ids must be a multiple of 4 bytes")
+        if not is_planes(values) and len(values) % 4:
+            raise RecordError("packed token ids must be byte planes or a multiple of 4 bytes")
         return bytes(values)
-    return _packed("i", values)
+    return planes(_packed("i", values))
+
+
+def is_planes(packed: bytes | bytearray) -> bool:
+    return len(packed) % 4 == 1 and packed[-1] == PLANES
+
+
+def planes(int32: bytes) -> bytes:
+    """int32 little-endian ids as byte planes (`pack_ids`)."""
+    return b"".join((int32[0::4], int32[1::4], int32[2::4], int32[3::4], _PLANES_END))
+
+
+def as_planes(packed: bytes) -> bytes:
+    """Packed ids (planes, or int32 as written before) as byte planes."""
+    return packed if is_planes(packed) else planes(packed)
+
+
+def _int32(packed: bytes) -> bytes:
+    n = len(packed) // 4
+    out = bytearray(4 * n)
+    for plane in range(4):
+        out[plane::4] = packed[plane * n:(plane + 1) * n]
+    return bytes(out)
+
+
+def starts_with(packed: bytes, prefix: bytes, at: int = 0) -> bool:
+    """Whether the ids of ``packed`` from index ``at`` on begin with those of ``prefix`` (both planes)."""
+    n, m = len(packed) // 4, len(prefix) // 4
+    if at + m > n:
+        return False
+    return all(packed.startswith(prefix[p * m:(p + 1) * m], p * n + at) for p in range(4))
+
+
+def tail(packed: bytes, start: int) -> bytes:
+    """The ids of ``packed`` (planes) from index ``start`` on, as planes."""
+    n = len(packed) // 4
+    return b"".join([packed[p * n + start:(p + 1) * n] for p in range(4)] + [_PLANES_END])
+
+
+def joined(parts: Sequence[bytes]) -> bytes:
+    """The ids of ``parts`` (each planes) one after the other, as planes."""
+    counts = [len(part) // 4 for part in parts]
+    return b"".join([part[p * n:(p + 1) * n] for p in range(4) for part, n in zip(parts, counts, strict=True)]
+                    + [_PLANES_END])
 
 
 def pack_floats(values: Sequence[float] | bytes) -> bytes:
@@ -62,9 +116,9 @@ def pack_mask(values: Sequence[int] | bytes) -> bytes:
 
 
 def ids(value: Any) -> list[int]:
-    """Token ids from a span attribute or record field: packed bytes or a list of ints."""
+    """Token ids from a span attribute or record field: packed bytes (`pack_ids`) or a list of ints."""
     if isinstance(value, bytes | bytearray):
-        return _unpacked("i", bytes(value))
+        return _unpacked("i", _int32(bytes(value)) if is_planes(value) else bytes(value))
     if isinstance(value, list | tuple):
         _packed("i", value)  # checks every element in C
         return list(value)

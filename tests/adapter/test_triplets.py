@@ -211,3 +211,23 @@ def test_a_retried_call_is_one_sample() -> None:
     spans = [root(), first, retry, other, reward("r", 7, 1.0)]
     samples = spans_to_samples(spans, INFO)
     assert [(s.sample_id, s.response_token_ids) for s in samples] == [("r1.1/t0", [4]), ("r1.1/t1", [8])]
+
+
+def test_calls_stored_as_int32_before_join_calls_stored_as_planes() -> None:
+    """A rollout whose first call was stored as int32 bytes (written before byte planes) and whose second
+    is planes: the same triplets and trajectory as from lists."""
+    from array import array
+
+    from fulmen import tokens
+
+    def spans(first_prompt: Any, first_response: Any, second_prompt: Any) -> list[Span]:
+        first = llm("c1", 1, 2, first_prompt, first_response)
+        first.attributes[semconv.RESPONSE_LOGPROBS] = [-0.5] * 2
+        return [root(), first, llm("c2", 3, 4, second_prompt, [5]), reward("w", 5, 1.0)]
+
+    as_lists = spans([1, 2], [3, 70_000], [1, 2, 3, 70_000, 9])
+    mixed = spans(array("i", [1, 2]).tobytes(), array("i", [3, 70_000]).tobytes(), tokens.pack_ids([1, 2, 3, 70_000, 9]))
+    expected = spans_to_samples(as_lists, INFO)
+    assert [s.shape for s in expected] == ["triplet", "triplet", "trajectory"]
+    assert expected[2].response_token_ids == [3, 70_000, 9, 5] and expected[2].response_mask == [1, 1, 0, 1]
+    assert spans_to_samples(mixed, INFO) == expected

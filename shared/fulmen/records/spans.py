@@ -169,12 +169,14 @@ class SpanView(NamedTuple):
 
 
 # The spans one store call writes travel to Redis and rest there as ONE value: their records as a
-# msgpack array, zstd-compressed at level 1 (the client pays it; zlib level 1 made values 3% larger and
-# cost 7x the CPU to write and 5x to read, most of the adapter's time per rollout). Per value and per
-# field, not per byte, is where Redis spends its CPU on spans (Lua strings, AOF lines, stream fields),
-# and spans are most of Redis's memory: the prompts of one rollout's calls repeat each other. Values
-# written as zlib before are still read. Why: docs/design/records.md; figures in bench/RESULTS.md.
+# msgpack array, zstd-compressed at level -1 (the client pays it). Per value and per field, not per
+# byte, is where Redis spends its CPU on spans (Lua strings, AOF lines, stream fields), and spans are
+# most of Redis's memory: the prompts of one rollout's calls repeat each other. Level -1 leaves out the
+# entropy coding, which was most of the adapter's decompression; with the token ids as byte planes
+# (`fulmen.tokens`) a call's batch stays within 3% of level 1's size. Values written at other levels,
+# or as zlib, are still read. Why: docs/design/records.md; figures in bench/RESULTS.md.
 BATCH_FIELD = "z"
+ZSTD_LEVEL = -1
 # Decompressing more than this is refused (a corrupt or hostile entry must not exhaust memory).
 MAX_BATCH_BYTES = 256 * 1024 * 1024
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes; a zlib stream starts with 0x78
@@ -185,7 +187,7 @@ _ONLY_BYTES = frozenset({bytes})
 def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
     pair = getattr(_codecs, "pair", None)
     if pair is None:
-        pair = _codecs.pair = (zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor())
+        pair = _codecs.pair = (zstandard.ZstdCompressor(level=ZSTD_LEVEL), zstandard.ZstdDecompressor())
     return pair
 
 
