@@ -7,8 +7,8 @@ and by how the token ids are laid out, for two kinds of batch.
   repository's docs) of ``--context`` tokens, ids drawn Zipf-like under 151,646 (a large vocabulary's
   frequent tokens have small ids), 128 response ids with their log-probabilities.
 
-Layouts: ``int32`` (today's `fulmen.tokens`), ``narrow`` (2 bytes an id for the bench's vocabulary, 3
-for the large one), ``planes`` (the int32 bytes as four byte planes). The decompression is timed in
+Layouts: ``int32`` (as stored before byte planes), ``narrow`` (2 bytes an id for the bench's vocabulary,
+3 for the large one), ``planes`` (`fulmen.tokens.pack_ids`: the int32 bytes as four byte planes). The decompression is timed in
 this process (`time.process_time`, best of 5).
 
     python bench/span_batch_codec.py [--context 4096]
@@ -36,6 +36,7 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).parent))
 from adapter_throughput import trace
 
+from fulmen import tokens
 from fulmen.telemetry import semconv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,14 +45,13 @@ LARGE_VOCAB = 151_646
 
 
 def layout(packed: bytes, how: str, width: int) -> bytes:
-    """int32 little-endian ids laid out as ``how``."""
+    """Packed ids (`fulmen.tokens`, either form) laid out as ``how``."""
+    ids = tokens.ids(packed)
     if how == "int32":
-        return packed
-    ids = array("i")
-    ids.frombytes(packed)
+        return array("i", ids).tobytes()
     if how == "narrow":
         return b"".join(i.to_bytes(width, "little") for i in ids)
-    return b"".join(packed[p::4] for p in range(4))  # planes
+    return tokens.pack_ids(ids)  # planes
 
 
 def bench_batch(rng: random.Random, how: str) -> bytes:
