@@ -19,7 +19,7 @@ def test_ids_round_trip_as_planes_and_int32_written_before_still_reads() -> None
     assert packed[:len(ids)] == bytes(i & 0xFF for i in ids)  # the low bytes first
     assert tokens.ids(packed) == ids
     assert tokens.ids(array("i", ids).tobytes()) == ids
-    assert tokens.as_planes(array("i", ids).tobytes()) == packed
+    assert tokens.pack_ids(array("i", ids).tobytes()) == packed  # int32 given become planes
     assert tokens.pack_ids(packed) == packed  # bytes pass through
     assert tokens.ids(tokens.pack_ids([])) == []
 

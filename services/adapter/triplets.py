@@ -126,10 +126,9 @@ def _ancestors(span_id: str, parents: dict[str, str | None]) -> list[str]:
 
 def _packed(value: Any, what: str, pack: Any) -> bytes:
     try:
-        packed = pack(value)
+        return pack(value)
     except RecordError:
         raise Skip("malformed_span", f"malformed span: {what} is not a packed array or a list") from None
-    return tokens.as_planes(packed) if pack is tokens.pack_ids else packed  # int32 ids as written before
 
 
 # Adapter stats: calls stored with a rollout that are not the policy's, so never sampled.
@@ -183,11 +182,10 @@ def _token_arrays(attributes: dict[str, Any]) -> tuple[bytes, bytes, bytes]:
     prompt = attributes[semconv.PROMPT_TOKEN_IDS]
     response = attributes[semconv.RESPONSE_TOKEN_IDS]
     logprobs = attributes.get(semconv.RESPONSE_LOGPROBS) or b""
-    # packed as the proxy writes them: nothing to do (`_packed` checks and converts the rest)
-    planes = tokens.PLANES
-    if type(prompt) is not bytes or len(prompt) % 4 != 1 or prompt[-1] != planes:
+    # planes, as the proxy writes them: nothing to do (`_packed` checks and converts the rest)
+    if type(prompt) is not bytes or not tokens.is_planes(prompt):
         prompt = _packed(prompt, "prompt token ids", tokens.pack_ids)
-    if type(response) is not bytes or len(response) % 4 != 1 or response[-1] != planes:
+    if type(response) is not bytes or not tokens.is_planes(response):
         response = _packed(response, "response token ids", tokens.pack_ids)
     if type(logprobs) is not bytes or len(logprobs) % 4:
         logprobs = _packed(logprobs, "logprobs", tokens.pack_floats)

@@ -49,11 +49,13 @@ def pack_ids(values: Sequence[int] | bytes) -> bytes:
     """Token ids packed as stored: the int32 little-endian values' four byte planes (every id's low
     byte, then every id's second byte, ...), then `PLANES`. The high planes of a vocabulary's ids are
     nearly constant, so zstd stores them in a few bytes without the entropy coding that would make
-    reading them slow. Bytes given (planes, or int32 as written before) are checked and passed through."""
+    reading them slow. Bytes given are checked: planes pass through, int32 (as written before) become planes."""
     if isinstance(values, bytes | bytearray):
-        if not is_planes(values) and len(values) % 4:
+        if is_planes(values):
+            return bytes(values)
+        if len(values) % 4:
             raise RecordError("packed token ids must be byte planes or a multiple of 4 bytes")
-        return bytes(values)
+        return planes(bytes(values))
     return planes(_packed("i", values))
 
 
@@ -64,11 +66,6 @@ def is_planes(packed: bytes | bytearray) -> bool:
 def planes(int32: bytes) -> bytes:
     """int32 little-endian ids as byte planes (`pack_ids`)."""
     return b"".join((int32[0::4], int32[1::4], int32[2::4], int32[3::4], _PLANES_END))
-
-
-def as_planes(packed: bytes) -> bytes:
-    """Packed ids (planes, or int32 as written before) as byte planes."""
-    return packed if is_planes(packed) else planes(packed)
 
 
 def _int32(packed: bytes) -> bytes:
